@@ -1,0 +1,168 @@
+"""Process groups for sequence parallelism: the only module that creates them.
+
+Entry points:
+- `init_sequence_parallel(sp_size=None, *, heads_per_chunk=1, group=None, kernel="auto")`: after
+  `torch.distributed` is up (torchrun, `accelerate launch`), build contiguous sequence-parallel (SP) groups of
+  `sp_size` ranks, data parallel (DP) across groups, and install them as the defaults the registered
+  `attn_implementation="upipe"` uses. Returns a `SequenceParallelState`.
+- `get_sequence_parallel_state()`: the installed defaults, or `None` when SP was never initialised (then "upipe"
+  is exact local attention).
+- `reset_sequence_parallel()`: forget the defaults (tests, notebooks).
+
+Layout: with world size W and `sp_size` P, SP group g holds ranks [g*P, (g+1)*P) (neighbours share a node, where
+the all-to-alls are fast) and DP group i holds ranks {i, i+P, i+2P, ...}. Every rank of one SP group works on
+the same sample; different SP groups get different samples.
+
+The defaults are a convenience for transformers' attention interface, which gives no way to pass a process group
+through a model call. Every op in `hf_upipe.ops` takes its group explicitly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SequenceParallelState",
+    "init_sequence_parallel",
+    "get_sequence_parallel_state",
+    "reset_sequence_parallel",
+]
+
+
+@dataclass(frozen=True)
+class SequenceParallelState:
+    """The sequence-parallel setup of this rank.
+
+    Attributes:
+        sp_group: process group of the ranks that share one sequence (None: no SP, size 1).
+        sp_size: ranks in `sp_group`.
+        sp_rank: this rank's index in `sp_group`; it owns sequence shard `sp_rank`.
+        dp_group: process group of the ranks with the same `sp_rank` in other SP groups (None if one SP group).
+        dp_size: number of SP groups (data-parallel replicas).
+        dp_rank: index of this rank's SP group.
+        heads_per_chunk: query heads per rank per UPipe stage; None puts all local heads in one chunk, which is
+            plain DeepSpeed-Ulysses done by the same code.
+        kernel: inner attention kernel name ("auto", "sdpa", "flash_attn", ...), see `hf_upipe.ops.kernels`.
+    """
+
+    sp_group: dist.ProcessGroup | None
+    sp_size: int
+    sp_rank: int
+    dp_group: dist.ProcessGroup | None
+    dp_size: int
+    dp_rank: int
+    heads_per_chunk: int | None = 1
+    kernel: str = "auto"
+
+
+_STATE: SequenceParallelState | None = None
+
+
+def _check_heads_per_chunk(heads_per_chunk: int | None) -> None:
+    if heads_per_chunk is not None and (not isinstance(heads_per_chunk, int) or heads_per_chunk < 1):
+        raise ValueError(
+            f"heads_per_chunk={heads_per_chunk!r} is invalid: use a positive integer (1 = least memory), "
+            "or None for all local heads in one chunk (plain Ulysses)."
+        )
+
+
+def init_sequence_parallel(
+    sp_size: int | None = None,
+    *,
+    heads_per_chunk: int | None = 1,
+    group: dist.ProcessGroup | None = None,
+    kernel: str = "auto",
+) -> SequenceParallelState:
+    """Create the SP and DP groups and make them the defaults of `attn_implementation="upipe"`.
+
+    Call it on every rank, after `torch.distributed.init_process_group` (torchrun and `accelerate launch` do that
+    for you), before the first forward.
+
+    Args:
+        sp_size: ranks that share one sequence; default: all ranks. Must divide the world size.
+        heads_per_chunk: query heads each rank processes per stage (1 = least memory, the UPipe default);
+            None = all local heads at once (Ulysses).
+        group: an explicit SP process group to use instead of building one (then `sp_size`, if given, must
+            equal its size; no DP group is built).
+        kernel: inner attention kernel: "auto" or a name from `hf_upipe.ops.kernels.available_kernels()`.
+
+    Returns:
+        The installed `SequenceParallelState`.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: `sp_size` does not divide the world size, or bad `heads_per_chunk`/`group`. Raised on every
+            rank before any collective, since all ranks see the same arguments.
+    """
+    global _STATE
+    from hf_upipe.ops.kernels import check_kernel_name  # local: keeps distributed.py importable alone
+
+    _check_heads_per_chunk(heads_per_chunk)
+    check_kernel_name(kernel)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "init_sequence_parallel() needs torch.distributed: launch with torchrun or `accelerate launch`, "
+            "or call torch.distributed.init_process_group() first."
+        )
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+
+    if group is not None:
+        size = dist.get_world_size(group)
+        if sp_size is not None and sp_size != size:
+            raise ValueError(f"sp_size={sp_size} but the given group has {size} ranks: pass one of them, not both.")
+        _STATE = SequenceParallelState(
+            sp_group=group, sp_size=size, sp_rank=dist.get_rank(group), dp_group=None, dp_size=1, dp_rank=0,
+            heads_per_chunk=heads_per_chunk, kernel=kernel,
+        )
+        return _STATE
+
+    sp_size = world if sp_size is None else sp_size
+    if not isinstance(sp_size, int) or sp_size < 1 or world % sp_size != 0:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(
+            f"sp_size={sp_size} does not divide the world size {world}; use one of {divisors}."
+        )
+    dp_size = world // sp_size
+
+    # new_group must be called by every rank for every group, in the same order.
+    sp_group = dp_group = None
+    for g in range(dp_size):
+        ranks = list(range(g * sp_size, (g + 1) * sp_size))
+        pg = dist.new_group(ranks) if sp_size < world else dist.group.WORLD
+        if rank in ranks:
+            sp_group = pg
+    if dp_size > 1:
+        for i in range(sp_size):
+            ranks = list(range(i, world, sp_size))
+            pg = dist.new_group(ranks) if dp_size < world else dist.group.WORLD
+            if rank in ranks:
+                dp_group = pg
+
+    _STATE = SequenceParallelState(
+        sp_group=sp_group, sp_size=sp_size, sp_rank=rank % sp_size,
+        dp_group=dp_group, dp_size=dp_size, dp_rank=rank // sp_size,
+        heads_per_chunk=heads_per_chunk, kernel=kernel,
+    )
+    if rank == 0:
+        logger.info(
+            "hf_upipe: %d SP group(s) of %d ranks, heads_per_chunk=%s, kernel=%s", dp_size, sp_size,
+            heads_per_chunk, kernel,
+        )
+    return _STATE
+
+
+def get_sequence_parallel_state() -> SequenceParallelState | None:
+    """The state installed by `init_sequence_parallel`, or None."""
+    return _STATE
+
+
+def reset_sequence_parallel() -> None:
+    """Forget the installed defaults; "upipe" falls back to exact local attention. Groups are not destroyed."""
+    global _STATE
+    _STATE = None

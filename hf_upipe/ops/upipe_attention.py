@@ -1,0 +1,216 @@
+"""UPipe: headwise-chunked sequence-parallel attention (Untied Ulysses, arXiv 2602.21196).
+
+Entry points:
+- `upipe_attention(q, k, v, *, group, heads_per_chunk=1, kernel="auto", scale=None)`: the public op.
+- `UPipeAttentionFunction`: its autograd Function (ctx handling only).
+- `upipe_attention_forward(...)` / `upipe_attention_backward(...)`: the plain stage loops.
+
+Legend: B batch, s local tokens, S = P*s full sequence, P ranks in `group`, H / Hk query / key-value heads of the
+model, c = heads_per_chunk query heads per rank per stage, kc key-value heads per rank per stage, D head dim.
+Each rank holds its contiguous sequence shard of q [B, s, H, D], k/v [B, s, Hk, D] (RoPE already applied with
+global positions). `HeadLayout` says which heads each stage moves.
+
+The flow (forward), per stage i:
+1. at the first stage of a key-value chunk: all-to-all that chunk's k/v heads -> kh, vh [B, S, kc, D];
+2. all-to-all this stage's q heads -> qh [B, S, c, D] (rank r gets model heads r*H/P + i*c + j);
+3. (oh, lse_i) = kernel(qh, kh, vh), causal over the full sequence;
+4. all-to-all oh back and copy it into the preallocated local output out [B, s, H, D].
+Only one stage's buffers are alive at a time: Ulysses holds all H/P heads' buffers at once.
+
+Backward saves only the local inputs q/k/v, the local output and the per-stage log-sum-exps (out is also what
+o_proj saves, so it costs nothing extra). Per stage it re-sends q, out and dout (and k/v once per chunk),
+runs the kernel's backward and sends dq back into a preallocated dq; dk/dv are summed over the stages that share
+a key-value chunk in a chunk-sized buffer (float32 when inputs are 16-bit and several stages share it) and sent
+back once per chunk. No tensor of all heads over the full sequence ever exists.
+
+Cost: the backward repeats the forward's all-to-alls of q and k/v and adds out and dout: about 2x the
+all-to-all bytes of Ulysses' backward (see the UPipe paper, communication table); no attention recompute.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from hf_upipe.ops.all_to_all import group_size, head_to_seq, seq_to_head
+from hf_upipe.ops.head_layout import HeadLayout
+from hf_upipe.ops.kernels import AttentionKernel, get_kernel
+
+__all__ = ["UPipeAttentionFunction", "upipe_attention", "upipe_attention_backward", "upipe_attention_forward"]
+
+
+def _kv_stage(t: torch.Tensor, layout: HeadLayout, stage: int) -> torch.Tensor:
+    """The k/v heads every rank needs at `stage`: t [B, s, Hk, D] -> [B, s, P, kc, D] (block p for rank p)."""
+    B, s, _, D = t.shape
+    index = layout.kv_source_index(stage, t.device)
+    if index is None:
+        return t.view(B, s, layout.sp_size, layout.kv_per_rank, D)[:, :, :, layout.kv_heads(stage)]
+    return t.index_select(2, index).view(B, s, layout.sp_size, layout.kv_per_stage, D)  # replicated heads
+
+
+def _q_stage(t: torch.Tensor, layout: HeadLayout, stage: int) -> torch.Tensor:
+    """The query-shaped heads of `stage`: t [B, s, H, D] -> [B, s, P, c, D] (a view)."""
+    B, s, _, D = t.shape
+    return t.view(B, s, layout.sp_size, layout.q_per_rank, D)[:, :, :, layout.q_heads(stage)]
+
+
+def upipe_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: HeadLayout,
+    group: dist.ProcessGroup | None,
+    kernel: AttentionKernel,
+    scale: float,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Stage loop of the forward.
+
+    Returns:
+        out [B, s, H, D] contiguous, and one log-sum-exp [B, c, S] (fp32) per stage.
+    """
+    B, s, H, D = q.shape
+    out = q.new_empty(B, s, H, D)
+    lses = []
+    kh = vh = None
+    for i in range(layout.num_stages):
+        if layout.starts_kv_group(i):
+            kh = vh = None  # free the previous chunk before receiving the next
+            kh = seq_to_head(_kv_stage(k, layout, i), group)  # [B, S, kc, D]
+            vh = seq_to_head(_kv_stage(v, layout, i), group)
+        qh = seq_to_head(_q_stage(q, layout, i), group)  # [B, S, c, D]
+        oh, lse = kernel.forward(qh, kh, vh, scale=scale, causal=True)  # [B, S, c, D], [B, c, S]
+        del qh
+        _q_stage(out, layout, i).copy_(head_to_seq(oh, group))  # [B, s, P, c, D] into the output
+        del oh
+        lses.append(lse)
+    return out, lses
+
+
+def _scatter_kv(dst: torch.Tensor, grad5: torch.Tensor, layout: HeadLayout, stage: int) -> None:
+    """Write a stage's k/v gradient grad5 [B, s, P, kc, D] into dst [B, s, Hk, D] (summing replicas)."""
+    B, s, _, D = dst.shape
+    index = layout.kv_source_index(stage, dst.device)
+    if index is None:
+        dst.view(B, s, layout.sp_size, layout.kv_per_rank, D)[:, :, :, layout.kv_heads(stage)].copy_(grad5)
+    else:
+        dst.index_add_(2, index, grad5.reshape(B, s, -1, D).to(dst.dtype))  # [B, s, P*kc, D]
+
+
+def upipe_attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lses: list[torch.Tensor],
+    layout: HeadLayout,
+    group: dist.ProcessGroup | None,
+    kernel: AttentionKernel,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage loop of the backward: dout [B, s, H, D] -> dq [B, s, H, D], dk/dv [B, s, Hk, D]."""
+    B, s, H, D = q.shape
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    low_precision = q.dtype in (torch.float16, torch.bfloat16)
+    if layout.kv_rep > 1:
+        # replicated k/v heads (Hk < P) receive one contribution per replica: sum them from zero, in fp32 for
+        # 16-bit inputs (k/v are the smallest tensors here: Hk < P heads)
+        acc = torch.float32 if low_precision else k.dtype
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    else:  # every slot is written exactly once
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    stages_per_kv = layout.group // layout.chunk if layout.chunk < layout.group else 1
+    acc_dtype = torch.float32 if stages_per_kv > 1 and low_precision else None
+    kh = vh = dkh = dvh = None
+    for i in range(layout.num_stages):
+        if layout.starts_kv_group(i):
+            kh = vh = None
+            kh = seq_to_head(_kv_stage(k, layout, i), group)  # [B, S, kc, D]
+            vh = seq_to_head(_kv_stage(v, layout, i), group)
+        qh = seq_to_head(_q_stage(q, layout, i), group)  # [B, S, c, D]
+        oh = seq_to_head(_q_stage(out, layout, i), group)
+        doh = seq_to_head(_q_stage(dout, layout, i), group)
+        dqh, dkh_i, dvh_i = kernel.backward(doh, qh, kh, vh, oh, lses[i], scale=scale, causal=True)
+        del qh, oh, doh
+        _q_stage(dq, layout, i).copy_(head_to_seq(dqh, group))
+        del dqh
+        if dkh is None:  # first stage of the chunk: take the kernel's buffers (or an fp32 copy)
+            dkh = dkh_i if acc_dtype is None else dkh_i.to(acc_dtype)
+            dvh = dvh_i if acc_dtype is None else dvh_i.to(acc_dtype)
+        else:
+            dkh.add_(dkh_i)
+            dvh.add_(dvh_i)
+        del dkh_i, dvh_i
+        if layout.ends_kv_group(i):
+            kh = vh = None
+            _scatter_kv(dk, head_to_seq(dkh.to(k.dtype), group), layout, i)
+            _scatter_kv(dv, head_to_seq(dvh.to(v.dtype), group), layout, i)
+            dkh = dvh = None
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+class UPipeAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: saves q, k, v, out and the per-stage log-sum-exps; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: HeadLayout, group, kernel: AttentionKernel, scale: float):
+        out, lses = upipe_attention_forward(q, k, v, layout, group, kernel, scale)
+        ctx.save_for_backward(q, k, v, out, *lses)
+        ctx.layout, ctx.group, ctx.kernel, ctx.scale = layout, group, kernel, scale
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, *lses = ctx.saved_tensors
+        dq, dk, dv = upipe_attention_backward(dout, q, k, v, out, lses, ctx.layout, ctx.group, ctx.kernel, ctx.scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def upipe_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    heads_per_chunk: int | None = 1,
+    kernel: str | AttentionKernel = "auto",
+    scale: float | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """Causal attention over a sequence sharded contiguously across the ranks of `group`, heads in chunks.
+
+    Args:
+        q: [B, s, H, D] this rank's tokens (RoPE applied with global positions), any strides.
+        k, v: [B, s, Hk, D], H % Hk == 0 (grouped-query attention; each query head meets its own k/v head).
+        group: the sequence-parallel group (None or size 1: local attention).
+        heads_per_chunk: query heads per rank per stage (1 = least memory); None = all local heads (Ulysses).
+        kernel: "auto", a kernel name, or an `AttentionKernel`.
+        scale: softmax scale, default D**-0.5.
+        causal: must be True (the only mask this op implements).
+
+    Returns:
+        out [B, s, H, D] contiguous.
+
+    Raises:
+        ValueError: shapes that do not match, or a head geometry the group size cannot split (the message names
+            the sp sizes and heads_per_chunk values that work). Every rank sees the same shapes, so every rank
+            raises, before any collective.
+    """
+    if not causal:
+        raise NotImplementedError("upipe_attention implements causal attention only (decoder language models).")
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] \
+            or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"upipe_attention expects q [B, s, H, D] and k, v [B, s, Hk, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}."
+        )
+    layout = HeadLayout(q.shape[2], k.shape[2], group_size(group), heads_per_chunk)
+    kern = get_kernel(kernel, q.device, q.dtype) if isinstance(kernel, str) else kernel
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return UPipeAttentionFunction.apply(q, k, v, layout, group, kern, scale)
+    return upipe_attention_forward(q, k, v, layout, group, kern, scale)[0]

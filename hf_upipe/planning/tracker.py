@@ -1,0 +1,251 @@
+"""Exact, device-agnostic accounting of tensor storage memory in one process.
+
+Entry points:
+
+* :class:`MemoryTracker`: a ``TorchDispatchMode`` that counts the bytes of every tensor storage created while it is
+  active, and keeps ``current_bytes`` / ``peak_bytes`` up to date as those storages are freed. Phases are labelled
+  with :meth:`MemoryTracker.mark`.
+* :class:`StorageRecord`: one live storage as recorded by ``snapshot_at_peak=True``.
+* :data:`GiB` / :data:`MiB`: byte units for reporting.
+
+What is counted, exactly:
+
+* every storage that an aten op *returns* and that is new: an output whose storage is also the storage of one of the
+  op's inputs (views, in-place ops, ``out=``) is not new. Each storage is counted once, by ``nbytes()``, from the first
+  op that returned it until it is garbage collected (a ``weakref.finalize`` on the storage).
+* not counted: tensors that existed before the tracker started (inputs, parameters) unless they are registered with
+  :meth:`MemoryTracker.track`; kernel-internal scratch that never becomes an op output; allocator rounding and
+  fragmentation; communication buffers of the backend (NCCL, gloo).
+
+The tracker works on real CPU tensors and on ``FakeTensor`` s (see :func:`hf_upipe.planning.simulate.fake_tensors`),
+and gives identical numbers for both, because a fake tensor's storage has the same ``nbytes()`` as the real one.
+Always create fake inputs first and enter the tracker *inside* the fake mode, so that it sees fake tensors as outputs::
+
+    with fake_tensors():
+        q = torch.empty(1, 8, 4096, 64, requires_grad=True)   # input: not counted
+        with MemoryTracker() as tracker:
+            out = attention(q, q, q)
+            tracker.mark("forward")
+            out.sum().backward()
+            tracker.mark("backward")
+    print(tracker.phase_peaks["forward"] / GiB)
+
+(In recent torch, verified on 2.13, ``FakeTensorMode`` is an "infra" mode that always dispatches below user modes,
+so a tracker entered *before* the fake mode also sees fake outputs and gives the same numbers. Entering it inside is
+the order that does not rely on this.)
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["GiB", "MiB", "MemoryTracker", "StorageRecord"]
+
+GiB: int = 2**30
+"""Bytes in one gibibyte."""
+MiB: int = 2**20
+"""Bytes in one mebibyte."""
+
+
+class StorageRecord(NamedTuple):
+    """One tracked storage, described by the first tensor that was seen with it.
+
+    Attributes:
+        shape: Shape of that tensor.
+        dtype: Its dtype.
+        nbytes: Bytes of the whole storage (may exceed ``numel * itemsize`` of the tensor).
+        op: Name of the aten op that returned it, or ``"track"`` for tensors registered with ``track()``.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    op: str
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, torch.UntypedStorage] | None:
+    """Returns ``(key, storage)`` for a tensor with a storage, or None (sparse, nested, ... tensors)."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return storage._cdata, storage
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Counts the bytes of live tensor storages created while the mode is active.
+
+    Use it as a context manager. ``current_bytes`` and ``peak_bytes`` stay valid after exit (storages created inside
+    and freed later are still subtracted). Peaks are absolute: the bytes live from tensors created inside the tracker
+    (plus those given to :meth:`track`), not deltas between phases.
+
+    Args:
+        snapshot_at_peak: Record the storages live at the peak (see :attr:`peak_snapshot`). Costs one copy of the live
+            set each time memory is freed right after a new peak; meant for debugging.
+
+    Attributes:
+        phase_peaks: ``{name: peak bytes}`` filled by :meth:`mark`, in the order the phases were first marked.
+    """
+
+    def __init__(self, snapshot_at_peak: bool = False) -> None:
+        super().__init__()
+        self.snapshot_at_peak = snapshot_at_peak
+        self.phase_peaks: dict[str, int] = {}
+        self._live: dict[int, int] = {}  # storage key -> nbytes
+        self._records: dict[int, StorageRecord] = {}  # only with snapshot_at_peak
+        self._current = 0
+        self._peak = 0
+        self._phase_peak = 0
+        self._snapshot: list[StorageRecord] = []
+        self._snapshot_pending = snapshot_at_peak
+        self._lock = threading.RLock()  # finalizers may run on another thread
+
+    # ------------------------------------------------------------------ counters
+    @property
+    def current_bytes(self) -> int:
+        """Bytes of tracked storages that are still alive."""
+        return self._current
+
+    @property
+    def peak_bytes(self) -> int:
+        """Highest ``current_bytes`` since the tracker was created or :meth:`reset_peak` was last called."""
+        return self._peak
+
+    @property
+    def num_live_storages(self) -> int:
+        """Number of tracked storages that are still alive."""
+        return len(self._live)
+
+    @property
+    def peak_snapshot(self) -> list[StorageRecord]:
+        """Storages live at the last peak, largest first. Empty unless ``snapshot_at_peak=True``."""
+        with self._lock:
+            if self._snapshot_pending:
+                self._take_snapshot()
+            return list(self._snapshot)
+
+    def reset_peak(self) -> None:
+        """Sets ``peak_bytes`` to ``current_bytes`` (phase marks are not affected)."""
+        with self._lock:
+            self._peak = self._current
+            self._snapshot_pending = self.snapshot_at_peak
+
+    def mark(self, name: str) -> int:
+        """Ends a phase: records the peak since the previous mark (or since creation) as ``phase_peaks[name]``.
+
+        The next phase's peak starts from ``current_bytes``. Marking the same name again keeps the larger of the two
+        peaks, so a phase can be marked once per training step.
+
+        Args:
+            name: Phase label, e.g. ``"forward"`` or ``"backward"``.
+
+        Returns:
+            The peak bytes of the phase that just ended.
+        """
+        with self._lock:
+            peak = self._phase_peak
+            self.phase_peaks[name] = max(peak, self.phase_peaks.get(name, 0))
+            self._phase_peak = self._current
+        return peak
+
+    def track(self, *tensors: torch.Tensor) -> None:
+        """Counts already existing tensors (inputs, parameters) as if they had been created inside the tracker.
+
+        Storages that are already tracked, and tensors without a storage, are ignored.
+
+        Args:
+            *tensors: Tensors whose storages should be counted until they are freed.
+        """
+        for t in tensors:
+            found = _storage_key(t)
+            if found is not None and found[0] not in self._live:
+                self._add(found[0], found[1], t, "track")
+
+    def summary(self) -> str:
+        """Returns a one-line human-readable report in GiB."""
+        phases = ", ".join(f"{k}={v / GiB:.3f}" for k, v in self.phase_peaks.items())
+        text = f"current={self._current / GiB:.3f} GiB, peak={self._peak / GiB:.3f} GiB"
+        return f"{text}, phases: {phases}" if phases else text
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _add(self, key: int, storage: torch.UntypedStorage, t: torch.Tensor, op: str) -> None:
+        nbytes = storage.nbytes()
+        with self._lock:
+            self._live[key] = nbytes
+            if self.snapshot_at_peak:
+                self._records[key] = StorageRecord(tuple(t.shape), t.dtype, nbytes, op)
+            self._grow(nbytes)
+        fin = weakref.finalize(storage, self._free, key)
+        fin.atexit = False
+
+    def _resize(self, key: int, storage: torch.UntypedStorage) -> None:
+        """Follows a tracked storage that an in-place op or ``out=`` resized."""
+        nbytes = storage.nbytes()
+        with self._lock:
+            delta = nbytes - self._live.get(key, nbytes)
+            if delta == 0:
+                return
+            if delta < 0 and self._snapshot_pending:
+                self._take_snapshot()
+            self._live[key] = nbytes
+            if key in self._records:
+                self._records[key] = self._records[key]._replace(nbytes=nbytes)
+            self._grow(delta)
+
+    def _grow(self, delta: int) -> None:
+        self._current += delta
+        if self._current > self._phase_peak:
+            self._phase_peak = self._current
+        if self._current > self._peak:
+            self._peak = self._current
+            self._snapshot_pending = self.snapshot_at_peak
+
+    def _free(self, key: int) -> None:
+        with self._lock:
+            if key not in self._live:
+                return
+            if self._snapshot_pending:
+                # The live set only grew since the last peak, so it *is* the live set at the peak.
+                self._take_snapshot()
+            self._current -= self._live.pop(key)
+            self._records.pop(key, None)
+
+    def _take_snapshot(self) -> None:
+        records = list(self._records.values())
+        self._snapshot = sorted(records, key=lambda r: r.nbytes, reverse=True)
+        self._snapshot_pending = False
+
+    # ------------------------------------------------------------------ dispatch
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs: set[int] = set()
+        for a in tree_leaves((args, kwargs)):
+            if isinstance(a, torch.Tensor):
+                found = _storage_key(a)
+                if found is not None:
+                    inputs.add(found[0])
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            found = _storage_key(t)
+            if found is None:
+                continue
+            key, storage = found
+            if key in self._live:
+                self._resize(key, storage)  # no-op unless an in-place op / out= changed its size
+            elif key not in inputs:
+                self._add(key, storage, t, str(func))
+        return out
