@@ -1,0 +1,149 @@
+"""Inner attention kernels behind one small interface: forward -> (out, lse), backward from (out, lse).
+
+Entry points:
+- `AttentionKernel`: the interface every kernel implements.
+- `get_kernel(name, device, dtype)`: resolve "auto" (or a name) to a kernel instance.
+- `available_kernels()`, `check_kernel_name(name)`, `register_kernel(name, factory, available)`.
+
+Kernels registered here:
+- "sdpa" on CPU: `aten::_scaled_dot_product_flash_attention_for_cpu` (+ `_backward`), a real flash kernel that
+  returns the log-sum-exp and takes it back in backward. Grouped-query attention (fewer k/v heads) is native.
+- CUDA kernels ("sdpa" on CUDA and "flash_attn") live in `hf_upipe.ops.kernels_cuda` and register themselves
+  when that module is imported (this module imports it at the end).
+
+Layout legend (every kernel): B batch, S full sequence, h query heads, hk k/v heads (h % hk == 0), D head dim.
+q: [B, S, h, D], k/v: [B, S, hk, D], any strides with stride(-1) == 1 (the all-to-all hands over views of its
+receive buffer); out: [B, S, h, D]; lse: [B, h, S] float32 (float64 for float64 inputs); the attention is
+causal with the top-left alignment (query i sees keys 0..i).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+__all__ = [
+    "AttentionKernel",
+    "SdpaCpuKernel",
+    "available_kernels",
+    "check_kernel_name",
+    "get_kernel",
+    "register_kernel",
+]
+
+
+class AttentionKernel(Protocol):
+    """What UPipe needs from an attention kernel."""
+
+    name: str
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B,S,h,D], k/v [B,S,hk,D] -> out [B,S,h,D], lse [B,h,S] (fp32)."""
+        ...
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        scale: float,
+        causal: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients dq [B,S,h,D], dk/dv [B,S,hk,D] (summed over the query heads that share a k/v head)."""
+        ...
+
+
+class SdpaCpuKernel:
+    """torch SDPA's flash kernel for CPU, called at the aten level to get and reuse the log-sum-exp."""
+
+    name = "sdpa"
+
+    def forward(self, q, k, v, *, scale, causal=True):
+        # aten wants [B, h, S, D]; a transposed view costs no copy. out comes back in q's physical layout.
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
+        )
+        return out.transpose(1, 2), lse  # [B, S, h, D], [B, h, S]
+
+    def backward(self, dout, q, k, v, out, lse, *, scale, causal=True):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2),
+            lse, 0.0, causal, scale=scale,
+        )
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+# name -> (factory(device) -> kernel, available(device, dtype) -> bool, priority for "auto": lower first)
+_REGISTRY: dict[str, tuple[Callable[[torch.device], AttentionKernel], Callable[[torch.device, torch.dtype], bool],
+                           int]] = {}
+
+
+def register_kernel(
+    name: str,
+    factory: Callable[[torch.device], AttentionKernel],
+    available: Callable[[torch.device, torch.dtype], bool],
+    priority: int = 100,
+) -> None:
+    """Add a kernel. `available(device, dtype)` says whether it can run there; "auto" picks the lowest priority."""
+    _REGISTRY[name] = (factory, available, priority)
+
+
+def available_kernels(device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> list[str]:
+    """Names of registered kernels; with a device (and dtype), only those that can run there."""
+    if device is None:
+        return sorted(_REGISTRY)
+    device = torch.device(device)
+    return [n for n, (_, ok, _) in sorted(_REGISTRY.items(), key=lambda kv: kv[1][2]) if ok(device, dtype)]
+
+
+def check_kernel_name(name: str) -> None:
+    """Raise ValueError for a kernel name that is neither "auto" nor registered."""
+    if name != "auto" and name not in _REGISTRY:
+        raise ValueError(f"Unknown attention kernel {name!r}; choose 'auto' or one of {available_kernels()}.")
+
+
+def get_kernel(name: str, device: torch.device | str, dtype: torch.dtype) -> AttentionKernel:
+    """The kernel called `name` ("auto": the first available one by priority) for tensors on `device`/`dtype`.
+
+    Raises:
+        ValueError: unknown name, or a kernel that cannot run on this device/dtype (the message lists those that can).
+    """
+    check_kernel_name(name)
+    device = torch.device(device)
+    usable = available_kernels(device, dtype)
+    if name == "auto":
+        if not usable:
+            raise ValueError(f"No attention kernel can run on {device} with {dtype}; registered: {available_kernels()}")
+        name = usable[0]
+    elif name not in usable:
+        raise ValueError(
+            f"Attention kernel {name!r} cannot run on {device} with {dtype}; usable there: {usable or 'none'}."
+        )
+    return _REGISTRY[name][0](device)
+
+
+_CPU_SDPA = SdpaCpuKernel()
+register_kernel("sdpa", lambda device: _CPU_SDPA if device.type == "cpu" else _cuda_sdpa(device),
+                lambda device, dtype: device.type == "cpu" or _cuda_sdpa_available(device, dtype), priority=50)
+
+
+def _cuda_sdpa(device: torch.device) -> AttentionKernel:
+    from hf_upipe.ops.kernels_cuda import SdpaCudaKernel
+
+    return SdpaCudaKernel()
+
+
+def _cuda_sdpa_available(device: torch.device, dtype: torch.dtype | None) -> bool:
+    # the aten flash / memory-efficient CUDA kernels take fp16, bf16 and fp32 (no fp64)
+    return device.type == "cuda" and dtype in (None, torch.float16, torch.bfloat16, torch.float32) \
+        and torch.cuda.is_available()
+
+
+from hf_upipe.ops import kernels_cuda as _kernels_cuda  # noqa: E402,F401  (registers "flash_attn")
