@@ -113,6 +113,11 @@ def init_sequence_parallel(
     rank = dist.get_rank()
 
     if group is not None:
+        if dist.get_rank(group) < 0:
+            raise ValueError(
+                f"rank {rank} is not a member of the given group: pass every rank its own sequence-parallel group "
+                "(or use sp_size to let hf_upipe build contiguous groups)."
+            )
         size = dist.get_world_size(group)
         if sp_size is not None and sp_size != size:
             raise ValueError(f"sp_size={sp_size} but the given group has {size} ranks: pass one of them, not both.")

@@ -24,9 +24,13 @@ def _loss(logits, shift_labels, n_tokens):
                            reduction="sum") / n_tokens
 
 
-def _model_errors(rank, world, arch, geom, chunk, dtype, seed, B=2, S=None):
+def _model_errors(rank, world, arch, geom, chunk, dtype, seed, B=2, S=None, sp_size=None):
     H, Hk = geom
-    S = S or 12 * world
+    sp = sp_size or world
+    hf_upipe.init_sequence_parallel(sp, heads_per_chunk=chunk)
+    state = hf_upipe.get_sequence_parallel_state()
+    seed += 1000 * state.dp_rank  # each data-parallel replica works on its own sample
+    S = S or 12 * sp
     cfg = tiny_config(arch, heads=H, kv_heads=Hk)
     ref, model = build_pair(cfg, "upipe", seed, dtype=torch.float32)
     model.to(dtype)
@@ -38,15 +42,14 @@ def _model_errors(rank, world, arch, geom, chunk, dtype, seed, B=2, S=None):
     ref_logits = ref(ids).logits
     _loss(ref_logits, labels, n_tokens).backward()
     # this rank's shard with global positions
-    hf_upipe.init_sequence_parallel(heads_per_chunk=chunk)
-    s = S // world
-    sh = slice(rank * s, (rank + 1) * s)
+    s = S // sp
+    sh = slice(state.sp_rank * s, (state.sp_rank + 1) * s)
     logits = model(ids[:, sh], position_ids=torch.arange(S)[sh].unsqueeze(0)).logits
     _loss(logits, labels[:, sh], n_tokens).backward()
     errs = {"logits": _rel(logits, ref_logits[:, sh])}
     for (name, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
         g = p.grad.float().clone()
-        dist.all_reduce(g)
+        dist.all_reduce(g, group=state.sp_group)
         errs[name] = _rel(g, rp.grad)
     base = None
     if dtype != torch.float32:  # the plain single-process model's own error in this dtype
@@ -85,3 +88,9 @@ CASES = {
 @pytest.mark.parametrize("world", [2, 4])
 def test_models_match_single_process_sdpa(world):
     _check(CASES[world], run_distributed(_worker, world, CASES[world]))
+
+
+def test_sp_groups_with_data_parallel_replicas():
+    """World 4 as 2 SP groups of 2 ranks, each group on its own sample."""
+    cases = [("llama", (8, 2), 1, torch.float32, 9, 2, None, 2)]
+    _check(cases, run_distributed(_worker, 4, cases))
