@@ -8,6 +8,8 @@ Entry points:
 - `get_sequence_parallel_state()`: the installed defaults, or `None` when SP was never initialised (then "upipe"
   is exact local attention).
 - `reset_sequence_parallel()`: forget the defaults (tests, notebooks).
+- `set_sequence_parallel_state(state)`: install a state (or None) directly and return the previous one, e.g. to
+  restore it after a temporary change.
 
 Layout: with world size W and `sp_size` P, SP group g holds ranks [g*P, (g+1)*P) (neighbours share a node, where
 the all-to-alls are fast) and DP group i holds ranks {i, i+P, i+2P, ...}. Every rank of one SP group works on
@@ -31,6 +33,7 @@ __all__ = [
     "init_sequence_parallel",
     "get_sequence_parallel_state",
     "reset_sequence_parallel",
+    "set_sequence_parallel_state",
 ]
 
 
@@ -171,3 +174,10 @@ def reset_sequence_parallel() -> None:
     """Forget the installed defaults; "upipe" falls back to exact local attention. Groups are not destroyed."""
     global _STATE
     _STATE = None
+
+
+def set_sequence_parallel_state(state: SequenceParallelState | None) -> SequenceParallelState | None:
+    """Install `state` (None: no SP) as the "upipe" defaults; return the previous state."""
+    global _STATE
+    previous, _STATE = _STATE, state
+    return previous

@@ -17,14 +17,19 @@ The flow (forward), per stage i:
 4. all-to-all oh back and copy it into the preallocated local output out [B, s, H, D].
 Only one stage's buffers are alive at a time: Ulysses holds all H/P heads' buffers at once.
 
-Backward saves only the local inputs q/k/v, the local output and the per-stage log-sum-exps (out is also what
-o_proj saves, so it costs nothing extra). Per stage it re-sends q, out and dout (and k/v once per chunk),
-runs the kernel's backward and sends dq back into a preallocated dq; dk/dv are summed over the stages that share
-a key-value chunk in a chunk-sized buffer (float32 when inputs are 16-bit and several stages share it) and sent
-back once per chunk. No tensor of all heads over the full sequence ever exists.
+Backward (no attention recompute). Saved: the local q, the local output (which o_proj saves too, so it costs
+nothing extra), the per-stage log-sum-exps, and k/v as the head-layout chunks the forward received (the same
+bytes as the local k/v when there is no k/v replication; with replication, Hk < P, the local k/v). Per stage it
+re-sends q, out and dout (and k/v only when replicated), runs the kernel's backward, and sends dq back as one
+[B, s, P, c, D] chunk; the chunks are stacked into dq once, after the loop, so no full-size dq coexists with
+stage buffers. dk/dv of the stages sharing a k/v chunk are summed in the first stage's kernel output (input
+dtype: no float32 accumulators) and sent back once per chunk. No tensor of all heads over the full sequence
+ever exists.
 
-Cost: the backward repeats the forward's all-to-alls of q and k/v and adds out and dout: about 2x the
-all-to-all bytes of Ulysses' backward (see the UPipe paper, communication table); no attention recompute.
+Cost: the backward repeats the forward's all-to-all of q and adds out and dout: about 1.5-2x the all-to-all bytes
+of Ulysses' backward (UPipe paper, communication table); no attention recompute. Precision: with 16-bit inputs,
+dk/dv partial sums over stages are rounded to the input dtype once per stage, as with k/v replication in any
+Ulysses implementation.
 """
 
 from __future__ import annotations
@@ -63,28 +68,32 @@ def upipe_attention_forward(
     group: dist.ProcessGroup | None,
     kernel: AttentionKernel,
     scale: float,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    keep_kv: bool = False,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Stage loop of the forward.
 
     Returns:
-        out [B, s, H, D] contiguous, and one log-sum-exp [B, c, S] (fp32) per stage.
+        out [B, s, H, D] contiguous; one log-sum-exp [B, c, S] (fp32) per stage; with `keep_kv`, the head-layout
+        k/v of every k/v chunk [kh_0, vh_0, kh_1, ...] (each [B, S, kc, D]), else [].
     """
     B, s, H, D = q.shape
     out = q.new_empty(B, s, H, D)
-    lses = []
+    lses, kept = [], []
     kh = vh = None
     for i in range(layout.num_stages):
         if layout.starts_kv_group(i):
-            kh = vh = None  # free the previous chunk before receiving the next
+            kh = vh = None  # free the previous chunk (unless kept) before receiving the next
             kh = seq_to_head(_kv_stage(k, layout, i), group)  # [B, S, kc, D]
             vh = seq_to_head(_kv_stage(v, layout, i), group)
+            if keep_kv:
+                kept += [kh, vh]
         qh = seq_to_head(_q_stage(q, layout, i), group)  # [B, S, c, D]
         oh, lse = kernel.forward(qh, kh, vh, scale=scale, causal=True)  # [B, S, c, D], [B, c, S]
         del qh
         _q_stage(out, layout, i).copy_(head_to_seq(oh, group))  # [B, s, P, c, D] into the output
         del oh
         lses.append(lse)
-    return out, lses
+    return out, lses, kept
 
 
 def _scatter_kv(dst: torch.Tensor, grad5: torch.Tensor, layout: HeadLayout, stage: int) -> None:
@@ -100,73 +109,100 @@ def _scatter_kv(dst: torch.Tensor, grad5: torch.Tensor, layout: HeadLayout, stag
 def upipe_attention_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     out: torch.Tensor,
     lses: list[torch.Tensor],
     layout: HeadLayout,
     group: dist.ProcessGroup | None,
     kernel: AttentionKernel,
     scale: float,
+    *,
+    kv_like: tuple[torch.Size, torch.dtype, torch.device],
+    kv_local: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_chunks: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stage loop of the backward: dout [B, s, H, D] -> dq [B, s, H, D], dk/dv [B, s, Hk, D]."""
+    """Stage loop of the backward: dout [B, s, H, D] -> dq [B, s, H, D], dk/dv [B, s, Hk, D].
+
+    k/v come either as `kv_local` (k, v) [B, s, Hk, D], re-sent per k/v chunk, or as `kv_chunks`, the head-layout
+    chunks kept by the forward ([kh_0, vh_0, kh_1, ...], each [B, S, kc, D]). `kv_like` is dk/dv's (shape, dtype,
+    device).
+
+    Memory: dq is gathered per stage (one [B, s, P, c, D] receive buffer each) and assembled once at the end, so
+    no full-size dq exists while stage buffers do; dk/dv partials of the stages sharing a k/v chunk are summed in
+    the kernel's output buffer (input dtype), and only replicated k/v heads (Hk < P, the smallest tensors here)
+    are summed over replicas in float32.
+    """
     B, s, H, D = q.shape
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    low_precision = q.dtype in (torch.float16, torch.bfloat16)
-    if layout.kv_rep > 1:
-        # replicated k/v heads (Hk < P) receive one contribution per replica: sum them from zero, in fp32 for
-        # 16-bit inputs (k/v are the smallest tensors here: Hk < P heads)
-        acc = torch.float32 if low_precision else k.dtype
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    else:  # every slot is written exactly once
-        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    stages_per_kv = layout.group // layout.chunk if layout.chunk < layout.group else 1
-    acc_dtype = torch.float32 if stages_per_kv > 1 and low_precision else None
+    kv_shape, kv_dtype, device = kv_like
+    assert (kv_local is None) != (kv_chunks is None), "pass exactly one of kv_local, kv_chunks"
+    if layout.kv_rep > 1:  # one contribution per replica: sum from zero (fp32 for 16-bit inputs)
+        acc = torch.float32 if kv_dtype in (torch.float16, torch.bfloat16) else kv_dtype
+        dk = torch.zeros(kv_shape, dtype=acc, device=device)
+        dv = torch.zeros(kv_shape, dtype=acc, device=device)
+    else:  # every slot is written exactly once, at the end of its chunk
+        dk = dv = None
+    dq_chunks = []
     kh = vh = dkh = dvh = None
     for i in range(layout.num_stages):
         if layout.starts_kv_group(i):
             kh = vh = None
-            kh = seq_to_head(_kv_stage(k, layout, i), group)  # [B, S, kc, D]
-            vh = seq_to_head(_kv_stage(v, layout, i), group)
+            if kv_chunks is not None:
+                kh, vh = kv_chunks[2 * layout.kv_group_of(i)], kv_chunks[2 * layout.kv_group_of(i) + 1]
+            else:
+                kh = seq_to_head(_kv_stage(kv_local[0], layout, i), group)  # [B, S, kc, D]
+                vh = seq_to_head(_kv_stage(kv_local[1], layout, i), group)
         qh = seq_to_head(_q_stage(q, layout, i), group)  # [B, S, c, D]
         oh = seq_to_head(_q_stage(out, layout, i), group)
         doh = seq_to_head(_q_stage(dout, layout, i), group)
         dqh, dkh_i, dvh_i = kernel.backward(doh, qh, kh, vh, oh, lses[i], scale=scale, causal=True)
         del qh, oh, doh
-        _q_stage(dq, layout, i).copy_(head_to_seq(dqh, group))
+        dq_chunks.append(head_to_seq(dqh, group))  # [B, s, P, c, D]
         del dqh
-        if dkh is None:  # first stage of the chunk: take the kernel's buffers (or an fp32 copy)
-            dkh = dkh_i if acc_dtype is None else dkh_i.to(acc_dtype)
-            dvh = dvh_i if acc_dtype is None else dvh_i.to(acc_dtype)
+        if dkh is None:  # first stage of the chunk: its gradients become the running sums
+            dkh, dvh = dkh_i, dvh_i
         else:
             dkh.add_(dkh_i)
             dvh.add_(dvh_i)
         del dkh_i, dvh_i
         if layout.ends_kv_group(i):
             kh = vh = None
-            _scatter_kv(dk, head_to_seq(dkh.to(k.dtype), group), layout, i)
-            _scatter_kv(dv, head_to_seq(dvh.to(v.dtype), group), layout, i)
+            if dk is None:
+                dk = torch.empty(kv_shape, dtype=kv_dtype, device=device)
+                dv = torch.empty(kv_shape, dtype=kv_dtype, device=device)
+            _scatter_kv(dk, head_to_seq(dkh, group), layout, i)
+            _scatter_kv(dv, head_to_seq(dvh, group), layout, i)
             dkh = dvh = None
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    # [B, s, P, n, c, D] -> [B, s, H, D]: head r*H/P + i*c + j sits at [r, i, j]
+    dq = torch.stack(dq_chunks, dim=3).view(B, s, H, D)
+    return dq, dk.to(kv_dtype), dv.to(kv_dtype)
 
 
 class UPipeAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: saves q, k, v, out and the per-stage log-sum-exps; see the module docstring."""
+    """Autograd wrapper; see the module docstring for what is saved and recomputed.
+
+    Saved: q, out, the per-stage log-sum-exps, and k/v: the head-layout chunks the forward received when there is
+    no k/v replication (the same bytes as the local k/v, and the backward needs no k/v all-to-all), else the
+    local k/v (replicated head-layout copies would be P/Hk times larger).
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, layout: HeadLayout, group, kernel: AttentionKernel, scale: float):
-        out, lses = upipe_attention_forward(q, k, v, layout, group, kernel, scale)
-        ctx.save_for_backward(q, k, v, out, *lses)
+        keep_kv = layout.kv_rep == 1
+        out, lses, kept = upipe_attention_forward(q, k, v, layout, group, kernel, scale, keep_kv=keep_kv)
+        kv = kept if keep_kv else [k, v]
+        ctx.save_for_backward(q, out, *lses, *kv)
+        ctx.n_lse, ctx.keep_kv = len(lses), keep_kv
         ctx.layout, ctx.group, ctx.kernel, ctx.scale = layout, group, kernel, scale
+        ctx.kv_like = (k.shape, k.dtype, k.device)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, *lses = ctx.saved_tensors
-        dq, dk, dv = upipe_attention_backward(dout, q, k, v, out, lses, ctx.layout, ctx.group, ctx.kernel, ctx.scale)
+        q, out, *rest = ctx.saved_tensors
+        lses, kv = rest[:ctx.n_lse], rest[ctx.n_lse:]
+        kv_args = dict(kv_chunks=kv) if ctx.keep_kv else dict(kv_local=tuple(kv))
+        dq, dk, dv = upipe_attention_backward(dout, q, out, lses, ctx.layout, ctx.group, ctx.kernel, ctx.scale,
+                                              kv_like=ctx.kv_like, **kv_args)
         return dq, dk, dv, None, None, None, None
 
 

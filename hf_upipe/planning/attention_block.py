@@ -1,0 +1,222 @@
+"""Per-rank memory of one attention block under sequence parallelism: UPipe vs DeepSpeed-Ulysses.
+
+Entry points:
+- `measure_attention_block(impl, *, hidden, heads, kv_heads, head_dim, seq_len, sp_size, dtype, group=None,
+  heads_per_chunk=1)`: forward + backward of one transformers `LlamaAttention` (q/k/v projections, RoPE,
+  attention, o_proj) on this rank's shard, under `MemoryTracker`. Runs on real tensors in a real process group
+  (gloo) or on fake tensors under `simulated_world` + `fake_tensors`.
+- `simulate_attention_block(impl, *, hidden, ..., seq_len, sp_size, dtype, heads_per_chunk=1)`: the same as
+  rank 0 of a fake `sp_size`-rank world, in one process, at any sequence length.
+
+`impl`: "upipe" (our registered `attn_implementation="upipe"`; heads_per_chunk=None is its Ulysses mode) or
+"deepspeed" (DeepSpeed 0.19.8 `UlyssesSPAttentionHF` around transformers' sdpa, registered as "ds_ulysses").
+
+Counted (the tracker's view): every tensor the block creates in forward and backward: activations, all-to-all
+buffers, the block output, dx and the weight gradients. Not counted: what the neighbouring layers hand to the
+block, i.e. its input x and the incoming gradient of its output, and the weights, cos/sin and position_ids (all
+created before the tracker starts). The result also gives "peak_with_grad_in", the peak if the incoming gradient
+were counted too. Unit u = s * hidden * bytes: one full-width local activation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from hf_upipe import distributed as _sp
+from hf_upipe.planning.simulate import fake_tensors, simulated_world
+from hf_upipe.planning.tracker import MemoryTracker
+
+__all__ = ["IMPLEMENTATIONS", "measure_attention_block", "simulate_attention_block"]
+
+IMPLEMENTATIONS = ("upipe", "deepspeed")
+DS_ATTN_NAME = "ds_ulysses"
+
+
+def _require_deepspeed():
+    try:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    except ImportError as err:
+        raise ImportError(
+            "impl='deepspeed' needs DeepSpeed (UlyssesSPAttentionHF, tested with 0.19.8): "
+            "pip install 'hf_upipe[bench]'"
+        ) from err
+    return UlyssesSPAttentionHF
+
+
+def _ds_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """Registered as "ds_ulysses": hands the call to the DeepSpeed wrapper attached to the module."""
+    return module.ds_ulysses(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+@contextmanager
+def _deepspeed_comm() -> Iterator[None]:
+    """deepspeed.comm on top of the already initialised torch.distributed group; restored on exit.
+
+    `deepspeed.comm.init_distributed` would JIT-compile DeepSpeed's shared-memory all-reduce (about a minute, and
+    unused by Ulysses), so the TorchBackend is built with that step skipped.
+    """
+    _require_deepspeed()
+    ds_comm = importlib.import_module("deepspeed.comm.comm")
+    ds_torch = importlib.import_module("deepspeed.comm.torch")  # `import ... as` would give the torch package
+
+    previous = ds_comm.cdb
+    if previous is None or not previous.is_initialized():
+        build = ds_torch.build_shm_op
+        ds_torch.build_shm_op = lambda: None
+        try:
+            ds_comm.cdb = ds_torch.TorchBackend(dist.get_backend(), datetime.timedelta(minutes=30), None)
+        finally:
+            ds_torch.build_shm_op = build
+    try:
+        yield
+    finally:
+        ds_comm.cdb = previous
+
+
+@contextmanager
+def _upipe_state(group: dist.ProcessGroup, heads_per_chunk: int | None) -> Iterator[None]:
+    """Install (group, heads_per_chunk) as the "upipe" defaults unless they already are; restore on exit."""
+    previous = _sp.get_sequence_parallel_state()
+    if previous is not None and previous.sp_group is group and previous.heads_per_chunk == heads_per_chunk:
+        yield
+        return
+    _sp.init_sequence_parallel(group=group, heads_per_chunk=heads_per_chunk,
+                               kernel=previous.kernel if previous is not None else "auto")
+    try:
+        yield
+    finally:
+        _sp.set_sequence_parallel_state(previous)  # exactly what was installed before (None: reset)
+
+
+def _build_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group):
+    """A LlamaAttention with this geometry, built in `dtype` (also under fake mode), and its rotary embedding."""
+    from transformers import AttentionInterface, LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    name = "upipe" if impl == "upipe" else DS_ATTN_NAME
+    config = LlamaConfig(
+        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        intermediate_size=4 * hidden, num_hidden_layers=1, attention_dropout=0.0, attention_bias=False,
+        max_position_embeddings=seq_len,
+    )
+    config._attn_implementation = name
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # module.to(dtype) fails under fake mode
+    try:
+        block = LlamaAttention(config, layer_idx=0)
+        rotary = LlamaRotaryEmbedding(config)  # inv_freq is float32 whatever the default dtype
+    finally:
+        torch.set_default_dtype(previous)
+    if impl == "deepspeed":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        ds_cls = _require_deepspeed()
+        AttentionInterface.register(DS_ATTN_NAME, _ds_attention)
+        block.ds_ulysses = ds_cls(
+            attn=sdpa_attention_forward, batch_size=1, attn_head_count=heads, attn_head_size=head_dim,
+            kv_head_count=kv_heads, num_hidden_layers=1, process_group=group, seq_length_is_variable=True,
+        )
+    return block, rotary
+
+
+def measure_attention_block(
+    impl: str,
+    *,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    sp_size: int,
+    dtype: torch.dtype,
+    group: dist.ProcessGroup | None = None,
+    heads_per_chunk: int | None = 1,
+    snapshot: bool = False,
+) -> dict:
+    """Tracked forward + backward of one attention block on this rank's shard of seq_len // sp_size tokens.
+
+    Args:
+        impl: "upipe" or "deepspeed".
+        hidden, heads, kv_heads, head_dim: the block geometry (H query / Hk key-value heads of size D).
+        seq_len: S, the full sequence; sp_size: P, the ranks of `group` (default: the world).
+        dtype: weights and activations.
+        heads_per_chunk: UPipe's query heads per rank per stage (None: Ulysses mode); ignored for "deepspeed".
+        snapshot: also return the storages live at the peak (`MemoryTracker(snapshot_at_peak=True)`).
+
+    Returns:
+        {"forward_peak": bytes, "peak": bytes (forward + backward), "peak_with_grad_in": the same counting the
+        incoming gradient, "unit": s * hidden * bytes per element}, plus
+        "peak_snapshot" (list of `StorageRecord`) with `snapshot=True`.
+    """
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl={impl!r}: choose one of {IMPLEMENTATIONS}")
+    if not dist.is_initialized():
+        raise RuntimeError("measure_attention_block needs torch.distributed; use simulate_attention_block for a "
+                           "single-process simulation.")
+    group = dist.group.WORLD if group is None else group
+    if dist.get_world_size(group) != sp_size:
+        raise ValueError(f"sp_size={sp_size} but the group has {dist.get_world_size(group)} ranks")
+    if seq_len % sp_size:
+        raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp_size}")
+    s, rank = seq_len // sp_size, dist.get_rank(group)
+
+    state = _upipe_state(group, heads_per_chunk) if impl == "upipe" else _deepspeed_comm()
+    with state:
+        # not counted: weights, x [1, s, hidden], position_ids [1, s] (global), cos/sin [1, s, D]
+        block, rotary = _build_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group)
+        x = torch.randn(1, s, hidden, dtype=dtype, requires_grad=True)
+        position_ids = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)
+        cos, sin = rotary(x, position_ids)
+        grad_y = torch.ones(1, s, hidden, dtype=dtype)  # from the layer above, like x from the layer below
+        with MemoryTracker(snapshot_at_peak=snapshot) as tracker:
+            y = block(x, position_embeddings=(cos, sin), attention_mask=None, position_ids=position_ids)[0]
+            tracker.mark("forward")  # y [1, s, hidden]
+            y.backward(grad_y)
+            tracker.mark("backward")
+            del y
+    unit = s * hidden * torch.finfo(dtype).bits // 8
+    result = {
+        "forward_peak": tracker.phase_peaks["forward"],
+        "peak": tracker.peak_bytes,
+        "peak_with_grad_in": max(tracker.phase_peaks["forward"], tracker.phase_peaks["backward"] + unit),
+        "unit": unit,
+    }
+    if snapshot:
+        result["peak_snapshot"] = tracker.peak_snapshot
+    return result
+
+
+def simulate_attention_block(
+    impl: str,
+    *,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    sp_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    heads_per_chunk: int | None = 1,
+    snapshot: bool = False,
+) -> dict:
+    """`measure_attention_block` as rank 0 of a fake sp_size-rank world on fake tensors (one process, no data).
+
+    The SP defaults ("upipe") and the fake world are torn down on exit, also on error.
+    """
+    with simulated_world(sp_size) as world, fake_tensors(dtype):
+        if impl == "upipe":
+            _sp.init_sequence_parallel(group=world, heads_per_chunk=heads_per_chunk)
+        try:
+            return measure_attention_block(
+                impl, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len,
+                sp_size=sp_size, dtype=dtype, group=world, heads_per_chunk=heads_per_chunk, snapshot=snapshot,
+            )
+        finally:
+            if impl == "upipe":
+                _sp.reset_sequence_parallel()
