@@ -32,7 +32,7 @@ from hf_upipe import distributed as _sp
 from hf_upipe.planning.simulate import fake_tensors, simulated_world
 from hf_upipe.planning.tracker import MemoryTracker
 
-__all__ = ["IMPLEMENTATIONS", "measure_attention_block", "simulate_attention_block"]
+__all__ = ["IMPLEMENTATIONS", "build_attention_block", "measure_attention_block", "simulate_attention_block"]
 
 IMPLEMENTATIONS = ("upipe", "deepspeed")
 DS_ATTN_NAME = "ds_ulysses"
@@ -94,7 +94,7 @@ def _upipe_state(group: dist.ProcessGroup, heads_per_chunk: int | None) -> Itera
         _sp.set_sequence_parallel_state(previous)  # exactly what was installed before (None: reset)
 
 
-def _build_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group):
+def build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group):
     """A LlamaAttention with this geometry, built in `dtype` (also under fake mode), and its rotary embedding."""
     from transformers import AttentionInterface, LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
@@ -169,7 +169,7 @@ def measure_attention_block(
     state = _upipe_state(group, heads_per_chunk) if impl == "upipe" else _deepspeed_comm()
     with state:
         # not counted: weights, x [1, s, hidden], position_ids [1, s] (global), cos/sin [1, s, D]
-        block, rotary = _build_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group)
+        block, rotary = build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group)
         x = torch.randn(1, s, hidden, dtype=dtype, requires_grad=True)
         position_ids = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)
         cos, sin = rotary(x, position_ids)
