@@ -1,0 +1,24 @@
+"""Pure-torch operations with explicit process groups (no transformers, accelerate or peft imports).
+
+``upipe_attention`` is the main API: headwise-chunked sequence-parallel causal attention. Building blocks:
+``all_to_all`` (sequence <-> head layouts), ``head_layout`` (GQA geometry and its checks), ``kernels`` (inner
+attention kernels returning the log-sum-exp).
+"""
+
+from hf_upipe.ops.all_to_all import all_to_all_head_to_seq, all_to_all_seq_to_head
+from hf_upipe.ops.head_layout import HeadLayout, valid_heads_per_chunk, valid_sp_sizes
+from hf_upipe.ops.kernels import AttentionKernel, available_kernels, get_kernel, register_kernel
+from hf_upipe.ops.upipe_attention import upipe_attention
+
+__all__ = [
+    "AttentionKernel",
+    "HeadLayout",
+    "all_to_all_head_to_seq",
+    "all_to_all_seq_to_head",
+    "available_kernels",
+    "get_kernel",
+    "register_kernel",
+    "upipe_attention",
+    "valid_heads_per_chunk",
+    "valid_sp_sizes",
+]

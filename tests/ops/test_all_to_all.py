@@ -14,6 +14,17 @@ from hf_upipe.ops.all_to_all import all_to_all_head_to_seq, all_to_all_seq_to_he
 from tests._dist import run_distributed
 
 
+def _adjoint_gap(fn, x0, group, gen):
+    """Relative gap between sum_r <A x, w> and sum_r <x, A^T w> for A = fn, and A x."""
+    x = x0.clone().requires_grad_()
+    y = fn(x, group)
+    w = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    (y * w).sum().backward()
+    t = torch.stack([(y.detach() * w).sum(), (x.detach() * x.grad).sum()])
+    dist.all_reduce(t)
+    return (t[0] - t[1]).abs().item() / t[0].abs().item(), y.detach()
+
+
 def _worker(rank, world):
     group = dist.group.WORLD
     errors = {}
@@ -28,22 +39,9 @@ def _worker(rank, world):
         errors[f"head_to_seq {B,S,H,D}"] = (back - local).abs().max().item()
 
         # global adjoint test of the autograd Functions (forward A, backward must be A^T)
-        x = local.clone().requires_grad_()
-        y = all_to_all_seq_to_head(x, group)
-        w = torch.randn(y.shape, generator=gen, dtype=torch.float64)
-        (y * w).sum().backward()
-        t = torch.stack([(y.detach() * w).sum(), (x.detach() * x.grad).sum()])
-        dist.all_reduce(t)
-        errors[f"adjoint seq_to_head {B,S,H,D}"] = (t[0] - t[1]).abs().item() / t[0].abs().item()
-
-        z = heads.clone().requires_grad_()
-        u = all_to_all_head_to_seq(z, group)
-        w2 = torch.randn(u.shape, generator=gen, dtype=torch.float64)
-        (u * w2).sum().backward()
-        t = torch.stack([(u.detach() * w2).sum(), (z.detach() * z.grad).sum()])
-        dist.all_reduce(t)
-        errors[f"adjoint head_to_seq {B,S,H,D}"] = (t[0] - t[1]).abs().item() / t[0].abs().item()
-        errors[f"roundtrip {B,S,H,D}"] = (u.detach() - local).abs().max().item()
+        errors[f"adjoint seq_to_head {B,S,H,D}"], _ = _adjoint_gap(all_to_all_seq_to_head, local, group, gen)
+        errors[f"adjoint head_to_seq {B,S,H,D}"], u = _adjoint_gap(all_to_all_head_to_seq, heads, group, gen)
+        errors[f"roundtrip {B,S,H,D}"] = (u - local).abs().max().item()
     # a split that does not divide raises on every rank, before any collective
     try:
         all_to_all_seq_to_head(torch.zeros(1, 4, 2 * world + 1, 2), group)
