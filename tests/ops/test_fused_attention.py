@@ -1,0 +1,166 @@
+"""Fused UPipe attention block vs the same block computed by plain autograd in one process.
+
+Random non-symmetric weights with q/k/v/o biases, per-head QK-norm and LoRA adapters on all four projections;
+output and the gradients of x and of every tensor (frozen base weights get none), fp32 tight, bf16 within 2x the
+plain bf16 block's own error plus one bf16 ulp.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hf_upipe.ops.fused_attention import (
+    AttentionWeights,
+    HeadNorm,
+    LoraAdapter,
+    Projection,
+    fused_upipe_attention,
+    rope,
+)
+from hf_upipe.ops.head_layout import valid_heads_per_chunk
+from tests._dist import run_distributed
+
+
+def _rms(weight, eps=1e-6):
+    def fn(t):
+        v = t.float().pow(2).mean(-1, keepdim=True)
+        return weight * (t.float() * torch.rsqrt(v + eps)).to(t.dtype)
+    return HeadNorm(fn, (weight,))
+
+
+def _make(gen, Dm, H, Hk, D, bias, norm, lora, frozen, dtype):
+    """Random block tensors (float64 masters) and a builder for AttentionWeights in any dtype."""
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+    spec = {}
+    for name, out_f, in_f in (("q", H * D, Dm), ("k", Hk * D, Dm), ("v", Hk * D, Dm), ("o", Dm, H * D)):
+        spec[name] = dict(weight=rnd(out_f, in_f, scale=in_f ** -0.5), bias=rnd(out_f, scale=0.3) if bias else None,
+                          adapters=[(rnd(3, in_f, scale=in_f ** -0.5), rnd(out_f, 3, scale=0.5), 0.7)] if lora else [])
+    if norm:
+        spec["q_norm"], spec["k_norm"] = 1 + rnd(D, scale=0.3), 1 + rnd(D, scale=0.3)
+
+    def build(dtype):
+        leaves = []
+
+        def leaf(t, trainable):
+            t = t.to(dtype).requires_grad_(trainable)
+            leaves.append(t)
+            return t
+        projs = {}
+        for name in "qkvo":
+            p = spec[name]
+            projs[name] = Projection(
+                weight=leaf(p["weight"], not frozen),
+                bias=None if p["bias"] is None else leaf(p["bias"], not frozen),
+                adapters=tuple(LoraAdapter(leaf(A, True), leaf(Bm, True), sc) for A, Bm, sc in p["adapters"]))
+        norms = {n: _rms(leaf(spec[n], not frozen)) for n in ("q_norm", "k_norm") if n in spec}
+        return AttentionWeights(**projs, **norms), leaves
+    return build
+
+
+def _reference(x, cos, sin, w: AttentionWeights, H, Hk, D):
+    """Plain autograd, whole sequence, one process: [B, S, Dm] -> [B, S, Dm]."""
+    def lin(t, p):
+        out = F.linear(t, p.weight, p.bias)
+        for a in p.adapters:
+            out = out + (t @ a.A.t()) @ a.B.t() * a.scaling
+        return out
+    B, S, _ = x.shape
+    q = lin(x, w.q).view(B, S, H, D)
+    k = lin(x, w.k).view(B, S, Hk, D)
+    v = lin(x, w.v).view(B, S, Hk, D)
+    if w.q_norm is not None:
+        q, k = w.q_norm.fn(q), w.k_norm.fn(k)
+    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                       enable_gqa=True).transpose(1, 2)
+    return lin(o.reshape(B, S, H * D), w.o)
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _tables(S, D, gen):
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    ang = torch.arange(S, dtype=torch.float64)[:, None] * inv[None] + torch.rand(1, generator=gen, dtype=torch.float64)
+    emb = torch.cat([ang, ang], -1)[None]
+    return emb.cos(), emb.sin()
+
+
+def _case(rank, world, group, case):
+    B, S, Dm, H, Hk, D, chunk, bias, norm, lora, frozen, dtype, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    build = _make(gen, Dm, H, Hk, D, bias, norm, lora, frozen, dtype)
+    x = torch.randn(B, S, Dm, generator=gen, dtype=torch.float64)
+    dy = torch.randn(B, S, Dm, generator=gen, dtype=torch.float64)
+    cos, sin = _tables(S, D, gen)
+    w_ref, ref_leaves = build(torch.float64)
+    xr = x.clone().requires_grad_()
+    y_ref = _reference(xr, cos, sin, w_ref, H, Hk, D)
+    need = [xr] + [t for t in ref_leaves if t.requires_grad]
+    ref_grads = torch.autograd.grad(y_ref, need, dy)
+    s = S // world
+    sh = slice(rank * s, (rank + 1) * s)
+    w, leaves = build(dtype)
+    xl = x[:, sh].to(dtype).requires_grad_()
+    y = fused_upipe_attention(xl, cos[:, sh].to(dtype), sin[:, sh].to(dtype), w, num_heads=H, num_kv_heads=Hk,
+                              head_dim=D, group=group, heads_per_chunk=chunk)
+    mine = [xl] + [t for t in leaves if t.requires_grad]
+    grads = list(torch.autograd.grad(y, mine, dy[:, sh].to(dtype)))
+    for g in grads[1:]:  # parameter gradients: every rank holds its shard's contribution
+        if world > 1:
+            dist.all_reduce(g)
+    errs = [_rel(y, y_ref[:, sh]), _rel(grads[0], ref_grads[0][:, sh])] + \
+        [_rel(g, r) for g, r in zip(grads[1:], ref_grads[1:])]
+    base = None
+    if dtype == torch.bfloat16:
+        w16, leaves16 = build(dtype)
+        x16 = x.to(dtype).requires_grad_()
+        y16 = _reference(x16, cos.to(dtype), sin.to(dtype), w16, H, Hk, D)
+        g16 = torch.autograd.grad(y16, [x16] + [t for t in leaves16 if t.requires_grad], dy.to(dtype))
+        base = [_rel(y16[:, sh], y_ref[:, sh]), _rel(g16[0][:, sh], ref_grads[0][:, sh])] + \
+            [_rel(g, r) for g, r in zip(g16[1:], ref_grads[1:])]
+    return errs, base, len(grads)
+
+
+def _worker(rank, world, cases):
+    group = dist.group.WORLD if world > 1 else None
+    return [_case(rank, world, group, c) for c in cases]
+
+
+def _cases(world):
+    out = []
+    for i, (H, Hk) in enumerate([(4, 2), (8, 8), (8, 2)] if world < 4 else [(8, 4), (8, 2), (4, 1)]):
+        for chunk in (1, None):
+            if chunk is not None and chunk not in valid_heads_per_chunk(H, Hk, world):
+                continue
+            out.append((1 + i % 2, 8 * world, 24, H, Hk, 8, chunk, True, i % 2 == 0, True, i == 1, torch.float32,
+                        10 * i + (chunk or 0)))
+    out.append((1, 8 * world, 24, 8, 2, 8, 1, True, True, True, False, torch.bfloat16, 99))
+    out.append((2, 8 * world, 16, 4, 4, 4, 2 if 2 in valid_heads_per_chunk(4, 4, world) else None, False, False,
+                False, False, torch.float32, 98))
+    return out
+
+
+def _check(cases, results):
+    for per_rank in results:
+        for case, (errs, base, n) in zip(cases, per_rank):
+            assert len(errs) == n + 1
+            for k, e in enumerate(errs):
+                if base is None:
+                    assert e < 1e-4, f"tensor {k}: rel err {e:.2e} in {case}"
+                else:
+                    assert e <= 2 * base[k] + 2**-7, f"tensor {k}: rel err {e:.2e} vs {base[k]:.2e} in {case}"
+
+
+def test_fused_single_process():
+    cases = _cases(1)
+    _check(cases, [_worker(0, 1, cases)])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_matches_plain_block(world):
+    cases = _cases(world)
+    _check(cases, run_distributed(_worker, world, cases))
