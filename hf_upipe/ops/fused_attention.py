@@ -16,11 +16,13 @@ The flow, per stage i (rank r handles model heads r*H/P + i*c + j, as in `HeadLa
 4. y += a_i @ Wo[:, R]^T (+ LoRA: za += dropout(a_i) @ Ao[:, R]^T); after the loop y += za @ Bo^T * s + bo.
 So neither the local q/k/v of all heads, nor the local attention output of all heads, ever exists.
 
-Backward, per stage (the attention forward is recomputed instead of saved, about a third more attention
-compute, see memory-accounting in the docs): recompute pre/q_i/k/v and oh; d a_i = dy @ Wo[:, R] (+ LoRA);
-kernel backward; dq/dk/dv back to the local layout; RoPE and norm backward by autograd on the stage's tensors;
-then the products with x are written straight into dx (`addmm_`) and the weight-row gradients. Saved: x, cos,
-sin, the small LoRA products xa/za and the dropout seeds. Gradients of frozen tensors are not computed.
+Backward, per stage (the attention forward is recomputed instead of saved: about a third more attention
+compute): recompute q_i (and k/v at a chunk's first stage) and oh; d a_i = dy @ Wo[:, R] (+ LoRA); kernel
+backward; dq, dk, dv go straight back to the local layout (each stage sends its dk/dv partial, so no
+accumulator exists; more all-to-all bytes when stages share a k/v chunk), through RoPE's adjoint (or autograd of
+norm + RoPE on a recomputed pre-norm projection), and their products with x are written into dx (`addmm_`) and
+the weight-row gradients. Saved: x, cos, sin, the small LoRA products xa/za and the dropout seed. Gradients of
+frozen tensors are not computed.
 """
 
 from __future__ import annotations
@@ -227,10 +229,25 @@ def _linear_backward(x2, proj, rows, d_pre2, xas, ts, grads: _Grads, dx2) -> Non
         t.addmm_(d_pre2, a.B.index_select(0, rows), alpha=a.scaling)
 
 
-def _post_backward(pre, norm, cos, sin, D, rotate, d_post, grads: _Grads) -> torch.Tensor:
-    """Backward of `_post` by autograd on this stage's tensors: returns d_pre, adds the norm's parameter grads."""
-    norm_params = [p for p in (norm.params if norm is not None else ()) if grads.get(p) is not None]
-    pre = pre.detach().requires_grad_()
+def _rope_backward(d: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Adjoint of `rope` (a rotation, linear in t): d [B, s, h, D] -> d t."""
+    half = d.shape[-1] // 2
+    ds = d * sin.unsqueeze(2)
+    return d * cos.unsqueeze(2) + torch.cat((ds[..., half:], -ds[..., :half]), dim=-1)
+
+
+def _post_backward(pre_fn, norm, cos, sin, D, rotate, d_post, grads: _Grads) -> torch.Tensor:
+    """Backward of `_post` given d_post [B, s, n, D]; returns d_pre [B, s, n*D].
+
+    Without a norm this is RoPE's adjoint and needs no activations; with a norm, `pre_fn()` recomputes the
+    stage's pre-norm projection (cheaper in memory than keeping it) and autograd differentiates norm + RoPE,
+    adding the norm's parameter gradients.
+    """
+    if norm is None:
+        d = _rope_backward(d_post, cos, sin) if rotate else d_post
+        return d.reshape(*d.shape[:2], -1)
+    norm_params = [p for p in norm.params if grads.get(p) is not None]
+    pre = pre_fn().requires_grad_()
     with torch.enable_grad():
         post = _post(pre, norm, cos, sin, D, rotate)
         d_pre, *d_norm = torch.autograd.grad(post, [pre, *norm_params], d_post)
@@ -255,18 +272,16 @@ def _fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: _Plan, xas, za, 
         if (g := grads.get(ad.B)) is not None:
             g.add_((dy2.t() @ z.reshape(B * s, -1)) * ad.scaling)
         us.append((dy2 @ ad.B) * ad.scaling)
-    kh = vh = dkh = dvh = None
+    kh = vh = None
     for i in range(layout.num_stages):
+        kv_rows = _rows(plan.kv_heads[i], D)
         if layout.starts_kv_group(i):
             kh = vh = None
-            kv_rows = _rows(plan.kv_heads[i], D)
-            k_pre = _pre(x, w.k, kv_rows, xas["k"])
-            v_pre = _pre(x, w.v, kv_rows, xas["v"])
-            kh = seq_to_head(_post(k_pre, w.k_norm, cos, sin, D).view(B, s, P, -1, D), group)
-            vh = seq_to_head(v_pre.view(B, s, P, -1, D), group)
+            kh = seq_to_head(_post(_pre(x, w.k, kv_rows, xas["k"]), w.k_norm, cos, sin, D).view(B, s, P, -1, D),
+                             group)
+            vh = seq_to_head(_pre(x, w.v, kv_rows, xas["v"]).view(B, s, P, -1, D), group)
         rows = _rows(plan.q_heads[i], D)
-        q_pre = _pre(x, w.q, rows, xas["q"])
-        qh = seq_to_head(_post(q_pre, w.q_norm, cos, sin, D).view(B, s, P, -1, D), group)
+        qh = seq_to_head(_post(_pre(x, w.q, rows, xas["q"]), w.q_norm, cos, sin, D).view(B, s, P, -1, D), group)
         oh, lse = plan.kernel.forward(qh, kh, vh, scale=plan.scale, causal=True)  # recomputed, not saved
         a = head_to_seq(oh, group).reshape(B * s, -1)  # [N, P*c*D]
         # o_proj of this stage: d a = dy @ Wo[:, R] (+ LoRA), and the weight-column gradients
@@ -281,29 +296,28 @@ def _fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: _Plan, xas, za, 
         del a
         doh = seq_to_head(da.view(B, s, P, -1, D), group)
         del da
-        dqh, dkh_i, dvh_i = plan.kernel.backward(doh, qh, kh, vh, oh, lse, scale=plan.scale, causal=True)
+        dqh, dkh, dvh = plan.kernel.backward(doh, qh, kh, vh, oh, lse, scale=plan.scale, causal=True)
         del qh, oh, doh
-        dq5 = head_to_seq(dqh, group).reshape(B, s, -1, D)  # [B, s, P*c, D]
-        del dqh
-        d_pre = _post_backward(q_pre, w.q_norm, cos, sin, D, True, dq5, grads)
-        del dq5, q_pre
-        _linear_backward(x2, w.q, rows, d_pre.reshape(B * s, -1), xas["q"], ts["q"], grads, dx2)
-        del d_pre
-        if dkh is None:
-            dkh, dvh = dkh_i, dvh_i
-        else:
-            dkh.add_(dkh_i)
-            dvh.add_(dvh_i)
-        del dkh_i, dvh_i
         if layout.ends_kv_group(i):
             kh = vh = None
-            dk5 = head_to_seq(dkh, group).reshape(B, s, -1, D)
-            d_kpre = _post_backward(k_pre, w.k_norm, cos, sin, D, True, dk5, grads)
-            _linear_backward(x2, w.k, kv_rows, d_kpre.reshape(B * s, -1), xas["k"], ts["k"], grads, dx2)
-            dv2 = head_to_seq(dvh, group).reshape(B * s, -1)
-            _linear_backward(x2, w.v, kv_rows, dv2, xas["v"], ts["v"], grads, dx2)
-            del dk5, d_kpre, dv2, k_pre, v_pre
-            dkh = dvh = None
+        # every gradient goes straight back to the local layout and into dx / the weights: no accumulators (the
+        # stages sharing a k/v chunk each send their dk/dv partial; the linear backward sums them)
+        dq5 = head_to_seq(dqh, group).reshape(B, s, -1, D)  # [B, s, P*c, D]
+        del dqh
+        d_pre = _post_backward(lambda: _pre(x, w.q, rows, xas["q"]), w.q_norm, cos, sin, D, True, dq5, grads)
+        del dq5
+        _linear_backward(x2, w.q, rows, d_pre.reshape(B * s, -1), xas["q"], ts["q"], grads, dx2)
+        del d_pre
+        dk5 = head_to_seq(dkh, group).reshape(B, s, -1, D)
+        del dkh
+        d_pre = _post_backward(lambda: _pre(x, w.k, kv_rows, xas["k"]), w.k_norm, cos, sin, D, True, dk5, grads)
+        del dk5
+        _linear_backward(x2, w.k, kv_rows, d_pre.reshape(B * s, -1), xas["k"], ts["k"], grads, dx2)
+        del d_pre
+        dv2 = head_to_seq(dvh, group).reshape(B * s, -1)
+        del dvh
+        _linear_backward(x2, w.v, kv_rows, dv2, xas["v"], ts["v"], grads, dx2)
+        del dv2
     # LoRA A sides of q/k/v: one product with x (or dropout(x)) each, after the loop
     for n, name in enumerate("qkv"):
         for j, (a, t) in enumerate(zip(getattr(w, name).adapters, ts[name])):
