@@ -176,7 +176,8 @@ def _check_rows_trailing(state, mask, batch, device) -> None:
             started = started or count != -1
 
 
-def _check_static(module, query, key, dropout, kwargs) -> None:
+def _check_static(module, dropout, kwargs) -> None:
+    """Checks that need no communication (identical on every rank: same model, same arguments)."""
     if not getattr(module, "is_causal", True):
         raise NotImplementedError("attn_implementation='upipe' supports causal (decoder) attention only.")
     if dropout and dropout > 0.0:
@@ -187,6 +188,19 @@ def _check_static(module, query, key, dropout, kwargs) -> None:
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"'{name}' is not supported by sequence-parallel 'upipe' attention.")
+
+
+def sliding_window_check(sliding_window: int | None, seq_len: int) -> None:
+    """Raise when a sliding window is shorter than the full sequence (not implemented under SP)."""
+    if sliding_window is not None and sliding_window < seq_len:
+        raise NotImplementedError(
+            f"sliding_window={sliding_window} is shorter than the sequence ({seq_len} tokens): "
+            "sliding-window attention is not implemented under sequence parallelism (use a sequence no longer "
+            "than the window, or a config with use_sliding_window=False / sliding_window=None)."
+        )
+
+
+def _check_kv_length(query, key) -> None:
     if key.shape[-2] != query.shape[-2]:
         raise NotImplementedError(
             f"key length {key.shape[-2]} != query length {query.shape[-2]}: a KV cache with past tokens "
@@ -213,7 +227,8 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
     if state is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
-    _check_static(module, query, key, dropout, kwargs)
+    _check_static(module, dropout, kwargs)
+    _check_kv_length(query, key)
     if isinstance(attention_mask, torch.Tensor):
         raise NotImplementedError(
             f"attn_implementation='upipe' got a prepared {attention_mask.dim()}-D attention mask tensor under "
@@ -222,12 +237,7 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
     B, _, s, _ = query.shape
     if not is_fake(query):  # fake tensors (memory simulation) carry no values to check
         _check_layout(state, kwargs.get("position_ids"), attention_mask, B, s, query.device)
-    if sliding_window is not None and sliding_window < s * state.sp_size:
-        raise NotImplementedError(
-            f"sliding_window={sliding_window} is shorter than the sequence ({s * state.sp_size} tokens): "
-            "sliding-window attention is not implemented under sequence parallelism (use a sequence no longer "
-            "than the window, or a config with use_sliding_window=False / sliding_window=None)."
-        )
+    sliding_window_check(sliding_window, s * state.sp_size)
     out = upipe_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [B, s, H|Hk, D] views
         group=state.sp_group, heads_per_chunk=state.heads_per_chunk, kernel=state.kernel, scale=scaling,

@@ -1,0 +1,122 @@
+"""prepare_model(): the fused UPipe block on Llama, Mistral, Qwen2 and Qwen3, plain and with PEFT LoRA adapters,
+on gloo ranks vs the single-process sdpa model: logits on every shard and every trainable gradient (summed over
+the SP group); the fused path is really the one that runs; activation checkpointing and no_grad eval work."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+
+import hf_upipe
+import hf_upipe.integrations.fused as fused_mod
+from tests._dist import run_distributed
+from tests.integrations._models import build_pair, tiny_config
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _with_lora(ref, model, seed):
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    ref, model = get_peft_model(ref, cfg), get_peft_model(model, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # non-zero B so that A and B both get gradients
+        for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+                q.copy_(p)
+    return ref, model
+
+
+def _case(rank, world, arch, geom, chunk, lora, dtype, ckpt, seed, B=2):
+    H, Hk = geom
+    S = 8 * world
+    cfg = tiny_config(arch, heads=H, kv_heads=Hk)
+    ref, model = build_pair(cfg, "upipe", seed)
+    if lora:
+        ref, model = _with_lora(ref, model, seed)
+    model.to(dtype)
+    gen = torch.Generator().manual_seed(seed + 7)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
+    labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], dim=1)
+    n = (labels != -100).sum()
+    ref_logits = ref(ids).logits
+    F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum").div(n).backward()
+    base = None
+    if dtype != torch.float32:  # the plain single-process model's own error in this dtype
+        low, _ = build_pair(cfg, "sdpa", seed)
+        if lora:
+            low, _ = _with_lora(low, build_pair(cfg, "sdpa", seed)[1], seed)
+        low.to(dtype)
+        low_logits = low(ids).logits
+        F.cross_entropy(low_logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                        reduction="sum").div(n).backward()
+        ref_named = dict(ref.named_parameters())
+        base = {"logits": _rel(low_logits, ref_logits)}
+        base.update({k: _rel(p.grad, ref_named[k].grad) for k, p in low.named_parameters() if p.requires_grad})
+        base["eval logits"] = base["logits"]
+
+    state = hf_upipe.init_sequence_parallel(heads_per_chunk=chunk)
+    hf_upipe.prepare_model(model)
+    hf_upipe.prepare_model(model)  # idempotent
+    calls = []
+    original = fused_mod.fused_upipe_attention
+    fused_mod.fused_upipe_attention = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        if ckpt:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        s = S // world
+        sh = slice(rank * s, (rank + 1) * s)
+        pos = torch.arange(S)[sh].unsqueeze(0)
+        logits = model(ids[:, sh], position_ids=pos).logits
+        F.cross_entropy(logits.float().flatten(0, 1), labels[:, sh].flatten(), ignore_index=-100,
+                        reduction="sum").div(n).backward()
+        errs = {"logits": _rel(logits, ref_logits[:, sh])}
+        trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        ref_params = dict(ref.named_parameters())
+        for name, p in trained:
+            g = p.grad.float().clone()
+            dist.all_reduce(g, group=state.sp_group)
+            errs[name] = _rel(g, ref_params[name].grad)
+        model.eval()
+        with torch.no_grad():
+            errs["eval logits"] = _rel(model(ids[:, sh], position_ids=pos).logits, ref_logits[:, sh])
+    finally:
+        fused_mod.fused_upipe_attention = original
+        hf_upipe.reset_sequence_parallel()
+    layers = cfg.num_hidden_layers
+    return errs, base, len(calls), layers, len(trained)
+
+
+def _worker(rank, world, cases):
+    return [_case(rank, world, *c) for c in cases]
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+CASES = {  # (arch, (H, Hk), heads_per_chunk, lora, dtype, activation checkpointing, seed)
+    2: [("llama", (8, 2), 1, False, F32, False, 0), ("qwen2", (4, 4), None, True, F32, False, 1),
+        ("mistral", (8, 4), 2, True, F32, True, 2), ("qwen3", (6, 2), 1, False, F32, False, 3),
+        ("qwen3", (8, 2), 1, True, BF16, False, 4)],
+    4: [("llama", (8, 2), 1, True, F32, False, 5), ("qwen2", (8, 8), 2, False, F32, False, 6),
+        ("mistral", (4, 1), 1, False, F32, False, 7), ("qwen3", (8, 4), 1, True, F32, True, 8)],
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_models_match_single_process(world):
+    for per_rank in run_distributed(_worker, world, CASES[world]):
+        for case, (errs, base, calls, layers, n_trained) in zip(CASES[world], per_rank):
+            lora, dtype, ckpt = case[3], case[4], case[5]
+            # the fused block ran in every layer: forward (+ recompute under checkpointing) + eval forward
+            assert calls == layers * (3 if ckpt else 2), (case, calls)
+            assert len(errs) == n_trained + 2
+            if lora:
+                assert all("lora_" in k for k in errs if k not in ("logits", "eval logits")), "base not frozen"
+            for name, e in errs.items():
+                if base is None:
+                    assert e < 1e-4, f"{name}: rel err {e:.2e} in {case}"
+                else:  # bf16: within 2x the plain bf16 model's error plus one bf16 ulp
+                    assert e <= 2 * base[name] + 2**-7, f"{name}: rel err {e:.2e} vs plain {base[name]:.2e} in {case}"
