@@ -1,4 +1,4 @@
-"""Per-rank attention-block memory, simulated: DeepSpeed-Ulysses vs our Ulysses mode vs UPipe.
+"""Per-rank attention-block memory, simulated: DeepSpeed-Ulysses vs our Ulysses mode vs UPipe (registered and fused).
 
 One transformers LlamaAttention block (q/k/v projections, RoPE, attention, o_proj), forward + backward on one
 rank's shard, counted exactly with fake tensors on a fake process group (`hf_upipe.planning.attention_block`).
@@ -40,6 +40,7 @@ IMPLS = [
     ("ours Ulysses", "upipe", None),
     ("UPipe c=1", "upipe", 1),
     ("UPipe c=2", "upipe", 2),
+    ("UPipe fused c=1", "fused", 1),
 ]
 DEFAULT_SEQ = "128K,256K,512K,1M,2M,3M,4M,5M"
 

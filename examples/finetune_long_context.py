@@ -97,6 +97,7 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
     model = build_model(args.model, args.layers).to(device).train()
+    model = hf_upipe.prepare_model(model)  # the fused UPipe block on Llama/Mistral/Qwen2/Qwen3 attention
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     data = passkey_dataset(args.steps, args.seq_len, seed=args.seed).with_format("torch")
     if args.seq_len % sp.sp_size:

@@ -123,16 +123,15 @@ def _make_plan(layout, group, kernel, scale, D, device, dropout: bool) -> _Plan:
     # checkpointing (which restores the RNG state before recomputing) draws the same one
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout else 0
     plan = _Plan(layout, group, kernel, scale, D, seed=seed)
-    P, qpr = layout.sp_size, layout.q_per_rank
+    P, qpr, kpr = layout.sp_size, layout.q_per_rank, layout.kv_per_rank
+    ranks = torch.arange(P, device=device)[:, None]  # [P, 1]
     for i in range(layout.num_stages):
-        sl = layout.q_heads(i)
-        plan.q_heads.append(torch.tensor([r * qpr + j for r in range(P) for j in range(sl.start, sl.stop)],
-                                         device=device))
-        src = layout.kv_source_index(i, device)
+        sl = layout.q_heads(i)  # rank r: model heads r*qpr + sl -> [P*c], rank-major
+        plan.q_heads.append((ranks * qpr + torch.arange(sl.start, sl.stop, device=device)).flatten())
+        src = layout.kv_source_index(i, device)  # replicated k/v heads (Hk < P)
         if src is None:
             kvs = layout.kv_heads(i)
-            src = torch.tensor([r * layout.kv_per_rank + j for r in range(P) for j in range(kvs.start, kvs.stop)],
-                               device=device)
+            src = (ranks * kpr + torch.arange(kvs.start, kvs.stop, device=device)).flatten()
         plan.kv_heads.append(src)
     return plan
 

@@ -8,7 +8,8 @@ Entry points:
 - `simulate_attention_block(impl, *, hidden, ..., seq_len, sp_size, dtype, heads_per_chunk=1)`: the same as
   rank 0 of a fake `sp_size`-rank world, in one process, at any sequence length.
 
-`impl`: "upipe" (our registered `attn_implementation="upipe"`; heads_per_chunk=None is its Ulysses mode) or
+`impl`: "upipe" (our registered `attn_implementation="upipe"`; heads_per_chunk=None is its Ulysses mode),
+"fused" (the fused block installed by `hf_upipe.prepare_model`: projections inside the head-chunk loop) or
 "deepspeed" (DeepSpeed 0.19.8 `UlyssesSPAttentionHF` around transformers' sdpa, registered as "ds_ulysses").
 
 Counted (the tracker's view): every tensor the block creates in forward and backward: activations, all-to-all
@@ -34,7 +35,8 @@ from hf_upipe.planning.tracker import MemoryTracker
 
 __all__ = ["IMPLEMENTATIONS", "build_attention_block", "measure_attention_block", "simulate_attention_block"]
 
-IMPLEMENTATIONS = ("upipe", "deepspeed")
+IMPLEMENTATIONS = ("upipe", "fused", "deepspeed")
+UPIPE_IMPLS = ("upipe", "fused")  # ours: registered attention function / fused block (`prepare_model`)
 DS_ATTN_NAME = "ds_ulysses"
 
 
@@ -99,7 +101,7 @@ def build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtyp
     from transformers import AttentionInterface, LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-    name = "upipe" if impl == "upipe" else DS_ATTN_NAME
+    name = "upipe" if impl in UPIPE_IMPLS else DS_ATTN_NAME
     config = LlamaConfig(
         hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         intermediate_size=4 * hidden, num_hidden_layers=1, attention_dropout=0.0, attention_bias=False,
@@ -113,6 +115,10 @@ def build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtyp
         rotary = LlamaRotaryEmbedding(config)  # inv_freq is float32 whatever the default dtype
     finally:
         torch.set_default_dtype(previous)
+    if impl == "fused":
+        from hf_upipe.integrations.fused import prepare_model
+
+        prepare_model(block)
     if impl == "deepspeed":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -142,7 +148,7 @@ def measure_attention_block(
     """Tracked forward + backward of one attention block on this rank's shard of seq_len // sp_size tokens.
 
     Args:
-        impl: "upipe" or "deepspeed".
+        impl: "upipe", "fused" or "deepspeed".
         hidden, heads, kv_heads, head_dim: the block geometry (H query / Hk key-value heads of size D).
         seq_len: S, the full sequence; sp_size: P, the ranks of `group` (default: the world).
         dtype: weights and activations.
@@ -166,7 +172,7 @@ def measure_attention_block(
         raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp_size}")
     s, rank = seq_len // sp_size, dist.get_rank(group)
 
-    state = _upipe_state(group, heads_per_chunk) if impl == "upipe" else _deepspeed_comm()
+    state = _upipe_state(group, heads_per_chunk) if impl in UPIPE_IMPLS else _deepspeed_comm()
     with state:
         # not counted: weights, x [1, s, hidden], position_ids [1, s] (global), cos/sin [1, s, D]
         block, rotary = build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group)
@@ -210,7 +216,7 @@ def simulate_attention_block(
     The SP defaults ("upipe") and the fake world are torn down on exit, also on error.
     """
     with simulated_world(sp_size) as world, fake_tensors(dtype):
-        if impl == "upipe":
+        if impl in UPIPE_IMPLS:
             _sp.init_sequence_parallel(group=world, heads_per_chunk=heads_per_chunk)
         try:
             return measure_attention_block(
@@ -218,5 +224,5 @@ def simulate_attention_block(
                 sp_size=sp_size, dtype=dtype, group=world, heads_per_chunk=heads_per_chunk, snapshot=snapshot,
             )
         finally:
-            if impl == "upipe":
+            if impl in UPIPE_IMPLS:
                 _sp.reset_sequence_parallel()

@@ -120,3 +120,34 @@ def test_fused_models_match_single_process(world):
                     assert e < 1e-4, f"{name}: rel err {e:.2e} in {case}"
                 else:  # bf16: within 2x the plain bf16 model's error plus one bf16 ulp
                     assert e <= 2 * base[name] + 2**-7, f"{name}: rel err {e:.2e} vs plain {base[name]:.2e} in {case}"
+
+
+def test_unknown_attention_modules_keep_the_registered_path(caplog):
+    from transformers import AutoModelForCausalLM, Olmo2Config
+
+    cfg = Olmo2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=1, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="upipe")
+    with caplog.at_level("INFO", logger="hf_upipe.integrations.fused"):
+        hf_upipe.prepare_model(model)
+    assert "fused UPipe attention on 0 module(s); ['Olmo2Attention'] keep the registered 'upipe' path" in caplog.text
+    assert not any(hasattr(m, "_upipe_original_forward") for m in model.modules())
+
+
+def _merged_worker(rank, world):
+    """Merged LoRA adapters: the fused block reads the merged base weights and no adapter."""
+    cfg = tiny_config("llama", heads=8, kv_heads=2)
+    ref, model = _with_lora(*build_pair(cfg, "upipe", 11), seed=11)
+    model.merge_adapter()
+    hf_upipe.init_sequence_parallel()
+    hf_upipe.prepare_model(model)
+    ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(3))
+    sh = slice(rank * 8, (rank + 1) * 8)
+    with torch.no_grad():
+        err = _rel(model(ids[:, sh], position_ids=torch.arange(16)[sh][None]).logits, ref(ids).logits[:, sh])
+    hf_upipe.reset_sequence_parallel()
+    return err
+
+
+def test_merged_adapters():
+    assert max(run_distributed(_merged_worker, 2)) < 1e-5

@@ -191,3 +191,27 @@ def test_block_memory_falls_with_heads_per_chunk() -> None:
     assert [f / MiB for f in forward] == [322.0, 288.0, 288.0, 288.0]
     peaks = [r["peak"] for r in results]
     assert all(a > b for a, b in zip(peaks, peaks[1:])), peaks  # fwd+bwd falls at every step
+
+
+# ---------------------------------------------------------------- (c) the fused block
+def test_fused_simulation_equals_real_gloo_run() -> None:
+    real = run_distributed(_real_worker, 2, "fused", CHUNKS, SMALL)
+    assert real[0] == _simulated("fused", CHUNKS, SMALL)
+
+
+def test_fused_block_is_below_the_registered_path_as_designed() -> None:
+    """The fused block never holds the local q, the local attention output or its gradient (three full-width
+    tensors the registered path needs), so its fwd+bwd peak is the floor the design names: the block output y and
+    dx (2 u), the weight gradients, and a few one-stage buffers that scale with the chunk, not with all heads."""
+    H, Hk, D, S, hidden = MID["heads"], MID["kv_heads"], MID["head_dim"], MID["seq_len"], MID["hidden"]
+    weights_grad = (2 * H + 2 * Hk) * D * hidden * BYTES  # q, o: H*D x hidden; k, v: Hk*D x hidden
+    for c in (1, 2):
+        fused = simulate_attention_block("fused", **MID, sp_size=P, heads_per_chunk=c)
+        registered = simulate_attention_block("upipe", **MID, sp_size=P, heads_per_chunk=c)
+        unit = fused["unit"]
+        stage = S * (c + _stage_heads(c)[1]) * D * BYTES  # one stage's q + k/v heads over the full sequence
+        floor = 2 * unit + weights_grad
+        assert floor < fused["peak"] <= floor + 6 * stage, (c, fused["peak"] / unit)
+        assert registered["peak"] - fused["peak"] >= 3 * unit - weights_grad, (registered["peak"] / unit,
+                                                                               fused["peak"] / unit)
+        assert fused["forward_peak"] < registered["forward_peak"]
