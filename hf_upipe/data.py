@@ -1,0 +1,256 @@
+"""Cut collated batches into the per-rank sequence shards that `attn_implementation="upipe"` expects.
+
+Entry points:
+- `shard_batch(batch, sp_rank, sp_size, *, pad_token_id=0, ignore_index=-100)`: pure function (no communication)
+  from a full collated batch to this rank's shard: `shift_labels` built over the whole sequence, the sequence
+  right-padded to a multiple of `sp_size`, global `position_ids`, every [B, S] tensor sliced to the contiguous
+  shard `[:, r*s:(r+1)*s]`, and `num_label_tokens` of the whole batch for a globally normalised loss.
+- `ShardedDataLoader(dataloader, state, *, pad_token_id=0)`: wraps a loader that yields the SAME batch on every
+  rank of an SP group and yields `shard_batch(batch, state.sp_rank, state.sp_size)`.
+- `sampler_kwargs(state)`: `dict(num_replicas=state.dp_size, rank=state.dp_rank)` for a `DistributedSampler`, so
+  ranks of one SP group draw the same samples and different SP groups draw different ones.
+
+Loss: pass `shift_labels=shard["shift_labels"]` and `num_items_in_batch=shard["num_label_tokens"]` to transformers'
+`ForCausalLMLoss` (or `model(..., labels=shard["shift_labels"], shift_labels=..., num_items_in_batch=...)`, where
+`labels` only switches the loss on); each rank's loss is then its share of the full-sequence mean, and the shares
+summed over the SP group equal the unsharded loss, whatever sp_size is (no rescaling by sp_size).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hf_upipe.distributed import SequenceParallelState
+
+__all__ = ["ShardedDataLoader", "sampler_kwargs", "shard_batch"]
+
+# Flash-attention varlen kwargs (DataCollatorWithFlattening(return_flash_attn_kwargs=True)) describe the unsharded
+# sequence: they are rejected when they describe packing and dropped otherwise (wrong for a shard, and redundant).
+_FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+_PACKING_ERROR = (
+    "Packed rows (several documents per row: position_ids restarting inside a row, multi-document cu_seq_lens or "
+    "seq_idx, as DataCollatorWithFlattening produces) are not supported under sequence parallelism yet; the "
+    "'upipe' attention rejects them too, since documents would attend to each other. Use one document per row "
+    "with right padding (e.g. DataCollatorWithPadding / DataCollatorForLanguageModeling, padding_side='right')."
+)
+
+
+def _check_right_padding(mask: torch.Tensor) -> None:
+    """Raise unless every row of the [B, S] mask is ones then zeros."""
+    m = mask.long()
+    if not bool((m.cummin(dim=1).values == m).all()):
+        rows = torch.nonzero((m.cummin(dim=1).values != m).any(dim=1)).flatten().tolist()
+        raise ValueError(
+            f"attention_mask rows {rows} have left or interior padding (a 0 before a 1), which sequence-parallel "
+            "'upipe' attention cannot honour: tokenize/collate with padding_side='right' (tokenizer.padding_side = "
+            "'right'), or do not pad."
+        )
+
+
+def _check_positions(pos: torch.Tensor, real: torch.Tensor, batch: dict) -> None:
+    """Raise on packed rows or non-global positions; `pos`, `real`: [B, S] (real: True for non-padding)."""
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if torch.is_tensor(batch.get(key)) and batch[key].numel() > 2:
+            raise NotImplementedError(f"{_PACKING_ERROR} (got {key} with {batch[key].numel() - 1} documents)")
+    seq_idx = batch.get("seq_idx")
+    if torch.is_tensor(seq_idx) and seq_idx.dim() == 2 and bool((seq_idx != seq_idx[:, :1]).any()):
+        raise NotImplementedError(f"{_PACKING_ERROR} (seq_idx changes inside a row)")
+    if pos is None:
+        return
+    # real tokens are a prefix of each row (right padding was checked), so compare neighbours inside it
+    both_real = real[:, 1:] & real[:, :-1]  # [B, S-1]
+    if bool(((pos[:, 1:] <= pos[:, :-1]) & both_real).any()):
+        raise NotImplementedError(f"{_PACKING_ERROR} (position_ids restart inside a row)")
+    expected = torch.arange(pos.shape[1], device=pos.device).expand_as(pos)  # [B, S]
+    if not bool(((pos == expected) | ~real).all()):
+        raise ValueError(
+            "position_ids are not 0, 1, ..., S-1 on the real tokens of every row: sequence-parallel attention "
+            "needs global positions. Omit position_ids (shard_batch builds them) or pass torch.arange(S)."
+        )
+
+
+def _is_sequence(value, batch_size: int, seq_len: int) -> bool:
+    return torch.is_tensor(value) and value.dim() >= 2 and value.shape[0] in (batch_size, 1) and \
+        value.shape[1] == seq_len
+
+
+def shard_batch(
+    batch: dict, sp_rank: int, sp_size: int, *, pad_token_id: int = 0, ignore_index: int = -100
+) -> dict:
+    """This rank's contiguous sequence shard of a full collated batch (pure, no communication).
+
+    Every rank of an SP group calls it on the same batch, so every rank takes the same decisions and raises the
+    same errors (all checks run on the unsharded batch, before slicing).
+
+    `labels` is dropped: shifting inside a shard would lose the target of each shard's last token (it is the first
+    token of the next shard) and mis-align the loss, so the targets are shifted over the whole sequence first and
+    returned as `shift_labels`, which transformers' `ForCausalLMLoss` uses without shifting again.
+
+    Args:
+        batch: `input_ids` [B, S]; optional `labels` [B, S] (unshifted, HF convention), `shift_labels` [B, S]
+            (already shifted; then `labels` is ignored), `attention_mask` [B, S] (right padding only),
+            `position_ids` [B or 1, S] (0..S-1 on real tokens). Other tensors shaped [B or 1, S, ...] are padded
+            with 0 and sliced; everything else is passed through unchanged.
+        sp_rank: this rank's index in its SP group.
+        sp_size: ranks in the SP group.
+        pad_token_id: id used to right-pad `input_ids` to a multiple of `sp_size`.
+        ignore_index: label value ignored by the loss (transformers: -100).
+
+    Returns:
+        A new dict with every sequence tensor shaped [B or 1, S_padded // sp_size, ...], `position_ids` [B, s]
+        global (rank r: r*s .. r*s+s-1), `shift_labels` [B, s] if labels were given, and `num_label_tokens` (0-dim
+        long: targets != ignore_index in the WHOLE batch; only with labels).
+
+    Raises:
+        ValueError: bad rank/size, missing or non-2-D `input_ids`, shape mismatches, left/interior padding, or
+            position_ids that are not global.
+        NotImplementedError: packed rows.
+    """
+    if not (isinstance(sp_size, int) and sp_size >= 1 and isinstance(sp_rank, int) and 0 <= sp_rank < sp_size):
+        raise ValueError(f"sp_rank={sp_rank}, sp_size={sp_size}: need an integer sp_size >= 1 and 0 <= sp_rank < "
+                         "sp_size (pass state.sp_rank and state.sp_size from init_sequence_parallel).")
+    ids = batch.get("input_ids")
+    if not torch.is_tensor(ids) or ids.dim() != 2:
+        raise ValueError("shard_batch needs batch['input_ids'] as a [B, S] tensor (collate and pad the batch first), "
+                         f"got {type(ids).__name__}{'' if ids is None else tuple(getattr(ids, 'shape', ()))}.")
+    B, S = ids.shape
+    for key in ("labels", "shift_labels", "attention_mask"):
+        if batch.get(key) is not None and tuple(batch[key].shape) != (B, S):
+            raise ValueError(f"batch['{key}'] has shape {tuple(batch[key].shape)}, input_ids has {(B, S)}: "
+                             "collate them to the same [B, S].")
+    pos = batch.get("position_ids")
+    if pos is not None and (pos.dim() != 2 or pos.shape[0] not in (B, 1) or pos.shape[1] != S):
+        raise ValueError(f"position_ids has shape {tuple(pos.shape)}; expected [B, S] or [1, S] with B={B}, S={S} "
+                         "(3-D multimodal RoPE positions are not supported under sequence parallelism).")
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        _check_right_padding(mask)
+    real = torch.ones(B, S, dtype=torch.bool, device=ids.device) if mask is None else mask.bool()  # [B, S]
+    _check_positions(None if pos is None else pos.expand(B, S), real, batch)
+
+    out = {k: v for k, v in batch.items() if k not in _FLASH_KEYS and k not in ("labels", "position_ids")}
+    # (1) targets shifted over the WHOLE sequence: position t predicts token t+1
+    shift = batch.get("shift_labels")
+    if shift is None and batch.get("labels") is not None:
+        labels = batch["labels"]
+        shift = torch.cat([labels[:, 1:], labels.new_full((B, 1), ignore_index)], dim=1)  # [B, S]
+        if mask is not None:  # a target that is padding is no target
+            target_real = torch.cat([real[:, 1:], real.new_zeros(B, 1)], dim=1)  # [B, S]
+            shift = shift.masked_fill(~target_real, ignore_index)
+    if shift is not None:
+        out["shift_labels"] = shift
+        out["num_label_tokens"] = (shift != ignore_index).sum().to(torch.long)  # 0-dim, whole batch
+
+    # (2) right-pad to a multiple of sp_size; (3) global positions (also replacing any given ones on padding)
+    s = -(-S // sp_size)
+    pad = s * sp_size - S
+    fill = {"input_ids": pad_token_id, "shift_labels": ignore_index, "attention_mask": 0}
+    out["position_ids"] = torch.arange(S + pad, device=ids.device).expand(B, S + pad)  # [B, S_padded]
+    # (4) this rank's contiguous shard of every sequence tensor
+    lo, hi = sp_rank * s, (sp_rank + 1) * s
+    for key, value in out.items():
+        if not _is_sequence(value, B, S + pad if key == "position_ids" else S):
+            continue
+        if pad and key != "position_ids":
+            tail = value.new_full((value.shape[0], pad, *value.shape[2:]), fill.get(key, 0))  # [B|1, pad, ...]
+            value = torch.cat([value, tail], dim=1)  # [B|1, S_padded, ...]
+        out[key] = value[:, lo:hi].contiguous()  # [B|1, s, ...]
+    return out
+
+
+def sampler_kwargs(state: SequenceParallelState) -> dict:
+    """`DistributedSampler` arguments that give every rank of one SP group the same samples.
+
+    Args:
+        state: from `init_sequence_parallel`.
+
+    Returns:
+        `dict(num_replicas=state.dp_size, rank=state.dp_rank)`: one replica per SP group, not per rank.
+    """
+    return {"num_replicas": state.dp_size, "rank": state.dp_rank}
+
+
+def _collective_device(group) -> torch.device:
+    """CPU for gloo (also "cpu:gloo,cuda:nccl"), the current accelerator for NCCL-like backends."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or torch.accelerator.current_accelerator() is None:
+        return torch.device("cpu")
+    acc = torch.accelerator.current_accelerator()
+    return torch.device(acc.type, torch.accelerator.current_device_index())
+
+
+def _checksum(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """int64 [4]: B, S, and two position-weighted sums of the token ids (order-sensitive, overflow-free)."""
+    flat = ids.reshape(-1).to(device=device, dtype=torch.long)  # [B*S]
+    prime = 2_147_483_647
+    weights = (torch.arange(flat.numel(), device=device) * 1_000_003 + 12_345) % prime + 1  # [B*S]
+    return torch.stack([
+        torch.tensor(ids.shape[0], device=device), torch.tensor(ids.shape[1], device=device),
+        ((flat % prime) * weights % prime).sum(), flat.sum(),
+    ])
+
+
+class ShardedDataLoader:
+    """Yield this rank's sequence shard of every batch of a loader that gives all SP ranks the same batch.
+
+    Build the wrapped loader so that every rank of one SP group gets the same batches and different SP groups
+    get different ones: `DistributedSampler(dataset, **sampler_kwargs(state), seed=...)` (NOT the world size and
+    rank, which `DistributedSampler` defaults to), the same seed, batch size and collator on every rank. The
+    number of batches per epoch is then the same as plain data parallelism over `state.dp_size` replicas.
+
+    Args:
+        dataloader: any iterable of collated batch dicts (`input_ids` [B, S], ...), usually a torch DataLoader.
+        state: this rank's `SequenceParallelState`.
+        pad_token_id: see `shard_batch`.
+        ignore_index: see `shard_batch`.
+        check_same_batch: on the first batch of each pass, all-gather a checksum of `input_ids` over
+            `state.sp_group` and raise the same ValueError on every rank if the SP ranks got different batches
+            (one tiny collective per epoch; every rank must iterate). Skipped when sp_size is 1.
+    """
+
+    sampler_kwargs = staticmethod(sampler_kwargs)
+
+    def __init__(self, dataloader, state: SequenceParallelState, *, pad_token_id: int = 0,
+                 ignore_index: int = -100, check_same_batch: bool = True):
+        self.dataloader = dataloader
+        self.state = state
+        self.pad_token_id = pad_token_id
+        self.ignore_index = ignore_index
+        self.check_same_batch = check_same_batch
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward to the wrapped loader's sampler (or loader) `set_epoch`, as `DistributedSampler` needs."""
+        for obj in (getattr(self.dataloader, "sampler", None), self.dataloader):
+            if hasattr(obj, "set_epoch"):
+                obj.set_epoch(epoch)
+                return
+
+    def __iter__(self):
+        state = self.state
+        for i, batch in enumerate(self.dataloader):
+            if i == 0 and self.check_same_batch and state.sp_size > 1:
+                self._verify_same_batch(batch["input_ids"])
+            yield shard_batch(batch, state.sp_rank, state.sp_size, pad_token_id=self.pad_token_id,
+                              ignore_index=self.ignore_index)
+
+    def _verify_same_batch(self, ids: torch.Tensor) -> None:
+        group = self.state.sp_group
+        device = _collective_device(group)
+        mine = _checksum(ids, device)
+        every = [torch.empty_like(mine) for _ in range(self.state.sp_size)]
+        dist.all_gather(every, mine, group=group)  # [P] x [4]
+        rows = [tuple(t.tolist()) for t in every]
+        if len(set(rows)) > 1:
+            differ = [r for r, row in enumerate(rows) if row != rows[0]]
+            raise ValueError(
+                f"The {self.state.sp_size} ranks of this sequence-parallel group loaded different batches (SP ranks "
+                f"{differ} differ from SP rank 0; shapes {[row[:2] for row in rows]}). ShardedDataLoader needs the "
+                "same batch on every rank of an SP group: build the sampler with "
+                f"DistributedSampler(dataset, **sampler_kwargs(state)) (num_replicas={self.state.dp_size}, "
+                f"rank={self.state.dp_rank}), not the world size and rank, with the same seed on every rank."
+            )
