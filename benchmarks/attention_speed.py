@@ -4,7 +4,7 @@ One transformers LlamaAttention block (q/k/v projections, RoPE, attention, o_pro
 `hf_upipe.planning.attention_block.build_attention_block`, forward + backward on each rank's shard of S/2 tokens.
 Two spawned gloo ranks with one thread each. Implementations: DeepSpeed 0.19.8 `UlyssesSPAttentionHF` (skipped
 with a note if deepspeed is missing), `attn_implementation="upipe"` with heads_per_chunk=None (Ulysses mode),
-and UPipe with heads_per_chunk=1 and 2.
+UPipe with heads_per_chunk=1 and 2, and the fused UPipe block (`hf_upipe.prepare_model`) with heads_per_chunk=1.
 
     python benchmarks/attention_speed.py [--seq-lens 4096,8192,16384] [--reps 5] [--warmup 1]
         [--hidden 512 --heads 8 --kv-heads 4 --head-dim 64] [--out benchmarks/results]
@@ -49,6 +49,7 @@ IMPLS = [
     ("ours Ulysses", "upipe", None),
     ("UPipe c=1", "upipe", 1),
     ("UPipe c=2", "upipe", 2),
+    ("UPipe fused c=1", "fused", 1),
 ]
 CPU_NOTE = ("CPU (gloo, fp32, 1 thread per rank) timings say nothing about H100/NCCL: compute dominates here, "
             "and overlap, latency of small chunks and NCCL/flash-attention behaviour must be measured on the GPU.")
@@ -62,7 +63,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     import torch.distributed as dist
 
     import hf_upipe  # noqa: F401  (registers "upipe")
-    from hf_upipe.planning.attention_block import _deepspeed_comm, _upipe_state, build_attention_block
+    from hf_upipe.planning.attention_block import UPIPE_IMPLS, _deepspeed_comm, _upipe_state, build_attention_block
 
     torch.set_num_threads(1)
     dtype = getattr(torch, cfg["dtype"])
@@ -88,7 +89,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                 blocks = {}
                 for label, impl, c in impls:
                     torch.manual_seed(0)  # identical weights for every implementation
-                    state = _upipe_state(group, c) if impl == "upipe" else contextlib.nullcontext()
+                    state = _upipe_state(group, c) if impl in UPIPE_IMPLS else contextlib.nullcontext()
                     with state:
                         blocks[label] = build_attention_block(impl, cfg["hidden"], cfg["heads"], cfg["kv_heads"],
                                                               cfg["head_dim"], S, dtype, group)
@@ -103,7 +104,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                     block = blocks[label][0]
                     block.zero_grad(set_to_none=True)
                     x.grad = None
-                    state = _upipe_state(group, c) if impl == "upipe" else contextlib.nullcontext()
+                    state = _upipe_state(group, c) if impl in UPIPE_IMPLS else contextlib.nullcontext()
                     with state:
                         counter["bytes"] = counter["calls"] = 0
                         dist.barrier()
