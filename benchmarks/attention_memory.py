@@ -27,21 +27,13 @@ import transformers  # noqa: E402
 
 import hf_upipe  # noqa: E402,F401  (registers "upipe")
 from hf_upipe.ops.head_layout import valid_heads_per_chunk  # noqa: E402
-from hf_upipe.planning.attention_block import simulate_attention_block  # noqa: E402
+from hf_upipe.planning.attention_block import BENCHMARK_ROWS, simulate_attention_block  # noqa: E402
 
 GiB = 2**30
 GEOMETRIES = {  # hidden, q heads, kv heads, head dim
     "llama3-8b": dict(hidden=4096, heads=32, kv_heads=8, head_dim=128),
     "qwen3-32b": dict(hidden=8192, heads=64, kv_heads=8, head_dim=128),  # the project issue's shape
 }
-# (label, impl, heads_per_chunk)
-IMPLS = [
-    ("DeepSpeed Ulysses", "deepspeed", None),
-    ("ours Ulysses", "upipe", None),
-    ("UPipe c=1", "upipe", 1),
-    ("UPipe c=2", "upipe", 2),
-    ("UPipe fused c=1", "fused", 1),
-]
 DEFAULT_SEQ = "128K,256K,512K,1M,2M,3M,4M,5M"
 
 
@@ -88,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         geo = GEOMETRIES[name]
         valid = valid_heads_per_chunk(geo["heads"], geo["kv_heads"], args.sp_size)
         impls = []
-        for label, impl, c in IMPLS:
+        for label, impl, c in BENCHMARK_ROWS:
             if impl == "deepspeed" and not have_ds:
                 continue
             if c is not None and c not in valid:

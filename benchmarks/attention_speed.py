@@ -42,15 +42,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+from hf_upipe.planning.attention_block import BENCHMARK_ROWS  # noqa: E402
+
 MiB = 2**20
-# (label, impl, heads_per_chunk)
-IMPLS = [
-    ("DeepSpeed Ulysses", "deepspeed", None),
-    ("ours Ulysses", "upipe", None),
-    ("UPipe c=1", "upipe", 1),
-    ("UPipe c=2", "upipe", 2),
-    ("UPipe fused c=1", "fused", 1),
-]
 CPU_NOTE = ("CPU (gloo, fp32, 1 thread per rank) timings say nothing about H100/NCCL: compute dominates here, "
             "and overlap, latency of small chunks and NCCL/flash-attention behaviour must be measured on the GPU.")
 
@@ -201,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         print("note: deepspeed is not installed, DeepSpeed Ulysses is skipped (pip install 'hf_upipe[bench]')")
     valid = valid_heads_per_chunk(args.heads, args.kv_heads, world)
     impls = []
-    for label, impl, c in IMPLS:
+    for label, impl, c in BENCHMARK_ROWS:
         if impl == "deepspeed" and ds_version is None:
             continue
         if c is not None and c not in valid:

@@ -33,10 +33,18 @@ from hf_upipe import distributed as _sp
 from hf_upipe.planning.simulate import fake_tensors, simulated_world
 from hf_upipe.planning.tracker import MemoryTracker
 
-__all__ = ["IMPLEMENTATIONS", "build_attention_block", "measure_attention_block", "simulate_attention_block"]
+__all__ = ["BENCHMARK_ROWS", "IMPLEMENTATIONS", "build_attention_block", "measure_attention_block", "simulate_attention_block"]
 
 IMPLEMENTATIONS = ("upipe", "fused", "deepspeed")
 UPIPE_IMPLS = ("upipe", "fused")  # ours: registered attention function / fused block (`prepare_model`)
+# what the benchmarks compare side by side: (label, impl, heads_per_chunk)
+BENCHMARK_ROWS = (
+    ("DeepSpeed Ulysses", "deepspeed", None),
+    ("ours Ulysses", "upipe", None),
+    ("UPipe c=1", "upipe", 1),
+    ("UPipe c=2", "upipe", 2),
+    ("UPipe fused c=1", "fused", 1),
+)
 DS_ATTN_NAME = "ds_ulysses"
 
 
