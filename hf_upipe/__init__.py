@@ -7,9 +7,14 @@ Main entry points:
 - `prepare_model(model)`: install the fused UPipe attention block (projections inside the head-chunk loop, LoRA
   included) on Llama, Mistral, Qwen2 and Qwen3 attention modules; a plain or a PEFT model.
 - `upipe_attention(q, k, v, *, group, heads_per_chunk)`: the op itself, on explicit tensors and process group.
+- `UPipeTrainer` / `UPipeConfig`: transformers' Trainer with sequence parallelism, exact token-weighted loss and
+  a tiled loss; the settings dataclass (`UPIPE_*` environment fallbacks). `UPipeTrainer` is imported lazily.
+- `shard_batch`, `ShardedDataLoader`, `sampler_kwargs`: per-rank sequence shards for custom training loops.
 - `MemoryTracker`: exact tensor-memory accounting (real or fake tensors), as used by the benchmarks.
 """
 
+from hf_upipe.config import UPipeConfig
+from hf_upipe.data import ShardedDataLoader, sampler_kwargs, shard_batch
 from hf_upipe.distributed import (
     SequenceParallelState,
     get_sequence_parallel_state,
@@ -28,13 +33,26 @@ __all__ = [
     "HeadLayout",
     "MemoryTracker",
     "SequenceParallelState",
+    "ShardedDataLoader",
+    "UPipeConfig",
+    "UPipeTrainer",
     "get_sequence_parallel_state",
     "init_sequence_parallel",
     "prepare_model",
     "reset_sequence_parallel",
+    "sampler_kwargs",
+    "shard_batch",
     "upipe_attention",
     "valid_heads_per_chunk",
     "valid_sp_sizes",
 ]
 
 _register()
+
+
+def __getattr__(name):
+    if name == "UPipeTrainer":  # lazy: transformers.Trainer pulls in accelerate and optimizers
+        from hf_upipe.trainer import UPipeTrainer
+
+        return UPipeTrainer
+    raise AttributeError(f"module 'hf_upipe' has no attribute {name!r}")

@@ -1,0 +1,119 @@
+"""The one set of hf_upipe settings, read by `UPipeTrainer` (and the accelerate plugin and CLI of later issues).
+
+Entry points:
+- `UPipeConfig`: accelerate-style dataclass (help text per field, `UPIPE_*` environment fallbacks, validation in
+  `__post_init__` that names the fix).
+- `UPipeConfig.resolve_sp_size(world_size, local_world_size=None)`: the SP degree for a given launch.
+- `UPipeConfig.init_kwargs()`: the arguments of `hf_upipe.init_sequence_parallel`.
+
+Precedence: an explicit argument, then the `UPIPE_<FIELD>` environment variable, then the default. Validation
+that needs the world size (sp_size dividing it) happens in `resolve_sp_size`, on every rank, before any
+collective: every rank sees the same settings and the same world size, so every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+from hf_upipe.ops.kernels import check_kernel_name
+
+__all__ = ["UPipeConfig"]
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(f"UPIPE_{name.upper()}")
+    return None if value is None or value.strip() == "" else value.strip()
+
+
+def _parse_bool(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower()
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise ValueError(f"{name}={value!r} is not a boolean: use one of {_TRUE + _FALSE}.")
+
+
+def _parse_positive_int(name: str, value, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or number < 1 or (isinstance(value, float) and value != number):
+        raise ValueError(f"{name}={value!r} must be a positive integer.")
+    return number
+
+
+@dataclass
+class UPipeConfig:
+    """Sequence-parallel training settings. Every field falls back to the environment variable `UPIPE_<FIELD>`
+    (for example `UPIPE_SP_SIZE=8`, `UPIPE_HEADS_PER_CHUNK=all`) when not given."""
+
+    sp_size: int | None = field(default=None, metadata={"help": (
+        "Ranks that share one sequence (sequence-parallel degree). Default: all processes of a node "
+        "(LOCAL_WORLD_SIZE when it divides the world size), else all processes. Must divide the world size; the "
+        "remaining factor is data parallelism.")})
+    heads_per_chunk: int | str | None = field(default=None, metadata={"help": (
+        "Query heads each rank processes per UPipe stage: 1 (default) uses the least attention memory; 'all' "
+        "processes all local heads at once, which is DeepSpeed-Ulysses done by the same code.")})
+    kernel: str | None = field(default=None, metadata={"help": (
+        "Inner attention kernel: 'auto' (default), 'sdpa', or 'flash_attn' (see hf_upipe.ops.kernels).")})
+    fused_attention: bool | None = field(default=None, metadata={"help": (
+        "Install the fused UPipe attention block (q/k/v/o projections inside the head-chunk loop) on Llama, "
+        "Mistral, Qwen2 and Qwen3 attention modules (hf_upipe.prepare_model). Default True.")})
+    tiled_loss: bool | None = field(default=None, metadata={"help": (
+        "Compute lm_head + cross-entropy in token chunks so the [tokens, vocab] logits never exist. Default True.")})
+    loss_chunk_tokens: int | None = field(default=None, metadata={"help": (
+        "Tokens per tiled-loss chunk. Default: about 256 MiB of fp32 logits per chunk (65536 // (vocab / 1024)).")})
+
+    def __post_init__(self):
+        env = {f.name: _env(f.name) for f in fields(self)}
+        if self.sp_size is None and env["sp_size"] is not None:
+            self.sp_size = env["sp_size"]
+        self.sp_size = _parse_positive_int("sp_size", self.sp_size, allow_none=True)
+
+        hpc = self.heads_per_chunk if self.heads_per_chunk is not None else env["heads_per_chunk"]
+        if hpc is None:
+            hpc = 1
+        if isinstance(hpc, str) and hpc.lower() in ("all", "none", "ulysses"):
+            hpc = "all"
+        else:
+            hpc = _parse_positive_int("heads_per_chunk", hpc)
+        self.heads_per_chunk = hpc
+
+        self.kernel = self.kernel or env["kernel"] or "auto"
+        check_kernel_name(self.kernel)
+        for name in ("fused_attention", "tiled_loss"):
+            value = getattr(self, name)
+            value = env[name] if value is None else value
+            setattr(self, name, True if value is None else _parse_bool(name, value))
+        chunk = self.loss_chunk_tokens if self.loss_chunk_tokens is not None else env["loss_chunk_tokens"]
+        self.loss_chunk_tokens = _parse_positive_int("loss_chunk_tokens", chunk, allow_none=True)
+
+    def resolve_sp_size(self, world_size: int, local_world_size: int | None = None) -> int:
+        """The SP degree for a launch of `world_size` processes (`local_world_size` per node).
+
+        Raises:
+            ValueError: sp_size does not divide world_size (the message lists the values that do).
+        """
+        if local_world_size is None and os.environ.get("LOCAL_WORLD_SIZE"):
+            local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+        sp = self.sp_size
+        if sp is None:
+            fits = local_world_size and world_size % local_world_size == 0
+            sp = local_world_size if fits else world_size
+        if world_size % sp != 0:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(f"sp_size={sp} does not divide the {world_size} processes of this launch; use one of "
+                             f"{divisors} (UPIPE_SP_SIZE or UPipeConfig(sp_size=...)).")
+        return sp
+
+    def init_kwargs(self) -> dict:
+        """`heads_per_chunk` and `kernel` as `init_sequence_parallel` takes them ('all' -> None)."""
+        return {"heads_per_chunk": None if self.heads_per_chunk == "all" else self.heads_per_chunk,
+                "kernel": self.kernel}

@@ -1,0 +1,83 @@
+"""Worker bodies for the Trainer tests: one training run per call, in a spawned gloo process group.
+
+`train_runs(rank, world, specs)` runs several specs one after the other in the same processes (spawning is the
+slow part). `train_run(rank, world, spec)` trains a tiny random Llama (fp32) on a fixed random dataset with either
+`transformers.Trainer` ("hf", the single-process reference) or `UPipeTrainer` ("upipe"), and returns plain values:
+the logged training losses per step, the eval losses, the extra log keys, and the final trainable parameters.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def _dataset(n_rows: int, seq_len: int, vocab: int, seed: int):
+    """Rows of random tokens with right padding of varying length; labels -100 on the padding."""
+    from datasets import Dataset
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (n_rows, seq_len), generator=gen)
+    lengths = torch.randint(seq_len // 2, seq_len + 1, (n_rows,), generator=gen)
+    mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()  # [n, S] ones then zeros
+    ids = ids * mask
+    labels = ids.masked_fill(mask == 0, -100)
+    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist(), "labels": labels.tolist()})
+
+
+def _model(lora: bool, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    from tests.integrations._models import tiny_config
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa", dtype=torch.float32)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]))
+    return model
+
+
+def train_run(rank: int, world: int, spec: dict) -> dict:
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    import hf_upipe
+
+    model = _model(spec["lora"], seed=11)
+    args = TrainingArguments(
+        output_dir=spec["output_dir"], per_device_train_batch_size=spec["batch"], per_device_eval_batch_size=spec["batch"],
+        gradient_accumulation_steps=spec.get("ga", 2), max_steps=spec.get("steps", 4), learning_rate=2e-3,
+        lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.01, max_grad_norm=1.0, logging_steps=1,
+        eval_strategy="steps" if spec.get("eval_steps") else "no", eval_steps=spec.get("eval_steps"),
+        save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps"),
+        report_to=[], use_cpu=True, seed=3, data_seed=5, disable_tqdm=True, dataloader_num_workers=0,
+        gradient_checkpointing=spec.get("checkpointing", False),
+    )
+    train = _dataset(32, spec.get("seq_len", 29), 96, seed=1)
+    evals = _dataset(8, spec.get("seq_len", 29), 96, seed=2)
+    kwargs = dict(model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=default_data_collator)
+    if spec["trainer"] == "upipe":
+        cfg = hf_upipe.UPipeConfig(sp_size=spec["sp"], heads_per_chunk=spec.get("heads_per_chunk", 1), fused_attention=spec.get("fused", True),
+                                   tiled_loss=spec.get("tiled", True), loss_chunk_tokens=7)
+        trainer = hf_upipe.UPipeTrainer(**kwargs, upipe_config=cfg)
+    else:
+        trainer = Trainer(**kwargs)
+    trainer.train(resume_from_checkpoint=spec.get("resume"))
+    history = trainer.state.log_history
+    losses = {h["step"]: h["loss"] for h in history if "loss" in h}
+    evals_ = {h["step"]: h["eval_loss"] for h in history if "eval_loss" in h}
+    extra = sorted({k for h in history if "loss" in h for k in h})
+    params = {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    if spec.get("save_to") and trainer.args.should_save:
+        trainer.save_model(spec["save_to"])
+    return {"losses": losses, "evals": evals_, "keys": extra, "params": params if rank == 0 else None,
+            "stats": [(h.get("tokens_per_second"), h.get("peak_memory_gib")) for h in history if "loss" in h]}
+
+
+def train_runs(rank: int, world: int, specs: list[dict]) -> list[dict]:
+    return [train_run(rank, world, spec) for spec in specs]
