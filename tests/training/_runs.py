@@ -81,3 +81,46 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
 
 def train_runs(rank: int, world: int, specs: list[dict]) -> list[dict]:
     return [train_run(rank, world, spec) for spec in specs]
+
+
+def error_runs(rank: int, world: int, out_dir: str) -> dict:
+    """Bad settings and an interrupted checkpoint save, on every rank; returns the messages seen."""
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    from datasets import Dataset
+    from transformers import TrainingArguments, default_data_collator
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from hf_upipe import UPipeConfig, UPipeTrainer
+
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, max_steps=2, save_strategy="steps",
+                             save_steps=1, report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1)
+    data = _dataset(8, 13, 96, seed=1)
+    seen = {}
+
+    def attempt(key, make):
+        try:
+            make()
+        except (ValueError, NotImplementedError, RuntimeError) as err:
+            seen[key] = f"{type(err).__name__}: {err}"
+
+    attempt("sp3", lambda: UPipeTrainer(model=_model(False, 1), args=args, train_dataset=data,
+                                        upipe_config=UPipeConfig(sp_size=3)))
+    attempt("metrics", lambda: UPipeTrainer(model=_model(False, 1), args=args, train_dataset=data,
+                                            compute_metrics=lambda p: {}, upipe_config=UPipeConfig(sp_size=2)))
+    no_labels = Dataset.from_dict({"input_ids": data["input_ids"]})
+    attempt("labels", lambda: UPipeTrainer(model=_model(False, 1), args=args, train_dataset=no_labels,
+                                           data_collator=default_data_collator,
+                                           upipe_config=UPipeConfig(sp_size=2)).train())
+
+    class FailingSave(UPipeTrainer):
+        def _save_optimizer_and_scheduler(self, output_dir):
+            if self.state.global_step == 2:
+                raise RuntimeError("disk full (simulated)")
+            super()._save_optimizer_and_scheduler(output_dir)
+
+    attempt("save", lambda: FailingSave(model=_model(False, 1), args=args, train_dataset=data,
+                                        data_collator=default_data_collator,
+                                        upipe_config=UPipeConfig(sp_size=2)).train())
+    seen["entries"] = sorted(os.listdir(out_dir))
+    seen["last"] = os.path.basename(get_last_checkpoint(out_dir) or "")
+    return seen

@@ -1,0 +1,58 @@
+"""UPipeConfig: explicit values, UPIPE_* environment fallbacks, defaults, and errors that name the fix."""
+
+import pytest
+
+from hf_upipe import UPipeConfig
+
+
+def test_defaults(monkeypatch):
+    for name in ("SP_SIZE", "HEADS_PER_CHUNK", "KERNEL", "FUSED_ATTENTION", "TILED_LOSS", "LOSS_CHUNK_TOKENS"):
+        monkeypatch.delenv(f"UPIPE_{name}", raising=False)
+    cfg = UPipeConfig()
+    assert (cfg.sp_size, cfg.heads_per_chunk, cfg.kernel, cfg.fused_attention, cfg.tiled_loss,
+            cfg.loss_chunk_tokens) == (None, 1, "auto", True, True, None)
+    assert cfg.init_kwargs() == {"heads_per_chunk": 1, "kernel": "auto"}
+
+
+def test_environment_fallbacks_and_explicit_precedence(monkeypatch):
+    monkeypatch.setenv("UPIPE_SP_SIZE", "4")
+    monkeypatch.setenv("UPIPE_HEADS_PER_CHUNK", "all")
+    monkeypatch.setenv("UPIPE_TILED_LOSS", "0")
+    monkeypatch.setenv("UPIPE_LOSS_CHUNK_TOKENS", "2048")
+    monkeypatch.setenv("UPIPE_KERNEL", "sdpa")
+    cfg = UPipeConfig()
+    assert (cfg.sp_size, cfg.heads_per_chunk, cfg.tiled_loss, cfg.loss_chunk_tokens, cfg.kernel) == \
+        (4, "all", False, 2048, "sdpa")
+    assert cfg.init_kwargs()["heads_per_chunk"] is None  # Ulysses mode
+    explicit = UPipeConfig(sp_size=2, heads_per_chunk=2, tiled_loss=True)
+    assert (explicit.sp_size, explicit.heads_per_chunk, explicit.tiled_loss) == (2, 2, True)
+
+
+def test_resolve_sp_size(monkeypatch):
+    monkeypatch.delenv("UPIPE_SP_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert UPipeConfig().resolve_sp_size(16, local_world_size=8) == 8  # one node shares a sequence
+    assert UPipeConfig().resolve_sp_size(6, local_world_size=4) == 6  # nodes of unequal use: all processes
+    assert UPipeConfig().resolve_sp_size(4) == 4
+    assert UPipeConfig(sp_size=2).resolve_sp_size(8) == 2
+    with pytest.raises(ValueError, match=r"sp_size=3 does not divide the 8 processes.*\[1, 2, 4, 8\]"):
+        UPipeConfig(sp_size=3).resolve_sp_size(8)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(sp_size=0), "sp_size=0 must be a positive integer"),
+    (dict(heads_per_chunk="two"), "heads_per_chunk='two' must be a positive integer"),
+    (dict(heads_per_chunk=-1), "heads_per_chunk=-1"),
+    (dict(kernel="flash3"), "Unknown attention kernel 'flash3'"),
+    (dict(tiled_loss="maybe"), "tiled_loss='maybe' is not a boolean"),
+    (dict(loss_chunk_tokens=1.5), "loss_chunk_tokens=1.5"),
+])
+def test_bad_values_name_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        UPipeConfig(**kwargs)
+
+
+def test_bad_environment_value(monkeypatch):
+    monkeypatch.setenv("UPIPE_SP_SIZE", "eight")
+    with pytest.raises(ValueError, match="sp_size='eight'"):
+        UPipeConfig()
