@@ -1,0 +1,169 @@
+"""Tiled MLP: a model's own MLP module run over sequence chunks, recomputed chunk by chunk in backward.
+
+Entry points:
+- `tiled_mlp(x, forward_fn, params, *, chunk_tokens)`: the op on an explicit function and its trainable tensors.
+- `TiledMLPFunction`: its autograd Function.
+- `apply_tiled_mlp(model, chunk_tokens=None)`: install it on the MLP modules of a loaded model (idempotent; plain
+  or PEFT); `remove_tiled_mlp(model)` undoes it. `MLP_CLASSES`: the gated MLPs handled.
+- `default_chunk_tokens(hidden_size)`: the default tile, `hidden_size` tokens (ALST's shards = ceil(s / hidden)).
+
+Why: a gated MLP keeps gate, up, act(gate), act(gate)*up for backward, [B, s, I] each, with I about 3.5 x the
+hidden size: at 1M tokens per 8 ranks on Llama3-8B shapes that is ~21 GiB per layer, more than attention. Here
+the forward runs chunk by chunk under no_grad, keeping only the input x [B, s, Dm]; the backward recomputes each
+chunk with grad enabled and takes its gradients with `torch.autograd.grad`, so at most one chunk's
+intermediates [B, c, I] exist at a time.
+
+Composability: the parameters' gradients are summed over chunks inside the backward (in fp32 for 16-bit
+parameters) and returned as the Function's input gradients, so each parameter's gradient is accumulated ONCE per
+call: DDP's per-parameter hooks and FSDP2's post-backward reduce-scatter fire once, as for the plain MLP. No
+collective runs inside, and the chunk count depends only on the local shape, which is equal on every rank of an
+SP group, so no rank can wait on another. RNG (LoRA dropout) is forked and replayed so recomputed chunks draw the
+same masks as the forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MLP_CLASSES", "TiledMLPFunction", "apply_tiled_mlp", "default_chunk_tokens", "remove_tiled_mlp",
+           "tiled_mlp"]
+
+MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+
+
+def default_chunk_tokens(hidden_size: int) -> int:
+    """Tokens per chunk: `hidden_size`, so a chunk's [c, I] intermediate is the size of one MLP weight."""
+    return max(1, int(hidden_size))
+
+
+def _rng_state(device: torch.device):
+    cpu = torch.get_rng_state()
+    acc = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return cpu, acc
+
+
+def _set_rng_state(state, device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+class TiledMLPFunction(torch.autograd.Function):
+    """y = forward_fn(x) computed over chunks of the sequence (dim 1); only x is saved."""
+
+    @staticmethod
+    def forward(ctx, x, forward_fn, chunk_tokens, *params):
+        # x: [B, s, Dm]; every chunk x[:, a:b] -> y[:, a:b]
+        ctx.forward_fn, ctx.chunk_tokens, ctx.n_params = forward_fn, chunk_tokens, len(params)
+        ctx.rng = _rng_state(x.device)
+        ctx.save_for_backward(x)
+        ctx.params = params  # not saved tensors: FSDP2 frees and refills their storage between forward and backward
+        s = x.shape[1]
+        out = None
+        with torch.no_grad():
+            for a in range(0, s, chunk_tokens):
+                y = forward_fn(x[:, a:a + chunk_tokens])  # [B, c, Dout]
+                if out is None:
+                    out = y.new_empty(x.shape[0], s, *y.shape[2:])  # [B, s, Dout]
+                out[:, a:a + chunk_tokens].copy_(y)
+                del y
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,), params = ctx.saved_tensors, ctx.params
+        wanted = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + i]]
+        want_x = ctx.needs_input_grad[0]
+        dx = torch.empty_like(x) if want_x else None
+        acc = {i: torch.zeros_like(params[i], dtype=torch.float32 if params[i].dtype in (torch.float16,
+                                                                                             torch.bfloat16)
+                                   else params[i].dtype) for i in wanted}
+        s, c = x.shape[1], ctx.chunk_tokens
+        grad_out = grad_out.contiguous()
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            _set_rng_state(ctx.rng, x.device)
+            for a in range(0, s, c):
+                xc = x[:, a:a + c].detach().requires_grad_(want_x)  # [B, c, Dm]
+                with torch.enable_grad():
+                    y = ctx.forward_fn(xc)
+                inputs = ([xc] if want_x else []) + [params[i] for i in wanted]
+                grads = torch.autograd.grad(y, inputs, grad_out[:, a:a + c])  # unused: an error, not a silent zero
+                del y
+                if want_x:
+                    dx[:, a:a + c].copy_(grads[0])
+                for i, g in zip(wanted, grads[1:] if want_x else grads):
+                    acc[i].add_(g)
+                del grads
+        param_grads = [acc[i].to(params[i].dtype) if i in acc else None for i in range(len(params))]
+        return (dx, None, None, *param_grads)
+
+
+def tiled_mlp(x: torch.Tensor, forward_fn, params, *, chunk_tokens: int) -> torch.Tensor:
+    """`forward_fn(x)` over chunks of `chunk_tokens` along dim 1, recomputed per chunk in backward.
+
+    Args:
+        x: [B, s, Dm] input.
+        forward_fn: a per-token function of x (the MLP's own forward), using the tensors in `params`.
+        params: every tensor `forward_fn` reads that may need a gradient (the module's parameters).
+        chunk_tokens: tokens per chunk (>= 1).
+
+    Returns:
+        [B, s, Dout], equal to `forward_fn(x)` (same GEMMs per token; fp32 rounding of the summed weight grads).
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if x.dim() != 3:
+        raise ValueError(f"tiled_mlp expects x [B, s, Dm], got shape {tuple(x.shape)}")
+    needs = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+    if x.shape[1] <= chunk_tokens or not needs:
+        return forward_fn(x)  # one chunk, or no backward: nothing to save either way
+    return TiledMLPFunction.apply(x, forward_fn, int(chunk_tokens), *params)
+
+
+def _tiled_forward(self, x):
+    chunk = self._upipe_mlp_chunk or default_chunk_tokens(x.shape[-1])
+    params = [p for p in self.parameters() if p.requires_grad]
+    return tiled_mlp(x, self._upipe_original_forward, params, chunk_tokens=chunk)
+
+
+def apply_tiled_mlp(model: nn.Module, chunk_tokens: int | None = None) -> int:
+    """Run every known MLP module of `model` (plain or PEFT) as a tiled MLP; returns how many were tiled.
+
+    Args:
+        model: a transformers model, a PEFT model, or any module tree.
+        chunk_tokens: tokens per chunk; None = the hidden size (`default_chunk_tokens`).
+
+    Raises:
+        ValueError: chunk_tokens < 1.
+    """
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1 (or None for the hidden size), got {chunk_tokens}")
+    count, other = 0, set()
+    for module in model.modules():
+        name = type(module).__name__
+        if name in MLP_CLASSES:
+            if not hasattr(module, "_upipe_original_forward"):
+                module._upipe_original_forward = module.forward
+                module.forward = types.MethodType(_tiled_forward, module)
+            module._upipe_mlp_chunk = chunk_tokens
+            count += 1
+        elif name.endswith("MLP"):
+            other.add(name)
+    if other:
+        logger.warning("hf_upipe: tiled MLP not applied to %s (not a known gated MLP)", sorted(other))
+    logger.info("hf_upipe: tiled MLP on %d module(s), chunk %s tokens", count, chunk_tokens or "hidden_size")
+    return count
+
+
+def remove_tiled_mlp(model: nn.Module) -> None:
+    """Restore the MLP modules' own forward."""
+    for module in model.modules():
+        if type(module).__name__ in MLP_CLASSES and hasattr(module, "_upipe_original_forward"):
+            module.forward = module._upipe_original_forward
+            del module._upipe_original_forward, module._upipe_mlp_chunk

@@ -1,0 +1,110 @@
+"""Offloaded checkpoint inputs: bit-identical gradients, inputs really leave memory, nothing is left behind."""
+
+import functools
+import os
+
+import pytest
+import torch
+
+from hf_upipe.memory.offload import offload_checkpoints
+from hf_upipe.planning.tracker import MemoryTracker
+from tests.integrations._models import tiny_config
+
+B, S, LAYERS, HIDDEN = 2, 64, 4, 48
+
+
+def _model():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=LAYERS), attn_implementation="sdpa")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def _batch():
+    ids = torch.randint(0, 96, (B, S), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _grads(model, ctx):
+    model.zero_grad()
+    with ctx as store:
+        loss = model(**_batch()).loss
+        loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, store
+
+
+@pytest.mark.parametrize("force_host_copy", [False, True])
+def test_offload_gives_bit_identical_gradients(tmp_path, force_host_copy):
+    model = _model()
+    ref, _ = _grads(model, offload_checkpoints(model, "none"))
+    if force_host_copy:  # the "cpu" target's buffer/prefetch path, run synchronously on CPU tensors
+        from hf_upipe.memory import offload as mod
+
+        original = mod.OffloadStore.stays
+        mod.OffloadStore.stays = lambda self, t: t.numel() * t.element_size() < self.min_bytes
+        try:
+            got, store = _grads(model, offload_checkpoints(model, "cpu", min_bytes=0))
+        finally:
+            mod.OffloadStore.stays = original
+        assert store.bytes_offloaded == (LAYERS - 1) * B * S * HIDDEN * 4
+    else:
+        got, store = _grads(model, offload_checkpoints(model, "disk", path=str(tmp_path), min_bytes=0))
+        assert store.files_written == LAYERS - 1  # every layer input but the last one's
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+    assert os.listdir(tmp_path) == []  # the step's folder is gone
+    assert all(isinstance(layer._gradient_checkpointing_func, functools.partial)
+               for layer in model.model.layers)  # the layers got their own checkpoint function back
+
+
+def test_offload_removes_checkpointed_inputs_from_memory(tmp_path):
+    model = _model()
+    live = {}
+    for target in ("none", "disk"):
+        with offload_checkpoints(model, target, path=str(tmp_path), min_bytes=0) as store:
+            with MemoryTracker() as tracker:
+                loss = model(**_batch()).loss
+                live[target] = tracker.current_bytes  # after forward: what the backward will need
+            if store is not None:
+                on_disk = sum(os.path.getsize(os.path.join(store.folder, f)) for f in os.listdir(store.folder))
+                assert len(os.listdir(store.folder)) == LAYERS - 1
+            loss.backward()
+    one_input = B * S * HIDDEN * 4
+    assert live["none"] - live["disk"] == (LAYERS - 1) * one_input
+    assert on_disk >= (LAYERS - 1) * one_input
+    assert os.listdir(tmp_path) == []
+
+
+def test_failed_backward_leaves_no_files(tmp_path):
+    model = _model()
+    seen = []
+
+    def explode(grad):
+        seen.append(sum(len(files) for _, _, files in os.walk(tmp_path)))
+        raise RuntimeError("boom in backward")
+
+    model.model.layers[1].mlp.down_proj.weight.register_hook(explode)
+    with pytest.raises(RuntimeError, match="boom in backward"):
+        with offload_checkpoints(model, "disk", path=str(tmp_path), min_bytes=0):
+            model(**_batch()).loss.backward()
+    assert seen and seen[0] >= 1  # files existed while the backward ran
+    assert os.listdir(tmp_path) == []
+
+
+def test_errors_name_the_fix():
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_config(tiny_config("llama", layers=1))
+    with pytest.raises(ValueError, match="needs activation checkpointing"):
+        with offload_checkpoints(plain, "disk"):
+            pass
+    with pytest.raises(ValueError, match="use one of"):
+        with offload_checkpoints(plain, "nvme"):
+            pass
+    plain.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match="non-reentrant"):
+        with offload_checkpoints(plain, "disk", keep_last=False):
+            pass
