@@ -37,15 +37,16 @@ def _parse_bool(name: str, value) -> bool:
     raise ValueError(f"{name}={value!r} is not a boolean: use one of {_TRUE + _FALSE}.")
 
 
-def _parse_positive_int(name: str, value, allow_none: bool = False):
+def _parse_positive_int(name: str, value, allow_none: bool = False, minimum: int = 1):
     if value is None and allow_none:
         return None
     try:
         number = int(value)
     except (TypeError, ValueError):
         number = None
-    if number is None or number < 1 or (isinstance(value, float) and value != number):
-        raise ValueError(f"{name}={value!r} must be a positive integer.")
+    if number is None or number < minimum or (isinstance(value, float) and value != number):
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name}={value!r} must be {kind}.")
     return number
 
 
@@ -70,6 +71,18 @@ class UPipeConfig:
         "Compute lm_head + cross-entropy in token chunks so the [tokens, vocab] logits never exist. Default True.")})
     loss_chunk_tokens: int | None = field(default=None, metadata={"help": (
         "Tokens per tiled-loss chunk. Default: about 256 MiB of fp32 logits per chunk (65536 // (vocab / 1024)).")})
+    tiled_mlp: bool | None = field(default=None, metadata={"help": (
+        "Run the MLPs of Llama/Mistral/Qwen2/Qwen3 over sequence chunks, recomputed in backward "
+        "(hf_upipe.memory.tiled_mlp). Default False.")})
+    mlp_chunk_tokens: int | None = field(default=None, metadata={"help": (
+        "Tokens per tiled-MLP chunk. Default: the model's hidden size.")})
+    offload: str | None = field(default=None, metadata={"help": (
+        "Where activation checkpointing keeps the layer inputs: 'none' (default), 'cpu' (pinned host memory, CUDA) "
+        "or 'disk' (files under offload_path). Needs activation checkpointing.")})
+    offload_path: str | None = field(default=None, metadata={"help": (
+        "Folder for offload='disk' (a per-step subfolder is created and removed). Default: the temp folder.")})
+    offload_min_bytes: int | None = field(default=None, metadata={"help": (
+        "Layer inputs smaller than this stay on the device. Default 1 MiB.")})
 
     def __post_init__(self):
         env = {f.name: _env(f.name) for f in fields(self)}
@@ -88,12 +101,19 @@ class UPipeConfig:
 
         self.kernel = self.kernel or env["kernel"] or "auto"
         check_kernel_name(self.kernel)
-        for name in ("fused_attention", "tiled_loss"):
+        for name, default in (("fused_attention", True), ("tiled_loss", True), ("tiled_mlp", False)):
             value = getattr(self, name)
             value = env[name] if value is None else value
-            setattr(self, name, True if value is None else _parse_bool(name, value))
-        chunk = self.loss_chunk_tokens if self.loss_chunk_tokens is not None else env["loss_chunk_tokens"]
-        self.loss_chunk_tokens = _parse_positive_int("loss_chunk_tokens", chunk, allow_none=True)
+            setattr(self, name, default if value is None else _parse_bool(name, value))
+        for name in ("loss_chunk_tokens", "mlp_chunk_tokens"):
+            value = getattr(self, name) if getattr(self, name) is not None else env[name]
+            setattr(self, name, _parse_positive_int(name, value, allow_none=True))
+        self.offload = (self.offload or env["offload"] or "none").lower()
+        if self.offload not in ("none", "cpu", "disk"):
+            raise ValueError(f"offload={self.offload!r}: use 'none', 'cpu' (pinned host memory, CUDA) or 'disk'.")
+        self.offload_path = self.offload_path or env["offload_path"]
+        floor = self.offload_min_bytes if self.offload_min_bytes is not None else env["offload_min_bytes"]
+        self.offload_min_bytes = 2**20 if floor is None else _parse_positive_int("offload_min_bytes", floor, minimum=0)
 
     def resolve_sp_size(self, world_size: int, local_world_size: int | None = None) -> int:
         """The SP degree for a launch of `world_size` processes (`local_world_size` per node).

@@ -8,8 +8,9 @@ Entry points:
   group the same batches and different SP groups different ones.
 
 What it does, with W processes and `sp_size` P (W = P x dp_size):
-1. setup: `init_sequence_parallel(P, ...)` (SP groups of P neighbouring ranks, DP across them) and
-   `prepare_model` (the fused UPipe block where the architecture is known, `attn_implementation="upipe"`);
+1. setup: `init_sequence_parallel(P, ...)` (SP groups of P neighbouring ranks, DP across them),
+   `prepare_model` (the fused UPipe block where the architecture is known, `attn_implementation="upipe"`) and,
+   when configured, the tiled MLP; each training step runs inside `offload_checkpoints` (offload 'cpu'/'disk');
 2. data: the Trainer's own dataloaders, with accelerate's batch sharding re-pointed from W processes to the
    dp_size SP groups (as the Trainer itself does for its `BatchRebalanceSampler`), so sampler seeding, epochs,
    `skip_first_batches` on resume and eval remainders work unchanged. Each full batch is cut by
@@ -51,6 +52,8 @@ from hf_upipe.data import shard_batch
 from hf_upipe.distributed import SequenceParallelState, init_sequence_parallel, set_sequence_parallel_state
 from hf_upipe.integrations.fused import prepare_model
 from hf_upipe.integrations.loss import shard_loss_sum
+from hf_upipe.memory.offload import offload_checkpoints
+from hf_upipe.memory.tiled_mlp import apply_tiled_mlp
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +137,9 @@ class UPipeTrainer(Trainer):
             raise NotImplementedError("compute_metrics needs full-sequence logits, which UPipeTrainer never "
                                       "materialises under sequence parallelism (sp_size > 1); drop compute_metrics "
                                       "(eval_loss is still reported).")
+        if self.upipe_config.offload != "none" and not self.args.gradient_checkpointing:
+            raise ValueError(f"offload={self.upipe_config.offload!r} offloads what activation checkpointing keeps: set "
+                             "TrainingArguments(gradient_checkpointing=True), or offload='none'.")
         if not self.args.average_tokens_across_devices:
             logger.warning("UPipeTrainer normalises the loss by the label tokens of all ranks "
                            "(average_tokens_across_devices=True semantics); the False setting is not used.")
@@ -150,11 +156,19 @@ class UPipeTrainer(Trainer):
 
     # ---- setup -------------------------------------------------------------------------------------------------
     def _prepare_upipe_model(self, model):
+        if self.upipe_config.tiled_mlp:
+            apply_tiled_mlp(model, self.upipe_config.mlp_chunk_tokens)
         if self.upipe_config.fused_attention:
             return prepare_model(model)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.set_attn_implementation("upipe")
         return model
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The Trainer's step, with checkpointed layer inputs offloaded for its forward and backward."""
+        cfg = self.upipe_config
+        with offload_checkpoints(self.model, cfg.offload, path=cfg.offload_path, min_bytes=cfg.offload_min_bytes):
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def call_model_init(self, trial=None):
         return self._prepare_upipe_model(super().call_model_init(trial))

@@ -63,7 +63,10 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
     kwargs = dict(model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=default_data_collator)
     if spec["trainer"] == "upipe":
         cfg = hf_upipe.UPipeConfig(sp_size=spec["sp"], heads_per_chunk=spec.get("heads_per_chunk", 1), fused_attention=spec.get("fused", True),
-                                   tiled_loss=spec.get("tiled", True), loss_chunk_tokens=7)
+                                   tiled_loss=spec.get("tiled", True), loss_chunk_tokens=7,
+                                   tiled_mlp=spec.get("tiled_mlp", False), mlp_chunk_tokens=5,
+                                   offload=spec.get("offload", "none"), offload_path=spec.get("offload_path"),
+                                   offload_min_bytes=0)
         trainer = hf_upipe.UPipeTrainer(**kwargs, upipe_config=cfg)
     else:
         trainer = Trainer(**kwargs)

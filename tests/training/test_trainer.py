@@ -5,7 +5,8 @@ multiple of 2 or 4: the SP padding path runs), gradient accumulation 2, AdamW wi
 gradient clipping, eval every 2 steps. The reference is `transformers.Trainer` with "sdpa" on one process with the
 same global batch (per-device batch x data-parallel replicas). Checked: the logged loss of every step, every eval
 loss and the final trainable parameters, for a full fine-tune and for LoRA (PEFT), through the fused block and the
-registered attention path, tiled and plain loss, with and without activation checkpointing.
+registered attention path, tiled and plain loss, with and without activation checkpointing (with the tiled MLP
+and checkpoint inputs offloaded to disk).
 """
 
 import numpy as np
@@ -37,7 +38,8 @@ UPIPE_CASES = {
     # name: (world, spec overrides); batch is per device; the reference uses batch * dp
     "sp2_full_fused_tiled": (2, dict(sp=2, lora=False)),
     "sp2_lora_registered_plainloss": (2, dict(sp=2, lora=True, fused=False, tiled=False)),
-    "sp4_full_checkpointing": (4, dict(sp=4, lora=False, checkpointing=True)),
+    "sp4_full_checkpointing_tiledmlp_offload": (4, dict(sp=4, lora=False, checkpointing=True, tiled_mlp=True,
+                                                       offload="disk")),
     "sp4_lora_ulysses_mode": (4, dict(sp=4, lora=True, heads_per_chunk="all")),
     "sp2dp2_full": (4, dict(sp=2, lora=False)),
     "sp2dp2_lora": (4, dict(sp=2, lora=True)),
