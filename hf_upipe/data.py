@@ -3,8 +3,9 @@
 Entry points:
 - `shard_batch(batch, sp_rank, sp_size, *, pad_token_id=0, ignore_index=-100)`: pure function (no communication)
   from a full collated batch to this rank's shard: `shift_labels` built over the whole sequence, the sequence
-  right-padded to a multiple of `sp_size`, global `position_ids`, every [B, S] tensor sliced to the contiguous
-  shard `[:, r*s:(r+1)*s]`, and `num_label_tokens` of the whole batch for a globally normalised loss.
+  right-padded to a multiple of `sp_size`, `position_ids` (global, or per document for packed rows), every [B, S]
+  tensor sliced to the contiguous shard `[:, r*s:(r+1)*s]`, `num_label_tokens` of the whole batch for a globally
+  normalised loss, and for packed rows the document boundaries `upipe_cu_seqlens` / `upipe_max_seqlen`.
 - `ShardedDataLoader(dataloader, state, *, pad_token_id=0)`: wraps a loader that yields the SAME batch on every
   rank of an SP group and yields `shard_batch(batch, state.sp_rank, state.sp_size)`.
 - `sampler_kwargs(state)`: `dict(num_replicas=state.dp_size, rank=state.dp_rank)` for a `DistributedSampler`, so
@@ -14,6 +15,14 @@ Loss: pass `shift_labels=shard["shift_labels"]` and `num_items_in_batch=shard["n
 `ForCausalLMLoss` (or `model(..., labels=shard["shift_labels"], shift_labels=..., num_items_in_batch=...)`, where
 `labels` only switches the loss on); each rank's loss is then its share of the full-sequence mean, and the shares
 summed over the SP group equal the unsharded loss, whatever sp_size is (no rescaling by sp_size).
+
+Packed rows (several documents per row, as `DataCollatorWithFlattening` produces): a document starts wherever
+position_ids do not continue (`position_ids[t] != position_ids[t-1] + 1`, transformers' rule), `seq_idx` changes,
+or `cu_seq_lens_q/k` put a boundary; the descriptions given must agree. Each document's position_ids must count
+0, 1, 2, ... (they are kept: RoPE needs them); no target crosses a document boundary; padding (the tail added for
+sp_size, or right padding of `attention_mask`) belongs to the last document of its row and continues its
+positions. Pass the shard's `upipe_cu_seqlens` and `upipe_max_seqlen` to the model with the other keys (they reach
+the "upipe" attention function through transformers' kwargs).
 """
 
 from __future__ import annotations
@@ -25,16 +34,9 @@ from hf_upipe.distributed import SequenceParallelState
 
 __all__ = ["ShardedDataLoader", "sampler_kwargs", "shard_batch"]
 
-# Flash-attention varlen kwargs (DataCollatorWithFlattening(return_flash_attn_kwargs=True)) describe the unsharded
-# sequence: they are rejected when they describe packing and dropped otherwise (wrong for a shard, and redundant).
-_FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
-_PACKING_ERROR = (
-    "Packed rows (several documents per row: position_ids restarting inside a row, multi-document cu_seq_lens or "
-    "seq_idx, as DataCollatorWithFlattening produces) are not supported under sequence parallelism yet; the "
-    "'upipe' attention rejects them too, since documents would attend to each other. Use one document per row "
-    "with right padding (e.g. DataCollatorWithPadding / DataCollatorForLanguageModeling, padding_side='right')."
-)
+# Descriptions of the unsharded documents (DataCollatorWithFlattening's flash-attn kwargs, seq_idx): read by
+# shard_batch and dropped from the shard (wrong for a shard); packed shards carry `upipe_cu_seqlens` instead.
+_FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def _check_right_padding(mask: torch.Tensor) -> None:
@@ -49,26 +51,73 @@ def _check_right_padding(mask: torch.Tensor) -> None:
         )
 
 
-def _check_positions(pos: torch.Tensor, real: torch.Tensor, batch: dict) -> None:
-    """Raise on packed rows or non-global positions; `pos`, `real`: [B, S] (real: True for non-padding)."""
-    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
-        if torch.is_tensor(batch.get(key)) and batch[key].numel() > 2:
-            raise NotImplementedError(f"{_PACKING_ERROR} (got {key} with {batch[key].numel() - 1} documents)")
+def _starts_from_cu(cu: torch.Tensor, key: str, B: int, S: int) -> torch.Tensor:
+    """[B, S] bool document starts from flash-attn `cu_seq_lens` over the flattened [B*S] batch."""
+    c = cu.reshape(-1).long()
+    if c[0] != 0 or c[-1] != B * S or bool((c[1:] <= c[:-1]).any()):
+        raise ValueError(f"{key} must increase strictly from 0 to B*S = {B * S} (boundaries over the flattened "
+                         f"batch), got {c.tolist()[:8]}{' ...' if c.numel() > 8 else ''}.")
+    if not bool(torch.isin(torch.arange(B, device=c.device) * S, c).all()):
+        raise ValueError(f"{key} has a document crossing a row boundary; documents of a packed batch never span rows.")
+    flat = torch.zeros(B * S, dtype=torch.bool, device=c.device)
+    flat[c[:-1]] = True
+    return flat.view(B, S)
+
+
+def _document_starts(batch: dict, pos, real: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool, True where a document starts on a real token (column 0 always): from position_ids, seq_idx
+    and multi-document cu_seq_lens_q/k, which must agree. Padding never starts a document."""
+    B, S = real.shape
+    first = torch.zeros(B, S, dtype=torch.bool, device=real.device)
+    first[:, 0] = True
+    found = {}
+    if pos is not None:
+        found["position_ids"] = torch.cat([first[:, :1], pos[:, 1:] != pos[:, :-1] + 1], dim=1)  # [B, S]
     seq_idx = batch.get("seq_idx")
-    if torch.is_tensor(seq_idx) and seq_idx.dim() == 2 and bool((seq_idx != seq_idx[:, :1]).any()):
-        raise NotImplementedError(f"{_PACKING_ERROR} (seq_idx changes inside a row)")
+    if torch.is_tensor(seq_idx) and tuple(seq_idx.shape) == (B, S):
+        found["seq_idx"] = torch.cat([first[:, :1], seq_idx[:, 1:] != seq_idx[:, :-1]], dim=1)
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if torch.is_tensor(batch.get(key)) and batch[key].numel() > 2:  # one document: nothing to describe
+            found[key] = _starts_from_cu(batch[key].to(real.device), key, B, S)
+    starts = {k: (v.to(real.device) & real) | first for k, v in found.items()}
+    if not starts:
+        return first
+    names = list(starts)
+    for other in names[1:]:
+        if not torch.equal(starts[other], starts[names[0]]):
+            raise ValueError(f"{names[0]} and {other} describe different documents (a document starts where "
+                             "position_ids do not continue, seq_idx changes, or cu_seq_lens has a boundary); "
+                             "collate them consistently, e.g. with DataCollatorWithFlattening.")
+    return starts[names[0]]
+
+
+def _document_positions(starts: torch.Tensor) -> torch.Tensor:
+    """[B, S] positions counting 0, 1, ... from each document start (starts[:, 0] must be True)."""
+    t = torch.arange(starts.shape[1], device=starts.device).expand_as(starts)  # [B, S]
+    return t - torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values
+
+
+def _check_positions(pos, real: torch.Tensor, starts: torch.Tensor, packed: bool) -> None:
+    """Raise unless the given positions (on real tokens) are global (0..S-1) or, packed, 0.. per document."""
     if pos is None:
         return
-    # real tokens are a prefix of each row (right padding was checked), so compare neighbours inside it
-    both_real = real[:, 1:] & real[:, :-1]  # [B, S-1]
-    if bool(((pos[:, 1:] <= pos[:, :-1]) & both_real).any()):
-        raise NotImplementedError(f"{_PACKING_ERROR} (position_ids restart inside a row)")
-    expected = torch.arange(pos.shape[1], device=pos.device).expand_as(pos)  # [B, S]
+    expected = _document_positions(starts)  # [B, S]; without packing: 0..S-1
     if not bool(((pos == expected) | ~real).all()):
+        if packed:
+            raise ValueError("position_ids of a packed batch must count 0, 1, 2, ... inside every document (as "
+                             "DataCollatorWithFlattening produces): hf_upipe keeps them, and checks them against the "
+                             "document boundaries under sequence parallelism.")
         raise ValueError(
             "position_ids are not 0, 1, ..., S-1 on the real tokens of every row: sequence-parallel attention "
             "needs global positions. Omit position_ids (shard_batch builds them) or pass torch.arange(S)."
         )
+
+
+def _cu_seqlens(starts: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Document starts [B, S_padded] -> (int32 [N+1] boundaries over the flattened [B*S_padded] batch, longest)."""
+    flat = torch.nonzero(starts.reshape(-1)).flatten()  # [N] start indices (every row start included)
+    cu = torch.cat([flat, flat.new_tensor([starts.numel()])])  # [N+1]
+    return cu.to(torch.int32), int((cu[1:] - cu[:-1]).max())
 
 
 def _is_sequence(value, batch_size: int, seq_len: int) -> bool:
@@ -91,8 +140,10 @@ def shard_batch(
     Args:
         batch: `input_ids` [B, S]; optional `labels` [B, S] (unshifted, HF convention), `shift_labels` [B, S]
             (already shifted; then `labels` is ignored), `attention_mask` [B, S] (right padding only),
-            `position_ids` [B or 1, S] (0..S-1 on real tokens). Other tensors shaped [B or 1, S, ...] are padded
-            with 0 and sliced; everything else is passed through unchanged.
+            `position_ids` [B or 1, S] (0..S-1 on real tokens, or 0.. per document for packed rows), and for
+            packed rows optionally `seq_idx` [B, S] / `cu_seq_lens_q/k` [N+1] (DataCollatorWithFlattening; read,
+            then dropped with `max_length_q/k`). Other tensors shaped [B or 1, S, ...] are padded with 0 and
+            sliced; everything else is passed through unchanged.
         sp_rank: this rank's index in its SP group.
         sp_size: ranks in the SP group.
         pad_token_id: id used to right-pad `input_ids` to a multiple of `sp_size`.
@@ -101,12 +152,16 @@ def shard_batch(
     Returns:
         A new dict with every sequence tensor shaped [B or 1, S_padded // sp_size, ...], `position_ids` [B, s]
         global (rank r: r*s .. r*s+s-1), `shift_labels` [B, s] if labels were given, and `num_label_tokens` (0-dim
-        long: targets != ignore_index in the WHOLE batch; only with labels).
+        long: targets != ignore_index in the WHOLE batch; only with labels). Packed rows: `position_ids` are the
+        per-document ones (padding continues the last document), `shift_labels` is ignore_index on the last token
+        of every document (given `shift_labels` too), and two more keys, identical on every rank:
+        `upipe_cu_seqlens` (int32 [N+1], document boundaries over the flattened padded batch [B * S_padded]; row
+        starts are boundaries) and `upipe_max_seqlen` (int, the longest document).
 
     Raises:
-        ValueError: bad rank/size, missing or non-2-D `input_ids`, shape mismatches, left/interior padding, or
-            position_ids that are not global.
-        NotImplementedError: packed rows.
+        ValueError: bad rank/size, missing or non-2-D `input_ids`, shape mismatches, left/interior padding,
+            position_ids that are not global (or, packed, not 0.. per document), or document descriptions
+            (position_ids, seq_idx, cu_seq_lens_q/k) that disagree.
     """
     if not (isinstance(sp_size, int) and sp_size >= 1 and isinstance(sp_rank, int) and 0 <= sp_rank < sp_size):
         raise ValueError(f"sp_rank={sp_rank}, sp_size={sp_size}: need an integer sp_size >= 1 and 0 <= sp_rank < "
@@ -128,7 +183,10 @@ def shard_batch(
     if mask is not None:
         _check_right_padding(mask)
     real = torch.ones(B, S, dtype=torch.bool, device=ids.device) if mask is None else mask.bool()  # [B, S]
-    _check_positions(None if pos is None else pos.expand(B, S), real, batch)
+    pos = None if pos is None else pos.expand(B, S)  # [B, S]
+    starts = _document_starts(batch, pos, real)  # [B, S]
+    packed = bool(starts[:, 1:].any())
+    _check_positions(pos, real, starts, packed)
 
     out = {k: v for k, v in batch.items() if k not in _FLASH_KEYS and k not in ("labels", "position_ids")}
     # (1) targets shifted over the WHOLE sequence: position t predicts token t+1
@@ -139,15 +197,23 @@ def shard_batch(
         if mask is not None:  # a target that is padding is no target
             target_real = torch.cat([real[:, 1:], real.new_zeros(B, 1)], dim=1)  # [B, S]
             shift = shift.masked_fill(~target_real, ignore_index)
+    if shift is not None and packed:  # the last token of a document predicts nothing
+        shift = shift.masked_fill(torch.cat([starts[:, 1:], starts.new_zeros(B, 1)], dim=1), ignore_index)
     if shift is not None:
         out["shift_labels"] = shift
         out["num_label_tokens"] = (shift != ignore_index).sum().to(torch.long)  # 0-dim, whole batch
 
-    # (2) right-pad to a multiple of sp_size; (3) global positions (also replacing any given ones on padding)
+    # (2) right-pad to a multiple of sp_size; (3) global positions, or per-document ones continuing the last
+    # document of each row over the padding (also replacing any given ones on padding)
     s = -(-S // sp_size)
     pad = s * sp_size - S
     fill = {"input_ids": pad_token_id, "shift_labels": ignore_index, "attention_mask": 0}
-    out["position_ids"] = torch.arange(S + pad, device=ids.device).expand(B, S + pad)  # [B, S_padded]
+    if packed:
+        starts = torch.cat([starts, starts.new_zeros(B, pad)], dim=1)  # [B, S_padded]
+        out["position_ids"] = _document_positions(starts)  # [B, S_padded]
+        out["upipe_cu_seqlens"], out["upipe_max_seqlen"] = _cu_seqlens(starts)  # global: the same on every rank
+    else:
+        out["position_ids"] = torch.arange(S + pad, device=ids.device).expand(B, S + pad)  # [B, S_padded]
     # (4) this rank's contiguous shard of every sequence tensor
     lo, hi = sp_rank * s, (sp_rank + 1) * s
     for key, value in out.items():

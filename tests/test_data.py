@@ -1,9 +1,11 @@
-"""hf_upipe.data: shard_batch against transformers' causal-LM loss convention, padding, masks, packing and
-position_ids; ShardedDataLoader on 4 gloo ranks (2 SP groups of 2) with a DistributedSampler."""
+"""hf_upipe.data: shard_batch against transformers' causal-LM loss convention, padding, masks, packed rows
+(DataCollatorWithFlattening, targets never crossing documents, document boundaries) and position_ids;
+ShardedDataLoader on 4 gloo ranks (2 SP groups of 2) with a DistributedSampler."""
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from transformers import DataCollatorWithFlattening
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import hf_upipe
@@ -157,16 +159,135 @@ def test_right_padding_all_pad_row_ok():
     assert int(shards[0]["num_label_tokens"]) == 2  # row 0: targets labels[1:4], labels[1] is -100; row 1: none
 
 
-def test_packed_rows_raise():
-    # DataCollatorWithFlattening: one row, documents of 3 and 4 tokens, positions restart
-    batch = {"input_ids": torch.arange(7)[None], "labels": torch.arange(7)[None],
-             "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3]])}
-    for r in range(2):
-        with pytest.raises(NotImplementedError, match="not supported under sequence parallelism yet"):
-            shard_batch(batch, r, 2)
-    flash = {"input_ids": torch.arange(7)[None], "cu_seq_lens_q": torch.tensor([0, 3, 7], dtype=torch.int32)}
-    with pytest.raises(NotImplementedError, match="2 documents"):
-        shard_batch(flash, 0, 2)
+# ---- packed rows (several documents per row) ----
+
+DOCS = [3, 4, 1, 5]  # one DataCollatorWithFlattening row of 13 tokens, with a 1-token document
+
+
+def _flattened(**kw):
+    gen = torch.Generator().manual_seed(5)
+    feats = [{"input_ids": torch.randint(1, V, (n,), generator=gen).tolist()} for n in DOCS]
+    for f in feats:
+        f["labels"] = list(f["input_ids"])
+    return DataCollatorWithFlattening(**kw)(feats)
+
+
+def _doc_positions(lengths, pad=0):
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    return torch.cat([pos, pos[-1] + 1 + torch.arange(pad)])  # the tail continues the last document
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+@pytest.mark.parametrize("source", ["position_ids", "flash kwargs", "seq_idx", "all"])
+def test_packed_flattening_collator(P, source):
+    kw = {"position_ids": {}, "all": dict(return_flash_attn_kwargs=True, return_seq_idx=True),
+          "flash kwargs": dict(return_position_ids=False, return_flash_attn_kwargs=True),
+          "seq_idx": dict(return_position_ids=False, return_seq_idx=True)}[source]
+    batch = _flattened(**kw)
+    S = sum(DOCS)
+    s = -(-S // P)
+    pad = s * P - S
+    shards = _shards(batch, P)
+    for sh in shards:
+        assert not {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "labels"} & set(sh)
+        torch.testing.assert_close(sh["upipe_cu_seqlens"], torch.tensor([0, 3, 7, 8, S + pad], dtype=torch.int32))
+        assert sh["upipe_max_seqlen"] == 5 + pad and int(sh["num_label_tokens"]) == S - len(DOCS)
+    torch.testing.assert_close(_cat(shards, "position_ids"), _doc_positions(DOCS, pad)[None])
+    # the collator put -100 on every document's first label, so the plain causal-LM loss is the reference
+    logits = torch.randn(1, S, V, generator=torch.Generator().manual_seed(2))
+    padded = torch.cat([logits, torch.zeros(1, pad, V)], dim=1)
+    total = sum(ForCausalLMLoss(padded[:, r * s:(r + 1) * s].contiguous(), None, V, shift_labels=sh["shift_labels"],
+                                num_items_in_batch=sh["num_label_tokens"]) for r, sh in enumerate(shards))
+    torch.testing.assert_close(total, ForCausalLMLoss(logits, batch["labels"], V))
+
+
+def _rows_batch(layouts, seed=0):
+    """B rows of packed documents (labels = input_ids: no separators), with per-document position_ids."""
+    gen = torch.Generator().manual_seed(seed)
+    S = sum(layouts[0])
+    ids = torch.randint(1, V, (len(layouts), S), generator=gen)
+    pos = torch.stack([_doc_positions(row) for row in layouts])
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": pos}
+
+
+def _expected_shift(layouts, labels, pad):
+    """Target of t is labels[t+1] inside its document, -100 at a document's last token and on the tail."""
+    rows = []
+    for row, lab in zip(layouts, labels.tolist()):
+        out, t = [], 0
+        for n in row:
+            out += lab[t + 1:t + n] + [-100]
+            t += n
+        rows.append(out + [-100] * pad)
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("given", ["labels", "shift_labels"])
+def test_packed_targets_never_cross_documents(P, given):
+    layouts = [[7, 12, 6], [1, 15, 9]]  # S = 25: odd, padded for every P > 1
+    batch = _rows_batch(layouts)
+    if given == "shift_labels":  # a given shift_labels is masked at the boundaries too
+        batch["shift_labels"] = torch.cat([batch["labels"][:, 1:], torch.full((2, 1), -100)], 1)
+        del batch["labels"]
+        labels = torch.cat([torch.full((2, 1), -100), batch["shift_labels"][:, :-1]], 1)
+    else:
+        labels = batch["labels"]
+    S, s = 25, -(-25 // P)
+    pad = s * P - S
+    shards = _shards(batch, P)
+    expected = _expected_shift(layouts, labels, pad)
+    torch.testing.assert_close(_cat(shards, "shift_labels"), expected)
+    assert all(int(sh["num_label_tokens"]) == int((expected != -100).sum()) for sh in shards)
+    torch.testing.assert_close(_cat(shards, "position_ids"),
+                               torch.stack([_doc_positions(layouts[0], pad), _doc_positions(layouts[1], pad)]))
+    cu = [0, 7, 19, 25 + pad, 26 + pad, 41 + pad, 50 + 2 * pad]
+    for sh in shards:
+        torch.testing.assert_close(sh["upipe_cu_seqlens"], torch.tensor(cu, dtype=torch.int32))
+        assert sh["upipe_max_seqlen"] == 15
+
+
+def test_packed_with_right_padding_and_all_ignored_shards():
+    # row 0: documents 3 + 4 then 3 pads; row 1: documents 2 + 6, 2 pads; the pads belong to the last documents
+    layouts = [[3, 4, 3], [2, 6, 2]]
+    batch = _rows_batch(layouts, seed=1)
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, 7:], mask[1, 8:] = 0, 0
+    batch["attention_mask"] = mask
+    pad0 = torch.zeros(3, dtype=torch.long)  # position_ids padded with 0, as collators do
+    batch["position_ids"] = torch.stack([torch.cat([_doc_positions(r), pad0])[:10] for r in ([3, 4], [2, 6])])
+    batch["labels"][:, :4] = -100  # a prompt: shard 0 of P=4 has no target at all
+    shards = _shards(batch, 4)
+    torch.testing.assert_close(_cat(shards, "position_ids"),
+                               torch.stack([_doc_positions([3, 7], 2), _doc_positions([2, 8], 2)]))
+    cu = torch.tensor([0, 3, 12, 14, 24], dtype=torch.int32)
+    assert all(torch.equal(sh["upipe_cu_seqlens"], cu) for sh in shards)
+    assert bool((shards[0]["shift_labels"] == -100).all())
+    real_target = torch.cat([mask[:, 1:], torch.zeros(2, 1, dtype=torch.long)], 1).bool()
+    expected = _expected_shift([[3, 7], [2, 8]], batch["labels"], 2)
+    expected[:, :10] = expected[:, :10].masked_fill(~real_target, -100)
+    torch.testing.assert_close(_cat(shards, "shift_labels"), expected)
+    logits = torch.randn(2, 12, V, generator=torch.Generator().manual_seed(3))
+    losses = [ForCausalLMLoss(logits[:, 3 * r:3 * r + 3].contiguous(), None, V, shift_labels=sh["shift_labels"],
+                              num_items_in_batch=sh["num_label_tokens"]) for r, sh in enumerate(shards)]
+    assert losses[0].item() == 0.0
+    torch.testing.assert_close(sum(losses), ForCausalLMLoss(logits, None, V, shift_labels=expected))
+
+
+def test_packed_errors():
+    batch = _rows_batch([[3, 4]])
+    bad = dict(batch, position_ids=torch.tensor([[0, 1, 2, 5, 6, 7, 8]]))  # a document not counting from 0
+    with pytest.raises(ValueError, match="count 0, 1, 2"):
+        shard_batch(bad, 0, 2)
+    other = dict(batch, cu_seq_lens_q=torch.tensor([0, 4, 7], dtype=torch.int32))
+    with pytest.raises(ValueError, match="position_ids and cu_seq_lens_q describe different documents"):
+        shard_batch(other, 1, 2)
+    crossing = {"input_ids": torch.ones(2, 4, dtype=torch.long), "cu_seq_lens_q": torch.tensor([0, 2, 6, 8])}
+    with pytest.raises(ValueError, match="crossing a row boundary"):
+        shard_batch(crossing, 0, 2)
+    left = dict(batch, attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1, 1]]))
+    with pytest.raises(ValueError, match="padding_side='right'"):
+        shard_batch(left, 0, 2)
     single = {"input_ids": torch.arange(7)[None], "cu_seq_lens_q": torch.tensor([0, 7]), "max_length_q": 7}
     assert set(shard_batch(single, 0, 2)) == {"input_ids", "position_ids"}  # unsharded varlen kwargs dropped
 

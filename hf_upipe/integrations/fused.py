@@ -11,7 +11,9 @@ The flow: `prepare_model` replaces each known attention module's `forward` by `f
 kept as `module._upipe_original_forward`) and switches the model to `attn_implementation="upipe"` (whose mask
 function is what the layout checks read). `fused_forward`, under sequence parallelism, validates the batch like
 the registered path (every rank raises the same error before any all-to-all) and calls
-`fused_upipe_attention` on the normed hidden states; without SP it calls the original forward (exact "sdpa").
+`fused_upipe_attention` on the normed hidden states (for packed rows, `upipe_cu_seqlens` in the kwargs, with the
+kernel wrapped in `hf_upipe.ops.documents.DocumentKernel`, as the registered path does); without SP it calls the
+original forward (exact "sdpa", which handles packing itself).
 Attention modules of other classes keep the registered "upipe" path, with one log line saying so.
 
 Composability: gradients are returned by one autograd Function per layer (never accumulated into `.grad` by
@@ -27,7 +29,13 @@ import types
 import torch
 from torch import nn
 
-from hf_upipe.integrations.transformers import _active_state, _check_layout, _check_static, sliding_window_check
+from hf_upipe.integrations.transformers import (
+    _active_state,
+    _check_layout,
+    _check_static,
+    sliding_window_check,
+    sp_kernel,
+)
 from hf_upipe.ops.fused_attention import AttentionWeights, HeadNorm, LoraAdapter, Projection, fused_upipe_attention
 from hf_upipe.planning.simulate import is_fake
 
@@ -98,8 +106,12 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
         raise NotImplementedError("The fused UPipe path got a prepared attention mask tensor under sequence "
                                   "parallelism; pass a 2-D padding mask (right padding) or none.")
     B, s, _ = hidden_states.shape
+    kernel = state.kernel
     if not is_fake(hidden_states):
-        _check_layout(state, kwargs.get("position_ids"), attention_mask, B, s, hidden_states.device)
+        _check_layout(state, kwargs.get("position_ids"), attention_mask, B, s, hidden_states.device,
+                      kwargs.get("upipe_cu_seqlens"))
+        # packed rows: the kernel runs inside each document (DocumentKernel), like the registered path
+        kernel = sp_kernel(state, kwargs, hidden_states.device, hidden_states.dtype, s * state.sp_size)
     window = getattr(self, "sliding_window", None)
     if window is None and type(self).__name__ == "MistralAttention":
         window = getattr(self.config, "sliding_window", None)
@@ -109,7 +121,7 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
         hidden_states, cos, sin, attention_weights(self),
         num_heads=self.config.num_attention_heads, num_kv_heads=self.config.num_key_value_heads,
         head_dim=self.head_dim, group=state.sp_group, heads_per_chunk=state.heads_per_chunk,
-        kernel=state.kernel, scale=self.scaling,
+        kernel=kernel, scale=self.scaling,
     )
     return y, None
 

@@ -5,28 +5,36 @@ Entry points:
   `import hf_upipe` calls it).
 - `upipe_attention_forward(module, query, key, value, attention_mask, ...)`: the registered attention function.
 - `upipe_mask(...)`: the registered mask function; `SequenceParallelMask`: what it returns under SP.
+- `sp_kernel(state, kwargs, device, dtype, seq_len)`: the state's kernel, wrapped in
+  `hf_upipe.ops.documents.DocumentKernel` for packed rows (shared with the fused path).
 
 The flow, with sequence parallelism initialised (`hf_upipe.init_sequence_parallel`, group of P > 1 ranks):
 1. each rank calls the model on its contiguous shard input_ids [B, s] with GLOBAL position_ids
-   (rank r: r*s .. r*s+s-1), so RoPE is applied with global positions before attention;
+   (rank r: r*s .. r*s+s-1), so RoPE is applied with global positions before attention; for packed rows
+   (several documents per row) with per-document position_ids and the document boundaries
+   `upipe_cu_seqlens` / `upipe_max_seqlen` (`hf_upipe.shard_batch` makes all of these), which transformers
+   passes through its kwargs to the attention function;
 2. `upipe_mask` does not build an O(S^2) mask: it passes on the 2-D padding mask (if any) and whether the
-   model asked for plain causal masking, as a `SequenceParallelMask`;
+   model asked for plain causal masking (else the mask function, probed later), as a `SequenceParallelMask`;
 3. `upipe_attention_forward` checks, with one tiny all-gather that every rank enters, that the ranks agree on
-   the layout (equal shard lengths, global consecutive position_ids, no packing, padding only at the end of each
-   row), so a bad batch raises the same error on every rank before any all-to-all; then it runs
-   `hf_upipe.ops.upipe_attention` on the shard.
+   the layout (equal shard lengths, the same documents, position_ids that are global or match the documents,
+   a mask that is causal (within the local documents), padding only at the end of each row), so a bad batch
+   raises the same error on every rank before any all-to-all; then it runs `hf_upipe.ops.upipe_attention` on
+   the shard, with the kernel wrapped in `DocumentKernel` for packed rows (each token attends only to earlier
+   tokens of its own document).
 Without SP (never initialised, or a group of one rank) "upipe" is exactly transformers' "sdpa": same mask, same
-kernel, padding, packing and generation with a KV cache included.
+kernel, padding, packing and generation with a KV cache included (`upipe_cu_seqlens` is ignored there).
 
 Under SP, trailing (right) padding is accepted: causal attention never lets a real token see a later pad, so
 real tokens are exact; outputs at padded positions are not meaningful and their labels must be ignored (-100).
-Left or interior padding, packed rows, sliding windows shorter than the sequence, dropout, softcap, attention
-sinks and KV caches with past tokens raise errors naming the fix.
+Left or interior padding, packed rows without `upipe_cu_seqlens`, sliding windows shorter than the sequence,
+custom masks, dropout, softcap, attention sinks and KV caches with past tokens raise errors naming the fix.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,10 +43,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from hf_upipe.distributed import SequenceParallelState, get_sequence_parallel_state
+from hf_upipe.ops.documents import DocumentKernel
+from hf_upipe.ops.kernels import AttentionKernel, get_kernel
 from hf_upipe.ops.upipe_attention import upipe_attention
 from hf_upipe.planning.simulate import is_fake
 
-__all__ = ["SequenceParallelMask", "register", "upipe_attention_forward", "upipe_mask"]
+__all__ = ["SequenceParallelMask", "register", "sp_kernel", "upipe_attention_forward", "upipe_mask"]
 
 NAME = "upipe"
 
@@ -50,11 +60,15 @@ class SequenceParallelMask:
     Attributes:
         padding: [B, s] bool, True for real tokens of this rank's shard; None when nothing is padded.
         plain_causal: False when the model asked for more than causal masking (packed-sequence, sliding-window
-            or custom mask functions), which the SP path does not implement.
+            or custom mask functions); the SP path accepts such a mask only when it agrees with causal masking
+            inside the documents given by `upipe_cu_seqlens` (transformers' packed mask from local position_ids).
+        mask_function: the model's mask function when not plain causal (probed by the attention function), else
+            None.
     """
 
     padding: torch.Tensor | None
     plain_causal: bool
+    mask_function: Callable | None = field(default=None, compare=False, repr=False)
 
 
 def _active_state() -> SequenceParallelState | None:
@@ -72,7 +86,16 @@ def upipe_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     if padding is not None and not is_fake(padding) and bool(padding.all()):
         padding = None
     plain = mask_function is causal_mask_function or _agrees_with_causal(mask_function, q_length, batch_size)
-    return SequenceParallelMask(padding=padding, plain_causal=plain)
+    return SequenceParallelMask(padding=padding, plain_causal=plain, mask_function=None if plain else mask_function)
+
+
+def _probe(mask_function, b: int, q_idx: torch.Tensor, kv_idx: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether the vectorised mask function equals `expected` at the (q_idx, kv_idx) pairs [n] of row b."""
+    try:
+        got = mask_function(torch.full_like(q_idx, b), torch.zeros_like(q_idx), q_idx, kv_idx)
+    except (IndexError, RuntimeError, TypeError):  # a mask function that cannot be probed: no agreement
+        return False
+    return torch.equal(torch.as_tensor(got, device=expected.device).bool().expand_as(expected), expected)
 
 
 def _agrees_with_causal(mask_function, length: int, batch_size: int) -> bool:
@@ -84,12 +107,27 @@ def _agrees_with_causal(mask_function, length: int, batch_size: int) -> bool:
     """
     points = torch.tensor(sorted({0, 1, length // 2, length - 1} & set(range(length))))
     q_idx, kv_idx = (t.flatten() for t in torch.meshgrid(points, points, indexing="ij"))
-    for b in range(batch_size):
-        try:
-            got = mask_function(torch.full_like(q_idx, b), torch.zeros_like(q_idx), q_idx, kv_idx)
-        except (IndexError, RuntimeError, TypeError):  # a mask function that cannot be probed: not plain causal
-            return False
-        if not torch.equal(torch.as_tensor(got).bool().expand_as(q_idx), q_idx >= kv_idx):
+    return all(_probe(mask_function, b, q_idx, kv_idx, q_idx >= kv_idx) for b in range(batch_size))
+
+
+def _agrees_with_documents(mask_function, doc: torch.Tensor, max_points: int = 24) -> bool:
+    """Probe a mask function against causal masking inside the local documents `doc` [B, s] (document ids).
+
+    Points: the plain grid {0, 1, s/2, s-1} plus, per row, the local document starts and the tokens just before
+    them (at most `max_points` starts, evenly spaced), so the packed mask transformers builds from the local
+    position_ids passes and windows shorter than the shard or custom masks still fail.
+    """
+    B, s = doc.shape
+    doc = doc.cpu()  # [B, s]
+    for b in range(B):
+        row = doc[b]
+        starts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()  # local document starts
+        if len(starts) > max_points:
+            starts = [starts[i * len(starts) // max_points] for i in range(max_points)]
+        points = torch.tensor(sorted(({0, 1, s // 2, s - 1} | set(starts) | {a - 1 for a in starts}) & set(range(s))))
+        q_idx, kv_idx = (t.flatten() for t in torch.meshgrid(points, points, indexing="ij"))
+        expected = (q_idx >= kv_idx) & (row[q_idx] == row[kv_idx])  # [n]
+        if not _probe(mask_function, b, q_idx, kv_idx, expected):
             return False
     return True
 
@@ -103,48 +141,100 @@ def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
     return out.view(P, t.numel())
 
 
-def _layout_summary(state, position_ids, mask, batch, local_len, device) -> torch.Tensor:
-    """This rank's facts as int64 [8]: s, B, plain causal, global positions ok, padding ok locally, any pad,
-    all pads (every row all padding)."""
+def _local_documents(cu: torch.Tensor, r: int, s: int, P: int, B: int, device) -> torch.Tensor | None:
+    """Document ids [B, s] and their per-document positions [B, s] of rank r's tokens from the global
+    `upipe_cu_seqlens` (boundaries over the flattened [B * P*s] batch); None when it is malformed."""
+    cu = cu.to(device=device, dtype=torch.long).reshape(-1)  # [N+1]
+    S = s * P
+    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != B * S or bool((cu[1:] <= cu[:-1]).any()) \
+            or not bool(torch.isin(torch.arange(B, device=device) * S, cu).all()):
+        return None
+    g = torch.arange(B, device=device)[:, None] * S + r * s + torch.arange(s, device=device)  # [B, s] flat index
+    doc = torch.searchsorted(cu, g, right=True) - 1  # [B, s]
+    return torch.stack([doc, g - cu[doc]])  # [2, B, s]
+
+
+def _layout_summary(state, position_ids, mask, batch, local_len, device, documents) -> torch.Tensor:
+    """This rank's facts as int64 [11]: s, B, mask ok, positions ok, padding ok locally, any pad, all pads
+    (every row all padding), positions restarting locally, documents given, and two checksums of them."""
     r, s = state.sp_rank, local_len
-    pos_ok = position_ids is not None and position_ids.shape[-1] == s
-    if pos_ok:
-        expected = torch.arange(r * s, (r + 1) * s, device=position_ids.device)
-        pos_ok = bool((position_ids == expected).all())
-    plain = mask is None or mask.plain_causal
     pad = None if mask is None else mask.padding
+    pos = None  # [B, s] when usable; anything else fails the position check on every rank (no local raise)
+    if position_ids is not None and position_ids.dim() in (1, 2) and position_ids.shape[-1] == s \
+            and position_ids.reshape(-1, s).shape[0] in (1, batch):
+        pos = position_ids.reshape(-1, s).expand(batch, s)  # [B, s]
+    restart = False
+    if pos is not None:  # between two real tokens, a position that does not continue: a new document
+        jump = pos[:, 1:] != pos[:, :-1] + 1  # [B, s-1]
+        restart = bool((jump if pad is None else jump & pad[:, 1:] & pad[:, :-1]).any())
+    if documents is None:
+        mask_ok = mask is None or mask.plain_causal
+        pos_ok = pos is not None and bool((pos == torch.arange(r * s, (r + 1) * s, device=pos.device)).all())
+        given, sums = 0, (0, 0)
+    else:
+        local = _local_documents(documents, r, s, state.sp_size, batch, pos.device if pos is not None else device)
+        pos_ok = local is not None and pos is not None and bool((pos == local[1]).all())
+        mask_ok = mask is None or mask.plain_causal or (
+            local is not None and mask.mask_function is not None
+            and _agrees_with_documents(mask.mask_function, local[0]))
+        cu = documents.reshape(-1).to(torch.long)
+        given, sums = 1, (int(cu.numel()), int((cu * (torch.arange(cu.numel(), device=cu.device) % 7919 + 1)).sum()))
     if pad is None:
         form_ok, any_pad, all_pad = True, False, False
     else:
         # ones-then-zeros in every row: once a row has a zero, it stays zero
         form_ok = bool((pad.int().cummin(dim=-1).values == pad.int()).all())
         any_pad, all_pad = bool((~pad).any()), bool((~pad).all())
-    return torch.tensor([s, batch, plain, pos_ok, form_ok, any_pad, all_pad, 0], dtype=torch.long, device=device)
+    return torch.tensor([s, batch, mask_ok, pos_ok, form_ok, any_pad, all_pad, restart, given, *sums],
+                        dtype=torch.long, device=device)
 
 
-def _check_layout(state, position_ids, mask, batch, local_len, device) -> None:
-    """Validate the global layout with one all-gather every rank enters; raise the same error on every rank."""
-    mine = _layout_summary(state, position_ids, mask, batch, local_len, device)
-    every = _all_gather(mine, state.sp_group)  # [P, 8]
-    s, B, plain, pos_ok, form_ok, any_pad, all_pad, _ = every.t().tolist()
+def _check_layout(state, position_ids, mask, batch, local_len, device, documents=None) -> None:
+    """Validate the global layout with one all-gather every rank enters; raise the same error on every rank.
+
+    `documents`: `upipe_cu_seqlens` (int32 [N+1] over the flattened full batch) for packed rows, else None.
+    """
+    mine = _layout_summary(state, position_ids, mask, batch, local_len, device, documents)
+    every = _all_gather(mine, state.sp_group)  # [P, 11]
+    s, B, mask_ok, pos_ok, form_ok, any_pad, all_pad, restart, given, n_cu, sum_cu = every.t().tolist()
     if len(set(s)) > 1 or len(set(B)) > 1:
         raise ValueError(
             f"Sequence-parallel ranks got different shard shapes: local lengths {s}, batch sizes {B}. Every rank "
             "of an SP group must get the same rows, cut into equal contiguous shards (pad the sequence to a "
             f"multiple of sp_size={state.sp_size} with ignored labels)."
         )
-    if not all(plain):
-        raise NotImplementedError(
-            "The model asked for a mask other than plain causal (packed sequences, a sliding window or a custom "
-            "mask), which attn_implementation='upipe' does not implement under sequence parallelism."
+    if len(set(zip(given, n_cu, sum_cu))) > 1:
+        raise ValueError(
+            f"upipe_cu_seqlens differs across sequence-parallel ranks (given on ranks "
+            f"{[i for i, g in enumerate(given) if g]}): every rank must pass the same global document boundaries, "
+            "as hf_upipe.shard_batch returns them for a packed batch."
+        )
+    if not given[0] and any(restart):
+        raise ValueError(
+            f"position_ids restart inside the shards of SP ranks {[i for i, x in enumerate(restart) if x]}: packed "
+            "rows (several documents per row) need their document boundaries under sequence parallelism. Shard the "
+            "full batch with hf_upipe.shard_batch (it adds 'upipe_cu_seqlens' and 'upipe_max_seqlen' for packed "
+            "rows) and pass every key of the shard to the model."
         )
     if not all(pos_ok):
         bad = [i for i, ok in enumerate(pos_ok) if not ok]
+        if given[0]:
+            raise ValueError(
+                f"position_ids on SP ranks {bad} do not match upipe_cu_seqlens (each document counting 0, 1, 2, "
+                f"... over the flattened batch of {B[0]} rows of {s[0] * state.sp_size} tokens), or upipe_cu_seqlens "
+                "is malformed: pass the shard of hf_upipe.shard_batch unchanged (position_ids, upipe_cu_seqlens)."
+            )
         raise ValueError(
             f"position_ids on SP ranks {bad} are not the global positions of their shard (rank r must pass "
             f"r*{s[0]} .. r*{s[0]}+{s[0] - 1}). Pass position_ids=torch.arange(S)[r*s:(r+1)*s] with each shard; "
-            "per-shard positions starting at 0 break RoPE and causality, and packed rows (positions restarting) "
-            "are not supported by this path."
+            "per-shard positions starting at 0 break RoPE and causality. Packed rows (positions restarting) need "
+            "hf_upipe.shard_batch, which adds their document boundaries ('upipe_cu_seqlens')."
+        )
+    if not all(mask_ok):
+        raise NotImplementedError(
+            "The model asked for a mask other than plain causal (a sliding window, a custom mask, or packed "
+            "sequences without 'upipe_cu_seqlens' / not matching them), which attn_implementation='upipe' does not "
+            "implement under sequence parallelism."
         )
     if not all(form_ok):
         raise ValueError(
@@ -209,6 +299,16 @@ def _check_kv_length(query, key) -> None:
         )
 
 
+def sp_kernel(state, kwargs: dict, device, dtype, seq_len: int) -> str | AttentionKernel:
+    """The attention kernel for this call: the state's kernel, or for packed rows (`upipe_cu_seqlens` in the
+    model's kwargs) that kernel wrapped in `DocumentKernel` over the full sequence of `seq_len` tokens."""
+    documents = kwargs.get("upipe_cu_seqlens")
+    if documents is None:
+        return state.kernel
+    inner = get_kernel(state.kernel, device, dtype) if isinstance(state.kernel, str) else state.kernel
+    return DocumentKernel(inner, documents, seq_len, kwargs.get("upipe_max_seqlen"))
+
+
 def upipe_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                             scaling: float | None = None, sliding_window: int | None = None, **kwargs):
     """Attention function registered as "upipe" (transformers' AttentionInterface signature).
@@ -218,7 +318,8 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
         query: [B, H, s, D] this rank's tokens, RoPE applied; key/value: [B, Hk, s, D] (GQA not expanded).
         attention_mask: what `upipe_mask` returned.
         scaling: softmax scale; sliding_window: the model's window, if any.
-        **kwargs: transformers' kwargs; `position_ids` [B or 1, s] (global) is required under SP.
+        **kwargs: transformers' kwargs; `position_ids` [B or 1, s] (global, or per document with
+            `upipe_cu_seqlens` / `upipe_max_seqlen` for packed rows) is required under SP.
 
     Returns:
         (attn_output [B, s, H, D], None)
@@ -235,12 +336,15 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
             "sequence parallelism; pass a 2-D padding mask (right padding) or none."
         )
     B, _, s, _ = query.shape
-    if not is_fake(query):  # fake tensors (memory simulation) carry no values to check
-        _check_layout(state, kwargs.get("position_ids"), attention_mask, B, s, query.device)
+    kernel = state.kernel
+    if not is_fake(query):  # fake tensors (memory simulation) carry no values to check (nor documents to split)
+        _check_layout(state, kwargs.get("position_ids"), attention_mask, B, s, query.device,
+                      kwargs.get("upipe_cu_seqlens"))
+        kernel = sp_kernel(state, kwargs, query.device, query.dtype, s * state.sp_size)
     sliding_window_check(sliding_window, s * state.sp_size)
     out = upipe_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [B, s, H|Hk, D] views
-        group=state.sp_group, heads_per_chunk=state.heads_per_chunk, kernel=state.kernel, scale=scaling,
+        group=state.sp_group, heads_per_chunk=state.heads_per_chunk, kernel=kernel, scale=scaling,
     )
     return out, None  # [B, s, H, D]
 

@@ -14,11 +14,16 @@ Entry points:
   `window_size` tuple and returns (out, q, k, v, out_padded, lse, S_dmask, rng_state). The style is read once from the
   signature (through `CustomOpDef._init_fn`, since 2.7+ wraps these in `torch.library.custom_op`, whose own signature
   is `(*args, **kwargs)`), else from `flash_attn.__version__`. flash-attn < 2.6 (no softcap argument) is refused.
+  Packed documents (`hf_upipe.ops.documents.DocumentKernel`): `forward_varlen/backward_varlen` call
+  `_flash_attn_varlen_forward/_backward` on the flattened tokens q [T, h, D] with `cu_seqlens` int32 [N+1]; the
+  window convention is the same as the dense functions' in every release (2.6 tuple, 2.7+ split), and the varlen lse
+  is unpadded, [h, T], in 2.6-2.8 (flash_api.cpp `mha_varlen_fwd`).
   FlashAttention-3 (`flash_attn_interface`, Hopper build) is left out: it has no versioned releases and its private
   `_flash_attn_forward/_backward` signatures kept changing (argument order, return values), so no stable call exists.
 
 Indirections (module-level, looked up at call time, patched by the CPU tests): `_aten_flash_fwd`, `_aten_flash_bwd`,
-`_aten_eff_fwd`, `_aten_eff_bwd`, `_device_capability`, `_flash_attn_installed`, `_flash_api` (lru-cached).
+`_aten_eff_fwd`, `_aten_eff_bwd`, `_device_capability`, `_flash_attn_installed`, `_flash_api`, `_flash_varlen_api`
+(lru-cached).
 
 Dummy backward arguments (valid for dropout_p == 0, checked against pytorch's attention_backward.cu / flash_api.cpp):
 - flash: `cum_seq_q/cum_seq_k = None` (an undefined tensor: the dense path; a *defined* tensor, even an empty one,
@@ -180,6 +185,14 @@ def _flash_api():
     return fai._flash_attn_forward, fai._flash_attn_backward, split
 
 
+@functools.lru_cache(maxsize=None)
+def _flash_varlen_api():
+    """(varlen forward, varlen backward, split_window): same calling convention as `_flash_api` in 2.6-2.8."""
+    from flash_attn import flash_attn_interface as fai
+
+    return fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward, _flash_api()[2]
+
+
 class FlashAttnKernel:
     """FlashAttention-2 (`flash_attn` package), native [B,S,h,D] layout and grouped-query attention."""
 
@@ -207,6 +220,37 @@ class FlashAttnKernel:
         dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
         window = (-1, -1) if split else ((-1, -1),)
         bwd(dop, qp, kp, vp, op, lse.contiguous(), dq, dk, dv, 0.0, scale, causal, *window, 0.0, None, False, None)
+        return dq[..., :d], dk[..., :d], dv[..., :d]
+
+    def forward_varlen(self, q, k, v, cu_seqlens, max_seqlen, *, scale, causal=True):
+        """Flattened documents: q [T, h, D], k/v [T, hk, D], cu_seqlens int32 [N+1] -> out [T, h, D], lse [h, T]."""
+        fwd, _, split = _flash_varlen_api()
+        d = q.shape[-1]
+        dp = _round8(d)
+        if dp > 256:
+            raise ValueError(f"flash_attn supports head_dim <= 256, got {d}")
+        qp, kp, vp = (_pad_d(x, dp) for x in (q, k, v))
+        # max_seqlen >= 2: with max_seqlen_q == 1 and GQA, flash-attn swaps heads into the sequence and its lse
+        # layout changes; an over-estimate is always allowed (it only sizes the grid)
+        m = max(int(max_seqlen), 2)
+        if split:
+            out, lse = fwd(qp, kp, vp, cu_seqlens, cu_seqlens, m, m, 0.0, scale, causal, -1, -1, 0.0, None, False)[:2]
+        else:  # 2.6: (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)
+            res = fwd(qp, kp, vp, cu_seqlens, cu_seqlens, m, m, 0.0, scale, causal, (-1, -1), 0.0, None, False)
+            out, lse = res[0], res[5]
+        return out[..., :d], lse  # [T, h, D], [h, T] fp32
+
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_seqlens, max_seqlen, *, scale, causal=True):
+        """Gradients of `forward_varlen`: dq [T, h, D], dk/dv [T, hk, D]; lse [h, T]."""
+        _, bwd, split = _flash_varlen_api()
+        d = q.shape[-1]
+        dp = _round8(d)
+        qp, kp, vp, op, dop = (_pad_d(x, dp) for x in (q, k, v, out, dout))
+        dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
+        window = (-1, -1) if split else ((-1, -1),)
+        m = max(int(max_seqlen), 2)
+        bwd(dop, qp, kp, vp, op, lse.contiguous(), dq, dk, dv, cu_seqlens, cu_seqlens, m, m, 0.0, scale, causal,
+            *window, 0.0, None, False, None)
         return dq[..., :d], dk[..., :d], dv[..., :d]
 
 

@@ -1,8 +1,6 @@
 """What "upipe" does with inputs it cannot take, and with the inputs it can: every rank must raise the same
 clear error before any all-to-all (no hang), and accepted padding must give exact logits on real tokens."""
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,7 +43,8 @@ def _worker(rank, world):
     interior[0, s - 2:s] = 0  # padding at the end of rank 0's shard, real tokens again on rank 1
     out["interior padding across shards"] = _outcome(lambda: run(attention_mask=interior[:, sh]))
     short = s + 1 if rank == 0 else s - 1
-    out["unequal shards"] = _outcome(lambda: run(ids_=ids[:, :short], position_ids=torch.arange(short)[None] + rank * s))
+    out["unequal shards"] = _outcome(
+        lambda: run(ids_=ids[:, :short], position_ids=torch.arange(short)[None] + rank * s))
     mis_cfg = tiny_config("mistral", sliding_window=S // 2)
     mistral = build_pair(mis_cfg, "upipe", seed=0)[1]
     out["sliding window"] = _outcome(lambda: run(m=mistral))
@@ -70,7 +69,7 @@ def _worker(rank, world):
 
 EXPECTED = {
     "local positions": ("ValueError", "not the global positions"),
-    "packed": ("NotImplementedError", "packed sequences"),
+    "packed": ("ValueError", "hf_upipe.shard_batch (it adds 'upipe_cu_seqlens'"),
     "left padding": ("ValueError", "left or interior padding"),
     "interior padding across shards": ("ValueError", "interior padding"),
     "unequal shards": ("ValueError", "different shard shapes"),
