@@ -26,6 +26,14 @@ def _dataset(n_rows: int, seq_len: int, vocab: int, seed: int):
     return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist(), "labels": labels.tolist()})
 
 
+def _packed(rows):
+    """The same rows without their padding, for DataCollatorWithFlattening (several documents per row)."""
+    from datasets import Dataset
+
+    ids = [[t for t, m in zip(r, mask) if m] for r, mask in zip(rows["input_ids"], rows["attention_mask"])]
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
 def _model(lora: bool, seed: int):
     from transformers import AutoModelForCausalLM
 
@@ -60,7 +68,12 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
     )
     train = _dataset(32, spec.get("seq_len", 29), 96, seed=1)
     evals = _dataset(8, spec.get("seq_len", 29), 96, seed=2)
-    kwargs = dict(model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=default_data_collator)
+    collator = default_data_collator
+    if spec.get("packed"):  # one row per batch holding every sample as a document, position_ids restarting
+        from transformers import DataCollatorWithFlattening
+
+        train, evals, collator = _packed(train), _packed(evals), DataCollatorWithFlattening()
+    kwargs = dict(model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator)
     if spec["trainer"] == "upipe":
         cfg = hf_upipe.UPipeConfig(sp_size=spec["sp"], heads_per_chunk=spec.get("heads_per_chunk", 1), fused_attention=spec.get("fused", True),
                                    tiled_loss=spec.get("tiled", True), loss_chunk_tokens=7,
