@@ -83,7 +83,8 @@ def upipe_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
         return sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
                          mask_function=mask_function, attention_mask=attention_mask, **kwargs)
     padding = attention_mask
-    if padding is not None and not is_fake(padding) and bool(padding.all()):
+    # a fake mask (memory simulation) carries no values: simulations model unpadded batches
+    if padding is not None and (is_fake(padding) or bool(padding.all())):
         padding = None
     plain = mask_function is causal_mask_function or _agrees_with_causal(mask_function, q_length, batch_size)
     return SequenceParallelMask(padding=padding, plain_causal=plain, mask_function=None if plain else mask_function)

@@ -21,7 +21,9 @@ Targets:
   recomputes the layer; the round trip is bit-exact. Files are deleted as soon as autograd frees the saved input,
   and the step's folder on exit.
 - "cpu": copies into pinned host buffers on a side CUDA stream, reused across steps; in backward, unpacking layer i
-  starts the copy back of layer i-1's input (prefetch). For tensors already in host memory this target is a no-op.
+  starts the copy back of layer i-1's input (prefetch). For tensors already in host memory this target is a no-op,
+  except fake tensors (`hf_upipe.planning.simulate`), which stand for device memory: their "copy" frees the device
+  tensor and the copy back allocates a new one, so the simulation counts exactly what a GPU would hold.
 `keep_last` leaves the last checkpointed layer's input on the device: the backward needs it first.
 """
 
@@ -38,6 +40,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+
+from hf_upipe.planning.simulate import is_fake
 
 __all__ = ["OffloadStore", "checkpointed_layers", "offload_checkpoints"]
 
@@ -94,7 +98,8 @@ class OffloadStore:
     # ---- hooks ----
     def stays(self, t: torch.Tensor) -> bool:
         """Whether `t` is kept as is: small, or already in host memory for the "cpu" target."""
-        return t.numel() * t.element_size() < self.min_bytes or (self.target == "cpu" and t.device.type == "cpu")
+        on_host = t.device.type == "cpu" and not is_fake(t)
+        return t.numel() * t.element_size() < self.min_bytes or (self.target == "cpu" and on_host)
 
     def pack(self, t: torch.Tensor):
         if self.stays(t):
@@ -140,6 +145,9 @@ class OffloadStore:
         return self._stream
 
     def _to_host(self, handle: _Handle, t: torch.Tensor) -> None:
+        if is_fake(t):  # simulation: the device copy is released; _copy_back allocates a new one
+            handle.host = "fake"
+            return
         key = (tuple(t.shape), t.dtype)
         pool = self._free_host.get(key)
         host = pool.pop() if pool else torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
@@ -157,6 +165,8 @@ class OffloadStore:
         weakref.finalize(handle, self._free_host.setdefault(key, []).append, host)  # buffer back to the pool
 
     def _copy_back(self, handle: _Handle) -> torch.Tensor:
+        if handle.host == "fake":
+            return torch.empty(handle.shape, dtype=handle.dtype, device=handle.device)
         stream = self._side_stream(handle.device)
         if stream is None:
             return handle.host.to(handle.device, copy=True)

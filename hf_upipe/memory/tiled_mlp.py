@@ -1,17 +1,20 @@
-"""Tiled MLP: a model's own MLP module run over sequence chunks, recomputed chunk by chunk in backward.
+"""Tiled MLP and RMSNorm: a model's own per-token modules run over sequence chunks, recomputed in backward.
 
 Entry points:
 - `tiled_mlp(x, forward_fn, params, *, chunk_tokens)`: the op on an explicit function and its trainable tensors.
 - `TiledMLPFunction`: its autograd Function.
-- `apply_tiled_mlp(model, chunk_tokens=None)`: install it on the MLP modules of a loaded model (idempotent; plain
-  or PEFT); `remove_tiled_mlp(model)` undoes it. `MLP_CLASSES`: the gated MLPs handled.
+- `apply_tiled_mlp(model, chunk_tokens=None, *, norms=True)`: install it on the MLP modules (and the decoder
+  layers' and final RMSNorms) of a loaded model (idempotent; plain or PEFT); `remove_tiled_mlp(model)` undoes it.
+  `MLP_CLASSES` / `NORM_CLASSES`: the modules handled.
 - `default_chunk_tokens(hidden_size)`: the default tile, `hidden_size` tokens (ALST's shards = ceil(s / hidden)).
 
 Why: a gated MLP keeps gate, up, act(gate), act(gate)*up for backward, [B, s, I] each, with I about 3.5 x the
 hidden size: at 1M tokens per 8 ranks on Llama3-8B shapes that is ~21 GiB per layer, more than attention. Here
 the forward runs chunk by chunk under no_grad, keeping only the input x [B, s, Dm]; the backward recomputes each
 chunk with grad enabled and takes its gradients with `torch.autograd.grad`, so at most one chunk's
-intermediates [B, c, I] exist at a time.
+intermediates [B, c, I] exist at a time. The same holds for RMSNorm, whose autograd keeps fp32 copies of its
+[B, s, Dm] input (two to three times the bf16 activation each, the largest tensors of a checkpointed layer's
+backward once attention and MLP are tiled); the per-head q_norm/k_norm inside attention are left alone.
 
 Composability: the parameters' gradients are summed over chunks inside the backward (in fp32 for 16-bit
 parameters) and returned as the Function's input gradients, so each parameter's gradient is accumulated ONCE per
@@ -35,6 +38,8 @@ __all__ = ["MLP_CLASSES", "TiledMLPFunction", "apply_tiled_mlp", "default_chunk_
            "tiled_mlp"]
 
 MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+_HEAD_NORMS = ("q_norm", "k_norm")  # per-head norms inside attention: [B, s, H, D], not tiled
 
 
 def default_chunk_tokens(hidden_size: int) -> int:
@@ -132,12 +137,13 @@ def _tiled_forward(self, x):
     return tiled_mlp(x, self._upipe_original_forward, params, chunk_tokens=chunk)
 
 
-def apply_tiled_mlp(model: nn.Module, chunk_tokens: int | None = None) -> int:
-    """Run every known MLP module of `model` (plain or PEFT) as a tiled MLP; returns how many were tiled.
+def apply_tiled_mlp(model: nn.Module, chunk_tokens: int | None = None, *, norms: bool = True) -> int:
+    """Run every known MLP module of `model` (plain or PEFT) tiled; returns how many MLPs were tiled.
 
     Args:
         model: a transformers model, a PEFT model, or any module tree.
         chunk_tokens: tokens per chunk; None = the hidden size (`default_chunk_tokens`).
+        norms: also tile the RMSNorms of the decoder layers and the final norm.
 
     Raises:
         ValueError: chunk_tokens < 1.
@@ -145,14 +151,15 @@ def apply_tiled_mlp(model: nn.Module, chunk_tokens: int | None = None) -> int:
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1 (or None for the hidden size), got {chunk_tokens}")
     count, other = 0, set()
-    for module in model.modules():
+    for path, module in model.named_modules():
         name = type(module).__name__
-        if name in MLP_CLASSES:
+        is_norm = norms and name in NORM_CLASSES and path.rsplit(".", 1)[-1] not in _HEAD_NORMS
+        if name in MLP_CLASSES or is_norm:
             if not hasattr(module, "_upipe_original_forward"):
                 module._upipe_original_forward = module.forward
                 module.forward = types.MethodType(_tiled_forward, module)
             module._upipe_mlp_chunk = chunk_tokens
-            count += 1
+            count += name in MLP_CLASSES
         elif name.endswith("MLP"):
             other.add(name)
     if other:
@@ -164,6 +171,6 @@ def apply_tiled_mlp(model: nn.Module, chunk_tokens: int | None = None) -> int:
 def remove_tiled_mlp(model: nn.Module) -> None:
     """Restore the MLP modules' own forward."""
     for module in model.modules():
-        if type(module).__name__ in MLP_CLASSES and hasattr(module, "_upipe_original_forward"):
+        if type(module).__name__ in MLP_CLASSES + NORM_CLASSES and hasattr(module, "_upipe_original_forward"):
             module.forward = module._upipe_original_forward
             del module._upipe_original_forward, module._upipe_mlp_chunk

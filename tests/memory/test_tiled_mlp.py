@@ -106,3 +106,26 @@ def test_remove_restores_the_forward():
     assert not hasattr(mlp, "_upipe_original_forward")
     with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
         apply_tiled_mlp(model, chunk_tokens=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_whole_model_with_tiled_mlp_and_norms_equals_plain(arch):
+    """All MLPs and the layer/final RMSNorms tiled (q_norm/k_norm left alone): loss and every gradient equal."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(tiny_config(arch, layers=2), attn_implementation="sdpa")
+    tiled = copy.deepcopy(ref)
+    assert apply_tiled_mlp(tiled, chunk_tokens=5) == 2
+    norms = [n for n, m in tiled.named_modules() if hasattr(m, "_upipe_original_forward") and "norm" in n]
+    assert len(norms) == 2 * 2 + 1 and not any(n.endswith(("q_norm", "k_norm")) for n in norms), norms
+    ids = torch.randint(0, 96, (2, 23), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for model in (ref, tiled):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) <= 1e-6 * abs(losses[0])
+    for (name, p), (_, q) in zip(ref.named_parameters(), tiled.named_parameters()):
+        err = (p.grad - q.grad).abs().max().item()
+        assert err <= 1e-5 * p.grad.abs().max().item() + 1e-9, (name, err)

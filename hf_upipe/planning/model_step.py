@@ -1,0 +1,220 @@
+"""Per-rank activation memory of a full training step of a Llama model under sequence parallelism.
+
+Entry points:
+- `measure_model_step(impl, *, model_config, seq_len, sp_size, layers, group, heads_per_chunk=1, tiled_mlp=False,
+  offload="none", tiled_loss=True, dtype=torch.bfloat16)`: one forward + backward of a `LlamaForCausalLM` with
+  `layers` decoder layers on this rank's shard, with activation checkpointing on every layer (non-reentrant), under
+  `MemoryTracker`. Works on real tensors in a real process group or on fake tensors in a simulated world.
+- `simulate_model_step(...)`: the same as rank 0 of a fake `sp_size`-rank world, in one process, at any length.
+- `measure_layer_step(...)` / `simulate_layer_step(...)`: forward + backward of ONE decoder layer alone (no
+  checkpointing, no embeddings or loss); like the attention-block benchmark, the layer input x and the incoming
+  gradient are not counted.
+- `llama_config(name)`: the geometries of the presets ("llama3-8b", "qwen3-32b-shape", "llama3-70b").
+
+`impl`: "deepspeed" (DeepSpeed 0.19.8 `UlyssesSPAttentionHF` around sdpa, the peer), "ulysses" (our registered
+path with all local heads in one chunk), "upipe" (registered, `heads_per_chunk`), "fused" (`prepare_model`).
+Every impl gets the same stack around attention: activation checkpointing of every layer, optional tiled MLP
+(`hf_upipe.memory.tiled_mlp`, chunks of `hidden_size` tokens), optional offload of the checkpointed layer inputs
+("cpu": to host memory, the last layer's input kept on the device), and the tiled loss.
+
+Counted: every tensor created during the step: embeddings, checkpointed layer inputs, one layer's recompute and
+backward, the loss, all-to-all buffers and transient weight gradients. Not counted: parameters, and persistent
+parameter gradients and optimizer states (each weight gradient is dropped as soon as it is accumulated, as FSDP2
+does after its reduce-scatter; their sharded sizes are the planner's business). So "peak" is the activation peak.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hf_upipe import distributed as _sp
+from hf_upipe.planning.attention_block import DS_ATTN_NAME, _deepspeed_comm, _ds_attention, _require_deepspeed
+from hf_upipe.planning.simulate import fake_tensors, simulated_world
+from hf_upipe.planning.tracker import MemoryTracker
+
+__all__ = ["MODEL_IMPLEMENTATIONS", "PRESETS", "llama_config", "measure_layer_step", "measure_model_step",
+           "simulate_layer_step", "simulate_model_step"]
+
+MODEL_IMPLEMENTATIONS = ("deepspeed", "ulysses", "upipe", "fused")
+
+PRESETS = {  # hidden, intermediate, heads, kv_heads, head_dim, layers, vocab
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, num_hidden_layers=32, vocab_size=128256),
+    "qwen3-32b-shape": dict(hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,
+                            head_dim=128, num_hidden_layers=64, vocab_size=151936),
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+                       head_dim=128, num_hidden_layers=80, vocab_size=128256),
+}
+
+
+def llama_config(name: str) -> dict:
+    """A copy of a preset geometry (keys of `transformers.LlamaConfig`)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return dict(PRESETS[name])
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+def _build(impl, model_config, layers, seq_len, dtype, group, tiled_mlp, checkpointing=True):
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface
+
+    config = LlamaConfig(**{**model_config, "num_hidden_layers": layers}, max_position_embeddings=seq_len,
+                         attention_dropout=0.0, tie_word_embeddings=False, use_cache=False)
+    config._attn_implementation = DS_ATTN_NAME if impl == "deepspeed" else "upipe"
+    if impl == "deepspeed":
+        AttentionInterface.register(DS_ATTN_NAME, _ds_attention)
+        AttentionMaskInterface.register(DS_ATTN_NAME, _no_mask)  # DeepSpeed's sdpa runs is_causal=True
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # module.to(dtype) fails under fake mode
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    if impl == "deepspeed":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        ds_cls = _require_deepspeed()
+        for layer in model.model.layers:
+            layer.self_attn.ds_ulysses = ds_cls(
+                attn=sdpa_attention_forward, batch_size=1, attn_head_count=config.num_attention_heads,
+                attn_head_size=config.head_dim, kv_head_count=config.num_key_value_heads, num_hidden_layers=layers,
+                process_group=group, seq_length_is_variable=True)
+    if impl == "fused":
+        from hf_upipe.integrations.fused import prepare_model
+
+        prepare_model(model)
+    if tiled_mlp:
+        from hf_upipe.memory.tiled_mlp import apply_tiled_mlp
+
+        apply_tiled_mlp(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    for p in model.parameters():  # persistent gradients are not activations: drop each one once accumulated
+        p.register_post_accumulate_grad_hook(lambda param: setattr(param, "grad", None))
+    return model
+
+
+def measure_model_step(
+    impl: str,
+    *,
+    model_config: dict,
+    seq_len: int,
+    sp_size: int,
+    layers: int,
+    group: dist.ProcessGroup | None = None,
+    heads_per_chunk: int | None = 1,
+    tiled_mlp: bool = False,
+    offload: str = "none",
+    tiled_loss: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+    snapshot: bool = False,
+) -> dict:
+    """Tracked training step (forward + backward) of a `layers`-layer Llama on this rank's shard.
+
+    Returns:
+        {"forward_peak", "peak", "unit"} in bytes; unit = s * hidden * bytes, one local activation.
+    """
+    from hf_upipe.integrations.loss import shard_loss_sum
+    from hf_upipe.memory.offload import offload_checkpoints
+
+    if impl not in MODEL_IMPLEMENTATIONS:
+        raise ValueError(f"impl={impl!r}: choose one of {MODEL_IMPLEMENTATIONS}")
+    group = dist.group.WORLD if group is None else group
+    if seq_len % sp_size:
+        raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp_size}")
+    s, rank = seq_len // sp_size, dist.get_rank(group)
+    hpc = None if impl in ("ulysses", "deepspeed") else heads_per_chunk
+    previous = _sp.get_sequence_parallel_state()
+    if impl != "deepspeed":
+        _sp.init_sequence_parallel(group=group, heads_per_chunk=hpc)
+    comm = _deepspeed_comm() if impl == "deepspeed" else _null()
+    try:
+        with comm:
+            model = _build(impl, model_config, layers, seq_len, dtype, group, tiled_mlp)
+            ids = torch.zeros(1, s, dtype=torch.long)  # not counted: token ids, positions, labels
+            positions = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)  # [1, s] global
+            labels = torch.zeros(1, s, dtype=torch.long)
+            # an all-ones 2-D mask: transformers then builds no packed-sequence mask from the (fake) positions
+            mask = torch.ones(1, s, dtype=torch.long)
+            with MemoryTracker(snapshot_at_peak=snapshot) as tracker, offload_checkpoints(model, offload, min_bytes=0):
+                loss, _ = shard_loss_sum(model, {"input_ids": ids, "position_ids": positions,
+                                                        "attention_mask": mask}, labels,
+                                         tiled=tiled_loss)
+                tracker.mark("forward")
+                loss.backward()
+                tracker.mark("backward")
+                del loss
+    finally:
+        _sp.set_sequence_parallel_state(previous)
+    result = {"forward_peak": tracker.phase_peaks["forward"], "peak": tracker.peak_bytes,
+              "unit": s * model_config["hidden_size"] * torch.finfo(dtype).bits // 8}
+    if snapshot:
+        result["peak_snapshot"] = tracker.peak_snapshot
+    return result
+
+
+def measure_layer_step(impl: str, *, model_config: dict, seq_len: int, sp_size: int,
+                       group: dist.ProcessGroup | None = None, heads_per_chunk: int | None = 1,
+                       tiled_mlp: bool = False, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tracked forward + backward of one decoder layer on this rank's shard.
+
+    Returns:
+        {"forward_peak", "peak", "unit"} in bytes (x and the incoming gradient not counted).
+    """
+    if impl not in MODEL_IMPLEMENTATIONS:
+        raise ValueError(f"impl={impl!r}: choose one of {MODEL_IMPLEMENTATIONS}")
+    group = dist.group.WORLD if group is None else group
+    s, rank = seq_len // sp_size, dist.get_rank(group)
+    hpc = None if impl in ("ulysses", "deepspeed") else heads_per_chunk
+    previous = _sp.get_sequence_parallel_state()
+    if impl != "deepspeed":
+        _sp.init_sequence_parallel(group=group, heads_per_chunk=hpc)
+    try:
+        with _deepspeed_comm() if impl == "deepspeed" else _null():
+            model = _build(impl, model_config, 1, seq_len, dtype, group, tiled_mlp, checkpointing=False)
+            layer = model.model.layers[0]
+            x = torch.randn(1, s, model_config["hidden_size"], dtype=dtype, requires_grad=True)
+            positions = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)  # [1, s] global
+            cos, sin = model.model.rotary_emb(x, positions)
+            grad_y = torch.ones_like(x)
+            with MemoryTracker() as tracker:
+                y = layer(x, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
+                y = y[0] if isinstance(y, tuple) else y  # [1, s, hidden]
+                tracker.mark("forward")
+                y.backward(grad_y)
+                tracker.mark("backward")
+                del y
+    finally:
+        _sp.set_sequence_parallel_state(previous)
+    return {"forward_peak": tracker.phase_peaks["forward"], "peak": tracker.peak_bytes,
+            "unit": s * model_config["hidden_size"] * torch.finfo(dtype).bits // 8}
+
+
+def simulate_layer_step(impl: str, *, model_config: dict, seq_len: int, sp_size: int,
+                        dtype: torch.dtype = torch.bfloat16, **kwargs) -> dict:
+    """`measure_layer_step` as rank 0 of a fake sp_size-rank world on fake tensors."""
+    with simulated_world(sp_size) as world, fake_tensors(dtype):
+        return measure_layer_step(impl, model_config=model_config, seq_len=seq_len, sp_size=sp_size, group=world,
+                                  dtype=dtype, **kwargs)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def simulate_model_step(impl: str, *, model_config: dict, seq_len: int, sp_size: int, layers: int,
+                        dtype: torch.dtype = torch.bfloat16, **kwargs) -> dict:
+    """`measure_model_step` as rank 0 of a fake sp_size-rank world on fake tensors (one process, no data)."""
+    with simulated_world(sp_size) as world, fake_tensors(dtype):
+        return measure_model_step(impl, model_config=model_config, seq_len=seq_len, sp_size=sp_size, layers=layers,
+                                  group=world, dtype=dtype, **kwargs)
