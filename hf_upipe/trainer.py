@@ -53,7 +53,6 @@ from hf_upipe.distributed import SequenceParallelState, init_sequence_parallel, 
 from hf_upipe.integrations.fused import prepare_model
 from hf_upipe.integrations.loss import shard_loss_sum
 from hf_upipe.memory.offload import offload_checkpoints
-from hf_upipe.memory.tiled_mlp import apply_tiled_mlp
 
 logger = logging.getLogger(__name__)
 
@@ -156,13 +155,7 @@ class UPipeTrainer(Trainer):
 
     # ---- setup -------------------------------------------------------------------------------------------------
     def _prepare_upipe_model(self, model):
-        if self.upipe_config.tiled_mlp:
-            apply_tiled_mlp(model, self.upipe_config.mlp_chunk_tokens)
-        if self.upipe_config.fused_attention:
-            return prepare_model(model)
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.set_attn_implementation("upipe")
-        return model
+        return prepare_model(model, self.upipe_config)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """The Trainer's step, with checkpointed layer inputs offloaded for its forward and backward."""

@@ -126,21 +126,32 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
     return y, None
 
 
-def prepare_model(model: nn.Module) -> nn.Module:
+def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
     """Install the fused UPipe attention block on every known attention module of `model` (idempotent).
 
     Args:
         model: a transformers model, a PEFT model wrapping one, or any module tree containing attention modules.
+        upipe_config: an optional `hf_upipe.UPipeConfig`: `fused_attention=False` keeps the registered attention path
+            (only `attn_implementation="upipe"` is set); `tiled_mlp=True` also tiles the MLPs and RMSNorms
+            (`hf_upipe.memory.apply_tiled_mlp`, `mlp_chunk_tokens`). Offloading is per step: wrap each forward and
+            backward in `hf_upipe.memory.offload_checkpoints(model, upipe_config.offload, ...)`
+            (UPipeTrainer does).
 
     Returns:
         The same model, with `attn_implementation="upipe"` set where a config is found.
     """
+    if upipe_config is not None and upipe_config.tiled_mlp:
+        from hf_upipe.memory.tiled_mlp import apply_tiled_mlp
+
+        apply_tiled_mlp(model, upipe_config.mlp_chunk_tokens)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     if config is not None and getattr(config, "_attn_implementation", None) != "upipe" \
             and hasattr(base, "set_attn_implementation"):
         base.set_attn_implementation("upipe")
         logger.info("hf_upipe: attn_implementation set to 'upipe'")
+    if upipe_config is not None and not upipe_config.fused_attention:
+        return model
     fused, other = 0, set()
     for module in model.modules():
         name = type(module).__name__

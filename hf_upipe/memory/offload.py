@@ -20,7 +20,7 @@ Targets:
   `max_pending` writes in flight, holding their tensors: a bounded buffer pool) and read back when the backward
   recomputes the layer; the round trip is bit-exact. Files are deleted as soon as autograd frees the saved input,
   and the step's folder on exit.
-- "cpu": copies into pinned host buffers on a side CUDA stream, reused across steps; in backward, unpacking layer i
+- "cpu": copies into pinned host buffers (`HOST_POOL`, reused across steps, bounded) on a side CUDA stream; in backward, unpacking layer i
   starts the copy back of layer i-1's input (prefetch). For tensors already in host memory this target is a no-op,
   except fake tensors (`hf_upipe.planning.simulate`), which stand for device memory: their "copy" frees the device
   tensor and the copy back allocates a new one, so the simulation counts exactly what a GPU would hold.
@@ -43,7 +43,7 @@ from torch import nn
 
 from hf_upipe.planning.simulate import is_fake
 
-__all__ = ["OffloadStore", "checkpointed_layers", "offload_checkpoints"]
+__all__ = ["HOST_POOL", "HostBufferPool", "OffloadStore", "checkpointed_layers", "offload_checkpoints"]
 
 TARGETS = ("none", "cpu", "disk")
 
@@ -51,11 +51,12 @@ TARGETS = ("none", "cpu", "disk")
 class _Handle:
     """What the pack hook returns in place of an offloaded tensor."""
 
-    __slots__ = ("shape", "dtype", "device", "path", "future", "host", "event", "prefetched", "__weakref__")
+    __slots__ = ("shape", "dtype", "device", "path", "future", "host", "event", "prefetched", "release",
+                 "__weakref__")
 
     def __init__(self, t: torch.Tensor):
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
-        self.path = self.future = self.host = self.event = self.prefetched = None
+        self.path = self.future = self.host = self.event = self.prefetched = self.release = None
 
 
 def _remove(path: str) -> None:
@@ -63,6 +64,38 @@ def _remove(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
+
+
+class HostBufferPool:
+    """Host (pinned on CUDA machines) buffers reused across steps, keyed by (shape, dtype); at most `max_bytes`
+    of free buffers are kept, the rest are released. One process-wide pool: `HOST_POOL`."""
+
+    def __init__(self, max_bytes: int = 64 * 2**30):
+        self.max_bytes = max_bytes
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.free_bytes = 0
+        self.allocated = 0  # buffers ever created (a pool that reuses them stops growing after one step)
+
+    def take(self, shape, dtype) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get((tuple(shape), dtype))
+            if free:
+                buf = free.pop()
+                self.free_bytes -= buf.numel() * buf.element_size()
+                return buf
+            self.allocated += 1
+        return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+    def give(self, buf: torch.Tensor) -> None:
+        nbytes = buf.numel() * buf.element_size()
+        with self._lock:
+            if self.free_bytes + nbytes <= self.max_bytes:
+                self._free.setdefault((tuple(buf.shape), buf.dtype), []).append(buf)
+                self.free_bytes += nbytes
+
+
+HOST_POOL = HostBufferPool()
 
 
 class OffloadStore:
@@ -90,7 +123,6 @@ class OffloadStore:
             self._slots = threading.BoundedSemaphore(max_pending)
         self._ids = itertools.count()
         self._order: list[weakref.ref] = []  # handles in pack order (prefetch walks it backwards)
-        self._free_host: dict[tuple, list[torch.Tensor]] = {}
         self._stream = None
         self.files_written = 0
         self.bytes_offloaded = 0
@@ -126,7 +158,7 @@ class OffloadStore:
     # ---- disk ----
     def _write(self, handle: _Handle, t: torch.Tensor) -> None:
         handle.path = os.path.join(self.folder, f"{next(self._ids)}.pt")
-        weakref.finalize(handle, _remove, handle.path)  # deleted once autograd frees the saved input
+        handle.release = weakref.finalize(handle, _remove, handle.path)  # once autograd frees the saved input
         data = t.detach()
         if data.untyped_storage().nbytes() != data.numel() * data.element_size() or not data.is_contiguous():
             data = data.contiguous().clone()  # torch.save writes whole storages: never write a view's base
@@ -148,9 +180,7 @@ class OffloadStore:
         if is_fake(t):  # simulation: the device copy is released; _copy_back allocates a new one
             handle.host = "fake"
             return
-        key = (tuple(t.shape), t.dtype)
-        pool = self._free_host.get(key)
-        host = pool.pop() if pool else torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+        host = HOST_POOL.take(t.shape, t.dtype)
         stream = self._side_stream(t.device)
         if stream is None:
             host.copy_(t)
@@ -162,7 +192,7 @@ class OffloadStore:
                 handle.event = torch.cuda.Event()
                 handle.event.record(stream)
         handle.host = host
-        weakref.finalize(handle, self._free_host.setdefault(key, []).append, host)  # buffer back to the pool
+        handle.release = weakref.finalize(handle, HOST_POOL.give, host)  # once autograd frees the saved input
 
     def _copy_back(self, handle: _Handle) -> torch.Tensor:
         if handle.host == "fake":
@@ -197,9 +227,20 @@ class OffloadStore:
 
     # ---- lifetime ----
     def close(self) -> None:
-        """Wait for pending writes, then delete every file and the folder (also after a failed step)."""
+        """Wait for pending writes, then release every file and host buffer of the step, also after a failure.
+
+        A backward that raises can leave its graph alive in a reference cycle through autograd's C++ nodes, which
+        Python's collector cannot free; the handles it still holds are released here (each at most once), so
+        neither files nor buffers outlive the step.
+        """
         if self.folder is not None:
             self._writer.shutdown(wait=True)
+        for ref in self._order:
+            handle = ref()
+            if handle is not None and handle.release is not None:
+                handle.release()  # weakref.finalize: runs once, now or never again
+                handle.host = handle.prefetched = None
+        if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
         self._order.clear()
 

@@ -108,3 +108,33 @@ def test_errors_name_the_fix():
     with pytest.raises(ValueError, match="non-reentrant"):
         with offload_checkpoints(plain, "disk", keep_last=False):
             pass
+
+
+def test_host_buffers_are_reused_across_steps_and_returned_after_a_failure(monkeypatch):
+    """The "cpu" target's buffer pool (its CPU-tensor path forced): the second step allocates nothing new, and a
+    backward that raises gives every buffer back."""
+    from hf_upipe.memory import offload as mod
+
+    monkeypatch.setattr(mod, "HOST_POOL", mod.HostBufferPool())
+    model = _model()
+    original = mod.OffloadStore.stays
+    mod.OffloadStore.stays = lambda self, t: t.numel() * t.element_size() < self.min_bytes
+    try:
+        before = mod.HOST_POOL.allocated
+        _grads(model, offload_checkpoints(model, "cpu", min_bytes=0))
+        first = mod.HOST_POOL.allocated - before
+        free_after_first = mod.HOST_POOL.free_bytes
+        _grads(model, offload_checkpoints(model, "cpu", min_bytes=0))
+        assert first == LAYERS - 1 and mod.HOST_POOL.allocated - before == first  # reused, not reallocated
+        hook = model.model.layers[1].mlp.down_proj.weight.register_hook(lambda g: (_ for _ in ()).throw(
+            RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            with offload_checkpoints(model, "cpu", min_bytes=0):
+                model(**_batch()).loss.backward()
+        hook.remove()
+        import gc
+
+        gc.collect()
+        assert mod.HOST_POOL.free_bytes == free_after_first  # every buffer is back in the pool
+    finally:
+        mod.OffloadStore.stays = original
