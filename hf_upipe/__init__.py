@@ -9,6 +9,8 @@ Main entry points:
 - `upipe_attention(q, k, v, *, group, heads_per_chunk)`: the op itself, on explicit tensors and process group.
 - `UPipeTrainer` / `UPipeConfig`: transformers' Trainer with sequence parallelism, exact token-weighted loss and
   a tiled loss; the settings dataclass (`UPIPE_*` environment fallbacks). `UPipeTrainer` is imported lazily.
+- `UPipePlugin`: the same settings plus `prepare(accelerator, model, optimizer, loader)` for custom loops under
+  `accelerate launch` (FSDP2 or DDP); imported lazily.
 - `shard_batch`, `ShardedDataLoader`, `sampler_kwargs`: per-rank sequence shards for custom training loops.
 - `MemoryTracker`: exact tensor-memory accounting (real or fake tensors), as used by the benchmarks.
 """
@@ -35,6 +37,7 @@ __all__ = [
     "SequenceParallelState",
     "ShardedDataLoader",
     "UPipeConfig",
+    "UPipePlugin",
     "UPipeTrainer",
     "get_sequence_parallel_state",
     "init_sequence_parallel",
@@ -55,4 +58,8 @@ def __getattr__(name):
         from hf_upipe.trainer import UPipeTrainer
 
         return UPipeTrainer
+    if name == "UPipePlugin":
+        from hf_upipe.integrations.accelerate import UPipePlugin
+
+        return UPipePlugin
     raise AttributeError(f"module 'hf_upipe' has no attribute {name!r}")

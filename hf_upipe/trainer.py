@@ -4,8 +4,6 @@ Entry points:
 - `UPipeTrainer(model, args, ..., upipe_config=UPipeConfig(...))`: a `transformers.Trainer` subclass; everything
   else of the Trainer (callbacks, logging, lr schedules, gradient accumulation, activation checkpointing, PEFT,
   checkpoints and `resume_from_checkpoint`) keeps working.
-- `share_batches_within_sp(dataloader, state)`: make an accelerate-prepared dataloader give every rank of an SP
-  group the same batches and different SP groups different ones.
 
 What it does, with W processes and `sp_size` P (W = P x dp_size):
 1. setup: `init_sequence_parallel(P, ...)` (SP groups of P neighbouring ranks, DP across them),
@@ -43,54 +41,20 @@ import time
 
 import torch
 import torch.distributed as dist
-from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from hf_upipe.config import UPipeConfig
 from hf_upipe.data import shard_batch
-from hf_upipe.distributed import SequenceParallelState, init_sequence_parallel, set_sequence_parallel_state
+from hf_upipe.distributed import init_sequence_parallel, set_sequence_parallel_state
+from hf_upipe.integrations.accelerate import NO_SP, share_batches_within_sp, world_sum
 from hf_upipe.integrations.fused import prepare_model
 from hf_upipe.integrations.loss import shard_loss_sum
 from hf_upipe.memory.offload import offload_checkpoints
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UPipeTrainer", "share_batches_within_sp"]
-
-_NO_SP = SequenceParallelState(sp_group=None, sp_size=1, sp_rank=0, dp_group=None, dp_size=1, dp_rank=0)
-
-
-def share_batches_within_sp(dataloader, state: SequenceParallelState):
-    """Re-point an accelerate-prepared dataloader's sharding from all processes to the SP groups (in place).
-
-    Returns:
-        The same dataloader: rank r now gets the batches of data-parallel replica `state.dp_rank` of
-        `state.dp_size`, so all ranks of one SP group get the same batches.
-
-    Raises:
-        NotImplementedError: a dataloader accelerate dispatches from rank 0 (`dispatch_batches=True`), which
-            cannot be re-pointed; use the default per-process loading.
-    """
-    if state.sp_size == 1 or not dist.is_initialized() or dist.get_world_size() == 1:
-        return dataloader
-    if isinstance(dataloader, DataLoaderDispatcher):
-        raise NotImplementedError("UPipeTrainer cannot shard batches dispatched from rank 0: set "
-                                  "accelerator_config={'dispatch_batches': False} in TrainingArguments.")
-    sharded = None
-    batch_sampler = getattr(dataloader, "batch_sampler", None)
-    for candidate in (batch_sampler, getattr(batch_sampler, "batch_sampler", None), getattr(dataloader, "dataset", None)):
-        if isinstance(candidate, (BatchSamplerShard, IterableDatasetShard)):
-            sharded = candidate
-            break
-    if sharded is None:
-        raise NotImplementedError(
-            f"UPipeTrainer could not find accelerate's batch sharding in a {type(dataloader).__name__}; it needs "
-            "the Trainer's own dataloaders (override get_train_dataloader only to return what super() returns)."
-        )
-    sharded.num_processes, sharded.process_index = state.dp_size, state.dp_rank
-    return dataloader
-
+__all__ = ["UPipeTrainer"]
 
 def _peak_memory_bytes(device: torch.device) -> int:
     """This process's peak: device allocations (reset after reading) on CUDA, peak resident set size on CPU."""
@@ -145,7 +109,7 @@ class UPipeTrainer(Trainer):
         if world > 1:
             self.sp_state = init_sequence_parallel(sp_size, **self.upipe_config.init_kwargs())
         else:
-            self.sp_state = _NO_SP
+            self.sp_state = NO_SP
             set_sequence_parallel_state(None)
         if self.model is not None:
             self._prepare_upipe_model(self.model)
@@ -180,11 +144,7 @@ class UPipeTrainer(Trainer):
                            pad_token_id=0 if pad is None else pad)
 
     def _world_sum(self, *values: torch.Tensor | int) -> list[float]:
-        """Sum small numbers over all ranks in one all_reduce (float64: exact for token counts)."""
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.args.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t.tolist()
+        return world_sum(*values, device=self.args.device)
 
     def _own_count(self, shard: dict) -> float:
         """The whole batch's label tokens, contributed by SP rank 0 only, so a world sum counts each once."""

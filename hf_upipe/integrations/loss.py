@@ -36,8 +36,12 @@ def _unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
-def output_head(model: nn.Module) -> nn.Linear:
+def output_head(model: nn.Module) -> tuple[nn.Linear, nn.Module]:
     """The lm_head of `model` (a transformers causal LM, a PEFT model, or either wrapped by DDP).
+
+    Returns:
+        (the nn.Linear whose weight the loss uses, the module the model calls): the same module, except for a PEFT
+        `modules_to_save` lm_head, where the active trainable copy sits inside the wrapper the model calls.
 
     Raises:
         NotImplementedError: no output embeddings, or an lm_head that is not a plain `nn.Linear` (LoRA on the
@@ -50,13 +54,20 @@ def output_head(model: nn.Module) -> nn.Linear:
     if head is None:
         raise NotImplementedError(f"{type(base).__name__} has no output embeddings (lm_head): the tiled loss needs a "
                                   "causal LM; set tiled_loss=False.")
+    if hasattr(head, "modules_to_save") and hasattr(head, "original_module"):  # PEFT modules_to_save=["lm_head"]
+        active = [a for a in getattr(head, "active_adapters", []) if a in head.modules_to_save]
+        inner = head.original_module if getattr(head, "disable_adapters", False) or not active \
+            else head.modules_to_save[active[0]]
+        if type(inner) is nn.Linear:
+            return inner, head  # read the active copy's weight, hook the wrapper the model calls
+        head = inner
     if type(head) is not nn.Linear:
         raise NotImplementedError(
-            f"The lm_head is a {type(head).__name__}, not a plain nn.Linear (LoRA on the lm_head, modules_to_save "
-            "or a quantized head): the tiled loss cannot read its weight; set tiled_loss=False (UPipeConfig / "
+            f"The lm_head is a {type(head).__name__}, not a plain nn.Linear (LoRA on the lm_head or a quantized "
+            "head): the tiled loss cannot read its weight; set tiled_loss=False (UPipeConfig / "
             "UPIPE_TILED_LOSS=0)."
         )
-    return head
+    return head, head
 
 
 @contextmanager
@@ -104,8 +115,8 @@ def shard_loss_sum(
         outputs = model(**inputs, labels=shift_labels, shift_labels=shift_labels, num_items_in_batch=1,
                         ignore_index=ignore_index)
         return outputs.loss.float(), outputs
-    head = output_head(model)
-    with _record_head_input(head) as recorded:
+    head, called = output_head(model)
+    with _record_head_input(called) as recorded:
         outputs = model(**inputs)
     if len(recorded) != 1:
         raise RuntimeError(f"The lm_head ran {len(recorded)} times in one forward; the tiled loss expects exactly "

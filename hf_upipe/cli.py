@@ -1,0 +1,118 @@
+"""The `hf-upipe` command line.
+
+Entry points:
+- `main(argv=None)`: `hf-upipe <command> ...`; the console script of the package.
+- `register_command(name, help, add_arguments, run)`: how a command plugs in (`env` here; the planner and the
+  self-test add `plan` and `selftest` the same way).
+
+Commands:
+- `hf-upipe env [--json]`: versions of the stack, devices, distributed backends, the attention kernels usable on
+  each device, whether flash-attn is found, and the UPipe settings the `UPIPE_*` variables give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import sys
+from typing import Callable
+
+__all__ = ["collect_env", "main", "register_command"]
+
+_COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
+
+
+def register_command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+                     run: Callable[[argparse.Namespace], int]) -> None:
+    """Add `hf-upipe <name>`: `add_arguments(parser)` declares its flags, `run(args)` returns the exit code."""
+    _COMMANDS[name] = (help, add_arguments, run)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def collect_env() -> dict:
+    """Everything `hf-upipe env` reports, as a dict."""
+    import torch
+    import torch.distributed as dist
+
+    import hf_upipe
+    from hf_upipe.config import UPipeConfig
+    from hf_upipe.ops.kernels import available_kernels
+
+    cuda = torch.cuda.is_available()
+    devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
+    kernels = {"cpu": available_kernels("cpu", torch.bfloat16)}
+    if cuda:
+        kernels["cuda"] = available_kernels("cuda", torch.bfloat16)
+    try:
+        settings = vars(UPipeConfig())
+        settings_error = None
+    except ValueError as err:  # a bad UPIPE_* variable: report it instead of failing
+        settings, settings_error = None, str(err)
+    return {
+        "hf_upipe": hf_upipe.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "packages": {p: _version(p) for p in ("torch", "transformers", "accelerate", "peft", "datasets", "deepspeed",
+                                              "flash-attn")},
+        "flash_attn_found": importlib.util.find_spec("flash_attn") is not None,
+        "cuda_available": cuda,
+        "cuda_version": torch.version.cuda,
+        "devices": devices,
+        "distributed_backends": {b: getattr(dist, f"is_{b}_available", lambda: False)() for b in ("nccl", "gloo")},
+        "attention_kernels_bf16": kernels,
+        "upipe_settings": settings,
+        "upipe_settings_error": settings_error,
+    }
+
+
+def _env_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _env_run(args: argparse.Namespace) -> int:
+    info = collect_env()
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0 if info["upipe_settings_error"] is None else 1
+    print(f"hf_upipe {info['hf_upipe']} | python {info['python']} | {info['platform']}")
+    for name, version in ((n, v) for n, v in info["packages"].items() if n != "flash-attn"):
+        print(f"  {name:<13} {version or 'not installed'}")
+    flash = info["packages"]["flash-attn"] or "found" if info["flash_attn_found"] else None
+    print(f"  flash-attn    {flash or 'not found (optional: pip install hf_upipe[flash])'}")
+    print(f"CUDA: {'yes, ' + str(info['cuda_version']) if info['cuda_available'] else 'no'}; devices: "
+          f"{', '.join(info['devices']) or 'none'}")
+    print("distributed backends: " + ", ".join(f"{b} {'yes' if ok else 'no'}"
+                                                for b, ok in info["distributed_backends"].items()))
+    for device, names in info["attention_kernels_bf16"].items():
+        print(f"attention kernels on {device} (bf16, first = 'auto'): {', '.join(names) or 'none'}")
+    if info["upipe_settings_error"]:
+        print(f"UPIPE_* settings: ERROR: {info['upipe_settings_error']}")
+        return 1
+    print("UPipe settings (UPIPE_* variables, else defaults): " +
+          ", ".join(f"{k}={v}" for k, v in info["upipe_settings"].items()))
+    return 0
+
+
+register_command("env", "versions, devices, kernels and the UPIPE_* settings in effect", _env_arguments, _env_run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-upipe", description="UPipe sequence parallelism for Hugging Face models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add_arguments, _) in _COMMANDS.items():
+        add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    args = parser.parse_args(argv)
+    return _COMMANDS[args.command][2](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

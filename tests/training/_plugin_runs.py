@@ -1,0 +1,83 @@
+"""Worker bodies for the plugin tests (spawned gloo ranks)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests.training._runs import _dataset, _model
+
+
+def _batches(n: int, batch: int):
+    data = _dataset(n * batch, 29, 96, seed=4)
+    for i in range(n):
+        rows = data[i * batch:(i + 1) * batch]
+        yield {k: torch.tensor(v) for k, v in rows.items()}
+
+
+def fsdp2_steps(rank: int, world: int, lora: bool, sp: int) -> list[float]:
+    """3 AdamW steps of a tiny Llama under FSDP2 (fully_shard over all ranks, CPU mesh) with SP `sp`, sharded by
+    `shard_batch` and the plugin's token-weighted loss; every rank returns the global loss of each step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_upipe import UPipeConfig, init_sequence_parallel, prepare_model, shard_batch
+    from hf_upipe.integrations.accelerate import NO_SP, UPipeLoss
+
+    model = _model(lora, seed=11)
+    cfg = UPipeConfig(sp_size=sp, loss_chunk_tokens=7, tiled_mlp=True, mlp_chunk_tokens=6)
+    state = init_sequence_parallel(sp) if world > 1 else NO_SP
+    prepare_model(model, cfg)
+    if world > 1:
+        mesh = init_device_mesh("cpu", (world,))
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for layer in base.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+    loss_fn = UPipeLoss(state, cfg, torch.device("cpu"))
+    rows = 4 // state.dp_size  # the same global batch of 4 rows whatever the layout: DP replicas split it
+    out = []
+    for full in _batches(3, 4):
+        mine = {k: v[state.dp_rank * rows:(state.dp_rank + 1) * rows] for k, v in full.items()}
+        shard = shard_batch(mine, state.sp_rank, state.sp_size)
+        n = loss_fn.count([shard])
+        loss = loss_fn(model, shard, n)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = torch.tensor(loss.item() / max(world, 1))
+        if world > 1:
+            torch.distributed.all_reduce(total)
+        out.append(total.item())
+    return out
+
+
+def bad_settings(rank: int, world: int) -> dict:
+    """UPipePlugin errors, on every rank, before any collective."""
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    from accelerate import Accelerator
+
+    from hf_upipe import UPipePlugin
+
+    seen = {}
+    for key, make in [("kernel", lambda: UPipePlugin(kernel="flash9")),
+                      ("sp", lambda: UPipePlugin(sp_size=3).prepare(Accelerator(cpu=True), _model(False, 1))),
+                      ("offload", lambda: UPipePlugin(sp_size=2, offload="disk").prepare(Accelerator(cpu=True),
+                                                                                          _model(False, 1)))]:
+        try:
+            make()
+        except ValueError as err:
+            seen[key] = str(err)
+    # heads that do not split over the SP group: 8 query / 2 kv heads cannot be cut into heads_per_chunk=3
+    plugin = UPipePlugin(sp_size=2, heads_per_chunk=3)
+    model, *_, loss = plugin.prepare(Accelerator(cpu=True), _model(False, 1))
+    shard = {k: v[:, :14] if v.dim() == 2 else v for k, v in next(_batches(1, 1)).items()}
+    from hf_upipe import shard_batch
+
+    try:
+        loss(model, shard_batch(shard, plugin.state.sp_rank, 2))
+    except ValueError as err:
+        seen["heads"] = str(err)
+    return seen
