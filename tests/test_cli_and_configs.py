@@ -1,0 +1,42 @@
+"""`hf-upipe env` reports the stack and the UPIPE_* settings; every accelerate config in accelerate_configs/ loads."""
+
+import glob
+import json
+import os
+
+from accelerate.commands.config.config_args import load_config_from_file
+
+from hf_upipe.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_env_json(capsys, monkeypatch):
+    monkeypatch.setenv("UPIPE_HEADS_PER_CHUNK", "2")
+    assert main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["packages"]["torch"] and info["packages"]["transformers"]
+    assert "sdpa" in info["attention_kernels_bf16"]["cpu"]
+    assert info["distributed_backends"]["gloo"] is True
+    assert info["upipe_settings"]["heads_per_chunk"] == 2
+
+
+def test_env_reports_a_bad_setting(capsys, monkeypatch):
+    monkeypatch.setenv("UPIPE_OFFLOAD", "tape")
+    assert main(["env"]) == 1
+    assert "offload='tape'" in capsys.readouterr().out
+
+
+def test_accelerate_configs_load():
+    files = sorted(glob.glob(os.path.join(ROOT, "accelerate_configs", "*.yaml")))
+    assert len(files) >= 4
+    seen = {}
+    for path in files:
+        config = load_config_from_file(path)
+        seen[os.path.basename(path)] = (str(config.distributed_type), config.num_processes, config.num_machines)
+        with open(path) as f:
+            assert f.readline().startswith("#"), f"{path}: the UPipe settings comment must open the file"
+    assert seen["fsdp2_1node_8gpu.yaml"] == ("DistributedType.FSDP", 8, 1)
+    assert seen["fsdp2_2nodes_8gpu.yaml"] == ("DistributedType.FSDP", 16, 2)
+    assert seen["ddp_1node_8gpu.yaml"] == ("DistributedType.MULTI_GPU", 8, 1)
+    assert seen["cpu_2proc.yaml"][1] == 2
