@@ -9,7 +9,8 @@ On one 8-GPU node with FSDP2 and a real model:
 Default task: passkey retrieval over bytes (a byte-level tokenizer, nothing to download). A digit is stated near the
 start of a 1K-byte row of random text and asked for in the second half; only the answers are targets, so the loss
 can only fall once attention reaches across the whole sequence, i.e. over every rank's shard. The default model is a
-one-layer Llama built from a config, trained with LoRA (rank 32 on every projection; embeddings and lm_head trained fully, they start random). `--data` takes local text files.
+one-layer Llama built from a config, trained with LoRA (rank 32 on every projection; the embeddings and lm_head,
+random at the start, are trained fully). `--data` takes local text files.
 
 The loop is the `UPipePlugin` flow (hf_upipe/integrations/accelerate.py): `plugin.prepare` sets up the SP groups,
 the fused attention block, accelerate's FSDP2/DDP and a loader of per-rank shards; `loss(model, shard, n)` is the

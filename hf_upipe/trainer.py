@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["UPipeTrainer"]
 
+
 def _peak_memory_bytes(device: torch.device) -> int:
     """This process's peak: device allocations (reset after reading) on CUDA, peak resident set size on CPU."""
     if device.type == "cuda":
@@ -138,7 +139,8 @@ class UPipeTrainer(Trainer):
         """The full collated batch -> this rank's shard (`hf_upipe.shard_batch`)."""
         if batch.get("labels") is None and batch.get("shift_labels") is None:
             raise ValueError("UPipeTrainer needs 'labels' (or 'shift_labels') in every batch: use a language-modeling "
-                             f"collator, e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False); got {sorted(batch)}.")
+                             "collator, e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False); got "
+                             f"{sorted(batch)}.")
         pad = getattr(self.processing_class, "pad_token_id", None)
         return shard_batch(batch, self.sp_state.sp_rank, self.sp_state.sp_size,
                            pad_token_id=0 if pad is None else pad)
@@ -260,7 +262,8 @@ class UPipeTrainer(Trainer):
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             now = time.perf_counter()
-            logs = {**logs, "tokens_per_second": round(self._stats["tokens"] / max(now - self._stats["since"], 1e-9), 1),
+            rate = self._stats["tokens"] / max(now - self._stats["since"], 1e-9)
+            logs = {**logs, "tokens_per_second": round(rate, 1),
                     "peak_memory_gib": round(peak.item() / 2**30, 3)}
             self._stats = {"tokens": 0, "since": now}
         super().log(logs, start_time)

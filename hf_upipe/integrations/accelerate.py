@@ -67,7 +67,8 @@ def share_batches_within_sp(dataloader, state: SequenceParallelState):
         raise NotImplementedError("hf_upipe cannot shard batches dispatched from rank 0: set dispatch_batches=False "
                                   "(DataLoaderConfiguration / TrainingArguments accelerator_config).")
     batch_sampler = getattr(dataloader, "batch_sampler", None)
-    for candidate in (batch_sampler, getattr(batch_sampler, "batch_sampler", None), getattr(dataloader, "dataset", None)):
+    candidates = (batch_sampler, getattr(batch_sampler, "batch_sampler", None), getattr(dataloader, "dataset", None))
+    for candidate in candidates:
         if isinstance(candidate, (BatchSamplerShard, IterableDatasetShard)):
             candidate.num_processes, candidate.process_index = state.dp_size, state.dp_rank
             return dataloader
@@ -125,9 +126,9 @@ class UPipePlugin(UPipeConfig):
         sp_size = self.resolve_sp_size(world)
         wants_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
         if wants_fsdp and str(accelerator.distributed_type) != "DistributedType.FSDP":
-            raise ValueError(f"The accelerate config asks for FSDP but accelerate set up {accelerator.distributed_type} "
-                             "(accelerate runs FSDP on accelerators only): on CPU use a DDP config such as "
-                             "accelerate_configs/cpu_2proc.yaml.")
+            raise ValueError(f"The accelerate config asks for FSDP but accelerate set up "
+                             f"{accelerator.distributed_type} (accelerate runs FSDP on accelerators only): on CPU "
+                             "use a DDP config such as accelerate_configs/cpu_2proc.yaml.")
         if self.offload != "none" and not getattr(model, "is_gradient_checkpointing", False):
             raise ValueError(f"offload={self.offload!r} offloads what activation checkpointing keeps: call "
                              "model.gradient_checkpointing_enable() before UPipePlugin.prepare, or offload='none'.")

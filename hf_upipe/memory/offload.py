@@ -20,10 +20,11 @@ Targets:
   `max_pending` writes in flight, holding their tensors: a bounded buffer pool) and read back when the backward
   recomputes the layer; the round trip is bit-exact. Files are deleted as soon as autograd frees the saved input,
   and the step's folder on exit.
-- "cpu": copies into pinned host buffers (`HOST_POOL`, reused across steps, bounded) on a side CUDA stream; in backward, unpacking layer i
-  starts the copy back of layer i-1's input (prefetch). For tensors already in host memory this target is a no-op,
-  except fake tensors (`hf_upipe.planning.simulate`), which stand for device memory: their "copy" frees the device
-  tensor and the copy back allocates a new one, so the simulation counts exactly what a GPU would hold.
+- "cpu": copies into pinned host buffers (`HOST_POOL`, reused across steps, bounded) on a side CUDA stream; in
+  backward, unpacking layer i starts the copy back of layer i-1's input (prefetch). For tensors already in host
+  memory this target is a no-op, except fake tensors (`hf_upipe.planning.simulate`), which stand for device
+  memory: their "copy" frees the device tensor and the copy back allocates a new one, so the simulation counts
+  exactly what a GPU would hold.
 `keep_last` leaves the last checkpointed layer's input on the device: the backward needs it first.
 """
 
@@ -277,8 +278,9 @@ def offload_checkpoints(model: nn.Module, target: str = "disk", *, path: str | N
         return
     layers = checkpointed_layers(model)
     if not layers:
-        raise ValueError("offload_checkpoints needs activation checkpointing: call model.activation_checkpointing_enable"
-                         "() (or TrainingArguments(gradient_checkpointing=True)), or use offload target 'none'.")
+        raise ValueError("offload_checkpoints needs activation checkpointing: call "
+                         "model.activation_checkpointing_enable() (or TrainingArguments(gradient_checkpointing=True)), "
+                         "or use offload target 'none'.")
     store = OffloadStore(target, path, min_bytes=min_bytes, max_pending=max_pending)
     originals = [(layer, layer._gradient_checkpointing_func) for layer in layers]
     try:

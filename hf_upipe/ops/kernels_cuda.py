@@ -193,6 +193,15 @@ def _flash_varlen_api():
     return fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward, _flash_api()[2]
 
 
+def _flash_padded(q, k, v):
+    """(D, q, k, v padded to a multiple of 8 in head_dim): flash-attn's kernels take head_dim <= 256, % 8 == 0."""
+    d = q.shape[-1]
+    dp = _round8(d)
+    if dp > 256:
+        raise ValueError(f"flash_attn supports head_dim <= 256, got {d}")
+    return (d, *(_pad_d(x, dp) for x in (q, k, v)))
+
+
 class FlashAttnKernel:
     """FlashAttention-2 (`flash_attn` package), native [B,S,h,D] layout and grouped-query attention."""
 
@@ -200,11 +209,7 @@ class FlashAttnKernel:
 
     def forward(self, q, k, v, *, scale, causal=True):
         fwd, _, split = _flash_api()
-        d = q.shape[-1]
-        dp = _round8(d)
-        if dp > 256:
-            raise ValueError(f"flash_attn supports head_dim <= 256, got {d}")
-        qp, kp, vp = (_pad_d(x, dp) for x in (q, k, v))
+        d, qp, kp, vp = _flash_padded(q, k, v)
         if split:
             out, lse = fwd(qp, kp, vp, 0.0, scale, causal, -1, -1, 0.0, None, False)[:2]
         else:  # 2.6: (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)
@@ -225,11 +230,7 @@ class FlashAttnKernel:
     def forward_varlen(self, q, k, v, cu_seqlens, max_seqlen, *, scale, causal=True):
         """Flattened documents: q [T, h, D], k/v [T, hk, D], cu_seqlens int32 [N+1] -> out [T, h, D], lse [h, T]."""
         fwd, _, split = _flash_varlen_api()
-        d = q.shape[-1]
-        dp = _round8(d)
-        if dp > 256:
-            raise ValueError(f"flash_attn supports head_dim <= 256, got {d}")
-        qp, kp, vp = (_pad_d(x, dp) for x in (q, k, v))
+        d, qp, kp, vp = _flash_padded(q, k, v)
         # max_seqlen >= 2: with max_seqlen_q == 1 and GQA, flash-attn swaps heads into the sequence and its lse
         # layout changes; an over-estimate is always allowed (it only sizes the grid)
         m = max(int(max_seqlen), 2)

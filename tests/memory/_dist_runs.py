@@ -68,7 +68,8 @@ def compare(rank: int, world: int, wrapper: str, lora: bool, checkpointing: bool
     plain = steps(rank, world, wrapper, False, lora, checkpointing)
     tiled = steps(rank, world, wrapper, True, lora, checkpointing)
     worst = max(abs(a - b) / abs(b) for a, b in zip(tiled["losses"], plain["losses"]))
-    pworst = max(float(abs(tiled["params"][n] - v).max() / max(abs(v).max(), 1e-12)) for n, v in plain["params"].items())
+    pworst = max(float(abs(tiled["params"][n] - v).max() / max(abs(v).max(), 1e-12))
+                 for n, v in plain["params"].items())
     return {"loss_rel": worst, "param_rel": pworst, "n": len(plain["params"])}
 
 

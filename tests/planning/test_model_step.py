@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from hf_upipe.planning.model_step import measure_layer_step, measure_model_step, simulate_layer_step, simulate_model_step
+from hf_upipe.planning.model_step import (
+    measure_layer_step,
+    measure_model_step,
+    simulate_layer_step,
+    simulate_model_step,
+)
 from tests._dist import run_distributed
 from tests.planning.test_attention_block import _sync_all_to_all
 

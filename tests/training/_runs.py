@@ -58,7 +58,8 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
 
     model = _model(spec["lora"], seed=11)
     args = TrainingArguments(
-        output_dir=spec["output_dir"], per_device_train_batch_size=spec["batch"], per_device_eval_batch_size=spec["batch"],
+        output_dir=spec["output_dir"], per_device_train_batch_size=spec["batch"],
+        per_device_eval_batch_size=spec["batch"],
         gradient_accumulation_steps=spec.get("ga", 2), max_steps=spec.get("steps", 4), learning_rate=2e-3,
         lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.01, max_grad_norm=1.0, logging_steps=1,
         eval_strategy="steps" if spec.get("eval_steps") else "no", eval_steps=spec.get("eval_steps"),
@@ -75,7 +76,8 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
         train, evals, collator = _packed(train), _packed(evals), DataCollatorWithFlattening()
     kwargs = dict(model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator)
     if spec["trainer"] == "upipe":
-        cfg = hf_upipe.UPipeConfig(sp_size=spec["sp"], heads_per_chunk=spec.get("heads_per_chunk", 1), fused_attention=spec.get("fused", True),
+        cfg = hf_upipe.UPipeConfig(sp_size=spec["sp"], heads_per_chunk=spec.get("heads_per_chunk", 1),
+                                   fused_attention=spec.get("fused", True),
                                    tiled_loss=spec.get("tiled", True), loss_chunk_tokens=7,
                                    tiled_mlp=spec.get("tiled_mlp", False), mlp_chunk_tokens=5,
                                    offload=spec.get("offload", "none"), offload_path=spec.get("offload_path"),
