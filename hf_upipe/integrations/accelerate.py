@@ -137,7 +137,7 @@ class UPipePlugin(UPipeConfig):
         else:
             self.state = NO_SP
             set_sequence_parallel_state(None)
-        self._model = prepare_model(model, self)
+        prepare_model(model, self)
         given = [x for x in (model, optimizer, dataloader, *others) if x is not None]
         prepared = list(accelerator.prepare(*given)) if len(given) > 1 else [accelerator.prepare(*given)]
         out = [prepared.pop(0) if x is not None else None for x in (model, optimizer, dataloader, *others)]
