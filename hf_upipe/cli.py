@@ -3,11 +3,12 @@
 Entry points:
 - `main(argv=None)`: `hf-upipe <command> ...`; the console script of the package.
 - `register_command(name, help, add_arguments, run)`: how a command plugs in (`env` here; the planner and the
-  self-test add `plan` and `selftest` the same way).
+  self-test plug in the same way).
 
 Commands:
 - `hf-upipe env [--json]`: versions of the stack, devices, distributed backends, the attention kernels usable on
   each device, whether flash-attn is found, and the UPipe settings the `UPIPE_*` variables give.
+- `hf-upipe selftest --model ... [--sp 2] [--lora]`: SP against one device on your model (`hf_upipe.selftest`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,22 @@ def _env_run(args: argparse.Namespace) -> int:
 
 
 register_command("env", "versions, devices, kernels and the UPIPE_* settings in effect", _env_arguments, _env_run)
+
+
+def _selftest_arguments(parser):
+    from hf_upipe.selftest import _arguments
+
+    _arguments(parser)
+
+
+def _selftest_run(args):
+    from hf_upipe.selftest import _run
+
+    return _run(args)
+
+
+register_command("selftest", "prove that sequence-parallel training equals one device on your model",
+                 _selftest_arguments, _selftest_run)
 
 
 def main(argv: list[str] | None = None) -> int:

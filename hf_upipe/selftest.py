@@ -1,0 +1,229 @@
+"""`hf-upipe selftest`: check on YOUR model that sequence-parallel training equals training on one device.
+
+Entry points:
+- `run_selftest(models, *, sp=2, lora=False, seq_len=61, heads_per_chunk=1, fused=True, breakage=None)`: spawns
+  `sp` processes (gloo on CPU; NCCL when there are `sp` GPUs) and returns one `Check` per comparison and model.
+- `format_table(checks)`: the pass/fail table the command prints.
+- `hf-upipe selftest --model <config.json | model dir | llama | qwen2 | mistral | qwen3> [--sp 2] [--lora]`:
+  exits 1 when any check fails.
+
+Per model, every rank builds the model twice from the same weights: a reference ("sdpa", whole sequence, one
+device) and the SP model (`prepare_model`: fused block or registered "upipe", `heads_per_chunk`). Two batches: a
+right-padded batch of odd length (SP padding path) and a packed row of three documents (positions restarting).
+Checked against the reference, in fp32: the logits of every real token of this rank's shard, the training loss
+(token mean over all ranks, `hf_upipe.shard_batch` + the tiled loss), every parameter gradient summed over the
+ranks, and the eval loss (no_grad). A model directory with weights is loaded; a config or a name gets random
+weights (fine for checking the parallel math). `breakage="shard-shift"` deliberately shifts the labels inside each
+shard, the classic SP bug, to show that the test fails loudly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import queue
+import socket
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["Check", "format_table", "run_selftest"]
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=4096, initializer_range=0.2,
+            tie_word_embeddings=False, use_cache=False)
+TOLERANCE = {"logits": 1e-4, "train loss": 2e-5, "eval loss": 2e-5, "gradients": 1e-4}
+
+
+@dataclass
+class Check:
+    model: str
+    batch: str
+    name: str
+    error: float
+    tolerance: float
+    note: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.error <= self.tolerance
+
+
+def _build(model: str):
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    names = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config}
+    torch.manual_seed(0)
+    if model in names:
+        return AutoModelForCausalLM.from_config(names[model](**TINY), attn_implementation="sdpa", dtype=torch.float32)
+    if os.path.isdir(model) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(model)):
+        return AutoModelForCausalLM.from_pretrained(model, attn_implementation="sdpa", dtype=torch.float32)
+    config = AutoConfig.from_pretrained(model)
+    config.use_cache = False
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def _batches(vocab: int, seq_len: int) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (2, seq_len), generator=gen)
+    mask = torch.ones(2, seq_len, dtype=torch.long)
+    mask[1, seq_len - seq_len // 4:] = 0  # right padding in the second row
+    padded = {"input_ids": ids * mask, "attention_mask": mask, "labels": (ids * mask).masked_fill(mask == 0, -100)}
+    lengths = [seq_len // 3, seq_len // 2, seq_len - seq_len // 3 - seq_len // 2]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]  # [1, S] restarting at every document
+    packed_ids = torch.randint(3, vocab, (1, seq_len), generator=gen)
+    labels = packed_ids.clone()
+    labels[0, torch.cumsum(torch.tensor([0] + lengths[:-1]), 0)] = -100  # no target at a document start
+    return {"padded": padded, "packed": {"input_ids": packed_ids, "position_ids": pos, "labels": labels}}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
+    from hf_upipe import UPipeConfig, prepare_model, shard_batch
+    from hf_upipe.integrations.loss import shard_loss_sum
+
+    ref = _build(name)
+    if spec["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(2)
+        ref = get_peft_model(ref, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear"))
+    sp_model = prepare_model(copy.deepcopy(ref), UPipeConfig(fused_attention=spec["fused"]))
+    ref.train()
+    sp_model.train()
+    vocab = (ref.get_base_model() if spec["lora"] else ref).config.vocab_size
+    checks = []
+    for batch_name, full in _batches(vocab, spec["seq_len"]).items():
+        ref.zero_grad()
+        sp_model.zero_grad()
+        out = ref(**full)  # transformers' loss: mean over the label tokens of the whole batch
+        out.loss.backward()
+        shard = shard_batch(full, rank, world)
+        if spec.get("breakage") == "shard-shift":  # the classic bug: shifting the labels inside each shard
+            local = full["labels"][:, rank * shard["input_ids"].shape[1]:(rank + 1) * shard["input_ids"].shape[1]]
+            local = torch.nn.functional.pad(local, (0, shard["input_ids"].shape[1] - local.shape[1]), value=-100)
+            shard["shift_labels"] = torch.cat([local[:, 1:], torch.full_like(local[:, :1], -100)], dim=1)
+        inputs = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}
+        n = float(shard["num_label_tokens"])
+        loss_sum, _ = shard_loss_sum(sp_model, inputs, shard["shift_labels"])
+        (loss_sum / n).backward()
+        total = loss_sum.detach().clone()
+        dist.all_reduce(total)
+        train_err = _rel(total / n, out.loss.detach())
+        checks.append(Check(name, batch_name, "train loss", train_err, TOLERANCE["train loss"]))
+        worst, where = 0.0, ""
+        for (pname, p), (_, q) in zip(ref.named_parameters(), sp_model.named_parameters()):
+            if p.grad is None:
+                continue
+            g = q.grad.clone() if q.grad is not None else torch.zeros_like(p.grad)
+            dist.all_reduce(g)
+            err = _rel(g, p.grad)
+            worst, where = (err, pname) if err > worst else (worst, where)
+        checks.append(Check(name, batch_name, "gradients", worst, TOLERANCE["gradients"], f"worst: {where}"))
+        with torch.no_grad():
+            s = shard["input_ids"].shape[1]
+            logits = sp_model(**inputs).logits  # [B, s, V]
+            real = min(s, full["input_ids"].shape[1] - rank * s)
+            mask = full.get("attention_mask", torch.ones_like(full["input_ids"]))[:, rank * s:rank * s + real].bool()
+            want = out.logits.detach()[:, rank * s:rank * s + real][mask]
+            checks.append(Check(name, batch_name, "logits", _rel(logits[:, :real][mask], want), TOLERANCE["logits"]))
+            eval_sum, _ = shard_loss_sum(sp_model, inputs, shard["shift_labels"])
+            dist.all_reduce(eval_sum)
+            ref_eval = ref(**full).loss
+            checks.append(Check(name, batch_name, "eval loss", _rel(eval_sum / n, ref_eval), TOLERANCE["eval loss"]))
+    return checks
+
+
+def _worker(rank, world, port, spec, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+        import hf_upipe
+
+        hf_upipe.init_sequence_parallel(world, heads_per_chunk=spec["heads_per_chunk"])
+        checks = []
+        for name in spec["models"]:
+            try:
+                checks += _check_model(name, spec, rank, world)
+            except Exception as err:  # a model that cannot run under SP: one failed check that says why
+                checks.append(Check(name, "-", f"runs under SP: {type(err).__name__}: {err}"[:200], 1.0, 0.0))
+        results.put((rank, True, [vars(c) for c in checks]))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_selftest(models, *, sp: int = 2, lora: bool = False, seq_len: int = 61, heads_per_chunk: int | None = 1,
+                 fused: bool = True, breakage: str | None = None, timeout: float = 600) -> list[Check]:
+    """Spawn `sp` ranks and compare each model under SP with one device; returns rank 0's checks (the gradients,
+    losses and eval losses are global; logits are rank 0's shard, and every rank asserts nothing on its own)."""
+    if breakage not in (None, "shard-shift"):
+        raise ValueError(f"breakage={breakage!r}: the only deliberate breakage is 'shard-shift'.")
+    if sp < 2:
+        raise ValueError(f"sp={sp}: the self-test compares sequence parallelism over at least 2 ranks with one device.")
+    spec = dict(models=list(models), lora=lora, seq_len=seq_len, heads_per_chunk=heads_per_chunk, fused=fused,
+                breakage=breakage)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, sp, port, spec, results), daemon=True) for r in range(sp)]
+    for p in procs:
+        p.start()
+    out, errors = {}, []
+    try:
+        for _ in range(sp):
+            rank, ok, value = results.get(timeout=timeout)
+            (out.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
+    except queue.Empty:
+        errors.append("timed out")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+    if errors:
+        raise RuntimeError("selftest worker failed:\n" + "\n".join(errors))
+    return [Check(**c) for c in out[0]]
+
+
+def format_table(checks: list[Check]) -> str:
+    rows = ["| model | batch | check | max rel. error | tolerance | result |", "|---|---|---|---|---|---|"]
+    for c in checks:
+        rows.append(f"| {c.model} | {c.batch} | {c.name} | {c.error:.2e} | {c.tolerance:.0e} | "
+                    f"{'PASS' if c.passed else 'FAIL'}{' (' + c.note + ')' if c.note and not c.passed else ''} |")
+    failed = sum(not c.passed for c in checks)
+    rows.append(f"\n{len(checks) - failed} passed, {failed} failed")
+    return "\n".join(rows)
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="config.json, model dir, or llama|qwen2|mistral|qwen3 (tiny); "
+                                                       "comma-separated for several")
+    parser.add_argument("--sp", type=int, default=2, help="sequence-parallel ranks to launch (default 2)")
+    parser.add_argument("--lora", action="store_true", help="check a LoRA (PEFT) model on all linear layers")
+    parser.add_argument("--seq-len", type=int, default=61, help="sequence length (default 61: odd, pads under SP)")
+    parser.add_argument("--heads-per-chunk", default="1", help="UPipe head chunk, or 'all' (Ulysses mode)")
+    parser.add_argument("--registered", action="store_true", help="check the registered attention, not the fused one")
+    parser.add_argument("--break", dest="breakage", choices=["shard-shift"], help="deliberately break the sharding")
+
+
+def _run(args: argparse.Namespace) -> int:
+    hpc = None if args.heads_per_chunk == "all" else int(args.heads_per_chunk)
+    checks = run_selftest(args.model.split(","), sp=args.sp, lora=args.lora, seq_len=args.seq_len,
+                          heads_per_chunk=hpc, fused=not args.registered, breakage=args.breakage)
+    print(format_table(checks))
+    return 0 if all(c.passed for c in checks) else 1
