@@ -52,6 +52,7 @@ def save_checkpoint(accelerator, model, path: str, step: int) -> None:
     if accelerator.is_main_process:
         accelerator.unwrap_model(model).save_pretrained(os.path.join(staging, "model"), state_dict=state_dict)
     accelerator.save_state(os.path.join(staging, "accelerate_state"))
+    accelerator.wait_for_everyone()  # every rank has written its part (its RNG state) before the rename
     if accelerator.is_main_process:
         with open(os.path.join(staging, "step.json"), "w") as f:
             json.dump({"step": step}, f)

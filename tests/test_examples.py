@@ -48,6 +48,8 @@ def test_custom_loop_two_processes_equal_one(tmp_path, mode):
     for step in one:
         assert abs(sp2[step] - one[step]) <= 1e-4 * abs(one[step]), (step, sp2, one)
     assert sorted(os.listdir(tmp_path / "sp2")) == ["step-2", "step-4"]  # no staging folder left
+    state = set(os.listdir(tmp_path / "sp2" / "step-2" / "accelerate_state"))
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= state, state  # every rank's part is in
     if mode == "full":
         from transformers import AutoModelForCausalLM
 
