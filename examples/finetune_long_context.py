@@ -148,6 +148,7 @@ def main(argv=None) -> int:
         if args.log_json:
             with open(args.log_json, "w") as f:
                 json.dump({"losses": losses, "sp_size": state.sp_size, "dp_size": state.dp_size}, f)
+    accelerator.wait_for_everyone()  # rank 0 may still be writing: tear the group down together
     accelerator.end_training()
     return 0
 

@@ -54,6 +54,8 @@ def main(argv=None) -> int:
         if args.log_json:
             with open(args.log_json, "w") as f:
                 json.dump({"losses": {h["step"]: h["loss"] for h in history}}, f)
+    trainer.accelerator.wait_for_everyone()  # rank 0 may still be writing: tear the group down together
+    trainer.accelerator.end_training()
     return 0
 
 
