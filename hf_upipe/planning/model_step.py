@@ -25,6 +25,8 @@ does after its reduce-scatter; their sharded sizes are the planner's business). 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -53,6 +55,23 @@ def llama_config(name: str) -> dict:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return dict(PRESETS[name])
+
+
+@contextlib.contextmanager
+def _impl_context(impl: str, group, seq_len: int, sp_size: int, heads_per_chunk: int | None):
+    """Validate, install the SP defaults for our impls (DeepSpeed's communicator for the peer), restore on exit."""
+    if impl not in MODEL_IMPLEMENTATIONS:
+        raise ValueError(f"impl={impl!r}: choose one of {MODEL_IMPLEMENTATIONS}")
+    if seq_len % sp_size:
+        raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp_size}")
+    previous = _sp.get_sequence_parallel_state()
+    if impl != "deepspeed":
+        _sp.init_sequence_parallel(group=group, heads_per_chunk=None if impl == "ulysses" else heads_per_chunk)
+    try:
+        with _deepspeed_comm() if impl == "deepspeed" else contextlib.nullcontext():
+            yield
+    finally:
+        _sp.set_sequence_parallel_state(previous)
 
 
 def _no_mask(*args, **kwargs):
@@ -123,35 +142,22 @@ def measure_model_step(
     from hf_upipe.integrations.loss import shard_loss_sum
     from hf_upipe.memory.offload import offload_checkpoints
 
-    if impl not in MODEL_IMPLEMENTATIONS:
-        raise ValueError(f"impl={impl!r}: choose one of {MODEL_IMPLEMENTATIONS}")
     group = dist.group.WORLD if group is None else group
-    if seq_len % sp_size:
-        raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp_size}")
     s, rank = seq_len // sp_size, dist.get_rank(group)
-    hpc = None if impl in ("ulysses", "deepspeed") else heads_per_chunk
-    previous = _sp.get_sequence_parallel_state()
-    if impl != "deepspeed":
-        _sp.init_sequence_parallel(group=group, heads_per_chunk=hpc)
-    comm = _deepspeed_comm() if impl == "deepspeed" else _null()
-    try:
-        with comm:
-            model = _build(impl, model_config, layers, seq_len, dtype, group, tiled_mlp)
-            ids = torch.zeros(1, s, dtype=torch.long)  # not counted: token ids, positions, labels
-            positions = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)  # [1, s] global
-            labels = torch.zeros(1, s, dtype=torch.long)
-            # an all-ones 2-D mask: transformers then builds no packed-sequence mask from the (fake) positions
-            mask = torch.ones(1, s, dtype=torch.long)
-            with MemoryTracker(snapshot_at_peak=snapshot) as tracker, offload_checkpoints(model, offload, min_bytes=0):
-                loss, _ = shard_loss_sum(model, {"input_ids": ids, "position_ids": positions,
-                                                        "attention_mask": mask}, labels,
-                                         tiled=tiled_loss)
-                tracker.mark("forward")
-                loss.backward()
-                tracker.mark("backward")
-                del loss
-    finally:
-        _sp.set_sequence_parallel_state(previous)
+    with _impl_context(impl, group, seq_len, sp_size, heads_per_chunk):
+        model = _build(impl, model_config, layers, seq_len, dtype, group, tiled_mlp)
+        ids = torch.zeros(1, s, dtype=torch.long)  # not counted: token ids, positions, labels
+        positions = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)  # [1, s] global
+        labels = torch.zeros(1, s, dtype=torch.long)
+        # an all-ones 2-D mask: transformers then builds no packed-sequence mask from the (fake) positions
+        mask = torch.ones(1, s, dtype=torch.long)
+        inputs = {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
+        with MemoryTracker(snapshot_at_peak=snapshot) as tracker, offload_checkpoints(model, offload, min_bytes=0):
+            loss, _ = shard_loss_sum(model, inputs, labels, tiled=tiled_loss)
+            tracker.mark("forward")
+            loss.backward()
+            tracker.mark("backward")
+            del loss
     result = {"forward_peak": tracker.phase_peaks["forward"], "peak": tracker.peak_bytes,
               "unit": s * model_config["hidden_size"] * torch.finfo(dtype).bits // 8}
     if snapshot:
@@ -167,31 +173,22 @@ def measure_layer_step(impl: str, *, model_config: dict, seq_len: int, sp_size: 
     Returns:
         {"forward_peak", "peak", "unit"} in bytes (x and the incoming gradient not counted).
     """
-    if impl not in MODEL_IMPLEMENTATIONS:
-        raise ValueError(f"impl={impl!r}: choose one of {MODEL_IMPLEMENTATIONS}")
     group = dist.group.WORLD if group is None else group
     s, rank = seq_len // sp_size, dist.get_rank(group)
-    hpc = None if impl in ("ulysses", "deepspeed") else heads_per_chunk
-    previous = _sp.get_sequence_parallel_state()
-    if impl != "deepspeed":
-        _sp.init_sequence_parallel(group=group, heads_per_chunk=hpc)
-    try:
-        with _deepspeed_comm() if impl == "deepspeed" else _null():
-            model = _build(impl, model_config, 1, seq_len, dtype, group, tiled_mlp, checkpointing=False)
-            layer = model.model.layers[0]
-            x = torch.randn(1, s, model_config["hidden_size"], dtype=dtype, requires_grad=True)
-            positions = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)  # [1, s] global
-            cos, sin = model.model.rotary_emb(x, positions)
-            grad_y = torch.ones_like(x)
-            with MemoryTracker() as tracker:
-                y = layer(x, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
-                y = y[0] if isinstance(y, tuple) else y  # [1, s, hidden]
-                tracker.mark("forward")
-                y.backward(grad_y)
-                tracker.mark("backward")
-                del y
-    finally:
-        _sp.set_sequence_parallel_state(previous)
+    with _impl_context(impl, group, seq_len, sp_size, heads_per_chunk):
+        model = _build(impl, model_config, 1, seq_len, dtype, group, tiled_mlp, checkpointing=False)
+        layer = model.model.layers[0]
+        x = torch.randn(1, s, model_config["hidden_size"], dtype=dtype, requires_grad=True)
+        positions = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)  # [1, s] global
+        cos, sin = model.model.rotary_emb(x, positions)
+        grad_y = torch.ones_like(x)
+        with MemoryTracker() as tracker:
+            y = layer(x, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
+            y = y[0] if isinstance(y, tuple) else y  # [1, s, hidden]
+            tracker.mark("forward")
+            y.backward(grad_y)
+            tracker.mark("backward")
+            del y
     return {"forward_peak": tracker.phase_peaks["forward"], "peak": tracker.peak_bytes,
             "unit": s * model_config["hidden_size"] * torch.finfo(dtype).bits // 8}
 
@@ -202,14 +199,6 @@ def simulate_layer_step(impl: str, *, model_config: dict, seq_len: int, sp_size:
     with simulated_world(sp_size) as world, fake_tensors(dtype):
         return measure_layer_step(impl, model_config=model_config, seq_len=seq_len, sp_size=sp_size, group=world,
                                   dtype=dtype, **kwargs)
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def simulate_model_step(impl: str, *, model_config: dict, seq_len: int, sp_size: int, layers: int,

@@ -18,7 +18,8 @@ def _batches(n: int, batch: int):
 
 def fsdp2_steps(rank: int, world: int, lora: bool, sp: int) -> list[float]:
     """3 AdamW steps of a tiny Llama under FSDP2 (fully_shard over all ranks, CPU mesh) with SP `sp`, sharded by
-    `shard_batch` and the plugin's token-weighted loss; every rank returns the global loss of each step."""
+    `shard_batch` and the plugin's token-weighted loss; every rank returns the global loss of each step. With
+    world == 1 it is the independent reference: the plain model ("sdpa", untiled) with transformers' own loss."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -28,7 +29,8 @@ def fsdp2_steps(rank: int, world: int, lora: bool, sp: int) -> list[float]:
     model = _model(lora, seed=11)
     cfg = UPipeConfig(sp_size=sp, loss_chunk_tokens=7, tiled_mlp=True, mlp_chunk_tokens=6)
     state = init_sequence_parallel(sp) if world > 1 else NO_SP
-    prepare_model(model, cfg)
+    if world > 1:
+        prepare_model(model, cfg)
     if world > 1:
         mesh = init_device_mesh("cpu", (world,))
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -40,6 +42,13 @@ def fsdp2_steps(rank: int, world: int, lora: bool, sp: int) -> list[float]:
     rows = 4 // state.dp_size  # the same global batch of 4 rows whatever the layout: DP replicas split it
     out = []
     for full in _batches(3, 4):
+        if world == 1:  # reference: transformers' loss on the whole batch
+            loss = model(**full).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+            continue
         mine = {k: v[state.dp_rank * rows:(state.dp_rank + 1) * rows] for k, v in full.items()}
         shard = shard_batch(mine, state.sp_rank, state.sp_size)
         n = loss_fn.count([shard])
@@ -47,9 +56,8 @@ def fsdp2_steps(rank: int, world: int, lora: bool, sp: int) -> list[float]:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        total = torch.tensor(loss.item() / max(world, 1))
-        if world > 1:
-            torch.distributed.all_reduce(total)
+        total = torch.tensor(loss.item() / world)
+        torch.distributed.all_reduce(total)
         out.append(total.item())
     return out
 
