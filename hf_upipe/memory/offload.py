@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from hf_upipe.planning.simulate import is_fake
+from hf_upipe.planning.tracker import storage_label
 
 __all__ = ["HOST_POOL", "HostBufferPool", "OffloadStore", "checkpointed_layers", "offload_checkpoints"]
 
@@ -196,6 +197,10 @@ class OffloadStore:
         handle.release = weakref.finalize(handle, HOST_POOL.give, host)  # once autograd frees the saved input
 
     def _copy_back(self, handle: _Handle) -> torch.Tensor:
+        with storage_label("checkpoints"):  # for the planner's breakdown (hf_upipe.planning.categories)
+            return self._copy_back_unlabeled(handle)
+
+    def _copy_back_unlabeled(self, handle: _Handle) -> torch.Tensor:
         if handle.host == "fake":
             return torch.empty(handle.shape, dtype=handle.dtype, device=handle.device)
         stream = self._side_stream(handle.device)

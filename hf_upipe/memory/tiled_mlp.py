@@ -32,6 +32,8 @@ import types
 import torch
 from torch import nn
 
+from hf_upipe.planning.simulate import chunk_starts
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["MLP_CLASSES", "TiledMLPFunction", "apply_tiled_mlp", "default_chunk_tokens", "remove_tiled_mlp",
@@ -72,7 +74,7 @@ class TiledMLPFunction(torch.autograd.Function):
         s = x.shape[1]
         out = None
         with torch.no_grad():
-            for a in range(0, s, chunk_tokens):
+            for a in chunk_starts(s, chunk_tokens, x):
                 y = forward_fn(x[:, a:a + chunk_tokens])  # [B, c, Dout]
                 if out is None:
                     out = y.new_empty(x.shape[0], s, *y.shape[2:])  # [B, s, Dout]
@@ -93,7 +95,7 @@ class TiledMLPFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
             _set_rng_state(ctx.rng, x.device)
-            for a in range(0, s, c):
+            for a in chunk_starts(s, c, x):
                 xc = x[:, a:a + c].detach().requires_grad_(want_x)  # [B, c, Dm]
                 with torch.enable_grad():
                     y = ctx.forward_fn(xc)

@@ -38,6 +38,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from hf_upipe.planning.simulate import chunk_starts
+
 __all__ = ["TiledCrossEntropyFunction", "default_chunk_tokens", "sp_token_mean", "tiled_cross_entropy",
            "tiled_cross_entropy_forward"]
 
@@ -118,7 +120,7 @@ def tiled_cross_entropy_forward(
     grad_b = torch.zeros(bias.shape, dtype=wide, device=bias.device) if need_b else None  # [V]
     partial = torch.empty_like(weight) if need_w and weight.dtype != wide else None  # [V, Dm], reused by chunks
     loss_sum = torch.zeros((), dtype=wide, device=hidden.device)
-    for start in range(0, B * s, chunk_tokens):
+    for start in chunk_starts(B * s, chunk_tokens, x):
         x_c = x[start:start + chunk_tokens]  # [c, Dm] view
         loss_c, grad = _chunk_loss_and_grad(x_c, weight, bias, labels[start:start + chunk_tokens], ignore_index,
                                             logit_softcap, want_grad, wide)
@@ -153,7 +155,7 @@ def _blockwise(dst: torch.Tensor, src: torch.Tensor, *, scale: torch.Tensor | No
     wide = torch.promote_types(torch.promote_types(dst.dtype, src.dtype), torch.float32)
     rows = max(1, min(dst2.shape[0], _BLOCK_BYTES // (last * wide.itemsize)))
     buf = torch.empty(rows, last, dtype=wide, device=dst.device)  # [rows, last]
-    for start in range(0, dst2.shape[0], rows):
+    for start in chunk_starts(dst2.shape[0], rows, dst2):
         n = min(rows, dst2.shape[0] - start)
         block = buf[:n].copy_(src2[start:start + n])  # [n, last]
         if scale is not None:

@@ -26,6 +26,7 @@ does after its reduce-scatter; their sharded sizes are the planner's business). 
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,8 @@ from hf_upipe.planning.attention_block import DS_ATTN_NAME, _deepspeed_comm, _ds
 from hf_upipe.planning.simulate import fake_tensors, simulated_world
 from hf_upipe.planning.tracker import MemoryTracker
 
-__all__ = ["MODEL_IMPLEMENTATIONS", "PRESETS", "llama_config", "measure_layer_step", "measure_model_step",
-           "simulate_layer_step", "simulate_model_step"]
+__all__ = ["MODEL_IMPLEMENTATIONS", "PRESETS", "build_step_model", "llama_config", "measure_layer_step",
+           "measure_model_step", "simulate_layer_step", "simulate_model_step", "step_config"]
 
 MODEL_IMPLEMENTATIONS = ("deepspeed", "ulysses", "upipe", "fused")
 
@@ -78,12 +79,34 @@ def _no_mask(*args, **kwargs):
     return None
 
 
-def _build(impl, model_config, layers, seq_len, dtype, group, tiled_mlp, checkpointing=True):
-    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+def step_config(model_config, layers: int, seq_len: int):
+    """A transformers config with `layers` decoder layers: from a Llama geometry dict, or a copy of a config."""
+    from transformers import LlamaConfig, PretrainedConfig
+
+    if isinstance(model_config, PretrainedConfig):
+        config = copy.deepcopy(model_config)
+        config.num_hidden_layers = layers
+        config.max_position_embeddings = max(seq_len, getattr(config, "max_position_embeddings", 0) or 0)
+        config.use_cache = False
+        if hasattr(config, "layer_types") and config.layer_types is not None:
+            config.layer_types = list(config.layer_types)[:layers] + [config.layer_types[-1]] * max(
+                0, layers - len(config.layer_types))
+        return config
+    return LlamaConfig(**{**model_config, "num_hidden_layers": layers}, max_position_embeddings=seq_len,
+                       attention_dropout=0.0, tie_word_embeddings=False, use_cache=False)
+
+
+def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_mlp, checkpointing=True,
+                     mlp_chunk_tokens=None, drop_grads=True):
+    """The model a simulated step runs: `impl`'s attention, optional tiled MLP, checkpointing; parameters in `dtype`.
+
+    `model_config`: a Llama geometry dict or a transformers config (any supported architecture). `drop_grads`: each
+    parameter's gradient is dropped once accumulated (the activation-only steps; FSDP2 keeps its sharded ones).
+    """
+    from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.masking_utils import AttentionMaskInterface
 
-    config = LlamaConfig(**{**model_config, "num_hidden_layers": layers}, max_position_embeddings=seq_len,
-                         attention_dropout=0.0, tie_word_embeddings=False, use_cache=False)
+    config = step_config(model_config, layers, seq_len)
     config._attn_implementation = DS_ATTN_NAME if impl == "deepspeed" else "upipe"
     if impl == "deepspeed":
         AttentionInterface.register(DS_ATTN_NAME, _ds_attention)
@@ -91,7 +114,7 @@ def _build(impl, model_config, layers, seq_len, dtype, group, tiled_mlp, checkpo
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # module.to(dtype) fails under fake mode
     try:
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(previous)
     if impl == "deepspeed":
@@ -110,12 +133,13 @@ def _build(impl, model_config, layers, seq_len, dtype, group, tiled_mlp, checkpo
     if tiled_mlp:
         from hf_upipe.memory.tiled_mlp import apply_tiled_mlp
 
-        apply_tiled_mlp(model)
+        apply_tiled_mlp(model, mlp_chunk_tokens)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    for p in model.parameters():  # persistent gradients are not activations: drop each one once accumulated
-        p.register_post_accumulate_grad_hook(lambda param: setattr(param, "grad", None))
+    if drop_grads:
+        for p in model.parameters():  # persistent gradients are not activations: drop each one once accumulated
+            p.register_post_accumulate_grad_hook(lambda param: setattr(param, "grad", None))
     return model
 
 
@@ -133,27 +157,41 @@ def measure_model_step(
     tiled_loss: bool = True,
     dtype: torch.dtype = torch.bfloat16,
     snapshot: bool = False,
+    mlp_chunk_tokens: int | None = None,
+    loss_chunk_tokens: int | None = None,
+    categories: bool = False,
 ) -> dict:
     """Tracked training step (forward + backward) of a `layers`-layer Llama on this rank's shard.
+
+    `mlp_chunk_tokens` / `loss_chunk_tokens`: the tiles (None: the defaults). With `categories`, also
+    `"by_category"`: what was live at the peak, by `hf_upipe.planning.categories.CATEGORIES`.
 
     Returns:
         {"forward_peak", "peak", "unit"} in bytes; unit = s * hidden * bytes, one local activation.
     """
     from hf_upipe.integrations.loss import shard_loss_sum
     from hf_upipe.memory.offload import offload_checkpoints
+    from hf_upipe.planning.categories import StepCategories
 
     group = dist.group.WORLD if group is None else group
     s, rank = seq_len // sp_size, dist.get_rank(group)
     with _impl_context(impl, group, seq_len, sp_size, heads_per_chunk):
-        model = _build(impl, model_config, layers, seq_len, dtype, group, tiled_mlp)
+        model = build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_mlp,
+                                 mlp_chunk_tokens=mlp_chunk_tokens)
         ids = torch.zeros(1, s, dtype=torch.long)  # not counted: token ids, positions, labels
         positions = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)  # [1, s] global
         labels = torch.zeros(1, s, dtype=torch.long)
         # an all-ones 2-D mask: transformers then builds no packed-sequence mask from the (fake) positions
         mask = torch.ones(1, s, dtype=torch.long)
         inputs = {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
-        with MemoryTracker(snapshot_at_peak=snapshot) as tracker, offload_checkpoints(model, offload, min_bytes=0):
-            loss, _ = shard_loss_sum(model, inputs, labels, tiled=tiled_loss)
+        labels_ctx = StepCategories(model) if categories else contextlib.nullcontext()
+        with labels_ctx as cats, MemoryTracker(snapshot_at_peak=snapshot, labeler=cats and cats.label) as tracker, \
+                offload_checkpoints(model, offload, min_bytes=0):
+            if cats:
+                cats.attach(tracker)
+            loss, _ = shard_loss_sum(model, inputs, labels, tiled=tiled_loss, chunk_tokens=loss_chunk_tokens)
+            if cats:
+                cats.label_loss(loss)
             tracker.mark("forward")
             loss.backward()
             tracker.mark("backward")
@@ -162,6 +200,8 @@ def measure_model_step(
               "unit": s * model_config["hidden_size"] * torch.finfo(dtype).bits // 8}
     if snapshot:
         result["peak_snapshot"] = tracker.peak_snapshot
+    if categories:
+        result["by_category"] = tracker.peak_by_label
     return result
 
 
@@ -176,7 +216,7 @@ def measure_layer_step(impl: str, *, model_config: dict, seq_len: int, sp_size: 
     group = dist.group.WORLD if group is None else group
     s, rank = seq_len // sp_size, dist.get_rank(group)
     with _impl_context(impl, group, seq_len, sp_size, heads_per_chunk):
-        model = _build(impl, model_config, 1, seq_len, dtype, group, tiled_mlp, checkpointing=False)
+        model = build_step_model(impl, model_config, 1, seq_len, dtype, group, tiled_mlp, checkpointing=False)
         layer = model.model.layers[0]
         x = torch.randn(1, s, model_config["hidden_size"], dtype=dtype, requires_grad=True)
         positions = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)  # [1, s] global

@@ -6,13 +6,18 @@ Entry points:
   active, and keeps ``current_bytes`` / ``peak_bytes`` up to date as those storages are freed. Phases are labelled
   with :meth:`MemoryTracker.mark`.
 * :class:`StorageRecord`: one live storage as recorded by ``snapshot_at_peak=True``.
+* :func:`storage_label`: a context manager naming the label of the storages created inside it, over any labeler
+  (code that knows what it allocates, such as the offload's copy back of a checkpoint, says so).
 * :data:`GiB` / :data:`MiB`: byte units for reporting.
 
 What is counted, exactly:
 
-* every storage that an aten op *returns* and that is new: an output whose storage is also the storage of one of the
+* every storage that an aten op *returns* and that is new (for a wrapper subclass such as DTensor: its local
+  tensor's storage): an output whose storage is also the storage of one of the
   op's inputs (views, in-place ops, ``out=``) is not new. Each storage is counted once, by ``nbytes()``, from the first
   op that returned it until it is garbage collected (a ``weakref.finalize`` on the storage).
+* storages resized in place (``UntypedStorage.resize_``, as FSDP2 does to free and re-allocate unsharded
+  parameters): a tracked one follows its new size; an untracked one that grows from zero bytes is counted from then on.
 * not counted: tensors that existed before the tracker started (inputs, parameters) unless they are registered with
   :meth:`MemoryTracker.track`; kernel-internal scratch that never becomes an op output; allocator rounding and
   fragmentation; communication buffers of the backend (NCCL, gloo).
@@ -37,20 +42,61 @@ the order that does not rely on this.)
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["GiB", "MiB", "MemoryTracker", "StorageRecord"]
+__all__ = ["GiB", "MiB", "MemoryTracker", "StorageRecord", "storage_label"]
 
 GiB: int = 2**30
 """Bytes in one gibibyte."""
 MiB: int = 2**20
 """Bytes in one mebibyte."""
+
+
+_LABEL_OVERRIDE: list[str] = []
+
+
+@contextlib.contextmanager
+def storage_label(label: str) -> Iterator[None]:
+    """Storages created inside get `label` in every labeling `MemoryTracker`, whatever its labeler says."""
+    _LABEL_OVERRIDE.append(label)
+    try:
+        yield
+    finally:
+        _LABEL_OVERRIDE.pop()
+
+
+_ACTIVE: list[MemoryTracker] = []  # trackers inside their `with` block, which follow storage resizes
+_RESIZE_LOCK = threading.Lock()
+_C_RESIZE = torch._C.StorageBase.resize_
+
+
+def _tracked_resize(storage, size):
+    """`UntypedStorage.resize_` while a tracker is active: FSDP2 frees and re-allocates its unsharded parameters by
+    resizing their storages in place, which no op dispatch sees."""
+    out = _C_RESIZE(storage, size)
+    for tracker in list(_ACTIVE):
+        tracker._on_resize(storage)
+    return out
+
+
+def _inner_tensors(leaves) -> Iterator[torch.Tensor]:
+    """The tensors that own storage: wrapper subclasses (DTensor) are replaced by their inner (local) tensors."""
+    for t in leaves:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            attrs, _ = t.__tensor_flatten__()
+            yield from _inner_tensors(getattr(t, a) for a in attrs)
+        else:
+            yield t
 
 
 class StorageRecord(NamedTuple):
@@ -88,14 +134,21 @@ class MemoryTracker(TorchDispatchMode):
     Args:
         snapshot_at_peak: Record the storages live at the peak (see :attr:`peak_snapshot`). Costs one copy of the live
             set each time memory is freed right after a new peak; meant for debugging.
+        labeler: Called when a storage is first counted; its label is summed in :attr:`peak_by_label` (what was live
+            at the peak, by label). :meth:`relabel` moves a storage to another label later.
 
     Attributes:
         phase_peaks: ``{name: peak bytes}`` filled by :meth:`mark`, in the order the phases were first marked.
     """
 
-    def __init__(self, snapshot_at_peak: bool = False) -> None:
+    def __init__(self, snapshot_at_peak: bool = False, labeler: Callable[[], str] | None = None) -> None:
         super().__init__()
         self.snapshot_at_peak = snapshot_at_peak
+        self.labeler = labeler
+        self._at_peak = snapshot_at_peak or labeler is not None  # keep state as of the peak
+        self._label_of: dict[int, str] = {}  # storage key -> label (only with a labeler)
+        self._label_bytes: dict[str, int] = {}  # label -> live bytes
+        self._peak_labels: dict[str, int] = {}
         self.phase_peaks: dict[str, int] = {}
         self._live: dict[int, int] = {}  # storage key -> nbytes
         self._records: dict[int, StorageRecord] = {}  # only with snapshot_at_peak
@@ -103,7 +156,7 @@ class MemoryTracker(TorchDispatchMode):
         self._peak = 0
         self._phase_peak = 0
         self._snapshot: list[StorageRecord] = []
-        self._snapshot_pending = snapshot_at_peak
+        self._snapshot_pending = self._at_peak
         self._lock = threading.RLock()  # finalizers may run on another thread
 
     # ------------------------------------------------------------------ counters
@@ -130,11 +183,31 @@ class MemoryTracker(TorchDispatchMode):
                 self._take_snapshot()
             return list(self._snapshot)
 
+    @property
+    def peak_by_label(self) -> dict[str, int]:
+        """``{label: bytes}`` of the storages live at the last peak (needs a ``labeler``), largest first."""
+        with self._lock:
+            if self._snapshot_pending:
+                self._take_snapshot()
+            return dict(sorted(self._peak_labels.items(), key=lambda kv: -kv[1]))
+
+    def relabel(self, t: torch.Tensor, label: str) -> None:
+        """Moves a tracked tensor's storage to ``label`` (e.g. a checkpointed input, known only once it is saved)."""
+        found = _storage_key(t)
+        with self._lock:
+            if self.labeler is None or found is None or found[0] not in self._live:
+                return
+            key, nbytes = found[0], self._live[found[0]]
+            old = self._label_of[key]
+            self._label_bytes[old] -= nbytes
+            self._label_bytes[label] = self._label_bytes.get(label, 0) + nbytes
+            self._label_of[key] = label
+
     def reset_peak(self) -> None:
         """Sets ``peak_bytes`` to ``current_bytes`` (phase marks are not affected)."""
         with self._lock:
             self._peak = self._current
-            self._snapshot_pending = self.snapshot_at_peak
+            self._snapshot_pending = self._at_peak
 
     def mark(self, name: str) -> int:
         """Ends a phase: records the peak since the previous mark (or since creation) as ``phase_peaks[name]``.
@@ -162,7 +235,7 @@ class MemoryTracker(TorchDispatchMode):
         Args:
             *tensors: Tensors whose storages should be counted until they are freed.
         """
-        for t in tensors:
+        for t in _inner_tensors(tensors):
             found = _storage_key(t)
             if found is not None and found[0] not in self._live:
                 self._add(found[0], found[1], t, "track")
@@ -180,6 +253,10 @@ class MemoryTracker(TorchDispatchMode):
             self._live[key] = nbytes
             if self.snapshot_at_peak:
                 self._records[key] = StorageRecord(tuple(t.shape), t.dtype, nbytes, op)
+            if self.labeler is not None:
+                label = _LABEL_OVERRIDE[-1] if _LABEL_OVERRIDE else self.labeler()
+                self._label_of[key] = label
+                self._label_bytes[label] = self._label_bytes.get(label, 0) + nbytes
             self._grow(nbytes)
         fin = weakref.finalize(storage, self._free, key)
         fin.atexit = False
@@ -196,6 +273,8 @@ class MemoryTracker(TorchDispatchMode):
             self._live[key] = nbytes
             if key in self._records:
                 self._records[key] = self._records[key]._replace(nbytes=nbytes)
+            if key in self._label_of:
+                self._label_bytes[self._label_of[key]] += delta
             self._grow(delta)
 
     def _grow(self, delta: int) -> None:
@@ -204,7 +283,7 @@ class MemoryTracker(TorchDispatchMode):
             self._phase_peak = self._current
         if self._current > self._peak:
             self._peak = self._current
-            self._snapshot_pending = self.snapshot_at_peak
+            self._snapshot_pending = self._at_peak
 
     def _free(self, key: int) -> None:
         with self._lock:
@@ -213,13 +292,43 @@ class MemoryTracker(TorchDispatchMode):
             if self._snapshot_pending:
                 # The live set only grew since the last peak, so it *is* the live set at the peak.
                 self._take_snapshot()
-            self._current -= self._live.pop(key)
+            nbytes = self._live.pop(key)
+            self._current -= nbytes
             self._records.pop(key, None)
+            label = self._label_of.pop(key, None)
+            if label is not None:
+                self._label_bytes[label] -= nbytes
 
     def _take_snapshot(self) -> None:
-        records = list(self._records.values())
-        self._snapshot = sorted(records, key=lambda r: r.nbytes, reverse=True)
+        if self.snapshot_at_peak:
+            self._snapshot = sorted(self._records.values(), key=lambda r: r.nbytes, reverse=True)
+        self._peak_labels = {k: v for k, v in self._label_bytes.items() if v}
         self._snapshot_pending = False
+
+    # ------------------------------------------------------------------ storage resizes
+    def __enter__(self):
+        with _RESIZE_LOCK:
+            if not _ACTIVE:
+                torch.UntypedStorage.resize_ = _tracked_resize
+            _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            with _RESIZE_LOCK:
+                _ACTIVE.remove(self)
+                if not _ACTIVE:
+                    del torch.UntypedStorage.resize_  # the C method again
+
+    def _on_resize(self, storage: torch.UntypedStorage) -> None:
+        """A storage changed size in place: follow a tracked one; count one that grows from nothing as new."""
+        key = storage._cdata
+        if key in self._live:
+            self._resize(key, storage)
+        elif storage.nbytes() > 0:
+            self._add(key, storage, torch.empty(0, dtype=torch.uint8, device="meta"), "UntypedStorage.resize_")
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(
@@ -232,14 +341,11 @@ class MemoryTracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs: set[int] = set()
-        for a in tree_leaves((args, kwargs)):
-            if isinstance(a, torch.Tensor):
-                found = _storage_key(a)
-                if found is not None:
-                    inputs.add(found[0])
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
+        for a in _inner_tensors(tree_leaves((args, kwargs))):
+            found = _storage_key(a)
+            if found is not None:
+                inputs.add(found[0])
+        for t in _inner_tensors(tree_leaves(out)):
             found = _storage_key(t)
             if found is None:
                 continue

@@ -219,3 +219,52 @@ def test_simulated_world_tears_down_on_error_and_validates() -> None:
     with pytest.raises(ValueError):
         with simulated_world(0):
             pass
+
+
+def test_labels_at_the_peak_relabel_and_override() -> None:
+    from hf_upipe.planning.tracker import storage_label
+
+    current = ["a"]
+    with MemoryTracker(labeler=lambda: current[0]) as tracker:
+        x = _u8(100 * MB)
+        current[0] = "b"
+        y = _u8(30 * MB)
+        with storage_label("c"):
+            z = _u8(20 * MB)
+        tracker.relabel(y, "d")
+        del x  # the peak (150 MB) is over; later storages do not change what was live at it
+        w = _u8(10 * MB)
+    assert tracker.peak_bytes == 150 * MB
+    assert tracker.peak_by_label == {"a": 100 * MB, "d": 30 * MB, "c": 20 * MB}
+    del y, z, w
+
+
+def test_storage_resizes_are_followed() -> None:
+    """FSDP2 frees and re-allocates unsharded parameters with `UntypedStorage.resize_`, which no op dispatch sees."""
+    before = torch.empty(250, dtype=torch.float32)  # 1000 bytes, made before the tracker
+    before.untyped_storage().resize_(0)
+    with MemoryTracker() as tracker:
+        before.untyped_storage().resize_(4000)  # untracked, grows from nothing: counted from now on
+        grown = tracker.current_bytes
+        before.untyped_storage().resize_(0)
+        freed = tracker.current_bytes
+        inside = torch.empty(100, dtype=torch.float32)
+        inside.untyped_storage().resize_(1000)  # a tracked storage grows
+    assert (grown, freed, tracker.current_bytes, tracker.peak_bytes) == (4000, 0, 1000, 4000)
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # the patch is gone after the block
+    del inside
+
+
+def test_dtensor_counts_its_local_shard() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with simulated_world(8):
+        mesh = init_device_mesh("cpu", (8,))
+        with fake_tensors(torch.float32):
+            full = torch.empty(1024, 256)
+            with MemoryTracker() as tracker:
+                d = distribute_tensor(full, mesh, [Shard(0)])  # [128, 256] per rank
+                e = d * 2
+            assert tracker.current_bytes == 2 * 128 * 256 * 4
+            del d, e

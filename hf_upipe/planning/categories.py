@@ -1,0 +1,153 @@
+"""Which part of a training step holds each byte: checkpoints, attention, MLP, residual, loss or other.
+
+Entry points:
+- `CATEGORIES`: the labels, in report order.
+- `StepCategories(model)`: a context manager over a decoder-only HF model; pass its `label` to
+  `MemoryTracker(labeler=...)` and call `attach(tracker)` so that checkpointed inputs can be relabeled. The tracker's
+  `peak_by_label` then says what was live at the step's peak.
+
+How a storage gets its label, at the moment it is created:
+1. Forward, and the recompute of a checkpointed layer inside backward: the innermost categorized module running
+   (`self_attn` -> "attention", `mlp` -> "mlp", a decoder layer's own work -> "residual": its norms, residual adds
+   and the gradients of the residual stream), kept on a stack by
+   forward pre-hooks and popped by forward hooks registered with `always_call=True` (a non-reentrant checkpoint stops
+   its recompute with an exception once it has what it needs; the pop still runs). The recompute calls the layer
+   without its hooks, so the layer's `_gradient_checkpointing_func` is wrapped to push "residual" around it.
+2. Backward: the category of the autograd node being run (`torch._C._current_autograd_node()`). Each categorized
+   module's forward hook walks the graph from its outputs back to its inputs and records its category for every node
+   in between (for custom Functions, such as the fused attention or the tiled MLP, the one node).
+3. Forward after the base model has returned (the tiled loss, or the plain logits): "loss"; and in backward the
+   nodes between the loss and the base model's output are "loss" (`label_loss(loss)`).
+4. The first forward of each decoder layer relabels its `hidden_states` input as "checkpoints": the tensor that
+   activation checkpointing keeps (or offloads) until that layer's backward.
+Anything else (embeddings, the final norm, RoPE tables) is "other".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["CATEGORIES", "StepCategories"]
+
+CATEGORIES = ("checkpoints", "attention", "mlp", "residual", "loss", "other")
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class StepCategories:
+    """Labels the storages of a forward + backward of `model` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._stack: list[str] = []
+        self._nodes: dict[object, str] = {}  # autograd node -> category (nodes are kept alive by the graph)
+        self._after_model = False
+        self._tracker = None
+        self._base_out: list[torch.Tensor] = []
+        self._handles: list = []
+        self._checkpointed: list = []
+
+    # ------------------------------------------------------------------ labels
+    def label(self) -> str:
+        """The category of a storage created now."""
+        if self._stack:
+            return self._stack[-1]
+        if _in_backward():
+            node = torch._C._current_autograd_node()
+            return self._nodes.get(node, "other")
+        return "loss" if self._after_model else "other"
+
+    def attach(self, tracker) -> None:
+        """The tracker whose storages `relabel` moves (checkpointed inputs)."""
+        self._tracker = tracker
+
+    def label_loss(self, loss: torch.Tensor) -> None:
+        """Marks the backward nodes between `loss` and the base model's output as "loss"."""
+        self._label_graph([loss], "loss", stop=self._base_out)
+
+    # ------------------------------------------------------------------ graph
+    def _label_graph(self, outputs, category: str, stop=()) -> None:
+        """Records `category` for the nodes reachable from `outputs`, up to nodes already labeled or in `stop`."""
+        stop_nodes = {t.grad_fn for t in stop if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node is None or node in stop_nodes or node in self._nodes:
+                continue
+            self._nodes[node] = category
+            todo.extend(next_node for next_node, _ in node.next_functions)
+
+    def _hooks(self, module: nn.Module, category: str, checkpoint_input: bool = False):
+        def pre(mod, args, kwargs):
+            if checkpoint_input and not _in_backward() and self._tracker is not None:
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                if isinstance(hidden, torch.Tensor):
+                    self._tracker.relabel(hidden, "checkpoints")
+            self._stack.append(category)
+
+        def post(mod, args, kwargs, output):
+            self._stack.pop()
+            if not _in_backward() and torch.is_grad_enabled():
+                outputs = output if isinstance(output, tuple) else (output,)
+                self._label_graph(outputs, category, stop=[*args, *kwargs.values()])
+
+        return (module.register_forward_pre_hook(pre, with_kwargs=True),
+                module.register_forward_hook(post, with_kwargs=True, always_call=True))
+
+    def _labeled_recompute(self, checkpoint_fn):
+        """The layer's checkpoint function, running the layer under "residual" (its recompute runs no layer hooks)."""
+
+        def run(function, *args, **kwargs):
+            def labeled(*a, **k):
+                self._stack.append("residual")
+                try:
+                    return function(*a, **k)
+                finally:
+                    self._stack.pop()
+
+            return checkpoint_fn(labeled, *args, **kwargs)
+
+        run.keywords = getattr(checkpoint_fn, "keywords", {})  # offload_checkpoints checks use_reentrant there
+        return run
+
+    # ------------------------------------------------------------------ context
+    def __enter__(self) -> StepCategories:
+        base = getattr(self.model, "model", self.model)
+        layers = getattr(base, "layers", None)
+        if layers is None:
+            raise ValueError(f"{type(self.model).__name__} has no .model.layers; StepCategories needs a decoder-only "
+                             "transformers model")
+        self._checkpointed = [(layer, layer._gradient_checkpointing_func) for layer in layers
+                              if callable(getattr(layer, "_gradient_checkpointing_func", None))]
+        for layer, checkpoint_fn in self._checkpointed:
+            layer._gradient_checkpointing_func = self._labeled_recompute(checkpoint_fn)
+        for layer in layers:
+            self._handles += self._hooks(layer, "residual", checkpoint_input=True)
+            self._handles += self._hooks(layer.self_attn, "attention")
+            self._handles += self._hooks(layer.mlp, "mlp")
+
+        def base_done(mod, args, kwargs, output):
+            self._after_model = True
+            hidden = output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", output)
+            self._base_out = [hidden] if isinstance(hidden, torch.Tensor) else []
+
+        def base_start(mod, args, kwargs):
+            self._after_model = False
+
+        self._handles += [base.register_forward_pre_hook(base_start, with_kwargs=True),
+                          base.register_forward_hook(base_done, with_kwargs=True)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for layer, checkpoint_fn in self._checkpointed:
+            layer._gradient_checkpointing_func = checkpoint_fn
+        self._checkpointed = []
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._nodes.clear()
+        self._stack.clear()
+        self._base_out = []

@@ -1,0 +1,207 @@
+"""Per-rank memory of one whole FSDP2 training step, by category: the measurement behind `hf_upipe.plan`.
+
+Entry points:
+- `StepSettings`: the knobs of a step (attention implementation, head chunk, tiled MLP and loss with their tiles,
+  offload of checkpointed inputs).
+- `measure_train_step(model_config, settings, *, seq_len, sp_size, layers, dtype=torch.bfloat16)`: on this rank of
+  an initialised world, builds the model with `layers` decoder layers, shards it with FSDP2 (`fully_shard` on every
+  decoder layer and on the root, over all ranks; fp32 master weights, `dtype` compute with fp32 gradient reduction
+  unless `dtype` is fp32), creates AdamW's states, then runs one step under `MemoryTracker`: forward and backward
+  of this rank's sequence shard with activation checkpointing on every layer, then `optimizer.step()`.
+- `simulate_train_step(...)`: the same as rank 0 of a fake `world_size`-rank world on fake tensors, in one process.
+
+What is counted, per rank: the FSDP2 shards of the parameters, their gradients and the optimizer states (already
+there when the step starts: steady state), and everything the step allocates: FSDP2's all-gather buffers and
+unsharded parameters, reduce-scatter buffers, activations, checkpointed inputs, the loss, the optimizer's
+temporaries. Returned by category (`CATEGORIES`): "parameters" (shards and unsharded copies), "gradients",
+"optimizer", and those of `hf_upipe.planning.categories` for the activations. Not counted (a GPU adds them; the
+planner's margin covers them): the CUDA context, NCCL buffers, kernel workspaces, allocator rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from hf_upipe import distributed as _sp
+from hf_upipe.planning import categories as _cat
+from hf_upipe.planning.model_step import MODEL_IMPLEMENTATIONS, _impl_context, build_step_model
+from hf_upipe.planning.simulate import fake_tensors, simulated_world
+from hf_upipe.planning.tracker import MemoryTracker, storage_label
+
+__all__ = ["CATEGORIES", "StepSettings", "measure_train_step", "simulate_train_step"]
+
+CATEGORIES = ("parameters", "gradients", "optimizer", *_cat.CATEGORIES)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The settings of a simulated step.
+
+    Attributes:
+        impl: "fused" (UPipe, the fused attention block), "upipe" (registered attention), "ulysses" (the same code,
+            all local heads in one chunk) or "deepspeed" (DeepSpeed's `UlyssesSPAttentionHF`, the peer).
+        heads_per_chunk: query heads per rank per UPipe stage (ignored by "ulysses" and "deepspeed").
+        tiled_mlp: tile the MLPs and RMSNorms over `mlp_chunk_tokens` (None: `hidden_size` tokens).
+        tiled_loss: compute the loss in chunks of `loss_chunk_tokens` (None: about 256 MiB of fp32 logits).
+        offload: "none" or "cpu": checkpointed layer inputs go to host memory (the last layer's stays).
+    """
+
+    impl: str = "fused"
+    heads_per_chunk: int | None = 1
+    tiled_mlp: bool = True
+    mlp_chunk_tokens: int | None = None
+    tiled_loss: bool = True
+    loss_chunk_tokens: int | None = None
+    offload: str = "cpu"
+
+    def __post_init__(self):
+        if self.impl not in MODEL_IMPLEMENTATIONS:
+            raise ValueError(f"impl={self.impl!r}: choose one of {MODEL_IMPLEMENTATIONS}")
+        if self.offload not in ("none", "cpu"):
+            raise ValueError(f"offload={self.offload!r}: the planner models 'none' or 'cpu' (disk: like cpu on the "
+                             "device, without the host memory)")
+
+
+def _fsdp_labels(model) -> contextlib.ExitStack:
+    """Labels FSDP2's allocations: unshard (all-gathers) -> "parameters", post-backward (reduce-scatter) -> "gradients".
+
+    FSDP2 offers no public hook for this; the wrappers sit on each module's FSDPParamGroup instance and are removed
+    on exit.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    stack = contextlib.ExitStack()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            continue
+        for name, label in (("unshard", "parameters"), ("wait_for_unshard", "parameters"),
+                            ("post_backward", "gradients")):
+            original = getattr(group, name)
+
+            def wrapped(*args, _original=original, _label=label, **kwargs):
+                with storage_label(_label):
+                    return _original(*args, **kwargs)
+
+            setattr(group, name, wrapped)
+            stack.callback(delattr, group, name)  # the class method again
+    return stack
+
+
+def _mesh():
+    """The 1-D FSDP mesh over all ranks (built outside fake mode: it reads tensor values)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _shard(model, dtype: torch.dtype, mesh) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else \
+        MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def _local(tensors) -> list[torch.Tensor]:
+    """This rank's shards of (D)tensors, skipping non-tensors and None."""
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors if torch.is_tensor(t)]
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (FSDP2's gradients are views of shared buffers)."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def _optimizer_with_states(model) -> torch.optim.Optimizer:
+    """AdamW (foreach, as on GPUs) whose states exist already: the steady state of training."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def measure_train_step(model_config, settings: StepSettings, *, seq_len: int, sp_size: int, layers: int,
+                       dtype: torch.dtype = torch.bfloat16, mesh=None) -> dict:
+    """One tracked FSDP2 training step on this rank (see the module docstring).
+
+    Args:
+        model_config: a Llama geometry dict (`hf_upipe.planning.model_step.llama_config`) or a transformers config.
+        settings: the step's `StepSettings`.
+        seq_len: tokens of the whole sequence (batch 1), divisible by `sp_size`.
+        sp_size: ranks sharing one sequence (contiguous groups, as `hf_upipe.init_sequence_parallel` builds them).
+        layers: decoder layers to build.
+        dtype: compute dtype (FSDP2's param_dtype).
+        mesh: the FSDP device mesh over all ranks (default: built here; under fake tensors build it before).
+
+    Returns:
+        {"peak": bytes, "by_category": {category: bytes live at the peak}, "phase_peaks": {"forward", "backward",
+        "optimizer"}, "static": {"parameters", "gradients", "optimizer": bytes of this rank's shards}}.
+    """
+    from hf_upipe.integrations.loss import shard_loss_sum
+    from hf_upipe.memory.offload import offload_checkpoints
+
+    if seq_len % sp_size:
+        raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp_size}")
+    previous = _sp.get_sequence_parallel_state()
+    state = _sp.init_sequence_parallel(sp_size, heads_per_chunk=settings.heads_per_chunk)
+    group = state.sp_group if state.sp_group is not None else dist.group.WORLD
+    s, r = seq_len // sp_size, state.sp_rank
+    try:
+        with _impl_context(settings.impl, group, seq_len, sp_size, settings.heads_per_chunk):
+            model = build_step_model(settings.impl, model_config, layers, seq_len, torch.float32, group,
+                                     settings.tiled_mlp, mlp_chunk_tokens=settings.mlp_chunk_tokens,
+                                     drop_grads=False)
+            _shard(model, dtype, mesh if mesh is not None else _mesh())
+            optimizer = _optimizer_with_states(model)
+            ids = torch.zeros(1, s, dtype=torch.long)  # not counted: token ids, positions, labels, mask
+            inputs = {"input_ids": ids, "position_ids": torch.arange(r * s, (r + 1) * s).unsqueeze(0),
+                      "attention_mask": torch.ones(1, s, dtype=torch.long)}
+            labels = torch.zeros(1, s, dtype=torch.long)
+            with _cat.StepCategories(model) as cats, MemoryTracker(labeler=cats.label) as tracker, \
+                    _fsdp_labels(model):
+                cats.attach(tracker)
+                static = {}
+                for label, tensors in (("parameters", list(model.parameters())),
+                                       ("optimizer", [t for st in optimizer.state.values() for t in st.values()])):
+                    before = tracker.current_bytes
+                    with storage_label(label):
+                        tracker.track(*_local(tensors))
+                    static[label] = tracker.current_bytes - before
+                with offload_checkpoints(model, settings.offload, min_bytes=0):
+                    loss, _ = shard_loss_sum(model, inputs, labels, tiled=settings.tiled_loss,
+                                             chunk_tokens=settings.loss_chunk_tokens)
+                    cats.label_loss(loss)
+                    tracker.mark("forward")
+                    loss.backward()
+                    del loss
+                    tracker.mark("backward")
+                static["gradients"] = _storage_bytes(_local(p.grad for p in model.parameters()))
+                with storage_label("optimizer"):
+                    optimizer.step()
+                tracker.mark("optimizer")
+    finally:
+        _sp.set_sequence_parallel_state(previous)
+    return {"peak": tracker.peak_bytes, "by_category": tracker.peak_by_label,
+            "phase_peaks": dict(tracker.phase_peaks), "static": static}
+
+
+def simulate_train_step(model_config, settings: StepSettings, *, seq_len: int, world_size: int, sp_size: int,
+                        layers: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """`measure_train_step` as rank 0 of a fake `world_size`-rank world on fake tensors (one process, no data)."""
+    with simulated_world(world_size):
+        mesh = _mesh()
+        with fake_tensors(torch.float32):
+            return measure_train_step(model_config, settings, seq_len=seq_len, sp_size=sp_size, layers=layers,
+                                      dtype=dtype, mesh=mesh)

@@ -1,0 +1,102 @@
+"""The whole FSDP2 training step: the fake simulation equals real gloo runs, category by category.
+
+(a) `simulate_train_step` (rank 0 of a fake 4-rank world) against rank 0 of a real 4-rank gloo run of
+    `measure_train_step` on real tensors: FSDP2 over the 4 ranks, AdamW, checkpointing, SP 2 (two SP groups) and
+    SP 4; fused, registered and Ulysses-mode attention; tiled MLP and loss with many chunks (so the simulation's
+    abbreviated chunk loops are checked against full ones); offload to host; fp32 and bf16 compute. The peaks and
+    every category agree to within 128 bytes (a few bytes of collective bookkeeping differ between gloo and the fake
+    backend).
+(b) The per-layer slope: the peak of an L-layer step is the 4-layer peak plus (L - 4) times the 3-to-4-layer
+    difference, which is how the planner extrapolates; checked at 8 layers with and without offload.
+(c) The categories add up to the peak, and without offload "checkpoints" holds one layer input per layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_upipe.planning.train_step import CATEGORIES, StepSettings, measure_train_step, simulate_train_step
+from tests._dist import run_distributed
+from tests.planning.test_attention_block import _sync_all_to_all
+
+TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            num_hidden_layers=3, vocab_size=256)
+S, WORLD = 1024, 4
+CASES = [  # (settings, sp_size, dtype)
+    (StepSettings(impl="fused", offload="cpu", mlp_chunk_tokens=32, loss_chunk_tokens=32), 2, torch.float32),
+    (StepSettings(impl="ulysses", heads_per_chunk=None, tiled_mlp=False, offload="none"), 2, torch.float32),
+    (StepSettings(impl="upipe", offload="none", loss_chunk_tokens=48), 4, torch.float32),
+    (StepSettings(impl="fused", offload="cpu", mlp_chunk_tokens=40, loss_chunk_tokens=24), 4, torch.bfloat16),
+]
+TOLERANCE = 128  # bytes
+
+
+def _small_blocks():
+    """Blockwise [V, Dm] passes of 4 KiB, so that the bf16 case runs many blocks (the real run all of them)."""
+    import hf_upipe.ops.tiled_loss as tiled_loss
+
+    tiled_loss._BLOCK_BYTES = 4096
+
+
+def _real(rank, world):
+    import hf_upipe.memory.offload as offload
+
+    _sync_all_to_all()
+    _small_blocks()
+    # CPU tensors are already in host memory, so the "cpu" target would keep them: force its host-copy path, the
+    # one a GPU takes. A first step fills the host buffer pool, which later steps reuse, as in training.
+    offload.OffloadStore.stays = lambda self, t: t.numel() * t.element_size() < self.min_bytes
+    out = []
+    for settings, sp, dtype in CASES:
+        measure_train_step(TINY, settings, seq_len=S, sp_size=sp, layers=3, dtype=dtype)
+        r = measure_train_step(TINY, settings, seq_len=S, sp_size=sp, layers=3, dtype=dtype)
+        out.append((r["peak"], r["by_category"], r["phase_peaks"]))
+    return out
+
+
+def test_simulated_step_equals_real_gloo_step():
+    real = run_distributed(_real, WORLD)[0]
+    _small_blocks()
+    try:
+        for (settings, sp, dtype), (peak, by_category, phases) in zip(CASES, real):
+            sim = simulate_train_step(TINY, settings, seq_len=S, world_size=WORLD, sp_size=sp, layers=3, dtype=dtype)
+            case = f"{settings} sp={sp} {dtype}"
+            assert abs(sim["peak"] - peak) <= TOLERANCE, (case, sim["peak"], peak)
+            for name in ("forward", "backward", "optimizer"):
+                assert abs(sim["phase_peaks"][name] - phases[name]) <= TOLERANCE, (case, name)
+            assert set(sim["by_category"]) == set(by_category), case
+            for category, nbytes in by_category.items():
+                assert abs(sim["by_category"][category] - nbytes) <= TOLERANCE, (case, category)
+    finally:
+        import importlib
+
+        import hf_upipe.ops.tiled_loss as tiled_loss
+
+        importlib.reload(tiled_loss)
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_peak_grows_linearly_with_depth(offload):
+    cfg = dict(TINY, hidden_size=128, intermediate_size=256, vocab_size=512)
+    settings = StepSettings(impl="fused", offload=offload)
+    peaks = {n: simulate_train_step(cfg, settings, seq_len=8192, world_size=4, sp_size=4, layers=n)
+             for n in (3, 4, 8)}
+    slope = peaks[4]["peak"] - peaks[3]["peak"]
+    assert peaks[8]["peak"] == peaks[4]["peak"] + 4 * slope
+    for category in CATEGORIES:
+        c = {n: peaks[n]["by_category"].get(category, 0) for n in peaks}
+        assert c[8] == c[4] + 4 * (c[4] - c[3]), category
+
+
+def test_categories_add_up_and_count_checkpoints():
+    cfg = dict(TINY, hidden_size=128, intermediate_size=256, vocab_size=512)
+    s = 8192 // 2
+    for layers in (3, 5):
+        r = simulate_train_step(cfg, StepSettings(impl="ulysses", heads_per_chunk=None, offload="none"),
+                                seq_len=8192, world_size=2, sp_size=2, layers=layers)
+        assert sum(r["by_category"].values()) == r["peak"]
+        assert set(r["by_category"]) <= set(CATEGORIES)
+        assert r["by_category"]["checkpoints"] == layers * s * 128 * 2  # bf16 layer inputs, all still on device
+        params = r["static"]["parameters"]
+        assert params > 0 and 0 <= r["static"]["optimizer"] - 2 * params < 1024  # Adam's m and v, and step counts
