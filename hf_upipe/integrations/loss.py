@@ -78,7 +78,9 @@ def _record_head_input(head: nn.Module):
     def pre_hook(module, args, kwargs):
         hidden = args[0] if args else kwargs.pop("input")
         recorded.append(hidden)
-        return (hidden[..., :0, :],) + tuple(args[1:]), kwargs  # [B, 0, Dm]: zero-size logits
+        # [B, 0, Dm]: zero-size logits. A new tensor, not the view hidden[..., :0, :]: the head's autograd node
+        # saves its input, and a view would keep the whole [B, s, Dm] final-norm output alive through backward.
+        return (hidden.new_empty(*hidden.shape[:-2], 0, hidden.shape[-1]),) + tuple(args[1:]), kwargs
 
     handle = head.register_forward_pre_hook(pre_hook, with_kwargs=True)
     try:

@@ -252,3 +252,32 @@ def test_sp_token_mean_two_ranks_equals_single_process():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=f"{case}: {key} summed over ranks")
         if case == "all_empty":
             assert want_loss == 0 and all(res["loss"] == 0.0 for res in results)
+
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_shard_loss_sum_saves_no_view_of_the_final_hidden(tiled):
+    """On the tiled path the lm_head gets a fresh empty input, not a view of the final-norm output: its autograd node
+    saves that input, and a view would keep the whole [B, s, Dm] tensor alive through the backward (one activation
+    per rank). The plain path's lm_head does save it, which shows the check can see it."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_upipe.integrations.loss import shard_loss_sum
+    from tests.integrations._models import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    ids = torch.randint(0, model.config.vocab_size, (1, 64))
+    final, saved = [], []
+    handle = model.model.norm.register_forward_hook(lambda m, a, out: final.append(out.untyped_storage().data_ptr()))
+
+    def pack(t):
+        saved.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, _ = shard_loss_sum(model, {"input_ids": ids}, ids, tiled=tiled)
+    handle.remove()
+    assert len(final) == 1
+    assert (final[0] in saved) is (not tiled)
+    loss.backward()
