@@ -9,6 +9,8 @@ Commands:
 - `hf-upipe env [--json]`: versions of the stack, devices, distributed backends, the attention kernels usable on
   each device, whether flash-attn is found, and the UPipe settings the `UPIPE_*` variables give.
 - `hf-upipe selftest --model ... [--sp 2] [--lora]`: SP against one device on your model (`hf_upipe.selftest`).
+- `hf-upipe plan --model ... --gpus N [--gpu-memory 80GiB] [--nodes M] (--seq-len S | --max)`: per-GPU memory
+  by category, whether it fits, the settings to use (`hf_upipe.planning.planner`). Exit 1 if it does not fit.
 """
 
 from __future__ import annotations
@@ -120,6 +122,22 @@ def _selftest_run(args):
 
 register_command("selftest", "prove that sequence-parallel training equals one device on your model",
                  _selftest_arguments, _selftest_run)
+
+
+def _plan_arguments(parser):
+    from hf_upipe.planning.plan_report import add_arguments
+
+    add_arguments(parser)
+
+
+def _plan_run(args):
+    from hf_upipe.planning.plan_report import run
+
+    return run(args)
+
+
+register_command("plan", "before launch: does a length fit, with which settings, and what is the longest that fits",
+                 _plan_arguments, _plan_run)
 
 
 def main(argv: list[str] | None = None) -> int:

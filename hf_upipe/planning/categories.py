@@ -14,8 +14,10 @@ How a storage gets its label, at the moment it is created:
    its recompute with an exception once it has what it needs; the pop still runs). The recompute calls the layer
    without its hooks, so the layer's `_gradient_checkpointing_func` is wrapped to push "residual" around it.
 2. Backward: the category of the autograd node being run (`torch._C._current_autograd_node()`). Each categorized
-   module's forward hook walks the graph from its outputs back to its inputs and records its category for every node
-   in between (for custom Functions, such as the fused attention or the tiled MLP, the one node).
+   module's forward hook walks the graph from its outputs back to its inputs and records its category in the
+   `metadata` of every node in between (for custom Functions, such as the fused attention or the tiled MLP, the one
+   node). Nodes outside any categorized module (the engine summing gradients of the residual stream) are
+   "residual".
 3. Forward after the base model has returned (the tiled loss, or the plain logits): "loss"; and in backward the
    nodes between the loss and the base model's output are "loss" (`label_loss(loss)`).
 4. The first forward of each decoder layer relabels its `hidden_states` input as "checkpoints": the tensor that
@@ -31,6 +33,8 @@ from torch import nn
 __all__ = ["CATEGORIES", "StepCategories"]
 
 CATEGORIES = ("checkpoints", "attention", "mlp", "residual", "loss", "other")
+_KEY, _STOP = "hf_upipe_category", "hf_upipe_stop"  # in each autograd node's own metadata dict: holding the nodes
+# in a dict of ours would keep custom Functions' ctx attributes alive and change the memory being measured
 
 
 def _in_backward() -> bool:
@@ -43,7 +47,6 @@ class StepCategories:
     def __init__(self, model: nn.Module):
         self.model = model
         self._stack: list[str] = []
-        self._nodes: dict[object, str] = {}  # autograd node -> category (nodes are kept alive by the graph)
         self._after_model = False
         self._tracker = None
         self._base_out: list[torch.Tensor] = []
@@ -57,7 +60,8 @@ class StepCategories:
             return self._stack[-1]
         if _in_backward():
             node = torch._C._current_autograd_node()
-            return self._nodes.get(node, "other")
+            # an unlabeled node in backward: the engine summing the residual stream's gradient, or the final norm
+            return node.metadata.get(_KEY, "residual") if node is not None else "residual"
         return "loss" if self._after_model else "other"
 
     def attach(self, tracker) -> None:
@@ -67,18 +71,23 @@ class StepCategories:
     def label_loss(self, loss: torch.Tensor) -> None:
         """Marks the backward nodes between `loss` and the base model's output as "loss"."""
         self._label_graph([loss], "loss", stop=self._base_out)
+        self._base_out = []  # holding the base model's output would keep it alive through backward
 
     # ------------------------------------------------------------------ graph
     def _label_graph(self, outputs, category: str, stop=()) -> None:
         """Records `category` for the nodes reachable from `outputs`, up to nodes already labeled or in `stop`."""
-        stop_nodes = {t.grad_fn for t in stop if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        stop_nodes = [t.grad_fn for t in stop if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        for node in stop_nodes:
+            node.metadata.setdefault(_STOP, True)
         todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         while todo:
             node = todo.pop()
-            if node is None or node in stop_nodes or node in self._nodes:
+            if node is None or _KEY in node.metadata or node.metadata.get(_STOP):
                 continue
-            self._nodes[node] = category
+            node.metadata[_KEY] = category
             todo.extend(next_node for next_node, _ in node.next_functions)
+        for node in stop_nodes:
+            node.metadata.pop(_STOP, None)
 
     def _hooks(self, module: nn.Module, category: str, checkpoint_input: bool = False):
         def pre(mod, args, kwargs):
@@ -148,6 +157,5 @@ class StepCategories:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._nodes.clear()
         self._stack.clear()
         self._base_out = []

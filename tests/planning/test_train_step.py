@@ -100,3 +100,16 @@ def test_categories_add_up_and_count_checkpoints():
         assert r["by_category"]["checkpoints"] == layers * s * 128 * 2  # bf16 layer inputs, all still on device
         params = r["static"]["parameters"]
         assert params > 0 and 0 <= r["static"]["optimizer"] - 2 * params < 1024  # Adam's m and v, and step counts
+
+
+@pytest.mark.parametrize("impl,offload", [("fused", "cpu"), ("ulysses", "none")])
+def test_labeling_does_not_change_the_memory_it_measures(impl, offload):
+    """Categories are kept in the autograd nodes' own metadata and nothing of the step is referenced from outside, so
+    the peak with labels equals the peak without."""
+    from hf_upipe.planning.model_step import simulate_model_step
+
+    cfg = dict(TINY, hidden_size=128, intermediate_size=256, vocab_size=64)  # the peak is in the backward
+    peaks = [simulate_model_step(impl, model_config=cfg, seq_len=8192, sp_size=2, layers=3, tiled_mlp=True,
+                                 offload=offload, heads_per_chunk=None if impl == "ulysses" else 1,
+                                 categories=labels)["peak"] for labels in (False, True)]
+    assert peaks[0] == peaks[1]

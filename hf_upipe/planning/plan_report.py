@@ -1,0 +1,164 @@
+"""How a `Plan` is shown: the per-GPU table, the launch lines, and the `hf-upipe plan` command.
+
+Entry points:
+- `format_plan(plan)`: the text `hf-upipe plan` prints (`Plan.table()`).
+- `launch_lines(plan)`: the environment variables / `UPipeConfig` to run the plan with (`Plan.launch()`).
+- `add_arguments(parser)` / `run(args)`: the command's flags and body (registered in `hf_upipe.cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from hf_upipe.planning.tracker import GiB
+
+__all__ = ["add_arguments", "describe", "format_plan", "launch_lines", "run"]
+
+_ROWS = (("parameters", "FSDP2 shards (fp32) + gathered layers and root (compute dtype)"),
+         ("gradients", "FSDP2 gradient shards (fp32) + reduce-scatter buffers"),
+         ("optimizer", "AdamW m and v shards (fp32) + foreach temporaries"),
+         ("checkpoints", "checkpointed layer inputs on the GPU"),
+         ("attention", "attention block (projections, all-to-alls, kernel, their gradients)"),
+         ("mlp", "MLP working set"),
+         ("residual", "norms, residual stream and its gradient"),
+         ("loss", "lm_head + loss (tiled: gradients of the head)"),
+         ("other", "embeddings, final norm, RoPE tables"))
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:,.2f}"
+
+
+def _tokens(n: int) -> str:
+    for unit, size in (("M", 2**20), ("K", 2**10)):
+        if n >= size and n % (size // 8) == 0:
+            return f"{n / size:g}{unit}"
+    return f"{n:,}"
+
+
+def describe(settings) -> str:
+    """One line naming the settings."""
+    impl = {"fused": "fused UPipe", "upipe": "UPipe (registered)", "ulysses": "Ulysses mode (our code)",
+            "deepspeed": "DeepSpeed Ulysses"}[settings.impl]
+    parts = [impl, f"heads_per_chunk={settings.heads_per_chunk or 'all'}"]
+    if settings.tiled_mlp:
+        parts.append(f"tiled MLP ({settings.mlp_chunk_tokens or 'hidden-size'} tokens)")
+    if settings.tiled_loss:
+        parts.append(f"tiled loss ({settings.loss_chunk_tokens or 'default'} tokens)")
+    parts.append("checkpoints offloaded to host" if settings.offload == "cpu" else "checkpoints kept on the GPU")
+    return ", ".join(parts)
+
+
+def format_plan(plan) -> str:
+    from hf_upipe.planning.planner import _geometry
+
+    g = _geometry(plan.config)
+    lines = [f"model {plan.model}: {g['layers']} layers, hidden {g['hidden']}, {g['heads']}/{g['kv_heads']} heads, "
+             f"vocab {g['vocab']}; {plan.nodes} node(s) x {plan.gpus} GPUs of {_gib(plan.gpu_memory)} GiB; "
+             f"SP {plan.sp_size}, FSDP2 over {plan.gpus * plan.nodes}; {str(plan.dtype).replace('torch.', '')}"]
+    if plan.max_seq_len is not None:
+        lines.append(f"longest sequence that fits: {plan.max_seq_len:,} tokens ({_tokens(plan.max_seq_len)})"
+                     if plan.max_seq_len else "nothing fits, not even the shortest step: see the table below")
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    lines += [f"sequence {plan.seq_len:,} tokens ({_tokens(plan.seq_len)}), {plan.seq_len // plan.sp_size:,} per "
+              f"GPU: {verdict}", f"settings: {describe(plan.settings)}", "",
+              f"{'per-GPU peak':<14}{'GiB':>9}", ]
+    for name, what in _ROWS:
+        if plan.by_category.get(name):
+            lines.append(f"  {name:<12}{_gib(plan.by_category[name]):>9}   {what}")
+    m = plan.margin
+    lines += [f"  {'tensors':<12}{_gib(plan.tensor_peak):>9}",
+              f"  {'margin':<12}{_gib(m.bytes(plan.tensor_peak)):>9}   {m.fraction:.0%} of tensors (allocator) + "
+              f"{_gib(m.reserved)} GiB reserved (CUDA context, NCCL, workspaces): --margin, --reserved",
+              f"  {'required':<12}{_gib(plan.required):>9}   of {_gib(plan.gpu_memory)} GiB "
+              f"({'headroom' if plan.fits else 'short by'} {_gib(abs(plan.gpu_memory - plan.required))} GiB)"]
+    if plan.host_bytes_per_gpu:
+        lines.append(f"host memory for offloaded checkpoints: {_gib(plan.host_bytes_per_gpu)} GiB per GPU, "
+                     f"{_gib(plan.host_bytes_per_gpu * plan.gpus)} GiB per node (pinned)")
+    if plan.tried:
+        lines += ["", f"settings tried at {_tokens(plan.seq_len)}, cheapest first (required GiB):"]
+        lines += [f"  {_gib(need):>9}  {'fits' if need <= plan.gpu_memory else 'no  '}  {describe(s)}"
+                  for s, need in plan.tried]
+    lines += ["", *launch_lines(plan), "",
+              f"planned in {plan.seconds:.1f} s: one FSDP2 training step of the model code on fake tensors, "
+              + (f"all {g['layers']} layers" if plan.exact or g["layers"] <= 4 else
+                 f"with 3 and 4 layers, extrapolated to {g['layers']} (--exact simulates all)")]
+    return "\n".join(lines)
+
+
+def launch_lines(plan) -> list[str]:
+    cfg = plan.upipe_config()
+    env = {"UPIPE_SP_SIZE": cfg.sp_size, "UPIPE_HEADS_PER_CHUNK": cfg.heads_per_chunk,
+           "UPIPE_FUSED_ATTENTION": str(cfg.fused_attention).lower(), "UPIPE_TILED_MLP": str(cfg.tiled_mlp).lower(),
+           "UPIPE_OFFLOAD": cfg.offload}
+    for name in ("mlp_chunk_tokens", "loss_chunk_tokens"):
+        if getattr(cfg, name):
+            env[f"UPIPE_{name.upper()}"] = getattr(cfg, name)
+    config_file = {1: "fsdp2_1node_8gpu.yaml", 2: "fsdp2_2nodes_8gpu.yaml"}.get(plan.nodes, "<your FSDP2 config>")
+    names = ["sp_size", "heads_per_chunk", "fused_attention", "tiled_mlp", "offload", "mlp_chunk_tokens",
+             "loss_chunk_tokens"]
+    fields = ", ".join(f"{k}={getattr(cfg, k)!r}" for k in names if getattr(cfg, k) is not None)
+    return ["launch: " + " ".join(f"{k}={v}" for k, v in env.items()) +
+            f" accelerate launch --config_file accelerate_configs/{config_file} your_script.py"
+            + ("" if plan.settings.offload == "none" else "  (activation checkpointing on)"),
+            f"or in Python: hf_upipe.UPipeConfig({fields})"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="preset (llama3-8b, qwen3-32b-shape, llama3-70b), a config.json or a local model folder")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs per node")
+    parser.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (default 80GiB)")
+    parser.add_argument("--nodes", type=int, default=1)
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--seq-len", type=int, help="tokens per sequence: does it fit, with which settings?")
+    what.add_argument("--max", action="store_true", help="the longest sequence that fits, and its settings")
+    parser.add_argument("--sp-size", type=int, help="sequence-parallel degree (default: --gpus)")
+    parser.add_argument("--impl", choices=("fused", "upipe", "ulysses", "deepspeed"),
+                        help="attention implementation (default: fused where supported); 'ulysses' plans our Ulysses "
+                             "mode, 'deepspeed' the peer")
+    parser.add_argument("--heads-per-chunk", help="fix the head chunk (a number or 'all') instead of choosing it")
+    parser.add_argument("--tiled-mlp", choices=("true", "false"), help="fix the tiled MLP instead of choosing it")
+    parser.add_argument("--offload", choices=("none", "cpu"), help="fix the offload instead of choosing it")
+    parser.add_argument("--mlp-chunk-tokens", type=int)
+    parser.add_argument("--loss-chunk-tokens", type=int)
+    parser.add_argument("--margin", type=float, default=0.10, help="allocator share of the tensor peak (default 0.10)")
+    parser.add_argument("--reserved", default="2GiB", help="non-tensor GPU memory (default 2GiB)")
+    parser.add_argument("--step", type=int, default=2**17, help="granularity of --max, tokens (default 131072)")
+    parser.add_argument("--exact", action="store_true", help="simulate every layer instead of extrapolating")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _fixed_settings(args, config, sp_size):
+    """StepSettings from the flags, or None to let the planner choose (no setting flag given)."""
+    from hf_upipe.planning.planner import FUSED_MODEL_TYPES, _geometry
+    from hf_upipe.planning.train_step import StepSettings
+
+    if all(getattr(args, k) is None for k in ("heads_per_chunk", "tiled_mlp", "offload", "mlp_chunk_tokens",
+                                              "loss_chunk_tokens")):
+        return None
+    impl = args.impl or ("fused" if _geometry(config)["model_type"] in FUSED_MODEL_TYPES else "upipe")
+    hpc = args.heads_per_chunk or ("all" if impl in ("ulysses", "deepspeed") else "1")
+    return StepSettings(impl=impl, heads_per_chunk=None if hpc == "all" else int(hpc),
+                        tiled_mlp=args.tiled_mlp != "false", mlp_chunk_tokens=args.mlp_chunk_tokens,
+                        loss_chunk_tokens=args.loss_chunk_tokens, offload=args.offload or "cpu")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hf_upipe.planning.planner import Margin, parse_bytes, plan, resolve_model
+
+    try:
+        _, config = resolve_model(args.model)
+        result = plan(config if not isinstance(config, dict) else args.model, gpus=args.gpus,
+                      gpu_memory=args.gpu_memory, nodes=args.nodes, seq_len=args.seq_len, max_context=args.max,
+                      settings=_fixed_settings(args, config, args.sp_size or args.gpus), impl=args.impl,
+                      sp_size=args.sp_size, margin=Margin(args.margin, parse_bytes(args.reserved)), step=args.step,
+                      exact=args.exact)
+    except ValueError as err:
+        print(f"hf-upipe plan: {err}")
+        return 2
+    if not isinstance(result.config, dict):
+        result.model = args.model
+    print(json.dumps(result.to_dict(), indent=1) if args.json else result.table())
+    return 0 if result.fits else 1

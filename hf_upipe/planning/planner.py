@@ -1,0 +1,319 @@
+"""Before launch: will this sequence length fit, with which settings, and what is the longest that fits?
+
+Entry points:
+- `plan(model, *, gpus, gpu_memory, nodes=1, seq_len=None, max_context=False, settings=None, ...)`: a `Plan`.
+- `Plan`: per-GPU peak by category, the margin, fits or not, host memory for offload, the settings and how to
+  launch them (`Plan.table()`, `Plan.launch()`, `Plan.upipe_config()`, `Plan.to_dict()`).
+- `Margin`: what is added to the tensor peak for memory that tensor accounting cannot see.
+- `resolve_model(spec)`: a preset name, a config.json, or a local model folder -> (name, config).
+- `ladder(config, sp_size, impl=None)`: the candidate settings, cheapest first.
+
+How a length is judged: `hf_upipe.planning.train_step` runs one FSDP2 training step of the real model code on fake
+tensors in a fake world of gpus x nodes ranks (rank 0), with 3 and with 4 decoder layers; every category of the
+peak is extrapolated linearly to the model's depth (exact: tests check the slope against deeper runs; `exact=True`
+simulates every layer). Required = tensor peak + margin; it fits when required <= gpu_memory.
+
+Choosing settings (`settings=None`): the ladder goes from cheapest to most memory-saving: all local heads in one
+chunk (Ulysses speed), then the tiled MLP, then offloading checkpointed inputs to host memory, then ever smaller head
+chunks down to the smallest the head geometry allows, then smaller MLP and loss tiles. With `seq_len`, the first
+rung that fits is chosen. With `max_context`, the longest length the last rung fits is searched (in steps of
+`step` tokens), then the first rung that fits that length is chosen. The sequence-parallel degree defaults to the
+GPUs of one node; FSDP2 shards the model over all GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import torch
+
+from hf_upipe.ops.head_layout import valid_heads_per_chunk, valid_sp_sizes
+from hf_upipe.planning.model_step import PRESETS, llama_config
+from hf_upipe.planning.tracker import GiB
+from hf_upipe.planning.train_step import CATEGORIES, StepSettings, simulate_train_step
+
+__all__ = ["FUSED_MODEL_TYPES", "Margin", "Plan", "ladder", "parse_bytes", "plan", "resolve_model"]
+
+FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value) -> int:
+    """'80GiB', '80GB', '75.5 GiB' or a number of bytes -> bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):]
+    if unit not in _UNITS or not number:
+        raise ValueError(f"cannot read {value!r} as a size: write e.g. 80GiB, 80GB or 85899345920")
+    return int(float(number) * _UNITS[unit])
+
+
+@dataclasses.dataclass(frozen=True)
+class Margin:
+    """Memory a GPU needs beyond the tracked tensors.
+
+    Attributes:
+        fraction: share of the tensor peak for the CUDA caching allocator's rounding and fragmentation (10%:
+            blocks are rounded to 2 MiB / 512 B and freed blocks cannot always be reused for larger tensors).
+        reserved: bytes that are not tensors at all: the CUDA context, NCCL's buffers, cuBLAS and attention-kernel
+            workspaces (2 GiB).
+    """
+
+    fraction: float = 0.10
+    reserved: int = 2 * GiB
+
+    def __post_init__(self):
+        if not 0 <= self.fraction < 1 or self.reserved < 0:
+            raise ValueError(f"margin fraction must be in [0, 1) and reserved >= 0, got {self.fraction}, "
+                             f"{self.reserved}")
+
+    def bytes(self, tensor_peak: int) -> int:
+        return int(tensor_peak * self.fraction) + self.reserved
+
+
+def resolve_model(spec):
+    """(name, config): a preset name (`PRESETS`), a config.json, a local model folder, or a transformers config."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(spec, PretrainedConfig):
+        return spec.model_type, spec
+    if isinstance(spec, dict):
+        return "custom", dict(spec)
+    if spec in PRESETS:
+        return spec, llama_config(spec)
+    if os.path.isfile(spec) or os.path.isdir(spec):
+        folder = os.path.dirname(os.path.abspath(spec)) if os.path.isfile(spec) else spec
+        if os.path.isfile(spec) and os.path.basename(spec) != "config.json":
+            return spec, AutoConfig.for_model(**_read_json(spec))
+        return spec, AutoConfig.from_pretrained(folder)
+    raise ValueError(f"model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a config.json or "
+                     "model folder on this machine")
+
+
+def _read_json(path):
+    import json
+
+    with open(path) as f:
+        return json.load(f)
+
+
+def _geometry(config) -> dict:
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    return {"hidden": hidden, "heads": heads, "kv_heads": get("num_key_value_heads") or heads,
+            "layers": get("num_hidden_layers"), "vocab": get("vocab_size"), "model_type": get("model_type", "llama")}
+
+
+def ladder(config, sp_size: int, impl: str | None = None) -> list[StepSettings]:
+    """The candidate settings for this model and SP degree, cheapest first (see the module docstring).
+
+    `impl`: None picks "fused" for Llama, Mistral, Qwen2 and Qwen3 and "upipe" (registered) otherwise; "ulysses"
+    or "deepspeed" keep all heads in one chunk (their ladder has the tiled MLP and offload rungs only).
+    """
+    g = _geometry(config)
+    impl = impl or ("fused" if g["model_type"] in FUSED_MODEL_TYPES else "upipe")
+    rungs = [StepSettings(impl, None, tiled_mlp=False, offload="none"),
+             StepSettings(impl, None, tiled_mlp=True, offload="none"),
+             StepSettings(impl, None, tiled_mlp=True, offload="cpu")]
+    if impl in ("ulysses", "deepspeed"):
+        return rungs
+    chunks = sorted(c for c in valid_heads_per_chunk(g["heads"], g["kv_heads"], sp_size) if c < g["heads"] // sp_size)
+    rungs += [StepSettings(impl, c, tiled_mlp=True, offload="cpu") for c in reversed(chunks)]
+    smallest = rungs[-1]
+    rungs.append(dataclasses.replace(smallest, mlp_chunk_tokens=max(1, g["hidden"] // 4),
+                                     loss_chunk_tokens=max(1, math.ceil(2**26 / g["vocab"]))))  # 256 MiB / 4
+    return rungs
+
+
+@dataclasses.dataclass
+class Plan:
+    """The per-GPU memory of one training step at `seq_len` tokens with `settings` (bytes; see `table()`)."""
+
+    model: str
+    config: object
+    seq_len: int
+    gpus: int
+    nodes: int
+    sp_size: int
+    gpu_memory: int
+    settings: StepSettings
+    by_category: dict
+    margin: Margin
+    dtype: torch.dtype = torch.bfloat16
+    exact: bool = False
+    seconds: float = 0.0
+    max_seq_len: int | None = None
+    tried: list = dataclasses.field(default_factory=list)  # (settings, required bytes) at seq_len, with auto
+
+    @property
+    def tensor_peak(self) -> int:
+        return sum(self.by_category.values())
+
+    @property
+    def required(self) -> int:
+        return self.tensor_peak + self.margin.bytes(self.tensor_peak)
+
+    @property
+    def fits(self) -> bool:
+        return self.required <= self.gpu_memory
+
+    @property
+    def host_bytes_per_gpu(self) -> int:
+        """Host memory the offloaded checkpointed inputs take per GPU (all layers but the last)."""
+        if self.settings.offload == "none":
+            return 0
+        g = _geometry(self.config)
+        return (g["layers"] - 1) * (self.seq_len // self.sp_size) * g["hidden"] * torch.finfo(self.dtype).bits // 8
+
+    def upipe_config(self):
+        """The `hf_upipe.UPipeConfig` of these settings."""
+        from hf_upipe.config import UPipeConfig
+
+        s = self.settings
+        return UPipeConfig(sp_size=self.sp_size, heads_per_chunk=s.heads_per_chunk or "all",
+                           fused_attention=s.impl == "fused", tiled_loss=s.tiled_loss,
+                           loss_chunk_tokens=s.loss_chunk_tokens, tiled_mlp=s.tiled_mlp,
+                           mlp_chunk_tokens=s.mlp_chunk_tokens, offload=s.offload)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "seq_len": self.seq_len, "gpus": self.gpus, "nodes": self.nodes,
+                "sp_size": self.sp_size, "gpu_memory": self.gpu_memory, "settings": dataclasses.asdict(self.settings),
+                "by_category": dict(self.by_category), "tensor_peak": self.tensor_peak,
+                "margin": self.margin.bytes(self.tensor_peak), "margin_fraction": self.margin.fraction,
+                "margin_reserved": self.margin.reserved, "required": self.required, "fits": self.fits,
+                "host_bytes_per_gpu": self.host_bytes_per_gpu, "exact": self.exact, "seconds": self.seconds,
+                "max_seq_len": self.max_seq_len, "dtype": str(self.dtype).replace("torch.", ""),
+                "tried": [{"settings": dataclasses.asdict(s), "required": r} for s, r in self.tried]}
+
+    def table(self) -> str:
+        from hf_upipe.planning.plan_report import format_plan
+
+        return format_plan(self)
+
+    def launch(self) -> str:
+        from hf_upipe.planning.plan_report import launch_lines
+
+        return "\n".join(launch_lines(self))
+
+
+class _Estimator:
+    """Per-category peaks of (settings, seq_len), simulated once each and extrapolated to the model's depth."""
+
+    def __init__(self, config, *, world: int, sp_size: int, dtype: torch.dtype, exact: bool):
+        self.config, self.world, self.sp_size, self.dtype, self.exact = config, world, sp_size, dtype, exact
+        self.layers = _geometry(config)["layers"]
+        self._cache: dict = {}
+
+    def _sim(self, settings, seq_len, layers) -> dict:
+        key = (settings, seq_len, layers)
+        if key not in self._cache:
+            self._cache[key] = simulate_train_step(self.config, settings, seq_len=seq_len, world_size=self.world,
+                                                   sp_size=self.sp_size, layers=layers,
+                                                   dtype=self.dtype)["by_category"]
+        return self._cache[key]
+
+    def __call__(self, settings: StepSettings, seq_len: int) -> dict:
+        if self.exact or self.layers <= 4:
+            return dict(self._sim(settings, seq_len, self.layers))
+        c3, c4 = self._sim(settings, seq_len, 3), self._sim(settings, seq_len, 4)
+        extra = self.layers - 4
+        out = {c: c4.get(c, 0) + extra * (c4.get(c, 0) - c3.get(c, 0)) for c in CATEGORIES}
+        return {c: v for c, v in out.items() if v}
+
+
+def _search_max(required, limit: int, step: int, max_steps: int) -> int:
+    """Largest k * step (1 <= k <= max_steps) with required(k * step) <= limit, or 0; required grows with length.
+
+    Secant guesses on the near-linear required(length), kept inside the bracket [fits, does not fit]: a handful
+    of evaluations.
+    """
+    points: dict[int, int] = {}
+    lo, hi = 0, max_steps + 1  # lo fits (0: nothing yet), hi does not (max_steps + 1: beyond the search)
+    k, order = min(max_steps, 8), []
+    while hi - lo > 1:
+        points[k] = required(k * step)
+        order.append(k)
+        lo, hi = (k, hi) if points[k] <= limit else (lo, k)
+        if hi - lo <= 1:
+            break
+        if len(order) == 1:
+            k = 2 * k if lo == k else k // 2
+        else:
+            a, b = order[-2:]
+            k = int(b + (limit - points[b]) * (b - a) / (points[b] - points[a])) if points[b] != points[a] \
+                else (lo + hi) // 2
+        if k in points:
+            k = lo + 1 if k == lo else hi - 1 if k == hi else (lo + hi) // 2
+        k = min(max(k, lo + 1), hi - 1)
+    return lo * step
+
+
+def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int | None = None,
+         max_context: bool = False, settings: StepSettings | None = None, impl: str | None = None,
+         sp_size: int | None = None, margin: Margin | None = None, dtype: torch.dtype = torch.bfloat16,
+         step: int = 2**17, max_seq_len: int = 2**26, exact: bool = False) -> Plan:
+    """Plan a training run (see the module docstring).
+
+    Args:
+        model: a preset ("llama3-8b", "qwen3-32b-shape", "llama3-70b"), a config.json, a local model folder, a
+            transformers config, or a Llama geometry dict.
+        gpus: GPUs per node. nodes: nodes (FSDP2 shards over gpus x nodes; SP defaults to one node's GPUs).
+        gpu_memory: memory of one GPU ("80GiB", "80GB", bytes).
+        seq_len: tokens per sequence to judge. max_context: search the longest that fits instead (or as well).
+        settings: fixed `StepSettings`; None chooses them (the ladder). impl: the attention implementation of the
+            ladder (None: fused where supported; "ulysses" for our Ulysses mode; "deepspeed" for the peer).
+        sp_size: sequence-parallel degree (default: `gpus`). margin: `Margin()` by default.
+        step: granularity of the max search, tokens. max_seq_len: where the search stops.
+        exact: simulate every layer instead of extrapolating from 3 and 4.
+
+    Raises:
+        ValueError: with the numbers and the fix, for sizes that cannot work (heads not dividing the SP degree, a
+            length not divisible by it, neither seq_len nor max_context).
+    """
+    started = time.perf_counter()
+    name, config = resolve_model(model)
+    g = _geometry(config)
+    if gpus < 1 or nodes < 1:
+        raise ValueError(f"gpus={gpus} and nodes={nodes} must be >= 1")
+    sp = gpus if sp_size is None else sp_size
+    world = gpus * nodes
+    if world % sp:
+        raise ValueError(f"sp_size={sp} does not divide the {world} GPUs; use a divisor such as {gpus}")
+    if sp not in valid_sp_sizes(g["heads"], g["kv_heads"], upto=sp):
+        raise ValueError(f"sp_size={sp} does not fit {g['heads']} query / {g['kv_heads']} k/v heads; valid: "
+                         f"{[p for p in valid_sp_sizes(g['heads'], g['kv_heads'], upto=world) if world % p == 0]}")
+    if seq_len is None and not max_context:
+        raise ValueError("give seq_len (does it fit, and with which settings?) or max_context=True (what fits?)")
+    if seq_len is not None and seq_len % sp:
+        raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp}; round it to {seq_len // sp * sp}")
+    limit, margin = parse_bytes(gpu_memory), margin or Margin()
+    step = math.lcm(step, sp)
+    estimate = _Estimator(config, world=world, sp_size=sp, dtype=dtype, exact=exact)
+    rungs = [settings] if settings is not None else ladder(config, sp, impl)
+
+    def required(s, length):
+        peak = sum(estimate(s, length).values())
+        return peak + margin.bytes(peak)
+
+    longest = None
+    if max_context:
+        longest = _search_max(lambda length: required(rungs[-1], length), limit, step, max_seq_len // step)
+        if seq_len is None:
+            seq_len = longest or step
+    tried, chosen = [], rungs[-1]
+    for rung in rungs:
+        need = required(rung, seq_len)
+        tried.append((rung, need))
+        if need <= limit:
+            chosen = rung
+            break
+    return Plan(model=name, config=config, seq_len=seq_len, gpus=gpus, nodes=nodes, sp_size=sp, gpu_memory=limit,
+                settings=chosen, by_category=estimate(chosen, seq_len), margin=margin, dtype=dtype, exact=exact,
+                seconds=time.perf_counter() - started, max_seq_len=longest,
+                tried=tried if settings is None else [])
