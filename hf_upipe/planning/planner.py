@@ -23,7 +23,9 @@ GPUs of one node; FSDP2 shards the model over all GPUs.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 import math
 import os
 import time
@@ -97,8 +99,6 @@ def resolve_model(spec):
 
 
 def _read_json(path):
-    import json
-
     with open(path) as f:
         return json.load(f)
 
@@ -202,21 +202,34 @@ class Plan:
         return "\n".join(launch_lines(self))
 
 
+_SIMULATIONS: collections.OrderedDict = collections.OrderedDict()  # simulation key -> by_category (LRU)
+_CACHE_SIZE = 1024
+
+
+def _config_key(config) -> str:
+    return json.dumps(config, sort_keys=True) if isinstance(config, dict) else config.to_json_string()
+
+
 class _Estimator:
-    """Per-category peaks of (settings, seq_len), simulated once each and extrapolated to the model's depth."""
+    """Per-category peaks of (settings, seq_len), extrapolated to the model's depth. Simulations are cached per
+    process (the same model, world, settings and length give the same bytes), so later plans reuse them."""
 
     def __init__(self, config, *, world: int, sp_size: int, dtype: torch.dtype, exact: bool):
         self.config, self.world, self.sp_size, self.dtype, self.exact = config, world, sp_size, dtype, exact
         self.layers = _geometry(config)["layers"]
-        self._cache: dict = {}
+        self._key = (_config_key(config), world, sp_size, str(dtype))
 
     def _sim(self, settings, seq_len, layers) -> dict:
-        key = (settings, seq_len, layers)
-        if key not in self._cache:
-            self._cache[key] = simulate_train_step(self.config, settings, seq_len=seq_len, world_size=self.world,
-                                                   sp_size=self.sp_size, layers=layers,
-                                                   dtype=self.dtype)["by_category"]
-        return self._cache[key]
+        key = (*self._key, settings, seq_len, layers)
+        if key in _SIMULATIONS:
+            _SIMULATIONS.move_to_end(key)
+        else:
+            _SIMULATIONS[key] = simulate_train_step(self.config, settings, seq_len=seq_len, world_size=self.world,
+                                                    sp_size=self.sp_size, layers=layers,
+                                                    dtype=self.dtype)["by_category"]
+            if len(_SIMULATIONS) > _CACHE_SIZE:
+                _SIMULATIONS.popitem(last=False)
+        return _SIMULATIONS[key]
 
     def __call__(self, settings: StepSettings, seq_len: int) -> dict:
         if self.exact or self.layers <= 4:
