@@ -108,8 +108,12 @@ def main(argv: list[str] | None = None) -> int:
             ds, uly = rows.get((S, "DeepSpeed Ulysses")), rows[S, "ours Ulysses"]
             for label, _, _ in impls:
                 r = rows[S, label]
-                ratio = (lambda key, ref: f"{r[key] / ref[key]:.2f}" if ref else "n/a")
-                gib = (lambda key: f"{r[key] / GiB:.2f} ({r[key] / r['unit']:.2f})")
+                def ratio(key, ref, r=r):
+                    return f"{r[key] / ref[key]:.2f}" if ref else "n/a"
+
+                def gib(key, r=r):
+                    return f"{r[key] / GiB:.2f} ({r[key] / r['unit']:.2f})"
+
                 print(f"| {fmt_len(S)} | {label} | {gib('forward_peak')} | {gib('peak')} | {ratio('forward_peak', ds)} "
                       f"| {ratio('peak', ds)} | {ratio('peak_with_grad_in', ds)} | {ratio('peak', uly)} |")
 

@@ -130,7 +130,8 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                         del y
                         timings.append(dict(seq_len=S, label=label, impl=impl, heads_per_chunk=c, round=r,
                                             position=k, seconds=t, a2a_bytes=nbytes, a2a_calls=calls))
-                del blocks, reference, x, cos, sin, grad_y
+                blocks.clear()  # this length's blocks go before the next length's are built
+                reference.clear()
     finally:
         dist.all_to_all_single = original_a2a
     return dict(rank=rank, timings=timings, checks=checks)

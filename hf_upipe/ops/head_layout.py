@@ -80,7 +80,8 @@ class HeadLayout:
         if err is not None:
             raise ValueError(
                 f"Sequence parallelism cannot split this attention: {err}. "
-                f"sp_size values that work for {H} query / {Hk} key-value heads: {valid_sp_sizes(H, Hk, upto=max(64, P))}."
+                f"sp_size values that work for {H} query / {Hk} key-value heads: "
+                f"{valid_sp_sizes(H, Hk, upto=max(64, P))}."
             )
         kv_rep = max(1, P // Hk)
         q_per_rank = H // P

@@ -33,7 +33,8 @@ from hf_upipe import distributed as _sp
 from hf_upipe.planning.simulate import fake_tensors, simulated_world
 from hf_upipe.planning.tracker import MemoryTracker
 
-__all__ = ["BENCHMARK_ROWS", "IMPLEMENTATIONS", "build_attention_block", "measure_attention_block", "simulate_attention_block"]
+__all__ = ["BENCHMARK_ROWS", "IMPLEMENTATIONS", "build_attention_block", "measure_attention_block",
+           "simulate_attention_block"]
 
 IMPLEMENTATIONS = ("upipe", "fused", "deepspeed")
 UPIPE_IMPLS = ("upipe", "fused")  # ours: registered attention function / fused block (`prepare_model`)

@@ -109,7 +109,7 @@ CASES = {  # (arch, (H, Hk), heads_per_chunk, lora, dtype, activation checkpoint
 def test_fused_models_match_single_process(world):
     for per_rank in run_distributed(_worker, world, CASES[world]):
         for case, (errs, base, calls, layers, n_trained) in zip(CASES[world], per_rank):
-            lora, dtype, ckpt = case[3], case[4], case[5]
+            lora, ckpt = case[3], case[5]
             # the fused block ran in every layer: forward (+ recompute under checkpointing) + eval forward
             assert calls == layers * (3 if ckpt else 2), (case, calls)
             assert len(errs) == n_trained + 2

@@ -57,7 +57,8 @@ def _model_errors(rank, world, arch, geom, chunk, dtype, seed, B=2, S=None, sp_s
         low_logits = low(ids).logits
         _loss(low_logits, labels, n_tokens).backward()
         base = {"logits": _rel(low_logits[:, sh], ref_logits[:, sh])}
-        base.update({n: _rel(p.grad, rp.grad) for (n, p), (_, rp) in zip(low.named_parameters(), ref.named_parameters())})
+        base.update({n: _rel(p.grad, rp.grad)
+                     for (n, p), (_, rp) in zip(low.named_parameters(), ref.named_parameters())})
     hf_upipe.reset_sequence_parallel()
     return errs, base
 

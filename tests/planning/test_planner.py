@@ -19,7 +19,7 @@ import torch
 from hf_upipe.cli import main
 from hf_upipe.planning.planner import Margin, _search_max, ladder, parse_bytes, plan
 from hf_upipe.planning.train_step import StepSettings
-from tests.planning.test_train_step import CASES, S, TINY, WORLD, real_runs
+from tests.planning.test_train_step import CASES, TINY, WORLD, S, real_runs
 
 
 def test_plan_within_5_percent_of_real_gloo_runs(monkeypatch):
