@@ -13,6 +13,9 @@ Main entry points:
   `accelerate launch` (FSDP2 or DDP); imported lazily.
 - `shard_batch`, `ShardedDataLoader`, `sampler_kwargs`: per-rank sequence shards for custom training loops.
 - `MemoryTracker`: exact tensor-memory accounting (real or fake tensors), as used by the benchmarks.
+- `plan(model, *, gpus, gpu_memory, nodes=1, seq_len=None, max_context=False, ...)`: before launch, the per-GPU
+  peak by category, whether it fits, the settings to use and the longest sequence that fits (`hf-upipe plan`);
+  imported lazily. `UPipeConfig(auto=True, plan_seq_len=...)` lets the Trainer and the plugin apply it.
 """
 
 from hf_upipe.config import UPipeConfig
@@ -41,6 +44,7 @@ __all__ = [
     "UPipeTrainer",
     "get_sequence_parallel_state",
     "init_sequence_parallel",
+    "plan",
     "prepare_model",
     "reset_sequence_parallel",
     "sampler_kwargs",
@@ -58,6 +62,10 @@ def __getattr__(name):
         from hf_upipe.trainer import UPipeTrainer
 
         return UPipeTrainer
+    if name == "plan":  # lazy: the planner builds models with transformers
+        from hf_upipe.planning.planner import plan
+
+        return plan
     if name == "UPipePlugin":
         from hf_upipe.integrations.accelerate import UPipePlugin
 

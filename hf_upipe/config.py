@@ -5,6 +5,8 @@ Entry points:
   `__post_init__` that names the fix).
 - `UPipeConfig.resolve_sp_size(world_size, local_world_size=None)`: the SP degree for a given launch.
 - `UPipeConfig.init_kwargs()`: the arguments of `hf_upipe.init_sequence_parallel`.
+- `auto=True`: `hf_upipe.planning.auto.apply_auto_settings` fills the memory settings from the planner
+  (UPipeTrainer and UPipePlugin call it before anything else).
 
 Precedence: an explicit argument, then the `UPIPE_<FIELD>` environment variable, then the default. Validation
 that needs the world size (sp_size dividing it) happens in `resolve_sp_size`, on every rank, before any
@@ -83,6 +85,14 @@ class UPipeConfig:
         "Folder for offload='disk' (a per-step subfolder is created and removed). Default: the temp folder.")})
     offload_min_bytes: int | None = field(default=None, metadata={"help": (
         "Layer inputs smaller than this stay on the device. Default 1 MiB.")})
+    auto: bool | None = field(default=None, metadata={"help": (
+        "Let the planner (hf_upipe.plan) choose heads_per_chunk, fused_attention, tiled_mlp, the MLP and loss tiles "
+        "and offload for plan_seq_len tokens on this launch's GPUs: the cheapest settings that fit. The explicit "
+        "values of those fields are then replaced. Default False.")})
+    plan_seq_len: int | None = field(default=None, metadata={"help": (
+        "Tokens per sequence the auto settings must fit (the longest sequence of your data). Needed with auto.")})
+    gpu_memory: str | None = field(default=None, metadata={"help": (
+        "Memory of one GPU for the auto settings, e.g. '80GiB'. Default: the CUDA device's total memory.")})
 
     def __post_init__(self):
         env = {f.name: _env(f.name) for f in fields(self)}
@@ -114,6 +124,14 @@ class UPipeConfig:
         self.offload_path = self.offload_path or env["offload_path"]
         floor = self.offload_min_bytes if self.offload_min_bytes is not None else env["offload_min_bytes"]
         self.offload_min_bytes = 2**20 if floor is None else _parse_positive_int("offload_min_bytes", floor, minimum=0)
+        auto = self.auto if self.auto is not None else env["auto"]
+        self.auto = False if auto is None else _parse_bool("auto", auto)
+        length = self.plan_seq_len if self.plan_seq_len is not None else env["plan_seq_len"]
+        self.plan_seq_len = _parse_positive_int("plan_seq_len", length, allow_none=True)
+        self.gpu_memory = self.gpu_memory or env["gpu_memory"]
+        if self.auto and self.plan_seq_len is None:
+            raise ValueError("auto=True chooses settings for a sequence length: set plan_seq_len (UPIPE_PLAN_SEQ_LEN) "
+                             "to the longest sequence of your data.")
 
     def resolve_sp_size(self, world_size: int, local_world_size: int | None = None) -> int:
         """The SP degree for a launch of `world_size` processes (`local_world_size` per node).

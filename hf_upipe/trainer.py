@@ -51,6 +51,7 @@ from hf_upipe.integrations.accelerate import NO_SP, share_batches_within_sp, wor
 from hf_upipe.integrations.fused import prepare_model
 from hf_upipe.integrations.loss import shard_loss_sum
 from hf_upipe.memory.offload import offload_checkpoints
+from hf_upipe.planning.auto import apply_auto_settings
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,11 @@ class UPipeTrainer(Trainer):
         super().__init__(model, args, *pargs, **kwargs)
         self.upipe_config = upipe_config if upipe_config is not None else UPipeConfig()
         world = dist.get_world_size() if dist.is_initialized() else 1
+        if self.upipe_config.auto:
+            if not self.args.gradient_checkpointing:
+                raise ValueError("auto=True plans with activation checkpointing on every layer: set "
+                                 "TrainingArguments(gradient_checkpointing=True).")
+            self.upipe_plan = apply_auto_settings(self.upipe_config, self.model, world_size=world)
         sp_size = self.upipe_config.resolve_sp_size(world)
         if self.args.label_smoothing_factor:
             raise NotImplementedError("UPipeTrainer computes the causal-LM loss itself; label_smoothing_factor="

@@ -43,6 +43,7 @@ from hf_upipe.distributed import SequenceParallelState, init_sequence_parallel, 
 from hf_upipe.integrations.fused import prepare_model
 from hf_upipe.integrations.loss import shard_loss_sum
 from hf_upipe.memory.offload import offload_checkpoints
+from hf_upipe.planning.auto import apply_auto_settings
 
 __all__ = ["UPipeLoss", "UPipePlugin", "share_batches_within_sp"]
 
@@ -123,6 +124,11 @@ class UPipePlugin(UPipeConfig):
             without activation checkpointing (call `model.gradient_checkpointing_enable()` first), bad settings.
         """
         world = accelerator.num_processes
+        if self.auto:
+            if not getattr(model, "is_gradient_checkpointing", False):
+                raise ValueError("auto=True plans with activation checkpointing on every layer: call "
+                                 "model.gradient_checkpointing_enable() before UPipePlugin.prepare.")
+            self.upipe_plan = apply_auto_settings(self, model, world_size=world)
         sp_size = self.resolve_sp_size(world)
         wants_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
         if wants_fsdp and str(accelerator.distributed_type) != "DistributedType.FSDP":

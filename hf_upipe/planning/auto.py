@@ -1,0 +1,103 @@
+"""`UPipeConfig(auto=True)`: the planner chooses the memory settings of a launch, before it starts.
+
+Entry point:
+- `apply_auto_settings(config, model, *, world_size, local_world_size=None)`: with `config.auto`, plans the
+  model for `config.plan_seq_len` tokens on this launch's GPUs (`hf_upipe.planning.planner.plan` with no settings
+  given: the cheapest rung of its ladder that fits) and writes the choice into `config` (heads_per_chunk,
+  fused_attention, tiled_mlp, mlp_chunk_tokens, tiled_loss, loss_chunk_tokens, offload); returns the `Plan`.
+  Without `auto` it does nothing and returns None.
+
+The simulation needs a process without a process group, and a launched job has one: rank 0 runs the planner in a
+child process (`python -m hf_upipe.cli plan ... --json`) and broadcasts the result, so every rank applies the same
+settings, or raises the same error (the plan does not fit: the message has the planner's table), before any other
+collective. The plan models full fine-tuning; for a PEFT model its gradients and optimizer states are an upper
+bound (frozen weights have neither).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["apply_auto_settings"]
+
+
+def _model_config(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if config is None:
+        raise ValueError(f"auto settings need a transformers model with a .config; got {type(model).__name__}")
+    return config
+
+
+def _gpu_memory(config) -> str:
+    if config.gpu_memory:
+        return config.gpu_memory
+    if torch.cuda.is_available():
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    raise ValueError("auto settings need the memory of one GPU and none is visible: set gpu_memory (e.g. '80GiB', "
+                     "UPIPE_GPU_MEMORY) to plan for the GPUs you will train on.")
+
+
+def _run_planner(model, config, world_size: int, local_world_size: int) -> dict:
+    """The planner's JSON (or {"error": message}), from a child process."""
+    nodes = world_size // local_world_size
+    with tempfile.TemporaryDirectory(prefix="upipe-plan-") as folder:
+        _model_config(model).to_json_file(os.path.join(folder, "config.json"))
+        command = [sys.executable, "-m", "hf_upipe.cli", "plan", "--model", folder, "--gpus", str(local_world_size),
+                   "--nodes", str(nodes), "--gpu-memory", _gpu_memory(config), "--seq-len", str(config.plan_seq_len),
+                   "--json"]
+        if config.sp_size:
+            command += ["--sp-size", str(config.sp_size)]
+        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "UPIPE_AUTO": "0"})
+    if done.returncode in (0, 1) and done.stdout.strip().startswith("{"):
+        return json.loads(done.stdout)
+    return {"error": (done.stdout + done.stderr).strip()[-2000:] or f"exit {done.returncode}"}
+
+
+def apply_auto_settings(config, model, *, world_size: int, local_world_size: int | None = None):
+    """See the module docstring. Raises ValueError (on every rank) when nothing fits or planning failed."""
+    if not config.auto:
+        return None
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if world_size % local_world_size:
+        local_world_size = world_size
+    distributed = dist.is_available() and dist.is_initialized() and world_size > 1
+    result = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            result = _run_planner(model, config, world_size, local_world_size)
+        except ValueError as err:
+            result = {"error": str(err)}
+    if distributed:
+        box = [result]
+        dist.broadcast_object_list(box, src=0)
+        result = box[0]
+    if "error" in result:
+        raise ValueError(f"auto settings: the planner failed: {result['error']}")
+    if not result["fits"]:
+        gib = 2**30
+        raise ValueError(f"auto settings: {config.plan_seq_len} tokens do not fit on {world_size} GPU(s) of "
+                         f"{result['gpu_memory'] / gib:.1f} GiB even with the most memory-saving settings (needs "
+                         f"{result['required'] / gib:.1f} GiB per GPU). Shorten plan_seq_len, add GPUs, or run "
+                         "`hf-upipe plan ... --max` to see the longest that fits.")
+    s = result["settings"]
+    config.heads_per_chunk = "all" if s["heads_per_chunk"] is None else s["heads_per_chunk"]
+    config.fused_attention = s["impl"] == "fused"
+    config.tiled_mlp, config.mlp_chunk_tokens = s["tiled_mlp"], s["mlp_chunk_tokens"]
+    config.tiled_loss, config.loss_chunk_tokens = s["tiled_loss"], s["loss_chunk_tokens"]
+    config.offload = s["offload"]
+    logger.info("hf_upipe auto settings for %d tokens: heads_per_chunk=%s, tiled_mlp=%s, offload=%s (planned peak "
+                "%.1f GiB of %.1f GiB per GPU)", config.plan_seq_len, config.heads_per_chunk, config.tiled_mlp,
+                config.offload, result["required"] / 2**30, result["gpu_memory"] / 2**30)
+    return result
