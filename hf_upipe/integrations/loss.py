@@ -78,9 +78,11 @@ def _record_head_input(head: nn.Module):
     def pre_hook(module, args, kwargs):
         hidden = args[0] if args else kwargs.pop("input")
         recorded.append(hidden)
-        # [B, 0, Dm]: zero-size logits. A new tensor, not the view hidden[..., :0, :]: the head's autograd node
-        # saves its input, and a view would keep the whole [B, s, Dm] final-norm output alive through backward.
-        return (hidden.new_empty(*hidden.shape[:-2], 0, hidden.shape[-1]),) + tuple(args[1:]), kwargs
+        # [B, 0, Dm]: zero-size logits. A copy of the empty slice, not the view hidden[..., :0, :]: the head's
+        # autograd node saves its input, and a view would keep the whole [B, s, Dm] final-norm output alive through
+        # backward. The copy stays in the graph (slicing saves no data), so the logits still depend on every layer:
+        # DDP's search for unused parameters starts from the model's outputs.
+        return (hidden[..., :0, :].clone(),) + tuple(args[1:]), kwargs
 
     handle = head.register_forward_pre_hook(pre_hook, with_kwargs=True)
     try:

@@ -127,7 +127,7 @@ def ladder(config, sp_size: int, impl: str | None = None) -> list[StepSettings]:
     rungs += [StepSettings(impl, c, tiled_mlp=True, offload="cpu") for c in reversed(chunks)]
     smallest = rungs[-1]
     rungs.append(dataclasses.replace(smallest, mlp_chunk_tokens=max(1, g["hidden"] // 4),
-                                     loss_chunk_tokens=max(1, math.ceil(2**26 / g["vocab"]))))  # 256 MiB / 4
+                                     loss_chunk_tokens=max(1, math.ceil(2**24 / g["vocab"]))))  # 64 MiB fp32 logits
     return rungs
 
 
