@@ -65,7 +65,7 @@ def format_plan(plan) -> str:
               f"GPU: {verdict}", f"settings: {describe(plan.settings)}", "",
               f"{'per-GPU peak':<14}{'GiB':>9}", ]
     for name, what in _ROWS:
-        if plan.by_category.get(name):
+        if plan.by_category.get(name, 0) >= 2**20:  # rows of a few bytes (bookkeeping) would read 0.00
             lines.append(f"  {name:<12}{_gib(plan.by_category[name]):>9}   {what}")
     m = plan.margin
     lines += [f"  {'tensors':<12}{_gib(plan.tensor_peak):>9}",
@@ -74,12 +74,15 @@ def format_plan(plan) -> str:
               f"  {'required':<12}{_gib(plan.required):>9}   of {_gib(plan.gpu_memory)} GiB "
               f"({'headroom' if plan.fits else 'short by'} {_gib(abs(plan.gpu_memory - plan.required))} GiB)"]
     if plan.host_bytes_per_gpu:
+        host = "" if plan.host_memory is None else (f" of {_gib(plan.host_memory)} GiB" +
+                                                    ("" if plan.host_fits else ": DOES NOT FIT"))
         lines.append(f"host memory for offloaded checkpoints: {_gib(plan.host_bytes_per_gpu)} GiB per GPU, "
-                     f"{_gib(plan.host_bytes_per_gpu * plan.gpus)} GiB per node (pinned)")
+                     f"{_gib(plan.host_bytes_per_gpu * plan.gpus)} GiB per node (pinned)"
+                     + (host or " (--host-memory checks it)"))
     if plan.tried:
         lines += ["", f"settings tried at {_tokens(plan.seq_len)}, cheapest first (required GiB):"]
-        lines += [f"  {_gib(need):>9}  {'fits' if need <= plan.gpu_memory else 'no  '}  {describe(s)}"
-                  for s, need in plan.tried]
+        lines += [f"  {_gib(need):>9}  {'fits' if need <= plan.gpu_memory and host else 'host' if not host else 'no  '}"
+                  f"  {describe(s)}" for s, need, host in plan.tried]
     lines += ["", *launch_lines(plan), "",
               f"planned in {plan.seconds:.1f} s: one FSDP2 training step of the model code on fake tensors, "
               + (f"all {g['layers']} layers" if plan.exact or g["layers"] <= 4 else
@@ -127,6 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reserved", default="2GiB", help="non-tensor GPU memory (default 2GiB)")
     parser.add_argument("--step", type=int, default=2**17, help="granularity of --max, tokens (default 131072)")
     parser.add_argument("--exact", action="store_true", help="simulate every layer instead of extrapolating")
+    parser.add_argument("--host-memory", help="host memory of one node for offloaded checkpoints, e.g. 2TiB "
+                                              "(default: not checked)")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -154,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
                       gpu_memory=args.gpu_memory, nodes=args.nodes, seq_len=args.seq_len, max_context=args.max,
                       settings=_fixed_settings(args, config, args.sp_size or args.gpus), impl=args.impl,
                       sp_size=args.sp_size, margin=Margin(args.margin, parse_bytes(args.reserved)), step=args.step,
-                      exact=args.exact)
+                      exact=args.exact, host_memory=args.host_memory)
     except ValueError as err:
         print(f"hf-upipe plan: {err}")
         return 2

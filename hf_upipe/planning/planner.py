@@ -110,6 +110,14 @@ def _geometry(config) -> dict:
             "layers": get("num_hidden_layers"), "vocab": get("vocab_size"), "model_type": get("model_type", "llama")}
 
 
+def _host_bytes(config, settings: StepSettings, seq_len: int, sp_size: int, dtype: torch.dtype) -> int:
+    """Pinned host memory per GPU for the offloaded layer inputs: all layers but the last, [s, hidden] each."""
+    if settings.offload == "none":
+        return 0
+    g = _geometry(config)
+    return (g["layers"] - 1) * (seq_len // sp_size) * g["hidden"] * torch.finfo(dtype).bits // 8
+
+
 def ladder(config, sp_size: int, impl: str | None = None) -> list[StepSettings]:
     """The candidate settings for this model and SP degree, cheapest first (see the module docstring).
 
@@ -149,7 +157,8 @@ class Plan:
     exact: bool = False
     seconds: float = 0.0
     max_seq_len: int | None = None
-    tried: list = dataclasses.field(default_factory=list)  # (settings, required bytes) at seq_len, with auto
+    tried: list = dataclasses.field(default_factory=list)  # (settings, required bytes, host ok) at seq_len, with auto
+    host_memory: int | None = None  # per node; None: not checked
 
     @property
     def tensor_peak(self) -> int:
@@ -160,16 +169,17 @@ class Plan:
         return self.tensor_peak + self.margin.bytes(self.tensor_peak)
 
     @property
+    def host_fits(self) -> bool:
+        return self.host_memory is None or self.host_bytes_per_gpu * self.gpus <= self.host_memory
+
+    @property
     def fits(self) -> bool:
-        return self.required <= self.gpu_memory
+        return self.required <= self.gpu_memory and self.host_fits
 
     @property
     def host_bytes_per_gpu(self) -> int:
         """Host memory the offloaded checkpointed inputs take per GPU (all layers but the last)."""
-        if self.settings.offload == "none":
-            return 0
-        g = _geometry(self.config)
-        return (g["layers"] - 1) * (self.seq_len // self.sp_size) * g["hidden"] * torch.finfo(self.dtype).bits // 8
+        return _host_bytes(self.config, self.settings, self.seq_len, self.sp_size, self.dtype)
 
     def upipe_config(self):
         """The `hf_upipe.UPipeConfig` of these settings."""
@@ -189,7 +199,8 @@ class Plan:
                 "margin_reserved": self.margin.reserved, "required": self.required, "fits": self.fits,
                 "host_bytes_per_gpu": self.host_bytes_per_gpu, "exact": self.exact, "seconds": self.seconds,
                 "max_seq_len": self.max_seq_len, "dtype": str(self.dtype).replace("torch.", ""),
-                "tried": [{"settings": dataclasses.asdict(s), "required": r} for s, r in self.tried]}
+                "host_memory": self.host_memory, "host_fits": self.host_fits,
+                "tried": [{"settings": dataclasses.asdict(s), "required": r, "host_fits": h} for s, r, h in self.tried]}
 
     def table(self) -> str:
         from hf_upipe.planning.plan_report import format_plan
@@ -270,7 +281,7 @@ def _search_max(required, limit: int, step: int, max_steps: int) -> int:
 def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int | None = None,
          max_context: bool = False, settings: StepSettings | None = None, impl: str | None = None,
          sp_size: int | None = None, margin: Margin | None = None, dtype: torch.dtype = torch.bfloat16,
-         step: int = 2**17, max_seq_len: int = 2**26, exact: bool = False) -> Plan:
+         step: int = 2**17, max_seq_len: int = 2**26, exact: bool = False, host_memory=None) -> Plan:
     """Plan a training run (see the module docstring).
 
     Args:
@@ -284,6 +295,7 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
         sp_size: sequence-parallel degree (default: `gpus`). margin: `Margin()` by default.
         step: granularity of the max search, tokens. max_seq_len: where the search stops.
         exact: simulate every layer instead of extrapolating from 3 and 4.
+        host_memory: host memory of one node for offloaded checkpoints ("2TiB"); None: not checked.
 
     Raises:
         ValueError: with the numbers and the fix, for sizes that cannot work (heads not dividing the SP degree, a
@@ -310,23 +322,31 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
     estimate = _Estimator(config, world=world, sp_size=sp, dtype=dtype, exact=exact)
     rungs = [settings] if settings is not None else ladder(config, sp, impl)
 
+    host = None if host_memory is None else parse_bytes(host_memory)
+
     def required(s, length):
         peak = sum(estimate(s, length).values())
         return peak + margin.bytes(peak)
 
+    def host_ok(s, length):
+        return host is None or _host_bytes(config, s, length, sp, dtype) * gpus <= host
+
     longest = None
     if max_context:
-        longest = _search_max(lambda length: required(rungs[-1], length), limit, step, max_seq_len // step)
+        steps = max_seq_len // step
+        while steps and not host_ok(rungs[-1], steps * step):  # host memory grows linearly: cap the search there
+            steps = min(steps - 1, int(steps * host / (_host_bytes(config, rungs[-1], steps * step, sp, dtype) * gpus)))
+        longest = _search_max(lambda length: required(rungs[-1], length), limit, step, steps)
         if seq_len is None:
             seq_len = longest or step
     tried, chosen = [], rungs[-1]
     for rung in rungs:
-        need = required(rung, seq_len)
-        tried.append((rung, need))
-        if need <= limit:
+        need, host_fits = required(rung, seq_len), host_ok(rung, seq_len)
+        tried.append((rung, need, host_fits))
+        if need <= limit and host_fits:
             chosen = rung
             break
     return Plan(model=name, config=config, seq_len=seq_len, gpus=gpus, nodes=nodes, sp_size=sp, gpu_memory=limit,
                 settings=chosen, by_category=estimate(chosen, seq_len), margin=margin, dtype=dtype, exact=exact,
                 seconds=time.perf_counter() - started, max_seq_len=longest,
-                tried=tried if settings is None else [])
+                tried=tried if settings is None else [], host_memory=host)

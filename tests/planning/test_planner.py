@@ -141,3 +141,15 @@ def test_plan_settings_become_an_upipe_config():
     assert cfg.fused_attention
     assert p.required == p.tensor_peak + int(0.1 * p.tensor_peak)
     assert torch.bfloat16 == p.dtype
+
+
+def test_host_memory_for_offload_is_checked():
+    cfg, settings = _tiny_model(), StepSettings("fused", 1)  # offloads to host
+    kw = dict(gpus=2, settings=settings, gpu_memory="64GiB")
+    p = plan(cfg, seq_len=16384, **kw)
+    node = p.host_bytes_per_gpu * 2
+    assert node == 2 * 3 * 8192 * 64 * 2  # 2 GPUs x 3 offloaded layers (the last stays) x [8192, 64] bf16
+    assert plan(cfg, seq_len=16384, host_memory=node, **kw).fits
+    short = plan(cfg, seq_len=16384, host_memory=node - 1, **kw)
+    assert not short.fits and short.required <= short.gpu_memory and not short.host_fits
+    assert plan(cfg, max_context=True, host_memory=node, step=2048, **kw).max_seq_len == 16384
