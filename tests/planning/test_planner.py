@@ -55,7 +55,7 @@ def test_plan_picks_the_first_rung_that_fits():
         memory = need[k] if k == 0 else (need[k] + need[k - 1]) // 2
         p = plan(cfg, gpus=2, seq_len=seq, margin=margin, gpu_memory=memory)
         assert p.settings == rungs[k] and p.fits, k
-        assert [s for s, _ in p.tried] == rungs[:k + 1]
+        assert [s for s, _, _ in p.tried] == rungs[:k + 1]
     p = plan(cfg, gpus=2, seq_len=seq, margin=margin, gpu_memory=min(need) // 2)
     assert not p.fits and p.settings == rungs[-1]
 
