@@ -10,8 +10,8 @@ Entry point:
 The simulation needs a process without a process group, and a launched job has one: rank 0 runs the planner in a
 child process (`python -m hf_upipe.cli plan ... --json`) and broadcasts the result, so every rank applies the same
 settings, or raises the same error (the plan does not fit: the message has the planner's table), before any other
-collective. The plan models full fine-tuning; for a PEFT model its gradients and optimizer states are an upper
-bound (frozen weights have neither).
+collective. A PEFT LoRA model is planned as LoRA (its rank and target modules: frozen base in the compute dtype,
+fp32 adapters, AdamW on them); any other model as a full fine-tune.
 """
 
 from __future__ import annotations
@@ -39,6 +39,20 @@ def _model_config(model):
     return config
 
 
+def _lora_of(model):
+    """(rank, target module names) of a PEFT LoRA model's active adapter, or None (a full fine-tune)."""
+    peft_config = getattr(model, "peft_config", None)
+    if not peft_config:
+        return None
+    active = getattr(model, "active_adapter", None)
+    adapter = peft_config.get(active if isinstance(active, str) else next(iter(peft_config)))
+    targets = getattr(adapter, "target_modules", None)
+    if getattr(adapter, "r", None) is None or not targets or isinstance(targets, str):
+        raise ValueError(f"auto settings plan LoRA adapters with explicit target_modules; got {adapter!r}: pass "
+                         "target_modules as a list, or plan by hand with `hf-upipe plan`")
+    return int(adapter.r), sorted(targets)
+
+
 def _gpu_memory(config) -> str:
     if config.gpu_memory:
         return config.gpu_memory
@@ -58,6 +72,9 @@ def _run_planner(model, config, world_size: int, local_world_size: int) -> dict:
                    "--json"]
         if config.sp_size:
             command += ["--sp-size", str(config.sp_size)]
+        lora = _lora_of(model)
+        if lora is not None:
+            command += ["--lora-rank", str(lora[0]), "--lora-targets", ",".join(lora[1])]
         done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "UPIPE_AUTO": "0"})
     if done.returncode in (0, 1) and done.stdout.strip().startswith("{"):
         return json.loads(done.stdout)

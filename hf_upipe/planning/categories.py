@@ -124,7 +124,8 @@ class StepCategories:
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> StepCategories:
-        base = getattr(self.model, "model", self.model)
+        causal_lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
+        base = getattr(causal_lm, "model", causal_lm)
         layers = getattr(base, "layers", None)
         if layers is None:
             raise ValueError(f"{type(self.model).__name__} has no .model.layers; StepCategories needs a decoder-only "

@@ -96,12 +96,27 @@ def step_config(model_config, layers: int, seq_len: int):
                        attention_dropout=0.0, tie_word_embeddings=False, use_cache=False)
 
 
+_MODULE_TO = torch.nn.Module.to
+
+
+def _to_unless_unchanged(module, *args, **kwargs):
+    """`nn.Module.to`, returning the module untouched when no tensor would change device or dtype."""
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    tensors = [*module.parameters(), *module.buffers()]
+    if all((device is None or t.device == device) and (dtype is None or t.dtype == dtype or not t.is_floating_point())
+           for t in tensors):
+        return module
+    return _MODULE_TO(module, *args, **kwargs)
+
+
 def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_mlp, checkpointing=True,
-                     mlp_chunk_tokens=None, drop_grads=True):
+                     mlp_chunk_tokens=None, drop_grads=True, lora=None):
     """The model a simulated step runs: `impl`'s attention, optional tiled MLP, checkpointing; parameters in `dtype`.
 
     `model_config`: a Llama geometry dict or a transformers config (any supported architecture). `drop_grads`: each
     parameter's gradient is dropped once accumulated (the activation-only steps; FSDP2 keeps its sharded ones).
+    `lora`: (rank, target module names) wraps the model with PEFT LoRA adapters (fp32; the base stays in `dtype`,
+    frozen), as a LoRA fine-tune loads it.
     """
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.masking_utils import AttentionMaskInterface
@@ -126,6 +141,21 @@ def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_ml
                 attn=sdpa_attention_forward, batch_size=1, attn_head_count=config.num_attention_heads,
                 attn_head_size=config.head_dim, kv_head_count=config.num_key_value_heads, num_hidden_layers=layers,
                 process_group=group, seq_length_is_variable=True)
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        rank, targets = lora
+        # PEFT moves each new adapter to its base layer's device and dtype with module.to(), which cannot swap fake
+        # parameters. Made on the base's device in the base's dtype, the adapters need no move, so those calls are
+        # skipped; PEFT then casts the adapters to fp32 itself (autocast_adapter_dtype) by assigning new parameters.
+        torch.set_default_dtype(dtype)
+        torch.nn.Module.to = _to_unless_unchanged
+        try:
+            model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                                                     target_modules=list(targets)))
+        finally:
+            torch.nn.Module.to = _MODULE_TO
+            torch.set_default_dtype(previous)
     if impl == "fused":
         from hf_upipe.integrations.fused import prepare_model
 

@@ -13,7 +13,9 @@ import json
 
 from hf_upipe.planning.tracker import GiB
 
-__all__ = ["add_arguments", "describe", "format_plan", "launch_lines", "run"]
+__all__ = ["LORA_TARGETS", "add_arguments", "describe", "format_plan", "launch_lines", "run"]
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 _ROWS = (("parameters", "FSDP2 shards (fp32) + gathered layers and root (compute dtype)"),
          ("gradients", "FSDP2 gradient shards (fp32) + reduce-scatter buffers"),
@@ -56,7 +58,8 @@ def format_plan(plan) -> str:
     g = _geometry(plan.config)
     lines = [f"model {plan.model}: {g['layers']} layers, hidden {g['hidden']}, {g['heads']}/{g['kv_heads']} heads, "
              f"vocab {g['vocab']}; {plan.nodes} node(s) x {plan.gpus} GPUs of {_gib(plan.gpu_memory)} GiB; "
-             f"SP {plan.sp_size}, FSDP2 over {plan.gpus * plan.nodes}; {str(plan.dtype).replace('torch.', '')}"]
+             f"SP {plan.sp_size}, FSDP2 over {plan.gpus * plan.nodes}; {str(plan.dtype).replace('torch.', '')}; "
+             + ("full fine-tune" if plan.lora is None else f"LoRA rank {plan.lora[0]} on {','.join(plan.lora[1])}")]
     if plan.max_seq_len is not None:
         lines.append(f"longest sequence that fits: {plan.max_seq_len:,} tokens ({_tokens(plan.max_seq_len)})"
                      if plan.max_seq_len else "nothing fits, not even the shortest step: see the table below")
@@ -130,6 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reserved", default="2GiB", help="non-tensor GPU memory (default 2GiB)")
     parser.add_argument("--step", type=int, default=2**17, help="granularity of --max, tokens (default 131072)")
     parser.add_argument("--exact", action="store_true", help="simulate every layer instead of extrapolating")
+    parser.add_argument("--lora-rank", type=int, help="plan a LoRA fine-tune of this rank (default: full fine-tune)")
+    parser.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
+                        help="comma-separated module names that get adapters (default: every projection)")
     parser.add_argument("--host-memory", help="host memory of one node for offloaded checkpoints, e.g. 2TiB "
                                               "(default: not checked)")
     parser.add_argument("--json", action="store_true", help="print JSON")
@@ -159,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
                       gpu_memory=args.gpu_memory, nodes=args.nodes, seq_len=args.seq_len, max_context=args.max,
                       settings=_fixed_settings(args, config, args.sp_size or args.gpus), impl=args.impl,
                       sp_size=args.sp_size, margin=Margin(args.margin, parse_bytes(args.reserved)), step=args.step,
-                      exact=args.exact, host_memory=args.host_memory)
+                      exact=args.exact, host_memory=args.host_memory,
+                      lora=None if not args.lora_rank else (args.lora_rank, args.lora_targets.split(",")))
     except ValueError as err:
         print(f"hf-upipe plan: {err}")
         return 2

@@ -159,6 +159,7 @@ class Plan:
     max_seq_len: int | None = None
     tried: list = dataclasses.field(default_factory=list)  # (settings, required bytes, host ok) at seq_len, with auto
     host_memory: int | None = None  # per node; None: not checked
+    lora: tuple | None = None  # (rank, target modules) of a LoRA plan
 
     @property
     def tensor_peak(self) -> int:
@@ -200,6 +201,7 @@ class Plan:
                 "host_bytes_per_gpu": self.host_bytes_per_gpu, "exact": self.exact, "seconds": self.seconds,
                 "max_seq_len": self.max_seq_len, "dtype": str(self.dtype).replace("torch.", ""),
                 "host_memory": self.host_memory, "host_fits": self.host_fits,
+                "lora": None if self.lora is None else {"rank": self.lora[0], "targets": list(self.lora[1])},
                 "tried": [{"settings": dataclasses.asdict(s), "required": r, "host_fits": h} for s, r, h in self.tried]}
 
     def table(self) -> str:
@@ -225,10 +227,11 @@ class _Estimator:
     """Per-category peaks of (settings, seq_len), extrapolated to the model's depth. Simulations are cached per
     process (the same model, world, settings and length give the same bytes), so later plans reuse them."""
 
-    def __init__(self, config, *, world: int, sp_size: int, dtype: torch.dtype, exact: bool):
+    def __init__(self, config, *, world: int, sp_size: int, dtype: torch.dtype, exact: bool, lora=None):
         self.config, self.world, self.sp_size, self.dtype, self.exact = config, world, sp_size, dtype, exact
+        self.lora = None if lora is None else (int(lora[0]), tuple(lora[1]))
         self.layers = _geometry(config)["layers"]
-        self._key = (_config_key(config), world, sp_size, str(dtype))
+        self._key = (_config_key(config), world, sp_size, str(dtype), self.lora)
 
     def _sim(self, settings, seq_len, layers) -> dict:
         key = (*self._key, settings, seq_len, layers)
@@ -236,8 +239,8 @@ class _Estimator:
             _SIMULATIONS.move_to_end(key)
         else:
             _SIMULATIONS[key] = simulate_train_step(self.config, settings, seq_len=seq_len, world_size=self.world,
-                                                    sp_size=self.sp_size, layers=layers,
-                                                    dtype=self.dtype)["by_category"]
+                                                    sp_size=self.sp_size, layers=layers, dtype=self.dtype,
+                                                    lora=self.lora)["by_category"]
             if len(_SIMULATIONS) > _CACHE_SIZE:
                 _SIMULATIONS.popitem(last=False)
         return _SIMULATIONS[key]
@@ -281,7 +284,8 @@ def _search_max(required, limit: int, step: int, max_steps: int) -> int:
 def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int | None = None,
          max_context: bool = False, settings: StepSettings | None = None, impl: str | None = None,
          sp_size: int | None = None, margin: Margin | None = None, dtype: torch.dtype = torch.bfloat16,
-         step: int = 2**17, max_seq_len: int = 2**26, exact: bool = False, host_memory=None) -> Plan:
+         step: int = 2**17, max_seq_len: int = 2**26, exact: bool = False, host_memory=None,
+         lora=None) -> Plan:
     """Plan a training run (see the module docstring).
 
     Args:
@@ -296,6 +300,8 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
         step: granularity of the max search, tokens. max_seq_len: where the search stops.
         exact: simulate every layer instead of extrapolating from 3 and 4.
         host_memory: host memory of one node for offloaded checkpoints ("2TiB"); None: not checked.
+        lora: None plans a full fine-tune (fp32 master weights, gradients and AdamW states for every parameter);
+            (rank, target module names) plans LoRA: the frozen base in `dtype`, fp32 adapters, AdamW on them.
 
     Raises:
         ValueError: with the numbers and the fix, for sizes that cannot work (heads not dividing the SP degree, a
@@ -319,7 +325,7 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
         raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp}; round it to {seq_len // sp * sp}")
     limit, margin = parse_bytes(gpu_memory), margin or Margin()
     step = math.lcm(step, sp)
-    estimate = _Estimator(config, world=world, sp_size=sp, dtype=dtype, exact=exact)
+    estimate = _Estimator(config, world=world, sp_size=sp, dtype=dtype, exact=exact, lora=lora)
     rungs = [settings] if settings is not None else ladder(config, sp, impl)
 
     host = None if host_memory is None else parse_bytes(host_memory)
@@ -349,4 +355,4 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
     return Plan(model=name, config=config, seq_len=seq_len, gpus=gpus, nodes=nodes, sp_size=sp, gpu_memory=limit,
                 settings=chosen, by_category=estimate(chosen, seq_len), margin=margin, dtype=dtype, exact=exact,
                 seconds=time.perf_counter() - started, max_seq_len=longest,
-                tried=tried if settings is None else [], host_memory=host)
+                tried=tried if settings is None else [], host_memory=host, lora=estimate.lora)

@@ -6,7 +6,8 @@ Entry points:
 - `measure_train_step(model_config, settings, *, seq_len, sp_size, layers, dtype=torch.bfloat16)`: on this rank of
   an initialised world, builds the model with `layers` decoder layers, shards it with FSDP2 (`fully_shard` on every
   decoder layer and on the root, over all ranks; fp32 master weights, `dtype` compute with fp32 gradient reduction
-  unless `dtype` is fp32), creates AdamW's states, then runs one step under `MemoryTracker`: forward and backward
+  unless `dtype` is fp32; or LoRA adapters on a frozen base), creates AdamW's states, then runs one step under
+  `MemoryTracker`: forward and backward
   of this rank's sequence shard with activation checkpointing on every layer, then `optimizer.step()`.
 - `simulate_train_step(...)`: the same as rank 0 of a fake `world_size`-rank world on fake tensors, in one process.
 
@@ -106,7 +107,8 @@ def _shard(model, dtype: torch.dtype, mesh) -> None:
 
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else \
         MixedPrecisionPolicy()
-    for layer in model.model.layers:
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    for layer in causal_lm.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
@@ -124,8 +126,9 @@ def _storage_bytes(tensors) -> int:
 
 def _optimizer_with_states(model) -> torch.optim.Optimizer:
     """AdamW (foreach, as on GPUs) whose states exist already: the steady state of training."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
-    for p in model.parameters():
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5, foreach=True)
+    for p in trainable:
         p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -133,7 +136,7 @@ def _optimizer_with_states(model) -> torch.optim.Optimizer:
 
 
 def measure_train_step(model_config, settings: StepSettings, *, seq_len: int, sp_size: int, layers: int,
-                       dtype: torch.dtype = torch.bfloat16, mesh=None) -> dict:
+                       dtype: torch.dtype = torch.bfloat16, mesh=None, lora=None) -> dict:
     """One tracked FSDP2 training step on this rank (see the module docstring).
 
     Args:
@@ -144,6 +147,8 @@ def measure_train_step(model_config, settings: StepSettings, *, seq_len: int, sp
         layers: decoder layers to build.
         dtype: compute dtype (FSDP2's param_dtype).
         mesh: the FSDP device mesh over all ranks (default: built here; under fake tensors build it before).
+        lora: None for a full fine-tune (fp32 master weights); (rank, target module names) for LoRA: the frozen base
+            in `dtype`, fp32 adapters, AdamW on the adapters only.
 
     Returns:
         {"peak": bytes, "by_category": {category: bytes live at the peak}, "phase_peaks": {"forward", "backward",
@@ -160,9 +165,9 @@ def measure_train_step(model_config, settings: StepSettings, *, seq_len: int, sp
     s, r = seq_len // sp_size, state.sp_rank
     try:
         with _impl_context(settings.impl, group, seq_len, sp_size, settings.heads_per_chunk):
-            model = build_step_model(settings.impl, model_config, layers, seq_len, torch.float32, group,
-                                     settings.tiled_mlp, mlp_chunk_tokens=settings.mlp_chunk_tokens,
-                                     drop_grads=False)
+            model = build_step_model(settings.impl, model_config, layers, seq_len,
+                                     torch.float32 if lora is None else dtype, group, settings.tiled_mlp,
+                                     mlp_chunk_tokens=settings.mlp_chunk_tokens, drop_grads=False, lora=lora)
             _shard(model, dtype, mesh if mesh is not None else _mesh())
             optimizer = _optimizer_with_states(model)
             ids = torch.zeros(1, s, dtype=torch.long)  # not counted: token ids, positions, labels, mask
@@ -198,10 +203,10 @@ def measure_train_step(model_config, settings: StepSettings, *, seq_len: int, sp
 
 
 def simulate_train_step(model_config, settings: StepSettings, *, seq_len: int, world_size: int, sp_size: int,
-                        layers: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+                        layers: int, dtype: torch.dtype = torch.bfloat16, lora=None) -> dict:
     """`measure_train_step` as rank 0 of a fake `world_size`-rank world on fake tensors (one process, no data)."""
     with simulated_world(world_size):
         mesh = _mesh()
         with fake_tensors(torch.float32):
             return measure_train_step(model_config, settings, seq_len=seq_len, sp_size=sp_size, layers=layers,
-                                      dtype=dtype, mesh=mesh)
+                                      dtype=dtype, mesh=mesh, lora=lora)

@@ -28,9 +28,10 @@ def test_plan_within_5_percent_of_real_gloo_runs(monkeypatch):
     real = real_runs()
     monkeypatch.setattr(tiled_loss, "_BLOCK_BYTES", 4096)  # as in the workers
     five = dict(TINY, num_hidden_layers=LAYERS)
-    for i, (settings, sp, dtype) in enumerate(CASES):
+    for i, (settings, sp, dtype, lora) in enumerate(CASES):
         measured = real[i][0]
-        p = plan(five, gpus=WORLD, sp_size=sp, seq_len=S, settings=settings, dtype=dtype, gpu_memory="1GiB")
+        p = plan(five, gpus=WORLD, sp_size=sp, seq_len=S, settings=settings, dtype=dtype, gpu_memory="1GiB",
+                 lora=lora)
         assert not p.exact
         assert abs(p.tensor_peak - measured) <= 0.05 * measured, (settings, sp, p.tensor_peak, measured)
 
@@ -130,6 +131,12 @@ def test_command_line(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["settings"]["heads_per_chunk"] is None and data["settings"]["offload"] == "none"
     assert data["tried"] == []  # fixed settings: nothing chosen
+    assert main(base + ["--seq-len", "16384", "--heads-per-chunk", "all", "--offload", "none", "--json",
+                        "--lora-rank", "4", "--lora-targets", "q_proj,v_proj"]) == 0
+    lora = json.loads(capsys.readouterr().out)
+    assert lora["lora"] == {"rank": 4, "targets": ["q_proj", "v_proj"]}
+    # frozen bf16 base: half the parameter shards of fp32 master weights, and Adam states for the adapters only
+    assert lora["by_category"]["optimizer"] < 0.1 * data["by_category"]["optimizer"]
     assert main(base + ["--seq-len", "1001"]) == 2
     assert "round it to 1000" in capsys.readouterr().out
 

@@ -4,7 +4,8 @@
     `measure_train_step` on real tensors, a 5-layer model: FSDP2 over the 4 ranks, AdamW, checkpointing, SP 2
     (two SP groups) and SP 4; fused, registered and Ulysses-mode attention; tiled MLP and loss with many chunks (so
     the simulation's abbreviated chunk loops are checked against full ones); offload to host; fp32 and bf16
-    compute. The peaks and every category agree to within 64 bytes per layer (a few bytes of collective
+    compute; full fine-tuning and LoRA (PEFT adapters on a frozen base, AdamW on the adapters). The peaks and
+    every category agree to within 64 bytes per layer (a few bytes of collective
     bookkeeping differ between gloo and the fake backend in one case; the others are byte-exact).
 (b) The per-layer slope: the peak of an L-layer step is the 4-layer peak plus (L - 4) times the 3-to-4-layer
     difference, which is how the planner extrapolates; checked at 8 layers with and without offload.
@@ -25,11 +26,13 @@ from tests.planning.test_attention_block import _sync_all_to_all
 TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             num_hidden_layers=3, vocab_size=256)
 S, WORLD, LAYERS = 1024, 4, 5
-CASES = [  # (settings, sp_size, dtype)
-    (StepSettings(impl="fused", offload="cpu", mlp_chunk_tokens=32, loss_chunk_tokens=32), 2, torch.float32),
-    (StepSettings(impl="ulysses", heads_per_chunk=None, tiled_mlp=False, offload="none"), 2, torch.float32),
-    (StepSettings(impl="upipe", offload="none", loss_chunk_tokens=48), 4, torch.float32),
-    (StepSettings(impl="fused", offload="cpu", mlp_chunk_tokens=40, loss_chunk_tokens=24), 4, torch.bfloat16),
+LORA = (4, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+CASES = [  # (settings, sp_size, dtype, lora)
+    (StepSettings(impl="fused", offload="cpu", mlp_chunk_tokens=32, loss_chunk_tokens=32), 2, torch.float32, None),
+    (StepSettings(impl="ulysses", heads_per_chunk=None, tiled_mlp=False, offload="none"), 2, torch.float32, None),
+    (StepSettings(impl="upipe", offload="none", loss_chunk_tokens=48), 4, torch.float32, None),
+    (StepSettings(impl="fused", offload="cpu", mlp_chunk_tokens=40, loss_chunk_tokens=24), 4, torch.bfloat16, None),
+    (StepSettings(impl="fused", offload="none", mlp_chunk_tokens=32), 2, torch.float32, LORA),
 ]
 TOLERANCE = 64 * LAYERS  # bytes: in the fused SP-4 bf16 case the fake backend's collectives keep 32 bytes per layer
 # more than gloo's (a few int64 of bookkeeping); every other case is byte-exact
@@ -51,10 +54,10 @@ def _real(rank, world):
     # one a GPU takes. A first step fills the host buffer pool, which later steps reuse, as in training.
     offload.OffloadStore.stays = lambda self, t: t.numel() * t.element_size() < self.min_bytes
     out = {}
-    for i, (settings, sp, dtype) in enumerate(CASES):
+    for i, (settings, sp, dtype, lora) in enumerate(CASES):
         if settings.offload == "cpu":  # fill the host buffer pool first
-            measure_train_step(TINY, settings, seq_len=S, sp_size=sp, layers=LAYERS, dtype=dtype)
-        r = measure_train_step(TINY, settings, seq_len=S, sp_size=sp, layers=LAYERS, dtype=dtype)
+            measure_train_step(TINY, settings, seq_len=S, sp_size=sp, layers=LAYERS, dtype=dtype, lora=lora)
+        r = measure_train_step(TINY, settings, seq_len=S, sp_size=sp, layers=LAYERS, dtype=dtype, lora=lora)
         out[i] = (r["peak"], r["by_category"], r["phase_peaks"])
     return out
 
@@ -71,11 +74,11 @@ def test_simulated_step_equals_real_gloo_step(monkeypatch):
 
     real = real_runs()
     monkeypatch.setattr(tiled_loss, "_BLOCK_BYTES", 4096)  # as _small_blocks() in the workers
-    for i, (settings, sp, dtype) in enumerate(CASES):
+    for i, (settings, sp, dtype, lora) in enumerate(CASES):
         peak, by_category, phases = real[i]
         sim = simulate_train_step(TINY, settings, seq_len=S, world_size=WORLD, sp_size=sp, layers=LAYERS,
-                                  dtype=dtype)
-        case = f"{settings} sp={sp} {dtype}"
+                                  dtype=dtype, lora=lora)
+        case = f"{settings} sp={sp} {dtype} lora={lora}"
         assert abs(sim["peak"] - peak) <= TOLERANCE, (case, sim["peak"], peak)
         for name in ("forward", "backward", "optimizer"):
             assert abs(sim["phase_peaks"][name] - phases[name]) <= TOLERANCE, (case, name)

@@ -103,3 +103,10 @@ def test_plugin_auto_needs_checkpointing():
     plugin = UPipePlugin(auto=True, plan_seq_len=32, gpu_memory="16GiB")
     with pytest.raises(ValueError, match="gradient_checkpointing_enable"):
         plugin.prepare(SimpleNamespace(num_processes=1), _model(False, 1))
+
+
+def test_a_peft_lora_model_is_planned_as_lora():
+    from tests.training._runs import _model
+
+    assert auto._lora_of(_model(False, 1)) is None
+    assert auto._lora_of(_model(True, 1)) == (4, ["k_proj", "o_proj", "q_proj", "up_proj", "v_proj"])
