@@ -7,8 +7,8 @@ Entry points:
   an initialised world, builds the model with `layers` decoder layers, shards it with FSDP2 (`fully_shard` on every
   decoder layer and on the root, over all ranks; fp32 master weights, `dtype` compute with fp32 gradient reduction
   unless `dtype` is fp32; or LoRA adapters on a frozen base), creates AdamW's states, then runs one step under
-  `MemoryTracker`: forward and backward
-  of this rank's sequence shard with activation checkpointing on every layer, then `optimizer.step()`.
+  `MemoryTracker`: forward and backward of this rank's sequence shard with activation checkpointing on every
+  layer, then `optimizer.step()`.
 - `simulate_train_step(...)`: the same as rank 0 of a fake `world_size`-rank world on fake tensors, in one process.
 
 What is counted, per rank: the FSDP2 shards of the parameters, their gradients and the optimizer states (already
