@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from hf_upipe import distributed as _sp
 from hf_upipe.planning.attention_block import DS_ATTN_NAME, _deepspeed_comm, _ds_attention, _require_deepspeed
-from hf_upipe.planning.simulate import fake_tensors, simulated_world
+from hf_upipe.planning.simulate import fake_tensors, is_fake, simulated_world
 from hf_upipe.planning.tracker import MemoryTracker
 
 __all__ = ["MODEL_IMPLEMENTATIONS", "PRESETS", "build_step_model", "llama_config", "measure_layer_step",
@@ -145,11 +145,13 @@ def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_ml
         from peft import LoraConfig, get_peft_model
 
         rank, targets = lora
-        # PEFT moves each new adapter to its base layer's device and dtype with module.to(), which cannot swap fake
-        # parameters. Made on the base's device in the base's dtype, the adapters need no move, so those calls are
-        # skipped; PEFT then casts the adapters to fp32 itself (autocast_adapter_dtype) by assigning new parameters.
+        # On fake tensors: PEFT moves each new adapter to its base layer's device and dtype with module.to(), which
+        # cannot swap fake parameters. Made on the base's device in the base's dtype, the adapters need no move, so
+        # those calls are skipped; PEFT then casts the adapters to fp32 itself (autocast_adapter_dtype) by assigning
+        # new parameters. Real tensors take PEFT's own path untouched.
         torch.set_default_dtype(dtype)
-        torch.nn.Module.to = _to_unless_unchanged
+        if is_fake(next(model.parameters())):
+            torch.nn.Module.to = _to_unless_unchanged
         try:
             model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                                                      target_modules=list(targets)))

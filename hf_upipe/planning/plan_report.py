@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         _, config = resolve_model(args.model)
-        result = plan(config if not isinstance(config, dict) else args.model, gpus=args.gpus,
+        result = plan(args.model, gpus=args.gpus,
                       gpu_memory=args.gpu_memory, nodes=args.nodes, seq_len=args.seq_len, max_context=args.max,
                       settings=_fixed_settings(args, config, args.sp_size or args.gpus), impl=args.impl,
                       sp_size=args.sp_size, margin=Margin(args.margin, parse_bytes(args.reserved)), step=args.step,
@@ -170,7 +170,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"hf-upipe plan: {err}")
         return 2
-    if not isinstance(result.config, dict):
-        result.model = args.model
     print(json.dumps(result.to_dict(), indent=1) if args.json else result.table())
     return 0 if result.fits else 1

@@ -340,8 +340,9 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
     longest = None
     if max_context:
         steps = max_seq_len // step
-        while steps and not host_ok(rungs[-1], steps * step):  # host memory grows linearly: cap the search there
-            steps = min(steps - 1, int(steps * host / (_host_bytes(config, rungs[-1], steps * step, sp, dtype) * gpus)))
+        per_step = _host_bytes(config, rungs[-1], step, sp, dtype) * gpus  # host memory is linear in the length
+        if host is not None and per_step:
+            steps = min(steps, host // per_step)
         longest = _search_max(lambda length: required(rungs[-1], length), limit, step, steps)
         if seq_len is None:
             seq_len = longest or step
