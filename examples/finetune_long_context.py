@@ -13,10 +13,11 @@ one-layer Llama built from a config, trained with LoRA (rank 32 on every project
 random at the start, are trained fully). `--data` takes local text files.
 
 The loop is the `UPipePlugin` flow (hf_upipe/integrations/accelerate.py): `plugin.prepare` sets up the SP groups,
-the fused attention block, accelerate's FSDP2/DDP and a loader of per-rank shards; `loss(model, shard, n)` is the
-exact token mean over all ranks. Checkpoints (`--save-every`, and the last step) hold the model as plain
-transformers/PEFT files (`model/`, loadable without hf_upipe) and accelerate's state for `--resume`; each is
-written to a staging folder and renamed when complete.
+the fused attention block, accelerate's FSDP2/DDP and a loader of per-rank shards, and returns the run's
+`UPipeRuntime`: `upipe.loss(model, shard, n)` is the exact token mean over all ranks. Checkpoints (`--save-every`,
+and the last step) hold the model as plain transformers/PEFT files (`model/`, loadable without hf_upipe) and
+accelerate's state for `--resume`; each is written to a staging folder, given a manifest (size and SHA-256 of
+every file) and renamed when complete, and `--resume` verifies the manifest before loading anything.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import ByteTokenizer, add_common_flags, build_model, passkey_dataset, text_dataset, upipe_settings  # noqa: E402
 
 from hf_upipe import UPipePlugin  # noqa: E402
+from hf_upipe.checkpoint import verify_checkpoint, write_manifest  # noqa: E402
 
 
 def save_checkpoint(accelerator, model, path: str, step: int) -> None:
@@ -52,10 +54,12 @@ def save_checkpoint(accelerator, model, path: str, step: int) -> None:
     if accelerator.is_main_process:
         accelerator.unwrap_model(model).save_pretrained(os.path.join(staging, "model"), state_dict=state_dict)
     accelerator.save_state(os.path.join(staging, "accelerate_state"))
-    accelerator.wait_for_everyone()  # every rank has written its part (its RNG state) before the rename
     if accelerator.is_main_process:
         with open(os.path.join(staging, "step.json"), "w") as f:
             json.dump({"step": step}, f)
+    accelerator.wait_for_everyone()  # every rank has written its part (its RNG state) before the manifest
+    write_manifest(staging)  # size and SHA-256 of every file; returns on every rank once it is written
+    if accelerator.is_main_process:
         if os.path.exists(path):
             shutil.rmtree(path)
         os.replace(staging, path)
@@ -89,21 +93,22 @@ def main(argv=None) -> int:
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     loader = DataLoader(data, batch_size=1, shuffle=True, collate_fn=default_data_collator, drop_last=True)
-    model, optimizer, loader, loss_fn = plugin.prepare(accelerator, model, optimizer, loader,
-                                                       pad_token_id=tokenizer.pad_token_id)
+    model, optimizer, loader, upipe = plugin.prepare(accelerator, model, optimizer, loader,
+                                                     pad_token_id=tokenizer.pad_token_id, output_dir=args.output_dir)
 
     step, epoch, skip, losses = 0, 0, 0, {}
     resume = latest_checkpoint(args.output_dir) if args.resume == "latest" else args.resume
     if resume:
+        verify_checkpoint(resume)  # every file as written (manifest), before anything is loaded
         accelerator.load_state(os.path.join(resume, "accelerate_state"))
         with open(os.path.join(resume, "step.json")) as f:
             step = json.load(f)["step"]
         epoch, skip = divmod(step * args.grad_accum, len(loader))
         accelerator.print(f"resumed from {resume} at step {step}")
     plain_loader = loader.dataloader
-    state = plugin.state
+    state = upipe.state
     accelerator.print(f"{accelerator.num_processes} processes: SP {state.sp_size} x DP {state.dp_size}, "
-                      f"heads_per_chunk={plugin.heads_per_chunk}, {'full' if args.full else 'LoRA'} fine-tune, "
+                      f"heads_per_chunk={upipe.config.heads_per_chunk}, {'full' if args.full else 'LoRA'} fine-tune, "
                       f"{args.seq_len} tokens per row")
 
     bar = tqdm(total=args.steps, initial=step, disable=not accelerator.is_main_process, desc="train")
@@ -111,13 +116,13 @@ def main(argv=None) -> int:
     while step < args.steps:
         loader.dataloader = accelerator.skip_first_batches(plain_loader, skip) if skip else plain_loader
         loader.set_epoch(epoch)
-        for window in plugin.windows(loader, args.grad_accum):
-            n = loss_fn.count(window)
+        for window in upipe.windows(loader, args.grad_accum):
+            n = upipe.count(window)
             total = 0.0
             for i, shard in enumerate(window):
                 sync = contextlib.nullcontext() if i == len(window) - 1 else accelerator.no_sync(model)
-                with sync, plugin.step(model):
-                    loss = loss_fn(model, shard, n)
+                with sync, upipe.step(model):
+                    loss = upipe.loss(model, shard, n)
                     accelerator.backward(loss)
                 total += loss.item() / accelerator.num_processes
                 tokens += shard["input_ids"].numel()

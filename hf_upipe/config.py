@@ -15,8 +15,10 @@ collective: every rank sees the same settings and the same world size, so every 
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 from hf_upipe.ops.kernels import check_kernel_name
 
@@ -93,9 +95,20 @@ class UPipeConfig:
         "Tokens per sequence the auto settings must fit (the longest sequence of your data). Needed with auto.")})
     gpu_memory: str | None = field(default=None, metadata={"help": (
         "Memory of one GPU for the auto settings, e.g. '80GiB'. Default: the CUDA device's total memory.")})
+    verify_checkpoints: bool | None = field(default=None, metadata={"help": (
+        "Check a checkpoint's manifest (size and SHA-256 of every file) before resuming from it, and refuse a "
+        "corrupted, incomplete or unmanifested one. Default True; False resumes from any checkpoint unchecked.")})
+
+    # Where each setting came from, for messages that name it as the user wrote it (see `describe`): the name of
+    # the dataclass, "env" or "default". Not a field: no runtime state, excluded from repr and equality.
+    _origin: ClassVar[dict]
 
     def __post_init__(self):
         env = {f.name: _env(f.name) for f in fields(self)}
+        given = {f.name: getattr(self, f.name) for f in fields(self)}
+        object.__setattr__(self, "_origin", {
+            name: ("arg", given[name]) if given[name] is not None else ("env", env[name]) if env[name] is not None
+            else ("default", None) for name in given})
         if self.sp_size is None and env["sp_size"] is not None:
             self.sp_size = env["sp_size"]
         self.sp_size = _parse_positive_int("sp_size", self.sp_size, allow_none=True)
@@ -129,9 +142,32 @@ class UPipeConfig:
         length = self.plan_seq_len if self.plan_seq_len is not None else env["plan_seq_len"]
         self.plan_seq_len = _parse_positive_int("plan_seq_len", length, allow_none=True)
         self.gpu_memory = self.gpu_memory or env["gpu_memory"]
+        self.verify_checkpoints = _parse_bool("verify_checkpoints", self.verify_checkpoints
+                                              if self.verify_checkpoints is not None else
+                                              (env["verify_checkpoints"] or True))
         if self.auto and self.plan_seq_len is None:
             raise ValueError("auto=True chooses settings for a sequence length: set plan_seq_len (UPIPE_PLAN_SEQ_LEN) "
                              "to the longest sequence of your data.")
+
+    def describe(self, name: str) -> str:
+        """How the user set `name`, for error messages: `UPipeConfig(heads_per_chunk='all')`,
+        `UPIPE_HEADS_PER_CHUNK=all`, `heads_per_chunk=1 (the default)` or `heads_per_chunk=2 (chosen by auto)`."""
+        origin, raw = self._origin.get(name, ("default", None))
+        if origin == "arg":
+            return f"{type(self).__name__}({name}={raw!r})"
+        if origin == "env":
+            return f"UPIPE_{name.upper()}={raw}"
+        value = getattr(self, name)
+        return f"{name}={value!r} ({'chosen by auto=True' if origin == 'auto' else 'the default'})"
+
+    def with_auto(self, **chosen) -> "UPipeConfig":
+        """A copy with the planner's `chosen` values, marked as chosen by auto (this config is left unchanged)."""
+        new = copy.copy(self)
+        object.__setattr__(new, "_origin", dict(self._origin))
+        for name, value in chosen.items():
+            setattr(new, name, value)
+            new._origin[name] = ("auto", value)
+        return new
 
     def resolve_sp_size(self, world_size: int, local_world_size: int | None = None) -> int:
         """The SP degree for a launch of `world_size` processes (`local_world_size` per node).
@@ -147,8 +183,8 @@ class UPipeConfig:
             sp = local_world_size if fits else world_size
         if world_size % sp != 0:
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ValueError(f"sp_size={sp} does not divide the {world_size} processes of this launch; use one of "
-                             f"{divisors} (UPIPE_SP_SIZE or UPipeConfig(sp_size=...)).")
+            raise ValueError(f"{self.describe('sp_size')}: sp_size={sp} does not divide the {world_size} processes "
+                             f"of this launch; use one of {divisors}.")
         return sp
 
     def init_kwargs(self) -> dict:

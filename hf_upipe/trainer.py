@@ -4,28 +4,32 @@ Entry points:
 - `UPipeTrainer(model, args, ..., upipe_config=UPipeConfig(...))`: a `transformers.Trainer` subclass; everything
   else of the Trainer (callbacks, logging, lr schedules, gradient accumulation, activation checkpointing, PEFT,
   checkpoints and `resume_from_checkpoint`) keeps working.
+- `TRAINER_INTERNALS`: the Trainer methods this class overrides, with the parameters they were written against
+  (`tests/training/test_trainer_internals.py` fails when the installed transformers changes one).
 
 What it does, with W processes and `sp_size` P (W = P x dp_size):
-1. setup: `init_sequence_parallel(P, ...)` (SP groups of P neighbouring ranks, DP across them),
-   `prepare_model` (the fused UPipe block where the architecture is known, `attn_implementation="upipe"`) and,
-   when configured, the tiled MLP; each training step runs inside `offload_checkpoints` (offload 'cpu'/'disk');
+1. setup, at construction, on every rank: `hf_upipe.runtime.UPipeRuntime.setup` checks the settings against the
+   launch and the model (sp_size, heads, kv heads, heads_per_chunk, kernel, checkpointing for offload/auto, a
+   writable output_dir when checkpoints are saved) and raises the same error on every rank before training; then
+   auto settings, the SP groups (P neighbouring ranks, DP across them), the fused block and the tiled MLP. Each
+   training step runs inside `offload_checkpoints` (offload 'cpu'/'disk');
 2. data: the Trainer's own dataloaders, with accelerate's batch sharding re-pointed from W processes to the
-   dp_size SP groups (as the Trainer itself does for its `BatchRebalanceSampler`), so sampler seeding, epochs,
-   `skip_first_batches` on resume and eval remainders work unchanged. Each full batch is cut by
-   `hf_upipe.shard_batch` (right padding to a multiple of P, global position_ids, labels shifted over the whole
-   sequence, documents of packed rows kept apart);
-3. loss (training): N = label tokens of the whole optimizer step (all gradient-accumulation micro-batches, all SP
-   and DP ranks, counted once), rank r's loss = W x (sum of its shard's token losses) / N. DDP/FSDP average the
-   gradients over W ranks, so the update is that of the mean over the N tokens, exactly, whatever P, dp_size and
-   the accumulation steps; the logged loss (the Trainer's mean over ranks) is that mean too. With
-   `tiled_loss` (default) the [tokens, vocab] logits never exist;
-4. eval: per batch, the same token mean over the batches of all DP groups, equal on every rank (what the Trainer
-   reports for DDP without SP); `eval_loss` averages it over batches like the Trainer. Only the loss is computed:
-   full-sequence logits are never gathered, so `compute_metrics`/`predict` logits raise under SP;
-5. checkpoints: written into a hidden staging folder and renamed to `checkpoint-N` once every rank has written its
-   part, so an interrupted save never leaves a partial `checkpoint-N` for `resume_from_checkpoint=True` to pick
-   (shared filesystem assumed, as by the Trainer). PEFT models save plain PEFT adapters, others plain
-   transformers checkpoints (rank 0 writes, through the Trainer's own `save_model`);
+   dp_size SP groups (`hf_upipe.integrations.loaders`), so sampler seeding, epochs and `skip_first_batches` on
+   resume work unchanged. Each full batch is cut by `hf_upipe.shard_batch`;
+3. loss (training): the runtime's token-weighted loss: the update and the logged loss are those of the token mean
+   over the whole optimizer step, whatever P, dp_size and the accumulation steps; a step without label tokens
+   logs 0, as the Trainer does. With `tiled_loss` (default) the [tokens, vocab] logits never exist;
+4. eval (W > 1): its own loop (`evaluation_loop`), not the Trainer's gather: no repeated examples (accelerate pads
+   the last round with them), every rank the same number of forwards, one all_reduce at the end. `eval_loss` is
+   the Trainer's own definition, each round's token mean weighted by its examples, so it equals a one-process
+   `transformers.Trainer` with the same global batch on any eval set, at every call. Only the loss is computed
+   under SP: `compute_metrics`/`predict` logits raise. With one process, or sp_size 1 and metrics, the Trainer's
+   own evaluation runs;
+5. checkpoints: written into a hidden staging folder, given a manifest (size and SHA-256 of every file,
+   `hf_upipe.checkpoint`) and renamed to `checkpoint-N` once every rank has written its part, so an interrupted
+   save never leaves a partial `checkpoint-N`; `train(resume_from_checkpoint=...)` verifies the manifest first and
+   refuses a corrupted or incomplete checkpoint, naming the file. PEFT models save plain PEFT adapters, others
+   plain transformers checkpoints;
 6. logs: `tokens_per_second` (real tokens of all ranks since the last log) and `peak_memory_gib` (the largest
    per-rank peak: device allocations on CUDA, process peak RSS on CPU) on every training log line.
 """
@@ -42,20 +46,36 @@ import time
 import torch
 import torch.distributed as dist
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, get_last_checkpoint, rotate_checkpoints
 
+from hf_upipe.checkpoint import verify_checkpoint, write_manifest
 from hf_upipe.config import UPipeConfig
-from hf_upipe.data import shard_batch
-from hf_upipe.distributed import init_sequence_parallel, set_sequence_parallel_state
-from hf_upipe.integrations.accelerate import NO_SP, share_batches_within_sp, world_sum
 from hf_upipe.integrations.fused import prepare_model
-from hf_upipe.integrations.loss import shard_loss_sum
-from hf_upipe.memory.offload import offload_checkpoints
-from hf_upipe.planning.auto import apply_auto_settings
+from hf_upipe.integrations.loaders import share_batches_within_sp
+from hf_upipe.runtime import UPipeRuntime, agree_on_errors, output_dir_errors
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UPipeTrainer"]
+__all__ = ["TRAINER_INTERNALS", "UPipeTrainer"]
+
+# transformers.Trainer methods overridden here -> the parameters they were written against (transformers 5.x).
+# Also relied on: `_save_checkpoint` writes through `_get_output_dir` (tested by the atomic checkpoint test), and
+# `training_step` honours the documented class attribute `loss_is_scaled_for_ga`.
+TRAINER_INTERNALS = {
+    "_get_dataloader": ("self", "dataset", "description", "batch_size", "sampler_fn", "is_training",
+                        "dataloader_key"),
+    "get_batch_samples": ("self", "epoch_iterator", "num_batches", "device"),
+    "training_step": ("self", "model", "inputs", "num_items_in_batch"),
+    "compute_loss": ("self", "model", "inputs", "return_outputs", "num_items_in_batch"),
+    "prediction_step": ("self", "model", "inputs", "prediction_loss_only", "ignore_keys"),
+    "evaluation_loop": ("self", "dataloader", "description", "prediction_loss_only", "ignore_keys",
+                        "metric_key_prefix"),
+    "_get_output_dir": ("self", "trial"),
+    "_save_checkpoint": ("self", "model", "trial"),
+    "call_model_init": ("self", "trial"),
+    "log": ("self", "logs", "start_time"),
+    "train": ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
+}
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
@@ -74,7 +94,11 @@ class UPipeTrainer(Trainer):
     Args:
         model, args, ...: as for `transformers.Trainer` (everything is passed on).
         upipe_config: the sequence-parallel settings; default `UPipeConfig()` (all processes of a node share a
-            sequence; `UPIPE_*` environment variables apply).
+            sequence; `UPIPE_*` environment variables apply). Never modified: `trainer.upipe.config` holds the
+            settings in force.
+
+    Attributes:
+        upipe: the `hf_upipe.runtime.UPipeRuntime` (config in force, `state` with the SP/DP groups, `plan`).
 
     The data collator must produce `labels` (or `shift_labels`), e.g. `DataCollatorForLanguageModeling(tokenizer,
     mlm=False)` with right padding, `default_data_collator` on pre-tokenized rows, or
@@ -82,82 +106,79 @@ class UPipeTrainer(Trainer):
     optimizer step across all ranks (the Trainer's `average_tokens_across_devices=True` semantics).
 
     Raises:
-        ValueError / NotImplementedError at construction, on every rank, before any collective: an sp_size that
-            does not divide the number of processes, label smoothing or `compute_loss_func` (the loss is
-            computed here), `compute_metrics` under SP.
+        ValueError / NotImplementedError at construction, on every rank, before training: the runtime's checks
+            (module docstring), label smoothing or `compute_loss_func` (the loss is computed here),
+            `compute_metrics` under SP.
     """
 
+    loss_is_scaled_for_ga = True  # compute_loss normalises by the label tokens of the whole optimizer step
+
     def __init__(self, model=None, args=None, *pargs, upipe_config: UPipeConfig | None = None, **kwargs):
-        super().__init__(model, args, *pargs, **kwargs)
-        self.upipe_config = upipe_config if upipe_config is not None else UPipeConfig()
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if self.upipe_config.auto:
-            if not self.args.gradient_checkpointing:
-                raise ValueError("auto=True plans with activation checkpointing on every layer: set "
-                                 "TrainingArguments(gradient_checkpointing=True).")
-            self.upipe_plan = apply_auto_settings(self.upipe_config, self.model, world_size=world)
-        sp_size = self.upipe_config.resolve_sp_size(world)
+        if args is not None and args.save_strategy != "no":  # before transformers creates it on the main rank only
+            agree_on_errors(output_dir_errors(args.output_dir), world)
+        super().__init__(model, args, *pargs, **kwargs)
+        config = upipe_config if upipe_config is not None else UPipeConfig()
         if self.args.label_smoothing_factor:
             raise NotImplementedError("UPipeTrainer computes the causal-LM loss itself; label_smoothing_factor="
                                       f"{self.args.label_smoothing_factor} is not supported (set it to 0).")
         if self.compute_loss_func is not None:
             raise NotImplementedError("UPipeTrainer computes the token-weighted causal-LM loss itself; drop "
                                       "compute_loss_func (or use transformers.Trainer without sequence parallelism).")
-        if self.compute_metrics is not None and sp_size > 1:
-            raise NotImplementedError("compute_metrics needs full-sequence logits, which UPipeTrainer never "
-                                      "materialises under sequence parallelism (sp_size > 1); drop compute_metrics "
-                                      "(eval_loss is still reported).")
-        if self.upipe_config.offload != "none" and not self.args.gradient_checkpointing:
-            raise ValueError(f"offload={self.upipe_config.offload!r} offloads what activation checkpointing keeps: set "
-                             "TrainingArguments(gradient_checkpointing=True), or offload='none'.")
         if not self.args.average_tokens_across_devices:
             logger.warning("UPipeTrainer normalises the loss by the label tokens of all ranks "
                            "(average_tokens_across_devices=True semantics); the False setting is not used.")
-        if world > 1:
-            self.sp_state = init_sequence_parallel(sp_size, **self.upipe_config.init_kwargs())
-        else:
-            self.sp_state = NO_SP
-            set_sequence_parallel_state(None)
-        if self.model is not None:
-            self._prepare_upipe_model(self.model)
-        self.gather_function = self._gather_over_dp
-        self.loss_is_scaled_for_ga = True
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        self.upipe = UPipeRuntime.setup(
+            config, self.model, world_size=world, device=self.args.device,
+            checkpointing=bool(self.args.gradient_checkpointing),
+            checkpointing_fix="set TrainingArguments(gradient_checkpointing=True)",
+            pad_token_id=0 if pad is None else pad)
+        if self.compute_metrics is not None and self.upipe.state.sp_size > 1:  # the same on every rank
+            raise NotImplementedError("compute_metrics needs full-sequence logits, which UPipeTrainer never "
+                                      "materialises under sequence parallelism (sp_size > 1); drop compute_metrics "
+                                      "(eval_loss is still reported).")
         self._stats = {"tokens": 0, "since": None}
 
+    @property
+    def upipe_config(self) -> UPipeConfig:
+        """The settings in force (`self.upipe.config`)."""
+        return self.upipe.config
+
     # ---- setup -------------------------------------------------------------------------------------------------
-    def _prepare_upipe_model(self, model):
-        return prepare_model(model, self.upipe_config)
+    def call_model_init(self, trial=None):
+        model = super().call_model_init(trial)
+        return prepare_model(model, self.upipe.config) if hasattr(self, "upipe") else model
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """The Trainer's `train`; a checkpoint to resume from is verified against its manifest first, on every
+        rank (`hf_upipe.checkpoint.verify_checkpoint`; `UPipeConfig(verify_checkpoints=False)` skips it)."""
+        path = resume_from_checkpoint
+        if path is True:
+            path = get_last_checkpoint(self.args.output_dir)  # None: the Trainer raises its own error
+        if isinstance(path, (str, os.PathLike)) and self.upipe.config.verify_checkpoints:
+            verify_checkpoint(os.fspath(path))
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """The Trainer's step, with checkpointed layer inputs offloaded for its forward and backward."""
-        cfg = self.upipe_config
-        with offload_checkpoints(self.model, cfg.offload, path=cfg.offload_path, min_bytes=cfg.offload_min_bytes):
+        with self.upipe.step(self.model):
             return super().training_step(model, inputs, num_items_in_batch)
 
-    def call_model_init(self, trial=None):
-        return self._prepare_upipe_model(super().call_model_init(trial))
+    def _exact_eval(self) -> bool:
+        """Whether evaluation runs this class's loop: more than one process (one process: the Trainer's own)."""
+        return self.upipe.world_size > 1
 
-    def _get_dataloader(self, *pargs, **kwargs):
-        return share_batches_within_sp(super()._get_dataloader(*pargs, **kwargs), self.sp_state)
+    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
+                        dataloader_key=None):
+        loader = super()._get_dataloader(dataset, description, batch_size, sampler_fn=sampler_fn,
+                                         is_training=is_training, dataloader_key=dataloader_key)
+        loss_only = self.args.prediction_loss_only or (description == "Evaluation" and self.compute_metrics is None)
+        exact = not is_training and self._exact_eval() and loss_only
+        return share_batches_within_sp(loader, self.upipe.state, evaluation=exact)
 
-    # ---- data --------------------------------------------------------------------------------------------------
-    def _shard(self, batch: dict) -> dict:
-        """The full collated batch -> this rank's shard (`hf_upipe.shard_batch`)."""
-        if batch.get("labels") is None and batch.get("shift_labels") is None:
-            raise ValueError("UPipeTrainer needs 'labels' (or 'shift_labels') in every batch: use a language-modeling "
-                             "collator, e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False); got "
-                             f"{sorted(batch)}.")
-        pad = getattr(self.processing_class, "pad_token_id", None)
-        return shard_batch(batch, self.sp_state.sp_rank, self.sp_state.sp_size,
-                           pad_token_id=0 if pad is None else pad)
-
-    def _world_sum(self, *values: torch.Tensor | int) -> list[float]:
-        return world_sum(*values, device=self.args.device)
-
-    def _own_count(self, shard: dict) -> float:
-        """The whole batch's label tokens, contributed by SP rank 0 only, so a world sum counts each once."""
-        return float(shard["num_label_tokens"]) if self.sp_state.sp_rank == 0 else 0.0
-
+    # ---- training loss -----------------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Collect the step's full batches, shard them, and count the step's label tokens over all ranks."""
         batches = []
@@ -170,57 +191,63 @@ class UPipeTrainer(Trainer):
             self._stats["since"] = time.perf_counter()
         if not batches:
             return [], None
-        shards = [self._shard(b) for b in batches]
-        labels, tokens = self._world_sum(sum(self._own_count(s) for s in shards),
-                                         sum(self._real_tokens(b) for b in batches))
+        shards = [self.upipe.shard(b) for b in batches]
+        labels, tokens = self.upipe.world_sum(sum(self.upipe.own_count(s) for s in shards),
+                                              sum(self._real_tokens(b) for b in batches))
         self._stats["tokens"] += tokens
         return shards, torch.tensor(labels, dtype=torch.float64, device=device)
 
     def _real_tokens(self, batch: dict) -> float:
-        if self.sp_state.sp_rank != 0:
+        if self.upipe.state.sp_rank != 0:
             return 0.0
         mask = batch.get("attention_mask")
         return float(mask.sum()) if mask is not None else float(batch["input_ids"].numel())
 
-    # ---- loss --------------------------------------------------------------------------------------------------
-    def _loss_sum(self, model, shard: dict):
-        inputs = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}
-        cfg = self.upipe_config
-        return shard_loss_sum(model, inputs, shard["shift_labels"], tiled=cfg.tiled_loss,
-                              chunk_tokens=cfg.loss_chunk_tokens)
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Training loss of this rank's shard: W x (its token-loss sum) / (label tokens of the whole step)."""
-        if num_items_in_batch is None:  # called outside the training loop: normalise by this batch alone
-            num_items_in_batch = self._world_sum(self._own_count(inputs))[0]
-        loss_sum, outputs = self._loss_sum(model, inputs)
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        loss = loss_sum * (world / float(num_items_in_batch))
-        return (loss, outputs) if return_outputs else loss
+        """Training loss of this rank's shard: W x (its token-loss sum) / (label tokens of the whole step).
+        Unsharded inputs (the Trainer's own evaluation, one process or sp_size 1) take the Trainer's loss."""
+        if "shift_labels" not in inputs or "num_label_tokens" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        return self.upipe.loss(model, inputs, num_items_in_batch, return_outputs=return_outputs)
+
+    # ---- evaluation --------------------------------------------------------------------------------------------
+    def _refuse_predictions(self) -> None:
+        if self.upipe.state.sp_size > 1:
+            raise NotImplementedError("UPipeTrainer evaluates the loss only under sequence parallelism: full-sequence "
+                                      "logits are never materialised (use evaluate() without compute_metrics, not "
+                                      "predict()).")
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """Eval loss of one batch: the token mean over the batches of all DP groups (same value on every rank)."""
+        """The Trainer's (one process, or sp_size 1 with metrics); refused under SP unless loss only."""
         if not prediction_loss_only:
-            raise NotImplementedError("UPipeTrainer evaluates the loss only: full-sequence logits are never "
-                                      "materialised (use evaluate() without compute_metrics, not predict()).")
-        shard = self._prepare_inputs(self._shard(inputs))
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss_sum, _ = self._loss_sum(model, shard)
-        total, count = self._world_sum(loss_sum.item(), self._own_count(shard))
-        loss = torch.tensor(total / count if count else float("nan"), device=self.args.device)
-        return loss, None, None
+            self._refuse_predictions()
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
-    def _gather_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`gather_for_metrics` over the data-parallel replicas only (SP ranks hold the same values)."""
-        group, size = self.sp_state.dp_group, self.sp_state.dp_size
-        if size > 1:
-            out = [torch.empty_like(tensor) for _ in range(size)]
-            dist.all_gather(out, tensor.contiguous(), group=group)
-            tensor = torch.cat(out)
-        state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:
-            tensor = tensor[: state.remainder]
-        return tensor
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        """Exact eval loss over every rank (module docstring, item 4); the Trainer's own loop with one process."""
+        loss_only = prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
+        if not loss_only:
+            self._refuse_predictions()
+        if not (self._exact_eval() and loss_only):
+            return super().evaluation_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
+                                           ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        model = self.model
+        model.eval()
+        if hasattr(self.optimizer, "eval") and callable(self.optimizer.eval):
+            self.optimizer.eval()
+        self.callback_handler.eval_dataloader = dataloader
+
+        def shards():
+            for batch in dataloader:
+                yield self._prepare_inputs(self.upipe.shard(batch))
+                self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+
+        sums = self.upipe.eval_sums(model, dataloader, shards=shards(), context=self.compute_loss_context_manager)
+        loss = sums.batch_mean(nan_filter=self.args.logging_nan_inf_filter)
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics={f"{metric_key_prefix}_loss": loss},
+                              num_samples=sum(sums.examples or []))
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def _get_output_dir(self, trial) -> str:
@@ -232,7 +259,7 @@ class UPipeTrainer(Trainer):
             dist.barrier()
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's checkpoint, written into `<run_dir>/.staging-checkpoint-N/` and then renamed."""
+        """The Trainer's checkpoint, written into `<run_dir>/.staging-checkpoint-N/`, given its manifest, renamed."""
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         run_dir = super()._get_output_dir(trial)
         staging_root = os.path.join(run_dir, f".staging-{name}")
@@ -245,17 +272,19 @@ class UPipeTrainer(Trainer):
         finally:
             self._staging = None
         self._barrier()  # every rank has written its files (RNG states, sharded optimizer states)
-        final = os.path.join(run_dir, name)
+        staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
         best = self.state.best_model_checkpoint
         if best and best.startswith(staging_root):
             self.state.best_model_checkpoint = os.path.join(run_dir, os.path.relpath(best, staging_root))
+            if self.args.should_save:
+                self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
+        self._barrier()
+        write_manifest(staged)  # every rank hashes a share; returns once the manifest is written
         if self.args.should_save:
             if os.path.exists(final):
                 shutil.rmtree(final)
-            os.replace(os.path.join(staging_root, name), final)
+            os.replace(staged, final)
             shutil.rmtree(staging_root)
-            if best != self.state.best_model_checkpoint:
-                self.state.save_to_json(os.path.join(final, "trainer_state.json"))
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
         self._barrier()

@@ -2,12 +2,14 @@
 
 Custom loop (`examples/finetune_long_context.py`, the README's main command with fewer steps): the per-step losses
 of 2 processes equal those of one process on the same data (full and LoRA); a run resumed from its step-2
-checkpoint logs the same losses at steps 3 and 4; the saved model loads in plain transformers. Trainer example
+checkpoint logs the same losses at steps 3 and 4, and one missing a rank's RNG state is refused; the saved model
+loads in plain transformers. Trainer example
 (`examples/finetune_with_trainer.py`): trains, logs and saves a PEFT adapter.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = ["--steps", "4", "--seq-len", "256", "--rows", "16", "--lr", "1e-3"]
 
 
-def _run(script, args, tmp_path, processes=2):
+def _run(script, args, tmp_path, processes=2, fails=False):
     path = os.path.join(ROOT, "examples", script)
     if processes == 1:
         cmd = [sys.executable, path, *args]
@@ -26,8 +28,8 @@ def _run(script, args, tmp_path, processes=2):
                os.path.join(ROOT, "accelerate_configs", "cpu_2proc.yaml"), "--main_process_port", "0", path, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    assert (proc.returncode != 0) == fails, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr if fails else proc.stdout
 
 
 def _losses(path):
@@ -62,6 +64,12 @@ def test_custom_loop_two_processes_equal_one(tmp_path, mode):
         assert sorted(resumed) == [3, 4]
         for step in (3, 4):
             assert abs(resumed[step] - sp2[step]) <= 1e-5 * abs(sp2[step]), (step, resumed, sp2)
+        # a checkpoint missing one rank's RNG state is refused (it used to resume silently)
+        shutil.copytree(tmp_path / "sp2" / "step-2", tmp_path / "broken" / "step-2")
+        os.remove(tmp_path / "broken" / "step-2" / "accelerate_state" / "random_states_1.pkl")
+        out = _run("finetune_long_context.py", flags + ["--output-dir", str(tmp_path / "again"), "--resume",
+                                                        str(tmp_path / "broken" / "step-2")], tmp_path, fails=True)
+        assert "accelerate_state/random_states_1.pkl is missing" in out, out[-3000:]
     else:
         assert os.path.exists(tmp_path / "sp2" / "step-4" / "model" / "adapter_model.safetensors")
 

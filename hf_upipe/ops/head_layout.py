@@ -3,7 +3,8 @@
 Entry points:
 - `HeadLayout(num_heads, num_kv_heads, sp_size, heads_per_chunk)`: validated geometry; raises ValueError naming the
   numbers and the values that would work.
-- `valid_sp_sizes(num_heads, num_kv_heads, upto)`, `valid_heads_per_chunk(num_heads, num_kv_heads, sp_size)`.
+- `valid_sp_sizes(num_heads, num_kv_heads, upto)`, `valid_heads_per_chunk(num_heads, num_kv_heads, sp_size)`,
+  `geometry_error(num_heads, num_kv_heads, sp_size)`.
 
 Legend: H query heads, Hk k/v heads of the model; P ranks (sp_size); r a rank; c = heads_per_chunk.
 - k/v replication: when Hk < P, each k/v head is used by rep = P / Hk ranks, so there are Hk_eff = max(Hk, P)
@@ -22,10 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["HeadLayout", "valid_heads_per_chunk", "valid_sp_sizes"]
+__all__ = ["HeadLayout", "geometry_error", "valid_heads_per_chunk", "valid_sp_sizes"]
 
 
-def _geometry_error(num_heads: int, num_kv_heads: int, sp_size: int) -> str | None:
+def geometry_error(num_heads: int, num_kv_heads: int, sp_size: int) -> str | None:
+    """Why `sp_size` ranks cannot split this attention (a sentence with the numbers), or None when they can."""
     if num_heads % num_kv_heads:
         return f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
     if num_heads % sp_size:
@@ -40,7 +42,7 @@ def _geometry_error(num_heads: int, num_kv_heads: int, sp_size: int) -> str | No
 
 def valid_sp_sizes(num_heads: int, num_kv_heads: int, upto: int = 1024) -> list[int]:
     """Sequence-parallel sizes (<= upto) that the head geometry allows."""
-    return [p for p in range(1, upto + 1) if _geometry_error(num_heads, num_kv_heads, p) is None]
+    return [p for p in range(1, upto + 1) if geometry_error(num_heads, num_kv_heads, p) is None]
 
 
 def valid_heads_per_chunk(num_heads: int, num_kv_heads: int, sp_size: int) -> list[int]:
@@ -76,7 +78,7 @@ class HeadLayout:
 
     def __post_init__(self) -> None:
         H, Hk, P = self.num_heads, self.num_kv_heads, self.sp_size
-        err = _geometry_error(H, Hk, P)
+        err = geometry_error(H, Hk, P)
         if err is not None:
             raise ValueError(
                 f"Sequence parallelism cannot split this attention: {err}. "

@@ -3,9 +3,9 @@
 Entry point:
 - `apply_auto_settings(config, model, *, world_size, local_world_size=None)`: with `config.auto`, plans the
   model for `config.plan_seq_len` tokens on this launch's GPUs (`hf_upipe.planning.planner.plan` with no settings
-  given: the cheapest rung of its ladder that fits) and writes the choice into `config` (heads_per_chunk,
-  fused_attention, tiled_mlp, mlp_chunk_tokens, tiled_loss, loss_chunk_tokens, offload); returns the `Plan`.
-  Without `auto` it does nothing and returns None.
+  given: the cheapest rung of its ladder that fits) and returns (a copy of `config` with the choice: heads_per_chunk,
+  fused_attention, tiled_mlp, mlp_chunk_tokens, tiled_loss, loss_chunk_tokens, offload; the planner's answer).
+  Without `auto` it returns (config, None). The given config is never changed.
 
 The simulation needs a process without a process group, and a launched job has one: rank 0 runs the planner in a
 child process (`python -m hf_upipe.cli plan ... --json`) and broadcasts the result, so every rank applies the same
@@ -84,7 +84,7 @@ def _run_planner(model, config, world_size: int, local_world_size: int) -> dict:
 def apply_auto_settings(config, model, *, world_size: int, local_world_size: int | None = None):
     """See the module docstring. Raises ValueError (on every rank) when nothing fits or planning failed."""
     if not config.auto:
-        return None
+        return config, None
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % local_world_size:
@@ -109,12 +109,11 @@ def apply_auto_settings(config, model, *, world_size: int, local_world_size: int
                          f"{result['required'] / gib:.1f} GiB per GPU). Shorten plan_seq_len, add GPUs, or run "
                          "`hf-upipe plan ... --max` to see the longest that fits.")
     s = result["settings"]
-    config.heads_per_chunk = "all" if s["heads_per_chunk"] is None else s["heads_per_chunk"]
-    config.fused_attention = s["impl"] == "fused"
-    config.tiled_mlp, config.mlp_chunk_tokens = s["tiled_mlp"], s["mlp_chunk_tokens"]
-    config.tiled_loss, config.loss_chunk_tokens = s["tiled_loss"], s["loss_chunk_tokens"]
-    config.offload = s["offload"]
+    config = config.with_auto(
+        heads_per_chunk="all" if s["heads_per_chunk"] is None else s["heads_per_chunk"],
+        fused_attention=s["impl"] == "fused", tiled_mlp=s["tiled_mlp"], mlp_chunk_tokens=s["mlp_chunk_tokens"],
+        tiled_loss=s["tiled_loss"], loss_chunk_tokens=s["loss_chunk_tokens"], offload=s["offload"])
     logger.info("hf_upipe auto settings for %d tokens: heads_per_chunk=%s, tiled_mlp=%s, offload=%s (planned peak "
                 "%.1f GiB of %.1f GiB per GPU)", config.plan_seq_len, config.heads_per_chunk, config.tiled_mlp,
                 config.offload, result["required"] / 2**30, result["gpu_memory"] / 2**30)
-    return result
+    return config, result

@@ -24,7 +24,7 @@ def fsdp2_steps(rank: int, world: int, lora: bool, sp: int) -> list[float]:
     from torch.distributed.fsdp import fully_shard
 
     from hf_upipe import UPipeConfig, init_sequence_parallel, prepare_model, shard_batch
-    from hf_upipe.integrations.accelerate import NO_SP, UPipeLoss
+    from hf_upipe.runtime import NO_SP, UPipeRuntime
 
     model = _model(lora, seed=11)
     cfg = UPipeConfig(sp_size=sp, loss_chunk_tokens=7, tiled_mlp=True, mlp_chunk_tokens=6)
@@ -38,7 +38,7 @@ def fsdp2_steps(rank: int, world: int, lora: bool, sp: int) -> list[float]:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
-    loss_fn = UPipeLoss(state, cfg, torch.device("cpu"))
+    upipe = UPipeRuntime(cfg, state, world_size=world, device="cpu")
     rows = 4 // state.dp_size  # the same global batch of 4 rows whatever the layout: DP replicas split it
     out = []
     for full in _batches(3, 4):
@@ -51,8 +51,8 @@ def fsdp2_steps(rank: int, world: int, lora: bool, sp: int) -> list[float]:
             continue
         mine = {k: v[state.dp_rank * rows:(state.dp_rank + 1) * rows] for k, v in full.items()}
         shard = shard_batch(mine, state.sp_rank, state.sp_size)
-        n = loss_fn.count([shard])
-        loss = loss_fn(model, shard, n)
+        n = upipe.count([shard])
+        loss = upipe.loss(model, shard, n)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -78,14 +78,42 @@ def bad_settings(rank: int, world: int) -> dict:
             make()
         except ValueError as err:
             seen[key] = str(err)
-    # heads that do not split over the SP group: 8 query / 2 kv heads cannot be cut into heads_per_chunk=3
-    plugin = UPipePlugin(sp_size=2, heads_per_chunk=3)
-    model, *_, loss = plugin.prepare(Accelerator(cpu=True), _model(False, 1))
-    shard = {k: v[:, :14] if v.dim() == 2 else v for k, v in next(_batches(1, 1)).items()}
-    from hf_upipe import shard_batch
-
+    # heads that do not split over the SP group: 8 query / 2 kv heads cannot be cut into heads_per_chunk=3; raised
+    # by prepare, before any forward
     try:
-        loss(model, shard_batch(shard, plugin.state.sp_rank, 2))
+        UPipePlugin(sp_size=2, heads_per_chunk=3).prepare(Accelerator(cpu=True), _model(False, 1))
     except ValueError as err:
         seen["heads"] = str(err)
     return seen
+
+
+def fsdp2_eval(rank: int, world: int, lora: bool, sp: int) -> float:
+    """`UPipeRuntime.evaluate` of 9 rows in batches of 2 through an accelerate-prepared loader, the model under
+    FSDP2 with SP `sp`: rounds of 4, 4 and 1 rows at SP 2 x DP 2, so one replica runs out of batches and must run a
+    throw-away forward (else FSDP's all-gathers hang). World 1: the reference, transformers' own loss on all 9 rows
+    in one batch (the token mean over every label token)."""
+    from accelerate import Accelerator
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader
+    from transformers import default_data_collator
+
+    from hf_upipe import UPipeConfig, init_sequence_parallel, prepare_model
+    from hf_upipe.runtime import UPipeRuntime
+
+    model = _model(lora, seed=12)
+    data = _dataset(9, 29, 96, seed=6)
+    if world == 1:
+        with torch.no_grad():
+            return model(**next(iter(DataLoader(data, batch_size=9, collate_fn=default_data_collator)))).loss.item()
+    cfg = UPipeConfig(sp_size=sp, loss_chunk_tokens=7)
+    state = init_sequence_parallel(sp)
+    prepare_model(model, cfg)
+    mesh = init_device_mesh("cpu", (world,))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in base.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    loader = Accelerator(cpu=True).prepare(DataLoader(data, batch_size=2, collate_fn=default_data_collator))
+    upipe = UPipeRuntime(cfg, state, world_size=world, device="cpu")
+    return [upipe.evaluate(model, loader) for _ in range(2)]

@@ -13,8 +13,9 @@ import os
 import torch
 
 
-def _dataset(n_rows: int, seq_len: int, vocab: int, seed: int):
-    """Rows of random tokens with right padding of varying length; labels -100 on the padding."""
+def _dataset(n_rows: int, seq_len: int, vocab: int, seed: int, unlabeled: int = 0):
+    """Rows of random tokens with right padding of varying length; labels -100 on the padding (and on every token
+    of the first `unlabeled` rows)."""
     from datasets import Dataset
 
     gen = torch.Generator().manual_seed(seed)
@@ -23,6 +24,8 @@ def _dataset(n_rows: int, seq_len: int, vocab: int, seed: int):
     mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()  # [n, S] ones then zeros
     ids = ids * mask
     labels = ids.masked_fill(mask == 0, -100)
+    if unlabeled:
+        labels[:unlabeled] = -100
     return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist(), "labels": labels.tolist()})
 
 
@@ -49,6 +52,27 @@ def _model(lora: bool, seed: int):
     return model
 
 
+def _corrupt(rank: int, src: str, dst: str, flip: str | None = None, delete: str | None = None) -> None:
+    """Rank 0 copies checkpoint `src` to `dst`, then flips one bit in the middle of file `flip` or deletes file
+    `delete`; every rank waits for it."""
+    import shutil
+
+    if rank == 0:
+        shutil.copytree(src, dst)
+        if flip:
+            path = os.path.join(dst, flip)
+            middle = os.path.getsize(path) // 2
+            with open(path, "r+b") as f:
+                f.seek(middle)
+                byte = f.read(1)[0]
+                f.seek(middle)
+                f.write(bytes([byte ^ 0x10]))
+        if delete:
+            os.remove(os.path.join(dst, delete))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
 def train_run(rank: int, world: int, spec: dict) -> dict:
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
@@ -66,14 +90,18 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
         save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps"),
         report_to=[], use_cpu=True, seed=3, data_seed=5, disable_tqdm=True, dataloader_num_workers=0,
         gradient_checkpointing=spec.get("checkpointing", False),
+        train_sampling_strategy="sequential" if spec.get("unlabeled") else "random",
+        accelerator_config={"dispatch_batches": False} if spec.get("iterable_eval") else None,
     )
-    train = _dataset(32, spec.get("seq_len", 29), 96, seed=1)
-    evals = _dataset(8, spec.get("seq_len", 29), 96, seed=2)
+    train = _dataset(32, spec.get("seq_len", 29), 96, seed=1, unlabeled=spec.get("unlabeled") or 0)
+    evals = _dataset(spec.get("eval_rows", 9), spec.get("seq_len", 29), 96, seed=2)
     collator = default_data_collator
     if spec.get("packed"):  # one row per batch holding every sample as a document, position_ids restarting
         from transformers import DataCollatorWithFlattening
 
         train, evals, collator = _packed(train), _packed(evals), DataCollatorWithFlattening()
+    if spec.get("iterable_eval"):  # a streamed eval set (accelerate's IterableDatasetShard path)
+        evals = evals.to_iterable_dataset()
     kwargs = dict(model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator)
     if spec["trainer"] == "upipe":
         cfg = hf_upipe.UPipeConfig(sp_size=spec["sp"], heads_per_chunk=spec.get("heads_per_chunk", 1),
@@ -85,15 +113,25 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
         trainer = hf_upipe.UPipeTrainer(**kwargs, upipe_config=cfg)
     else:
         trainer = Trainer(**kwargs)
-    trainer.train(resume_from_checkpoint=spec.get("resume"))
-    history = trainer.state.log_history
+    if spec.get("corrupt"):
+        _corrupt(rank, **spec["corrupt"])
+    try:
+        trainer.train(resume_from_checkpoint=spec.get("resume"))
+    except ValueError as err:
+        if spec.get("expect_error"):
+            return {"error": f"{type(err).__name__}: {err}"}
+        raise
+    history = list(trainer.state.log_history)
+    again = [trainer.evaluate()["eval_loss"] for _ in range(spec.get("evaluate_again", 0))]
     losses = {h["step"]: h["loss"] for h in history if "loss" in h}
     evals_ = {h["step"]: h["eval_loss"] for h in history if "eval_loss" in h}
     extra = sorted({k for h in history if "loss" in h for k in h})
     params = {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters() if p.requires_grad}
     if spec.get("save_to") and trainer.args.should_save:
         trainer.save_model(spec["save_to"])
-    return {"losses": losses, "evals": evals_, "keys": extra, "params": params if rank == 0 else None,
+    grad_norms = {h["step"]: h["grad_norm"] for h in history if "grad_norm" in h}
+    return {"losses": losses, "evals": evals_, "again": again, "grad_norms": grad_norms, "keys": extra,
+            "params": params if rank == 0 else None,
             "stats": [(h.get("tokens_per_second"), h.get("peak_memory_gib")) for h in history if "loss" in h]}
 
 
@@ -129,6 +167,35 @@ def error_runs(rank: int, world: int, out_dir: str) -> dict:
     attempt("labels", lambda: UPipeTrainer(model=_model(False, 1), args=args, train_dataset=no_labels,
                                            data_collator=default_data_collator,
                                            upipe_config=UPipeConfig(sp_size=2)).train())
+
+    # construction-time errors: each raised by UPipeTrainer(...) itself, before any training
+    def build(config=None, model=None, trainer_args=args):
+        UPipeTrainer(model=model if model is not None else _model(False, 1), args=trainer_args, train_dataset=data,
+                     data_collator=default_data_collator, upipe_config=config)
+
+    attempt("heads", lambda: build(UPipeConfig(sp_size=2, heads_per_chunk=3)))
+    os.environ["UPIPE_HEADS_PER_CHUNK"] = "3"
+    attempt("heads_env", lambda: build(UPipeConfig(sp_size=2)))
+    del os.environ["UPIPE_HEADS_PER_CHUNK"]
+    attempt("kernel", lambda: build(UPipeConfig(sp_size=2, kernel="flash_attn")))
+    attempt("offload", lambda: build(UPipeConfig(sp_size=2, offload="disk")))
+    from transformers import AutoModelForCausalLM
+
+    from tests.integrations._models import tiny_config
+
+    odd = AutoModelForCausalLM.from_config(tiny_config("llama", heads=6, kv_heads=3), attn_implementation="sdpa")
+    attempt("kv_heads", lambda: build(UPipeConfig(sp_size=2), model=odd))
+    blocker = os.path.join(out_dir, "a_file")
+    if rank == 0:
+        open(blocker, "w").close()
+    torch.distributed.barrier()
+    unwritable = TrainingArguments(**{**args.to_dict(), "output_dir": os.path.join(blocker, "run")})
+    attempt("outdir", lambda: build(UPipeConfig(sp_size=2), trainer_args=unwritable))
+    # only rank 1 cannot write (an existing folder of a read-only file system): every rank raises, naming rank 1
+    mine = TrainingArguments(**{**args.to_dict(), "output_dir": "/proc/self"}) if rank == 1 else args
+    attempt("outdir_rank1", lambda: build(UPipeConfig(sp_size=2), trainer_args=mine))
+    os.remove(blocker) if rank == 0 else None
+    torch.distributed.barrier()
 
     class FailingSave(UPipeTrainer):
         def _save_optimizer_and_scheduler(self, output_dir):

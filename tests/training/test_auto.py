@@ -38,7 +38,8 @@ def _trainer_auto(rank, world, out_dir):
     trainer = UPipeTrainer(model=_model(False, 1), args=args, train_dataset=data, data_collator=default_data_collator,
                            upipe_config=cfg)
     trainer.train()
-    chosen = {f: getattr(cfg, f) for f in FIELDS}
+    chosen = {f: getattr(trainer.upipe.config, f) for f in FIELDS}
+    untouched = cfg == UPipeConfig(auto=True, plan_seq_len=32, gpu_memory="16GiB", offload_min_bytes=0)
     try:
         UPipeTrainer(model=_model(False, 1), args=args, train_dataset=data,
                      upipe_config=UPipeConfig(auto=True, plan_seq_len=32, gpu_memory="1GiB"))
@@ -46,7 +47,7 @@ def _trainer_auto(rank, world, out_dir):
     except ValueError as err:
         error = str(err)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return chosen, error, losses
+    return chosen, error, losses, untouched
 
 
 def test_trainer_applies_the_plan_on_every_rank(tmp_path):
@@ -55,7 +56,8 @@ def test_trainer_applies_the_plan_on_every_rank(tmp_path):
 
     results = run_distributed(_trainer_auto, 2, str(tmp_path))
     expected = plan(tiny_config("llama"), gpus=2, seq_len=32, gpu_memory="16GiB").upipe_config()
-    for chosen, error, losses in results:
+    for chosen, error, losses, untouched in results:
+        assert untouched  # the user's settings object is never changed
         assert chosen == {f: getattr(expected, f) for f in FIELDS}
         assert len(losses) == 2 and all(loss > 0 for loss in losses)
         assert "do not fit on 2 GPU(s) of 1.0 GiB" in error and "hf-upipe plan" in error
@@ -67,16 +69,18 @@ def test_every_planned_setting_lands_in_the_config(monkeypatch):
               "settings": {"impl": "upipe", "heads_per_chunk": 2, "tiled_mlp": True, "mlp_chunk_tokens": 77,
                            "tiled_loss": False, "loss_chunk_tokens": 99, "offload": "cpu"}}
     monkeypatch.setattr(auto, "_run_planner", lambda *a: answer)
-    cfg = UPipeConfig(auto=True, plan_seq_len=1024, gpu_memory="2GiB")
-    assert auto.apply_auto_settings(cfg, object(), world_size=1) is answer
+    given = UPipeConfig(auto=True, plan_seq_len=1024, gpu_memory="2GiB")
+    cfg, plan = auto.apply_auto_settings(given, object(), world_size=1)
+    assert plan is answer and given == UPipeConfig(auto=True, plan_seq_len=1024, gpu_memory="2GiB")
+    assert cfg.describe("heads_per_chunk") == "heads_per_chunk=2 (chosen by auto=True)"
     assert {f: getattr(cfg, f) for f in FIELDS} == dict(heads_per_chunk=2, fused_attention=False, tiled_mlp=True,
                                                         mlp_chunk_tokens=77, tiled_loss=False, loss_chunk_tokens=99,
                                                         offload="cpu")
     answer["settings"]["heads_per_chunk"] = None
-    auto.apply_auto_settings(cfg, object(), world_size=1)
+    cfg, _ = auto.apply_auto_settings(given, object(), world_size=1)
     assert cfg.heads_per_chunk == "all"
     untouched = UPipeConfig(heads_per_chunk=4)
-    assert auto.apply_auto_settings(untouched, object(), world_size=1) is None and untouched.heads_per_chunk == 4
+    assert auto.apply_auto_settings(untouched, object(), world_size=1) == (untouched, None)
 
 
 def test_bad_auto_settings(monkeypatch):
@@ -102,7 +106,7 @@ def test_plugin_auto_needs_checkpointing():
 
     plugin = UPipePlugin(auto=True, plan_seq_len=32, gpu_memory="16GiB")
     with pytest.raises(ValueError, match="gradient_checkpointing_enable"):
-        plugin.prepare(SimpleNamespace(num_processes=1), _model(False, 1))
+        plugin.prepare(SimpleNamespace(num_processes=1, device="cpu", distributed_type="NO"), _model(False, 1))
 
 
 def test_a_peft_lora_model_is_planned_as_lora():

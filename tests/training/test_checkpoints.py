@@ -1,10 +1,13 @@
-"""UPipeTrainer checkpoints: atomic, loadable by plain transformers / PEFT, and resumable to the same losses.
+"""UPipeTrainer checkpoints: atomic, verified on resume, loadable by plain transformers / PEFT, and resumable to the
+same losses.
 
 One 2-rank run (SP 2) trains 4 steps saving every 2 (LoRA and full fine-tune); a second run resumes the LoRA run
-from checkpoint-2. Checked: the resumed run logs the same losses at steps 3 and 4 as the uninterrupted one; the
-checkpoints are complete `checkpoint-N` folders with no staging leftovers; a fresh Python process that never imports
-hf_upipe loads the saved adapter with `peft.PeftModel` (and the full model with `AutoModelForCausalLM`) and gets
-exactly the trained weights.
+from checkpoint-2; two more try to resume from corrupted copies of it (one bit flipped in the adapter weights; one
+rank's RNG state deleted). Checked: the resumed run logs the same losses at steps 3 and 4 as the uninterrupted one;
+the corrupted copies are refused on every rank with an error naming the file; the checkpoints are complete
+`checkpoint-N` folders with a manifest and no staging leftovers; a fresh Python process that never imports hf_upipe
+loads the saved adapter with `peft.PeftModel` (and the full model with `AutoModelForCausalLM`) and gets exactly the
+trained weights.
 """
 
 import json
@@ -51,13 +54,20 @@ def runs(tmp_path_factory):
         dict(common, lora=True, output_dir=str(root / "lora"), save_to=str(root / "lora_final")),
         dict(common, lora=True, output_dir=str(root / "lora_resumed"), resume=str(root / "lora" / "checkpoint-2")),
         dict(common, lora=False, output_dir=str(root / "full"), save_to=str(root / "full_final")),
+        dict(common, lora=True, output_dir=str(root / "flipped_run"), resume=str(root / "flipped" / "checkpoint-2"),
+             expect_error=True, corrupt=dict(src=str(root / "lora" / "checkpoint-2"),
+                                             dst=str(root / "flipped" / "checkpoint-2"),
+                                             flip="adapter_model.safetensors")),
+        dict(common, lora=True, output_dir=str(root / "no_rng_run"), resume=str(root / "no_rng" / "checkpoint-2"),
+             expect_error=True, corrupt=dict(src=str(root / "lora" / "checkpoint-2"),
+                                             dst=str(root / "no_rng" / "checkpoint-2"), delete="rng_state_1.pth")),
     ]
-    outs = run_distributed(train_runs, 2, specs, timeout=300)[0]
-    return root, outs
+    outs = run_distributed(train_runs, 2, specs, timeout=300)
+    return root, outs[0], outs
 
 
 def test_resume_continues_with_the_same_losses(runs):
-    _, (first, resumed, _) = runs
+    _, (first, resumed, *_), _ = runs
     assert sorted(resumed["losses"]) == [1, 2, 3, 4]  # steps 1-2 come from the checkpoint's log history
     for step in (3, 4):
         assert abs(resumed["losses"][step] - first["losses"][step]) <= 1e-6 * abs(first["losses"][step]), step
@@ -66,7 +76,7 @@ def test_resume_continues_with_the_same_losses(runs):
 
 
 def test_checkpoints_are_complete_and_atomic(runs):
-    root, _ = runs
+    root, _, _ = runs
     for run in ("lora", "full"):
         entries = sorted(os.listdir(root / run))
         assert entries == ["checkpoint-2", "checkpoint-4"], entries  # no staging folder left behind
@@ -74,13 +84,25 @@ def test_checkpoints_are_complete_and_atomic(runs):
         files = set(os.listdir(ckpt))
         weights = "adapter_model.safetensors" if run == "lora" else "model.safetensors"
         assert {weights, "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state_0.pth",
-                "rng_state_1.pth"} <= files, files
+                "rng_state_1.pth", "upipe_manifest.json"} <= files, files
         assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == 2
+        manifest = json.loads((ckpt / "upipe_manifest.json").read_text())["files"]
+        assert set(manifest) == files - {"upipe_manifest.json"}  # every file, each with its size and SHA-256
+        assert manifest["rng_state_1.pth"]["size"] == os.path.getsize(ckpt / "rng_state_1.pth")
+
+
+@pytest.mark.parametrize("case, named", [(3, "adapter_model.safetensors does not match its SHA-256"),
+                                         (4, "rng_state_1.pth is missing")])
+def test_corrupted_or_incomplete_checkpoint_is_refused_on_every_rank(runs, case, named):
+    _, _, ranks = runs
+    for rank in ranks:
+        error = rank[case]["error"]
+        assert error.startswith("CheckpointError: Cannot resume from") and named in error, error
 
 
 @pytest.mark.parametrize("kind", ["lora", "full"])
 def test_saved_model_loads_without_hf_upipe(runs, kind, tmp_path):
-    root, outs = runs
+    root, outs, _ = runs
     trained = outs[0 if kind == "lora" else 2]["params"]
     np.savez(tmp_path / "expected.npz", **trained)
     proc = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, kind, str(root / f"{kind}_final"),

@@ -1,0 +1,344 @@
+"""`UPipeRuntime`: the sequence-parallel setup and loss of one run, shared by `UPipeTrainer` and `UPipePlugin`.
+
+Entry points:
+- `UPipeRuntime.setup(config, model, *, world_size, device, checkpointing, checkpointing_fix, output_dir=None)`:
+  check the settings against the launch and the model, apply auto settings, build the SP groups and install the
+  fused block / tiled MLP; returns the runtime. The settings object is never changed: `runtime.config` is the
+  configuration in force (a copy, with the planner's choices under `auto=True`), `runtime.state` the
+  `SequenceParallelState`, `runtime.plan` the planner's answer (auto) or None.
+- `runtime.shard(batch)`: a collated batch -> this rank's shard (`hf_upipe.shard_batch`).
+- `runtime.count(shards)`: label tokens of these shards' batches over all ranks, each counted once.
+- `runtime.loss(model, shard, num_items)`: the token-weighted loss of a shard, ready for backward.
+- `runtime.step(model)`: context for one forward + backward (offloads checkpointed inputs when configured).
+- `runtime.windows(loader, steps)`: shards grouped into gradient-accumulation windows.
+- `runtime.evaluate(model, loader)`: the exact eval loss (token mean over the whole eval set) of an
+  accelerate-prepared loader; `runtime.eval_sums(...)`: its per-round sums (what `UPipeTrainer` reports from).
+- `NO_SP`: the state of a run without sequence parallelism; `activation_checkpointing(model)`: whether a model
+  checkpoints its layers; `output_dir_errors(path)` and `agree_on_errors(errors, world)`: the writable-folder check
+  and the all-ranks agreement that `setup` uses (UPipeTrainer runs them before transformers creates the folder).
+
+The flow of `setup` (every rank, the same arguments):
+1. checks that need only the settings, the launch and the model: sp_size divides the processes, activation
+   checkpointing where offload/auto need it, the kernel runs on this device and dtype, the heads split over sp_size
+   in chunks of heads_per_chunk, the output folder can be written. Each rank collects its errors; one
+   all_gather_object over all ranks shares them, and every rank raises the first (naming the ranks where only some
+   failed) before any other collective. Messages name each setting as the user wrote it (`config.describe`);
+2. `auto=True`: the planner's settings (rank 0 plans in a child process and broadcasts) in a copy of the config;
+3. `init_sequence_parallel`, then `prepare_model` (fused block, tiled MLP).
+
+The loss: N = label tokens of the whole optimizer step (all gradient-accumulation micro-batches, all SP and DP
+ranks, counted once); rank r's loss = W x (its shard's summed token loss) / max(N, 1). DDP and FSDP average the
+gradients over the W ranks, so the update is that of the token mean over N, exactly; a step without label tokens
+gives a zero loss and zero gradients, as transformers' Trainer does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hf_upipe.config import UPipeConfig
+from hf_upipe.data import shard_batch
+from hf_upipe.distributed import SequenceParallelState, init_sequence_parallel, set_sequence_parallel_state
+from hf_upipe.integrations.fused import prepare_model
+from hf_upipe.integrations.loaders import eval_rounds, share_batches_within_sp
+from hf_upipe.integrations.loss import shard_loss_sum
+from hf_upipe.memory.offload import offload_checkpoints
+from hf_upipe.ops.head_layout import geometry_error, valid_heads_per_chunk, valid_sp_sizes
+from hf_upipe.ops.kernels import get_kernel
+
+__all__ = ["EvalSums", "NO_SP", "UPipeRuntime", "activation_checkpointing", "agree_on_errors", "output_dir_errors"]
+
+NO_SP = SequenceParallelState(sp_group=None, sp_size=1, sp_rank=0, dp_group=None, dp_size=1, dp_rank=0)
+
+_NOT_INPUTS = ("shift_labels", "num_label_tokens")
+
+
+def _heads(model) -> tuple[int, int] | None:
+    """(query heads, key-value heads) from the model's (text) config, or None when it does not say."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return (heads, kv) if isinstance(heads, int) and isinstance(kv, int) else None
+
+
+def activation_checkpointing(model) -> bool:
+    """Whether activation checkpointing is on for a transformers (or PEFT) model: transformers' current name,
+    `is_activation_checkpointing`, where the installed version has it (the older one warns that it is deprecated)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(base), name):
+            return bool(getattr(base, name))
+    return False
+
+
+def _dtype(model) -> torch.dtype | None:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def output_dir_errors(path: str) -> list[Exception]:
+    """[] when files can be created in `path` (created if missing), else the error saying why not."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".upipe-write-test-", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        return [ValueError(f"output_dir={path!r} cannot be written ({type(err).__name__}: {err.strerror or err}): "
+                           "checkpoints would fail only after the training before them; choose a writable folder.")]
+    return []
+
+
+def _sp_origin(config: UPipeConfig, sp: int) -> str:
+    if config.sp_size is None:
+        return f"sp_size={sp} (the default: the processes of one node)"
+    return config.describe("sp_size")
+
+
+def _geometry_errors(config: UPipeConfig, heads, sp: int, world: int) -> list[Exception]:
+    """The model's heads against sp_size and heads_per_chunk (empty when they fit, or without SP)."""
+    if heads is None or sp == 1:
+        return []
+    H, Hk = heads
+    why = geometry_error(H, Hk, sp)
+    if why is not None:
+        ok = [p for p in valid_sp_sizes(H, Hk, upto=world) if world % p == 0]
+        return [ValueError(f"{_sp_origin(config, sp)} cannot split this model's attention: {why}. sp_size values "
+                           f"that work for {H} query / {Hk} key-value heads and divide the {world} processes: {ok}.")]
+    hpc = config.heads_per_chunk
+    valid = valid_heads_per_chunk(H, Hk, sp)
+    if hpc != "all" and hpc not in valid:
+        return [ValueError(
+            f"{config.describe('heads_per_chunk')} does not fit {H} query / {Hk} key-value heads on sp_size={sp} "
+            f"({H // sp} query heads per rank, {H // max(Hk, sp)} per key-value head): use one of {valid}, or 'all' "
+            "for all local heads in one chunk (UPipeConfig(heads_per_chunk='all') / UPIPE_HEADS_PER_CHUNK=all).")]
+    return []
+
+
+def agree_on_errors(errors: list[Exception], world: int) -> None:
+    """Raise on every rank the first error any rank found (one all_gather_object over all ranks)."""
+    mine = [(isinstance(e, NotImplementedError), str(e)) for e in errors]
+    every = [mine]
+    if world > 1 and dist.is_initialized():
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    failed = [rank for rank, found in enumerate(every) if found]
+    if failed:
+        not_implemented, message = every[failed[0]][0]
+        if len(failed) < len(every):
+            message += f" (found on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))})"
+        raise (NotImplementedError if not_implemented else ValueError)(message)
+
+
+@dataclass
+class EvalSums:
+    """Per evaluation round g (the g-th batch of every data-parallel replica, what one process sees as its g-th
+    batch): summed token loss and label tokens over all ranks, and the examples of the round (None when not
+    recorded: one process)."""
+
+    loss: list[float]
+    tokens: list[float]
+    examples: list[int] | None
+
+    def token_mean(self) -> float:
+        """The mean loss over every label token of the eval set (NaN when it has none)."""
+        total = sum(self.tokens)
+        return sum(self.loss) / total if total else float("nan")
+
+    def batch_mean(self, nan_filter: bool = True) -> float:
+        """transformers.Trainer's `eval_loss`: each round's token mean weighted by its examples; with `nan_filter`
+        (`logging_nan_inf_filter`), rounds without label tokens are left out unless no round has any."""
+        means = [s / t if t else float("nan") for s, t in zip(self.loss, self.tokens)]
+        weights = self.examples if self.examples is not None else [1] * len(means)
+        keep = [i for i, m in enumerate(means) if math.isfinite(m)]
+        if not (nan_filter and keep):
+            keep = list(range(len(means)))
+        total = sum(weights[i] for i in keep)
+        return sum(weights[i] * means[i] for i in keep) / total if total else float("nan")
+
+
+class UPipeRuntime:
+    """Sequence-parallel setup, sharding and loss of one run (see the module docstring); build it with `setup`."""
+
+    def __init__(self, config: UPipeConfig, state: SequenceParallelState, *, world_size: int, device, plan=None,
+                 pad_token_id: int = 0):
+        self.config, self.state, self.plan = config, state, plan
+        self.world_size, self.device, self.pad_token_id = world_size, torch.device(device), pad_token_id
+
+    @classmethod
+    def setup(cls, config: UPipeConfig, model, *, world_size: int, device, checkpointing: bool,
+              checkpointing_fix: str, output_dir: str | None = None, pad_token_id: int = 0) -> UPipeRuntime:
+        """Check, plan (auto), build the SP groups and prepare `model` (module docstring).
+
+        Args:
+            config: the settings (not modified).
+            model: the transformers or PEFT model, before accelerate/DDP/FSDP wrap it.
+            world_size: processes of the launch; device: this rank's device.
+            checkpointing: whether activation checkpointing is on; `checkpointing_fix`: how the caller's user turns
+                it on (named in errors).
+            output_dir: a folder checkpoints will be written to (checked writable), or None.
+            pad_token_id: the pad id `shard` pads the sequence with.
+
+        Raises:
+            ValueError / NotImplementedError on every rank before any collective but the one that shares them.
+        """
+        errors: list[Exception] = []
+        for name in ("auto", "offload"):
+            value = getattr(config, name)
+            if value not in (False, "none") and not checkpointing:
+                errors.append(ValueError(
+                    f"{config.describe(name)} needs activation checkpointing on every layer ("
+                    f"{'it plans with it' if name == 'auto' else 'it offloads what checkpointing keeps'}): "
+                    f"{checkpointing_fix}" + (", or offload='none'." if name == "offload" else ".")))
+        sp = None
+        try:
+            sp = config.resolve_sp_size(world_size)
+        except ValueError as err:
+            errors.append(err)
+        try:
+            get_kernel(config.kernel, device, _dtype(model))
+        except ValueError as err:
+            errors.append(ValueError(f"{config.describe('kernel')}: {err}"))
+        if sp is not None:
+            errors += _geometry_errors(config, _heads(model), sp, world_size)
+        if output_dir is not None:
+            errors += output_dir_errors(output_dir)
+        agree_on_errors(errors, world_size)
+
+        plan = None
+        if config.auto:
+            from hf_upipe.planning.auto import apply_auto_settings  # the planner runs in a child process
+
+            config, plan = apply_auto_settings(config, model, world_size=world_size)
+            # the broadcast choice is the same on every rank, so is this check: no agreement needed
+            agree_on_errors(_geometry_errors(config, _heads(model), sp, world_size), 1)
+        if world_size > 1:
+            state = init_sequence_parallel(sp, **config.init_kwargs())
+        else:
+            state = NO_SP
+            set_sequence_parallel_state(None)
+        prepare_model(model, config)
+        return cls(config, state, world_size=world_size, device=device, plan=plan, pad_token_id=pad_token_id)
+
+    # ---- data and loss -----------------------------------------------------------------------------------------
+    def shard(self, batch: dict) -> dict:
+        """A full collated batch (`labels` or `shift_labels` required) -> this rank's shard."""
+        if batch.get("labels") is None and batch.get("shift_labels") is None:
+            raise ValueError("hf_upipe needs 'labels' (or 'shift_labels') in every batch: use a language-modeling "
+                             "collator, e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False); got "
+                             f"{sorted(batch)}.")
+        return shard_batch(batch, self.state.sp_rank, self.state.sp_size, pad_token_id=self.pad_token_id)
+
+    def world_sum(self, *values) -> list[float]:
+        """Sum small numbers over all ranks in one all_reduce (float64: exact for token counts)."""
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        if self.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+    def own_count(self, shard: dict) -> float:
+        """The batch's label tokens, contributed by SP rank 0 only, so a world sum counts each once."""
+        return float(shard["num_label_tokens"]) if self.state.sp_rank == 0 else 0.0
+
+    def count(self, shards: list[dict]) -> float:
+        """Label tokens of these shards' batches over all ranks, each counted once (one all_reduce)."""
+        return self.world_sum(sum(self.own_count(s) for s in shards))[0]
+
+    def loss_sum(self, model, shard: dict):
+        """(summed token loss of the shard, fp32 scalar; the model's outputs)."""
+        inputs = {k: v for k, v in shard.items() if k not in _NOT_INPUTS}
+        return shard_loss_sum(model, inputs, shard["shift_labels"], tiled=self.config.tiled_loss,
+                              chunk_tokens=self.config.loss_chunk_tokens)
+
+    def loss(self, model, shard: dict, num_items: float | None = None, *, return_outputs: bool = False):
+        """W x (this shard's summed token loss) / max(num_items, 1), ready for backward (module docstring).
+
+        `num_items`: label tokens of the optimizer step over all ranks (`count`); default `count([shard])`.
+        """
+        if num_items is None:
+            num_items = self.count([shard])
+        loss_sum, outputs = self.loss_sum(model, shard)
+        loss = loss_sum * (self.world_size / max(float(num_items), 1.0))
+        return (loss, outputs) if return_outputs else loss
+
+    def step(self, model):
+        """Context manager for one forward + backward: offloads checkpointed inputs when `offload` is set."""
+        cfg = self.config
+        if cfg.offload == "none":
+            return contextlib.nullcontext()
+        return offload_checkpoints(model, cfg.offload, path=cfg.offload_path, min_bytes=cfg.offload_min_bytes)
+
+    @staticmethod
+    def windows(loader, steps: int):
+        """Group a loader's shards into gradient-accumulation windows of `steps` (the last may be shorter)."""
+        window = []
+        for shard in loader:
+            window.append(shard)
+            if len(window) == steps:
+                yield window
+                window = []
+        if window:
+            yield window
+
+    # ---- evaluation --------------------------------------------------------------------------------------------
+    def _throwaway_forward(self, model, context) -> None:
+        """A forward on a one-token shard, for a replica with no batch left in a round (FSDP needs every rank's)."""
+        P = self.state.sp_size
+        ids = torch.zeros(1, P, dtype=torch.long, device=self.device)
+        shard = shard_batch({"input_ids": ids, "labels": torch.full_like(ids, -100)}, self.state.sp_rank, P)
+        with torch.no_grad(), context():
+            self.loss_sum(model, shard)
+
+    def eval_sums(self, model, loader, *, shards=None, context=contextlib.nullcontext) -> EvalSums:
+        """Per-round loss sums of an evaluation pass over an accelerate-prepared `loader` (no repeated examples).
+
+        Args:
+            model: the model to call (eval mode is the caller's choice).
+            loader: the accelerate-prepared loader (re-pointed here for evaluation; idempotent).
+            shards: this rank's shards of `loader`'s batches, on the device (default: `shard` of each batch).
+            context: a context-manager factory for each forward (e.g. autocast).
+
+        Every rank runs the same number of forwards (a replica whose batches ran out runs throw-away ones), and the
+        sums cross ranks in one all_reduce at the end.
+        """
+        share_batches_within_sp(loader, self.state, evaluation=True)
+        rows = []
+        for shard in shards if shards is not None else (self.shard(b) for b in loader):
+            with torch.no_grad(), context():
+                loss_sum, _ = self.loss_sum(model, shard)
+            rows.append(torch.stack([loss_sum.detach().to(torch.float64).reshape(()),
+                                     torch.tensor(self.own_count(shard), dtype=torch.float64,
+                                                  device=loss_sum.device)]))
+        distributed = self.world_size > 1 and dist.is_initialized()
+        examples = eval_rounds(loader, self.state.dp_size) if distributed else None
+        rounds = len(examples) if examples is not None else len(rows)
+        if len(rows) > rounds:
+            raise RuntimeError(f"evaluation: {len(rows)} batches on this rank but {rounds} rounds recorded")
+        for _ in range(rounds - len(rows)):
+            self._throwaway_forward(model, context)
+        sums = torch.zeros(rounds, 2, dtype=torch.float64, device=self.device)  # [G, (loss, tokens)]
+        if rows:
+            sums[: len(rows)] = torch.stack(rows).to(self.device)
+        if distributed:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        loss, tokens = sums.t().tolist() if rounds else ([], [])
+        return EvalSums(loss=loss, tokens=tokens, examples=examples)
+
+    def evaluate(self, model, loader) -> float:
+        """The exact eval loss of `loader` (accelerate-prepared, as given to `UPipePlugin.prepare` or
+        `accelerator.prepare`): the token mean over every label token of the eval set, the same on every rank."""
+        training = model.training
+        model.eval()
+        try:
+            return self.eval_sums(model, loader).token_mean()
+        finally:
+            model.train(training)
