@@ -57,7 +57,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     import torch.distributed as dist
 
     import hf_upipe  # noqa: F401  (registers "upipe")
-    from hf_upipe.planning.attention_block import UPIPE_IMPLS, _deepspeed_comm, _upipe_state, build_attention_block
+    from hf_upipe.planning.attention_block import UPIPE_IMPLS, build_attention_block, deepspeed_comm, upipe_state
 
     torch.set_num_threads(1)
     dtype = getattr(torch, cfg["dtype"])
@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         return original_a2a(output, input, *args, **kwargs)
 
     dist.all_to_all_single = counted_a2a
-    ds_ctx = _deepspeed_comm() if any(impl == "deepspeed" for _, impl, _ in impls) else contextlib.nullcontext()
+    ds_ctx = deepspeed_comm() if any(impl == "deepspeed" for _, impl, _ in impls) else contextlib.nullcontext()
     timings, checks = [], []
     try:
         with ds_ctx:
@@ -83,7 +83,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                 blocks = {}
                 for label, impl, c in impls:
                     torch.manual_seed(0)  # identical weights for every implementation
-                    state = _upipe_state(group, c) if impl in UPIPE_IMPLS else contextlib.nullcontext()
+                    state = upipe_state(group, c) if impl in UPIPE_IMPLS else contextlib.nullcontext()
                     with state:
                         blocks[label] = build_attention_block(impl, cfg["hidden"], cfg["heads"], cfg["kv_heads"],
                                                               cfg["head_dim"], S, dtype, group)
@@ -98,7 +98,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                     block = blocks[label][0]
                     block.zero_grad(set_to_none=True)
                     x.grad = None
-                    state = _upipe_state(group, c) if impl in UPIPE_IMPLS else contextlib.nullcontext()
+                    state = upipe_state(group, c) if impl in UPIPE_IMPLS else contextlib.nullcontext()
                     with state:
                         counter["bytes"] = counter["calls"] = 0
                         dist.barrier()

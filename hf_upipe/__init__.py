@@ -3,20 +3,27 @@
 Main entry points:
 - `init_sequence_parallel(sp_size=None, *, heads_per_chunk=1, group=None, kernel="auto")`: build the
   sequence-parallel groups after torch.distributed is up; the defaults of `attn_implementation="upipe"`.
-- `attn_implementation="upipe"` in `from_pretrained` / `from_config`: registered with transformers on import.
-- `prepare_model(model)`: install the fused UPipe attention block (projections inside the head-chunk loop, LoRA
-  included) on Llama, Mistral, Qwen2 and Qwen3 attention modules; a plain or a PEFT model.
+- `attn_implementation="upipe"` in `from_pretrained` / `from_config`: registered with transformers by
+  `import hf_upipe` (as soon as transformers' modeling code loads: `hf_upipe.registration`).
+- `prepare_model(model, upipe_config=None)` / `unprepare_model(model)`: install (and remove, exactly) the fused
+  UPipe attention block and the tiled MLP on the architectures of `hf_upipe.integrations.architectures`; a plain
+  or a PEFT model.
 - `upipe_attention(q, k, v, *, group, heads_per_chunk)`: the op itself, on explicit tensors and process group.
 - `UPipeTrainer` / `UPipeConfig`: transformers' Trainer with sequence parallelism, exact token-weighted loss and
-  a tiled loss; the settings dataclass (`UPIPE_*` environment fallbacks). `UPipeTrainer` is imported lazily.
+  a tiled loss; the settings dataclass (`UPIPE_*` environment fallbacks).
 - `UPipePlugin`: the same settings plus `prepare(accelerator, model, optimizer, loader)` for custom loops under
-  `accelerate launch` (FSDP2 or DDP); imported lazily.
+  `accelerate launch` (FSDP2 or DDP), returning the run's `UPipeRuntime`.
 - `shard_batch`, `ShardedDataLoader`, `sampler_kwargs`: per-rank sequence shards for custom training loops.
 - `MemoryTracker`: exact tensor-memory accounting (real or fake tensors), as used by the benchmarks.
 - `plan(model, *, gpus, gpu_memory, nodes=1, seq_len=None, max_context=False, ...)`: before launch, the per-GPU
-  peak by category, whether it fits, the settings to use and the longest sequence that fits (`hf-upipe plan`);
-  imported lazily. `UPipeConfig(auto=True, plan_seq_len=...)` lets the Trainer and the plugin apply it.
+  peak by category, whether it fits, the settings to use and the longest sequence that fits (`hf-upipe plan`).
+  `UPipeConfig(auto=True, plan_seq_len=...)` lets the Trainer and the plugin apply it.
+
+Importing this package imports torch and the pure-torch layers only; everything that needs transformers,
+accelerate or the planner is imported on first use of its name.
 """
+
+from importlib import import_module
 
 from hf_upipe.config import UPipeConfig
 from hf_upipe.data import ShardedDataLoader, sampler_kwargs, shard_batch
@@ -26,48 +33,43 @@ from hf_upipe.distributed import (
     init_sequence_parallel,
     reset_sequence_parallel,
 )
-from hf_upipe.integrations.fused import prepare_model
-from hf_upipe.integrations.transformers import register as _register
 from hf_upipe.ops.head_layout import HeadLayout, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.ops.upipe_attention import upipe_attention
-from hf_upipe.planning.tracker import MemoryTracker
+from hf_upipe.registration import register_with_transformers
 
 __version__ = "0.1.0"
 
+# name -> module that defines it, imported on first use (transformers, accelerate or the planner behind them)
+_LAZY = {
+    "MemoryTracker": "hf_upipe.planning.tracker",
+    "UPipePlugin": "hf_upipe.integrations.accelerate",
+    "UPipeRuntime": "hf_upipe.runtime",
+    "UPipeTrainer": "hf_upipe.trainer",
+    "plan": "hf_upipe.planning.planner",
+    "prepare_model": "hf_upipe.integrations.prepare",
+    "unprepare_model": "hf_upipe.integrations.prepare",
+}
+
 __all__ = [
     "HeadLayout",
-    "MemoryTracker",
     "SequenceParallelState",
     "ShardedDataLoader",
     "UPipeConfig",
-    "UPipePlugin",
-    "UPipeTrainer",
     "get_sequence_parallel_state",
     "init_sequence_parallel",
-    "plan",
-    "prepare_model",
     "reset_sequence_parallel",
     "sampler_kwargs",
     "shard_batch",
     "upipe_attention",
     "valid_heads_per_chunk",
     "valid_sp_sizes",
+    *sorted(_LAZY),
 ]
 
-_register()
+register_with_transformers()
 
 
 def __getattr__(name):
-    if name == "UPipeTrainer":  # lazy: transformers.Trainer pulls in accelerate and optimizers
-        from hf_upipe.trainer import UPipeTrainer
-
-        return UPipeTrainer
-    if name == "plan":  # lazy: the planner builds models with transformers
-        from hf_upipe.planning.planner import plan
-
-        return plan
-    if name == "UPipePlugin":
-        from hf_upipe.integrations.accelerate import UPipePlugin
-
-        return UPipePlugin
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hf_upipe' has no attribute {name!r}")

@@ -109,15 +109,15 @@ register_command("env", "versions, devices, kernels and the UPIPE_* settings in 
 
 
 def _selftest_arguments(parser):
-    from hf_upipe.selftest import _arguments
+    from hf_upipe.selftest import add_arguments
 
-    _arguments(parser)
+    add_arguments(parser)
 
 
 def _selftest_run(args):
-    from hf_upipe.selftest import _run
+    from hf_upipe.selftest import run
 
-    return _run(args)
+    return run(args)
 
 
 register_command("selftest", "prove that sequence-parallel training equals one device on your model",
@@ -125,13 +125,13 @@ register_command("selftest", "prove that sequence-parallel training equals one d
 
 
 def _plan_arguments(parser):
-    from hf_upipe.planning.plan_report import add_arguments
+    from hf_upipe.planning.plan_command import add_arguments
 
     add_arguments(parser)
 
 
 def _plan_run(args):
-    from hf_upipe.planning.plan_report import run
+    from hf_upipe.planning.plan_command import run
 
     return run(args)
 

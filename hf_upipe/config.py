@@ -5,8 +5,8 @@ Entry points:
   `__post_init__` that names the fix).
 - `UPipeConfig.resolve_sp_size(world_size, local_world_size=None)`: the SP degree for a given launch.
 - `UPipeConfig.init_kwargs()`: the arguments of `hf_upipe.init_sequence_parallel`.
-- `auto=True`: `hf_upipe.planning.auto.apply_auto_settings` fills the memory settings from the planner
-  (UPipeTrainer and UPipePlugin call it before anything else).
+- `auto=True`: `hf_upipe.auto_settings.apply_auto_settings` returns a copy with the planner's memory settings
+  (UPipeTrainer and UPipePlugin call it before anything else; the planner runs in a child process).
 
 Precedence: an explicit argument, then the `UPIPE_<FIELD>` environment variable, then the default. Validation
 that needs the world size (sp_size dividing it) happens in `resolve_sp_size`, on every rank, before any

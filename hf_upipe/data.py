@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from hf_upipe.distributed import SequenceParallelState
+from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
 
 __all__ = ["ShardedDataLoader", "sampler_kwargs", "shard_batch"]
 
@@ -41,9 +42,8 @@ _FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
 
 def _check_right_padding(mask: torch.Tensor) -> None:
     """Raise unless every row of the [B, S] mask is ones then zeros."""
-    m = mask.long()
-    if not bool((m.cummin(dim=1).values == m).all()):
-        rows = torch.nonzero((m.cummin(dim=1).values != m).any(dim=1)).flatten().tolist()
+    rows = left_padded_rows(mask)
+    if rows:
         raise ValueError(
             f"attention_mask rows {rows} have left or interior padding (a 0 before a 1), which sequence-parallel "
             "'upipe' attention cannot honour: tokenize/collate with padding_side='right' (tokenizer.padding_side = "
@@ -54,11 +54,9 @@ def _check_right_padding(mask: torch.Tensor) -> None:
 def _starts_from_cu(cu: torch.Tensor, key: str, B: int, S: int) -> torch.Tensor:
     """[B, S] bool document starts from flash-attn `cu_seq_lens` over the flattened [B*S] batch."""
     c = cu.reshape(-1).long()
-    if c[0] != 0 or c[-1] != B * S or bool((c[1:] <= c[:-1]).any()):
-        raise ValueError(f"{key} must increase strictly from 0 to B*S = {B * S} (boundaries over the flattened "
-                         f"batch), got {c.tolist()[:8]}{' ...' if c.numel() > 8 else ''}.")
-    if not bool(torch.isin(torch.arange(B, device=c.device) * S, c).all()):
-        raise ValueError(f"{key} has a document crossing a row boundary; documents of a packed batch never span rows.")
+    error = cu_seqlens_error(c, B, S)
+    if error is not None:
+        raise ValueError(f"{key} (boundaries over the flattened batch) {error}.")
     flat = torch.zeros(B * S, dtype=torch.bool, device=c.device)
     flat[c[:-1]] = True
     return flat.view(B, S)

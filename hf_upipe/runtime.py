@@ -43,12 +43,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hf_upipe.auto_settings import apply_auto_settings
 from hf_upipe.config import UPipeConfig
 from hf_upipe.data import shard_batch
 from hf_upipe.distributed import SequenceParallelState, init_sequence_parallel, set_sequence_parallel_state
-from hf_upipe.integrations.fused import prepare_model
 from hf_upipe.integrations.loaders import eval_rounds, share_batches_within_sp
 from hf_upipe.integrations.loss import shard_loss_sum
+from hf_upipe.integrations.peft import base_model
+from hf_upipe.integrations.prepare import prepare_model
 from hf_upipe.memory.offload import offload_checkpoints
 from hf_upipe.ops.head_layout import geometry_error, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.ops.kernels import get_kernel
@@ -62,7 +64,7 @@ _NOT_INPUTS = ("shift_labels", "num_label_tokens")
 
 def _heads(model) -> tuple[int, int] | None:
     """(query heads, key-value heads) from the model's (text) config, or None when it does not say."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     config = getattr(base, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
@@ -74,7 +76,7 @@ def _heads(model) -> tuple[int, int] | None:
 def activation_checkpointing(model) -> bool:
     """Whether activation checkpointing is on for a transformers (or PEFT) model: transformers' current name,
     `is_activation_checkpointing`, where the installed version has it (the older one warns that it is deprecated)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
         if hasattr(type(base), name):
             return bool(getattr(base, name))
@@ -216,8 +218,6 @@ class UPipeRuntime:
 
         plan = None
         if config.auto:
-            from hf_upipe.planning.auto import apply_auto_settings  # the planner runs in a child process
-
             config, plan = apply_auto_settings(config, model, world_size=world_size)
             # the broadcast choice is the same on every rank, so is this check: no agreement needed
             agree_on_errors(_geometry_errors(config, _heads(model), sp, world_size), 1)

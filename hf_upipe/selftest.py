@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import os
-import queue
-import socket
-import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from hf_upipe.integrations.peft import base_model
+from hf_upipe.testing import DistributedFailure, run_distributed
 
 __all__ = ["Check", "format_table", "run_selftest"]
 
@@ -99,7 +97,7 @@ def _check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
     sp_model = prepare_model(copy.deepcopy(ref), UPipeConfig(fused_attention=spec["fused"]))
     ref.train()
     sp_model.train()
-    vocab = (ref.get_base_model() if spec["lora"] else ref).config.vocab_size
+    vocab = base_model(ref).config.vocab_size
     checks = []
     for batch_name, full in _batches(vocab, spec["seq_len"]).items():
         ref.zero_grad()
@@ -142,27 +140,18 @@ def _check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
     return checks
 
 
-def _worker(rank, world, port, spec, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
-    try:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-        import hf_upipe
+def _rank(rank: int, world: int, spec: dict) -> list[dict]:
+    """One rank of the self-test: every model's checks (a model that cannot run under SP: one failed check)."""
+    import hf_upipe
 
-        hf_upipe.init_sequence_parallel(world, heads_per_chunk=spec["heads_per_chunk"])
-        checks = []
-        for name in spec["models"]:
-            try:
-                checks += _check_model(name, spec, rank, world)
-            except Exception as err:  # a model that cannot run under SP: one failed check that says why
-                checks.append(Check(name, "-", f"runs under SP: {type(err).__name__}: {err}"[:200], 1.0, 0.0))
-        results.put((rank, True, [vars(c) for c in checks]))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    hf_upipe.init_sequence_parallel(world, heads_per_chunk=spec["heads_per_chunk"])
+    checks = []
+    for name in spec["models"]:
+        try:
+            checks += _check_model(name, spec, rank, world)
+        except Exception as err:  # a model that cannot run under SP: one failed check that says why
+            checks.append(Check(name, "-", f"runs under SP: {type(err).__name__}: {err}"[:200], 1.0, 0.0))
+    return [vars(c) for c in checks]
 
 
 def run_selftest(models, *, sp: int = 2, lora: bool = False, seq_len: int = 61, heads_per_chunk: int | None = 1,
@@ -175,29 +164,11 @@ def run_selftest(models, *, sp: int = 2, lora: bool = False, seq_len: int = 61, 
         raise ValueError(f"sp={sp}: the self-test compares sequence parallelism over at least 2 ranks with one device.")
     spec = dict(models=list(models), lora=lora, seq_len=seq_len, heads_per_chunk=heads_per_chunk, fused=fused,
                 breakage=breakage)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, sp, port, spec, results), daemon=True) for r in range(sp)]
-    for p in procs:
-        p.start()
-    out, errors = {}, []
     try:
-        for _ in range(sp):
-            rank, ok, value = results.get(timeout=timeout)
-            (out.__setitem__(rank, value) if ok else errors.append(f"rank {rank}:\n{value}"))
-    except queue.Empty:
-        errors.append("timed out")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-    if errors:
-        raise RuntimeError("selftest worker failed:\n" + "\n".join(errors))
-    return [Check(**c) for c in out[0]]
+        ranks = run_distributed(_rank, sp, spec, timeout=timeout)
+    except DistributedFailure as err:
+        raise RuntimeError(f"selftest worker failed:\n{err}") from None
+    return [Check(**c) for c in ranks[0]]
 
 
 def format_table(checks: list[Check]) -> str:
@@ -210,7 +181,7 @@ def format_table(checks: list[Check]) -> str:
     return "\n".join(rows)
 
 
-def _arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="config.json, model dir, or llama|qwen2|mistral|qwen3 (tiny); "
                                                        "comma-separated for several")
     parser.add_argument("--sp", type=int, default=2, help="sequence-parallel ranks to launch (default 2)")
@@ -221,7 +192,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--break", dest="breakage", choices=["shard-shift"], help="deliberately break the sharding")
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     hpc = None if args.heads_per_chunk == "all" else int(args.heads_per_chunk)
     checks = run_selftest(args.model.split(","), sp=args.sp, lora=args.lora, seq_len=args.seq_len,
                           heads_per_chunk=hpc, fused=not args.registered, breakage=args.breakage)

@@ -50,8 +50,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, ge
 
 from hf_upipe.checkpoint import verify_checkpoint, write_manifest
 from hf_upipe.config import UPipeConfig
-from hf_upipe.integrations.fused import prepare_model
 from hf_upipe.integrations.loaders import share_batches_within_sp
+from hf_upipe.integrations.prepare import prepare_model
 from hf_upipe.runtime import UPipeRuntime, agree_on_errors, output_dir_errors
 
 logger = logging.getLogger(__name__)

@@ -18,6 +18,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = ["--steps", "4", "--seq-len", "256", "--rows", "16", "--lr", "1e-3"]
 
+pytestmark = pytest.mark.slow  # multi-process runs of several steps: the full suite runs them
+
 
 def _run(script, args, tmp_path, processes=2, fails=False):
     path = os.path.join(ROOT, "examples", script)

@@ -1,9 +1,12 @@
 """`hf-upipe selftest` passes on the four supported architectures and fails loudly on a broken sharding."""
 
+import pytest
+
 from hf_upipe.cli import main
 from hf_upipe.selftest import run_selftest
 
 
+@pytest.mark.slow
 def test_selftest_passes_on_the_supported_architectures():
     checks = run_selftest(["llama", "qwen2", "mistral", "qwen3"], sp=2)
     assert len(checks) == 4 * 2 * 4  # models x batches (padded, packed) x (loss, gradients, logits, eval loss)

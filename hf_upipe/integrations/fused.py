@@ -1,20 +1,19 @@
-"""`prepare_model(model)`: install the fused UPipe attention block on the attention modules it knows.
+"""The fused UPipe attention block on transformers' attention modules.
 
 Entry points:
-- `prepare_model(model)`: idempotent; works on a plain transformers model, a PEFT model, or any module tree.
-- `FUSED_ATTENTION_CLASSES`: the attention classes handled (Llama, Mistral, Qwen2 with q/k/v bias, Qwen3 with
-  per-head q_norm/k_norm).
+- `install_fused_attention(model)` / `remove_fused_attention(model)`: replace (and restore, exactly) the forward of
+  every attention module of the registry's fused architectures (`hf_upipe.architectures`: Llama, Mistral, Qwen2
+  with q/k/v bias, Qwen3 with per-head q_norm/k_norm), behind its version gate. `hf_upipe.prepare_model` calls them.
+- `fused_forward`: the forward installed on those modules.
 - `attention_weights(module)`: the module's tensors as `hf_upipe.ops.fused_attention.AttentionWeights`,
   reading PEFT LoRA layers (active adapters, scaling, dropout) on q_proj/k_proj/v_proj/o_proj.
 
-The flow: `prepare_model` replaces each known attention module's `forward` by `fused_forward` (the original is
-kept as `module._upipe_original_forward`) and switches the model to `attn_implementation="upipe"` (whose mask
-function is what the layout checks read). `fused_forward`, under sequence parallelism, validates the batch like
-the registered path (every rank raises the same error before any all-to-all) and calls
-`fused_upipe_attention` on the normed hidden states (for packed rows, `upipe_cu_seqlens` in the kwargs, with the
-kernel wrapped in `hf_upipe.ops.documents.DocumentKernel`, as the registered path does); without SP it calls the
-original forward (exact "sdpa", which handles packing itself).
-Attention modules of other classes keep the registered "upipe" path, with one log line saying so.
+The flow: `fused_forward`, under sequence parallelism, validates the batch like the registered path (once per model
+forward; every rank raises the same error before any all-to-all) and calls `fused_upipe_attention` on the normed
+hidden states (for packed rows, `upipe_cu_seqlens` in the kwargs, with the kernel wrapped in
+`hf_upipe.ops.documents.DocumentKernel`, as the registered path does); without SP it calls the class's own forward
+(exact "sdpa", which handles packing itself). The installed forward is an instance attribute; removing it is
+deleting that attribute, which leaves the module exactly as it was.
 
 Composability: gradients are returned by one autograd Function per layer (never accumulated into `.grad` by
 hand), so DDP/FSDP hooks and the model's non-reentrant activation checkpointing see an ordinary op. Not
@@ -29,21 +28,20 @@ import types
 import torch
 from torch import nn
 
+from hf_upipe.architectures import fused_attention_classes, verified
 from hf_upipe.integrations.transformers import (
-    _active_state,
-    _check_layout,
-    _check_static,
+    active_state,
+    check_call,
     sliding_window_check,
     sp_kernel,
+    validate_layout,
 )
+from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.fused_attention import AttentionWeights, HeadNorm, LoraAdapter, Projection, fused_upipe_attention
-from hf_upipe.planning.simulate import is_fake
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FUSED_ATTENTION_CLASSES", "attention_weights", "fused_forward", "prepare_model"]
-
-FUSED_ATTENTION_CLASSES = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+__all__ = ["attention_weights", "fused_forward", "install_fused_attention", "remove_fused_attention"]
 
 
 def _projection(layer: nn.Module, training: bool) -> Projection:
@@ -93,27 +91,27 @@ def attention_weights(module: nn.Module) -> AttentionWeights:
 def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
                   **kwargs):
     """Forward installed on known attention modules: the fused UPipe block under SP, the original otherwise."""
-    state = _active_state()
+    state = active_state()
     if state is None:
-        return self._upipe_original_forward(hidden_states, position_embeddings, attention_mask, past_key_values,
-                                            **kwargs)
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                                  **kwargs)
     if past_key_values is not None and past_key_values.get_seq_length(self.layer_idx) > 0:
         raise NotImplementedError("A KV cache with past tokens is not supported under sequence parallelism; "
                                   "generate without SP (one process), or call the model with use_cache=False.")
     dropout = self.attention_dropout if self.training else 0.0
-    _check_static(self, dropout, kwargs)
+    check_call(self, dropout, kwargs)
     if isinstance(attention_mask, torch.Tensor):
         raise NotImplementedError("The fused UPipe path got a prepared attention mask tensor under sequence "
                                   "parallelism; pass a 2-D padding mask (right padding) or none.")
     B, s, _ = hidden_states.shape
     kernel = state.kernel
     if not is_fake(hidden_states):
-        _check_layout(state, kwargs.get("position_ids"), attention_mask, B, s, hidden_states.device,
-                      kwargs.get("upipe_cu_seqlens"))
+        validate_layout(state, kwargs.get("position_ids"), attention_mask, B, s, hidden_states.device,
+                        kwargs.get("upipe_cu_seqlens"))
         # packed rows: the kernel runs inside each document (DocumentKernel), like the registered path
         kernel = sp_kernel(state, kwargs, hidden_states.device, hidden_states.dtype, s * state.sp_size)
     window = getattr(self, "sliding_window", None)
-    if window is None and type(self).__name__ == "MistralAttention":
+    if window is None and fused_attention_classes()[type(self).__name__].window_in_config:
         window = getattr(self.config, "sliding_window", None)
     sliding_window_check(window, s * state.sp_size)
     cos, sin = position_embeddings
@@ -126,42 +124,39 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
     return y, None
 
 
-def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
-    """Install the fused UPipe attention block on every known attention module of `model` (idempotent).
+def _is_fused(module: nn.Module) -> bool:
+    return getattr(module.__dict__.get("forward"), "__func__", None) is fused_forward
 
-    Args:
-        model: a transformers model, a PEFT model wrapping one, or any module tree containing attention modules.
-        upipe_config: an optional `hf_upipe.UPipeConfig`: `fused_attention=False` keeps the registered attention path
-            (only `attn_implementation="upipe"` is set); `tiled_mlp=True` also tiles the MLPs and RMSNorms
-            (`hf_upipe.memory.apply_tiled_mlp`, `mlp_chunk_tokens`). Offloading is per step: wrap each forward and
-            backward in `hf_upipe.memory.offload_checkpoints(model, upipe_config.offload, ...)`
-            (UPipeTrainer does).
+
+def install_fused_attention(model: nn.Module) -> tuple[int, set[str], set[str]]:
+    """Install `fused_forward` on every attention module of the registry's fused architectures (idempotent).
 
     Returns:
-        The same model, with `attn_implementation="upipe"` set where a config is found.
+        (modules fused, attention classes left on the registered path because the installed transformers changed
+        their source (the version gate), other attention classes found).
     """
-    if upipe_config is not None and upipe_config.tiled_mlp:
-        from hf_upipe.memory.tiled_mlp import apply_tiled_mlp
-
-        apply_tiled_mlp(model, upipe_config.mlp_chunk_tokens)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(base, "config", None)
-    if config is not None and getattr(config, "_attn_implementation", None) != "upipe" \
-            and hasattr(base, "set_attn_implementation"):
-        base.set_attn_implementation("upipe")
-        logger.info("hf_upipe: attn_implementation set to 'upipe'")
-    if upipe_config is not None and not upipe_config.fused_attention:
-        return model
-    fused, other = 0, set()
+    classes = fused_attention_classes()
+    fused, changed, other = 0, set(), set()
     for module in model.modules():
         name = type(module).__name__
-        if name in FUSED_ATTENTION_CLASSES:
-            if not hasattr(module, "_upipe_original_forward"):
-                module._upipe_original_forward = module.forward
-                module.forward = types.MethodType(fused_forward, module)
-            fused += 1
-        elif name.endswith("Attention") and hasattr(module, "q_proj"):
-            other.add(name)
-    logger.info("hf_upipe: fused UPipe attention on %d module(s)%s", fused,
-                f"; {sorted(other)} keep the registered 'upipe' path" if other else "")
-    return model
+        arch = classes.get(name)
+        if arch is None:
+            if name.endswith("Attention") and hasattr(module, "q_proj"):
+                other.add(name)
+            continue
+        if not verified(arch, "fused") or ("forward" in module.__dict__ and not _is_fused(module)):
+            changed.add(name)  # a changed class, or an instance whose forward someone else replaced: not stacked
+            continue
+        module.forward = types.MethodType(fused_forward, module)
+        fused += 1
+    return fused, changed, other
+
+
+def remove_fused_attention(model: nn.Module) -> int:
+    """Give every fused attention module its class's forward back (exactly). Returns how many were restored."""
+    count = 0
+    for module in model.modules():
+        if _is_fused(module):
+            del module.forward
+            count += 1
+    return count

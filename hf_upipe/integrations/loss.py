@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from hf_upipe.integrations.peft import base_model
 from hf_upipe.ops.tiled_loss import tiled_cross_entropy
 
 __all__ = ["output_head", "shard_loss_sum"]
@@ -48,8 +49,7 @@ def output_head(model: nn.Module) -> tuple[nn.Linear, nn.Module]:
             lm_head, `modules_to_save`, quantized heads): train with `tiled_loss=False` then.
     """
     base = _unwrap(model)
-    if hasattr(base, "get_base_model"):  # PEFT
-        base = base.get_base_model()
+    base = base_model(base)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if head is None:
         raise NotImplementedError(f"{type(base).__name__} has no output embeddings (lm_head): the tiled loss needs a "

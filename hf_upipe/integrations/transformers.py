@@ -1,12 +1,14 @@
 """`attn_implementation="upipe"` for transformers: the attention function and its mask function.
 
 Entry points:
-- `register()`: adds "upipe" to transformers' `AttentionInterface` and `AttentionMaskInterface` (idempotent;
-  `import hf_upipe` calls it).
+- `register()`: adds "upipe" to transformers' `AttentionInterface` and `AttentionMaskInterface` (idempotent; run
+  when this module is imported, which `import hf_upipe` arranges as soon as transformers' modeling code loads).
 - `upipe_attention_forward(module, query, key, value, attention_mask, ...)`: the registered attention function.
 - `upipe_mask(...)`: the registered mask function; `SequenceParallelMask`: what it returns under SP.
 - `sp_kernel(state, kwargs, device, dtype, seq_len)`: the state's kernel, wrapped in
-  `hf_upipe.ops.documents.DocumentKernel` for packed rows (shared with the fused path).
+  `hf_upipe.ops.documents.DocumentKernel` for packed rows (one per batch; shared with the fused path).
+- `active_state()`, `check_call(...)`, `validate_layout(...)`, `sliding_window_check(...)`: the checks the fused
+  path shares; `validate_layout` runs the layout all-gather once per model forward, not per layer.
 
 The flow, with sequence parallelism initialised (`hf_upipe.init_sequence_parallel`, group of P > 1 ranks):
 1. each rank calls the model on its contiguous shard input_ids [B, s] with GLOBAL position_ids
@@ -16,7 +18,8 @@ The flow, with sequence parallelism initialised (`hf_upipe.init_sequence_paralle
    passes through its kwargs to the attention function;
 2. `upipe_mask` does not build an O(S^2) mask: it passes on the 2-D padding mask (if any) and whether the
    model asked for plain causal masking (else the mask function, probed later), as a `SequenceParallelMask`;
-3. `upipe_attention_forward` checks, with one tiny all-gather that every rank enters, that the ranks agree on
+3. `upipe_attention_forward` checks (once per model forward: the first layer; `validate_layout`), with one tiny
+   all-gather that every rank enters, that the ranks agree on
    the layout (equal shard lengths, the same documents, position_ids that are global or match the documents,
    a mask that is causal (within the local documents), padding only at the end of each row), so a bad batch
    raises the same error on every rank before any all-to-all; then it runs `hf_upipe.ops.upipe_attention` on
@@ -33,6 +36,7 @@ custom masks, dropout, softcap, attention sinks and KV caches with past tokens r
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -43,12 +47,13 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from hf_upipe.distributed import SequenceParallelState, get_sequence_parallel_state
-from hf_upipe.ops.documents import DocumentKernel
+from hf_upipe.ops.documents import DocumentKernel, cu_seqlens_error, left_padded_rows
+from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.kernels import AttentionKernel, get_kernel
 from hf_upipe.ops.upipe_attention import upipe_attention
-from hf_upipe.planning.simulate import is_fake
 
-__all__ = ["SequenceParallelMask", "register", "sp_kernel", "upipe_attention_forward", "upipe_mask"]
+__all__ = ["SequenceParallelMask", "active_state", "check_call", "register", "sliding_window_check", "sp_kernel",
+           "upipe_attention_forward", "upipe_mask", "validate_layout"]
 
 NAME = "upipe"
 
@@ -69,6 +74,11 @@ class SequenceParallelMask:
     padding: torch.Tensor | None
     plain_causal: bool
     mask_function: Callable | None = field(default=None, compare=False, repr=False)
+
+
+def active_state() -> SequenceParallelState | None:
+    """The installed sequence-parallel state when it has more than one rank (SP on), else None."""
+    return _active_state()
 
 
 def _active_state() -> SequenceParallelState | None:
@@ -147,8 +157,7 @@ def _local_documents(cu: torch.Tensor, r: int, s: int, P: int, B: int, device) -
     `upipe_cu_seqlens` (boundaries over the flattened [B * P*s] batch); None when it is malformed."""
     cu = cu.to(device=device, dtype=torch.long).reshape(-1)  # [N+1]
     S = s * P
-    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != B * S or bool((cu[1:] <= cu[:-1]).any()) \
-            or not bool(torch.isin(torch.arange(B, device=device) * S, cu).all()):
+    if cu_seqlens_error(cu, B, S) is not None:
         return None
     g = torch.arange(B, device=device)[:, None] * S + r * s + torch.arange(s, device=device)  # [B, s] flat index
     doc = torch.searchsorted(cu, g, right=True) - 1  # [B, s]
@@ -184,7 +193,7 @@ def _layout_summary(state, position_ids, mask, batch, local_len, device, documen
         form_ok, any_pad, all_pad = True, False, False
     else:
         # ones-then-zeros in every row: once a row has a zero, it stays zero
-        form_ok = bool((pad.int().cummin(dim=-1).values == pad.int()).all())
+        form_ok = not left_padded_rows(pad)
         any_pad, all_pad = bool((~pad).any()), bool((~pad).all())
     return torch.tensor([s, batch, mask_ok, pos_ok, form_ok, any_pad, all_pad, restart, given, *sums],
                         dtype=torch.long, device=device)
@@ -249,6 +258,45 @@ def _check_layout(state, position_ids, mask, batch, local_len, device, documents
             _check_rows_trailing(state, mask, batch, device)
 
 
+class _TensorCache:
+    """tensor -> value, by the tensor's identity, holding the tensor weakly (an entry dies with its tensor).
+    (`weakref.WeakKeyDictionary` compares keys with `==`, which is elementwise for tensors.)"""
+
+    def __init__(self):
+        self._entries: dict[int, tuple[weakref.ref, object]] = {}
+
+    def get(self, tensor):
+        entry = self._entries.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else None
+
+    def set(self, tensor, value) -> None:
+        key = id(tensor)
+        self._entries[key] = (weakref.ref(tensor, lambda _, key=key: self._entries.pop(key, None)), value)
+
+
+# position_ids tensor -> (state, mask, documents, (B, s)) it was validated with: the layout is checked once per model
+# forward (the first attention layer; the other layers and checkpoint recomputes receive the same objects)
+_VALIDATED = _TensorCache()
+# upipe_cu_seqlens tensor -> ((kernel name, device, dtype, S), DocumentKernel) of the current batch
+_DOCUMENT_KERNELS = _TensorCache()
+
+
+def validate_layout(state, position_ids, mask, batch, local_len, device, documents=None) -> None:
+    """`_check_layout` once per model forward instead of once per layer (every rank raises the same error).
+
+    The first attention layer of a forward checks, with one all-gather; later layers, and the recompute of
+    checkpointed layers, get the same position_ids, mask and document objects and skip the check (no
+    communication, no host sync). A new batch brings new tensors and is checked again.
+    """
+    seen = _VALIDATED.get(position_ids) if isinstance(position_ids, torch.Tensor) else None
+    if seen is not None and seen[0] is state and seen[1] is mask and seen[2] is documents \
+            and seen[3] == (batch, local_len):
+        return
+    _check_layout(state, position_ids, mask, batch, local_len, device, documents)
+    if isinstance(position_ids, torch.Tensor):
+        _VALIDATED.set(position_ids, (state, mask, documents, (batch, local_len)))
+
+
 def _check_rows_trailing(state, mask, batch, device) -> None:
     """Per-row check that padding starts on one rank and continues to the end (second, rare all-gather)."""
     pad = mask.padding if mask is not None and mask.padding is not None else None
@@ -267,8 +315,9 @@ def _check_rows_trailing(state, mask, batch, device) -> None:
             started = started or count != -1
 
 
-def _check_static(module, dropout, kwargs) -> None:
-    """Checks that need no communication (identical on every rank: same model, same arguments)."""
+def check_call(module, dropout, kwargs) -> None:
+    """Checks of one attention call that need no communication (identical on every rank: same model, same
+    arguments): causal attention, no dropout, no softcap or attention sinks."""
     if not getattr(module, "is_causal", True):
         raise NotImplementedError("attn_implementation='upipe' supports causal (decoder) attention only.")
     if dropout and dropout > 0.0:
@@ -306,8 +355,14 @@ def sp_kernel(state, kwargs: dict, device, dtype, seq_len: int) -> str | Attenti
     documents = kwargs.get("upipe_cu_seqlens")
     if documents is None:
         return state.kernel
+    key = (state.kernel, device, dtype, seq_len)
+    cached = _DOCUMENT_KERNELS.get(documents)
+    if cached is not None and cached[0] == key:
+        return cached[1]  # one DocumentKernel per batch: its documents are read (one sync) once, not per layer
     inner = get_kernel(state.kernel, device, dtype) if isinstance(state.kernel, str) else state.kernel
-    return DocumentKernel(inner, documents, seq_len, kwargs.get("upipe_max_seqlen"))
+    kernel = DocumentKernel(inner, documents, seq_len, kwargs.get("upipe_max_seqlen"))
+    _DOCUMENT_KERNELS.set(documents, (key, kernel))
+    return kernel
 
 
 def upipe_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -329,7 +384,7 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
     if state is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
-    _check_static(module, dropout, kwargs)
+    check_call(module, dropout, kwargs)
     _check_kv_length(query, key)
     if isinstance(attention_mask, torch.Tensor):
         raise NotImplementedError(
@@ -339,8 +394,8 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
     B, _, s, _ = query.shape
     kernel = state.kernel
     if not is_fake(query):  # fake tensors (memory simulation) carry no values to check (nor documents to split)
-        _check_layout(state, kwargs.get("position_ids"), attention_mask, B, s, query.device,
-                      kwargs.get("upipe_cu_seqlens"))
+        validate_layout(state, kwargs.get("position_ids"), attention_mask, B, s, query.device,
+                        kwargs.get("upipe_cu_seqlens"))
         kernel = sp_kernel(state, kwargs, query.device, query.dtype, s * state.sp_size)
     sliding_window_check(sliding_window, s * state.sp_size)
     out = upipe_attention(
@@ -354,3 +409,6 @@ def register() -> None:
     """Make `attn_implementation="upipe"` available to every transformers model (idempotent)."""
     AttentionInterface.register(NAME, upipe_attention_forward)
     AttentionMaskInterface.register(NAME, upipe_mask)
+
+
+register()  # importing this module registers "upipe" (hf_upipe.registration imports it once transformers loads)

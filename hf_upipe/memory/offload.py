@@ -22,7 +22,7 @@ Targets:
   and the step's folder on exit.
 - "cpu": copies into pinned host buffers (`HOST_POOL`, reused across steps, bounded) on a side CUDA stream; in
   backward, unpacking layer i starts the copy back of layer i-1's input (prefetch). For tensors already in host
-  memory this target is a no-op, except fake tensors (`hf_upipe.planning.simulate`), which stand for device
+  memory this target is a no-op, except fake tensors (`hf_upipe.ops.fake`), which stand for device
   memory: their "copy" frees the device tensor and the copy back allocates a new one, so the simulation counts
   exactly what a GPU would hold.
 `keep_last` leaves the last checkpointed layer's input on the device: the backward needs it first.
@@ -30,6 +30,7 @@ Targets:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -38,12 +39,12 @@ import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
 
-from hf_upipe.planning.simulate import is_fake
-from hf_upipe.planning.tracker import storage_label
+from hf_upipe.ops.fake import is_fake
 
 __all__ = ["HOST_POOL", "HostBufferPool", "OffloadStore", "checkpointed_layers", "offload_checkpoints"]
 
@@ -108,14 +109,18 @@ class OffloadStore:
         path: parent folder for "disk" (default: the system temp folder); a fresh subfolder is used per store.
         min_bytes: smaller tensors stay where they are.
         max_pending: disk writes in flight at once (each holds its tensor until written).
+        restore_context: a factory of the context each copy back to the device runs in (a re-allocation an
+            observer may want to see, e.g. the planner's memory label); default none.
     """
 
-    def __init__(self, target: str, path: str | None = None, *, min_bytes: int = 2**20, max_pending: int = 2):
+    def __init__(self, target: str, path: str | None = None, *, min_bytes: int = 2**20, max_pending: int = 2,
+                 restore_context: Callable[[], ContextManager] | None = None):
         if target not in ("cpu", "disk"):
             raise ValueError(f"offload target {target!r}: use 'cpu' (pinned host memory, CUDA) or 'disk' (any device).")
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.target, self.min_bytes = target, min_bytes
+        self.restore_context = restore_context or contextlib.nullcontext
         self.folder = None
         if target == "disk":
             parent = path or tempfile.gettempdir()
@@ -197,10 +202,10 @@ class OffloadStore:
         handle.release = weakref.finalize(handle, HOST_POOL.give, host)  # once autograd frees the saved input
 
     def _copy_back(self, handle: _Handle) -> torch.Tensor:
-        with storage_label("checkpoints"):  # for the planner's breakdown (hf_upipe.planning.categories)
-            return self._copy_back_unlabeled(handle)
+        with self.restore_context():
+            return self._copy_back_in_context(handle)
 
-    def _copy_back_unlabeled(self, handle: _Handle) -> torch.Tensor:
+    def _copy_back_in_context(self, handle: _Handle) -> torch.Tensor:
         if handle.host == "fake":
             return torch.empty(handle.shape, dtype=handle.dtype, device=handle.device)
         stream = self._side_stream(handle.device)
@@ -259,7 +264,8 @@ def checkpointed_layers(model: nn.Module) -> list[nn.Module]:
 
 @contextmanager
 def offload_checkpoints(model: nn.Module, target: str = "disk", *, path: str | None = None, keep_last: bool = True,
-                        min_bytes: int = 2**20, max_pending: int = 2):
+                        min_bytes: int = 2**20, max_pending: int = 2,
+                        restore_context: Callable[[], ContextManager] | None = None):
     """Offload the checkpointed layers' saved inputs for the forward and backward run inside this block.
 
     Args:
@@ -269,6 +275,7 @@ def offload_checkpoints(model: nn.Module, target: str = "disk", *, path: str | N
         keep_last: keep the last checkpointed layer's input where it is.
         min_bytes: inputs smaller than this stay where they are.
         max_pending: disk writes in flight at once.
+        restore_context: see `OffloadStore`.
 
     Yields:
         The `OffloadStore` (None for "none"): `files_written`, `bytes_offloaded`.
@@ -286,7 +293,7 @@ def offload_checkpoints(model: nn.Module, target: str = "disk", *, path: str | N
         raise ValueError("offload_checkpoints needs activation checkpointing: call "
                          "model.activation_checkpointing_enable() (or TrainingArguments(gradient_checkpointing=True)), "
                          "or use offload target 'none'.")
-    store = OffloadStore(target, path, min_bytes=min_bytes, max_pending=max_pending)
+    store = OffloadStore(target, path, min_bytes=min_bytes, max_pending=max_pending, restore_context=restore_context)
     originals = [(layer, layer._gradient_checkpointing_func) for layer in layers]
     try:
         for layer, original in originals[:-1] if keep_last else originals:

@@ -4,8 +4,8 @@ Entry points:
 - `tiled_mlp(x, forward_fn, params, *, chunk_tokens)`: the op on an explicit function and its trainable tensors.
 - `TiledMLPFunction`: its autograd Function.
 - `apply_tiled_mlp(model, chunk_tokens=None, *, norms=True)`: install it on the MLP modules (and the decoder
-  layers' and final RMSNorms) of a loaded model (idempotent; plain or PEFT); `remove_tiled_mlp(model)` undoes it.
-  `MLP_CLASSES` / `NORM_CLASSES`: the modules handled.
+  layers' and final RMSNorms) of a loaded model (idempotent; plain or PEFT); `remove_tiled_mlp(model)` undoes it
+  exactly. The modules handled are the registry's (`hf_upipe.architectures`), behind its version gate.
 - `default_chunk_tokens(hidden_size)`: the default tile, `hidden_size` tokens (ALST's shards = ceil(s / hidden)).
 
 Why: a gated MLP keeps gate, up, act(gate), act(gate)*up for backward, [B, s, I] each, with I about 3.5 x the
@@ -26,21 +26,20 @@ same masks as the forward.
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 
 import torch
 from torch import nn
 
-from hf_upipe.planning.simulate import chunk_starts
+from hf_upipe.architectures import VERIFIED_ON, tiled_mlp_classes, tiled_norm_classes, verified
+from hf_upipe.ops.fake import chunk_starts
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MLP_CLASSES", "TiledMLPFunction", "apply_tiled_mlp", "default_chunk_tokens", "remove_tiled_mlp",
-           "tiled_mlp"]
+__all__ = ["TiledMLPFunction", "apply_tiled_mlp", "default_chunk_tokens", "remove_tiled_mlp", "tiled_mlp"]
 
-MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
-NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 _HEAD_NORMS = ("q_norm", "k_norm")  # per-head norms inside attention: [B, s, H, D], not tiled
 
 
@@ -134,13 +133,22 @@ def tiled_mlp(x: torch.Tensor, forward_fn, params, *, chunk_tokens: int) -> torc
 
 
 def _tiled_forward(self, x):
+    """Installed as the instance's `forward`: its class's own forward, run over sequence chunks."""
     chunk = self._upipe_mlp_chunk or default_chunk_tokens(x.shape[-1])
     params = [p for p in self.parameters() if p.requires_grad]
-    return tiled_mlp(x, self._upipe_original_forward, params, chunk_tokens=chunk)
+    return tiled_mlp(x, functools.partial(type(self).forward, self), params, chunk_tokens=chunk)
+
+
+def _is_tiled(module: nn.Module) -> bool:
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _tiled_forward
 
 
 def apply_tiled_mlp(model: nn.Module, chunk_tokens: int | None = None, *, norms: bool = True) -> int:
     """Run every known MLP module of `model` (plain or PEFT) tiled; returns how many MLPs were tiled.
+
+    The known modules are the registry's (`hf_upipe.architectures`: gated MLPs and RMSNorms of the Llama-shaped
+    families), and only while the installed transformers' source of their forward is the verified one; others keep
+    their forward, with a warning. Idempotent (a second call only updates `chunk_tokens`).
 
     Args:
         model: a transformers model, a PEFT model, or any module tree.
@@ -152,27 +160,40 @@ def apply_tiled_mlp(model: nn.Module, chunk_tokens: int | None = None, *, norms:
     """
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1 (or None for the hidden size), got {chunk_tokens}")
-    count, other = 0, set()
+    mlps, norm_classes = tiled_mlp_classes(), tiled_norm_classes() if norms else {}
+    count, other, changed = 0, set(), set()
     for path, module in model.named_modules():
         name = type(module).__name__
-        is_norm = norms and name in NORM_CLASSES and path.rsplit(".", 1)[-1] not in _HEAD_NORMS
-        if name in MLP_CLASSES or is_norm:
-            if not hasattr(module, "_upipe_original_forward"):
-                module._upipe_original_forward = module.forward
-                module.forward = types.MethodType(_tiled_forward, module)
-            module._upipe_mlp_chunk = chunk_tokens
-            count += name in MLP_CLASSES
-        elif name.endswith("MLP"):
-            other.add(name)
+        arch = mlps.get(name) or (norm_classes.get(name) if path.rsplit(".", 1)[-1] not in _HEAD_NORMS else None)
+        if arch is None:
+            if name.endswith("MLP"):
+                other.add(name)
+            continue
+        if not verified(arch, "tiled"):
+            changed.add(name)
+            continue
+        if not _is_tiled(module):
+            if "forward" in module.__dict__:  # someone else replaced this instance's forward: do not stack on it
+                other.add(name)
+                continue
+            module.forward = types.MethodType(_tiled_forward, module)
+        module._upipe_mlp_chunk = chunk_tokens
+        count += name in mlps
+    if changed:
+        logger.warning("hf_upipe: tiled MLP not applied to %s: the installed transformers changed their forward "
+                       "(verified on transformers %s)", sorted(changed), VERIFIED_ON)
     if other:
         logger.warning("hf_upipe: tiled MLP not applied to %s (not a known gated MLP)", sorted(other))
     logger.info("hf_upipe: tiled MLP on %d module(s), chunk %s tokens", count, chunk_tokens or "hidden_size")
     return count
 
 
-def remove_tiled_mlp(model: nn.Module) -> None:
-    """Restore the MLP modules' own forward."""
+def remove_tiled_mlp(model: nn.Module) -> int:
+    """Give every tiled module its class's forward back (exactly: no attribute of the tiling is left). Returns how
+    many modules were restored."""
+    count = 0
     for module in model.modules():
-        if type(module).__name__ in MLP_CLASSES + NORM_CLASSES and hasattr(module, "_upipe_original_forward"):
-            module.forward = module._upipe_original_forward
-            del module._upipe_original_forward, module._upipe_mlp_chunk
+        if _is_tiled(module):
+            del module.forward, module._upipe_mlp_chunk
+            count += 1
+    return count

@@ -26,7 +26,32 @@ import torch
 
 from hf_upipe.ops.kernels import AttentionKernel
 
-__all__ = ["DocumentKernel", "document_segments"]
+__all__ = ["DocumentKernel", "cu_seqlens_error", "document_segments", "left_padded_rows"]
+
+
+def cu_seqlens_error(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> str | None:
+    """Why `cu_seqlens` is not a valid description of documents over a flattened [batch * seq_len] batch (1-D,
+    strictly increasing from 0 to batch*seq_len, a boundary at every row start), or None when it is valid. The one
+    validator of document boundaries: `shard_batch`, the attention's layout check and `DocumentKernel` use it."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        return f"must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}"
+    cu = cu_seqlens.long()
+    total = batch * seq_len
+    if int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] <= cu[:-1]).any()):
+        shown = cu.tolist()[:8]
+        return (f"must increase strictly from 0 to B*S = {batch}*{seq_len} = {total}; got {shown}"
+                f"{' ...' if cu.numel() > 8 else ''} (ending at {int(cu[-1])})")
+    if not bool(torch.isin(torch.arange(batch, device=cu.device) * seq_len, cu).all()):
+        return (f"has a document crossing a row boundary (every multiple of S={seq_len} must be a boundary): "
+                "documents of a packed batch never span rows")
+    return None
+
+
+def left_padded_rows(mask: torch.Tensor) -> list[int]:
+    """Rows of a [B, S] padding mask (1 = real token) that are not ones-then-zeros (left or interior padding): the
+    one right-padding validator, used by `shard_batch` and the attention's layout check. Empty when all are."""
+    m = mask.long()
+    return torch.nonzero((m.cummin(dim=-1).values != m).any(dim=-1)).flatten().tolist()
 
 
 def document_segments(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> list[tuple[int, int, int]]:
@@ -34,19 +59,12 @@ def document_segments(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> lis
 
     Raises:
         ValueError: cu_seqlens that is not 1-D, not 0 ... B*S, not strictly increasing, or has a document
-            crossing a row boundary.
+            crossing a row boundary (`cu_seqlens_error`).
     """
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}.")
+    error = cu_seqlens_error(cu_seqlens, batch, seq_len)
+    if error is not None:
+        raise ValueError(f"cu_seqlens {error}.")
     cu = [int(x) for x in cu_seqlens.tolist()]
-    total = batch * seq_len
-    if cu[0] != 0 or cu[-1] != total or any(x >= y for x, y in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must increase strictly from 0 to B*S = {batch}*{seq_len} = {total}; got "
-                         f"{cu[:8]}{' ...' if len(cu) > 8 else ''} (ending at {cu[-1]}).")
-    bounds = set(cu)
-    if any(b * seq_len not in bounds for b in range(batch)):
-        raise ValueError(f"cu_seqlens has a document crossing a row boundary (every multiple of S={seq_len} must "
-                         "be a boundary): documents of a packed batch never span rows.")
     return [(a // seq_len, a % seq_len, a % seq_len + (e - a)) for a, e in zip(cu, cu[1:])]
 
 

@@ -8,8 +8,8 @@ Entry points:
 Kernels registered here:
 - "sdpa" on CPU: `aten::_scaled_dot_product_flash_attention_for_cpu` (+ `_backward`), a real flash kernel that
   returns the log-sum-exp and takes it back in backward. Grouped-query attention (fewer k/v heads) is native.
-- CUDA kernels ("sdpa" on CUDA and "flash_attn") live in `hf_upipe.ops.kernels_cuda` and register themselves
-  when that module is imported (this module imports it at the end).
+- CUDA kernels ("sdpa" on CUDA and "flash_attn") live in `hf_upipe.ops.kernels_cuda`; they are registered here
+  with factories that import that module only when a CUDA kernel is asked for.
 
 Layout legend (every kernel): B batch, S full sequence, h query heads, hk k/v heads (h % hk == 0), D head dim.
 q: [B, S, h, D], k/v: [B, S, hk, D], any strides with stride(-1) == 1 (the all-to-all hands over views of its
@@ -130,10 +130,10 @@ def get_kernel(name: str, device: torch.device | str, dtype: torch.dtype) -> Att
 
 
 _CPU_SDPA = SdpaCpuKernel()
-register_kernel("sdpa", lambda device: _CPU_SDPA if device.type == "cpu" else _cuda_sdpa(device),
-                lambda device, dtype: device.type == "cpu" or _cuda_sdpa_available(device, dtype), priority=50)
 
 
+# The CUDA kernels live in kernels_cuda, imported only when a CUDA kernel is asked for (that module imports nothing
+# from here: one direction only).
 def _cuda_sdpa(device: torch.device) -> AttentionKernel:
     from hf_upipe.ops.kernels_cuda import SdpaCudaKernel
 
@@ -146,4 +146,20 @@ def _cuda_sdpa_available(device: torch.device, dtype: torch.dtype | None) -> boo
         and torch.cuda.is_available()
 
 
-from hf_upipe.ops import kernels_cuda as _kernels_cuda  # noqa: E402,F401  (registers "flash_attn")
+def _flash_attn(device: torch.device) -> AttentionKernel:
+    from hf_upipe.ops.kernels_cuda import FlashAttnKernel
+
+    return FlashAttnKernel()
+
+
+def _flash_attn_available(device: torch.device, dtype: torch.dtype | None) -> bool:
+    if device.type != "cuda":
+        return False
+    from hf_upipe.ops.kernels_cuda import flash_attn_available
+
+    return flash_attn_available(device, dtype)
+
+
+register_kernel("sdpa", lambda device: _CPU_SDPA if device.type == "cpu" else _cuda_sdpa(device),
+                lambda device, dtype: device.type == "cpu" or _cuda_sdpa_available(device, dtype), priority=50)
+register_kernel("flash_attn", _flash_attn, _flash_attn_available, priority=10)

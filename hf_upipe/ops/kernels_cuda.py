@@ -7,7 +7,7 @@ Entry points:
   * otherwise (fp32, older GPUs, larger head dims): `aten::_scaled_dot_product_efficient_attention` (+ `_backward`).
   These ops are called with as many k/v heads as query heads: k/v are expanded (one copy) and dk/dv are summed back
   over each group of query heads, in fp32.
-- `FlashAttnKernel` ("flash_attn", registered here with priority 10, so "auto" prefers it on CUDA when the
+- `FlashAttnKernel` ("flash_attn", registered by `kernels` with priority 10, so "auto" prefers it on CUDA when the
   `flash_attn` package is installed and the dtype is fp16/bf16): FlashAttention-2 through
   `flash_attn.flash_attn_interface._flash_attn_forward/_flash_attn_backward`, native [B,S,h,D] layout and native GQA.
   flash-attn >= 2.7 takes `window_size_left, window_size_right` and returns (out, lse, S_dmask, rng_state); 2.6 takes a
@@ -44,9 +44,7 @@ import sys
 
 import torch
 
-from hf_upipe.ops.kernels import register_kernel
-
-__all__ = ["FlashAttnKernel", "SdpaCudaKernel"]
+__all__ = ["FlashAttnKernel", "SdpaCudaKernel", "flash_attn_available"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -255,10 +253,7 @@ class FlashAttnKernel:
         return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
-def _flash_available(device: torch.device, dtype: torch.dtype | None) -> bool:
+def flash_attn_available(device: torch.device, dtype: torch.dtype | None) -> bool:
+    """Whether FlashAttnKernel can run on `device` with `dtype` (CUDA, fp16/bf16, flash-attn installed)."""
     return (device.type == "cuda" and (dtype is None or dtype in _HALF) and torch.cuda.is_available()
             and _flash_attn_installed())
-
-
-_FLASH = FlashAttnKernel()
-register_kernel("flash_attn", lambda device: _FLASH, _flash_available, priority=10)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from hf_upipe.planning.simulate import chunk_starts
+from hf_upipe.ops.fake import chunk_starts
 
 __all__ = ["TiledCrossEntropyFunction", "default_chunk_tokens", "sp_token_mean", "tiled_cross_entropy",
            "tiled_cross_entropy_forward"]

@@ -49,7 +49,7 @@ BENCHMARK_ROWS = (
 DS_ATTN_NAME = "ds_ulysses"
 
 
-def _require_deepspeed():
+def require_deepspeed():
     try:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     except ImportError as err:
@@ -60,19 +60,19 @@ def _require_deepspeed():
     return UlyssesSPAttentionHF
 
 
-def _ds_attention(module, query, key, value, attention_mask, *args, **kwargs):
+def deepspeed_attention(module, query, key, value, attention_mask, *args, **kwargs):
     """Registered as "ds_ulysses": hands the call to the DeepSpeed wrapper attached to the module."""
     return module.ds_ulysses(module, query, key, value, attention_mask, *args, **kwargs)
 
 
 @contextmanager
-def _deepspeed_comm() -> Iterator[None]:
+def deepspeed_comm() -> Iterator[None]:
     """deepspeed.comm on top of the already initialised torch.distributed group; restored on exit.
 
     `deepspeed.comm.init_distributed` would JIT-compile DeepSpeed's shared-memory all-reduce (about a minute, and
     unused by Ulysses), so the TorchBackend is built with that step skipped.
     """
-    _require_deepspeed()
+    require_deepspeed()
     ds_comm = importlib.import_module("deepspeed.comm.comm")
     ds_torch = importlib.import_module("deepspeed.comm.torch")  # `import ... as` would give the torch package
 
@@ -91,7 +91,7 @@ def _deepspeed_comm() -> Iterator[None]:
 
 
 @contextmanager
-def _upipe_state(group: dist.ProcessGroup, heads_per_chunk: int | None) -> Iterator[None]:
+def upipe_state(group: dist.ProcessGroup, heads_per_chunk: int | None) -> Iterator[None]:
     """Install (group, heads_per_chunk) as the "upipe" defaults unless they already are; restore on exit."""
     previous = _sp.get_sequence_parallel_state()
     if previous is not None and previous.sp_group is group and previous.heads_per_chunk == heads_per_chunk:
@@ -125,14 +125,14 @@ def build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtyp
     finally:
         torch.set_default_dtype(previous)
     if impl == "fused":
-        from hf_upipe.integrations.fused import prepare_model
+        from hf_upipe.integrations.prepare import prepare_model
 
         prepare_model(block)
     if impl == "deepspeed":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        ds_cls = _require_deepspeed()
-        AttentionInterface.register(DS_ATTN_NAME, _ds_attention)
+        ds_cls = require_deepspeed()
+        AttentionInterface.register(DS_ATTN_NAME, deepspeed_attention)
         block.ds_ulysses = ds_cls(
             attn=sdpa_attention_forward, batch_size=1, attn_head_count=heads, attn_head_size=head_dim,
             kv_head_count=kv_heads, num_hidden_layers=1, process_group=group, seq_length_is_variable=True,
@@ -181,7 +181,7 @@ def measure_attention_block(
         raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp_size}")
     s, rank = seq_len // sp_size, dist.get_rank(group)
 
-    state = _upipe_state(group, heads_per_chunk) if impl in UPIPE_IMPLS else _deepspeed_comm()
+    state = upipe_state(group, heads_per_chunk) if impl in UPIPE_IMPLS else deepspeed_comm()
     with state:
         # not counted: weights, x [1, s, hidden], position_ids [1, s] (global), cos/sin [1, s, D]
         block, rotary = build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group)

@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hf_upipe.integrations.peft import base_model
+
 __all__ = ["CATEGORIES", "StepCategories"]
 
 CATEGORIES = ("checkpoints", "attention", "mlp", "residual", "loss", "other")
@@ -124,7 +126,7 @@ class StepCategories:
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> StepCategories:
-        causal_lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # PEFT
+        causal_lm = base_model(self.model)
         base = getattr(causal_lm, "model", causal_lm)
         layers = getattr(base, "layers", None)
         if layers is None:

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from hf_upipe import distributed as _sp
-from hf_upipe.planning.attention_block import DS_ATTN_NAME, _deepspeed_comm, _ds_attention, _require_deepspeed
+from hf_upipe.planning.attention_block import DS_ATTN_NAME, deepspeed_attention, deepspeed_comm, require_deepspeed
 from hf_upipe.planning.simulate import fake_tensors, is_fake, simulated_world
-from hf_upipe.planning.tracker import MemoryTracker
+from hf_upipe.planning.tracker import MemoryTracker, checkpoint_label
 
 __all__ = ["MODEL_IMPLEMENTATIONS", "PRESETS", "build_step_model", "llama_config", "measure_layer_step",
            "measure_model_step", "simulate_layer_step", "simulate_model_step", "step_config"]
@@ -59,7 +59,7 @@ def llama_config(name: str) -> dict:
 
 
 @contextlib.contextmanager
-def _impl_context(impl: str, group, seq_len: int, sp_size: int, heads_per_chunk: int | None):
+def impl_context(impl: str, group, seq_len: int, sp_size: int, heads_per_chunk: int | None):
     """Validate, install the SP defaults for our impls (DeepSpeed's communicator for the peer), restore on exit."""
     if impl not in MODEL_IMPLEMENTATIONS:
         raise ValueError(f"impl={impl!r}: choose one of {MODEL_IMPLEMENTATIONS}")
@@ -69,7 +69,7 @@ def _impl_context(impl: str, group, seq_len: int, sp_size: int, heads_per_chunk:
     if impl != "deepspeed":
         _sp.init_sequence_parallel(group=group, heads_per_chunk=None if impl == "ulysses" else heads_per_chunk)
     try:
-        with _deepspeed_comm() if impl == "deepspeed" else contextlib.nullcontext():
+        with deepspeed_comm() if impl == "deepspeed" else contextlib.nullcontext():
             yield
     finally:
         _sp.set_sequence_parallel_state(previous)
@@ -124,7 +124,7 @@ def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_ml
     config = step_config(model_config, layers, seq_len)
     config._attn_implementation = DS_ATTN_NAME if impl == "deepspeed" else "upipe"
     if impl == "deepspeed":
-        AttentionInterface.register(DS_ATTN_NAME, _ds_attention)
+        AttentionInterface.register(DS_ATTN_NAME, deepspeed_attention)
         AttentionMaskInterface.register(DS_ATTN_NAME, _no_mask)  # DeepSpeed's sdpa runs is_causal=True
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # module.to(dtype) fails under fake mode
@@ -135,7 +135,7 @@ def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_ml
     if impl == "deepspeed":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        ds_cls = _require_deepspeed()
+        ds_cls = require_deepspeed()
         for layer in model.model.layers:
             layer.self_attn.ds_ulysses = ds_cls(
                 attn=sdpa_attention_forward, batch_size=1, attn_head_count=config.num_attention_heads,
@@ -159,7 +159,7 @@ def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_ml
             torch.nn.Module.to = _MODULE_TO
             torch.set_default_dtype(previous)
     if impl == "fused":
-        from hf_upipe.integrations.fused import prepare_model
+        from hf_upipe.integrations.prepare import prepare_model
 
         prepare_model(model)
     if tiled_mlp:
@@ -207,7 +207,7 @@ def measure_model_step(
 
     group = dist.group.WORLD if group is None else group
     s, rank = seq_len // sp_size, dist.get_rank(group)
-    with _impl_context(impl, group, seq_len, sp_size, heads_per_chunk):
+    with impl_context(impl, group, seq_len, sp_size, heads_per_chunk):
         model = build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_mlp,
                                  mlp_chunk_tokens=mlp_chunk_tokens)
         ids = torch.zeros(1, s, dtype=torch.long)  # not counted: token ids, positions, labels
@@ -218,7 +218,7 @@ def measure_model_step(
         inputs = {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
         labels_ctx = StepCategories(model) if categories else contextlib.nullcontext()
         with labels_ctx as cats, MemoryTracker(snapshot_at_peak=snapshot, labeler=cats and cats.label) as tracker, \
-                offload_checkpoints(model, offload, min_bytes=0):
+                offload_checkpoints(model, offload, min_bytes=0, restore_context=checkpoint_label):
             if cats:
                 cats.attach(tracker)
             loss, _ = shard_loss_sum(model, inputs, labels, tiled=tiled_loss, chunk_tokens=loss_chunk_tokens)
@@ -247,7 +247,7 @@ def measure_layer_step(impl: str, *, model_config: dict, seq_len: int, sp_size: 
     """
     group = dist.group.WORLD if group is None else group
     s, rank = seq_len // sp_size, dist.get_rank(group)
-    with _impl_context(impl, group, seq_len, sp_size, heads_per_chunk):
+    with impl_context(impl, group, seq_len, sp_size, heads_per_chunk):
         model = build_step_model(impl, model_config, 1, seq_len, dtype, group, tiled_mlp, checkpointing=False)
         layer = model.model.layers[0]
         x = torch.randn(1, s, model_config["hidden_size"], dtype=dtype, requires_grad=True)

@@ -32,14 +32,15 @@ import time
 
 import torch
 
+from hf_upipe.architectures import ARCHITECTURES, model_geometry
 from hf_upipe.ops.head_layout import valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.planning.model_step import PRESETS, llama_config
+from hf_upipe.planning.plan_report import format_plan, launch_lines
 from hf_upipe.planning.tracker import GiB
 from hf_upipe.planning.train_step import CATEGORIES, StepSettings, simulate_train_step
 
-__all__ = ["FUSED_MODEL_TYPES", "Margin", "Plan", "ladder", "parse_bytes", "plan", "resolve_model"]
+__all__ = ["Margin", "Plan", "default_impl", "ladder", "parse_bytes", "plan", "resolve_model"]
 
-FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
           "gib": 2**30, "tib": 2**40}
 
@@ -103,29 +104,29 @@ def _read_json(path):
         return json.load(f)
 
 
-def _geometry(config) -> dict:
-    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-    hidden, heads = get("hidden_size"), get("num_attention_heads")
-    return {"hidden": hidden, "heads": heads, "kv_heads": get("num_key_value_heads") or heads,
-            "layers": get("num_hidden_layers"), "vocab": get("vocab_size"), "model_type": get("model_type", "llama")}
+def default_impl(config) -> str:
+    """"fused" for the architectures with the fused adapter (`hf_upipe.architectures`), "upipe" (registered)
+    otherwise."""
+    arch = ARCHITECTURES.get(model_geometry(config)["model_type"])
+    return "fused" if arch is not None and arch.fused else "upipe"
 
 
 def _host_bytes(config, settings: StepSettings, seq_len: int, sp_size: int, dtype: torch.dtype) -> int:
     """Pinned host memory per GPU for the offloaded layer inputs: all layers but the last, [s, hidden] each."""
     if settings.offload == "none":
         return 0
-    g = _geometry(config)
+    g = model_geometry(config)
     return (g["layers"] - 1) * (seq_len // sp_size) * g["hidden"] * torch.finfo(dtype).bits // 8
 
 
 def ladder(config, sp_size: int, impl: str | None = None) -> list[StepSettings]:
     """The candidate settings for this model and SP degree, cheapest first (see the module docstring).
 
-    `impl`: None picks "fused" for Llama, Mistral, Qwen2 and Qwen3 and "upipe" (registered) otherwise; "ulysses"
-    or "deepspeed" keep all heads in one chunk (their ladder has the tiled MLP and offload rungs only).
+    `impl`: None picks `default_impl(config)` (fused where the registry has the adapter); "ulysses" or "deepspeed"
+    keep all heads in one chunk (their ladder has the tiled MLP and offload rungs only).
     """
-    g = _geometry(config)
-    impl = impl or ("fused" if g["model_type"] in FUSED_MODEL_TYPES else "upipe")
+    g = model_geometry(config)
+    impl = impl or default_impl(config)
     rungs = [StepSettings(impl, None, tiled_mlp=False, offload="none"),
              StepSettings(impl, None, tiled_mlp=True, offload="none"),
              StepSettings(impl, None, tiled_mlp=True, offload="cpu")]
@@ -205,13 +206,9 @@ class Plan:
                 "tried": [{"settings": dataclasses.asdict(s), "required": r, "host_fits": h} for s, r, h in self.tried]}
 
     def table(self) -> str:
-        from hf_upipe.planning.plan_report import format_plan
-
         return format_plan(self)
 
     def launch(self) -> str:
-        from hf_upipe.planning.plan_report import launch_lines
-
         return "\n".join(launch_lines(self))
 
 
@@ -230,7 +227,7 @@ class _Estimator:
     def __init__(self, config, *, world: int, sp_size: int, dtype: torch.dtype, exact: bool, lora=None):
         self.config, self.world, self.sp_size, self.dtype, self.exact = config, world, sp_size, dtype, exact
         self.lora = None if lora is None else (int(lora[0]), tuple(lora[1]))
-        self.layers = _geometry(config)["layers"]
+        self.layers = model_geometry(config)["layers"]
         self._key = (_config_key(config), world, sp_size, str(dtype), self.lora)
 
     def _sim(self, settings, seq_len, layers) -> dict:
@@ -309,7 +306,7 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
     """
     started = time.perf_counter()
     name, config = resolve_model(model)
-    g = _geometry(config)
+    g = model_geometry(config)
     if gpus < 1 or nodes < 1:
         raise ValueError(f"gpus={gpus} and nodes={nodes} must be >= 1")
     sp = gpus if sp_size is None else sp_size

@@ -9,9 +9,8 @@ Entry points:
 * :func:`fake_tensors`: enters ``FakeTensorMode``, so that tensors carry shapes, dtypes, strides and storage sizes but
   no data. Combined with :class:`hf_upipe.planning.tracker.MemoryTracker` this measures the per-rank memory of
   a real model at sequence lengths that could never be allocated on the host.
-* :func:`is_fake`: tells fake tensors from real ones.
-* :func:`chunk_starts`: the start offsets of a chunk loop, abbreviated to its first and last chunks on fake tensors
-  (the simulation shortcut that keeps a 5M-token step to seconds; see its docstring for why it is exact).
+* :func:`is_fake` and :func:`chunk_starts`: re-exported from :mod:`hf_upipe.ops.fake`, the bottom module the
+  runtime shares with the planner (fake-tensor detection; chunk loops abbreviated on fake tensors).
 
 Recipe (Llama-sized attention at S = 1M on 8 ranks, in well under a second)::
 
@@ -27,11 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from hf_upipe.ops.fake import chunk_starts, is_fake
 
 __all__ = ["chunk_starts", "fake_tensors", "is_fake", "simulated_world"]
 
@@ -119,38 +119,3 @@ def fake_tensors(dtype: torch.dtype | None = None, *, allow_non_fake_inputs: boo
             yield mode
     finally:
         torch.set_default_dtype(previous)
-
-
-def is_fake(t: Any) -> bool:
-    """Returns True if ``t`` is a fake tensor (also through functional or traceable-subclass wrappers).
-
-    Args:
-        t: Any object; non-tensors give False.
-    """
-    if not isinstance(t, torch.Tensor):
-        return False
-    try:
-        from torch._subclasses.fake_tensor import is_fake as _torch_is_fake
-    except ImportError:  # older torch: no wrapper-aware helper
-        return isinstance(t, FakeTensor)
-    return bool(_torch_is_fake(t))
-
-
-def chunk_starts(total: int, step: int, *tensors: Any) -> range | list[int]:
-    """``range(0, total, step)``, or on fake tensors only its first three and last two starts.
-
-    For the chunk loops of the tiled loss, tiled MLP/RMSNorm and blockwise accumulators. Every chunk of a loop
-    allocates storages of the same sizes and frees them before the chunk after next, and nothing that outlives a
-    chunk is allocated inside the loop (outputs and accumulators are allocated before it or by chunk 0). So the
-    live bytes of chunk k >= 2 repeat those of chunk 1, except for a shorter last chunk: running chunks
-    0, 1, 2 and the last two gives the same peak as running them all. On fake tensors the skipped chunks
-    compute nothing anyway; on real tensors every chunk runs. ``tests/planning/test_model_step.py`` checks the
-    abbreviated simulation against tracked real runs of loops with many chunks, byte for byte.
-
-    Args:
-        total: loop extent. step: chunk length (>= 1). tensors: the loop's inputs; any fake one abbreviates.
-    """
-    starts = range(0, total, step)
-    if len(starts) <= 5 or not any(is_fake(t) for t in tensors):
-        return starts
-    return [*starts[:3], *starts[-2:]]

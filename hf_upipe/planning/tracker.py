@@ -52,7 +52,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["GiB", "MiB", "MemoryTracker", "StorageRecord", "storage_label"]
+__all__ = ["GiB", "MiB", "MemoryTracker", "StorageRecord", "checkpoint_label", "storage_label"]
 
 GiB: int = 2**30
 """Bytes in one gibibyte."""
@@ -61,6 +61,12 @@ MiB: int = 2**20
 
 
 _LABEL_OVERRIDE: list[str] = []
+
+
+def checkpoint_label():
+    """`storage_label("checkpoints")`: the planner passes it as the offload's `restore_context`, so the layer inputs
+    copied back to the device in backward are counted as checkpoints (hf_upipe.planning.categories)."""
+    return storage_label("checkpoints")
 
 
 @contextlib.contextmanager

@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 
 from hf_upipe import distributed as _sp
+from hf_upipe.integrations.peft import base_model
 from hf_upipe.planning import categories as _cat
-from hf_upipe.planning.model_step import MODEL_IMPLEMENTATIONS, _impl_context, build_step_model
+from hf_upipe.planning.model_step import MODEL_IMPLEMENTATIONS, build_step_model, impl_context
 from hf_upipe.planning.simulate import fake_tensors, simulated_world
-from hf_upipe.planning.tracker import MemoryTracker, storage_label
+from hf_upipe.planning.tracker import MemoryTracker, checkpoint_label, storage_label
 
 __all__ = ["CATEGORIES", "StepSettings", "measure_train_step", "simulate_train_step"]
 
@@ -107,7 +108,7 @@ def _shard(model, dtype: torch.dtype, mesh) -> None:
 
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else \
         MixedPrecisionPolicy()
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    causal_lm = base_model(model)
     for layer in causal_lm.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -164,7 +165,7 @@ def measure_train_step(model_config, settings: StepSettings, *, seq_len: int, sp
     group = state.sp_group if state.sp_group is not None else dist.group.WORLD
     s, r = seq_len // sp_size, state.sp_rank
     try:
-        with _impl_context(settings.impl, group, seq_len, sp_size, settings.heads_per_chunk):
+        with impl_context(settings.impl, group, seq_len, sp_size, settings.heads_per_chunk):
             model = build_step_model(settings.impl, model_config, layers, seq_len,
                                      torch.float32 if lora is None else dtype, group, settings.tiled_mlp,
                                      mlp_chunk_tokens=settings.mlp_chunk_tokens, drop_grads=False, lora=lora)
@@ -184,7 +185,8 @@ def measure_train_step(model_config, settings: StepSettings, *, seq_len: int, sp
                     with storage_label(label):
                         tracker.track(*_local(tensors))
                     static[label] = tracker.current_bytes - before
-                with offload_checkpoints(model, settings.offload, min_bytes=0):
+                with offload_checkpoints(model, settings.offload, min_bytes=0,
+                                         restore_context=checkpoint_label):
                     loss, _ = shard_loss_sum(model, inputs, labels, tiled=settings.tiled_loss,
                                              chunk_tokens=settings.loss_chunk_tokens)
                     cats.label_loss(loss)

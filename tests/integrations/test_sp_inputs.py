@@ -140,3 +140,39 @@ def test_init_needs_distributed_and_checks_arguments():
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="needs torch.distributed"):
             hf_upipe.init_sequence_parallel()
+
+
+def _validation_worker(rank, world):
+    """Count the layout all-gathers of forwards + backwards of a 2-layer checkpointed model."""
+    from hf_upipe.integrations import transformers as upipe_tf
+
+    counted = []
+    real = upipe_tf._check_layout
+    upipe_tf._check_layout = lambda *a, **k: counted.append(1) or real(*a, **k)
+    hf_upipe.init_sequence_parallel()
+    out = {}
+    for fused in (False, True):
+        _, model = build_pair(tiny_config("llama", layers=2), "upipe", seed=0)
+        if fused:
+            hf_upipe.prepare_model(model)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        counts = []
+        for batch in range(2):
+            ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(batch))
+            shard = hf_upipe.shard_batch({"input_ids": ids, "labels": ids}, rank, world)
+            counted.clear()
+            loss = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits.sum()
+            loss.backward()  # recomputes both checkpointed layers
+            counts.append(len(counted))
+        out["fused" if fused else "registered"] = counts
+    bad = torch.arange(8)[rank * 4:(rank + 1) * 4].unsqueeze(0) * 0  # local positions on every rank: an error
+    out["error"] = _outcome(lambda: model(input_ids=ids[:, :4], position_ids=bad).logits)[0]
+    return out
+
+
+def test_the_layout_is_checked_once_per_forward_not_per_layer():
+    """Two layers, forward and checkpointed backward (4 attention calls): one layout all-gather per batch."""
+    for out in run_distributed(_validation_worker, 2):
+        assert out["registered"] == [1, 1] and out["fused"] == [1, 1], out
+        assert out["error"] == "ValueError"  # a new (bad) batch is still checked

@@ -101,9 +101,9 @@ def test_remove_restores_the_forward():
     mlp = model.model.layers[0].mlp
     apply_tiled_mlp(model, chunk_tokens=4)
     apply_tiled_mlp(model, chunk_tokens=4)  # idempotent
-    assert mlp._upipe_original_forward is not None
-    remove_tiled_mlp(model)
-    assert not hasattr(mlp, "_upipe_original_forward")
+    assert "forward" in mlp.__dict__ and mlp._upipe_mlp_chunk == 4
+    assert remove_tiled_mlp(model) == 4  # the MLP, the layer's two RMSNorms and the final norm
+    assert "forward" not in mlp.__dict__ and not hasattr(mlp, "_upipe_mlp_chunk")
     with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
         apply_tiled_mlp(model, chunk_tokens=0)
 
@@ -117,7 +117,7 @@ def test_whole_model_with_tiled_mlp_and_norms_equals_plain(arch):
     ref = AutoModelForCausalLM.from_config(tiny_config(arch, layers=2), attn_implementation="sdpa")
     tiled = copy.deepcopy(ref)
     assert apply_tiled_mlp(tiled, chunk_tokens=5) == 2
-    norms = [n for n, m in tiled.named_modules() if hasattr(m, "_upipe_original_forward") and "norm" in n]
+    norms = [n for n, m in tiled.named_modules() if "forward" in m.__dict__ and "norm" in n]
     assert len(norms) == 2 * 2 + 1 and not any(n.endswith(("q_norm", "k_norm")) for n in norms), norms
     ids = torch.randint(0, 96, (2, 23), generator=torch.Generator().manual_seed(3))
     losses = []

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hf_upipe.planning.model_step import (
@@ -53,6 +54,7 @@ def test_model_step_simulation_equals_real_gloo_run():
     assert sim[2][1] < sim[1][1]  # the tiled MLP lowers the step's peak
 
 
+@pytest.mark.slow
 def test_offload_makes_the_peak_independent_of_depth():
     big = dict(TINY, hidden_size=256, intermediate_size=512, vocab_size=64)  # layer inputs dominate the loss
     peaks = {}

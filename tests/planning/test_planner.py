@@ -22,6 +22,7 @@ from hf_upipe.planning.train_step import StepSettings
 from tests.planning.test_train_step import CASES, LAYERS, TINY, WORLD, S, real_runs
 
 
+@pytest.mark.slow
 def test_plan_within_5_percent_of_real_gloo_runs(monkeypatch):
     import hf_upipe.ops.tiled_loss as tiled_loss
 
@@ -43,6 +44,7 @@ def _tiny_model():
                 num_attention_heads=8, num_key_value_heads=2, head_dim=32)
 
 
+@pytest.mark.slow
 def test_plan_picks_the_first_rung_that_fits():
     cfg, seq = _tiny_model(), 16384
     rungs = ladder(cfg, 2)
@@ -74,6 +76,7 @@ def test_max_context_search_equals_brute_force():
         assert _search_max(required, limit, 1, steps) == want
 
 
+@pytest.mark.slow
 def test_max_context_is_the_edge_of_fitting():
     cfg = _tiny_model()
     settings = StepSettings("fused", 1)
@@ -83,6 +86,7 @@ def test_max_context_is_the_edge_of_fitting():
     assert not plan(cfg, seq_len=p.max_seq_len + 2048, **kw).fits
 
 
+@pytest.mark.slow
 def test_llama3_8b_upipe_fits_5m_where_ulysses_mode_does_not():
     five = 5 * 2**20
     stack = dict(tiled_mlp=True, offload="cpu")

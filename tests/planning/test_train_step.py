@@ -69,6 +69,7 @@ def real_runs() -> dict:
     return run_distributed(_real, WORLD)[0]
 
 
+@pytest.mark.slow
 def test_simulated_step_equals_real_gloo_step(monkeypatch):
     import hf_upipe.ops.tiled_loss as tiled_loss
 
@@ -87,6 +88,7 @@ def test_simulated_step_equals_real_gloo_step(monkeypatch):
             assert abs(sim["by_category"][category] - nbytes) <= TOLERANCE, (case, category)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["none", "cpu"])
 def test_peak_grows_linearly_with_depth(offload):
     cfg = dict(TINY, hidden_size=128, intermediate_size=256, vocab_size=512)

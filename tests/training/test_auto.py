@@ -15,7 +15,7 @@ import os
 import pytest
 
 from hf_upipe import UPipeConfig
-from hf_upipe.planning import auto
+from hf_upipe import auto_settings as auto
 from tests._dist import run_distributed
 
 FIELDS = ("heads_per_chunk", "fused_attention", "tiled_mlp", "mlp_chunk_tokens", "tiled_loss", "loss_chunk_tokens",
@@ -50,6 +50,7 @@ def _trainer_auto(rank, world, out_dir):
     return chosen, error, losses, untouched
 
 
+@pytest.mark.slow
 def test_trainer_applies_the_plan_on_every_rank(tmp_path):
     from hf_upipe.planning.planner import plan
     from tests.integrations._models import tiny_config

@@ -45,6 +45,8 @@ LOAD_SCRIPT = textwrap.dedent("""
     assert worst == 0.0
 """)
 
+pytestmark = pytest.mark.slow  # multi-process runs of several steps: the full suite runs them
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):

@@ -28,6 +28,7 @@ def fsdp_runs():
     return {world: run_distributed(_all, world, CASES, timeout=300) for world in (2, 4)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(CASES)), ids=["full", "lora"])
 def test_fsdp2_with_sp_equals_one_process(fsdp_runs, case):
     lora, _ = CASES[case]
@@ -39,6 +40,7 @@ def test_fsdp2_with_sp_equals_one_process(fsdp_runs, case):
                 assert abs(a - b) <= 2e-5 * abs(b), (world, rank, got, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(CASES)), ids=["full", "lora"])
 def test_exact_evaluation_under_fsdp2(fsdp_runs, case):
     lora, _ = CASES[case]

@@ -22,6 +22,8 @@ from tests.training._runs import train_runs
 RTOL = 2e-5  # fp32 training losses: reductions run in a different order across ranks
 EVAL_RTOL = 1e-5  # the bar for eval_loss
 
+pytestmark = pytest.mark.slow  # multi-process runs of several steps: the full suite runs them
+
 
 def _close(got: dict, want: dict, what: str, rtol: float = RTOL) -> float:
     assert got.keys() == want.keys(), f"{what}: steps {sorted(got)} vs {sorted(want)}"

@@ -7,11 +7,11 @@ Entry point:
   fused_attention, tiled_mlp, mlp_chunk_tokens, tiled_loss, loss_chunk_tokens, offload; the planner's answer).
   Without `auto` it returns (config, None). The given config is never changed.
 
-The simulation needs a process without a process group, and a launched job has one: rank 0 runs the planner in a
-child process (`python -m hf_upipe.cli plan ... --json`) and broadcasts the result, so every rank applies the same
-settings, or raises the same error (the plan does not fit: the message has the planner's table), before any other
-collective. A PEFT LoRA model is planned as LoRA (its rank and target modules: frozen base in the compute dtype,
-fp32 adapters, AdamW on them); any other model as a full fine-tune.
+The runtime never imports the planner: the simulation needs a process without a process group, and a launched job
+has one, so rank 0 runs the planner in a child process (`python -m hf_upipe.cli plan ... --json`) and broadcasts
+the result; every rank applies the same settings, or raises the same error (the plan does not fit: the message has
+the planner's table), before any other collective. A PEFT LoRA model is planned as LoRA (its rank and target
+modules: frozen base in the compute dtype, fp32 adapters, AdamW on them); any other model as a full fine-tune.
 """
 
 from __future__ import annotations
@@ -26,13 +26,15 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from hf_upipe.integrations.peft import base_model
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["apply_auto_settings"]
 
 
 def _model_config(model):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     config = getattr(base, "config", None)
     if config is None:
         raise ValueError(f"auto settings need a transformers model with a .config; got {type(model).__name__}")

@@ -1,0 +1,149 @@
+"""Everything hf_upipe knows about each transformers architecture, in one registry keyed by `model_type`.
+
+Entry points:
+- `ARCHITECTURES`: model_type -> `Architecture` (its attention, MLP and RMSNorm classes; whether the fused
+  attention adapter and the tiled MLP/norm adapter apply; the transformers source they were verified against).
+- `architecture_of(model_or_config)`: the entry of a model (plain or PEFT) or config, or None.
+- `fused_attention_classes()`, `tiled_mlp_classes()`, `tiled_norm_classes()`: the module classes
+  `hf_upipe.prepare_model` acts on.
+- `model_geometry(config)`: what the planner reads of a model (hidden size, heads, key-value heads, layers,
+  vocabulary, model_type).
+- `source_fingerprint(arch, adapter)` / `verified(arch, adapter)`: the version gate (below).
+
+The version gate. An adapter replaces `forward` on transformers' module instances, so it is only right while
+transformers' code for that module is what it was written against. Each adapter records a fingerprint (SHA-256, 16
+hex digits) of the installed source it replaces or relies on: for the fused attention, the attention class's
+`__init__` and `forward` and the module's `apply_rotary_pos_emb` / `rotate_half`; for the tiled MLP, the MLP's and
+RMSNorm's `forward`. `prepare_model` compares them with the installed transformers at run time: an adapter whose
+source changed is not installed (the model keeps the registered "upipe" attention, which goes through transformers'
+own AttentionInterface, or its untiled MLP), with a warning naming the class and the verified version.
+`tests/integrations/test_architectures.py` fails when the installed transformers changes one, and compares every
+replaced forward with the installed original on random inputs.
+
+This module imports no third-party package at import time but torch (through `hf_upipe.integrations.peft`);
+transformers only inside `source_fingerprint`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+from dataclasses import dataclass
+
+from hf_upipe.integrations.peft import base_model
+
+__all__ = ["ARCHITECTURES", "Architecture", "architecture_of", "fused_attention_classes", "model_geometry",
+           "source_fingerprint", "tiled_mlp_classes", "tiled_norm_classes", "verified"]
+
+VERIFIED_ON = "5.23"  # the transformers release the fingerprints below were taken from (and every test ran on)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One transformers architecture.
+
+    Attributes:
+        model_type: `config.model_type`.
+        prefix: class-name prefix in `transformers.models.<model_type>.modeling_<model_type>` (e.g. "Llama").
+        fused: the fused attention adapter applies (projections, QK-norm and RoPE inside the head-chunk loop).
+        tiled: the tiled MLP / RMSNorm adapter applies (a per-token gated MLP and RMSNorm).
+        window_in_config: the attention module does not carry its sliding window; read `config.sliding_window`.
+        fused_fingerprint / tiled_fingerprint: the verified source fingerprints (module docstring).
+    """
+
+    model_type: str
+    prefix: str
+    fused: bool = True
+    tiled: bool = True
+    window_in_config: bool = False
+    fused_fingerprint: str = ""
+    tiled_fingerprint: str = ""
+
+    @property
+    def attention(self) -> str:
+        return f"{self.prefix}Attention"
+
+    @property
+    def mlp(self) -> str:
+        return f"{self.prefix}MLP"
+
+    @property
+    def norm(self) -> str:
+        return f"{self.prefix}RMSNorm"
+
+    def fused_sources(self) -> tuple[str, ...]:
+        return (f"{self.attention}.__init__", f"{self.attention}.forward", "apply_rotary_pos_emb", "rotate_half")
+
+    def tiled_sources(self) -> tuple[str, ...]:
+        return (f"{self.mlp}.forward", f"{self.norm}.forward")
+
+
+_TILED = "9dbbf389e9bdd646"  # LlamaMLP/RMSNorm-shaped forwards (identical source in the four families)
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
+    Architecture("llama", "Llama", fused_fingerprint="a0d395fa0cfcaa0f", tiled_fingerprint=_TILED),
+    Architecture("mistral", "Mistral", window_in_config=True, fused_fingerprint="c3b3be99e77bcec1",
+                 tiled_fingerprint=_TILED),
+    Architecture("qwen2", "Qwen2", fused_fingerprint="216c98ededbca3e0", tiled_fingerprint=_TILED),
+    Architecture("qwen3", "Qwen3", fused_fingerprint="643897dbf1d482cc", tiled_fingerprint=_TILED),
+)}
+
+
+def _config_of(obj):
+    config = getattr(base_model(obj), "config", obj)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def architecture_of(model_or_config) -> Architecture | None:
+    """The registry entry of a transformers model (plain or PEFT) or config, by `model_type`; None if unknown."""
+    return ARCHITECTURES.get(getattr(_config_of(model_or_config), "model_type", None))
+
+
+def fused_attention_classes() -> dict[str, Architecture]:
+    """Attention class name -> architecture, for the architectures with the fused adapter."""
+    return {a.attention: a for a in ARCHITECTURES.values() if a.fused}
+
+
+def tiled_mlp_classes() -> dict[str, Architecture]:
+    """MLP class name -> architecture, for the architectures with the tiled adapter."""
+    return {a.mlp: a for a in ARCHITECTURES.values() if a.tiled}
+
+
+def tiled_norm_classes() -> dict[str, Architecture]:
+    """RMSNorm class name -> architecture, for the architectures with the tiled adapter."""
+    return {a.norm: a for a in ARCHITECTURES.values() if a.tiled}
+
+
+def source_fingerprint(arch: Architecture, adapter: str) -> str:
+    """The installed transformers' fingerprint of what `adapter` ("fused" or "tiled") replaces or relies on."""
+    module = importlib.import_module(f"transformers.models.{arch.model_type}.modeling_{arch.model_type}")
+    digest = hashlib.sha256()
+    for name in arch.fused_sources() if adapter == "fused" else arch.tiled_sources():
+        obj = module
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        digest.update(inspect.getsource(obj).encode())
+    return digest.hexdigest()[:16]
+
+
+_VERIFIED_CACHE: dict[tuple[str, str], bool] = {}
+
+
+def verified(arch: Architecture, adapter: str) -> bool:
+    """Whether the installed transformers' source for `adapter` is the verified one (cached per process)."""
+    key = (arch.model_type, adapter)
+    if key not in _VERIFIED_CACHE:
+        want = arch.fused_fingerprint if adapter == "fused" else arch.tiled_fingerprint
+        try:
+            _VERIFIED_CACHE[key] = source_fingerprint(arch, adapter) == want
+        except (ImportError, AttributeError, OSError, TypeError):  # renamed, removed, or no source to read
+            _VERIFIED_CACHE[key] = False
+    return _VERIFIED_CACHE[key]
+
+
+def model_geometry(config) -> dict:
+    """hidden, heads, kv_heads, layers, vocab and model_type of a transformers config (or a dict of its keys)."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    return {"hidden": hidden, "heads": heads, "kv_heads": get("num_key_value_heads") or heads,
+            "layers": get("num_hidden_layers"), "vocab": get("vocab_size"), "model_type": get("model_type", "llama")}
