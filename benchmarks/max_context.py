@@ -16,7 +16,8 @@ full 32-layer simulation (`exact=True`) at 3M and 5M against the 3-and-4-layer e
     python benchmarks/max_context.py [--gpu-memory 80GiB] [--lens 1,2,3,4,5,6,7] [--out benchmarks/results]
 
 Writes <out>/max_context.json and <out>/max_context.png, prints markdown tables. The margin is the planner's
-default (10% of the tensor peak + 2 GiB); "required" = tensors + margin.
+default (10% of the tensor peak + 2 GiB); "required" = tensors + margin; a length fits when required stays within
+95% of the GPU (the planner's default headroom) and its offloaded checkpoints within 2 TiB of host memory per node.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
     records.append(dict(impl="planner's choice", search="max", **auto.to_dict()))
 
     print(f"\n### {args.model}, {args.gpus} x {args.gpu_memory}: required GiB per GPU (tensors + margin), "
-          "OOM where it exceeds the GPU\n")
+          f"OOM where it exceeds the usable {auto.usable / GiB:.1f} GiB (5% headroom) or the host memory\n")
     print("| implementation | " + " | ".join(f"{n // M}M" for n in lens) + " | longest that fits |")
     print("|---|" + "---|" * (len(lens) + 1))
     for label, _ in IMPLS:

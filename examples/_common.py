@@ -6,19 +6,28 @@ Entry points:
 - `text_dataset(path, tokenizer, seq_len)`: local json/jsonl/txt files with a "text" field, cut into rows.
 - `build_model(path, vocab_size, lora, lora_rank)`: a tiny Llama from a config (default), a config.json, or a
   local model directory; LoRA through PEFT when asked.
-- `add_common_flags(parser)` / `upipe_settings(args)`: the flags both examples share.
+- `add_common_flags(parser)` / `upipe_settings(args)`: the flags both examples share (`--flag` / `--no-flag` for
+  every switch; `--help` lists the choices); `learning_rate(args, step)`: the warmup + cosine schedule.
+- `passkey_accuracy(model, rows, upipe)`: the share of held-out answers the model gets right, over every rank's
+  shard (the first answer of a row can only be read from the passkey, in the first rank's shard).
+- `run(main)`: runs a script's main; an input error (a bad flag, a bad data file, settings that cannot work) is
+  one line on stderr from the first rank (the same error is raised on every rank) and exit status 2.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import random
+import sys
 
 import torch
 from datasets import Dataset, load_dataset
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, default_data_collator
 
 from hf_upipe import UPipeConfig
+from hf_upipe.ops.kernels import available_kernels
 
 HAYSTACK = b"abcdefghijklmnopqrstuvwxyz "
 DIGITS = b"0123456789"
@@ -63,15 +72,25 @@ def passkey_dataset(n: int, seq_len: int, tokenizer: ByteTokenizer, seed: int) -
 
 
 def text_dataset(path: str, tokenizer, seq_len: int) -> Dataset:
-    """Local .json/.jsonl/.txt files ("text" field) tokenized, concatenated and cut into rows of seq_len."""
+    """Local .json/.jsonl/.txt files ("text" field) tokenized, concatenated and cut into rows of seq_len.
+
+    Raises:
+        ValueError: a missing file, or a .json/.jsonl file whose records have no "text" field.
+    """
+    if not os.path.isfile(path):
+        raise ValueError(f"--data {path}: no such file")
     kind = "text" if path.endswith(".txt") else "json"
     raw = load_dataset(kind, data_files=path, split="train")
+    if "text" not in raw.column_names:
+        raise ValueError(f"--data {path}: the records have no 'text' field (they have {raw.column_names}); each line "
+                         'of a .jsonl file must be like {"text": "..."} (see examples/sample.jsonl), or pass a .txt '
+                         "file")
     ids: list[int] = []
     for text in raw["text"]:
         ids.extend(tokenizer.encode(text) + [tokenizer.eos_token_id])
     rows = [ids[i:i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
     if not rows:
-        raise ValueError(f"{path}: {len(ids)} tokens, fewer than one row of --seq-len {seq_len}")
+        raise ValueError(f"--data {path}: {len(ids)} tokens, fewer than one row of --seq-len {seq_len}")
     return Dataset.from_dict({"input_ids": rows, "labels": rows})
 
 
@@ -90,7 +109,9 @@ def build_model(path: str | None, vocab_size: int, lora: bool, lora_rank: int, s
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), attn_implementation="upipe",
                                                  dtype=dtype)
     if lora:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
+
+        from hf_upipe.integrations.peft import get_peft_model
 
         model = get_peft_model(model, LoraConfig(
             r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, task_type="CAUSAL_LM",
@@ -100,31 +121,104 @@ def build_model(path: str | None, vocab_size: int, lora: bool, lora_rank: int, s
 
 
 def add_common_flags(ap) -> None:
+    flag = argparse.BooleanOptionalAction
     ap.add_argument("--model", default=None, help="config.json or local model dir (default: a tiny 1-layer Llama)")
-    ap.add_argument("--data", default=None, help="local .json/.jsonl/.txt with a 'text' field (default: passkey)")
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--rows", type=int, default=512, help="rows of the built-in passkey task")
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--data", default=None, help="local .txt, or .json/.jsonl whose records have a 'text' field "
+                                                 "(examples/sample.jsonl); default: the built-in passkey task")
+    ap.add_argument("--seq-len", type=int, default=1024, help="tokens per row (default 1024)")
+    ap.add_argument("--rows", type=int, default=512, help="training rows of the built-in passkey task")
+    ap.add_argument("--eval-rows", type=int, default=32, help="held-out passkey rows the accuracy is measured on")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--lr", type=float, default=1.5e-3, help="peak learning rate (default 1.5e-3)")
+    ap.add_argument("--warmup", type=int, default=30, help="linear warmup steps, then cosine decay to 10%% of --lr")
+    ap.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (default 1.0)")
     ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--full", action="store_true", help="full fine-tune (default: LoRA through PEFT)")
+    ap.add_argument("--full", action=flag, default=False, help="full fine-tune instead of LoRA through PEFT")
     ap.add_argument("--lora-rank", type=int, default=32)
-    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing (non-reentrant)")
+    ap.add_argument("--checkpointing", action=flag, default=False, help="activation checkpointing (non-reentrant)")
     ap.add_argument("--output-dir", default="runs/long_context")
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     ap.add_argument("--resume", default=None, help="a checkpoint folder, or 'latest'")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--log-json", default=None, help="write the per-step losses here (rank 0)")
-    for name in ("sp_size", "heads_per_chunk", "kernel", "tiled_mlp", "offload", "offload_path"):
-        ap.add_argument("--" + name.replace("_", "-"), default=None, help=UPipeConfig.__dataclass_fields__[name]
-                        .metadata["help"] + " (default: UPIPE_" + name.upper() + " or the built-in default)")
+    ap.add_argument("--log-json", default=None, help="write the per-step losses and the accuracy here (rank 0)")
+    defaults = " (default: UPIPE_{} or the built-in default)"
+    ap.add_argument("--sp-size", type=int, default=None,
+                    help=_help("sp_size") + defaults.format("SP_SIZE"))
+    ap.add_argument("--heads-per-chunk", type=_heads_per_chunk, default=None,
+                    help=_help("heads_per_chunk") + " A number or 'all'." + defaults.format("HEADS_PER_CHUNK"))
+    ap.add_argument("--kernel", choices=["auto", *available_kernels()], default=None,
+                    help=_help("kernel") + defaults.format("KERNEL"))
+    ap.add_argument("--tiled-mlp", action=flag, default=None, help=_help("tiled_mlp") + defaults.format("TILED_MLP"))
+    ap.add_argument("--offload", choices=["none", "cpu", "disk"], default=None,
+                    help=_help("offload") + " Needs --checkpointing." + defaults.format("OFFLOAD"))
+    ap.add_argument("--offload-path", default=None, help=_help("offload_path") + defaults.format("OFFLOAD_PATH"))
+
+
+def _help(name: str) -> str:
+    return UPipeConfig.__dataclass_fields__[name].metadata["help"]
+
+
+def _heads_per_chunk(text: str):
+    if text.lower() == "all":
+        return "all"
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a positive number nor 'all'")
 
 
 def upipe_settings(args) -> dict:
-    """The UPipe flags that were given (others fall back to UPIPE_* variables, then defaults)."""
-    out = {}
-    for name in ("sp_size", "heads_per_chunk", "kernel", "tiled_mlp", "offload", "offload_path"):
-        value = getattr(args, name)
-        if value is not None:
-            out[name] = int(value) if name == "sp_size" else value
-    return out
+    """The UPipe flags that were given (others fall back to UPIPE_* variables, then defaults).
+
+    Raises:
+        ValueError: --offload cpu/disk without --checkpointing (it offloads what checkpointing keeps).
+    """
+    if args.offload not in (None, "none") and not args.checkpointing:
+        raise ValueError(f"--offload {args.offload} offloads what activation checkpointing keeps: add --checkpointing "
+                         "(or --offload none)")
+    names = ("sp_size", "heads_per_chunk", "kernel", "tiled_mlp", "offload", "offload_path")
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def learning_rate(args, step: int) -> float:
+    """Linear warmup over --warmup steps, then cosine decay to 10% of --lr at --steps."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def passkey_accuracy(model, rows, upipe) -> dict:
+    """Greedy answers on held-out rows: the share right of the first answer of each row (readable only from the
+    passkey, in the first rank's shard: retrieval across shards) and of every answer. The same on every rank."""
+    training = model.training
+    model.eval()
+    first = every = total = 0
+    with torch.no_grad():
+        for row in rows:
+            batch = {k: v.to(upipe.device) for k, v in default_data_collator([row]).items()}
+            shard = upipe.shard(batch)
+            logits = model(**{k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}).logits
+            labels = shard["shift_labels"][0]  # [s]: the next token of every local position
+            hits = logits[0].argmax(-1) == labels
+            answers = torch.nonzero(labels != -100).flatten()
+            every += int(hits[answers].sum())
+            total += len(answers)
+            start = upipe.state.sp_rank * labels.shape[0]  # the first answer of the row, on whichever rank holds it
+            first_at = min(i for i, v in enumerate(row["labels"][1:]) if v != -100) - start
+            if 0 <= first_at < labels.shape[0]:
+                first += int(hits[first_at])
+    first, every, total = upipe.world_sum(first, every, total)
+    model.train(training)
+    replicas = upipe.state.dp_size  # every data-parallel replica evaluated every row
+    return {"first_answer": first / (len(rows) * replicas), "all_answers": every / total}
+
+
+def run(main) -> None:
+    """`raise SystemExit(main())`, with input errors as one line from the first rank and exit status 2."""
+    try:
+        code = main()
+    except (ValueError, NotImplementedError) as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {err}", file=sys.stderr)
+        code = 2
+    raise SystemExit(code)

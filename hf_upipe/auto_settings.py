@@ -59,7 +59,7 @@ def _gpu_memory(config) -> str:
     if config.gpu_memory:
         return config.gpu_memory
     if torch.cuda.is_available():
-        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+        return f"{torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory}B"
     raise ValueError("auto settings need the memory of one GPU and none is visible: set gpu_memory (e.g. '80GiB', "
                      "UPIPE_GPU_MEMORY) to plan for the GPUs you will train on.")
 

@@ -5,6 +5,8 @@ Entry points:
   `__post_init__` that names the fix).
 - `UPipeConfig.resolve_sp_size(world_size, local_world_size=None)`: the SP degree for a given launch.
 - `UPipeConfig.init_kwargs()`: the arguments of `hf_upipe.init_sequence_parallel`.
+- `UPipeConfig.describe(name)`: a setting as the user wrote it, for error messages; `UPipeConfig.from_flags(...)`
+  for the settings of a script's command-line flags (errors then name `--the-flag`).
 - `auto=True`: `hf_upipe.auto_settings.apply_auto_settings` returns a copy with the planner's memory settings
   (UPipeTrainer and UPipePlugin call it before anything else; the planner runs in a child process).
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 from hf_upipe.ops.kernels import check_kernel_name
+from hf_upipe.units import parse_size, parse_tokens
 
 __all__ = ["UPipeConfig"]
 
@@ -39,6 +42,13 @@ def _parse_bool(name: str, value) -> bool:
     if text in _TRUE or text in _FALSE:
         return text in _TRUE
     raise ValueError(f"{name}={value!r} is not a boolean: use one of {_TRUE + _FALSE}.")
+
+
+def _parse_with(parse, name: str, value):
+    try:
+        return parse(value)
+    except ValueError as err:
+        raise ValueError(f"{name}={value!r}: {err}") from None
 
 
 def _parse_positive_int(name: str, value, allow_none: bool = False, minimum: int = 1):
@@ -92,9 +102,11 @@ class UPipeConfig:
         "and offload for plan_seq_len tokens on this launch's GPUs: the cheapest settings that fit. The explicit "
         "values of those fields are then replaced. Default False.")})
     plan_seq_len: int | None = field(default=None, metadata={"help": (
-        "Tokens per sequence the auto settings must fit (the longest sequence of your data). Needed with auto.")})
+        "Tokens per sequence the auto settings must fit (the longest sequence of your data), e.g. 1048576, 1024K or "
+        "1M (K = 1024, M = 1048576 tokens). Needed with auto.")})
     gpu_memory: str | None = field(default=None, metadata={"help": (
-        "Memory of one GPU for the auto settings, e.g. '80GiB'. Default: the CUDA device's total memory.")})
+        "Memory of one GPU for the auto settings, with its unit: '80GiB', '80GB'. Default: the CUDA device's total "
+        "memory.")})
     verify_checkpoints: bool | None = field(default=None, metadata={"help": (
         "Check a checkpoint's manifest (size and SHA-256 of every file) before resuming from it, and refuse a "
         "corrupted, incomplete or unmanifested one. Default True; False resumes from any checkpoint unchecked.")})
@@ -140,8 +152,10 @@ class UPipeConfig:
         auto = self.auto if self.auto is not None else env["auto"]
         self.auto = False if auto is None else _parse_bool("auto", auto)
         length = self.plan_seq_len if self.plan_seq_len is not None else env["plan_seq_len"]
-        self.plan_seq_len = _parse_positive_int("plan_seq_len", length, allow_none=True)
+        self.plan_seq_len = None if length is None else _parse_with(parse_tokens, "plan_seq_len", length)
         self.gpu_memory = self.gpu_memory or env["gpu_memory"]
+        if self.gpu_memory is not None:
+            _parse_with(parse_size, "gpu_memory", self.gpu_memory)
         self.verify_checkpoints = _parse_bool("verify_checkpoints", self.verify_checkpoints
                                               if self.verify_checkpoints is not None else
                                               (env["verify_checkpoints"] or True))
@@ -151,14 +165,35 @@ class UPipeConfig:
 
     def describe(self, name: str) -> str:
         """How the user set `name`, for error messages: `UPipeConfig(heads_per_chunk='all')`,
-        `UPIPE_HEADS_PER_CHUNK=all`, `heads_per_chunk=1 (the default)` or `heads_per_chunk=2 (chosen by auto)`."""
+        `UPIPE_HEADS_PER_CHUNK=all`, `heads_per_chunk=1 (the default)` or `heads_per_chunk=2 (chosen by auto)`;
+        for the settings of a script's flags (`from_flags`), the flag: `--heads-per-chunk 3`, `--no-tiled-mlp`."""
         origin, raw = self._origin.get(name, ("default", None))
+        if origin == "arg" and getattr(self, "_flags", False):
+            flag = "--" + name.replace("_", "-")
+            if isinstance(raw, bool):
+                return flag if raw else "--no-" + flag[2:]
+            return f"{flag} {raw}"
         if origin == "arg":
             return f"{type(self).__name__}({name}={raw!r})"
         if origin == "env":
             return f"UPIPE_{name.upper()}={raw}"
         value = getattr(self, name)
         return f"{name}={value!r} ({'chosen by auto=True' if origin == 'auto' else 'the default'})"
+
+    def spell(self, name: str, value) -> str:
+        """How the user would write `name=value` in the way they wrote these settings (for the fix in a message)."""
+        if getattr(self, "_flags", False):
+            flag = "--" + name.replace("_", "-")
+            return (flag if value else "--no-" + flag[2:]) if isinstance(value, bool) else f"{flag} {value}"
+        return f"{type(self).__name__}({name}={value!r}) / UPIPE_{name.upper()}={value}"
+
+    @classmethod
+    def from_flags(cls, **settings):
+        """The settings a script read from its command-line flags (`--heads-per-chunk 2` -> heads_per_chunk=2):
+        errors then name the flag as typed, `--heads-per-chunk 2`, rather than the Python argument."""
+        config = cls(**settings)
+        object.__setattr__(config, "_flags", True)
+        return config
 
     def with_auto(self, **chosen) -> "UPipeConfig":
         """A copy with the planner's `chosen` values, marked as chosen by auto (this config is left unchanged)."""

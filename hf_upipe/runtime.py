@@ -122,7 +122,7 @@ def _geometry_errors(config: UPipeConfig, heads, sp: int, world: int) -> list[Ex
         return [ValueError(
             f"{config.describe('heads_per_chunk')} does not fit {H} query / {Hk} key-value heads on sp_size={sp} "
             f"({H // sp} query heads per rank, {H // max(Hk, sp)} per key-value head): use one of {valid}, or 'all' "
-            "for all local heads in one chunk (UPipeConfig(heads_per_chunk='all') / UPIPE_HEADS_PER_CHUNK=all).")]
+            f"for all local heads in one chunk ({config.spell('heads_per_chunk', 'all')}).")]
     return []
 
 
@@ -200,7 +200,8 @@ class UPipeRuntime:
                 errors.append(ValueError(
                     f"{config.describe(name)} needs activation checkpointing on every layer ("
                     f"{'it plans with it' if name == 'auto' else 'it offloads what checkpointing keeps'}): "
-                    f"{checkpointing_fix}" + (", or offload='none'." if name == "offload" else ".")))
+                    f"{checkpointing_fix}" + (f", or {config.spell('offload', 'none')}." if name == "offload"
+                                              else ".")))
         sp = None
         try:
             sp = config.resolve_sp_size(world_size)

@@ -4,8 +4,10 @@ Entry points:
 - `run_selftest(models, *, sp=2, lora=False, seq_len=61, heads_per_chunk=1, fused=True, breakage=None)`: spawns
   `sp` processes (gloo on CPU; NCCL when there are `sp` GPUs) and returns one `Check` per comparison and model.
 - `format_table(checks)`: the pass/fail table the command prints.
-- `hf-upipe selftest --model <config.json | model dir | llama | qwen2 | mistral | qwen3> [--sp 2] [--lora]`:
-  exits 1 when any check fails.
+- `check_inputs(models, sp, heads_per_chunk)`: the input checks made before any process is started.
+- `hf-upipe selftest --model <name | config.json | model dir | org/name> [--sp 2] [--lora]`: the names of
+  `hf_upipe.models` (presets run at a tiny width and depth with their own head geometry); exit 0 when every check
+  passes, 1 on a numerical mismatch, 2 on bad input or a model hf_upipe refuses to run under SP (its message whole).
 
 Per model, every rank builds the model twice from the same weights: a reference ("sdpa", whole sequence, one
 device) and the SP model (`prepare_model`: fused block or registered "upipe", `heads_per_chunk`). Two batches: a
@@ -22,19 +24,19 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from hf_upipe.integrations.peft import base_model
+from hf_upipe.models import model_names, runnable_config
+from hf_upipe.ops.head_layout import geometry_error, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.testing import DistributedFailure, run_distributed
 
 __all__ = ["Check", "format_table", "run_selftest"]
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=4096, initializer_range=0.2,
-            tie_word_embeddings=False, use_cache=False)
 TOLERANCE = {"logits": 1e-4, "train loss": 2e-5, "eval loss": 2e-5, "gradients": 1e-4}
 
 
@@ -46,24 +48,47 @@ class Check:
     error: float
     tolerance: float
     note: str = ""
+    refused: str = ""  # the model cannot run under SP at all: hf_upipe's error, whole (not a numerical failure)
 
     @property
     def passed(self) -> bool:
-        return self.error <= self.tolerance
+        return not self.refused and self.error <= self.tolerance
 
 
 def _build(model: str):
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
-    names = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config}
     torch.manual_seed(0)
-    if model in names:
-        return AutoModelForCausalLM.from_config(names[model](**TINY), attn_implementation="sdpa", dtype=torch.float32)
     if os.path.isdir(model) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(model)):
         return AutoModelForCausalLM.from_pretrained(model, attn_implementation="sdpa", dtype=torch.float32)
-    config = AutoConfig.from_pretrained(model)
-    config.use_cache = False
+    _, config = runnable_config(model)
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def check_inputs(models, sp: int, heads_per_chunk: int | None) -> None:
+    """Every model resolves and its heads split over `sp` ranks in chunks of `heads_per_chunk`.
+
+    Raises:
+        ValueError: the first input that cannot work, with the values that would.
+    """
+    if sp < 2:
+        raise ValueError(f"--sp {sp}: the self-test compares sequence parallelism over at least 2 ranks with one "
+                         "device.")
+    for name in models:
+        _, config = runnable_config(name)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = getattr(config, "num_attention_heads", None)
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        if not isinstance(heads, int):
+            continue
+        why = geometry_error(heads, kv, sp)
+        if why is not None:
+            raise ValueError(f"--sp {sp} cannot split {name}: {why}; --sp values that work: "
+                             f"{[p for p in valid_sp_sizes(heads, kv, upto=max(8, sp)) if p > 1]}")
+        valid = valid_heads_per_chunk(heads, kv, sp)
+        if heads_per_chunk is not None and heads_per_chunk not in valid:
+            raise ValueError(f"--heads-per-chunk {heads_per_chunk} does not fit {name} ({heads} query / {kv} key-value "
+                             f"heads) on --sp {sp}: use one of {valid} or 'all'")
 
 
 def _batches(vocab: int, seq_len: int) -> dict:
@@ -90,7 +115,9 @@ def _check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
 
     ref = _build(name)
     if spec["lora"]:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
+
+        from hf_upipe.integrations.peft import get_peft_model
 
         torch.manual_seed(2)
         ref = get_peft_model(ref, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear"))
@@ -149,8 +176,8 @@ def _rank(rank: int, world: int, spec: dict) -> list[dict]:
     for name in spec["models"]:
         try:
             checks += _check_model(name, spec, rank, world)
-        except Exception as err:  # a model that cannot run under SP: one failed check that says why
-            checks.append(Check(name, "-", f"runs under SP: {type(err).__name__}: {err}"[:200], 1.0, 0.0))
+        except (ValueError, NotImplementedError) as err:  # refused by hf_upipe's checks: said whole, not a mismatch
+            checks.append(Check(name, "-", "runs under SP", float("nan"), 0.0, refused=f"{type(err).__name__}: {err}"))
     return [vars(c) for c in checks]
 
 
@@ -160,8 +187,7 @@ def run_selftest(models, *, sp: int = 2, lora: bool = False, seq_len: int = 61, 
     losses and eval losses are global; logits are rank 0's shard, and every rank asserts nothing on its own)."""
     if breakage not in (None, "shard-shift"):
         raise ValueError(f"breakage={breakage!r}: the only deliberate breakage is 'shard-shift'.")
-    if sp < 2:
-        raise ValueError(f"sp={sp}: the self-test compares sequence parallelism over at least 2 ranks with one device.")
+    check_inputs(models, sp, heads_per_chunk)
     spec = dict(models=list(models), lora=lora, seq_len=seq_len, heads_per_chunk=heads_per_chunk, fused=fused,
                 breakage=breakage)
     try:
@@ -174,16 +200,20 @@ def run_selftest(models, *, sp: int = 2, lora: bool = False, seq_len: int = 61, 
 def format_table(checks: list[Check]) -> str:
     rows = ["| model | batch | check | max rel. error | tolerance | result |", "|---|---|---|---|---|---|"]
     for c in checks:
+        if c.refused:
+            continue
         rows.append(f"| {c.model} | {c.batch} | {c.name} | {c.error:.2e} | {c.tolerance:.0e} | "
                     f"{'PASS' if c.passed else 'FAIL'}{' (' + c.note + ')' if c.note and not c.passed else ''} |")
-    failed = sum(not c.passed for c in checks)
-    rows.append(f"\n{len(checks) - failed} passed, {failed} failed")
+    failed = sum(not c.passed and not c.refused for c in checks)
+    rows.append(f"\n{len(checks) - failed - sum(bool(c.refused) for c in checks)} passed, {failed} failed")
+    rows += [f"{c.model}: cannot run under sequence parallelism: {c.refused}" for c in checks if c.refused]
     return "\n".join(rows)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="config.json, model dir, or llama|qwen2|mistral|qwen3 (tiny); "
-                                                       "comma-separated for several")
+    parser.add_argument("--model", required=True,
+                        help=f"comma-separated: {', '.join(model_names())} (presets run at a tiny width and depth "
+                             "with their own head geometry), a config.json, a model folder, or a Hub id 'org/name'")
     parser.add_argument("--sp", type=int, default=2, help="sequence-parallel ranks to launch (default 2)")
     parser.add_argument("--lora", action="store_true", help="check a LoRA (PEFT) model on all linear layers")
     parser.add_argument("--seq-len", type=int, default=61, help="sequence length (default 61: odd, pads under SP)")
@@ -193,8 +223,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    hpc = None if args.heads_per_chunk == "all" else int(args.heads_per_chunk)
-    checks = run_selftest(args.model.split(","), sp=args.sp, lora=args.lora, seq_len=args.seq_len,
-                          heads_per_chunk=hpc, fused=not args.registered, breakage=args.breakage)
+    """Exit 0 when every check passes, 1 on a numerical mismatch, 2 on bad input or a model refused under SP."""
+    try:
+        hpc = None if args.heads_per_chunk == "all" else int(args.heads_per_chunk)
+        checks = run_selftest(args.model.split(","), sp=args.sp, lora=args.lora, seq_len=args.seq_len,
+                              heads_per_chunk=hpc, fused=not args.registered, breakage=args.breakage)
+    except ValueError as err:
+        print(f"hf-upipe selftest: error: {err}", file=sys.stderr)
+        return 2
     print(format_table(checks))
+    if any(c.refused for c in checks):
+        return 2
     return 0 if all(c.passed for c in checks) else 1

@@ -44,7 +44,8 @@ def _worker(rank, world_size, port, timeout, backend, results, fn, args, environ
     os.environ.clear()
     os.environ.update(environ)  # the caller's, also where the process was forked from a server started earlier
     os.chdir(cwd)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      OMP_NUM_THREADS="1")  # what accelerate sets on CPU, saying so in a warning when it has to
     torch.set_num_threads(1)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"

@@ -131,8 +131,10 @@ class UPipeTrainer(Trainer):
         pad = getattr(self.processing_class, "pad_token_id", None)
         self.upipe = UPipeRuntime.setup(
             config, self.model, world_size=world, device=self.args.device,
-            checkpointing=bool(self.args.gradient_checkpointing),
-            checkpointing_fix="set TrainingArguments(gradient_checkpointing=True)",
+            checkpointing=bool(getattr(self.args, "activation_checkpointing", None)
+                               or self.args.gradient_checkpointing),
+            checkpointing_fix="set TrainingArguments(activation_checkpointing=True) (older transformers: "
+                              "gradient_checkpointing=True)",
             pad_token_id=0 if pad is None else pad)
         if self.compute_metrics is not None and self.upipe.state.sp_size > 1:  # the same on every rank
             raise NotImplementedError("compute_metrics needs full-sequence logits, which UPipeTrainer never "

@@ -18,9 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "hf_upipe")
 
 LAYERS = [
-    ("hf_upipe.ops", "hf_upipe.architectures", "hf_upipe.integrations.peft"),
+    ("hf_upipe.ops", "hf_upipe.architectures", "hf_upipe.integrations.peft", "hf_upipe.units"),
     ("hf_upipe.data", "hf_upipe.distributed", "hf_upipe.config", "hf_upipe.memory", "hf_upipe.integrations",
-     "hf_upipe.registration"),
+     "hf_upipe.registration", "hf_upipe.models"),
     ("hf_upipe.runtime", "hf_upipe.checkpoint", "hf_upipe.auto_settings"),
     ("hf_upipe.trainer", "hf_upipe.integrations.accelerate"),
     ("hf_upipe.planning", "hf_upipe.selftest", "hf_upipe.testing", "hf_upipe.cli", "hf_upipe.__init__"),
@@ -41,7 +41,9 @@ def _modules() -> dict[str, set[str]]:
             rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
             module = rel[: -len(".__init__")] if rel.endswith(".__init__") and rel != "hf_upipe.__init__" else rel
             deps = set()
-            for node in ast.walk(ast.parse(open(path).read())):
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
                 if isinstance(node, ast.Import):
                     deps |= {a.name for a in node.names if a.name.startswith("hf_upipe")}
                 elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hf_upipe"):
@@ -102,7 +104,9 @@ def test_no_private_names_imported_across_modules():
     for folder, _, files in os.walk(PACKAGE):
         for name in (f for f in files if f.endswith(".py")):
             path = os.path.join(folder, name)
-            for node in ast.walk(ast.parse(open(path).read())):
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
                 if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hf_upipe"):
                     bad += [f"{os.path.relpath(path, ROOT)}: {node.module}.{a.name}" for a in node.names
                             if a.name.startswith("_")]

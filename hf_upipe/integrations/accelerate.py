@@ -47,7 +47,7 @@ class UPipePlugin(UPipeConfig):
     """UPipe settings for `accelerate launch` scripts (all fields of `hf_upipe.UPipeConfig`), and `prepare`."""
 
     def prepare(self, accelerator, model, optimizer=None, dataloader=None, *others, pad_token_id: int = 0,
-                output_dir: str | None = None):
+                output_dir: str | None = None, checkpointing_fix: str | None = None):
         """Set up SP and hand everything to `accelerator.prepare` (see the module docstring).
 
         Args:
@@ -58,6 +58,8 @@ class UPipePlugin(UPipeConfig):
             pad_token_id: the id the sequence is padded with to a multiple of sp_size.
             output_dir: the folder checkpoints will be written to, if any: checked writable on every rank now,
                 not at the first save.
+            checkpointing_fix: how your script turns activation checkpointing on, for errors that need it (a
+                script with a flag says "add --checkpointing"); default: the transformers call.
 
         Returns:
             (model, optimizer, dataloader yielding shards, *others, UPipeRuntime), with None for what was not given.
@@ -65,7 +67,7 @@ class UPipePlugin(UPipeConfig):
         Raises:
             ValueError / NotImplementedError on every rank before any collective: sp_size not dividing the number
             of processes, offload or auto without activation checkpointing (call
-            `model.gradient_checkpointing_enable()` first), a kernel that cannot run here, heads that do not split,
+            `model.activation_checkpointing_enable()` first), a kernel that cannot run here, heads that do not split,
             an output_dir that cannot be written, an FSDP config accelerate cannot honour.
         """
         wants_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
@@ -76,8 +78,9 @@ class UPipePlugin(UPipeConfig):
         checkpointing = activation_checkpointing(model)
         upipe = UPipeRuntime.setup(
             self, model, world_size=accelerator.num_processes, device=accelerator.device,
-            checkpointing=checkpointing, checkpointing_fix="call model.gradient_checkpointing_enable() (or "
-            "activation_checkpointing_enable()) before UPipePlugin.prepare", output_dir=output_dir,
+            checkpointing=checkpointing, checkpointing_fix=checkpointing_fix or "call "
+            "model.activation_checkpointing_enable() (older transformers: gradient_checkpointing_enable()) before "
+            "UPipePlugin.prepare", output_dir=output_dir,
             pad_token_id=pad_token_id)
         given = [x for x in (model, optimizer, dataloader, *others) if x is not None]
         prepared = list(accelerator.prepare(*given)) if len(given) > 1 else [accelerator.prepare(*given)]

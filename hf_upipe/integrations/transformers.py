@@ -315,15 +315,22 @@ def _check_rows_trailing(state, mask, batch, device) -> None:
             started = started or count != -1
 
 
+# the names transformers configs give the attention dropout probability
+_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout",
+                 "attention_dropout_prob")
+
+
 def check_call(module, dropout, kwargs) -> None:
     """Checks of one attention call that need no communication (identical on every rank: same model, same
     arguments): causal attention, no dropout, no softcap or attention sinks."""
     if not getattr(module, "is_causal", True):
         raise NotImplementedError("attn_implementation='upipe' supports causal (decoder) attention only.")
     if dropout and dropout > 0.0:
+        config = getattr(module, "config", None)
+        keys = [k for k in _DROPOUT_KEYS if getattr(config, k, None) == dropout] or ["attention_dropout"]
         raise NotImplementedError(
             f"attention dropout={dropout} is not supported by sequence-parallel 'upipe' attention: set the model "
-            "config's attention_dropout=0.0."
+            f"config's {keys[0]}=0.0 (e.g. from_pretrained(..., {keys[0]}=0.0)) or call model.eval()."
         )
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:

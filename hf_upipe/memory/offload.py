@@ -291,8 +291,8 @@ def offload_checkpoints(model: nn.Module, target: str = "disk", *, path: str | N
     layers = checkpointed_layers(model)
     if not layers:
         raise ValueError("offload_checkpoints needs activation checkpointing: call "
-                         "model.activation_checkpointing_enable() (or TrainingArguments(gradient_checkpointing=True)), "
-                         "or use offload target 'none'.")
+                         "model.activation_checkpointing_enable() (or TrainingArguments("
+                         "activation_checkpointing=True)), or use offload target 'none'.")
     store = OffloadStore(target, path, min_bytes=min_bytes, max_pending=max_pending, restore_context=restore_context)
     originals = [(layer, layer._gradient_checkpointing_func) for layer in layers]
     try:

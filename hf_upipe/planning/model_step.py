@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hf_upipe import distributed as _sp
+from hf_upipe.models import PRESETS
 from hf_upipe.planning.attention_block import DS_ATTN_NAME, deepspeed_attention, deepspeed_comm, require_deepspeed
 from hf_upipe.planning.simulate import fake_tensors, is_fake, simulated_world
 from hf_upipe.planning.tracker import MemoryTracker, checkpoint_label
@@ -40,16 +41,6 @@ __all__ = ["MODEL_IMPLEMENTATIONS", "PRESETS", "build_step_model", "llama_config
            "measure_model_step", "simulate_layer_step", "simulate_model_step", "step_config"]
 
 MODEL_IMPLEMENTATIONS = ("deepspeed", "ulysses", "upipe", "fused")
-
-PRESETS = {  # hidden, intermediate, heads, kv_heads, head_dim, layers, vocab
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=128, num_hidden_layers=32, vocab_size=128256),
-    "qwen3-32b-shape": dict(hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,
-                            head_dim=128, num_hidden_layers=64, vocab_size=151936),
-    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
-                       head_dim=128, num_hidden_layers=80, vocab_size=128256),
-}
-
 
 def llama_config(name: str) -> dict:
     """A copy of a preset geometry (keys of `transformers.LlamaConfig`)."""
@@ -142,7 +133,9 @@ def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_ml
                 attn_head_size=config.head_dim, kv_head_count=config.num_key_value_heads, num_hidden_layers=layers,
                 process_group=group, seq_length_is_variable=True)
     if lora is not None:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
+
+        from hf_upipe.integrations.peft import get_peft_model
 
         rank, targets = lora
         # On fake tensors: PEFT moves each new adapter to its base layer's device and dtype with module.to(), which
@@ -167,7 +160,7 @@ def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_ml
 
         apply_tiled_mlp(model, mlp_chunk_tokens)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     if drop_grads:
         for p in model.parameters():  # persistent gradients are not activations: drop each one once accumulated

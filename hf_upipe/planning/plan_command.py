@@ -2,48 +2,78 @@
 
 Entry points:
 - `add_arguments(parser)`: the flags.
-- `run(args)`: plans and prints the table (or JSON); exit 0 if it fits, 1 if not, 2 on bad input.
+- `run(args)`: plans and prints the table (or JSON); exit 0 if it fits, 1 if not, 2 on bad input (the whole message
+  on stderr; argparse reports bad flag values the same way).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
+from hf_upipe.models import model_names
 from hf_upipe.planning.plan_report import LORA_TARGETS
-from hf_upipe.planning.planner import Margin, default_impl, parse_bytes, plan, resolve_model
+from hf_upipe.planning.planner import DEFAULT_HEADROOM, DEFAULT_HOST_MEMORY, Margin, default_impl, plan, resolve_model
 from hf_upipe.planning.train_step import StepSettings
+from hf_upipe.units import parse_size, parse_tokens
 
 __all__ = ["add_arguments", "run"]
 
 
+def _typed(parse):
+    """An argparse type from a parser of `hf_upipe.units`: a bad value is a usage error (exit 2) with the reason."""
+    def convert(text):
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return convert
+
+
+def _host(text):
+    return None if text.lower() in ("none", "unchecked") else parse_size(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
-                        help="preset (llama3-8b, qwen3-32b-shape, llama3-70b), a config.json or a local model folder")
+                        help=f"one of {', '.join(model_names())}; a config.json or a local model folder; or a Hugging "
+                             "Face Hub id 'org/name' (its config is read from the Hub, which is said first)")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs per node")
-    parser.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (default 80GiB)")
+    parser.add_argument("--gpu-memory", default="80GiB", type=_typed(parse_size),
+                        help="memory of one GPU with its unit: 80GiB, 80GB, 141GB (default 80GiB; a bare number is "
+                             "refused)")
     parser.add_argument("--nodes", type=int, default=1)
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--seq-len", type=int, help="tokens per sequence: does it fit, with which settings?")
+    what.add_argument("--seq-len", type=_typed(parse_tokens),
+                      help="tokens per sequence, e.g. 1048576, 1024K or 1M (K = 1024, M = 1048576): does it fit, "
+                           "with which settings?")
     what.add_argument("--max", action="store_true", help="the longest sequence that fits, and its settings")
     parser.add_argument("--sp-size", type=int, help="sequence-parallel degree (default: --gpus)")
     parser.add_argument("--impl", choices=("fused", "upipe", "ulysses", "deepspeed"),
                         help="attention implementation (default: fused where supported); 'ulysses' plans our Ulysses "
                              "mode, 'deepspeed' the peer")
     parser.add_argument("--heads-per-chunk", help="fix the head chunk (a number or 'all') instead of choosing it")
-    parser.add_argument("--tiled-mlp", choices=("true", "false"), help="fix the tiled MLP instead of choosing it")
+    parser.add_argument("--tiled-mlp", action=argparse.BooleanOptionalAction, default=None,
+                        help="fix the tiled MLP on or off instead of choosing it")
     parser.add_argument("--offload", choices=("none", "cpu"), help="fix the offload instead of choosing it")
     parser.add_argument("--mlp-chunk-tokens", type=int)
     parser.add_argument("--loss-chunk-tokens", type=int)
     parser.add_argument("--margin", type=float, default=0.10, help="allocator share of the tensor peak (default 0.10)")
-    parser.add_argument("--reserved", default="2GiB", help="non-tensor GPU memory (default 2GiB)")
-    parser.add_argument("--step", type=int, default=2**17, help="granularity of --max, tokens (default 131072)")
+    parser.add_argument("--reserved", default="2GiB", type=_typed(parse_size),
+                        help="non-tensor GPU memory (default 2GiB)")
+    parser.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,
+                        help=f"share of each GPU kept free beyond the margin (default {DEFAULT_HEADROOM}: a length at "
+                             "the very edge of memory is not recommended)")
+    parser.add_argument("--host-memory", default=DEFAULT_HOST_MEMORY, type=_typed(_host),
+                        help=f"host memory of one node for offloaded checkpoints (default {DEFAULT_HOST_MEMORY}, a "
+                             "DGX H100's; 'none' to not check)")
+    parser.add_argument("--step", type=_typed(parse_tokens), default=2**17,
+                        help="granularity of --max, tokens (default 128K)")
     parser.add_argument("--exact", action="store_true", help="simulate every layer instead of extrapolating")
     parser.add_argument("--lora-rank", type=int, help="plan a LoRA fine-tune of this rank (default: full fine-tune)")
     parser.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
                         help="comma-separated module names that get adapters (default: every projection)")
-    parser.add_argument("--host-memory", help="host memory of one node for offloaded checkpoints, e.g. 2TiB "
-                                              "(default: not checked)")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -55,7 +85,7 @@ def _fixed_settings(args, config, sp_size):
     impl = args.impl or default_impl(config)
     hpc = args.heads_per_chunk or ("all" if impl in ("ulysses", "deepspeed") else "1")
     return StepSettings(impl=impl, heads_per_chunk=None if hpc == "all" else int(hpc),
-                        tiled_mlp=args.tiled_mlp != "false", mlp_chunk_tokens=args.mlp_chunk_tokens,
+                        tiled_mlp=args.tiled_mlp is not False, mlp_chunk_tokens=args.mlp_chunk_tokens,
                         loss_chunk_tokens=args.loss_chunk_tokens, offload=args.offload or "cpu")
 
 
@@ -65,11 +95,11 @@ def run(args: argparse.Namespace) -> int:
         result = plan(args.model, gpus=args.gpus,
                       gpu_memory=args.gpu_memory, nodes=args.nodes, seq_len=args.seq_len, max_context=args.max,
                       settings=_fixed_settings(args, config, args.sp_size or args.gpus), impl=args.impl,
-                      sp_size=args.sp_size, margin=Margin(args.margin, parse_bytes(args.reserved)), step=args.step,
-                      exact=args.exact, host_memory=args.host_memory,
+                      sp_size=args.sp_size, margin=Margin(args.margin, args.reserved), step=args.step,
+                      exact=args.exact, host_memory=args.host_memory, headroom=args.headroom,
                       lora=None if not args.lora_rank else (args.lora_rank, args.lora_targets.split(",")))
     except ValueError as err:
-        print(f"hf-upipe plan: {err}")
+        print(f"hf-upipe plan: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_dict(), indent=1) if args.json else result.table())
     return 0 if result.fits else 1

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from hf_upipe.architectures import model_geometry
 from hf_upipe.planning.tracker import GiB
+from hf_upipe.units import format_tokens
 
-__all__ = ["LORA_TARGETS", "describe", "format_plan", "launch_lines"]
+__all__ = ["LORA_TARGETS", "assumptions", "describe", "format_plan", "launch_lines"]
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -30,13 +31,6 @@ _ROWS = (("parameters", "FSDP2 shards (fp32) + gathered layers and root (compute
 
 def _gib(n: int) -> str:
     return f"{n / GiB:,.2f}"
-
-
-def _tokens(n: int) -> str:
-    for unit, size in (("M", 2**20), ("K", 2**10)):
-        if n >= size and n % (size // 8) == 0:
-            return f"{n / size:g}{unit}"
-    return f"{n:,}"
 
 
 def describe(settings) -> str:
@@ -59,10 +53,10 @@ def format_plan(plan) -> str:
              f"SP {plan.sp_size}, FSDP2 over {plan.gpus * plan.nodes}; {str(plan.dtype).replace('torch.', '')}; "
              + ("full fine-tune" if plan.lora is None else f"LoRA rank {plan.lora[0]} on {','.join(plan.lora[1])}")]
     if plan.max_seq_len is not None:
-        lines.append(f"longest sequence that fits: {plan.max_seq_len:,} tokens ({_tokens(plan.max_seq_len)})"
+        lines.append(f"longest sequence that fits: {plan.max_seq_len:,} tokens ({format_tokens(plan.max_seq_len)})"
                      if plan.max_seq_len else "nothing fits, not even the shortest step: see the table below")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
-    lines += [f"sequence {plan.seq_len:,} tokens ({_tokens(plan.seq_len)}), {plan.seq_len // plan.sp_size:,} per "
+    lines += [f"sequence {plan.seq_len:,} tokens ({format_tokens(plan.seq_len)}), {plan.seq_len // plan.sp_size:,} per "
               f"GPU: {verdict}", f"settings: {describe(plan.settings)}", "",
               f"{'per-GPU peak':<14}{'GiB':>9}", ]
     for name, what in _ROWS:
@@ -72,8 +66,9 @@ def format_plan(plan) -> str:
     lines += [f"  {'tensors':<12}{_gib(plan.tensor_peak):>9}",
               f"  {'margin':<12}{_gib(m.bytes(plan.tensor_peak)):>9}   {m.fraction:.0%} of tensors (allocator) + "
               f"{_gib(m.reserved)} GiB reserved (CUDA context, NCCL, workspaces): --margin, --reserved",
-              f"  {'required':<12}{_gib(plan.required):>9}   of {_gib(plan.gpu_memory)} GiB "
-              f"({'headroom' if plan.fits else 'short by'} {_gib(abs(plan.gpu_memory - plan.required))} GiB)"]
+              f"  {'required':<12}{_gib(plan.required):>9}   of {_gib(plan.usable)} GiB usable "
+              f"({'free' if plan.required <= plan.usable else 'short by'} "
+              f"{_gib(abs(plan.usable - plan.required))} GiB)"]
     if plan.host_bytes_per_gpu:
         host = "" if plan.host_memory is None else (f" of {_gib(plan.host_memory)} GiB" +
                                                     ("" if plan.host_fits else ": DOES NOT FIT"))
@@ -81,14 +76,23 @@ def format_plan(plan) -> str:
                      f"{_gib(plan.host_bytes_per_gpu * plan.gpus)} GiB per node (pinned)"
                      + (host or " (--host-memory checks it)"))
     if plan.tried:
-        lines += ["", f"settings tried at {_tokens(plan.seq_len)}, cheapest first (required GiB):"]
-        lines += [f"  {_gib(need):>9}  {'fits' if need <= plan.gpu_memory and host else 'host' if not host else 'no  '}"
+        lines += ["", f"settings tried at {format_tokens(plan.seq_len)}, cheapest first (required GiB):"]
+        lines += [f"  {_gib(need):>9}  {'fits' if need <= plan.usable and host else 'host' if not host else 'no  '}"
                   f"  {describe(s)}" for s, need, host in plan.tried]
-    lines += ["", *launch_lines(plan), "",
+    lines += ["", "assumed: " + assumptions(plan), "", *launch_lines(plan), "",
               f"planned in {plan.seconds:.1f} s: one FSDP2 training step of the model code on fake tensors, "
               + (f"all {g['layers']} layers" if plan.exact or g["layers"] <= 4 else
                  f"with 3 and 4 layers, extrapolated to {g['layers']} (--exact simulates all)")]
     return "\n".join(lines)
+
+
+def assumptions(plan) -> str:
+    """What the verdict assumed, with the flags that change it."""
+    host = "host memory not checked" if plan.host_memory is None else \
+        f"{_gib(plan.host_memory)} GiB of host memory per node for offloaded checkpoints (--host-memory)"
+    return (f"{plan.headroom:.0%} of each GPU kept free, usable {_gib(plan.usable)} of {_gib(plan.gpu_memory)} GiB "
+            f"(--headroom); margin {plan.margin.fraction:.0%} of tensors + {_gib(plan.margin.reserved)} GiB "
+            f"(--margin, --reserved); {host}")
 
 
 def launch_lines(plan) -> list[str]:

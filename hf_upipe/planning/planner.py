@@ -5,13 +5,15 @@ Entry points:
 - `Plan`: per-GPU peak by category, the margin, fits or not, host memory for offload, the settings and how to
   launch them (`Plan.table()`, `Plan.launch()`, `Plan.upipe_config()`, `Plan.to_dict()`).
 - `Margin`: what is added to the tensor peak for memory that tensor accounting cannot see.
-- `resolve_model(spec)`: a preset name, a config.json, or a local model folder -> (name, config).
+- `resolve_model(spec)`: a model name, a config.json, a local model folder or a Hub id -> (name, config).
 - `ladder(config, sp_size, impl=None)`: the candidate settings, cheapest first.
 
 How a length is judged: `hf_upipe.planning.train_step` runs one FSDP2 training step of the real model code on fake
 tensors in a fake world of gpus x nodes ranks (rank 0), with 3 and with 4 decoder layers; every category of the
 peak is extrapolated linearly to the model's depth (exact: tests check the slope against deeper runs; `exact=True`
-simulates every layer). Required = tensor peak + margin; it fits when required <= gpu_memory.
+simulates every layer). Required = tensor peak + margin; it fits when required <= usable = gpu_memory less the
+headroom (5% by default: a length at the very edge is not recommended) and the offloaded checkpoints fit the host
+memory of a node (2 TiB by default, a DGX H100's).
 
 Choosing settings (`settings=None`): the ladder goes from cheapest to most memory-saving: all local heads in one
 chunk (Ulysses speed), then the tiled MLP, then offloading checkpointed inputs to host memory, then ever smaller head
@@ -27,34 +29,28 @@ import collections
 import dataclasses
 import json
 import math
-import os
 import time
 
 import torch
 
 from hf_upipe.architectures import ARCHITECTURES, model_geometry
+from hf_upipe.models import resolve
 from hf_upipe.ops.head_layout import valid_heads_per_chunk, valid_sp_sizes
-from hf_upipe.planning.model_step import PRESETS, llama_config
 from hf_upipe.planning.plan_report import format_plan, launch_lines
 from hf_upipe.planning.tracker import GiB
 from hf_upipe.planning.train_step import CATEGORIES, StepSettings, simulate_train_step
+from hf_upipe.units import parse_size
 
-__all__ = ["Margin", "Plan", "default_impl", "ladder", "parse_bytes", "plan", "resolve_model"]
+__all__ = ["DEFAULT_HEADROOM", "DEFAULT_HOST_MEMORY", "Margin", "Plan", "default_impl", "ladder", "parse_bytes", "plan",
+           "resolve_model"]
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40}
+DEFAULT_HEADROOM = 0.05  # share of each GPU a plan keeps free beyond its margin (--headroom)
+DEFAULT_HOST_MEMORY = "2TiB"  # host memory of one node offloaded checkpoints may use (--host-memory): a DGX H100
 
 
 def parse_bytes(value) -> int:
-    """'80GiB', '80GB', '75.5 GiB' or a number of bytes -> bytes."""
-    if isinstance(value, (int, float)):
-        return int(value)
-    text = str(value).strip().lower().replace(" ", "")
-    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(number):]
-    if unit not in _UNITS or not number:
-        raise ValueError(f"cannot read {value!r} as a size: write e.g. 80GiB, 80GB or 85899345920")
-    return int(float(number) * _UNITS[unit])
+    """`hf_upipe.units.parse_size`: '80GiB', '80GB', '75.5 GiB' or an int of bytes; a bare number in text is refused."""
+    return parse_size(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,27 +77,9 @@ class Margin:
 
 
 def resolve_model(spec):
-    """(name, config): a preset name (`PRESETS`), a config.json, a local model folder, or a transformers config."""
-    from transformers import AutoConfig, PretrainedConfig
-
-    if isinstance(spec, PretrainedConfig):
-        return spec.model_type, spec
-    if isinstance(spec, dict):
-        return "custom", dict(spec)
-    if spec in PRESETS:
-        return spec, llama_config(spec)
-    if os.path.isfile(spec) or os.path.isdir(spec):
-        folder = os.path.dirname(os.path.abspath(spec)) if os.path.isfile(spec) else spec
-        if os.path.isfile(spec) and os.path.basename(spec) != "config.json":
-            return spec, AutoConfig.for_model(**_read_json(spec))
-        return spec, AutoConfig.from_pretrained(folder)
-    raise ValueError(f"model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a config.json or "
-                     "model folder on this machine")
-
-
-def _read_json(path):
-    with open(path) as f:
-        return json.load(f)
+    """(name, config): a name of `hf_upipe.models.model_names()`, a config.json, a local model folder, a Hub id,
+    a transformers config, or a Llama geometry dict (`hf_upipe.models.resolve`)."""
+    return resolve(spec)
 
 
 def default_impl(config) -> str:
@@ -161,6 +139,12 @@ class Plan:
     tried: list = dataclasses.field(default_factory=list)  # (settings, required bytes, host ok) at seq_len, with auto
     host_memory: int | None = None  # per node; None: not checked
     lora: tuple | None = None  # (rank, target modules) of a LoRA plan
+    headroom: float = 0.0  # share of each GPU kept free: required must stay within `usable`
+
+    @property
+    def usable(self) -> int:
+        """The GPU memory a plan may take: `gpu_memory` less the headroom."""
+        return int(self.gpu_memory * (1 - self.headroom))
 
     @property
     def tensor_peak(self) -> int:
@@ -176,7 +160,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.required <= self.gpu_memory and self.host_fits
+        return self.required <= self.usable and self.host_fits
 
     @property
     def host_bytes_per_gpu(self) -> int:
@@ -201,7 +185,8 @@ class Plan:
                 "margin_reserved": self.margin.reserved, "required": self.required, "fits": self.fits,
                 "host_bytes_per_gpu": self.host_bytes_per_gpu, "exact": self.exact, "seconds": self.seconds,
                 "max_seq_len": self.max_seq_len, "dtype": str(self.dtype).replace("torch.", ""),
-                "host_memory": self.host_memory, "host_fits": self.host_fits,
+                "host_memory": self.host_memory, "host_fits": self.host_fits, "headroom": self.headroom,
+                "usable": self.usable,
                 "lora": None if self.lora is None else {"rank": self.lora[0], "targets": list(self.lora[1])},
                 "tried": [{"settings": dataclasses.asdict(s), "required": r, "host_fits": h} for s, r, h in self.tried]}
 
@@ -281,8 +266,8 @@ def _search_max(required, limit: int, step: int, max_steps: int) -> int:
 def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int | None = None,
          max_context: bool = False, settings: StepSettings | None = None, impl: str | None = None,
          sp_size: int | None = None, margin: Margin | None = None, dtype: torch.dtype = torch.bfloat16,
-         step: int = 2**17, max_seq_len: int = 2**26, exact: bool = False, host_memory=None,
-         lora=None) -> Plan:
+         step: int = 2**17, max_seq_len: int = 2**26, exact: bool = False, host_memory=DEFAULT_HOST_MEMORY,
+         lora=None, headroom: float = DEFAULT_HEADROOM) -> Plan:
     """Plan a training run (see the module docstring).
 
     Args:
@@ -296,7 +281,10 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
         sp_size: sequence-parallel degree (default: `gpus`). margin: `Margin()` by default.
         step: granularity of the max search, tokens. max_seq_len: where the search stops.
         exact: simulate every layer instead of extrapolating from 3 and 4.
-        host_memory: host memory of one node for offloaded checkpoints ("2TiB"); None: not checked.
+        host_memory: host memory of one node for offloaded checkpoints (default "2TiB", a DGX H100's); None: not
+            checked.
+        headroom: share of each GPU that must stay free beyond the margin (default 5%): a length at the very edge
+            of the memory is not recommended.
         lora: None plans a full fine-tune (fp32 master weights, gradients and AdamW states for every parameter);
             (rank, target module names) plans LoRA: the frozen base in `dtype`, fp32 adapters, AdamW on them.
 
@@ -320,12 +308,15 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
         raise ValueError("give seq_len (does it fit, and with which settings?) or max_context=True (what fits?)")
     if seq_len is not None and seq_len % sp:
         raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp}; round it to {seq_len // sp * sp}")
-    limit, margin = parse_bytes(gpu_memory), margin or Margin()
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom={headroom} must be a share of the GPU memory in [0, 1), e.g. 0.05")
+    gpu_bytes, margin = parse_size(gpu_memory), margin or Margin()
+    limit = int(gpu_bytes * (1 - headroom))
     step = math.lcm(step, sp)
     estimate = _Estimator(config, world=world, sp_size=sp, dtype=dtype, exact=exact, lora=lora)
     rungs = [settings] if settings is not None else ladder(config, sp, impl)
 
-    host = None if host_memory is None else parse_bytes(host_memory)
+    host = None if host_memory is None else parse_size(host_memory)
 
     def required(s, length):
         peak = sum(estimate(s, length).values())
@@ -350,7 +341,7 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
         if need <= limit and host_fits:
             chosen = rung
             break
-    return Plan(model=name, config=config, seq_len=seq_len, gpus=gpus, nodes=nodes, sp_size=sp, gpu_memory=limit,
+    return Plan(model=name, config=config, seq_len=seq_len, gpus=gpus, nodes=nodes, sp_size=sp, gpu_memory=gpu_bytes,
                 settings=chosen, by_category=estimate(chosen, seq_len), margin=margin, dtype=dtype, exact=exact,
                 seconds=time.perf_counter() - started, max_seq_len=longest,
-                tried=tried if settings is None else [], host_memory=host, lora=estimate.lora)
+                tried=tried if settings is None else [], host_memory=host, lora=estimate.lora, headroom=headroom)

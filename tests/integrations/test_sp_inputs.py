@@ -155,7 +155,7 @@ def _validation_worker(rank, world):
         _, model = build_pair(tiny_config("llama", layers=2), "upipe", seed=0)
         if fused:
             hf_upipe.prepare_model(model)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         counts = []
         for batch in range(2):

@@ -41,7 +41,7 @@ def steps(rank: int, world: int, wrapper: str, tiled: bool, lora: bool, checkpoi
 
     model = _model(lora)
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     if tiled:
         assert apply_tiled_mlp(model, chunk_tokens=6) == 2
     model.train()

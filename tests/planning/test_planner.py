@@ -115,7 +115,7 @@ def test_bad_inputs_name_the_numbers_and_the_fix():
         plan(cfg, gpus=2, seq_len=1001)
     with pytest.raises(ValueError, match="does not divide the 4 GPUs"):
         plan(cfg, gpus=2, nodes=2, sp_size=3, seq_len=3 * 1024)
-    with pytest.raises(ValueError, match="neither a preset"):
+    with pytest.raises(ValueError, match="not a name hf_upipe knows"):
         plan("no-such-model", gpus=2, seq_len=1024)
 
 
@@ -142,7 +142,7 @@ def test_command_line(tmp_path, capsys):
     # frozen bf16 base: half the parameter shards of fp32 master weights, and Adam states for the adapters only
     assert lora["by_category"]["optimizer"] < 0.1 * data["by_category"]["optimizer"]
     assert main(base + ["--seq-len", "1001"]) == 2
-    assert "round it to 1000" in capsys.readouterr().out
+    assert "round it to 1000" in capsys.readouterr().err
 
 
 def test_plan_settings_become_an_upipe_config():

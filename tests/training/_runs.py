@@ -89,7 +89,7 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
         eval_strategy="steps" if spec.get("eval_steps") else "no", eval_steps=spec.get("eval_steps"),
         save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps"),
         report_to=[], use_cpu=True, seed=3, data_seed=5, disable_tqdm=True, dataloader_num_workers=0,
-        gradient_checkpointing=spec.get("checkpointing", False),
+        activation_checkpointing=spec.get("checkpointing", False),
         train_sampling_strategy="sequential" if spec.get("unlabeled") else "random",
         accelerator_config={"dispatch_batches": False} if spec.get("iterable_eval") else None,
     )

@@ -32,7 +32,7 @@ def _trainer_auto(rank, world, out_dir):
 
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, max_steps=2, report_to=[],
                              use_cpu=True, disable_tqdm=True, logging_steps=1, save_strategy="no",
-                             gradient_checkpointing=True)
+                             activation_checkpointing=True)
     data = _dataset(8, 32, 96, seed=1)
     cfg = UPipeConfig(auto=True, plan_seq_len=32, gpu_memory="16GiB", offload_min_bytes=0)
     trainer = UPipeTrainer(model=_model(False, 1), args=args, train_dataset=data, data_collator=default_data_collator,
@@ -106,7 +106,7 @@ def test_plugin_auto_needs_checkpointing():
     from tests.training._runs import _model
 
     plugin = UPipePlugin(auto=True, plan_seq_len=32, gpu_memory="16GiB")
-    with pytest.raises(ValueError, match="gradient_checkpointing_enable"):
+    with pytest.raises(ValueError, match="activation_checkpointing_enable"):
         plugin.prepare(SimpleNamespace(num_processes=1, device="cpu", distributed_type="NO"), _model(False, 1))
 
 

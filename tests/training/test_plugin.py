@@ -55,6 +55,6 @@ def test_bad_settings_fail_on_every_rank():
     for seen in run_distributed(bad_settings, 2, timeout=240):
         assert "Unknown attention kernel 'flash9'" in seen["kernel"]
         assert "sp_size=3 does not divide the 2 processes" in seen["sp"]
-        assert "gradient_checkpointing_enable" in seen["offload"]
+        assert "activation_checkpointing_enable" in seen["offload"]
         assert "UPipePlugin(heads_per_chunk=3) does not fit 8 query / 2 key-value heads" in seen["heads"]
         assert "[1, 2, 4]" in seen["heads"] and "'all'" in seen["heads"] and "None" not in seen["heads"]

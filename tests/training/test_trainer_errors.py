@@ -29,7 +29,7 @@ def test_model_and_setting_errors_at_construction(seen):
         assert rank["heads_env"].startswith("ValueError: UPIPE_HEADS_PER_CHUNK=3 does not fit"), rank["heads_env"]
         assert "UPipeConfig(kernel='flash_attn')" in rank["kernel"] and "cannot run on cpu" in rank["kernel"]
         assert "UPipeConfig(offload='disk') needs activation checkpointing" in rank["offload"]
-        assert "TrainingArguments(gradient_checkpointing=True)" in rank["offload"]
+        assert "TrainingArguments(activation_checkpointing=True)" in rank["offload"]
         assert "UPipeConfig(sp_size=2) cannot split this model's attention" in rank["kv_heads"]
         assert "num_key_value_heads=3" in rank["kv_heads"] and "[1]" in rank["kv_heads"]
         assert "cannot be written" in rank["outdir"] and "a_file/run" in rank["outdir"]

@@ -1,0 +1,81 @@
+"""The examples' command lines, in this process (no training): switches as --flag / --no-flag, choices in --help,
+and input errors as one line naming the flag, exit status 2, before any process group or model exists."""
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+
+
+def _script(name):
+    sys.path.insert(0, EXAMPLES)
+    try:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(EXAMPLES)
+
+
+@pytest.fixture(scope="module", params=["finetune_long_context", "finetune_with_trainer"])
+def script(request):
+    return _script(request.param)
+
+
+def _exit_code(script, argv, capsys):
+    common = sys.modules["_common"]
+    with pytest.raises(SystemExit) as exit_:
+        common.run(lambda: script.main(argv))
+    return exit_.value.code, capsys.readouterr()
+
+
+def test_help_lists_the_choices_and_the_switches(script, capsys):
+    with pytest.raises(SystemExit):
+        script.main(["--help"])
+    out = capsys.readouterr().out
+    for text in ("--tiled-mlp, --no-tiled-mlp", "--checkpointing, --no-checkpointing", "--full, --no-full",
+                 "{none,cpu,disk}", "{auto,", "'text' field", "examples/sample.jsonl"):
+        assert text in out, text
+
+
+def test_switches_parse_with_and_without_no(script):
+    common = sys.modules["_common"]
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    common.add_common_flags(parser)
+    on = parser.parse_args(["--tiled-mlp", "--checkpointing", "--offload", "cpu", "--heads-per-chunk", "all"])
+    assert common.upipe_settings(on) == {"tiled_mlp": True, "offload": "cpu", "heads_per_chunk": "all"}
+    off = parser.parse_args(["--no-tiled-mlp", "--heads-per-chunk", "2"])
+    assert common.upipe_settings(off) == {"tiled_mlp": False, "heads_per_chunk": 2}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--heads-per-chunk", "two"])
+
+
+def test_offload_without_checkpointing_names_the_flags(script, capsys):
+    code, out = _exit_code(script, ["--offload", "cpu", "--steps", "1"], capsys)
+    assert code == 2
+    assert out.err.strip() == ("error: --offload cpu offloads what activation checkpointing keeps: add --checkpointing "
+                               "(or --offload none)")
+
+
+def test_data_without_a_text_field_is_one_line(script, capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"content": "hello"}) + "\n")
+    code, out = _exit_code(script, ["--data", str(bad), "--steps", "1"], capsys)
+    assert code == 2
+    lines = [line for line in out.err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "no 'text' field (they have ['content'])" in lines[0]
+    assert "Traceback" not in out.err
+
+
+def test_the_sample_data_file_is_readable():
+    common = _script("_common")
+    data = common.text_dataset(os.path.join(EXAMPLES, "sample.jsonl"), common.ByteTokenizer(), 256)
+    assert len(data) > 10 and len(data[0]["input_ids"]) == 256
