@@ -8,7 +8,11 @@ Entry points:
 - `resolve(spec)`: (name, config) for `hf-upipe plan`: a preset (its geometry dict), a tiny architecture name, a
   transformers config, a config.json, a local model folder, or a Hub id.
 - `runnable_config(spec)`: (name, config) for `hf-upipe selftest`, which runs the model on CPU: a preset keeps its
-  architecture and head geometry at `TINY`'s width and depth; a tiny name or a file is used as it is.
+  architecture and head geometry at `TINY`'s width and depth; a tiny name or a file is used as it is; any other
+  causal-LM `model_type` of the installed transformers ("gpt2", "qwen3_next", ...) is built by `tiny_config`.
+- `tiny_config(model_type)`: any causal LM type of the installed transformers at a tiny size (`SMALL`: the usual
+  names of widths, depths, heads, experts, latent-attention ranks and state sizes; text sub-configs too), for the
+  architecture matrix. Some types do not build this small; they raise.
 
 Names are looked up first, then local paths; only a spec of the form "org/name" that is neither can be a Hugging
 Face Hub id, and the Hub is tried only then, after saying so on stderr (`HF_HUB_OFFLINE=1` keeps it offline).
@@ -24,7 +28,7 @@ import sys
 
 from hf_upipe.architectures import ARCHITECTURES
 
-__all__ = ["PRESETS", "TINY", "model_names", "resolve", "runnable_config"]
+__all__ = ["PRESETS", "SMALL", "TINY", "model_names", "resolve", "runnable_config", "tiny_config"]
 
 PRESETS = {  # hidden, intermediate, heads, kv_heads, head_dim, layers, vocab (keys of transformers.LlamaConfig)
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -37,6 +41,18 @@ PRESETS = {  # hidden, intermediate, heads, kv_heads, head_dim, layers, vocab (k
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=4096, initializer_range=0.2,
             tie_word_embeddings=False, use_cache=False)
+# every causal LM type at a tiny size: the common names of widths, depths and heads, and of the parts that MoE,
+# latent-attention, state-space and linear-attention layers add (a config ignores names it does not use)
+SMALL = dict(
+    TINY, max_position_embeddings=512,
+    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, moe_num_experts=4,
+    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, qk_head_dim=16,
+    state_size=8, ssm_state_size=8, mamba_d_state=8, mamba_n_heads=4, mamba_head_dim=16, mamba_d_head=16,
+    mamba_d_conv=4, conv_kernel=4, mamba_expand=2, n_groups=1, mamba_n_groups=1, time_step_rank=8,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4, sliding_window=None, attention_dropout=0.0,
+)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -90,6 +106,22 @@ def resolve(spec):
     return spec, _from_path_or_hub(str(spec))
 
 
+def tiny_config(model_type: str):
+    """The installed transformers' config of `model_type` at `SMALL`'s sizes (its text sub-config too)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    text = getattr(cls, "sub_configs", {}).get("text_config")
+    if text is not None:
+        text_cls = text if isinstance(text, type) and text.__name__ != "AutoConfig" else None
+        inner = text_cls(**SMALL) if text_cls is not None else dict(SMALL)
+        config = cls(text_config=inner)
+    else:
+        config = cls(**SMALL)
+    config.use_cache = False
+    return config
+
+
 def runnable_config(spec: str):
     """(name, config) for a run on CPU: presets shrunk to `TINY`'s width and depth with their own head geometry."""
     if spec in PRESETS:
@@ -97,6 +129,14 @@ def runnable_config(spec: str):
         return spec, _tiny("llama", num_attention_heads=g["num_attention_heads"],
                            num_key_value_heads=g["num_key_value_heads"],
                            hidden_size=TINY["head_dim"] * g["num_attention_heads"])
+    if spec not in ARCHITECTURES and _is_causal_lm_type(spec):
+        return spec, tiny_config(spec)
     name, config = resolve(spec)
     config.use_cache = False
     return name, config
+
+
+def _is_causal_lm_type(name) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return isinstance(name, str) and name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

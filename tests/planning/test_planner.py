@@ -52,14 +52,15 @@ def test_plan_picks_the_first_rung_that_fits():
     assert (rungs[0].tiled_mlp, rungs[0].offload, rungs[1].tiled_mlp, rungs[2].offload) == (False, "none", True, "cpu")
     assert rungs[-1].mlp_chunk_tokens == 16 and rungs[-1].loss_chunk_tokens == 2**24 // 128  # a quarter of the defaults
     margin = Margin(0.0, 0)
-    need = [plan(cfg, gpus=2, seq_len=seq, settings=r, margin=margin, gpu_memory=2**40).required for r in rungs]
+    need = [plan(cfg, gpus=2, seq_len=seq, settings=r, margin=margin, gpu_memory=2**40, headroom=0).required
+            for r in rungs]
     assert need[0] > need[1] > need[2] > need[3] > need[4]  # each rung saves memory on this model
     for k in (0, 2, 4):
         memory = need[k] if k == 0 else (need[k] + need[k - 1]) // 2
-        p = plan(cfg, gpus=2, seq_len=seq, margin=margin, gpu_memory=memory)
+        p = plan(cfg, gpus=2, seq_len=seq, margin=margin, gpu_memory=memory, headroom=0)
         assert p.settings == rungs[k] and p.fits, k
         assert [s for s, _, _ in p.tried] == rungs[:k + 1]
-    p = plan(cfg, gpus=2, seq_len=seq, margin=margin, gpu_memory=min(need) // 2)
+    p = plan(cfg, gpus=2, seq_len=seq, margin=margin, gpu_memory=min(need) // 2, headroom=0)
     assert not p.fits and p.settings == rungs[-1]
 
 
@@ -83,6 +84,7 @@ def test_max_context_is_the_edge_of_fitting():
     kw = dict(gpus=2, settings=settings, gpu_memory="400MiB", margin=Margin(0.1, 2**20))
     p = plan(cfg, max_context=True, step=2048, **kw)
     assert p.max_seq_len > 2048 and p.fits and p.seq_len == p.max_seq_len
+    assert p.required <= 0.95 * p.gpu_memory  # the default headroom: 5% of the GPU stays free
     assert not plan(cfg, seq_len=p.max_seq_len + 2048, **kw).fits
 
 
