@@ -2,13 +2,18 @@
 
 Entry points:
 - `ARCHITECTURES`: model_type -> `Architecture` (its attention, MLP and RMSNorm classes; whether the fused
-  attention adapter and the tiled MLP/norm adapter apply; the transformers source they were verified against).
+  attention adapter and the tiled MLP/norm adapter apply; the transformers source they were verified against;
+  whether it is verified exact under sequence parallelism, which the support gate requires). The four fused
+  families, plus `VERIFIED_REGISTERED`: the architectures the matrix found exact on the registered path.
 - `architecture_of(model_or_config)`: the entry of a model (plain or PEFT) or config, or None.
 - `fused_attention_classes()`, `tiled_mlp_classes()`, `tiled_norm_classes()`: the module classes
   `hf_upipe.prepare_model` acts on.
+- `logit_multiplier(config)`: the factor some architectures apply to the lm_head's output before the softmax
+  (Granite divides by `logits_scaling`, HyperCLOVA X multiplies by it, Cohere multiplies by `logit_scale`), which the
+  tiled loss must apply too; 1.0 for the others. The tiled loss checks it against the model's own logits once.
 - `model_geometry(config)`: what the planner reads of a model (hidden size, heads, key-value heads, layers,
   vocabulary, model_type).
-- `source_fingerprint(arch, adapter)` / `verified(arch, adapter)`: the version gate (below).
+- `source_fingerprint(arch, adapter)` / `adapter_verified(arch, adapter)`: the version gate (below).
 
 The version gate. An adapter replaces `forward` on transformers' module instances, so it is only right while
 transformers' code for that module is what it was written against. Each adapter records a fingerprint (SHA-256, 16
@@ -33,8 +38,9 @@ from dataclasses import dataclass
 
 from hf_upipe.integrations.peft import base_model
 
-__all__ = ["ARCHITECTURES", "Architecture", "architecture_of", "fused_attention_classes", "model_geometry",
-           "source_fingerprint", "tiled_mlp_classes", "tiled_norm_classes", "verified"]
+__all__ = ["ARCHITECTURES", "LOGIT_SCALES", "VERIFIED_REGISTERED", "Architecture", "adapter_verified",
+           "architecture_of", "fused_attention_classes", "logit_multiplier", "model_geometry", "source_fingerprint",
+           "tiled_mlp_classes", "tiled_norm_classes"]
 
 VERIFIED_ON = "5.23"  # the transformers release the fingerprints below were taken from (and every test ran on)
 
@@ -50,15 +56,18 @@ class Architecture:
         tiled: the tiled MLP / RMSNorm adapter applies (a per-token gated MLP and RMSNorm).
         window_in_config: the attention module does not carry its sliding window; read `config.sliding_window`.
         fused_fingerprint / tiled_fingerprint: the verified source fingerprints (module docstring).
+        verified: exact under sequence parallelism on the registered "upipe" path, as the architecture matrix
+            (`benchmarks/architecture_matrix.py`) measured it; the support gate admits only verified types.
     """
 
     model_type: str
-    prefix: str
+    prefix: str = ""
     fused: bool = True
     tiled: bool = True
     window_in_config: bool = False
     fused_fingerprint: str = ""
     tiled_fingerprint: str = ""
+    verified: bool = True
 
     @property
     def attention(self) -> str:
@@ -80,12 +89,23 @@ class Architecture:
 
 
 _TILED = "9dbbf389e9bdd646"  # LlamaMLP/RMSNorm-shaped forwards (identical source in the four families)
+# exact at SP 2 against one process on the registered "upipe" path in the architecture matrix
+# (benchmarks/architecture_matrix.py, transformers 5.23; text-only causal LMs: a multimodal type stays unverified
+# even where its text model is exact): verified, without the fused or tiled adapters
+VERIFIED_REGISTERED = (
+    "apertus", "arcee", "aria_text", "bitnet", "cohere", "diffllama", "dots1", "ernie4_5", "ernie4_5_moe", "gemma",
+    "glm4_moe", "gpt-sw3", "gpt2", "gpt_neox", "granite", "granitemoe", "granitemoeshared", "helium", "hrm_text",
+    "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe",
+    "lfm2", "mellum", "minimax_m2", "minimax_m3_vl_text", "ministral3", "mixtral", "nanochat", "olmo", "olmo2",
+    "olmoe", "phi", "phimoe", "qwen2_moe", "qwen3_moe", "seed_oss", "solar_open", "starcoder2",
+)
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("llama", "Llama", fused_fingerprint="a0d395fa0cfcaa0f", tiled_fingerprint=_TILED),
     Architecture("mistral", "Mistral", window_in_config=True, fused_fingerprint="c3b3be99e77bcec1",
                  tiled_fingerprint=_TILED),
     Architecture("qwen2", "Qwen2", fused_fingerprint="216c98ededbca3e0", tiled_fingerprint=_TILED),
     Architecture("qwen3", "Qwen3", fused_fingerprint="643897dbf1d482cc", tiled_fingerprint=_TILED),
+    *(Architecture(model_type, fused=False, tiled=False) for model_type in VERIFIED_REGISTERED),
 )}
 
 
@@ -129,7 +149,7 @@ def source_fingerprint(arch: Architecture, adapter: str) -> str:
 _VERIFIED_CACHE: dict[tuple[str, str], bool] = {}
 
 
-def verified(arch: Architecture, adapter: str) -> bool:
+def adapter_verified(arch: Architecture, adapter: str) -> bool:
     """Whether the installed transformers' source for `adapter` is the verified one (cached per process)."""
     key = (arch.model_type, adapter)
     if key not in _VERIFIED_CACHE:
@@ -139,6 +159,23 @@ def verified(arch: Architecture, adapter: str) -> bool:
         except (ImportError, AttributeError, OSError, TypeError):  # renamed, removed, or no source to read
             _VERIFIED_CACHE[key] = False
     return _VERIFIED_CACHE[key]
+
+
+# model_type -> (config key, +1: logits * value, -1: logits / value), as each ForCausalLM.forward applies it
+LOGIT_SCALES = {
+    **{t: ("logits_scaling", -1) for t in ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid",
+                                           "granite_swa", "granitemoe_swa")},
+    "hyperclovax": ("logits_scaling", 1),
+    **{t: ("logit_scale", 1) for t in ("cohere", "cohere2", "cohere2_moe", "cohere_compass")},
+}
+
+
+def logit_multiplier(config) -> float:
+    """See the module docstring (`config`: a transformers config, of a plain or multimodal model)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    key, power = LOGIT_SCALES.get(getattr(config, "model_type", None), (None, 1))
+    value = getattr(config, key, None) if key else None
+    return 1.0 if value is None else float(value) ** power
 
 
 def model_geometry(config) -> dict:

@@ -107,6 +107,9 @@ class UPipeConfig:
     gpu_memory: str | None = field(default=None, metadata={"help": (
         "Memory of one GPU for the auto settings, with its unit: '80GiB', '80GB'. Default: the CUDA device's total "
         "memory.")})
+    allow_unverified: bool | None = field(default=None, metadata={"help": (
+        "Run a model architecture hf_upipe has not verified under sequence parallelism (after checking it with "
+        "`hf-upipe selftest --model <yours>`). Default False: unverified architectures are refused.")})
     verify_checkpoints: bool | None = field(default=None, metadata={"help": (
         "Check a checkpoint's manifest (size and SHA-256 of every file) before resuming from it, and refuse a "
         "corrupted, incomplete or unmanifested one. Default True; False resumes from any checkpoint unchecked.")})
@@ -136,7 +139,8 @@ class UPipeConfig:
 
         self.kernel = self.kernel or env["kernel"] or "auto"
         check_kernel_name(self.kernel)
-        for name, default in (("fused_attention", True), ("tiled_loss", True), ("tiled_mlp", False)):
+        for name, default in (("fused_attention", True), ("tiled_loss", True), ("tiled_mlp", False),
+                              ("allow_unverified", False)):
             value = getattr(self, name)
             value = env[name] if value is None else value
             setattr(self, name, default if value is None else _parse_bool(name, value))
@@ -223,6 +227,7 @@ class UPipeConfig:
         return sp
 
     def init_kwargs(self) -> dict:
-        """`heads_per_chunk` and `kernel` as `init_sequence_parallel` takes them ('all' -> None)."""
+        """`heads_per_chunk`, `kernel` and `allow_unverified` as `init_sequence_parallel` takes them
+        ('all' -> None)."""
         return {"heads_per_chunk": None if self.heads_per_chunk == "all" else self.heads_per_chunk,
-                "kernel": self.kernel}
+                "kernel": self.kernel, "allow_unverified": self.allow_unverified}

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hf_upipe.distributed import SequenceParallelState
+from hf_upipe.distributed import SequenceParallelState, get_sequence_parallel_state
 from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
 
 __all__ = ["ShardedDataLoader", "sampler_kwargs", "shard_batch"]
@@ -157,13 +157,19 @@ def shard_batch(
         starts are boundaries) and `upipe_max_seqlen` (int, the longest document).
 
     Raises:
-        ValueError: bad rank/size, missing or non-2-D `input_ids`, shape mismatches, left/interior padding,
+        ValueError: bad rank/size (or one that is not this rank's, when `init_sequence_parallel` installed a state),
+            missing or non-2-D `input_ids`, shape mismatches, left/interior padding,
             position_ids that are not global (or, packed, not 0.. per document), or document descriptions
             (position_ids, seq_idx, cu_seq_lens_q/k) that disagree.
     """
     if not (isinstance(sp_size, int) and sp_size >= 1 and isinstance(sp_rank, int) and 0 <= sp_rank < sp_size):
         raise ValueError(f"sp_rank={sp_rank}, sp_size={sp_size}: need an integer sp_size >= 1 and 0 <= sp_rank < "
                          "sp_size (pass state.sp_rank and state.sp_size from init_sequence_parallel).")
+    state = get_sequence_parallel_state()
+    if state is not None and sp_size > 1 and (state.sp_size, state.sp_rank) != (sp_size, sp_rank):
+        raise ValueError(f"shard_batch(sp_rank={sp_rank}, sp_size={sp_size}) but this rank is SP rank {state.sp_rank} "
+                         f"of {state.sp_size} (init_sequence_parallel): the shards would not cover the sequence. Pass "
+                         "state.sp_rank and state.sp_size.")
     ids = batch.get("input_ids")
     if not torch.is_tensor(ids) or ids.dim() != 2:
         raise ValueError("shard_batch needs batch['input_ids'] as a [B, S] tensor (collate and pad the batch first), "

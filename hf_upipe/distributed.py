@@ -10,6 +10,16 @@ Entry points:
 - `reset_sequence_parallel()`: forget the defaults (tests, notebooks).
 - `set_sequence_parallel_state(state)`: install a state (or None) directly and return the previous one, e.g. to
   restore it after a temporary change.
+- `validation_group()`: a gloo group over all ranks whose collectives give up after `validation_timeout()` seconds
+  (`UPIPE_VALIDATION_TIMEOUT`, default 60): the checks that every rank enters (settings agreement, the runtime's
+  shared errors) use it, so a rank that took another path makes the others fail with a message, not hang for the
+  process group's 30 minutes. Each SP group has such a twin (`SequenceParallelState.check_group`) for the layout
+  check of the attention.
+
+Agreement: `init_sequence_parallel` compares every rank's settings (sp_size, heads_per_chunk, kernel,
+allow_unverified) over the validation group and raises the same error everywhere when they differ. Calling it
+again with the same settings returns the installed state; with other settings it raises until
+`reset_sequence_parallel()`.
 
 Layout: with world size W and `sp_size` P, SP group g holds ranks [g*P, (g+1)*P) (neighbours share a node, where
 the all-to-alls are fast) and DP group i holds ranks {i, i+P, i+2P, ...}. Every rank of one SP group works on
@@ -21,7 +31,9 @@ through a model call. Every op in `hf_upipe.ops` takes its group explicitly.
 
 from __future__ import annotations
 
+import datetime
 import logging
+import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -30,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "SequenceParallelState",
+    "validation_failed",
+    "validation_group",
+    "validation_timeout",
     "init_sequence_parallel",
     "get_sequence_parallel_state",
     "reset_sequence_parallel",
@@ -51,6 +66,8 @@ class SequenceParallelState:
         heads_per_chunk: query heads per rank per UPipe stage; None puts all local heads in one chunk, which is
             plain DeepSpeed-Ulysses done by the same code.
         kernel: inner attention kernel name ("auto", "sdpa", "flash_attn", ...), see `hf_upipe.ops.kernels`.
+        allow_unverified: run model types hf_upipe has not verified under SP (after `hf-upipe selftest` on them).
+        check_group: a gloo twin of `sp_group` with a short timeout, for validation collectives (None: use sp_group).
     """
 
     sp_group: dist.ProcessGroup | None
@@ -61,9 +78,65 @@ class SequenceParallelState:
     dp_rank: int
     heads_per_chunk: int | None = 1
     kernel: str = "auto"
+    allow_unverified: bool = False
+    check_group: dist.ProcessGroup | None = None
+
+    def settings(self) -> tuple:
+        return (self.sp_size, self.heads_per_chunk, self.kernel, self.allow_unverified)
 
 
 _STATE: SequenceParallelState | None = None
+_VALIDATION: dict = {}  # (world, timeout) -> the world's validation group
+
+
+def validation_timeout() -> float:
+    """Seconds a validation collective waits for the other ranks (UPIPE_VALIDATION_TIMEOUT, default 60)."""
+    value = os.environ.get("UPIPE_VALIDATION_TIMEOUT", "").strip()
+    try:
+        seconds = float(value) if value else 60.0
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ValueError(f"UPIPE_VALIDATION_TIMEOUT={value!r} must be a positive number of seconds")
+    return seconds
+
+
+def _simulated() -> bool:
+    return "fake" in str(dist.get_backend())
+
+
+def validation_group():
+    """The world's validation group (module docstring); every rank must reach its first use at the same point."""
+    key = (dist.get_world_size(), validation_timeout())
+    if key not in _VALIDATION:
+        _VALIDATION[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=key[1]))
+    return _VALIDATION[key]
+
+
+def validation_failed(err: Exception, what: str) -> RuntimeError:
+    """The error for a validation collective that timed out or lost a peer, with the likely cause."""
+    return RuntimeError(
+        f"hf_upipe: the other ranks did not reach {what} within {validation_timeout():.0f} s "
+        f"({type(err).__name__}: {str(err)[:200]}). Every rank must run the same code up to there: did a rank skip "
+        "init_sequence_parallel or the model call, use other settings, or fail earlier? (UPIPE_VALIDATION_TIMEOUT "
+        "sets the wait.)")
+
+
+def _agree(settings: tuple) -> None:
+    """Every rank asked for the same settings, or the same ValueError everywhere (bounded wait)."""
+    if dist.get_world_size() == 1 or _simulated():
+        return
+    every = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(every, settings, group=validation_group())
+    except (RuntimeError, dist.DistError) as err:
+        raise validation_failed(err, "init_sequence_parallel") from None
+    if len(set(every)) > 1:
+        names = ("sp_size", "heads_per_chunk", "kernel", "allow_unverified")
+        lines = "; ".join(f"rank {r}: " + ", ".join(f"{n}={v!r}" for n, v in zip(names, s)) for r, s in
+                          enumerate(every))
+        raise ValueError(f"The ranks asked init_sequence_parallel for different settings ({lines}): every rank must "
+                         "use the same ones (the same UPIPE_* variables, the same script).")
 
 
 def _check_heads_per_chunk(heads_per_chunk: int | None) -> None:
@@ -80,6 +153,7 @@ def init_sequence_parallel(
     heads_per_chunk: int | None = 1,
     group: dist.ProcessGroup | None = None,
     kernel: str = "auto",
+    allow_unverified: bool = False,
 ) -> SequenceParallelState:
     """Create the SP and DP groups and make them the defaults of `attn_implementation="upipe"`.
 
@@ -93,14 +167,17 @@ def init_sequence_parallel(
         group: an explicit SP process group to use instead of building one (then `sp_size`, if given, must
             equal its size; no DP group is built).
         kernel: inner attention kernel: "auto" or a name from `hf_upipe.ops.kernels.available_kernels()`.
+        allow_unverified: run model types that hf_upipe has not verified under SP (see `hf-upipe selftest`).
 
     Returns:
         The installed `SequenceParallelState`.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: `sp_size` does not divide the world size, or bad `heads_per_chunk`/`group`. Raised on every
-            rank before any collective, since all ranks see the same arguments.
+        ValueError: `sp_size` does not divide the world size, or bad `heads_per_chunk`/`group`, or the ranks asked
+            for different settings, or the state is installed with other settings (reset it first). Raised on every
+            rank.
+        RuntimeError: another rank did not reach this call within the validation timeout.
     """
     global _STATE
     from hf_upipe.ops.kernels import check_kernel_name  # local: keeps distributed.py importable alone
@@ -126,7 +203,7 @@ def init_sequence_parallel(
             raise ValueError(f"sp_size={sp_size} but the given group has {size} ranks: pass one of them, not both.")
         _STATE = SequenceParallelState(
             sp_group=group, sp_size=size, sp_rank=dist.get_rank(group), dp_group=None, dp_size=1, dp_rank=0,
-            heads_per_chunk=heads_per_chunk, kernel=kernel,
+            heads_per_chunk=heads_per_chunk, kernel=kernel, allow_unverified=allow_unverified,
         )
         return _STATE
 
@@ -137,14 +214,25 @@ def init_sequence_parallel(
             f"sp_size={sp_size} does not divide the world size {world}; use one of {divisors}."
         )
     dp_size = world // sp_size
+    settings = (sp_size, heads_per_chunk, kernel, allow_unverified)
+    _agree(settings)
+    if _STATE is not None and _STATE.check_group is not None:
+        if _STATE.settings() == settings:
+            return _STATE  # the same settings again: nothing to build
+        raise ValueError(f"init_sequence_parallel was already called with sp_size={_STATE.sp_size}, heads_per_chunk="
+                         f"{_STATE.heads_per_chunk!r}, kernel={_STATE.kernel!r}: call reset_sequence_parallel() "
+                         "first to change them.")
 
     # new_group must be called by every rank for every group, in the same order.
-    sp_group = dp_group = None
+    sp_group = dp_group = check_group = None
+    simulated = _simulated()
+    timeout = datetime.timedelta(seconds=validation_timeout())
     for g in range(dp_size):
         ranks = list(range(g * sp_size, (g + 1) * sp_size))
         pg = dist.new_group(ranks) if sp_size < world else dist.group.WORLD
+        twin = None if simulated else dist.new_group(ranks, backend="gloo", timeout=timeout)
         if rank in ranks:
-            sp_group = pg
+            sp_group, check_group = pg, twin
     if dp_size > 1:
         for i in range(sp_size):
             ranks = list(range(i, world, sp_size))
@@ -155,7 +243,7 @@ def init_sequence_parallel(
     _STATE = SequenceParallelState(
         sp_group=sp_group, sp_size=sp_size, sp_rank=rank % sp_size,
         dp_group=dp_group, dp_size=dp_size, dp_rank=rank // sp_size,
-        heads_per_chunk=heads_per_chunk, kernel=kernel,
+        heads_per_chunk=heads_per_chunk, kernel=kernel, allow_unverified=allow_unverified, check_group=check_group,
     )
     if rank == 0:
         logger.info(

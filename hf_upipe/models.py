@@ -52,6 +52,7 @@ SMALL = dict(
     mamba_d_conv=4, conv_kernel=4, mamba_expand=2, n_groups=1, mamba_n_groups=1, time_step_rank=8,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
     linear_conv_kernel_dim=4, sliding_window=None, attention_dropout=0.0,
+    rotary_dim=8, logits_scaling=4.0, logit_scale=0.5,  # not 1: a loss that forgot the model's logit scaling must show
 )
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -68,7 +69,9 @@ def _unknown(spec) -> ValueError:
 def _tiny(model_type: str, **overrides):
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    _no_dropout(config)
+    return config
 
 
 def _from_path_or_hub(spec: str):
@@ -101,8 +104,8 @@ def resolve(spec):
         return "custom", dict(spec)
     if spec in PRESETS:
         return spec, dict(PRESETS[spec])
-    if spec in ARCHITECTURES:
-        return spec, _tiny(spec)
+    if spec in ARCHITECTURES or _is_causal_lm_type(spec):
+        return spec, tiny_config(spec)
     return spec, _from_path_or_hub(str(spec))
 
 
@@ -112,14 +115,35 @@ def tiny_config(model_type: str):
 
     cls = CONFIG_MAPPING[model_type]
     text = getattr(cls, "sub_configs", {}).get("text_config")
-    if text is not None:
-        text_cls = text if isinstance(text, type) and text.__name__ != "AutoConfig" else None
-        inner = text_cls(**SMALL) if text_cls is not None else dict(SMALL)
-        config = cls(text_config=inner)
-    else:
-        config = cls(**SMALL)
+    text_cls = text if isinstance(text, type) and text.__name__ != "AutoConfig" else None
+    small = dict(SMALL)
+    while True:
+        try:
+            if text is None:
+                config = cls(**small)
+            else:
+                config = cls(text_config=text_cls(**small) if text_cls is not None else dict(small))
+            break
+        except AttributeError as err:  # e.g. Falcon's head_dim, a read-only property: leave that name out
+            name = next((k for k in small if f"'{k}'" in str(err)), None)
+            if name is None:
+                raise
+            del small[name]
     config.use_cache = False
+    _no_dropout(config)
     return config
+
+
+def _no_dropout(config) -> None:
+    """Every dropout probability and router jitter of the config (and its sub-configs) to 0: comparisons need
+    deterministic models."""
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and any(word in key for word in ("dropout", "pdrop", "jitter")):
+            setattr(config, key, 0.0)
+    for name in getattr(config, "sub_configs", {}):
+        sub = getattr(config, name, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            _no_dropout(sub)
 
 
 def runnable_config(spec: str):
@@ -129,8 +153,6 @@ def runnable_config(spec: str):
         return spec, _tiny("llama", num_attention_heads=g["num_attention_heads"],
                            num_key_value_heads=g["num_key_value_heads"],
                            hidden_size=TINY["head_dim"] * g["num_attention_heads"])
-    if spec not in ARCHITECTURES and _is_causal_lm_type(spec):
-        return spec, tiny_config(spec)
     name, config = resolve(spec)
     config.use_cache = False
     return name, config

@@ -20,7 +20,8 @@ Entry points:
 The flow of `setup` (every rank, the same arguments):
 1. checks that need only the settings, the launch and the model: sp_size divides the processes, activation
    checkpointing where offload/auto need it, the kernel runs on this device and dtype, the heads split over sp_size
-   in chunks of heads_per_chunk, the output folder can be written. Each rank collects its errors; one
+   in chunks of heads_per_chunk, the model passes the support gate (`hf_upipe.integrations.support`), the output
+   folder can be written. Each rank collects its errors; one
    all_gather_object over all ranks shares them, and every rank raises the first (naming the ranks where only some
    failed) before any other collective. Messages name each setting as the user wrote it (`config.describe`);
 2. `auto=True`: the planner's settings (rank 0 plans in a child process and broadcasts) in a copy of the config;
@@ -46,11 +47,18 @@ import torch.distributed as dist
 from hf_upipe.auto_settings import apply_auto_settings
 from hf_upipe.config import UPipeConfig
 from hf_upipe.data import shard_batch
-from hf_upipe.distributed import SequenceParallelState, init_sequence_parallel, set_sequence_parallel_state
+from hf_upipe.distributed import (
+    SequenceParallelState,
+    init_sequence_parallel,
+    set_sequence_parallel_state,
+    validation_failed,
+    validation_group,
+)
 from hf_upipe.integrations.loaders import eval_rounds, share_batches_within_sp
 from hf_upipe.integrations.loss import shard_loss_sum
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.prepare import prepare_model
+from hf_upipe.integrations.support import model_refusal, refusal_error
 from hf_upipe.memory.offload import offload_checkpoints
 from hf_upipe.ops.head_layout import geometry_error, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.ops.kernels import get_kernel
@@ -132,7 +140,10 @@ def agree_on_errors(errors: list[Exception], world: int) -> None:
     every = [mine]
     if world > 1 and dist.is_initialized():
         every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
+        try:
+            dist.all_gather_object(every, mine, group=validation_group())
+        except (RuntimeError, dist.DistError) as err:
+            raise validation_failed(err, "hf_upipe's setup checks") from None
     failed = [rank for rank, found in enumerate(every) if found]
     if failed:
         not_implemented, message = every[failed[0]][0]
@@ -213,6 +224,10 @@ class UPipeRuntime:
             errors.append(ValueError(f"{config.describe('kernel')}: {err}"))
         if sp is not None:
             errors += _geometry_errors(config, _heads(model), sp, world_size)
+        if sp is not None and sp > 1:
+            reason = model_refusal(model, allow_unverified=config.allow_unverified)
+            if reason is not None:
+                errors.append(refusal_error(reason))
         if output_dir is not None:
             errors += output_dir_errors(output_dir)
         agree_on_errors(errors, world_size)

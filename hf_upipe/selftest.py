@@ -35,7 +35,7 @@ from hf_upipe.models import model_names, runnable_config
 from hf_upipe.ops.head_layout import geometry_error, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.testing import DistributedFailure, run_distributed
 
-__all__ = ["Check", "format_table", "run_selftest"]
+__all__ = ["Check", "check_model", "format_table", "raised_by_hf_upipe", "run_selftest"]
 
 TOLERANCE = {"logits": 1e-4, "train loss": 2e-5, "eval loss": 2e-5, "gradients": 1e-4}
 
@@ -63,7 +63,11 @@ def _build(model: str):
     if os.path.isdir(model) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(model)):
         return AutoModelForCausalLM.from_pretrained(model, attn_implementation="sdpa", dtype=torch.float32)
     _, config = runnable_config(model)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    try:
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    except ValueError:  # a model without an sdpa path: its own eager attention is the reference
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
 
 
 def check_inputs(models, sp: int, heads_per_chunk: int | None) -> None:
@@ -110,10 +114,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def _check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
-    from hf_upipe import UPipeConfig, prepare_model, shard_batch
+def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
+    from hf_upipe import UPipeConfig, get_sequence_parallel_state, prepare_model, shard_batch
     from hf_upipe.integrations.loss import shard_loss_sum
+    from hf_upipe.integrations.support import config_refusal, refusal_error
 
+    state = get_sequence_parallel_state()
+    reason = config_refusal(runnable_config(name)[1], allow_unverified=state is not None and state.allow_unverified)
+    if reason is not None:  # what prepare_model would refuse, before building anything (same message)
+        raise refusal_error(reason)
     ref = _build(name)
     if spec["lora"]:
         from peft import LoraConfig
@@ -125,7 +134,7 @@ def _check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
     sp_model = prepare_model(copy.deepcopy(ref), UPipeConfig(fused_attention=spec["fused"]))
     ref.train()
     sp_model.train()
-    vocab = base_model(ref).config.vocab_size
+    vocab = base_model(ref).get_output_embeddings().weight.shape[0]
     checks = []
     for batch_name, full in _batches(vocab, spec["seq_len"]).items():
         ref.zero_grad()
@@ -172,14 +181,15 @@ def _rank(rank: int, world: int, spec: dict) -> list[dict]:
     """One rank of the self-test: every model's checks (a model that cannot run under SP: one failed check)."""
     import hf_upipe
 
-    hf_upipe.init_sequence_parallel(world, heads_per_chunk=spec["heads_per_chunk"])
+    hf_upipe.init_sequence_parallel(world, heads_per_chunk=spec["heads_per_chunk"],
+                                    allow_unverified=spec.get("allow_unverified", True))
     checks = []
     for name in spec["models"]:
         try:
-            checks += _check_model(name, spec, rank, world)
+            checks += check_model(name, spec, rank, world)
         except Exception as err:
             said = f"{type(err).__name__}: {err}"
-            if isinstance(err, (ValueError, NotImplementedError)) and _raised_by_hf_upipe(err):
+            if isinstance(err, (ValueError, NotImplementedError)) and raised_by_hf_upipe(err):
                 checks.append(Check(name, "-", "runs under SP", float("nan"), 0.0, refused=said))  # said whole
             elif spec.get("tolerant"):
                 checks.append(Check(name, "-", "runs under SP", float("nan"), 0.0, crashed=said))
@@ -188,7 +198,7 @@ def _rank(rank: int, world: int, spec: dict) -> list[dict]:
     return [vars(c) for c in checks]
 
 
-def _raised_by_hf_upipe(err: BaseException) -> bool:
+def raised_by_hf_upipe(err: BaseException) -> bool:
     """Whether the innermost frame of `err`'s traceback is hf_upipe's own code (a deliberate refusal)."""
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
@@ -198,14 +208,17 @@ def _raised_by_hf_upipe(err: BaseException) -> bool:
 
 def run_selftest(models, *, sp: int = 2, lora: bool = False, seq_len: int = 61, heads_per_chunk: int | None = 1,
                  fused: bool = True, breakage: str | None = None, timeout: float = 600, tolerant: bool = False,
-                 start_method: str = "spawn") -> list[Check]:
+                 start_method: str = "spawn", allow_unverified: bool = True) -> list[Check]:
     """Spawn `sp` ranks and compare each model under SP with one device; returns rank 0's checks (the gradients,
-    losses and eval losses are global; logits are rank 0's shard, and every rank asserts nothing on its own)."""
+    losses and eval losses are global; logits are rank 0's shard, and every rank asserts nothing on its own).
+
+    `allow_unverified=True` (the default: checking a model the registry does not list is what the self-test is for)
+    runs an architecture hf_upipe has not verified; every other refusal of the support gate still applies."""
     if breakage not in (None, "shard-shift"):
         raise ValueError(f"breakage={breakage!r}: the only deliberate breakage is 'shard-shift'.")
     check_inputs(models, sp, heads_per_chunk)
     spec = dict(models=list(models), lora=lora, seq_len=seq_len, heads_per_chunk=heads_per_chunk, fused=fused,
-                breakage=breakage, tolerant=tolerant)
+                breakage=breakage, tolerant=tolerant, allow_unverified=allow_unverified)
     try:
         ranks = run_distributed(_rank, sp, spec, timeout=timeout, start_method=start_method)
     except DistributedFailure as err:
@@ -223,7 +236,25 @@ def format_table(checks: list[Check]) -> str:
     failed = sum(not c.passed and not c.refused for c in checks)
     rows.append(f"\n{len(checks) - failed - sum(bool(c.refused) for c in checks)} passed, {failed} failed")
     rows += [f"{c.model}: cannot run under sequence parallelism: {c.refused}" for c in checks if c.refused]
+    rows += [f"{m}: not in hf_upipe's architecture registry; these checks verify it for this configuration: train "
+             "it with UPipeConfig(allow_unverified=True) or UPIPE_ALLOW_UNVERIFIED=1"
+             for m in _unverified({c.model for c in checks if c.passed} - {c.model for c in checks if not c.passed})]
     return "\n".join(rows)
+
+
+def _unverified(models) -> list[str]:
+    """The model names among `models` whose model_type the registry does not list as verified."""
+    from hf_upipe.architectures import ARCHITECTURES
+
+    out = []
+    for name in sorted(models):
+        try:
+            model_type = runnable_config(name)[0].model_type
+        except Exception:  # noqa: BLE001  (only a note: a name that does not resolve here gets none)
+            continue
+        if not (ARCHITECTURES.get(model_type) and ARCHITECTURES[model_type].verified):
+            out.append(name)
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,13 +7,14 @@ from hf_upipe import UPipeConfig
 
 def test_defaults(monkeypatch):
     for name in ("SP_SIZE", "HEADS_PER_CHUNK", "KERNEL", "FUSED_ATTENTION", "TILED_LOSS", "LOSS_CHUNK_TOKENS",
+                 "ALLOW_UNVERIFIED",
                  "TILED_MLP", "MLP_CHUNK_TOKENS", "OFFLOAD", "OFFLOAD_PATH"):
         monkeypatch.delenv(f"UPIPE_{name}", raising=False)
     cfg = UPipeConfig()
     assert (cfg.sp_size, cfg.heads_per_chunk, cfg.kernel, cfg.fused_attention, cfg.tiled_loss,
             cfg.loss_chunk_tokens) == (None, 1, "auto", True, True, None)
     assert (cfg.tiled_mlp, cfg.mlp_chunk_tokens, cfg.offload, cfg.offload_path) == (False, None, "none", None)
-    assert cfg.init_kwargs() == {"heads_per_chunk": 1, "kernel": "auto"}
+    assert cfg.init_kwargs() == {"heads_per_chunk": 1, "kernel": "auto", "allow_unverified": False}
 
 
 def test_environment_fallbacks_and_explicit_precedence(monkeypatch):

@@ -23,7 +23,8 @@ LAYERS = [
      "hf_upipe.registration", "hf_upipe.models"),
     ("hf_upipe.runtime", "hf_upipe.checkpoint", "hf_upipe.auto_settings"),
     ("hf_upipe.trainer", "hf_upipe.integrations.accelerate"),
-    ("hf_upipe.planning", "hf_upipe.selftest", "hf_upipe.testing", "hf_upipe.cli", "hf_upipe.__init__"),
+    ("hf_upipe.planning", "hf_upipe.selftest", "hf_upipe.matrix", "hf_upipe.testing", "hf_upipe.cli",
+     "hf_upipe.__init__"),
 ]
 RUNTIME = ("hf_upipe.ops", "hf_upipe.memory", "hf_upipe.integrations", "hf_upipe.data", "hf_upipe.distributed",
            "hf_upipe.config", "hf_upipe.trainer", "hf_upipe.runtime", "hf_upipe.checkpoint",

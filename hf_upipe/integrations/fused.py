@@ -28,13 +28,14 @@ import types
 import torch
 from torch import nn
 
-from hf_upipe.architectures import fused_attention_classes, verified
+from hf_upipe.architectures import adapter_verified, fused_attention_classes
+from hf_upipe.integrations.layout import validate_layout
 from hf_upipe.integrations.transformers import (
     active_state,
     check_call,
+    check_model,
     sliding_window_check,
     sp_kernel,
-    validate_layout,
 )
 from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.fused_attention import AttentionWeights, HeadNorm, LoraAdapter, Projection, fused_upipe_attention
@@ -99,6 +100,7 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
         raise NotImplementedError("A KV cache with past tokens is not supported under sequence parallelism; "
                                   "generate without SP (one process), or call the model with use_cache=False.")
     dropout = self.attention_dropout if self.training else 0.0
+    check_model(self.config, state, hidden_states.shape[1] * state.sp_size)
     check_call(self, dropout, kwargs)
     if isinstance(attention_mask, torch.Tensor):
         raise NotImplementedError("The fused UPipe path got a prepared attention mask tensor under sequence "
@@ -107,7 +109,7 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
     kernel = state.kernel
     if not is_fake(hidden_states):
         validate_layout(state, kwargs.get("position_ids"), attention_mask, B, s, hidden_states.device,
-                        kwargs.get("upipe_cu_seqlens"))
+                        kwargs.get("upipe_cu_seqlens"), hidden_states.dtype)
         # packed rows: the kernel runs inside each document (DocumentKernel), like the registered path
         kernel = sp_kernel(state, kwargs, hidden_states.device, hidden_states.dtype, s * state.sp_size)
     window = getattr(self, "sliding_window", None)
@@ -144,7 +146,7 @@ def install_fused_attention(model: nn.Module) -> tuple[int, set[str], set[str]]:
             if name.endswith("Attention") and hasattr(module, "q_proj"):
                 other.add(name)
             continue
-        if not verified(arch, "fused") or ("forward" in module.__dict__ and not _is_fused(module)):
+        if not adapter_verified(arch, "fused") or ("forward" in module.__dict__ and not _is_fused(module)):
             changed.add(name)  # a changed class, or an instance whose forward someone else replaced: not stacked
             continue
         module.forward = types.MethodType(fused_forward, module)

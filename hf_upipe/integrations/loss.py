@@ -10,19 +10,28 @@ Entry points:
 Tiled path: a forward pre-hook on the lm_head, registered for this one call and removed after it, records the
 final-norm hidden states [B, s, Dm] and hands the lm_head a zero-length slice [B, 0, Dm] instead, so the model
 computes no logits; `hf_upipe.ops.tiled_cross_entropy` then computes the loss chunk by chunk from the recorded
-hidden states and the lm_head weight. The model call still goes through its wrappers (DDP, FSDP, PEFT, activation
+hidden states and the lm_head weight, with the architecture's logit scaling (`hf_upipe.architectures.
+logit_multiplier`: Granite, Cohere) and Gemma-style soft-capping. The first call for an lm_head lets it compute
+the logits of 2 tokens and compares them with what the tiles compute (one flag agreed over the SP group); a model
+that changes its logits in another way is refused (NotImplementedError: use the untiled loss). The model call
+still goes through its wrappers (DDP, FSDP, PEFT, activation
 checkpointing), so their hooks see an ordinary forward. Untiled path: the model's own loss with
 `shift_labels` and `reduction="sum"` semantics (transformers' `ForCausalLMLoss` with `num_items_in_batch=1`).
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from hf_upipe.architectures import logit_multiplier
+from hf_upipe.distributed import get_sequence_parallel_state, validation_failed
 from hf_upipe.integrations.peft import base_model
+from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.tiled_loss import tiled_cross_entropy
 
 __all__ = ["output_head", "shard_loss_sum"]
@@ -71,18 +80,19 @@ def output_head(model: nn.Module) -> tuple[nn.Linear, nn.Module]:
 
 
 @contextmanager
-def _record_head_input(head: nn.Module):
-    """While active, `head` records its input [B, s, Dm] and computes on an empty [B, 0, Dm] slice instead."""
+def _record_head_input(head: nn.Module, probe: int = 0):
+    """While active, `head` records its input [B, s, Dm] and computes on its first `probe` tokens [B, probe, Dm]
+    instead (0: an empty slice)."""
     recorded: list[torch.Tensor] = []
 
     def pre_hook(module, args, kwargs):
         hidden = args[0] if args else kwargs.pop("input")
         recorded.append(hidden)
-        # [B, 0, Dm]: zero-size logits. A copy of the empty slice, not the view hidden[..., :0, :]: the head's
-        # autograd node saves its input, and a view would keep the whole [B, s, Dm] final-norm output alive through
-        # backward. The copy stays in the graph (slicing saves no data), so the logits still depend on every layer:
-        # DDP's search for unused parameters starts from the model's outputs.
-        return (hidden[..., :0, :].clone(),) + tuple(args[1:]), kwargs
+        # [B, probe, Dm]: (nearly) zero-size logits. A copy of the slice, not the view hidden[..., :probe, :]: the
+        # head's autograd node saves its input, and a view would keep the whole [B, s, Dm] final-norm output alive
+        # through backward. The copy stays in the graph, so the logits still depend on every layer: DDP's search
+        # for unused parameters starts from the model's outputs.
+        return (hidden[..., :probe, :].clone(),) + tuple(args[1:]), kwargs
 
     handle = head.register_forward_pre_hook(pre_hook, with_kwargs=True)
     try:
@@ -120,14 +130,61 @@ def shard_loss_sum(
                         ignore_index=ignore_index)
         return outputs.loss.float(), outputs
     head, called = output_head(model)
-    with _record_head_input(called) as recorded:
+    ids = inputs.get("input_ids")
+    # fake tensors (the planner) probe too, so that its simulation allocates what a real run does
+    probe = 0 if head in _CHECKED_HEADS or ids is None else min(_PROBE_TOKENS, ids.shape[-1])
+    with _record_head_input(called, probe) as recorded:
         outputs = model(**inputs)
     if len(recorded) != 1:
         raise RuntimeError(f"The lm_head ran {len(recorded)} times in one forward; the tiled loss expects exactly "
                            "once (set tiled_loss=False for this model).")
     hidden = recorded[0]  # [B, s, Dm] final-norm output
-    config = getattr(_unwrap(model), "config", None)
+    config = getattr(base_model(_unwrap(model)), "config", None)
     softcap = getattr(config, "final_logit_softcapping", None)
-    loss_sum, _ = tiled_cross_entropy(hidden.to(head.weight.dtype), head.weight, shift_labels, bias=head.bias,
-                                      chunk_tokens=chunk_tokens, ignore_index=ignore_index, logit_softcap=softcap)
+    scale = logit_multiplier(config) if config is not None else 1.0
+    if probe:
+        _check_logits(outputs, hidden[..., :probe, :], head, scale, softcap, config)
+        outputs["logits"] = outputs.logits[..., :0, :].clone()  # [B, 0, V] as on every later call (no view)
+    weight_dtype = head.weight.dtype
+    bias = head.bias if scale == 1.0 or head.bias is None else head.bias * scale
+    # scale * (h W^T + b) = (scale * h) W^T + scale * b: the model's logit scaling on the tiles' input
+    scaled = hidden.to(weight_dtype) if scale == 1.0 else hidden.to(weight_dtype) * scale  # [B, s, Dm]
+    loss_sum, _ = tiled_cross_entropy(scaled, head.weight, shift_labels, bias=bias, chunk_tokens=chunk_tokens,
+                                      ignore_index=ignore_index, logit_softcap=softcap)
     return loss_sum, outputs
+
+
+_PROBE_TOKENS = 2
+_CHECKED_HEADS: weakref.WeakSet = weakref.WeakSet()  # lm_heads whose model's logits the tiled loss reproduces
+
+
+def _check_logits(outputs, probe_hidden: torch.Tensor, head: nn.Linear, scale: float, softcap, config) -> None:
+    """Once per lm_head: the model's own logits of the first tokens [B, p, V] must be what the tiled loss computes
+    from the head's input (scaling, soft-capping); anything else the model does to its logits is refused. Fake
+    tensors (the planner) have no values to compare: nothing is checked."""
+    if is_fake(probe_hidden):
+        _CHECKED_HEADS.add(head)  # as a real run after its check
+        return
+    with torch.no_grad():
+        ours = torch.nn.functional.linear(probe_hidden.to(head.weight.dtype), head.weight, head.bias).float() * scale
+        if softcap:
+            ours = softcap * torch.tanh(ours / softcap)
+        got = outputs.logits.detach().float()
+        agree = got.shape == ours.shape and bool(((got - ours).abs().max() <= 1e-2 * ours.abs().max() + 1e-6))
+    state = get_sequence_parallel_state()
+    if state is not None and state.check_group is not None:  # the same verdict on every rank of the SP group
+        flag = torch.tensor([int(agree)])
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=state.check_group)
+        except (RuntimeError, dist.DistError) as err:
+            raise validation_failed(err, "the tiled loss's check of the logits") from None
+        agree = bool(flag.item())
+    if not agree:
+        model_type = getattr(config, "model_type", None)
+        raise NotImplementedError(
+            f"hf_upipe: the logits of this {model_type!r} model are not its lm_head's output "
+            f"{'times ' + format(scale, 'g') + ' ' if scale != 1.0 else ''}"
+            f"{'soft-capped ' if softcap else ''}(the model changes them in a way the tiled loss does not know), so "
+            "the tiled loss would compute another loss. Set tiled_loss=False (UPipeConfig / UPIPE_TILED_LOSS=0): the "
+            "model's own loss is used then.")
+    _CHECKED_HEADS.add(head)

@@ -8,6 +8,13 @@ Entry points:
 - `unprepare_model(model)`: remove every adapter and restore the attention implementation the model had: its
   outputs and state_dict are those of the model before `prepare_model`.
 
+Under sequence parallelism (`init_sequence_parallel` called before), `prepare_model` first runs the support gate on
+the whole model (`hf_upipe.integrations.support.model_refusal`: an unverified architecture, a token mixer other
+than attention, attention that bypasses transformers' attention interface are refused). It also installs a forward
+pre-hook on the model that refuses, under SP, what a call would silently get wrong: `labels=` without
+`shift_labels=` (the model would shift inside each shard), `output_attentions=True` (no attention weights exist),
+`use_cache=True` or a `past_key_values` cache (the cache would hold one shard's keys and values).
+
 One log line says what was applied; classes the gate kept off (the installed transformers changed their source)
 get a warning naming them.
 """
@@ -19,8 +26,10 @@ import logging
 from torch import nn
 
 from hf_upipe.architectures import VERIFIED_ON
+from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.fused import install_fused_attention, remove_fused_attention
 from hf_upipe.integrations.peft import base_model
+from hf_upipe.integrations.support import model_refusal, refusal_error
 from hf_upipe.memory.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
 
 logger = logging.getLogger(__name__)
@@ -28,6 +37,27 @@ logger = logging.getLogger(__name__)
 __all__ = ["prepare_model", "unprepare_model"]
 
 _PREVIOUS = "_upipe_previous_attn_implementation"
+_HOOK = "_upipe_call_checks"
+
+
+def _refuse_silent_misuse(module, args, kwargs):
+    """Forward pre-hook: under SP, refuse the call arguments the model would silently get wrong (module docstring)."""
+    state = get_sequence_parallel_state()
+    if state is None or state.sp_size == 1:
+        return None
+    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        raise ValueError("labels= under sequence parallelism would be shifted inside each rank's shard (the last "
+                         "target of every shard lost, the shards misaligned): pass the shard's labels already shifted "
+                         "over the whole sequence, labels=shard['shift_labels'], shift_labels=shard['shift_labels'] "
+                         "(hf_upipe.shard_batch makes them), or compute the loss with hf_upipe's tiled loss.")
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError("output_attentions=True under sequence parallelism: no [S, S] attention weights "
+                                  "are ever formed (the kernels return outputs and log-sum-exps only).")
+    if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
+        raise NotImplementedError("use_cache=True / past_key_values under sequence parallelism: the cache would hold "
+                                  "one shard's keys and values. Call the model with use_cache=False; generate "
+                                  "without SP (one process).")
+    return None
 
 
 def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
@@ -42,10 +72,20 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
 
     Returns:
         The same model, with `attn_implementation="upipe"` set where a config is found.
+
+    Raises:
+        NotImplementedError: under sequence parallelism, a model the support gate refuses (nothing is changed).
     """
+    state = get_sequence_parallel_state()
+    if state is not None and state.sp_size > 1:
+        reason = model_refusal(model, allow_unverified=state.allow_unverified)
+        if reason is not None:
+            raise refusal_error(reason)
     if upipe_config is not None and upipe_config.tiled_mlp:
         apply_tiled_mlp(model, upipe_config.mlp_chunk_tokens)
     base = base_model(model)
+    if _HOOK not in base.__dict__:
+        base.__dict__[_HOOK] = base.register_forward_pre_hook(_refuse_silent_misuse, with_kwargs=True)
     config = getattr(base, "config", None)
     current = getattr(config, "_attn_implementation", None)
     if config is not None and current != "upipe" and hasattr(base, "set_attn_implementation"):
@@ -69,6 +109,8 @@ def unprepare_model(model: nn.Module) -> nn.Module:
     remove_fused_attention(model)
     remove_tiled_mlp(model)
     base = base_model(model)
+    if _HOOK in base.__dict__:
+        base.__dict__.pop(_HOOK).remove()
     if _PREVIOUS in base.__dict__:
         previous = base.__dict__.pop(_PREVIOUS)
         base.set_attn_implementation(previous)

@@ -33,7 +33,7 @@ import types
 import torch
 from torch import nn
 
-from hf_upipe.architectures import VERIFIED_ON, tiled_mlp_classes, tiled_norm_classes, verified
+from hf_upipe.architectures import VERIFIED_ON, adapter_verified, tiled_mlp_classes, tiled_norm_classes
 from hf_upipe.ops.fake import chunk_starts
 
 logger = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ def apply_tiled_mlp(model: nn.Module, chunk_tokens: int | None = None, *, norms:
             if name.endswith("MLP"):
                 other.add(name)
             continue
-        if not verified(arch, "tiled"):
+        if not adapter_verified(arch, "tiled"):
             changed.add(name)
             continue
         if not _is_tiled(module):

@@ -1,0 +1,249 @@
+"""The layout check of sequence-parallel attention: do the ranks of an SP group hold shards of the same batch?
+
+Entry points:
+- `validate_layout(state, position_ids, mask, batch, local_len, device, documents=None)`: with one small
+  all-gather (over the SP group's validation twin: bounded wait), checks that every rank has equal shard shapes,
+  the same documents (`upipe_cu_seqlens`), position_ids that are global (or per document), a mask that is causal
+  (inside the documents) and padding only at the end of each row; raises the same error on every rank. Once per
+  model forward: later layers and checkpoint recomputes hand over the same objects and are not checked again.
+- `mask_agrees(mask_function, b, q_idx, kv_idx, expected)`: probe a transformers mask function at index pairs.
+- `TensorCache`: tensor -> value by the tensor's identity, holding it weakly.
+
+Every rank computes a small int64 summary of what it sees; the all-gathered summaries decide, identically on every
+rank, which error (if any) to raise, before any all-to-all.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from hf_upipe.distributed import validation_failed
+from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
+
+__all__ = ["TensorCache", "mask_agrees", "validate_layout"]
+
+
+def mask_agrees(mask_function, b: int, q_idx: torch.Tensor, kv_idx: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether the vectorised mask function equals `expected` at the (q_idx, kv_idx) pairs [n] of row b."""
+    try:
+        got = mask_function(torch.full_like(q_idx, b), torch.zeros_like(q_idx), q_idx, kv_idx)
+    except (IndexError, RuntimeError, TypeError):  # a mask function that cannot be probed: no agreement
+        return False
+    return torch.equal(torch.as_tensor(got, device=expected.device).bool().expand_as(expected), expected)
+
+
+def _agrees_with_documents(mask_function, doc: torch.Tensor, max_points: int = 24) -> bool:
+    """Probe a mask function against causal masking inside the local documents `doc` [B, s] (document ids).
+
+    Points: the plain grid {0, 1, s/2, s-1} plus, per row, the local document starts and the tokens just before
+    them (at most `max_points` starts, evenly spaced), so the packed mask transformers builds from the local
+    position_ids passes and windows shorter than the shard or custom masks still fail.
+    """
+    B, s = doc.shape
+    doc = doc.cpu()  # [B, s]
+    for b in range(B):
+        row = doc[b]
+        starts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()  # local document starts
+        if len(starts) > max_points:
+            starts = [starts[i * len(starts) // max_points] for i in range(max_points)]
+        points = torch.tensor(sorted(({0, 1, s // 2, s - 1} | set(starts) | {a - 1 for a in starts}) & set(range(s))))
+        q_idx, kv_idx = (t.flatten() for t in torch.meshgrid(points, points, indexing="ij"))
+        expected = (q_idx >= kv_idx) & (row[q_idx] == row[kv_idx])  # [n]
+        if not mask_agrees(mask_function, b, q_idx, kv_idx, expected):
+            return False
+    return True
+
+
+def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
+    """[n] on every rank -> [P, n] (a small int64 vector; gloo wants a flat output buffer)."""
+    P = dist.get_world_size(group)
+    out = torch.empty(P * t.numel(), dtype=t.dtype, device=t.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 renames it
+    gather(out, t.contiguous(), group=group)
+    return out.view(P, t.numel())
+
+
+def _gather_checked(t: torch.Tensor, state) -> torch.Tensor:
+    """`_all_gather` of a small int64 summary over the SP group's validation twin (gloo, CPU, bounded wait)."""
+    group = state.check_group if state.check_group is not None else state.sp_group
+    try:
+        out = _all_gather(t.cpu() if state.check_group is not None else t, group)
+    except (RuntimeError, dist.DistError) as err:
+        raise validation_failed(err, "the layout check of the attention (one all-gather per forward)") from None
+    return out.to(t.device)
+
+
+def _local_documents(cu: torch.Tensor, r: int, s: int, P: int, B: int, device) -> torch.Tensor | None:
+    """Document ids [B, s] and their per-document positions [B, s] of rank r's tokens from the global
+    `upipe_cu_seqlens` (boundaries over the flattened [B * P*s] batch); None when it is malformed."""
+    cu = cu.to(device=device, dtype=torch.long).reshape(-1)  # [N+1]
+    S = s * P
+    if cu_seqlens_error(cu, B, S) is not None:
+        return None
+    g = torch.arange(B, device=device)[:, None] * S + r * s + torch.arange(s, device=device)  # [B, s] flat index
+    doc = torch.searchsorted(cu, g, right=True) - 1  # [B, s]
+    return torch.stack([doc, g - cu[doc]])  # [2, B, s]
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _dtype_code(dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + sum(map(ord, str(dtype)))  # deterministic
+
+
+def _layout_summary(state, position_ids, mask, batch, local_len, device, documents, dtype=None) -> torch.Tensor:
+    """This rank's facts as int64 [11]: s, B, mask ok, positions ok, padding ok locally, any pad, all pads
+    (every row all padding), positions restarting locally, documents given, and two checksums of them."""
+    r, s = state.sp_rank, local_len
+    pad = None if mask is None else mask.padding
+    pos = None  # [B, s] when usable; anything else fails the position check on every rank (no local raise)
+    if position_ids is not None and position_ids.dim() in (1, 2) and position_ids.shape[-1] == s \
+            and position_ids.reshape(-1, s).shape[0] in (1, batch):
+        pos = position_ids.reshape(-1, s).expand(batch, s)  # [B, s]
+    restart = False
+    if pos is not None:  # between two real tokens, a position that does not continue: a new document
+        jump = pos[:, 1:] != pos[:, :-1] + 1  # [B, s-1]
+        restart = bool((jump if pad is None else jump & pad[:, 1:] & pad[:, :-1]).any())
+    if documents is None:
+        mask_ok = mask is None or mask.plain_causal
+        pos_ok = pos is not None and bool((pos == torch.arange(r * s, (r + 1) * s, device=pos.device)).all())
+        given, sums = 0, (0, 0)
+    else:
+        local = _local_documents(documents, r, s, state.sp_size, batch, pos.device if pos is not None else device)
+        pos_ok = local is not None and pos is not None and bool((pos == local[1]).all())
+        mask_ok = mask is None or mask.plain_causal or (
+            local is not None and mask.mask_function is not None
+            and _agrees_with_documents(mask.mask_function, local[0]))
+        cu = documents.reshape(-1).to(torch.long)
+        given, sums = 1, (int(cu.numel()), int((cu * (torch.arange(cu.numel(), device=cu.device) % 7919 + 1)).sum()))
+    if pad is None:
+        form_ok, any_pad, all_pad = True, False, False
+    else:
+        # ones-then-zeros in every row: once a row has a zero, it stays zero
+        form_ok = not left_padded_rows(pad)
+        any_pad, all_pad = bool((~pad).any()), bool((~pad).all())
+    return torch.tensor([s, batch, mask_ok, pos_ok, form_ok, any_pad, all_pad, restart, given, *sums,
+                         _dtype_code(dtype)],
+                        dtype=torch.long, device=device)
+
+
+def _check_layout(state, position_ids, mask, batch, local_len, device, documents=None, dtype=None) -> None:
+    """Validate the global layout with one all-gather every rank enters; raise the same error on every rank.
+
+    `documents`: `upipe_cu_seqlens` (int32 [N+1] over the flattened full batch) for packed rows, else None.
+    """
+    mine = _layout_summary(state, position_ids, mask, batch, local_len, device, documents, dtype)
+    every = _gather_checked(mine, state)  # [P, 11]
+    s, B, mask_ok, pos_ok, form_ok, any_pad, all_pad, restart, given, n_cu, sum_cu, dtypes = every.t().tolist()
+    if len(set(dtypes)) > 1:
+        names = [str(_DTYPES[c]).replace("torch.", "") if c < len(_DTYPES) else "other" for c in dtypes]
+        raise ValueError(f"Sequence-parallel ranks compute attention in different dtypes ({names} by SP rank): "
+                         "load the model with the same dtype (and autocast) on every rank.")
+    if len(set(s)) > 1 or len(set(B)) > 1:
+        raise ValueError(
+            f"Sequence-parallel ranks got different shard shapes: local lengths {s}, batch sizes {B}. Every rank "
+            "of an SP group must get the same rows, cut into equal contiguous shards (pad the sequence to a "
+            f"multiple of sp_size={state.sp_size} with ignored labels)."
+        )
+    if len(set(zip(given, n_cu, sum_cu))) > 1:
+        raise ValueError(
+            f"upipe_cu_seqlens differs across sequence-parallel ranks (given on ranks "
+            f"{[i for i, g in enumerate(given) if g]}): every rank must pass the same global document boundaries, "
+            "as hf_upipe.shard_batch returns them for a packed batch."
+        )
+    if not given[0] and any(restart):
+        raise ValueError(
+            f"position_ids restart inside the shards of SP ranks {[i for i, x in enumerate(restart) if x]}: packed "
+            "rows (several documents per row) need their document boundaries under sequence parallelism. Shard the "
+            "full batch with hf_upipe.shard_batch (it adds 'upipe_cu_seqlens' and 'upipe_max_seqlen' for packed "
+            "rows) and pass every key of the shard to the model."
+        )
+    if not all(pos_ok):
+        bad = [i for i, ok in enumerate(pos_ok) if not ok]
+        if given[0]:
+            raise ValueError(
+                f"position_ids on SP ranks {bad} do not match upipe_cu_seqlens (each document counting 0, 1, 2, "
+                f"... over the flattened batch of {B[0]} rows of {s[0] * state.sp_size} tokens), or upipe_cu_seqlens "
+                "is malformed: pass the shard of hf_upipe.shard_batch unchanged (position_ids, upipe_cu_seqlens)."
+            )
+        raise ValueError(
+            f"position_ids on SP ranks {bad} are not the global positions of their shard (rank r must pass "
+            f"r*{s[0]} .. r*{s[0]}+{s[0] - 1}). Pass position_ids=torch.arange(S)[r*s:(r+1)*s] with each shard; "
+            "per-shard positions starting at 0 break RoPE and causality. Packed rows (positions restarting) need "
+            "hf_upipe.shard_batch, which adds their document boundaries ('upipe_cu_seqlens')."
+        )
+    if not all(mask_ok):
+        raise NotImplementedError(
+            "The model asked for a mask other than plain causal (a sliding window, a custom mask, or packed "
+            "sequences without 'upipe_cu_seqlens' / not matching them), which attn_implementation='upipe' does not "
+            "implement under sequence parallelism."
+        )
+    if not all(form_ok):
+        raise ValueError(
+            "attention_mask has left or interior padding, which sequence-parallel 'upipe' attention cannot honour: "
+            "pad on the right (padding_side='right') with labels -100 on the padding, or do not pad."
+        )
+    if any(any_pad):
+        # rows must be ones-then-zeros across ranks: after the first rank with padding, only full padding
+        first = next(i for i, a in enumerate(any_pad) if a)
+        if not all(all_pad[first + 1:]):
+            _check_rows_trailing(state, mask, batch, device)
+
+
+class TensorCache:
+    """tensor -> value, by the tensor's identity, holding the tensor weakly (an entry dies with its tensor).
+    (`weakref.WeakKeyDictionary` compares keys with `==`, which is elementwise for tensors.)"""
+
+    def __init__(self):
+        self._entries: dict[int, tuple[weakref.ref, object]] = {}
+
+    def get(self, tensor):
+        entry = self._entries.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else None
+
+    def set(self, tensor, value) -> None:
+        key = id(tensor)
+        self._entries[key] = (weakref.ref(tensor, lambda _, key=key: self._entries.pop(key, None)), value)
+
+
+# position_ids tensor -> (state, mask, documents, (B, s)) it was validated with: the layout is checked once per model
+# forward (the first attention layer; the other layers and checkpoint recomputes receive the same objects)
+_VALIDATED = TensorCache()
+
+
+def validate_layout(state, position_ids, mask, batch, local_len, device, documents=None, dtype=None) -> None:
+    """`_check_layout` once per model forward instead of once per layer (every rank raises the same error).
+
+    The first attention layer of a forward checks, with one all-gather; later layers, and the recompute of
+    checkpointed layers, get the same position_ids, mask and document objects and skip the check (no
+    communication, no host sync). A new batch brings new tensors and is checked again.
+    """
+    seen = _VALIDATED.get(position_ids) if isinstance(position_ids, torch.Tensor) else None
+    if seen is not None and seen[0] is state and seen[1] is mask and seen[2] is documents \
+            and seen[3] == (batch, local_len):
+        return
+    _check_layout(state, position_ids, mask, batch, local_len, device, documents, dtype)
+    if isinstance(position_ids, torch.Tensor):
+        _VALIDATED.set(position_ids, (state, mask, documents, (batch, local_len)))
+
+
+def _check_rows_trailing(state, mask, batch, device) -> None:
+    """Per-row check that padding starts on one rank and continues to the end (second, rare all-gather)."""
+    pad = mask.padding if mask is not None and mask.padding is not None else None
+    ones = pad.sum(-1) if pad is not None else torch.full((batch,), -1, device=device)
+    length = pad.shape[-1] if pad is not None else 0
+    mine = torch.where(ones == length, torch.full_like(ones, -1), ones).long()  # -1: row has no padding here
+    every = _gather_checked(mine, state)  # [P, B]
+    for row in every.t().tolist():
+        started = False
+        for count in row:
+            if started and count != 0:
+                raise ValueError(
+                    "attention_mask has interior padding across sequence shards (a padded stretch followed by real "
+                    "tokens): pad on the right (padding_side='right') with labels -100, or do not pad."
+                )
+            started = started or count != -1

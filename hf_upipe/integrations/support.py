@@ -1,0 +1,147 @@
+"""The support gate: a model runs under sequence parallelism only if hf_upipe handles every part of it exactly.
+
+Entry points:
+- `config_refusal(config, seq_len=None, *, allow_unverified=False)`: why a model of this config cannot run exactly
+  under SP, or None. From the config alone: an architecture the registry (`hf_upipe.architectures`) does not list
+  as verified; `layer_types` other than attention (the convolution or linear-attention layers of a hybrid, even of
+  a verified family); RoPE whose frequencies depend on the sequence length ("dynamic", "longrope"), which every
+  rank would derive from its own shard; a sliding window shorter than the sequence (`seq_len`: the full length)
+  that the model applies through its mask. What the mask and attention functions check at the first call of a forward.
+- `model_refusal(model, *, allow_unverified=False)`: the same for a loaded model, naming the module that is not
+  handled (a Mamba/SSM layer, a linear-attention or short-convolution layer, attention that does not go through
+  transformers' attention interface) where there is one. What `prepare_model` and the Trainer/plugin setup check.
+- `sdpa_refusal(config)`: without SP "upipe" is "sdpa"; a model class that does not support "sdpa" is refused by
+  "upipe" too, as transformers refuses it for "sdpa".
+- `refusal_error(reason)`: the NotImplementedError to raise, with what to do.
+
+The registry lists an architecture as verified once `benchmarks/architecture_matrix.py` (and its test) found it
+exact at SP 2 against one process; everything else is refused until verified. `hf-upipe selftest --model <yours>`
+verifies a model; `UPipeConfig(allow_unverified=True)` / `UPIPE_ALLOW_UNVERIFIED=1` /
+`init_sequence_parallel(allow_unverified=True)` then runs an unverified architecture (the feature checks above
+still apply).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from hf_upipe.architectures import ARCHITECTURES
+from hf_upipe.integrations.peft import base_model
+
+__all__ = ["config_refusal", "model_refusal", "refusal_error", "sdpa_refusal"]
+
+# class-name fragments of token mixers other than attention, and why they cannot run on a shard alone
+_MIXERS = (
+    ("Mamba", "a Mamba/SSM layer mixes tokens across the whole sequence outside attention"),
+    ("GatedDeltaNet", "a gated-DeltaNet (linear attention) layer carries a state across the whole sequence"),
+    ("DeltaNet", "a DeltaNet (linear attention) layer carries a state across the whole sequence"),
+    ("LinearAttention", "a linear-attention layer carries a state across the whole sequence"),
+    ("Lightning", "a lightning-attention layer carries a state across the whole sequence"),
+    ("ShortConv", "a short convolution mixes neighbouring tokens across shard boundaries"),
+    ("Recurrent", "a recurrent layer carries a state across the whole sequence"),
+    ("Rwkv", "an RWKV layer carries a state across the whole sequence"),
+    ("xLSTM", "an xLSTM layer carries a state across the whole sequence"),
+    ("Mixer", "a token-mixing layer other than attention"),
+)
+_LENGTH_ROPE = ("dynamic", "longrope")
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _rope_type(config) -> str | None:
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, name, None)
+        if isinstance(params, dict):
+            for value in (params, *[v for v in params.values() if isinstance(v, dict)]):
+                kind = value.get("rope_type") or value.get("type")
+                if kind:
+                    return str(kind)
+    return None
+
+
+def _window(config) -> int | None:
+    """The sliding window a config applies, or None (off: no window, 0, or use_sliding_window=False)."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0 or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
+_ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+
+
+def config_refusal(config, seq_len: int | None = None, *, allow_unverified: bool = False) -> str | None:
+    """See the module docstring."""
+    model_type = getattr(config, "model_type", None)  # the whole model's: a multimodal model is its own type
+    config = _text_config(config)
+    arch = ARCHITECTURES.get(model_type)
+    if (arch is None or not arch.verified) and not allow_unverified:
+        return (f"hf_upipe has not verified model_type {model_type!r} under sequence parallelism (it is not in the "
+                "architecture registry, hf_upipe/architectures.py)")
+    other = sorted({t for t in getattr(config, "layer_types", None) or () if t not in _ATTENTION_LAYERS})
+    if other:
+        return (f"its layer_types include {other}: layers other than full or sliding-window attention (token mixers "
+                "such as convolutions or linear attention, or attention of another kind), which hf_upipe does not "
+                "implement under sequence parallelism and which would run on each rank's shard alone")
+    rope = _rope_type(config)
+    if rope in _LENGTH_ROPE:
+        return (f"RoPE of type {rope!r} derives its frequencies from the sequence length, which each rank would take "
+                "from its own shard")
+    window = _window(config)
+    if window is not None and seq_len is not None and window < seq_len:
+        return (f"sliding_window={window} is shorter than the sequence ({seq_len} tokens): sliding-window attention "
+                "is not implemented under sequence parallelism (set use_sliding_window=False / sliding_window=None, "
+                "or use sequences no longer than the window)")
+    return None
+
+
+def model_refusal(model: nn.Module, *, allow_unverified: bool = False) -> str | None:
+    """See the module docstring."""
+    base = base_model(model)
+    for module in base.modules():
+        name = type(module).__name__
+        for fragment, why in _MIXERS:
+            if fragment in name and not name.endswith(("Attention", "Norm", "RMSNorm")):
+                return f"{name}: {why}"
+    config = getattr(base, "config", None)
+    if config is None:
+        return None
+    is_compatible = getattr(type(base), "is_backend_compatible", None)
+    if callable(is_compatible) and not is_compatible():
+        return (f"{type(base).__name__}'s attention does not go through transformers' attention interface, so "
+                "attn_implementation='upipe' never runs in it")
+    return config_refusal(config, allow_unverified=allow_unverified)
+
+
+@functools.lru_cache(maxsize=256)
+def _supports_sdpa(model_type: str) -> bool:
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    return bool(getattr(cls, "_supports_sdpa", True)) if cls is not None else True
+
+
+def sdpa_refusal(config) -> str | None:
+    """See the module docstring."""
+    model_type = getattr(config, "model_type", None)
+    if isinstance(model_type, str) and not _supports_sdpa(model_type):
+        return (f"model_type {model_type!r} does not support 'sdpa', and 'upipe' without sequence parallelism is "
+                "'sdpa': load it with its own attention implementation (e.g. 'eager') when not using SP")
+    return None
+
+
+def refusal_error(reason: str) -> NotImplementedError:
+    """The error for `reason`; for an unverified architecture it says how to verify and opt in."""
+    advice = ("Check it with `hf-upipe selftest --model <your model>`, then opt in with "
+              "UPipeConfig(allow_unverified=True) / UPIPE_ALLOW_UNVERIFIED=1 / init_sequence_parallel("
+              "allow_unverified=True); or train without sequence parallelism (sp_size=1)."
+              if reason.startswith("hf_upipe has not verified") else
+              "Train it without sequence parallelism (sp_size=1), or change what the reason names.")
+    return NotImplementedError(f"This model cannot run under sequence parallelism with hf_upipe: {reason}. Nothing "
+                               f"was computed. {advice}")

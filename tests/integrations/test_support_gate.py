@@ -1,0 +1,261 @@
+"""Never silently wrong, never hung: the support gate, dropped semantics, settings agreement and the smaller cases.
+
+Under sequence parallelism every class of model or call that hf_upipe does not run exactly is refused with a clear
+error, the same on every rank, before any collective: unverified architectures and token mixers other than
+attention (hybrids), attention that bypasses transformers' interface, attention arguments "upipe" does not implement
+(also without SP), sliding windows that live only in the config or mask, RoPE whose frequencies depend on the
+sequence length, MLA-style value heads, `labels=` / `output_attentions` / `use_cache` under SP, shards cut for another
+SP size. Ranks that ask for other settings, or that never reach a validation collective, fail within the validation
+timeout with a message instead of hanging.
+"""
+
+import dataclasses
+import os
+import types
+
+import pytest
+import torch
+
+import hf_upipe
+from hf_upipe.distributed import set_sequence_parallel_state
+from hf_upipe.integrations.support import config_refusal, model_refusal, sdpa_refusal
+from hf_upipe.models import tiny_config
+from tests._dist import run_distributed
+from tests.integrations._models import build_pair
+from tests.integrations._models import tiny_config as llama_like
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return "ok"
+    except (ValueError, NotImplementedError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+
+
+# ---- single process: the gate's verdicts -------------------------------------------------------------------------
+def test_config_refusals():
+    assert config_refusal(llama_like("llama")) is None
+    assert "has not verified model_type 'nonesuch'" in config_refusal(types.SimpleNamespace(model_type="nonesuch"))
+    assert config_refusal(types.SimpleNamespace(model_type="nonesuch"), allow_unverified=True) is None
+    dynamic = llama_like("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    assert "RoPE of type 'dynamic'" in config_refusal(dynamic)
+    older = types.SimpleNamespace(model_type="llama", rope_scaling={"type": "longrope", "short_factor": [1.0]})
+    assert "'longrope'" in config_refusal(older)  # the older key and spelling too
+    windowed = llama_like("mistral", sliding_window=64)
+    assert config_refusal(windowed, seq_len=64) is None
+    assert "sliding_window=64 is shorter than the sequence (128 tokens)" in config_refusal(windowed, seq_len=128)
+    off = llama_like("qwen2", sliding_window=64, use_sliding_window=False)  # Qwen2's switch: window off
+    assert config_refusal(off, seq_len=128) is None
+
+
+@pytest.mark.parametrize("model_type, reason", [
+    ("qwen3_next", "GatedDeltaNet"),  # a hybrid: linear attention beside attention
+    ("qwen3_5_text", "GatedDeltaNet"),
+    ("mamba", "Mamba"),  # a pure SSM
+    ("falcon_mamba", "Mamba"),
+    ("mamba2", "Mamba"),
+    ("jamba", "Mamba"),  # hybrids with Mamba layers
+    ("bamba", "BambaMixer: a token-mixing layer other than attention"),
+    ("falcon_h1", "FalconH1Mixer"),
+    ("zamba2", "Mamba"),
+    ("nemotron_h", "Mamba"),
+    ("granitemoehybrid", "Mamba"),
+    ("lfm2", "ShortConv"),  # short convolutions (with conv layers: see below)
+    ("lfm2_moe", "ShortConv"),
+    ("minimax", "linear_attention"),  # lightning attention layers
+    ("rwkv", "RWKV"),
+    ("recurrent_gemma", "recurrent"),
+    ("xlstm", "xLSTM"),
+    ("openai-gpt", "does not go through transformers' attention interface"),
+    ("bloom", "does not go through transformers' attention interface"),  # ALiBi as a float bias, its own attention
+    ("opt", "has not verified model_type 'opt'"),  # learned positions from the mask: wrong on a shard
+])
+def test_model_refusals_name_the_module(model_type, reason):
+    """Built on the meta device (only the modules matter): tiny where the type builds tiny, else its default size."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = tiny_config(model_type)
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001  (a type that does not build at the tiny sizes)
+        config = AutoConfig.for_model(model_type)
+    if model_type.startswith("lfm2"):
+        config.layer_types = ["conv"] + ["full_attention"] * (config.num_hidden_layers - 1)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    found = model_refusal(model)
+    assert found is not None, model_type
+    if "has not verified" not in reason:  # opting in does not make an unhandled module handled
+        found = model_refusal(model, allow_unverified=True)
+        assert found is not None and reason in found, found
+    else:
+        assert reason in found, found
+
+
+def test_without_sp_upipe_refuses_what_sdpa_refuses():
+    assert sdpa_refusal(tiny_config("llama")) is None
+    assert "does not support 'sdpa'" in sdpa_refusal(tiny_config("gemma2"))
+
+
+@pytest.mark.parametrize("model_type", ["bloom", "codegen", "xglm", "gpt_neox_japanese", "gpt2"])
+def test_without_sp_upipe_is_sdpa_or_refused_for_float_bias_masks(model_type):
+    """ALiBi and other models that add the mask as a float bias: "upipe" without SP is their reference or refused,
+    never causal masking lost (`hf_upipe.matrix.single_process` compares logits and every gradient)."""
+    from hf_upipe.matrix import single_process
+
+    row = single_process(model_type)
+    assert row["builds"] and row["decoder"], row
+    assert row["sp1"] in ("exact", "refused"), row
+
+
+@pytest.mark.parametrize("name", ["s_aux", "sinks", "softcap", "position_bias"])
+def test_unimplemented_attention_arguments_are_refused_without_sp(name):
+    from hf_upipe.integrations.transformers import upipe_attention_forward
+
+    module = types.SimpleNamespace(is_causal=True, config=llama_like("llama"), training=False)
+    q = torch.randn(1, 8, 6, 8)
+    kv = torch.randn(1, 2, 6, 8)
+    with pytest.raises(NotImplementedError, match=f"passes '{name}' to its attention"):
+        upipe_attention_forward(module, q, kv, kv, None, **{name: torch.zeros(8)})
+
+
+# ---- two ranks: refused on every rank, before any collective ------------------------------------------------------
+def _gate_worker(rank, world):
+    from transformers import AutoModelForCausalLM
+
+    hf_upipe.init_sequence_parallel(world)
+    out = {}
+    S = 16
+    ids = torch.randint(3, 96, (1, S), generator=torch.Generator().manual_seed(0))
+    shard = hf_upipe.shard_batch({"input_ids": ids, "labels": ids}, rank, world)
+    inputs = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}
+    hybrid = AutoModelForCausalLM.from_config(tiny_config("qwen3_next"), attn_implementation="upipe")
+    out["hybrid forward"] = _outcome(lambda: hybrid(**inputs))  # refused by the mask function, before any layer
+    out["hybrid prepare"] = _outcome(lambda: hf_upipe.prepare_model(hybrid))
+    gpt = AutoModelForCausalLM.from_config(tiny_config("openai-gpt"), attn_implementation="upipe")
+    out["no interface prepare"] = _outcome(lambda: hf_upipe.prepare_model(gpt))
+    _, llama = build_pair(llama_like("llama"), "upipe", seed=3)
+    dynamic = AutoModelForCausalLM.from_config(
+        llama_like("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+        attn_implementation="upipe")
+    out["dynamic rope"] = _outcome(lambda: dynamic(**inputs))
+    for model_type in ("qwen2_moe", "phimoe"):  # windows that these models apply through the mask only
+        windowed = tiny_config(model_type)
+        windowed.sliding_window, windowed.use_sliding_window, windowed.max_window_layers = 4, True, 0
+        model = AutoModelForCausalLM.from_config(windowed, attn_implementation="upipe")
+        state = hf_upipe.get_sequence_parallel_state()
+        set_sequence_parallel_state(dataclasses.replace(state, allow_unverified=True))  # phimoe
+        out[f"window {model_type}"] = _outcome(lambda: model(**inputs))
+        set_sequence_parallel_state(state)
+    hf_upipe.prepare_model(llama)
+    out["labels"] = _outcome(lambda: llama(**inputs, labels=shard["shift_labels"]))
+    out["shift labels"] = _outcome(lambda: llama(**inputs, labels=shard["shift_labels"],
+                                                 shift_labels=shard["shift_labels"]))
+    out["output_attentions"] = _outcome(lambda: llama(**inputs, output_attentions=True))
+    out["use_cache"] = _outcome(lambda: llama(**inputs, use_cache=True))
+    out["other sp_size"] = _outcome(lambda: hf_upipe.shard_batch({"input_ids": ids}, rank, 4))
+    from hf_upipe.integrations.transformers import upipe_attention_forward
+
+    attention = llama.model.layers[0].self_attn
+    q, k = torch.randn(1, 8, S // world, 8), torch.randn(1, 2, S // world, 8)
+    v = torch.randn(1, 2, S // world, 16)  # value heads wider than query/key heads: MLA
+    out["mla"] = _outcome(lambda: upipe_attention_forward(attention, q, k, v, None,
+                                                          position_ids=inputs["position_ids"]))
+    return out
+
+
+def test_refusals_on_every_rank_before_any_collective():
+    for out in run_distributed(_gate_worker, 2):
+        assert out["hybrid forward"].startswith("NotImplementedError: This model cannot run under sequence "
+                                                "parallelism with hf_upipe: hf_upipe has not verified model_type "
+                                                "'qwen3_next'"), out["hybrid forward"]
+        assert "hf-upipe selftest" in out["hybrid forward"]
+        assert "GatedDeltaNet" in out["hybrid prepare"]
+        assert "attention interface" in out["no interface prepare"]
+        assert "RoPE of type 'dynamic'" in out["dynamic rope"]
+        for model_type in ("qwen2_moe", "phimoe"):
+            assert "sliding_window=4 is shorter than the sequence (16 tokens)" in out[f"window {model_type}"]
+        assert out["labels"].startswith("ValueError: labels= under sequence parallelism would be shifted")
+        assert out["shift labels"] == "ok"
+        assert "output_attentions=True" in out["output_attentions"]
+        assert "use_cache=True" in out["use_cache"]
+        assert "shard_batch(sp_rank=" in out["other sp_size"] and "of 2" in out["other sp_size"]
+        assert "value head dim (16) differs from the query/key head dim (8)" in out["mla"]
+
+
+def _opt_in_worker(rank, world, allow):
+    """An architecture removed from the registry: refused, unless the run opts in."""
+    from hf_upipe import architectures
+
+    del architectures.ARCHITECTURES["llama"]
+    hf_upipe.init_sequence_parallel(world, allow_unverified=allow)
+    ref, model = build_pair(llama_like("llama"), "upipe", seed=4)
+    ids = torch.randint(3, 96, (1, 16), generator=torch.Generator().manual_seed(1))
+    shard = hf_upipe.shard_batch({"input_ids": ids}, rank, world)
+    try:
+        logits = model(**shard).logits
+    except NotImplementedError as err:
+        return str(err)
+    want = ref(input_ids=ids).logits[:, rank * 8:(rank + 1) * 8]
+    return float((logits - want).abs().max())
+
+
+def test_unverified_architectures_run_only_when_opted_in():
+    for refused in run_distributed(_opt_in_worker, 2, False):
+        assert "has not verified model_type 'llama'" in refused
+    for error in run_distributed(_opt_in_worker, 2, True):
+        assert error < 1e-5
+
+
+# ---- settings agreement and bounded waits ---------------------------------------------------------------------------
+def _settings_worker(rank, world, case):
+    os.environ["UPIPE_VALIDATION_TIMEOUT"] = "3"
+    if case == "sp_size":
+        return _outcome(lambda: hf_upipe.init_sequence_parallel(2 if rank == 0 else 1))
+    if case == "heads_per_chunk":
+        return _outcome(lambda: hf_upipe.init_sequence_parallel(world, heads_per_chunk=1 if rank == 0 else None))
+    if case == "skipped":  # rank 1 never calls init_sequence_parallel
+        return _outcome(lambda: hf_upipe.init_sequence_parallel(world)) if rank == 0 else "skipped"
+    if case == "reinit":
+        first = hf_upipe.init_sequence_parallel(world)
+        again = hf_upipe.init_sequence_parallel(world)
+        other = _outcome(lambda: hf_upipe.init_sequence_parallel(world, heads_per_chunk=None))
+        hf_upipe.reset_sequence_parallel()
+        changed = hf_upipe.init_sequence_parallel(world, heads_per_chunk=None)
+        return (again is first, other, changed.heads_per_chunk)
+    # "forward": both initialise, rank 1 then runs the model without SP: rank 0 waits in the layout check
+    hf_upipe.init_sequence_parallel(world)
+    if rank == 1:
+        hf_upipe.reset_sequence_parallel()
+    _, model = build_pair(llama_like("llama"), "upipe", seed=5)
+    dtype = torch.float32
+    ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(2))
+    return _outcome(lambda: model(input_ids=ids, position_ids=torch.arange(rank * 8, rank * 8 + 8)[None]).logits
+                    .to(dtype))
+
+
+@pytest.mark.parametrize("case", ["sp_size", "heads_per_chunk"])
+def test_ranks_that_ask_for_other_settings_get_the_same_error(case):
+    outs = run_distributed(_settings_worker, 2, case)
+    assert outs[0] == outs[1] and outs[0].startswith("ValueError: The ranks asked init_sequence_parallel for "
+                                                     "different settings"), outs
+    assert "rank 0:" in outs[0] and "rank 1:" in outs[0]
+
+
+def test_a_rank_that_never_arrives_fails_the_others_within_the_timeout():
+    outs = run_distributed(_settings_worker, 2, "skipped", timeout=60)
+    assert outs[1] == "skipped"
+    assert outs[0].startswith("RuntimeError: hf_upipe: the other ranks did not reach init_sequence_parallel within "
+                              "3 s"), outs[0]
+    outs = run_distributed(_settings_worker, 2, "forward", timeout=60)
+    assert outs[1] == "ok"  # the rank without SP computed plain local attention
+    assert "did not reach the layout check of the attention" in outs[0] and "within 3 s" in outs[0], outs[0]
+
+
+def test_initialising_again():
+    same, other, changed = run_distributed(_settings_worker, 2, "reinit")[0]
+    assert same is True
+    assert "already called with sp_size=2, heads_per_chunk=1" in other and "reset_sequence_parallel()" in other
+    assert changed is None
