@@ -93,11 +93,14 @@ _TILED = "9dbbf389e9bdd646"  # LlamaMLP/RMSNorm-shaped forwards (identical sourc
 # (benchmarks/architecture_matrix.py, transformers 5.23; text-only causal LMs: a multimodal type stays unverified
 # even where its text model is exact): verified, without the fused or tiled adapters
 VERIFIED_REGISTERED = (
-    "apertus", "arcee", "aria_text", "bitnet", "cohere", "diffllama", "dots1", "ernie4_5", "ernie4_5_moe", "gemma",
-    "glm4_moe", "gpt-sw3", "gpt2", "gpt_neox", "granite", "granitemoe", "granitemoeshared", "helium", "hrm_text",
-    "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe",
-    "lfm2", "mellum", "minimax_m2", "minimax_m3_vl_text", "ministral3", "mixtral", "nanochat", "olmo", "olmo2",
-    "olmoe", "phi", "phimoe", "qwen2_moe", "qwen3_moe", "seed_oss", "solar_open", "starcoder2",
+    "apertus", "arcee", "aria_text", "beam", "bitnet", "cohere", "cohere2", "cohere2_moe", "cwm", "diffllama",
+    "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "flex_olmo", "gemma", "gemma3_text",
+    "gemma4_unified_text", "glm", "glm4", "glm4_moe", "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neox", "granite",
+    "granitemoe", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3",
+    "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "lfm2", "mellum",
+    "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mixtral", "modernbert-decoder", "moshi",
+    "nanochat", "olmo", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "phi3", "phimoe", "qwen2_moe", "qwen3_moe",
+    "seed_oss", "smollm3", "solar_open", "starcoder2",
 )
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     Architecture("llama", "Llama", fused_fingerprint="a0d395fa0cfcaa0f", tiled_fingerprint=_TILED),

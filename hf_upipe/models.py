@@ -51,7 +51,7 @@ SMALL = dict(
     state_size=8, ssm_state_size=8, mamba_d_state=8, mamba_n_heads=4, mamba_head_dim=16, mamba_d_head=16,
     mamba_d_conv=4, conv_kernel=4, mamba_expand=2, n_groups=1, mamba_n_groups=1, time_step_rank=8,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-    linear_conv_kernel_dim=4, sliding_window=None, attention_dropout=0.0,
+    linear_conv_kernel_dim=4, attention_dropout=0.0, pad_token_id=0,  # windows: each type's default
     rotary_dim=8, logits_scaling=4.0, logit_scale=0.5,  # not 1: a loss that forgot the model's logit scaling must show
 )
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

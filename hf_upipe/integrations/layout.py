@@ -6,6 +6,8 @@ Entry points:
   the same documents (`upipe_cu_seqlens`), position_ids that are global (or per document), a mask that is causal
   (inside the documents) and padding only at the end of each row; raises the same error on every rank. Once per
   model forward: later layers and checkpoint recomputes hand over the same objects and are not checked again.
+- `note_model_positions(position_ids)` / `model_positions()`: the position_ids a prepared model was called with,
+  for the models whose attention calls do not receive them (the check then uses what the model received).
 - `mask_agrees(mask_function, b, q_idx, kv_idx, expected)`: probe a transformers mask function at index pairs.
 - `TensorCache`: tensor -> value by the tensor's identity, holding it weakly.
 
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from hf_upipe.distributed import validation_failed
 from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
 
-__all__ = ["TensorCache", "mask_agrees", "validate_layout"]
+__all__ = ["TensorCache", "mask_agrees", "model_positions", "note_model_positions", "validate_layout"]
 
 
 def mask_agrees(mask_function, b: int, q_idx: torch.Tensor, kv_idx: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -175,6 +177,8 @@ def _check_layout(state, position_ids, mask, batch, local_len, device, documents
             f"r*{s[0]} .. r*{s[0]}+{s[0] - 1}). Pass position_ids=torch.arange(S)[r*s:(r+1)*s] with each shard; "
             "per-shard positions starting at 0 break RoPE and causality. Packed rows (positions restarting) need "
             "hf_upipe.shard_batch, which adds their document boundaries ('upipe_cu_seqlens')."
+            + ("" if position_ids is not None else " (This model's attention receives no position_ids: call "
+               "hf_upipe.prepare_model(model) so that they are checked where the model receives them.)")
         )
     if not all(mask_ok):
         raise NotImplementedError(
@@ -222,6 +226,8 @@ def validate_layout(state, position_ids, mask, batch, local_len, device, documen
     checkpointed layers, get the same position_ids, mask and document objects and skip the check (no
     communication, no host sync). A new batch brings new tensors and is checked again.
     """
+    if position_ids is None:  # an attention call without them (GPT-BigCode, Persimmon, CTRL...): the model's own
+        position_ids = model_positions()
     seen = _VALIDATED.get(position_ids) if isinstance(position_ids, torch.Tensor) else None
     if seen is not None and seen[0] is state and seen[1] is mask and seen[2] is documents \
             and seen[3] == (batch, local_len):
@@ -229,6 +235,22 @@ def validate_layout(state, position_ids, mask, batch, local_len, device, documen
     _check_layout(state, position_ids, mask, batch, local_len, device, documents, dtype)
     if isinstance(position_ids, torch.Tensor):
         _VALIDATED.set(position_ids, (state, mask, documents, (batch, local_len)))
+
+
+_MODEL_POSITIONS: list = [None]  # a weak reference to the position_ids of the latest call of a prepared model
+
+
+def note_model_positions(position_ids) -> None:
+    """Record the position_ids a prepared model was called with (`hf_upipe.prepare_model`'s pre-hook): the layout
+    check uses them for attention calls that do not receive position_ids themselves. Kept weakly, so the tensor
+    dies with the batch; a checkpoint recompute in backward finds the same tensor."""
+    _MODEL_POSITIONS[0] = weakref.ref(position_ids) if isinstance(position_ids, torch.Tensor) else None
+
+
+def model_positions():
+    """The position_ids of the latest prepared model call, or None."""
+    ref = _MODEL_POSITIONS[0]
+    return ref() if ref is not None else None
 
 
 def _check_rows_trailing(state, mask, batch, device) -> None:

@@ -13,7 +13,8 @@ the whole model (`hf_upipe.integrations.support.model_refusal`: an unverified ar
 than attention, attention that bypasses transformers' attention interface are refused). It also installs a forward
 pre-hook on the model that refuses, under SP, what a call would silently get wrong: `labels=` without
 `shift_labels=` (the model would shift inside each shard), `output_attentions=True` (no attention weights exist),
-`use_cache=True` or a `past_key_values` cache (the cache would hold one shard's keys and values).
+`use_cache=True` or a `past_key_values` cache (the cache would hold one shard's keys and values); and it notes the
+call's position_ids, which the layout check uses where an attention call does not receive them.
 
 One log line says what was applied; classes the gate kept off (the installed transformers changed their source)
 get a warning naming them.
@@ -28,6 +29,7 @@ from torch import nn
 from hf_upipe.architectures import VERIFIED_ON
 from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.fused import install_fused_attention, remove_fused_attention
+from hf_upipe.integrations.layout import note_model_positions
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.support import model_refusal, refusal_error
 from hf_upipe.memory.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
@@ -41,10 +43,12 @@ _HOOK = "_upipe_call_checks"
 
 
 def _refuse_silent_misuse(module, args, kwargs):
-    """Forward pre-hook: under SP, refuse the call arguments the model would silently get wrong (module docstring)."""
+    """Forward pre-hook: under SP, refuse the call arguments the model would silently get wrong (module docstring),
+    and note the call's position_ids for attention layers that do not receive them."""
     state = get_sequence_parallel_state()
     if state is None or state.sp_size == 1:
         return None
+    note_model_positions(kwargs.get("position_ids"))
     if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
         raise ValueError("labels= under sequence parallelism would be shifted inside each rank's shard (the last "
                          "target of every shard lost, the shards misaligned): pass the shard's labels already shifted "

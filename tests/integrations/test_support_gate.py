@@ -131,6 +131,15 @@ def _gate_worker(rank, world):
     ids = torch.randint(3, 96, (1, S), generator=torch.Generator().manual_seed(0))
     shard = hf_upipe.shard_batch({"input_ids": ids, "labels": ids}, rank, world)
     inputs = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}
+    # an attention call without position_ids (GPT-BigCode): checked where the model receives them once prepared
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(tiny_config("gpt_bigcode"), attn_implementation="sdpa")
+    bigcode = AutoModelForCausalLM.from_config(tiny_config("gpt_bigcode"), attn_implementation="upipe")
+    bigcode.load_state_dict(ref.state_dict())
+    out["no positions, unprepared"] = _outcome(lambda: bigcode(**inputs))
+    hf_upipe.prepare_model(bigcode)
+    want = ref(input_ids=ids).logits[:, rank * (S // world):(rank + 1) * (S // world)]
+    out["no positions, prepared"] = float((bigcode(**inputs).logits - want).abs().max())
     hybrid = AutoModelForCausalLM.from_config(tiny_config("qwen3_next"), attn_implementation="upipe")
     out["hybrid forward"] = _outcome(lambda: hybrid(**inputs))  # refused by the mask function, before any layer
     out["hybrid prepare"] = _outcome(lambda: hf_upipe.prepare_model(hybrid))
@@ -172,6 +181,9 @@ def test_refusals_on_every_rank_before_any_collective():
                                                 "parallelism with hf_upipe: hf_upipe has not verified model_type "
                                                 "'qwen3_next'"), out["hybrid forward"]
         assert "hf-upipe selftest" in out["hybrid forward"]
+        assert "This model's attention receives no position_ids: call hf_upipe.prepare_model(model)" in \
+            out["no positions, unprepared"], out["no positions, unprepared"]
+        assert out["no positions, prepared"] < 1e-5
         assert "GatedDeltaNet" in out["hybrid prepare"]
         assert "attention interface" in out["no interface prepare"]
         assert "RoPE of type 'dynamic'" in out["dynamic rope"]
