@@ -49,7 +49,8 @@ SMALL = dict(
     shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, moe_num_experts=4,
     kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, qk_head_dim=16,
     state_size=8, ssm_state_size=8, mamba_d_state=8, mamba_n_heads=4, mamba_head_dim=16, mamba_d_head=16,
-    mamba_d_conv=4, conv_kernel=4, mamba_expand=2, n_groups=1, mamba_n_groups=1, time_step_rank=8,
+    mamba_d_conv=4, conv_kernel=4, mamba_expand=2, n_groups=1, mamba_n_groups=1, time_step_rank=8, n_group=1,
+    topk_group=1,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
     linear_conv_kernel_dim=4, attention_dropout=0.0, pad_token_id=0,  # windows: each type's default
     rotary_dim=8, logits_scaling=4.0, logit_scale=0.5,  # not 1: a loss that forgot the model's logit scaling must show
@@ -130,6 +131,9 @@ def tiny_config(model_type: str):
                 raise
             del small[name]
     config.use_cache = False
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if hasattr(type(text), "kv_lora_rank"):  # latent attention (MLA): keys/values expand to every query head
+        text.num_key_value_heads = text.num_attention_heads
     _no_dropout(config)
     return config
 

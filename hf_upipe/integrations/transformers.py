@@ -76,6 +76,20 @@ class SequenceParallelMask:
     plain_causal: bool
     mask_function: Callable | None = field(default=None, compare=False, repr=False)
 
+    def __getattr__(self, name: str):
+        # model code that treats the mask as a tensor (its own mask arithmetic: `.dtype`, `.shape`, ...) would run
+        # on a mask that is not there: a clear refusal (an AttributeError too, so `hasattr` stays False)
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise _MaskUsedAsTensor(
+            f"the model reads attention_mask.{name}: it computes with the mask itself (its own masking code), but "
+            "under sequence parallelism 'upipe' hands the layers a description of the mask, not an [S, S] tensor. "
+            "This model is not supported under sequence parallelism.")
+
+
+class _MaskUsedAsTensor(AttributeError, NotImplementedError):
+    """Model code used the SP mask as a tensor (both an AttributeError and a NotImplementedError)."""
+
 
 def active_state() -> SequenceParallelState | None:
     """The installed sequence-parallel state when it has more than one rank (SP on), else None."""

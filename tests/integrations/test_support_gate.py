@@ -158,6 +158,10 @@ def _gate_worker(rank, world):
         set_sequence_parallel_state(dataclasses.replace(state, allow_unverified=True))  # phimoe
         out[f"window {model_type}"] = _outcome(lambda: model(**inputs))
         set_sequence_parallel_state(state)
+    doge = AutoModelForCausalLM.from_config(tiny_config("doge"), attn_implementation="upipe")  # its own mask code
+    set_sequence_parallel_state(dataclasses.replace(state, allow_unverified=True))
+    out["mask used as a tensor"] = _outcome(lambda: doge(**inputs))
+    set_sequence_parallel_state(state)
     hf_upipe.prepare_model(llama)
     out["labels"] = _outcome(lambda: llama(**inputs, labels=shard["shift_labels"]))
     out["shift labels"] = _outcome(lambda: llama(**inputs, labels=shard["shift_labels"],
@@ -187,6 +191,7 @@ def test_refusals_on_every_rank_before_any_collective():
         assert "GatedDeltaNet" in out["hybrid prepare"]
         assert "attention interface" in out["no interface prepare"]
         assert "RoPE of type 'dynamic'" in out["dynamic rope"]
+        assert "the model reads attention_mask.dtype" in out["mask used as a tensor"], out["mask used as a tensor"]
         for model_type in ("qwen2_moe", "phimoe"):
             assert "sliding_window=4 is shorter than the sequence (16 tokens)" in out[f"window {model_type}"]
         assert out["labels"].startswith("ValueError: labels= under sequence parallelism would be shifted")
