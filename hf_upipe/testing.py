@@ -23,6 +23,7 @@ import os
 import queue
 import socket
 import traceback
+from multiprocessing.reduction import ForkingPickler
 
 __all__ = ["DistributedFailure", "run_distributed"]
 
@@ -54,7 +55,13 @@ def _worker(rank, world_size, port, timeout, backend, results, fn, args, environ
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
-        results.put((rank, True, fn(rank, world_size, *args)))
+        result = fn(rank, world_size, *args)
+        try:  # the queue pickles in a background thread, where a failure would be silent (the parent would wait)
+            ForkingPickler.dumps(result)
+        except Exception as err:  # noqa: BLE001
+            raise TypeError(f"rank {rank}'s result cannot be sent to the parent ({err}); return plain values "
+                            "(detached tensors, numbers)") from None
+        results.put((rank, True, result))
     except BaseException:  # report everything, including assertion errors, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:

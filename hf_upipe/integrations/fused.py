@@ -34,8 +34,9 @@ from hf_upipe.integrations.transformers import (
     active_state,
     check_call,
     check_model,
-    sliding_window_check,
     sp_kernel,
+    sp_window,
+    window_kernel,
 )
 from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.fused_attention import AttentionWeights, HeadNorm, LoraAdapter, Projection, fused_upipe_attention
@@ -112,10 +113,13 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
                         kwargs.get("upipe_cu_seqlens"), hidden_states.dtype)
         # packed rows: the kernel runs inside each document (DocumentKernel), like the registered path
         kernel = sp_kernel(state, kwargs, hidden_states.device, hidden_states.dtype, s * state.sp_size)
-    window = getattr(self, "sliding_window", None)
-    if window is None and fused_attention_classes()[type(self).__name__].window_in_config:
-        window = getattr(self.config, "sliding_window", None)
-    sliding_window_check(window, s * state.sp_size)
+    call_window = getattr(self, "sliding_window", None)
+    if call_window is None and fused_attention_classes()[type(self).__name__].window_in_config:
+        call_window = getattr(self.config, "sliding_window", None)
+    window = sp_window(attention_mask, call_window, s * state.sp_size)
+    if not is_fake(hidden_states):
+        kernel = window_kernel(kernel, window, kwargs.get("upipe_cu_seqlens"), hidden_states.device,
+                               hidden_states.dtype)
     cos, sin = position_embeddings
     y = fused_upipe_attention(
         hidden_states, cos, sin, attention_weights(self),

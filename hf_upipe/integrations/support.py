@@ -5,8 +5,9 @@ Entry points:
   under SP, or None. From the config alone: an architecture the registry (`hf_upipe.architectures`) does not list
   as verified; `layer_types` other than attention (the convolution or linear-attention layers of a hybrid, even of
   a verified family); RoPE whose frequencies depend on the sequence length ("dynamic", "longrope"), which every
-  rank would derive from its own shard; a sliding window shorter than the sequence (`seq_len`: the full length)
-  that the model applies through its mask. What the mask and attention functions check at the first call of a forward.
+  rank would derive from its own shard. (Sliding windows are implemented: `hf_upipe.ops.windowed`; `seq_len`, the
+  full length, is accepted for the callers' sake.) What the mask and attention functions check at the first call of
+  a forward.
 - `model_refusal(model, *, allow_unverified=False)`: the same for a loaded model, naming the module that is not
   handled (a Mamba/SSM layer, a linear-attention or short-convolution layer, attention that does not go through
   transformers' attention interface) where there is one. What `prepare_model` and the Trainer/plugin setup check.
@@ -63,14 +64,6 @@ def _rope_type(config) -> str | None:
     return None
 
 
-def _window(config) -> int | None:
-    """The sliding window a config applies, or None (off: no window, 0, or use_sliding_window=False)."""
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or window <= 0 or getattr(config, "use_sliding_window", True) is False:
-        return None
-    return window
-
-
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 
 
@@ -91,11 +84,6 @@ def config_refusal(config, seq_len: int | None = None, *, allow_unverified: bool
     if rope in _LENGTH_ROPE:
         return (f"RoPE of type {rope!r} derives its frequencies from the sequence length, which each rank would take "
                 "from its own shard")
-    window = _window(config)
-    if window is not None and seq_len is not None and window < seq_len:
-        return (f"sliding_window={window} is shorter than the sequence ({seq_len} tokens): sliding-window attention "
-                "is not implemented under sequence parallelism (set use_sliding_window=False / sliding_window=None, "
-                "or use sequences no longer than the window)")
     return None
 
 

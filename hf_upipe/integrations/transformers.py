@@ -7,9 +7,9 @@ Entry points:
 - `upipe_mask(...)`: the registered mask function; `SequenceParallelMask`: what it returns under SP.
 - `sp_kernel(state, kwargs, device, dtype, seq_len)`: the state's kernel, wrapped in
   `hf_upipe.ops.documents.DocumentKernel` for packed rows (one per batch; shared with the fused path).
-- `active_state()`, `check_model(...)`, `check_call(...)`, `sliding_window_check(...)`: the checks the fused path
-  shares (the layout check itself is `hf_upipe.integrations.layout.validate_layout`: one all-gather per model
-  forward, not per layer).
+- `active_state()`, `check_model(...)`, `check_call(...)`, `sp_window(...)`, `window_kernel(...)`: the checks
+  and the sliding window (`hf_upipe.ops.windowed`) the fused path shares (the layout check itself is
+  `hf_upipe.integrations.layout.validate_layout`: one all-gather per model forward, not per layer).
 
 The flow, with sequence parallelism initialised (`hf_upipe.init_sequence_parallel`, group of P > 1 ranks):
 1. each rank calls the model on its contiguous shard input_ids [B, s] with GLOBAL position_ids
@@ -31,7 +31,8 @@ kernel, padding, packing and generation with a KV cache included (`upipe_cu_seql
 
 Under SP, trailing (right) padding is accepted: causal attention never lets a real token see a later pad, so
 real tokens are exact; outputs at padded positions are not meaningful and their labels must be ignored (-100).
-Left or interior padding, packed rows without `upipe_cu_seqlens`, sliding windows shorter than the sequence,
+Sliding windows shorter than the sequence (in the mask, in the call, or both, agreeing) run in the kernel
+(`hf_upipe.ops.windowed`). Left or interior padding, packed rows without `upipe_cu_seqlens`, windows with packed rows,
 custom masks, dropout, softcap, attention sinks and KV caches with past tokens raise errors naming the fix.
 """
 
@@ -52,9 +53,10 @@ from hf_upipe.ops.documents import DocumentKernel
 from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.kernels import AttentionKernel, get_kernel
 from hf_upipe.ops.upipe_attention import upipe_attention
+from hf_upipe.ops.windowed import WindowKernel
 
-__all__ = ["SequenceParallelMask", "active_state", "check_call", "check_model", "register", "sliding_window_check",
-           "sp_kernel", "upipe_attention_forward", "upipe_mask"]
+__all__ = ["SequenceParallelMask", "active_state", "check_call", "check_model", "register", "sp_kernel", "sp_window",
+           "upipe_attention_forward", "upipe_mask", "window_kernel"]
 
 NAME = "upipe"
 
@@ -70,11 +72,15 @@ class SequenceParallelMask:
             inside the documents given by `upipe_cu_seqlens` (transformers' packed mask from local position_ids).
         mask_function: the model's mask function when not plain causal (probed by the attention function), else
             None.
+        window: the sliding window of the mask (transformers' `local_size`: key t seen by query i when
+            0 <= i - t < window) when it is shorter than the full sequence; `plain_causal` then means causal within
+            that window (the mask function was probed against it).
     """
 
     padding: torch.Tensor | None
     plain_causal: bool
     mask_function: Callable | None = field(default=None, compare=False, repr=False)
+    window: int | None = None
 
     def __getattr__(self, name: str):
         # model code that treats the mask as a tensor (its own mask arithmetic: `.dtype`, `.shape`, ...) would run
@@ -117,20 +123,52 @@ def upipe_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     # a fake mask (memory simulation) carries no values: simulations model unpadded batches
     if padding is not None and (is_fake(padding) or bool(padding.all())):
         padding = None
-    plain = mask_function is causal_mask_function or _agrees_with_causal(mask_function, q_length, batch_size)
-    return SequenceParallelMask(padding=padding, plain_causal=plain, mask_function=None if plain else mask_function)
+    local_size = kwargs.get("local_size")  # the window of transformers' sliding-window masks
+    window = local_size if isinstance(local_size, int) and 0 < local_size < q_length * state.sp_size else None
+    plain = mask_function is causal_mask_function or _agrees_with_causal(mask_function, q_length, batch_size, window)
+    return SequenceParallelMask(padding=padding, plain_causal=plain, mask_function=None if plain else mask_function,
+                                window=window)
 
 
-def _agrees_with_causal(mask_function, length: int, batch_size: int) -> bool:
-    """Probe a model's mask function on a grid of local (query, key) positions against plain causal masking.
+def _agrees_with_causal(mask_function, length: int, batch_size: int, window: int | None = None) -> bool:
+    """Probe a model's mask function on a grid of local (query, key) positions against plain causal masking (within
+    `window` keys when given: 0 <= q - k < window).
 
-    A sliding window at least as long as the shard passes here (the attention function then checks the window
-    against the full sequence); packed-sequence, chunked, bidirectional-block and windows shorter than the shard
-    fail. Mask functions are vectorised over index tensors, as `sdpa_mask` calls them.
+    The grid is {0, 1, s/2, s-1} and, with a window, the distances around it: a window shorter than the shard or a
+    custom mask fails the probe (mask functions are elementwise, so a grid is enough to tell these apart).
     """
-    points = torch.tensor(sorted({0, 1, length // 2, length - 1} & set(range(length))))
+    grid = {0, 1, length // 2, length - 1}
+    if window is not None:
+        grid |= {window - 1, window, window + 1, length - 1 - window, length - window}
+    points = torch.tensor(sorted(grid & set(range(length))))
     q_idx, kv_idx = (t.flatten() for t in torch.meshgrid(points, points, indexing="ij"))
-    return all(mask_agrees(mask_function, b, q_idx, kv_idx, q_idx >= kv_idx) for b in range(batch_size))
+    expected = q_idx >= kv_idx if window is None else (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+    return all(mask_agrees(mask_function, b, q_idx, kv_idx, expected) for b in range(batch_size))
+
+
+def sp_window(attention_mask, call_window: int | None, seq_len: int) -> int | None:
+    """The sliding window of one attention call under SP (None: plain causal): the mask's window (transformers'
+    semantics, as "sdpa" applies it), which must agree with a window the model passes to the call. `seq_len`: the
+    full sequence; windows at least that long change nothing."""
+    call = call_window if isinstance(call_window, int) and 0 < call_window < seq_len else None
+    mask = attention_mask.window if isinstance(attention_mask, SequenceParallelMask) else call
+    if call is not None and mask != call:
+        raise NotImplementedError(
+            f"the model passes sliding_window={call_window} to its attention but its mask has "
+            f"{'no window' if mask is None else f'window {mask}'} over the {seq_len} tokens: hf_upipe does not "
+            "know which applies.")
+    return mask
+
+
+def window_kernel(kernel, window: int | None, documents, device, dtype):
+    """`kernel` (a name or a kernel) limited to `window` (`hf_upipe.ops.windowed.WindowKernel`), or as it is."""
+    if window is None:
+        return kernel
+    if documents is not None:
+        raise NotImplementedError(f"a sliding window ({window}) with packed documents (upipe_cu_seqlens) is not "
+                                  "implemented under sequence parallelism: do not pack, or use shorter sequences.")
+    inner = get_kernel(kernel, device, dtype) if isinstance(kernel, str) else kernel
+    return WindowKernel(inner, window)
 
 
 # attention arguments "upipe" does not implement: refused with and without SP rather than dropped
@@ -172,16 +210,6 @@ def check_call(module, dropout, kwargs) -> None:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"the model passes '{name}' to its attention, which 'upipe' does not implement "
                                       "(the result would silently drop it).")
-
-
-def sliding_window_check(sliding_window: int | None, seq_len: int) -> None:
-    """Raise when a sliding window is shorter than the full sequence (not implemented under SP)."""
-    if sliding_window is not None and sliding_window < seq_len:
-        raise NotImplementedError(
-            f"sliding_window={sliding_window} is shorter than the sequence ({seq_len} tokens): "
-            "sliding-window attention is not implemented under sequence parallelism (use a sequence no longer "
-            "than the window, or a config with use_sliding_window=False / sliding_window=None)."
-        )
 
 
 def _check_kv_length(query, key) -> None:
@@ -256,7 +284,9 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
         validate_layout(state, kwargs.get("position_ids"), attention_mask, B, s, query.device,
                         kwargs.get("upipe_cu_seqlens"), query.dtype)
         kernel = sp_kernel(state, kwargs, query.device, query.dtype, s * state.sp_size)
-    sliding_window_check(sliding_window, s * state.sp_size)
+    window = sp_window(attention_mask, sliding_window, s * state.sp_size)
+    if not is_fake(query):  # (the planner's simulation runs the unwindowed kernel: an upper bound)
+        kernel = window_kernel(kernel, window, kwargs.get("upipe_cu_seqlens"), query.device, query.dtype)
     out = upipe_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [B, s, H|Hk, D] views
         group=state.sp_group, heads_per_chunk=state.heads_per_chunk, kernel=kernel, scale=scaling,
