@@ -191,6 +191,15 @@ def _flash_varlen_api():
     return fai._flash_attn_varlen_forward, fai._flash_attn_varlen_backward, _flash_api()[2]
 
 
+def _window_size(window: int | None, causal: bool) -> tuple[int, int]:
+    """flash-attn's (left, right) window: (-1, -1) for none; (w - 1, 0) for keys i-w+1 .. i (causal only)."""
+    if window is None:
+        return -1, -1
+    if not causal:
+        raise NotImplementedError("a sliding window is implemented for causal attention only")
+    return window - 1, 0
+
+
 def _flash_padded(q, k, v):
     """(D, q, k, v padded to a multiple of 8 in head_dim): flash-attn's kernels take head_dim <= 256, % 8 == 0."""
     d = q.shape[-1]
@@ -204,25 +213,29 @@ class FlashAttnKernel:
     """FlashAttention-2 (`flash_attn` package), native [B,S,h,D] layout and grouped-query attention."""
 
     name = "flash_attn"
+    supports_window = True  # `window=w`: flash-attn's window_size (w - 1, 0), keys i-w+1 .. i (hf_upipe.ops.windowed)
 
-    def forward(self, q, k, v, *, scale, causal=True):
+    def forward(self, q, k, v, *, scale, causal=True, window=None):
         fwd, _, split = _flash_api()
         d, qp, kp, vp = _flash_padded(q, k, v)
+        left, right = _window_size(window, causal)
         if split:
-            out, lse = fwd(qp, kp, vp, 0.0, scale, causal, -1, -1, 0.0, None, False)[:2]
+            out, lse = fwd(qp, kp, vp, 0.0, scale, causal, left, right, 0.0, None, False)[:2]
         else:  # 2.6: (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)
-            res = fwd(qp, kp, vp, 0.0, scale, causal, (-1, -1), 0.0, None, False)
+            res = fwd(qp, kp, vp, 0.0, scale, causal, (left, right), 0.0, None, False)
             out, lse = res[0], res[5]
         return out[..., :d], lse  # [B, S, h, D], [B, h, S] fp32
 
-    def backward(self, dout, q, k, v, out, lse, *, scale, causal=True):
+    def backward(self, dout, q, k, v, out, lse, *, scale, causal=True, window=None):
         _, bwd, split = _flash_api()
         d = q.shape[-1]
         dp = _round8(d)
         qp, kp, vp, op, dop = (_pad_d(x, dp) for x in (q, k, v, out, dout))
         dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
-        window = (-1, -1) if split else ((-1, -1),)
-        bwd(dop, qp, kp, vp, op, lse.contiguous(), dq, dk, dv, 0.0, scale, causal, *window, 0.0, None, False, None)
+        sizes = _window_size(window, causal)
+        window_args = sizes if split else (sizes,)
+        bwd(dop, qp, kp, vp, op, lse.contiguous(), dq, dk, dv, 0.0, scale, causal, *window_args, 0.0, None, False,
+            None)
         return dq[..., :d], dk[..., :d], dv[..., :d]
 
     def forward_varlen(self, q, k, v, cu_seqlens, max_seqlen, *, scale, causal=True):

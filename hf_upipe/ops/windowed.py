@@ -10,8 +10,9 @@ Implemented on CPU (`inner` is the "sdpa" kernel: torch's flash kernel for CPU, 
 queries go in blocks of c = min(window, S) tokens; block [i0, i0+c) needs keys [i0-w+1, i0+c), at most c+w-1 of
 them, so every call sees an additive mask of at most c x (c+w-1) values and no [S, S] tensor is formed. The forward
 returns each block's output and log-sum-exp; the backward runs the kernel's backward per block with that block's
-output and log-sum-exp and adds each block's key/value gradients into their range. Other kernels (CUDA) raise
-NotImplementedError naming themselves.
+output and log-sum-exp and adds each block's key/value gradients into their range. A kernel with a native window
+(`supports_window`: flash-attn, window_size (w - 1, 0)) gets the window passed through; its glue is tested on CPU
+against a stand-in, not on a GPU. Other kernels (CUDA sdpa) raise NotImplementedError naming themselves.
 
 The mask semantics are transformers' sliding-window masks: key t is seen by query i when 0 <= i - t < window.
 """
@@ -29,11 +30,12 @@ class WindowKernel:
     """`inner` restricted to a causal sliding window of `window` keys (module docstring)."""
 
     def __init__(self, inner, window: int):
-        if not isinstance(inner, SdpaCpuKernel):
+        if not (isinstance(inner, SdpaCpuKernel) or getattr(inner, "supports_window", False)):
             raise NotImplementedError(
                 f"sliding-window attention (window={window}) under sequence parallelism is implemented for the CPU "
-                f"'sdpa' kernel only, not for the {getattr(inner, 'name', type(inner).__name__)!r} kernel: use "
-                "sequences no longer than the window, or a config without the window.")
+                f"'sdpa' and the 'flash_attn' kernels, not for the {getattr(inner, 'name', type(inner).__name__)!r} "
+                "kernel: use one of those (UPipeConfig(kernel=...)), sequences no longer than the window, or a config "
+                "without the window.")
         if not (isinstance(window, int) and window >= 1):
             raise ValueError(f"window={window!r}: need an integer >= 1")
         self.inner, self.window = inner, window
@@ -56,6 +58,8 @@ class WindowKernel:
         """q [B, S, h, D], k/v [B, S, hk, D] -> out [B, S, h, D], lse [B, h, S]."""
         if not causal:
             raise NotImplementedError("WindowKernel is causal only")
+        if not isinstance(self.inner, SdpaCpuKernel):  # a kernel with a native window (flash-attn)
+            return self.inner.forward(q, k, v, scale=scale, causal=True, window=self.window)
         S = q.shape[1]
         outs, lses = [], []
         for i0, i1, k0 in self._blocks(S):
@@ -70,6 +74,8 @@ class WindowKernel:
         """Gradients dq [B, S, h, D], dk/dv [B, S, hk, D], block by block (module docstring)."""
         if not causal:
             raise NotImplementedError("WindowKernel is causal only")
+        if not isinstance(self.inner, SdpaCpuKernel):
+            return self.inner.backward(dout, q, k, v, out, lse, scale=scale, causal=True, window=self.window)
         S = q.shape[1]
         dq = torch.empty_like(q)
         dk = torch.zeros_like(k)

@@ -94,26 +94,30 @@ def test_reference_is_causal_top_left():
 
 
 # ----------------------------------------------------------------------------------------------- (b) aten fakes
-def _math(q, k, v, scale, causal):
+def _masked(sc, causal, window=None):
+    """Causal masking of scores [.., S, S] (keys after the query), and keys at least `window` behind it."""
+    s = sc.shape[-1]
+    if causal:
+        sc = sc.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    if window is not None:
+        sc = sc.masked_fill(torch.ones(s, s, dtype=torch.bool).tril(-window), float("-inf"))
+    return sc
+
+
+def _math(q, k, v, scale, causal, window=None):
     """[B,h,S,D] equal heads -> out (input dtype) and lse (fp32), from float64."""
     qt, kt, vt = q.double(), k.double(), v.double()
-    sc = (qt @ kt.transpose(-1, -2)) * scale
-    if causal:
-        s = q.shape[2]
-        sc = sc.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    sc = _masked((qt @ kt.transpose(-1, -2)) * scale, causal, window)
     lse = torch.logsumexp(sc, -1)
     out = torch.softmax(sc, -1) @ vt
     return out, lse
 
 
-def _math_grads(q, k, v, dout, scale, causal):
+def _math_grads(q, k, v, dout, scale, causal, window=None):
     """Closed-form attention backward in float64 ([B,h,S,D], equal heads): no autograd (fakes may run in custom ops)."""
     qd, kd, vd, dod = q.double(), k.double(), v.double(), dout.double()
-    out, lse = _math(qd, kd, vd, scale, causal)
-    sc = (qd @ kd.transpose(-1, -2)) * scale
-    if causal:
-        s = q.shape[2]
-        sc = sc.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    out, lse = _math(qd, kd, vd, scale, causal, window)
+    sc = _masked((qd @ kd.transpose(-1, -2)) * scale, causal, window)
     p = torch.exp(sc - lse[..., None])
     dv = p.transpose(-1, -2) @ dod
     ds = p * (dod @ vd.transpose(-1, -2) - (dod * out).sum(-1, keepdim=True))
@@ -237,17 +241,25 @@ def _check_bshd(q, k, v):
     assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
 
 
-def _bshd_math(q, k, v, scale, causal):
+def _bshd_math(q, k, v, scale, causal, window=None):
     g = q.shape[2] // k.shape[2]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    return _math(qt, kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1), scale, causal)
+    return _math(qt, kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1), scale, causal, window)
+
+
+def _fa_window(wl, wr, causal):
+    """flash-attn's (left, right) -> our window (keys i-w+1 .. i), as the fakes read it."""
+    if (wl, wr) == (-1, -1):
+        return None
+    assert causal and wr == 0 and wl >= 0 and EXPECTED.get("window") == wl + 1
+    return wl + 1
 
 
 def _fa_forward_impl(q, k, v, dropout_p, softmax_scale, causal, wl, wr, softcap, alibi_slopes, return_softmax):
     _check_bshd(q, k, v)
     assert dropout_p == 0.0 and softmax_scale == EXPECTED["scale"] and isinstance(causal, bool)
-    assert (wl, wr) == (-1, -1) and softcap == 0.0 and alibi_slopes is None and return_softmax is False
-    out, lse = _bshd_math(q, k, v, softmax_scale, causal)
+    assert softcap == 0.0 and alibi_slopes is None and return_softmax is False
+    out, lse = _bshd_math(q, k, v, softmax_scale, causal, _fa_window(wl, wr, causal))
     out = out.transpose(1, 2).to(q.dtype).contiguous()
     return out, lse.float(), torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
 
@@ -259,14 +271,16 @@ def _fa_backward_impl(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, so
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape) and dq.dtype == dk.dtype == q.dtype
     assert softmax_lse.dtype == torch.float32 and softmax_lse.is_contiguous()
     assert softmax_lse.shape == (q.shape[0], q.shape[2], q.shape[1])
-    assert dropout_p == 0.0 and softmax_scale == EXPECTED["scale"] and (wl, wr) == (-1, -1) and softcap == 0.0
+    assert dropout_p == 0.0 and softmax_scale == EXPECTED["scale"] and softcap == 0.0
     assert alibi_slopes is None and deterministic is False and rng_state is None
-    r_out, r_lse = _bshd_math(q, k, v, softmax_scale, causal)
+    window = _fa_window(wl, wr, causal)
+    r_out, r_lse = _bshd_math(q, k, v, softmax_scale, causal, window)
     torch.testing.assert_close(softmax_lse.double(), r_lse, atol=1e-4, rtol=1e-4)
     assert _rel(out.transpose(1, 2), r_out) < 1e-2
     g = q.shape[2] // k.shape[2]
     qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, dout))
-    gq, gk, gv = _math_grads(qt, kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1), dot, softmax_scale, causal)
+    gq, gk, gv = _math_grads(qt, kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1), dot, softmax_scale, causal,
+                             window)
     dq.copy_(gq.transpose(1, 2))
     dk.copy_(gk.unflatten(1, (k.shape[2], g)).sum(2).transpose(1, 2))  # GQA: sum over the group
     dv.copy_(gv.unflatten(1, (k.shape[2], g)).sum(2).transpose(1, 2))
@@ -359,6 +373,28 @@ def test_flash_attn_glue_non_causal(monkeypatch, clear_flash_cache, flavour):
     q, k, v, dout = _inputs(1, 11, 4, 2, 8, torch.bfloat16, seed=3)
     EXPECTED.update(q=q.shape, k=k.shape, scale=0.35)
     _check(FlashAttnKernel(), q, k, v, dout, scale=0.35, causal=False, lse_atol=1e-3)
+
+
+@pytest.mark.parametrize("flavour", sorted(FLAVOURS))
+def test_flash_attn_window_glue(monkeypatch, clear_flash_cache, flavour):
+    """`WindowKernel` over flash-attn passes window_size (w - 1, 0); the stand-in computes that window's attention,
+    compared with the windowed reference of `tests/ops/test_windowed.py` (output, lse, every gradient)."""
+    from hf_upipe.ops.windowed import WindowKernel
+    from tests.ops.test_windowed import _reference as windowed_reference
+
+    _install_flash_attn(monkeypatch, *FLAVOURS[flavour])
+    q, k, v, dout = _inputs(2, 19, 4, 2, 8, torch.bfloat16, seed=5)
+    EXPECTED.update(q=q.shape, k=k.shape, scale=0.3, window=6)
+    kernel = WindowKernel(FlashAttnKernel(), 6)
+    out, lse = kernel.forward(q, k, v, scale=0.3)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, scale=0.3)
+    want, want_lse = windowed_reference(q, k, v, 6, 0.3)
+    assert _rel(out, want) < 2e-2 and (lse.double() - want_lse).abs().max() < 1e-3
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    windowed_reference(qr, kr, vr, 6, 0.3)[0].backward(dout.double())
+    for got, ref in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
+        assert _rel(got, ref) < 2e-2, _rel(got, ref)
+    EXPECTED.pop("window")
 
 
 def test_flash_attn_too_old_is_refused(monkeypatch, clear_flash_cache):
