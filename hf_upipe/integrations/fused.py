@@ -116,7 +116,7 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
     call_window = getattr(self, "sliding_window", None)
     if call_window is None and fused_attention_classes()[type(self).__name__].window_in_config:
         call_window = getattr(self.config, "sliding_window", None)
-    window = sp_window(attention_mask, call_window, s * state.sp_size)
+    window = sp_window(attention_mask, call_window, s * state.sp_size, self)
     if not is_fake(hidden_states):
         kernel = window_kernel(kernel, window, kwargs.get("upipe_cu_seqlens"), hidden_states.device,
                                hidden_states.dtype)

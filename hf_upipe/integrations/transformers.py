@@ -146,10 +146,11 @@ def _agrees_with_causal(mask_function, length: int, batch_size: int, window: int
     return all(mask_agrees(mask_function, b, q_idx, kv_idx, expected) for b in range(batch_size))
 
 
-def sp_window(attention_mask, call_window: int | None, seq_len: int) -> int | None:
+def sp_window(attention_mask, call_window: int | None, seq_len: int, module=None) -> int | None:
     """The sliding window of one attention call under SP (None: plain causal): the mask's window (transformers'
     semantics, as "sdpa" applies it), which must agree with a window the model passes to the call. `seq_len`: the
-    full sequence; windows at least that long change nothing."""
+    full sequence; windows at least that long change nothing. A layer that its config's `layer_types` calls
+    "sliding_attention", with a window shorter than the sequence, must have found it in the mask or the call."""
     call = call_window if isinstance(call_window, int) and 0 < call_window < seq_len else None
     mask = attention_mask.window if isinstance(attention_mask, SequenceParallelMask) else call
     if call is not None and mask != call:
@@ -157,6 +158,13 @@ def sp_window(attention_mask, call_window: int | None, seq_len: int) -> int | No
             f"the model passes sliding_window={call_window} to its attention but its mask has "
             f"{'no window' if mask is None else f'window {mask}'} over the {seq_len} tokens: hf_upipe does not "
             "know which applies.")
+    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types, configured = getattr(config, "layer_types", None), getattr(config, "sliding_window", None)
+    if mask is None and isinstance(layer, int) and isinstance(types, (list, tuple)) and layer < len(types) \
+            and types[layer] == "sliding_attention" and isinstance(configured, int) and 0 < configured < seq_len:
+        raise NotImplementedError(
+            f"layer {layer} is a sliding-window layer (sliding_window={configured}, shorter than the {seq_len} "
+            "tokens), but neither its mask nor its attention call carries the window: hf_upipe cannot apply it.")
     return mask
 
 
@@ -284,7 +292,7 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
         validate_layout(state, kwargs.get("position_ids"), attention_mask, B, s, query.device,
                         kwargs.get("upipe_cu_seqlens"), query.dtype)
         kernel = sp_kernel(state, kwargs, query.device, query.dtype, s * state.sp_size)
-    window = sp_window(attention_mask, sliding_window, s * state.sp_size)
+    window = sp_window(attention_mask, sliding_window, s * state.sp_size, module)
     if not is_fake(query):  # (the planner's simulation runs the unwindowed kernel: an upper bound)
         kernel = window_kernel(kernel, window, kwargs.get("upipe_cu_seqlens"), query.device, query.dtype)
     out = upipe_attention(

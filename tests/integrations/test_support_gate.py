@@ -97,6 +97,23 @@ def test_without_sp_upipe_refuses_what_sdpa_refuses():
     assert "does not support 'sdpa'" in sdpa_refusal(tiny_config("gemma2"))
 
 
+def test_a_window_must_be_found_where_the_config_says_it_is():
+    """A sliding layer (config.layer_types) whose window is neither in its mask nor in its call is refused; the
+    mask's window and the call's must agree; windows at least as long as the sequence change nothing."""
+    from hf_upipe.integrations.transformers import SequenceParallelMask, sp_window
+
+    config = types.SimpleNamespace(layer_types=["full_attention", "sliding_attention"], sliding_window=4)
+    sliding, full = (types.SimpleNamespace(config=config, layer_idx=i) for i in (1, 0))
+    plain, windowed = (SequenceParallelMask(padding=None, plain_causal=True, window=w) for w in (None, 4))
+    with pytest.raises(NotImplementedError, match="layer 1 is a sliding-window layer"):
+        sp_window(plain, None, 16, sliding)
+    assert sp_window(plain, None, 16, full) is None
+    assert sp_window(windowed, 4, 16, sliding) == 4 and sp_window(windowed, None, 16, sliding) == 4
+    assert sp_window(plain, None, 4, sliding) is None  # the window covers the whole sequence
+    with pytest.raises(NotImplementedError, match="passes sliding_window=3 to its attention but its mask has window 4"):
+        sp_window(windowed, 3, 16, sliding)
+
+
 @pytest.mark.parametrize("model_type", ["bloom", "codegen", "xglm", "gpt_neox_japanese", "gpt2"])
 def test_without_sp_upipe_is_sdpa_or_refused_for_float_bias_masks(model_type):
     """ALiBi and other models that add the mask as a float bias: "upipe" without SP is their reference or refused,
