@@ -1,10 +1,11 @@
 """Everything hf_upipe knows about each transformers architecture, in one registry keyed by `model_type`.
 
 Entry points:
-- `ARCHITECTURES`: model_type -> `Architecture` (its attention, MLP and RMSNorm classes; whether the fused
-  attention adapter and the tiled MLP/norm adapter apply; the transformers source they were verified against;
-  whether it is verified exact under sequence parallelism, which the support gate requires). The four fused
-  families, plus `VERIFIED_REGISTERED`: the architectures the matrix found exact on the registered path.
+- `ARCHITECTURES`: model_type -> `Architecture` (its attention, MLP and norm classes; whether the fused
+  attention adapter and the tiled MLP/norm adapter apply, and the attention's variant: fused qkv projection,
+  norm over the whole projection, RoPE pairing; the transformers source they were verified against; whether it
+  is verified exact under sequence parallelism, which the support gate requires). `FUSED`: the Llama-shaped
+  families with the fused block; `VERIFIED_REGISTERED`: the others the matrix found exact on the registered path.
 - `architecture_of(model_or_config)`: the entry of a model (plain or PEFT) or config, or None.
 - `fused_attention_classes()`, `tiled_mlp_classes()`, `tiled_norm_classes()`: the module classes
   `hf_upipe.prepare_model` acts on.
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 
 from hf_upipe.integrations.peft import base_model
 
-__all__ = ["ARCHITECTURES", "LOGIT_SCALES", "VERIFIED_REGISTERED", "Architecture", "adapter_verified",
+__all__ = ["ARCHITECTURES", "FUSED", "LOGIT_SCALES", "VERIFIED_REGISTERED", "Architecture", "adapter_verified",
            "architecture_of", "fused_attention_classes", "logit_multiplier", "model_geometry", "source_fingerprint",
            "tiled_mlp_classes", "tiled_norm_classes"]
 
@@ -51,10 +52,15 @@ class Architecture:
 
     Attributes:
         model_type: `config.model_type`.
-        prefix: class-name prefix in `transformers.models.<model_type>.modeling_<model_type>` (e.g. "Llama").
+        prefix: class-name prefix in `transformers.models.<module>.modeling_<module>` (e.g. "Llama").
         fused: the fused attention adapter applies (projections, QK-norm and RoPE inside the head-chunk loop).
-        tiled: the tiled MLP / RMSNorm adapter applies (a per-token gated MLP and RMSNorm).
+        tiled: the tiled MLP / norm adapter applies (per-token MLP and norm modules).
         window_in_config: the attention module does not carry its sliding window; read `config.sliding_window`.
+        module: transformers' module name when it is not `model_type` (gemma3_text lives in `gemma3`).
+        qkv_fused: one `qkv_proj` whose rows are q | k | v (Phi-3) instead of q_proj/k_proj/v_proj.
+        projection_norm: q_norm/k_norm are RMSNorms over the whole projection (OLMo 2), not per head.
+        rope_interleaved, rope_fp32: RoPE pairs (2i, 2i+1) and runs in fp32 (Cohere).
+        mlp_suffix, norm_suffix: the tiled classes' suffixes (None: not tiled; MoE blocks are not).
         fused_fingerprint / tiled_fingerprint: the verified source fingerprints (module docstring).
         verified: exact under sequence parallelism on the registered "upipe" path, as the architecture matrix
             (`benchmarks/architecture_matrix.py`) measured it; the support gate admits only verified types.
@@ -68,47 +74,79 @@ class Architecture:
     fused_fingerprint: str = ""
     tiled_fingerprint: str = ""
     verified: bool = True
+    module: str = ""
+    qkv_fused: bool = False
+    projection_norm: bool = False
+    rope_interleaved: bool = False
+    rope_fp32: bool = False
+    mlp_suffix: str | None = "MLP"
+    norm_suffix: str | None = "RMSNorm"
 
     @property
     def attention(self) -> str:
         return f"{self.prefix}Attention"
 
     @property
-    def mlp(self) -> str:
-        return f"{self.prefix}MLP"
+    def mlp(self) -> str | None:
+        return f"{self.prefix}{self.mlp_suffix}" if self.mlp_suffix else None
 
     @property
-    def norm(self) -> str:
-        return f"{self.prefix}RMSNorm"
+    def norm(self) -> str | None:
+        return f"{self.prefix}{self.norm_suffix}" if self.norm_suffix else None
 
     def fused_sources(self) -> tuple[str, ...]:
-        return (f"{self.attention}.__init__", f"{self.attention}.forward", "apply_rotary_pos_emb", "rotate_half")
+        extra = (f"{self.prefix}RMSNorm.forward",) if self.projection_norm else ()  # its math is re-implemented
+        return (f"{self.attention}.__init__", f"{self.attention}.forward", "apply_rotary_pos_emb", "rotate_half",
+                *extra)
 
     def tiled_sources(self) -> tuple[str, ...]:
-        return (f"{self.mlp}.forward", f"{self.norm}.forward")
+        return tuple(f"{name}.forward" for name in (self.mlp, self.norm) if name)
 
 
-_TILED = "9dbbf389e9bdd646"  # LlamaMLP/RMSNorm-shaped forwards (identical source in the four families)
+_TILED = "9dbbf389e9bdd646"  # LlamaMLP/RMSNorm-shaped forwards (identical source in several families)
+_MOE_NORM = "790fa612e4fa57ac"  # a Llama RMSNorm alone (the MoE families, whose MoE blocks are not tiled)
 # exact at SP 2 against one process on the registered "upipe" path in the architecture matrix
 # (benchmarks/architecture_matrix.py, transformers 5.23; text-only causal LMs: a multimodal type stays unverified
 # even where its text model is exact): verified, without the fused or tiled adapters
 VERIFIED_REGISTERED = (
-    "apertus", "arcee", "aria_text", "beam", "bitnet", "cohere", "cohere2", "cohere2_moe", "cwm", "diffllama",
-    "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "flex_olmo", "gemma", "gemma3_text",
-    "gemma4_unified_text", "glm", "glm4", "glm4_moe", "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neox", "granite",
-    "granitemoe", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3",
-    "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "lfm2", "mellum",
-    "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mixtral", "modernbert-decoder", "moshi",
-    "nanochat", "olmo", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "phi3", "phimoe", "qwen2_moe", "qwen3_moe",
-    "seed_oss", "smollm3", "solar_open", "starcoder2",
+    "apertus", "arcee", "aria_text", "beam", "bitnet", "cohere2", "cohere2_moe", "cwm", "diffllama",
+    "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "flex_olmo", "gemma4_unified_text", "glm", "glm4",
+    "glm4_moe", "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neox", "granitemoeshared", "helium", "hrm_text",
+    "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe",
+    "kolibri1", "laguna", "lfm2", "mellum", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
+    "modernbert-decoder", "moshi", "nanochat", "olmo", "olmo3", "olmoe", "persimmon", "phi", "phimoe", "seed_oss",
+    "solar_open", "starcoder2",
 )
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
+# the Llama-shaped families with the fused block (each also exact on the registered path); MoE blocks stay untiled
+# (their norms are tiled), and Cohere's LayerNorm is tiled as its norm
+FUSED = (
     Architecture("llama", "Llama", fused_fingerprint="a0d395fa0cfcaa0f", tiled_fingerprint=_TILED),
     Architecture("mistral", "Mistral", window_in_config=True, fused_fingerprint="c3b3be99e77bcec1",
                  tiled_fingerprint=_TILED),
     Architecture("qwen2", "Qwen2", fused_fingerprint="216c98ededbca3e0", tiled_fingerprint=_TILED),
     Architecture("qwen3", "Qwen3", fused_fingerprint="643897dbf1d482cc", tiled_fingerprint=_TILED),
-    *(Architecture(model_type, fused=False, tiled=False) for model_type in VERIFIED_REGISTERED),
+    Architecture("mixtral", "Mixtral", window_in_config=True, mlp_suffix=None,
+                 fused_fingerprint="cb82e38bed550d12", tiled_fingerprint=_MOE_NORM),
+    Architecture("qwen2_moe", "Qwen2Moe", mlp_suffix=None,
+                 fused_fingerprint="37b9e77e49266ba0", tiled_fingerprint=_MOE_NORM),
+    Architecture("qwen3_moe", "Qwen3Moe", mlp_suffix=None,
+                 fused_fingerprint="f33c3236244793f8", tiled_fingerprint=_MOE_NORM),
+    Architecture("granite", "Granite", fused_fingerprint="ff085b6eb9e7e7ef", tiled_fingerprint=_TILED),
+    Architecture("granitemoe", "GraniteMoe", mlp_suffix=None,
+                 fused_fingerprint="fc6bc1fb65339952", tiled_fingerprint=_MOE_NORM),
+    Architecture("olmo2", "Olmo2", projection_norm=True,
+                 fused_fingerprint="11921dce07f14631", tiled_fingerprint="ef3cf012f30786e0"),
+    Architecture("phi3", "Phi3", window_in_config=True, qkv_fused=True,
+                 fused_fingerprint="fdb27daee609b944", tiled_fingerprint="1a3f6cee1e1be859"),
+    Architecture("gemma", "Gemma", fused_fingerprint="915c1d81e23d9cdc", tiled_fingerprint="905bb4e12a414935"),
+    Architecture("gemma3_text", "Gemma3", module="gemma3",
+                 fused_fingerprint="ae094d89156cbb5c", tiled_fingerprint="6e5a6611dff1b85d"),
+    Architecture("smollm3", "SmolLM3", fused_fingerprint="9464eeefa2833c5a", tiled_fingerprint=_TILED),
+    Architecture("cohere", "Cohere", rope_interleaved=True, rope_fp32=True, norm_suffix="LayerNorm",
+                 fused_fingerprint="e861038c284bdaa7", tiled_fingerprint="360e241039e06907"),
+)
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
+    *FUSED, *(Architecture(model_type, fused=False, tiled=False) for model_type in VERIFIED_REGISTERED),
 )}
 
 
@@ -129,17 +167,18 @@ def fused_attention_classes() -> dict[str, Architecture]:
 
 def tiled_mlp_classes() -> dict[str, Architecture]:
     """MLP class name -> architecture, for the architectures with the tiled adapter."""
-    return {a.mlp: a for a in ARCHITECTURES.values() if a.tiled}
+    return {a.mlp: a for a in ARCHITECTURES.values() if a.tiled and a.mlp}
 
 
 def tiled_norm_classes() -> dict[str, Architecture]:
-    """RMSNorm class name -> architecture, for the architectures with the tiled adapter."""
-    return {a.norm: a for a in ARCHITECTURES.values() if a.tiled}
+    """Norm class name -> architecture, for the architectures with the tiled adapter."""
+    return {a.norm: a for a in ARCHITECTURES.values() if a.tiled and a.norm}
 
 
 def source_fingerprint(arch: Architecture, adapter: str) -> str:
     """The installed transformers' fingerprint of what `adapter` ("fused" or "tiled") replaces or relies on."""
-    module = importlib.import_module(f"transformers.models.{arch.model_type}.modeling_{arch.model_type}")
+    name = arch.module or arch.model_type
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     digest = hashlib.sha256()
     for name in arch.fused_sources() if adapter == "fused" else arch.tiled_sources():
         obj = module

@@ -2,11 +2,14 @@
 
 Entry points:
 - `install_fused_attention(model)` / `remove_fused_attention(model)`: replace (and restore, exactly) the forward of
-  every attention module of the registry's fused architectures (`hf_upipe.architectures`: Llama, Mistral, Qwen2
-  with q/k/v bias, Qwen3 with per-head q_norm/k_norm), behind its version gate. `hf_upipe.prepare_model` calls them.
+  every attention module of the registry's fused architectures (`hf_upipe.architectures.FUSED`: the Llama-shaped
+  families, with q/k/v biases, per-head or whole-projection q/k norms, a fused qkv projection, interleaved or
+  partial RoPE, NoPE layers, sliding windows), behind its version gate. A module with a setting the block does not
+  compute (bidirectional attention, logit soft-capping, Cohere's per-head LayerNorm q/k norms) keeps the
+  registered path, which handles or refuses it. `hf_upipe.prepare_model` calls them.
 - `fused_forward`: the forward installed on those modules.
-- `attention_weights(module)`: the module's tensors as `hf_upipe.ops.fused_attention.AttentionWeights`,
-  reading PEFT LoRA layers (active adapters, scaling, dropout) on q_proj/k_proj/v_proj/o_proj.
+- `attention_weights(module, arch)`: the module's tensors as `hf_upipe.ops.fused_attention.AttentionWeights`,
+  reading PEFT LoRA layers (active adapters, scaling, dropout) on q_proj/k_proj/v_proj (or qkv_proj)/o_proj.
 
 The flow: `fused_forward`, under sequence parallelism, validates the batch like the registered path (once per model
 forward; every rank raises the same error before any all-to-all) and calls `fused_upipe_attention` on the normed
@@ -39,7 +42,15 @@ from hf_upipe.integrations.transformers import (
     window_kernel,
 )
 from hf_upipe.ops.fake import is_fake
-from hf_upipe.ops.fused_attention import AttentionWeights, HeadNorm, LoraAdapter, Projection, fused_upipe_attention
+from hf_upipe.ops.fused_attention import (
+    AttentionWeights,
+    HeadNorm,
+    LoraAdapter,
+    Projection,
+    ProjectionNorm,
+    RopeStyle,
+    fused_upipe_attention,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,17 +88,50 @@ def _projection(layer: nn.Module, training: bool) -> Projection:
     return Projection(layer.weight, layer.bias, extra)
 
 
-def attention_weights(module: nn.Module) -> AttentionWeights:
+def _split_rows(proj: Projection, sizes: list[int]) -> list[Projection]:
+    """A fused projection (rows q | k | v) -> one Projection per part: row views of the weight, bias and LoRA B;
+    the LoRA A is shared (one tensor, so its gradient and dropout mask are one, as in PEFT)."""
+    out, start = [], 0
+    for n in sizes:
+        rows = slice(start, start + n)
+        out.append(Projection(proj.weight[rows], None if proj.bias is None else proj.bias[rows],
+                              tuple(LoraAdapter(a.A, a.B[rows], a.scaling, a.dropout) for a in proj.adapters)))
+        start += n
+    return out
+
+
+def attention_weights(module: nn.Module, arch) -> AttentionWeights:
     """The attention module's tensors (PEFT adapters included) for `fused_upipe_attention`."""
+    training = module.training
+    if arch.qkv_fused:
+        D, cfg = module.head_dim, module.config
+        q, k, v = _split_rows(_projection(module.qkv_proj, training), [cfg.num_attention_heads * D,
+                                                                       cfg.num_key_value_heads * D,
+                                                                       cfg.num_key_value_heads * D])
+    else:
+        q, k, v = (_projection(getattr(module, f"{n}_proj"), training) for n in "qkv")
     norms = {}
     for name in ("q_norm", "k_norm"):
         norm = getattr(module, name, None)
-        if norm is not None:
+        if norm is None:
+            continue
+        if arch.projection_norm:  # the registry's fingerprint covers this norm's forward, re-implemented here
+            norms[name] = ProjectionNorm(norm.weight, float(norm.variance_epsilon))
+        else:
             norms[name] = HeadNorm(norm, tuple(norm.parameters()))
-    return AttentionWeights(
-        q=_projection(module.q_proj, module.training), k=_projection(module.k_proj, module.training),
-        v=_projection(module.v_proj, module.training), o=_projection(module.o_proj, module.training), **norms,
-    )
+    rope = RopeStyle(arch.rope_interleaved, arch.rope_fp32, bool(getattr(module, "use_rope", True)))
+    return AttentionWeights(q=q, k=k, v=v, o=_projection(module.o_proj, training), **norms, rope=rope)
+
+
+def unfused_reason(module: nn.Module) -> str | None:
+    """Why this attention module keeps the registered path (a setting the fused block does not compute), or None."""
+    if not getattr(module, "is_causal", True):
+        return "bidirectional attention"
+    if getattr(module, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping"
+    if getattr(module, "use_qk_norm", False):
+        return "per-head LayerNorm q/k norms"
+    return None
 
 
 def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
@@ -113,8 +157,9 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
                         kwargs.get("upipe_cu_seqlens"), hidden_states.dtype)
         # packed rows: the kernel runs inside each document (DocumentKernel), like the registered path
         kernel = sp_kernel(state, kwargs, hidden_states.device, hidden_states.dtype, s * state.sp_size)
+    arch = fused_attention_classes()[type(self).__name__]
     call_window = getattr(self, "sliding_window", None)
-    if call_window is None and fused_attention_classes()[type(self).__name__].window_in_config:
+    if call_window is None and arch.window_in_config:
         call_window = getattr(self.config, "sliding_window", None)
     window = sp_window(attention_mask, call_window, s * state.sp_size, self)
     if not is_fake(hidden_states):
@@ -122,7 +167,7 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
                                hidden_states.dtype)
     cos, sin = position_embeddings
     y = fused_upipe_attention(
-        hidden_states, cos, sin, attention_weights(self),
+        hidden_states, cos, sin, attention_weights(self, arch),
         num_heads=self.config.num_attention_heads, num_kv_heads=self.config.num_key_value_heads,
         head_dim=self.head_dim, group=state.sp_group, heads_per_chunk=state.heads_per_chunk,
         kernel=kernel, scale=self.scaling,
@@ -152,6 +197,10 @@ def install_fused_attention(model: nn.Module) -> tuple[int, set[str], set[str]]:
             continue
         if not adapter_verified(arch, "fused") or ("forward" in module.__dict__ and not _is_fused(module)):
             changed.add(name)  # a changed class, or an instance whose forward someone else replaced: not stacked
+            continue
+        if (reason := unfused_reason(module)) is not None:
+            logger.info("hf_upipe: %s keeps the registered path (%s)", name, reason)
+            other.add(name)
             continue
         module.forward = types.MethodType(fused_forward, module)
         fused += 1

@@ -3,15 +3,16 @@
 Entry points:
 - `fused_upipe_attention(x, cos, sin, weights, *, num_heads, num_kv_heads, head_dim, group, ...)`: the block,
   from the normed hidden state x [B, s, Dm] to the o_proj output y [B, s, Dm].
-- `AttentionWeights`, `Projection`, `LoraAdapter`, `HeadNorm`: the block's tensors, as plain torch (the
-  integration layer builds them from transformers/PEFT modules).
+- `AttentionWeights`, `Projection`, `LoraAdapter`, `HeadNorm`, `ProjectionNorm`, `RopeStyle`: the block's tensors
+  (`hf_upipe.ops.block_weights`); the norms and RoPE are `hf_upipe.ops.head_transforms`.
 
 Legend as in `hf_upipe.ops.upipe_attention` (B, s, S, P, H, Hk, c, kc, D), plus Dm the model width and R the
 rows of one stage's heads (R = P*c*D for q, P*kc*D for k/v).
 
 The flow, per stage i (rank r handles model heads r*H/P + i*c + j, as in `HeadLayout`):
 1. pre = x @ W[R]^T + b[R] + sum_lora xa @ B[R]^T * scaling   [B, s, P*c, D]   (xa = dropout(x) @ A^T, once)
-2. q_i = rope(norm(pre)); at a k/v chunk's first stage the same for k, v; all-to-all -> [B, S, c, D]
+2. q_i = rope(norm(pre)); at a k/v chunk's first stage the same for k, v; all-to-all -> [B, S, c, D] (a norm over
+   the whole projection, OLMo 2's, first takes each token's RMS over all rows, computed a chunk of rows at a time)
 3. (oh, lse) = kernel(qh, kh, vh); oh back to the local layout -> a_i [B, s, P*c*D]
 4. y += a_i @ Wo[:, R]^T (+ LoRA: za += dropout(a_i) @ Ao[:, R]^T); after the loop y += za @ Bo^T * s + bo.
 So neither the local q/k/v of all heads, nor the local attention output of all heads, ever exists.
@@ -19,84 +20,36 @@ So neither the local q/k/v of all heads, nor the local attention output of all h
 Backward, per stage (the attention forward is recomputed instead of saved: about a third more attention
 compute): recompute q_i (and k/v at a chunk's first stage) and oh; d a_i = dy @ Wo[:, R] (+ LoRA); kernel
 backward; dq, dk, dv go straight back to the local layout (each stage sends its dk/dv partial, so no
-accumulator exists; more all-to-all bytes when stages share a k/v chunk), through RoPE's adjoint (or autograd of
-norm + RoPE on a recomputed pre-norm projection), and their products with x are written into dx (`addmm_`) and
-the weight-row gradients. Saved: x, cos, sin, the small LoRA products xa/za and the dropout seed. Gradients of
-frozen tensors are not computed.
+accumulator exists; more all-to-all bytes when stages share a k/v chunk), through RoPE's adjoint and the norm's
+(`hf_upipe.ops.head_transforms`), and their products with x are written into dx (`addmm_`) and the weight-row
+gradients; a whole-projection norm's coupled term is applied after the loop, a chunk of rows at a time.
+Saved: x, cos, sin, the small LoRA products xa/za, a whole-projection norm's inverse RMS [B, s, 1] and the
+dropout seed. Gradients of frozen tensors are not computed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from hf_upipe.ops.all_to_all import group_size, head_to_seq, seq_to_head
+from hf_upipe.ops.block_weights import (
+    AttentionWeights,
+    HeadNorm,
+    LoraAdapter,
+    Projection,
+    ProjectionNorm,
+    RopeStyle,
+)
 from hf_upipe.ops.head_layout import HeadLayout
+from hf_upipe.ops.head_transforms import Side, correction, post, post_backward, projection_inv_rms
 from hf_upipe.ops.kernels import AttentionKernel, get_kernel
 
-__all__ = ["AttentionWeights", "HeadNorm", "LoraAdapter", "Projection", "fused_upipe_attention"]
-
-
-@dataclass(frozen=True)
-class LoraAdapter:
-    """One LoRA adapter: delta(x) = dropout(x) @ A^T @ B^T * scaling. A [r, in], B [out, r]."""
-
-    A: torch.Tensor
-    B: torch.Tensor
-    scaling: float
-    dropout: float = 0.0
-
-
-@dataclass(frozen=True)
-class Projection:
-    """A linear layer with optional bias [out] and LoRA adapters. weight [out, in]."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None = None
-    adapters: tuple[LoraAdapter, ...] = ()
-
-
-@dataclass(frozen=True)
-class HeadNorm:
-    """A per-head norm over the last dim D (Qwen3's q_norm/k_norm): fn([..., D]) -> [..., D], reading `params`."""
-
-    fn: Callable[[torch.Tensor], torch.Tensor]
-    params: tuple[torch.Tensor, ...] = ()
-
-
-@dataclass(frozen=True)
-class AttentionWeights:
-    """The attention block's tensors: q/k/v rows are heads in model order (head h = rows [h*D, (h+1)*D))."""
-
-    q: Projection
-    k: Projection
-    v: Projection
-    o: Projection
-    q_norm: HeadNorm | None = None
-    k_norm: HeadNorm | None = None
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the block, in a fixed order (the autograd Function's inputs)."""
-        out = []
-        for p in (self.q, self.k, self.v, self.o):
-            out += [p.weight] + ([p.bias] if p.bias is not None else [])
-            for a in p.adapters:
-                out += [a.A, a.B]
-        for n in (self.q_norm, self.k_norm):
-            if n is not None:
-                out += list(n.params)
-        return out
-
-
-def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, rotate-half convention (Llama/Qwen/Mistral). t [B, s, h, D], cos/sin [B|1, s, D]."""
-    half = t.shape[-1] // 2
-    rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
-    return t * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
+__all__ = ["AttentionWeights", "HeadNorm", "LoraAdapter", "Projection", "ProjectionNorm", "RopeStyle",
+           "fused_upipe_attention"]
 
 
 def _rows(heads: torch.Tensor, D: int) -> torch.Tensor:
@@ -116,6 +69,11 @@ class _Plan:
     seed: int
     q_heads: list[torch.Tensor] = field(default_factory=list)  # per stage, model q heads [P*c] (rank-major)
     kv_heads: list[torch.Tensor] = field(default_factory=list)  # per stage, model k/v heads [P*kc]
+
+    @property
+    def chunk_rows(self) -> int:
+        """Projection rows of one stage's query heads (P*c*D): the unit of a whole-projection norm's passes."""
+        return self.layout.sp_size * self.layout.chunk * self.D
 
 
 def _make_plan(layout, group, kernel, scale, D, device, dropout: bool) -> _Plan:
@@ -154,24 +112,29 @@ def _pre(x: torch.Tensor, proj: Projection, rows: torch.Tensor, xas: list[torch.
     return out
 
 
-def _post(pre: torch.Tensor, norm: HeadNorm | None, cos, sin, D: int, rotate: bool = True) -> torch.Tensor:
-    """[B, s, n*D] -> [B, s, n, D]: per-head norm, then RoPE (k/q) or nothing (v)."""
-    t = pre.view(*pre.shape[:2], -1, D)
-    if norm is not None:
-        t = norm.fn(t)
-    return rope(t, cos, sin) if rotate else t
+def _sides(x, w: AttentionWeights, plan: _Plan, xas, inv_rms=None) -> dict[str, Side]:
+    """q/k/v of this call; a whole-projection norm's inverse RMS is computed here (forward) or given (backward)."""
+    sides = {"q": Side(w.q, w.q_norm, w.rope.rotate), "k": Side(w.k, w.k_norm, w.rope.rotate), "v": Side(w.v)}
+    for n, name in enumerate("qk"):
+        side = sides[name]
+        if isinstance(side.norm, ProjectionNorm):
+            side.inv_rms = inv_rms[n] if inv_rms is not None else projection_inv_rms(
+                lambda rows: _pre(x, side.proj, rows, xas[name]), _features(plan, name), plan.chunk_rows,
+                side.norm.eps, x.device)  # [B, s, 1]
+    return sides
 
 
-def _lora_inputs(x: torch.Tensor, proj: Projection, seed: int) -> list[torch.Tensor]:
-    """xa = dropout(x) @ A^T [B, s, r] for each adapter (computed once per call, saved: r << Dm)."""
-    return [_dropout(x, a.dropout, seed + j) @ a.A.t() for j, a in enumerate(proj.adapters)]
+def _features(plan: _Plan, name: str) -> int:
+    """Rows of the whole q (H*D) or k (Hk*D) projection."""
+    return (plan.layout.num_heads if name == "q" else plan.layout.num_kv_heads) * plan.D
 
 
 def _fused_forward(x, cos, sin, w: AttentionWeights, plan: _Plan):
     """The stage loop (no autograd). Returns y [B, s, Dm] and the small tensors the backward needs."""
-    layout, D = plan.layout, plan.D
+    layout, D, style = plan.layout, plan.D, w.rope
     B, s, Dm = x.shape
-    xas = {name: _lora_inputs(x, getattr(w, name), plan.seed + 100 * n) for n, name in enumerate("qkv")}
+    xas = w.lora_inputs(x, plan.seed, _dropout)
+    sides = _sides(x, w, plan, xas)
     y = x.new_zeros(B, s, w.o.weight.shape[0])
     za = [x.new_zeros(B, s, a.A.shape[0]) for a in w.o.adapters]
     kh = vh = None
@@ -179,13 +142,13 @@ def _fused_forward(x, cos, sin, w: AttentionWeights, plan: _Plan):
         if layout.starts_kv_group(i):
             kh = vh = None
             rows = _rows(plan.kv_heads[i], D)
-            k5 = _post(_pre(x, w.k, rows, xas["k"]), w.k_norm, cos, sin, D)  # [B, s, P*kc, D]
+            k5 = post(sides["k"], _pre(x, w.k, rows, xas["k"]), rows, cos, sin, D, style)  # [B, s, P*kc, D]
             kh = seq_to_head(k5.view(B, s, layout.sp_size, -1, D), plan.group)  # [B, S, kc, D]
-            v5 = _post(_pre(x, w.v, rows, xas["v"]), None, cos, sin, D, rotate=False)
+            v5 = post(sides["v"], _pre(x, w.v, rows, xas["v"]), rows, cos, sin, D, style)
             vh = seq_to_head(v5.view(B, s, layout.sp_size, -1, D), plan.group)
             del k5, v5
         rows = _rows(plan.q_heads[i], D)
-        q5 = _post(_pre(x, w.q, rows, xas["q"]), w.q_norm, cos, sin, D)  # [B, s, P*c, D]
+        q5 = post(sides["q"], _pre(x, w.q, rows, xas["q"]), rows, cos, sin, D, style)  # [B, s, P*c, D]
         qh = seq_to_head(q5.view(B, s, layout.sp_size, -1, D), plan.group)  # [B, S, c, D]
         del q5
         oh, _ = plan.kernel.forward(qh, kh, vh, scale=plan.scale, causal=True)
@@ -200,7 +163,7 @@ def _fused_forward(x, cos, sin, w: AttentionWeights, plan: _Plan):
         y.add_(z @ ad.B.t(), alpha=ad.scaling)
     if w.o.bias is not None:
         y.add_(w.o.bias)
-    return y, xas, za
+    return y, xas, za, (sides["q"].inv_rms, sides["k"].inv_rms)
 
 
 class _Grads:
@@ -228,41 +191,19 @@ def _linear_backward(x2, proj, rows, d_pre2, xas, ts, grads: _Grads, dx2) -> Non
         t.addmm_(d_pre2, a.B.index_select(0, rows), alpha=a.scaling)
 
 
-def _rope_backward(d: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Adjoint of `rope` (a rotation, linear in t): d [B, s, h, D] -> d t."""
-    half = d.shape[-1] // 2
-    ds = d * sin.unsqueeze(2)
-    return d * cos.unsqueeze(2) + torch.cat((ds[..., half:], -ds[..., :half]), dim=-1)
-
-
-def _post_backward(pre_fn, norm, cos, sin, D, rotate, d_post, grads: _Grads) -> torch.Tensor:
-    """Backward of `_post` given d_post [B, s, n, D]; returns d_pre [B, s, n*D].
-
-    Without a norm this is RoPE's adjoint and needs no activations; with a norm, `pre_fn()` recomputes the
-    stage's pre-norm projection (cheaper in memory than keeping it) and autograd differentiates norm + RoPE,
-    adding the norm's parameter gradients.
-    """
-    if norm is None:
-        d = _rope_backward(d_post, cos, sin) if rotate else d_post
-        return d.reshape(*d.shape[:2], -1)
-    norm_params = [p for p in norm.params if grads.get(p) is not None]
-    pre = pre_fn().requires_grad_()
-    with torch.enable_grad():
-        post = _post(pre, norm, cos, sin, D, rotate)
-        d_pre, *d_norm = torch.autograd.grad(post, [pre, *norm_params], d_post)
-    for p, g in zip(norm_params, d_norm):
-        grads.get(p).add_(g)
-    return d_pre
-
-
-def _fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: _Plan, xas, za, grads: _Grads) -> torch.Tensor:
+def _fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: _Plan, xas, za, inv_rms,
+                    grads: _Grads) -> torch.Tensor:
     """The backward stage loop; returns dx and fills `grads`."""
-    layout, D, group = plan.layout, plan.D, plan.group
+    layout, D, group, style = plan.layout, plan.D, plan.group, w.rope
     B, s, Dm = x.shape
     P = layout.sp_size
     x2, dy2 = x.reshape(B * s, Dm), dy.reshape(B * s, -1)
     dx = torch.zeros_like(x)
     dx2 = dx.view(B * s, Dm)
+    sides = _sides(x, w, plan, xas, inv_rms)
+    # per-token sums of a whole-projection norm's coupled term [B, s, 1] (None for other norms)
+    sigma = {n: x.new_zeros(B, s, 1, dtype=torch.float32) if isinstance(sides[n].norm, ProjectionNorm) else None
+             for n in "qk"}
     ts = {name: [x.new_zeros(B * s, a.A.shape[0]) for a in getattr(w, name).adapters] for name in "qkv"}
     if (g := grads.get(w.o.bias)) is not None:
         g.add_(dy2.sum(0))
@@ -276,11 +217,14 @@ def _fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: _Plan, xas, za, 
         kv_rows = _rows(plan.kv_heads[i], D)
         if layout.starts_kv_group(i):
             kh = vh = None
-            kh = seq_to_head(_post(_pre(x, w.k, kv_rows, xas["k"]), w.k_norm, cos, sin, D).view(B, s, P, -1, D),
-                             group)
+            k5 = post(sides["k"], _pre(x, w.k, kv_rows, xas["k"]), kv_rows, cos, sin, D, style)  # [B, s, P*kc, D]
+            kh = seq_to_head(k5.view(B, s, P, -1, D), group)
             vh = seq_to_head(_pre(x, w.v, kv_rows, xas["v"]).view(B, s, P, -1, D), group)
+            del k5
         rows = _rows(plan.q_heads[i], D)
-        qh = seq_to_head(_post(_pre(x, w.q, rows, xas["q"]), w.q_norm, cos, sin, D).view(B, s, P, -1, D), group)
+        q5 = post(sides["q"], _pre(x, w.q, rows, xas["q"]), rows, cos, sin, D, style)  # [B, s, P*c, D]
+        qh = seq_to_head(q5.view(B, s, P, -1, D), group)
+        del q5
         oh, lse = plan.kernel.forward(qh, kh, vh, scale=plan.scale, causal=True)  # recomputed, not saved
         a = head_to_seq(oh, group).reshape(B * s, -1)  # [N, P*c*D]
         # o_proj of this stage: d a = dy @ Wo[:, R] (+ LoRA), and the weight-column gradients
@@ -301,26 +245,31 @@ def _fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: _Plan, xas, za, 
             kh = vh = None
         # every gradient goes straight back to the local layout and into dx / the weights: no accumulators (the
         # stages sharing a k/v chunk each send their dk/dv partial; the linear backward sums them)
-        dq5 = head_to_seq(dqh, group).reshape(B, s, -1, D)  # [B, s, P*c, D]
-        del dqh
-        d_pre = _post_backward(lambda: _pre(x, w.q, rows, xas["q"]), w.q_norm, cos, sin, D, True, dq5, grads)
-        del dq5
-        _linear_backward(x2, w.q, rows, d_pre.reshape(B * s, -1), xas["q"], ts["q"], grads, dx2)
-        del d_pre
-        dk5 = head_to_seq(dkh, group).reshape(B, s, -1, D)
-        del dkh
-        d_pre = _post_backward(lambda: _pre(x, w.k, kv_rows, xas["k"]), w.k_norm, cos, sin, D, True, dk5, grads)
-        del dk5
-        _linear_backward(x2, w.k, kv_rows, d_pre.reshape(B * s, -1), xas["k"], ts["k"], grads, dx2)
-        del d_pre
+        for name, dh, r in (("q", dqh, rows), ("k", dkh, kv_rows)):
+            d5 = head_to_seq(dh, group).reshape(B, s, -1, D)  # [B, s, P*c (or P*kc), D]
+            proj = getattr(w, name)
+            d_pre = post_backward(sides[name], lambda: _pre(x, proj, r, xas[name]), r, cos, sin, D, style, d5,
+                                  grads, sigma[name])
+            del d5
+            _linear_backward(x2, proj, r, d_pre.reshape(B * s, -1), xas[name], ts[name], grads, dx2)
+            del d_pre
+        del dqh, dkh
         dv2 = head_to_seq(dvh, group).reshape(B * s, -1)
         del dvh
         _linear_backward(x2, w.v, kv_rows, dv2, xas["v"], ts["v"], grads, dx2)
         del dv2
+    # a whole-projection norm's coupled term, d pre += factor * pre, over the distinct rows a chunk at a time
+    for name in "qk":
+        if sigma[name] is not None:
+            factor, proj, n = correction(sides[name], sigma[name], _features(plan, name)), getattr(w, name), None
+            for r in torch.arange(_features(plan, name), device=x.device).split(plan.chunk_rows):
+                n = (factor * _pre(x, proj, r, xas[name]).float()).to(x.dtype)  # [B, s, len(r)]
+                _linear_backward(x2, proj, r, n.reshape(B * s, -1), xas[name], ts[name], grads, dx2)
+            del n
     # LoRA A sides of q/k/v: one product with x (or dropout(x)) each, after the loop
-    for n, name in enumerate("qkv"):
-        for j, (a, t) in enumerate(zip(getattr(w, name).adapters, ts[name])):
-            seed = plan.seed + 100 * n + j
+    seeds = w.lora_seeds(plan.seed)
+    for name in "qkv":
+        for a, t, seed in zip(getattr(w, name).adapters, ts[name], seeds[name]):
             if (g := grads.get(a.A)) is not None:
                 g.add_(t.t() @ _dropout(x2, a.dropout, seed))
             dx2.add_(_dropout(t @ a.A, a.dropout, seed))
@@ -333,9 +282,10 @@ class _FusedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, static, *tensors):
         w, plan = static
-        y, xas, za = _fused_forward(x, cos, sin, w, plan)
+        y, xas, za, inv_rms = _fused_forward(x, cos, sin, w, plan)
         flat_xas = [t for name in "qkv" for t in xas[name]]
-        ctx.save_for_backward(x, cos, sin, *flat_xas, *za)
+        ctx.has_rms = [t is not None for t in inv_rms]
+        ctx.save_for_backward(x, cos, sin, *[t for t in inv_rms if t is not None], *flat_xas, *za)
         ctx.static, ctx.n_tensors = static, len(tensors)
         ctx.counts = [len(xas[name]) for name in "qkv"]
         return y
@@ -345,13 +295,15 @@ class _FusedFunction(torch.autograd.Function):
     def backward(ctx, dy):
         w, plan = ctx.static
         x, cos, sin, *rest = ctx.saved_tensors
+        inv_rms = []
+        for has in ctx.has_rms:
+            inv_rms.append(rest.pop(0) if has else None)
         xas, k = {}, 0
         for name, n in zip("qkv", ctx.counts):
             xas[name], k = rest[k:k + n], k + n
         za = rest[k:]
-        tensors = w.tensors()
-        grads = _Grads(tensors, list(ctx.needs_input_grad[4:]))
-        dx = _fused_backward(dy.contiguous(), x, cos, sin, w, plan, xas, za, grads)
+        grads = _Grads(w.tensors(), list(ctx.needs_input_grad[4:]))
+        dx = _fused_backward(dy.contiguous(), x, cos, sin, w, plan, xas, za, inv_rms, grads)
         return (dx if ctx.needs_input_grad[0] else None, None, None, None, *grads.buf)
 
 
@@ -373,7 +325,8 @@ def fused_upipe_attention(
 
     Args:
         x: [B, s, Dm] this rank's normed hidden states (contiguous shard of the sequence).
-        cos, sin: [B or 1, s, D] rotary tables at the GLOBAL positions of the shard.
+        cos, sin: [B or 1, s, Dr] rotary tables at the GLOBAL positions of the shard (Dr <= D; unused when
+            `weights.rope.rotate` is False).
         weights: the block's tensors; gradients flow to every one that requires grad.
         num_heads, num_kv_heads, head_dim: H, Hk, D of the model.
         group, heads_per_chunk, kernel, scale: as for `hf_upipe.ops.upipe_attention`.

@@ -22,6 +22,7 @@ import hf_upipe
 from hf_upipe import architectures
 from hf_upipe.distributed import SequenceParallelState
 from hf_upipe.integrations import fused as fused_module
+from hf_upipe.integrations import transformers as hf_transformers
 from tests.integrations._models import ARCHS, build_pair, tiny_config
 
 ARCH_NAMES = sorted(ARCHS)
@@ -51,7 +52,8 @@ def _lora(model, seed):
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]))
+                                             target_modules=["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj",
+                                                             "gate_proj", "up_proj", "gate_up_proj"]))
     torch.manual_seed(seed)
     return model
 
@@ -87,6 +89,7 @@ def test_fused_forward_equals_the_installed_original(arch, lora, one_rank_group,
     state = SequenceParallelState(sp_group=one_rank_group, sp_size=1, sp_rank=0, dp_group=None, dp_size=1,
                                   dp_rank=0, heads_per_chunk=1, kernel="sdpa")  # 8 stages of one head
     monkeypatch.setattr(fused_module, "active_state", lambda: state)  # the fused path, even on one rank
+    monkeypatch.setattr(hf_transformers, "_active_state", lambda: state)  # and its mask (a window: Gemma 3)
     calls = []
     real = fused_module.fused_upipe_attention
     monkeypatch.setattr(fused_module, "fused_upipe_attention", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -1,6 +1,8 @@
-"""prepare_model(): the fused UPipe block on Llama, Mistral, Qwen2 and Qwen3, plain and with PEFT LoRA adapters,
-on gloo ranks vs the single-process sdpa model: logits on every shard and every trainable gradient (summed over
-the SP group); the fused path is really the one that runs; activation checkpointing and no_grad eval work."""
+"""prepare_model(): the fused UPipe block on every fused architecture (`hf_upipe.architectures.FUSED`: Llama,
+Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, Granite, GraniteMoE, OLMo 2, Phi-3, Gemma, Gemma 3, SmolLM3,
+Cohere), plain and with PEFT LoRA adapters, at SP 2 and SP 4 (GQA, and k/v replication where Hk < 4), on gloo ranks
+vs the single-process sdpa model: logits on every shard and every trainable gradient (summed over the SP group);
+the fused path is really the one that runs; activation checkpointing and no_grad eval work."""
 
 import pytest
 import torch
@@ -19,7 +21,8 @@ def _rel(a, b):
 
 
 def _with_lora(ref, model, seed):
-    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                     target_modules=["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj"])
     ref, model = get_peft_model(ref, cfg), get_peft_model(model, cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # non-zero B so that A and B both get gradients
@@ -103,6 +106,13 @@ CASES = {  # (arch, (H, Hk), heads_per_chunk, lora, dtype, activation checkpoint
     4: [("llama", (8, 2), 1, True, F32, False, 5), ("qwen2", (8, 8), 2, False, F32, False, 6),
         ("mistral", (4, 1), 1, False, F32, False, 7), ("qwen3", (8, 4), 1, True, F32, True, 8)],
 }
+# every other fused architecture, plain at one SP size and LoRA at the other
+for n, arch in enumerate(["mixtral", "qwen2_moe", "qwen3_moe", "granite", "granitemoe", "olmo2", "phi3", "gemma",
+                          "gemma3_text", "smollm3", "cohere"]):
+    lora_at_2 = n % 2 == 1
+    CASES[2].append((arch, (4, 2), 1 if n % 3 else None, lora_at_2, F32, n == 5, 20 + n))
+    CASES[4].append((arch, (8, 2) if n % 2 else (8, 4), 1, not lora_at_2, F32, False, 40 + n))
+CASES[2] += [("olmo2", (8, 2), 1, True, BF16, False, 60), ("cohere", (4, 4), 1, False, BF16, False, 61)]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -123,14 +133,29 @@ def test_fused_models_match_single_process(world):
 
 
 def test_unknown_attention_modules_keep_the_registered_path(caplog):
-    from transformers import AutoModelForCausalLM, Olmo2Config
+    from transformers import AutoModelForCausalLM, OlmoConfig
 
-    cfg = Olmo2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=1, pad_token_id=0)
+    cfg = OlmoConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, eos_token_id=1, pad_token_id=0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="upipe")
     with caplog.at_level("INFO", logger="hf_upipe.integrations.prepare"):
         hf_upipe.prepare_model(model)
-    assert "fused UPipe attention on 0 module(s); ['Olmo2Attention'] keep the registered 'upipe' path" in caplog.text
+    assert "fused UPipe attention on 0 module(s); ['OlmoAttention'] keep the registered 'upipe' path" in caplog.text
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("arch, setting, reason", [
+    ("cohere", dict(use_qk_norm=True), "per-head LayerNorm q/k norms"),
+    ("gemma3_text", dict(attn_logit_softcapping=30.0), "attention logit soft-capping"),
+    ("gemma", dict(use_bidirectional_attention=True), "bidirectional attention"),
+])
+def test_settings_the_fused_block_does_not_compute_keep_the_registered_path(arch, setting, reason, caplog):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **setting), attn_implementation="upipe")
+    with caplog.at_level("INFO", logger="hf_upipe.integrations"):
+        hf_upipe.prepare_model(model)
+    assert f"keeps the registered path ({reason})" in caplog.text
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 

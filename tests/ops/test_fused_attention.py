@@ -2,7 +2,9 @@
 
 Random non-symmetric weights with q/k/v/o biases, per-head QK-norm and LoRA adapters on all four projections;
 output and the gradients of x and of every tensor (frozen base weights get none), fp32 tight, bf16 within 2x the
-plain bf16 block's own error plus one bf16 ulp.
+plain bf16 block's own error plus one bf16 ulp. The architecture variants: a norm over the whole q/k projection
+(OLMo 2), interleaved RoPE in fp32 (Cohere), partial rotary and a fused qkv projection whose LoRA adapter shares
+one A (Phi-3), no RoPE (SmolLM3's NoPE layers); the reference implements each from its definition.
 """
 
 import pytest
@@ -15,8 +17,9 @@ from hf_upipe.ops.fused_attention import (
     HeadNorm,
     LoraAdapter,
     Projection,
+    ProjectionNorm,
+    RopeStyle,
     fused_upipe_attention,
-    rope,
 )
 from hf_upipe.ops.head_layout import valid_heads_per_chunk
 from tests._dist import run_distributed
@@ -29,8 +32,25 @@ def _rms(weight, eps=1e-6):
     return HeadNorm(fn, (weight,))
 
 
-def _make(gen, Dm, H, Hk, D, bias, norm, lora, frozen, dtype):
-    """Random block tensors (float64 masters) and a builder for AttentionWeights in any dtype."""
+def _ref_rope(t, cos, sin, style: RopeStyle):
+    """RoPE from its definition: pairs (i, i + Dr/2), or (2i, 2i+1) when interleaved, on the first Dr dims."""
+    if not style.rotate:
+        return t
+    Dr = cos.shape[-1]
+    r, rest = t[..., :Dr], t[..., Dr:]
+    if style.interleaved:
+        rot = torch.stack((-r[..., 1::2], r[..., ::2]), dim=-1).flatten(-2)
+    else:
+        rot = torch.cat((-r[..., Dr // 2:], r[..., :Dr // 2]), dim=-1)
+    return torch.cat((r * cos[:, :, None] + rot * sin[:, :, None], rest), dim=-1)
+
+
+def _make(gen, Dm, H, Hk, D, bias, norm, lora, frozen, dtype, opts=None):
+    """Random block tensors (float64 masters) and a builder for AttentionWeights in any dtype.
+
+    opts: "norm": "proj" (a norm over the whole projection), "qkv": True (q/k/v rows of one weight, LoRA with one
+    shared A), "rope": a RopeStyle."""
+    opts = opts or {}
     def rnd(*shape, scale=1.0):
         return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
     spec = {}
@@ -38,7 +58,12 @@ def _make(gen, Dm, H, Hk, D, bias, norm, lora, frozen, dtype):
         spec[name] = dict(weight=rnd(out_f, in_f, scale=in_f ** -0.5), bias=rnd(out_f, scale=0.3) if bias else None,
                           adapters=[(rnd(3, in_f, scale=in_f ** -0.5), rnd(out_f, 3, scale=0.5), 0.7)] if lora else [])
     if norm:
-        spec["q_norm"], spec["k_norm"] = 1 + rnd(D, scale=0.3), 1 + rnd(D, scale=0.3)
+        nq, nk = (H * D, Hk * D) if opts.get("norm") == "proj" else (D, D)
+        spec["q_norm"], spec["k_norm"] = 1 + rnd(nq, scale=0.3), 1 + rnd(nk, scale=0.3)
+    if opts.get("qkv"):  # one weight (rows q | k | v) and, with LoRA, one A
+        spec["qkv"] = dict(weight=torch.cat([spec[n]["weight"] for n in "qkv"]),
+                           A=rnd(3, Dm, scale=Dm ** -0.5) if lora else None,
+                           B=torch.cat([spec[n]["adapters"][0][1] for n in "qkv"]) if lora else None)
 
     def build(dtype):
         leaves = []
@@ -54,8 +79,24 @@ def _make(gen, Dm, H, Hk, D, bias, norm, lora, frozen, dtype):
                 weight=leaf(p["weight"], not frozen),
                 bias=None if p["bias"] is None else leaf(p["bias"], not frozen),
                 adapters=tuple(LoraAdapter(leaf(A, True), leaf(Bm, True), sc) for A, Bm, sc in p["adapters"]))
-        norms = {n: _rms(leaf(spec[n], not frozen)) for n in ("q_norm", "k_norm") if n in spec}
-        return AttentionWeights(**projs, **norms), leaves
+        if "qkv" in spec:  # replace q/k/v by row slices of one weight (and one shared A)
+            del leaves[:len(leaves)]
+            W = leaf(spec["qkv"]["weight"], not frozen)
+            A = leaf(spec["qkv"]["A"], True) if lora else None
+            Bq = leaf(spec["qkv"]["B"], True) if lora else None
+            edges = [0, H * D, (H + Hk) * D, (H + 2 * Hk) * D]
+            for n, (a, b) in zip("qkv", zip(edges, edges[1:])):
+                projs[n] = Projection(W[a:b], None, (LoraAdapter(A, Bq[a:b], 0.7),) if lora else ())
+            o = spec["o"]
+            projs["o"] = Projection(leaf(o["weight"], not frozen), None if o["bias"] is None else
+                                    leaf(o["bias"], not frozen),
+                                    tuple(LoraAdapter(leaf(A_, True), leaf(B_, True), sc) for A_, B_, sc in
+                                          o["adapters"]))
+        if opts.get("norm") == "proj":
+            norms = {n: ProjectionNorm(leaf(spec[n], not frozen), 1e-6) for n in ("q_norm", "k_norm") if n in spec}
+        else:
+            norms = {n: _rms(leaf(spec[n], not frozen)) for n in ("q_norm", "k_norm") if n in spec}
+        return AttentionWeights(**projs, **norms, rope=opts.get("rope", RopeStyle())), leaves
     return build
 
 
@@ -67,12 +108,14 @@ def _reference(x, cos, sin, w: AttentionWeights, H, Hk, D):
             out = out + (t @ a.A.t()) @ a.B.t() * a.scaling
         return out
     B, S, _ = x.shape
-    q = lin(x, w.q).view(B, S, H, D)
-    k = lin(x, w.k).view(B, S, Hk, D)
-    v = lin(x, w.v).view(B, S, Hk, D)
-    if w.q_norm is not None:
+    q, k, v = lin(x, w.q), lin(x, w.k), lin(x, w.v)
+    if isinstance(w.q_norm, ProjectionNorm):  # over all H*D (Hk*D) features of a token
+        q, k = (n.weight * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + n.eps)) for t, n in
+                ((q, w.q_norm), (k, w.k_norm)))
+    q, k, v = q.view(B, S, H, D), k.view(B, S, Hk, D), v.view(B, S, Hk, D)
+    if isinstance(w.q_norm, HeadNorm):
         q, k = w.q_norm.fn(q), w.k_norm.fn(k)
-    q, k = rope(q, cos, sin), rope(k, cos, sin)
+    q, k = _ref_rope(q, cos, sin, w.rope), _ref_rope(k, cos, sin, w.rope)
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                        enable_gqa=True).transpose(1, 2)
     return lin(o.reshape(B, S, H * D), w.o)
@@ -82,20 +125,21 @@ def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
-def _tables(S, D, gen):
+def _tables(S, D, gen, interleaved=False):
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
     ang = torch.arange(S, dtype=torch.float64)[:, None] * inv[None] + torch.rand(1, generator=gen, dtype=torch.float64)
-    emb = torch.cat([ang, ang], -1)[None]
+    emb = ang.repeat_interleave(2, -1)[None] if interleaved else torch.cat([ang, ang], -1)[None]
     return emb.cos(), emb.sin()
 
 
 def _case(rank, world, group, case):
-    B, S, Dm, H, Hk, D, chunk, bias, norm, lora, frozen, dtype, seed = case
+    B, S, Dm, H, Hk, D, chunk, bias, norm, lora, frozen, dtype, seed, *opts = case
+    opts = opts[0] if opts else {}
     gen = torch.Generator().manual_seed(seed)
-    build = _make(gen, Dm, H, Hk, D, bias, norm, lora, frozen, dtype)
+    build = _make(gen, Dm, H, Hk, D, bias, norm, lora, frozen, dtype, opts)
     x = torch.randn(B, S, Dm, generator=gen, dtype=torch.float64)
     dy = torch.randn(B, S, Dm, generator=gen, dtype=torch.float64)
-    cos, sin = _tables(S, D, gen)
+    cos, sin = _tables(S, opts.get("rotary", D), gen, opts.get("rope", RopeStyle()).interleaved)
     w_ref, ref_leaves = build(torch.float64)
     xr = x.clone().requires_grad_()
     y_ref = _reference(xr, cos, sin, w_ref, H, Hk, D)
@@ -141,6 +185,17 @@ def _cases(world):
     out.append((1, 8 * world, 24, 8, 2, 8, 1, True, True, True, False, torch.bfloat16, 99))
     out.append((2, 8 * world, 16, 4, 4, 4, 2 if 2 in valid_heads_per_chunk(4, 4, world) else None, False, False,
                 False, False, torch.float32, 98))
+    # architecture variants (GQA with replication at 4 ranks): whole-projection norm (OLMo 2), fp32 interleaved
+    # partial RoPE with a fused qkv projection (Cohere / Phi-3), no RoPE (SmolLM3)
+    proj, cohere_phi = {"norm": "proj"}, {"qkv": True, "rope": RopeStyle(interleaved=True, fp32=True), "rotary": 4}
+    out += [(2, 8 * world, 24, 8, 2, 8, 1, True, True, True, False, torch.float32, 60, proj),
+            (1, 8 * world, 24, 4, 4, 8, None, False, True, True, False, torch.float32, 61, proj),
+            (1, 8 * world, 24, 8, 2, 8, 1, False, False, True, False, torch.float32, 62, cohere_phi),
+            (1, 8 * world, 24, 8, 4, 8, None, True, False, True, True, torch.float32, 63, cohere_phi),
+            # (no bias: without RoPE a k bias shifts every key's score equally, so its true gradient is 0)
+            (1, 8 * world, 24, 4, 2, 8, 1, False, False, True, False, torch.float32, 64, {"rope": RopeStyle(
+                rotate=False)}),
+            (1, 8 * world, 24, 8, 2, 8, 1, True, True, True, False, torch.bfloat16, 65, proj)]
     return out
 
 
