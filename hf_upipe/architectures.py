@@ -116,6 +116,8 @@ VERIFIED_REGISTERED = (
     "kolibri1", "laguna", "lfm2", "mellum", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
     "modernbert-decoder", "moshi", "nanochat", "olmo", "olmo3", "olmoe", "persimmon", "phi", "phimoe", "seed_oss",
     "solar_open", "starcoder2",
+    # multi-head latent attention (value heads of another width, padded in `upipe_attention_forward`)
+    "axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "minicpm3", "youtu",
 )
 # the Llama-shaped families with the fused block (each also exact on the registered path); MoE blocks stay untiled
 # (their norms are tiled), and Cohere's LayerNorm is tiled as its norm

@@ -229,6 +229,22 @@ def _check_kv_length(query, key) -> None:
         )
 
 
+def _equal_head_dims(query, key, value, scaling):
+    """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, ...) has a value head dim Dv != the q/k head dim D.
+    The all-to-alls and kernels take one head dim, so the narrower side is padded with zeros, which is exact: zero
+    q/k dims add nothing to q.k, and the zero value dims give zero output dims, sliced off after attention.
+
+    Args: query/key [B, H|Hk, s, D], value [B, Hk, s, Dv]. Returns (query, key, value) padded to max(D, Dv), Dv,
+    and the softmax scale (D^-0.5 of the unpadded D when the model passes none)."""
+    D, Dv = query.shape[-1], value.shape[-1]
+    scaling = D ** -0.5 if scaling is None else scaling
+    if Dv < D:
+        value = torch.nn.functional.pad(value, (0, D - Dv))
+    elif Dv > D:
+        query, key = (torch.nn.functional.pad(t, (0, Dv - D)) for t in (query, key))
+    return query, key, value, Dv, scaling
+
+
 # upipe_cu_seqlens tensor -> ((kernel name, device, dtype, S), DocumentKernel) of the current batch
 _DOCUMENT_KERNELS = TensorCache()
 
@@ -277,10 +293,7 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
     check_model(config, state, query.shape[2] * state.sp_size)
     check_call(module, dropout, kwargs)
     _check_kv_length(query, key)
-    if value.shape[-1] != query.shape[-1]:
-        raise NotImplementedError(
-            f"the value head dim ({value.shape[-1]}) differs from the query/key head dim ({query.shape[-1]}) "
-            "(multi-head latent attention): not implemented under sequence parallelism.")
+    query, key, value, v_dim, scaling = _equal_head_dims(query, key, value, scaling)
     if isinstance(attention_mask, torch.Tensor):
         raise NotImplementedError(
             f"attn_implementation='upipe' got a prepared {attention_mask.dim()}-D attention mask tensor under "
@@ -299,7 +312,7 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [B, s, H|Hk, D] views
         group=state.sp_group, heads_per_chunk=state.heads_per_chunk, kernel=kernel, scale=scaling,
     )
-    return out, None  # [B, s, H, D]
+    return out[..., :v_dim], None  # [B, s, H, Dv]
 
 
 def register() -> None:

@@ -4,9 +4,9 @@ Under sequence parallelism every class of model or call that hf_upipe does not r
 error, the same on every rank, before any collective: unverified architectures and token mixers other than
 attention (hybrids), attention that bypasses transformers' interface, attention arguments "upipe" does not implement
 (also without SP), sliding windows that live only in the config or mask, RoPE whose frequencies depend on the
-sequence length, MLA-style value heads, `labels=` / `output_attentions` / `use_cache` under SP, shards cut for another
+sequence length, `labels=` / `output_attentions` / `use_cache` under SP, shards cut for another
 SP size. Ranks that ask for other settings, or that never reach a validation collective, fail within the validation
-timeout with a message instead of hanging.
+timeout with a message instead of hanging. Value heads of another width than the query/key heads (MLA) are exact.
 """
 
 import copy
@@ -16,6 +16,7 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hf_upipe
 from hf_upipe.distributed import set_sequence_parallel_state
@@ -25,6 +26,9 @@ from tests._dist import run_distributed
 from tests.integrations._models import build_pair
 from tests.integrations._models import tiny_config as llama_like
 
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 def _outcome(fn):
     try:
@@ -189,10 +193,19 @@ def _gate_worker(rank, world):
     from hf_upipe.integrations.transformers import upipe_attention_forward
 
     attention = llama.model.layers[0].self_attn
-    q, k = torch.randn(1, 8, S // world, 8), torch.randn(1, 2, S // world, 8)
-    v = torch.randn(1, 2, S // world, 16)  # value heads wider than query/key heads: MLA
-    out["mla"] = _outcome(lambda: upipe_attention_forward(attention, q, k, v, None,
-                                                          position_ids=inputs["position_ids"]))
+    for v_dim in (16, 4):  # value heads wider / narrower than query/key heads (MLA): exact, output and gradients
+        gen = torch.Generator().manual_seed(v_dim)
+        full = [torch.randn(1, h, S, d, generator=gen, dtype=torch.float64) for h, d in ((8, 8), (2, 8), (2, v_dim))]
+        w = torch.randn(1, S, 8, v_dim, generator=gen, dtype=torch.float64)
+        ref = [t.clone().requires_grad_() for t in full]
+        want = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True).transpose(1, 2)  # [1, S, 8, Dv]
+        (want * w).sum().backward()
+        sh = slice(rank * (S // world), (rank + 1) * (S // world))
+        mine = [t[:, :, sh].float().requires_grad_() for t in full]
+        got, _ = upipe_attention_forward(attention, *mine, None, position_ids=inputs["position_ids"])
+        (got * w[:, sh].float()).sum().backward()
+        out[f"mla {v_dim}"] = max([_rel(got, want[:, sh])] +
+                                  [_rel(m.grad, r.grad[:, :, sh]) for m, r in zip(mine, ref)])
     return out
 
 
@@ -216,7 +229,7 @@ def test_refusals_on_every_rank_before_any_collective():
         assert "output_attentions=True" in out["output_attentions"]
         assert "use_cache=True" in out["use_cache"]
         assert "shard_batch(sp_rank=" in out["other sp_size"] and "of 2" in out["other sp_size"]
-        assert "value head dim (16) differs from the query/key head dim (8)" in out["mla"]
+        assert out["mla 16"] < 1e-5 and out["mla 4"] < 1e-5, (out["mla 16"], out["mla 4"])
 
 
 def _opt_in_worker(rank, world, allow):
