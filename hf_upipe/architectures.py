@@ -118,6 +118,9 @@ VERIFIED_REGISTERED = (
     "solar_open", "starcoder2",
     # multi-head latent attention (value heads of another width, padded in `upipe_attention_forward`)
     "axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "minicpm3", "youtu",
+    # attention sinks (`s_aux`, from the log-sum-exp in `upipe_attention`); gpt_oss stays unverified: opted in, its
+    # packed batches are not exact in the matrix
+    "flint", "mimo_v2_flash",
 )
 # the Llama-shaped families with the fused block (each also exact on the registered path); MoE blocks stay untiled
 # (their norms are tiled), and Cohere's LayerNorm is tiled as its norm

@@ -32,8 +32,10 @@ kernel, padding, packing and generation with a KV cache included (`upipe_cu_seql
 Under SP, trailing (right) padding is accepted: causal attention never lets a real token see a later pad, so
 real tokens are exact; outputs at padded positions are not meaningful and their labels must be ignored (-100).
 Sliding windows shorter than the sequence (in the mask, in the call, or both, agreeing) run in the kernel
-(`hf_upipe.ops.windowed`). Left or interior padding, packed rows without `upipe_cu_seqlens`, windows with packed rows,
-custom masks, dropout, softcap, attention sinks and KV caches with past tokens raise errors naming the fix.
+(`hf_upipe.ops.windowed`); so do attention sinks (`s_aux`/`sinks`: `upipe_attention(sinks=)`, from the log-sum-exp)
+and value heads of another width (MLA: zero-padded). Left or interior padding, packed rows without
+`upipe_cu_seqlens`, windows with packed rows, custom masks, dropout, softcap and KV caches with past tokens raise
+errors naming the fix.
 """
 
 from __future__ import annotations
@@ -181,6 +183,7 @@ def window_kernel(kernel, window: int | None, documents, device, dtype):
 
 # attention arguments "upipe" does not implement: refused with and without SP rather than dropped
 _UNIMPLEMENTED = ("softcap", "s_aux", "sinks", "position_bias", "alibi", "attention_bias")
+_SINKS = ("s_aux", "sinks")  # per-head attention-sink logits: implemented under SP (`upipe_attention(sinks=)`)
 # the names transformers configs give the attention dropout probability
 _DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout",
                  "attention_dropout_prob")
@@ -202,9 +205,9 @@ def check_model(config, state, seq_len: int | None = None) -> None:
         raise refusal_error(reason)
 
 
-def check_call(module, dropout, kwargs) -> None:
+def check_call(module, dropout, kwargs, handled: tuple[str, ...] = ()) -> None:
     """Checks of one attention call that need no communication (identical on every rank: same model, same
-    arguments): causal attention, no dropout, no softcap or attention sinks."""
+    arguments): causal attention, no dropout, no argument of `_UNIMPLEMENTED` other than the `handled` ones."""
     if not getattr(module, "is_causal", True):
         raise NotImplementedError("attn_implementation='upipe' supports causal (decoder) attention only.")
     if dropout and dropout > 0.0:
@@ -215,7 +218,7 @@ def check_call(module, dropout, kwargs) -> None:
             f"config's {keys[0]}=0.0 (e.g. from_pretrained(..., {keys[0]}=0.0)) or call model.eval()."
         )
     for name in _UNIMPLEMENTED:
-        if kwargs.get(name) is not None:
+        if kwargs.get(name) is not None and name not in handled:
             raise NotImplementedError(f"the model passes '{name}' to its attention, which 'upipe' does not implement "
                                       "(the result would silently drop it).")
 
@@ -291,8 +294,9 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     check_model(config, state, query.shape[2] * state.sp_size)
-    check_call(module, dropout, kwargs)
+    check_call(module, dropout, kwargs, handled=_SINKS)
     _check_kv_length(query, key)
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")  # [H] sink logits
     query, key, value, v_dim, scaling = _equal_head_dims(query, key, value, scaling)
     if isinstance(attention_mask, torch.Tensor):
         raise NotImplementedError(
@@ -310,7 +314,7 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
         kernel = window_kernel(kernel, window, kwargs.get("upipe_cu_seqlens"), query.device, query.dtype)
     out = upipe_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [B, s, H|Hk, D] views
-        group=state.sp_group, heads_per_chunk=state.heads_per_chunk, kernel=kernel, scale=scaling,
+        group=state.sp_group, heads_per_chunk=state.heads_per_chunk, kernel=kernel, scale=scaling, sinks=sinks,
     )
     return out[..., :v_dim], None  # [B, s, H, Dv]
 

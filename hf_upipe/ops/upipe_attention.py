@@ -1,7 +1,7 @@
 """UPipe: headwise-chunked sequence-parallel attention (Untied Ulysses, arXiv 2602.21196).
 
 Entry points:
-- `upipe_attention(q, k, v, *, group, heads_per_chunk=1, kernel="auto", scale=None)`: the public op.
+- `upipe_attention(q, k, v, *, group, heads_per_chunk=1, kernel="auto", scale=None, sinks=None)`: the public op.
 - `UPipeAttentionFunction`: its autograd Function (ctx handling only).
 - `upipe_attention_forward(...)` / `upipe_attention_backward(...)`: the plain stage loops.
 
@@ -16,6 +16,13 @@ The flow (forward), per stage i:
 3. (oh, lse_i) = kernel(qh, kh, vh), causal over the full sequence;
 4. all-to-all oh back and copy it into the preallocated local output out [B, s, H, D].
 Only one stage's buffers are alive at a time: Ulysses holds all H/P heads' buffers at once.
+
+Attention sinks (GPT-OSS, MiMo-V2-Flash, Flint: one learned logit s_h per head, a key of value 0 every query sees)
+come from the log-sum-exp, exactly: with lse' = logaddexp(lse, s_h) the output is oh * exp(lse - lse'), and the
+kernel's own backward given (that output, lse') is the gradient of attention with the sink (its softmax is the
+sink-inclusive one, its row sums D = rowsum(dO * O) those of the sunk output). The sink's gradient is
+-sum_i exp(s_h - lse'_i) * D_i over the full sequence, on the rank that holds head h; the parameter's gradient is
+the sum over the SP group, as for every other parameter.
 
 Backward (no attention recompute). Saved: the local q, the local output (which o_proj saves too, so it costs
 nothing extra), the per-stage log-sum-exps, and k/v as the head-layout chunks the forward received (the same
@@ -60,6 +67,18 @@ def _q_stage(t: torch.Tensor, layout: HeadLayout, stage: int) -> torch.Tensor:
     return t.view(B, s, layout.sp_size, layout.q_per_rank, D)[:, :, :, layout.q_heads(stage)]
 
 
+def _stage_heads(layout: HeadLayout, group, stage: int, device) -> torch.Tensor:
+    """Model heads this rank computes at `stage` in the head layout: r*H/P + stage*c + j, j < c. [c]"""
+    rank = dist.get_rank(group) if group is not None and group_size(group) > 1 else 0
+    sl = layout.q_heads(stage)
+    return torch.arange(sl.start, sl.stop, device=device) + rank * layout.q_per_rank
+
+
+def _stage_sinks(sinks: torch.Tensor, layout: HeadLayout, group, stage: int) -> torch.Tensor:
+    """The sink logits [c] (fp32) of the heads this rank computes at `stage`."""
+    return sinks.float().index_select(0, _stage_heads(layout, group, stage, sinks.device))
+
+
 def upipe_attention_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -69,12 +88,13 @@ def upipe_attention_forward(
     kernel: AttentionKernel,
     scale: float,
     keep_kv: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """Stage loop of the forward.
+    """Stage loop of the forward (`sinks` [H]: per-head sink logits, or None).
 
     Returns:
-        out [B, s, H, D] contiguous; one log-sum-exp [B, c, S] (fp32) per stage; with `keep_kv`, the head-layout
-        k/v of every k/v chunk [kh_0, vh_0, kh_1, ...] (each [B, S, kc, D]), else [].
+        out [B, s, H, D] contiguous; one log-sum-exp [B, c, S] (fp32; with sinks, including them) per stage; with
+        `keep_kv`, the head-layout k/v of every k/v chunk [kh_0, vh_0, kh_1, ...] (each [B, S, kc, D]), else [].
     """
     B, s, H, D = q.shape
     out = q.new_empty(B, s, H, D)
@@ -90,6 +110,10 @@ def upipe_attention_forward(
         qh = seq_to_head(_q_stage(q, layout, i), group)  # [B, S, c, D]
         oh, lse = kernel.forward(qh, kh, vh, scale=scale, causal=True)  # [B, S, c, D], [B, c, S]
         del qh
+        if sinks is not None:  # lse' = logaddexp(lse, s_h): the sink is one more logit of every row
+            sunk = torch.logaddexp(lse.float(), _stage_sinks(sinks, layout, group, i)[None, :, None])  # [B, c, S]
+            oh = (oh.float() * (lse.float() - sunk).exp().transpose(1, 2).unsqueeze(-1)).to(oh.dtype)
+            lse = sunk.to(lse.dtype)
         _q_stage(out, layout, i).copy_(head_to_seq(oh, group))  # [B, s, P, c, D] into the output
         del oh
         lses.append(lse)
@@ -119,8 +143,10 @@ def upipe_attention_backward(
     kv_like: tuple[torch.Size, torch.dtype, torch.device],
     kv_local: tuple[torch.Tensor, torch.Tensor] | None = None,
     kv_chunks: list[torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stage loop of the backward: dout [B, s, H, D] -> dq [B, s, H, D], dk/dv [B, s, Hk, D].
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Stage loop of the backward: dout [B, s, H, D] -> dq [B, s, H, D], dk/dv [B, s, Hk, D], and with `sinks` [H]
+    their gradient [H] (fp32; this rank's heads of the head layout, zero elsewhere).
 
     k/v come either as `kv_local` (k, v) [B, s, Hk, D], re-sent per k/v chunk, or as `kv_chunks`, the head-layout
     chunks kept by the forward ([kh_0, vh_0, kh_1, ...], each [B, S, kc, D]). `kv_like` is dk/dv's (shape, dtype,
@@ -141,6 +167,7 @@ def upipe_attention_backward(
     else:  # every slot is written exactly once, at the end of its chunk
         dk = dv = None
     dq_chunks = []
+    dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
     kh = vh = dkh = dvh = None
     for i in range(layout.num_stages):
         if layout.starts_kv_group(i):
@@ -154,6 +181,10 @@ def upipe_attention_backward(
         oh = seq_to_head(_q_stage(out, layout, i), group)
         doh = seq_to_head(_q_stage(dout, layout, i), group)
         dqh, dkh_i, dvh_i = kernel.backward(doh, qh, kh, vh, oh, lses[i], scale=scale, causal=True)
+        if dsinks is not None:  # d s_h = -sum_i exp(s_h - lse'_i) * rowsum(dO * O)_i  (module docstring)
+            rows = (doh.float() * oh.float()).sum(-1).transpose(1, 2)  # [B, c, S]
+            p_sink = (_stage_sinks(sinks, layout, group, i)[None, :, None] - lses[i].float()).exp()
+            dsinks.index_add_(0, _stage_heads(layout, group, i, dsinks.device), -(p_sink * rows).sum((0, 2)))
         del qh, oh, doh
         dq_chunks.append(head_to_seq(dqh, group))  # [B, s, P, c, D]
         del dqh
@@ -173,7 +204,7 @@ def upipe_attention_backward(
             dkh = dvh = None
     # [B, s, P, n, c, D] -> [B, s, H, D]: head r*H/P + i*c + j sits at [r, i, j]
     dq = torch.stack(dq_chunks, dim=3).view(B, s, H, D)
-    return dq, dk.to(kv_dtype), dv.to(kv_dtype)
+    return dq, dk.to(kv_dtype), dv.to(kv_dtype), dsinks
 
 
 class UPipeAttentionFunction(torch.autograd.Function):
@@ -185,12 +216,13 @@ class UPipeAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: HeadLayout, group, kernel: AttentionKernel, scale: float):
+    def forward(ctx, q, k, v, layout: HeadLayout, group, kernel: AttentionKernel, scale: float, sinks=None):
         keep_kv = layout.kv_rep == 1
-        out, lses, kept = upipe_attention_forward(q, k, v, layout, group, kernel, scale, keep_kv=keep_kv)
+        out, lses, kept = upipe_attention_forward(q, k, v, layout, group, kernel, scale, keep_kv=keep_kv,
+                                                  sinks=sinks)
         kv = kept if keep_kv else [k, v]
-        ctx.save_for_backward(q, out, *lses, *kv)
-        ctx.n_lse, ctx.keep_kv = len(lses), keep_kv
+        ctx.save_for_backward(q, out, *lses, *kv, *([] if sinks is None else [sinks]))
+        ctx.n_lse, ctx.keep_kv, ctx.has_sinks = len(lses), keep_kv, sinks is not None
         ctx.layout, ctx.group, ctx.kernel, ctx.scale = layout, group, kernel, scale
         ctx.kv_like = (k.shape, k.dtype, k.device)
         return out
@@ -199,11 +231,13 @@ class UPipeAttentionFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):
         q, out, *rest = ctx.saved_tensors
+        sinks = rest.pop() if ctx.has_sinks else None
         lses, kv = rest[:ctx.n_lse], rest[ctx.n_lse:]
         kv_args = dict(kv_chunks=kv) if ctx.keep_kv else dict(kv_local=tuple(kv))
-        dq, dk, dv = upipe_attention_backward(dout, q, out, lses, ctx.layout, ctx.group, ctx.kernel, ctx.scale,
-                                              kv_like=ctx.kv_like, **kv_args)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv, dsinks = upipe_attention_backward(dout, q, out, lses, ctx.layout, ctx.group, ctx.kernel,
+                                                      ctx.scale, kv_like=ctx.kv_like, sinks=sinks, **kv_args)
+        dsinks = None if dsinks is None or not ctx.needs_input_grad[7] else dsinks.to(sinks.dtype)
+        return dq, dk, dv, None, None, None, None, dsinks
 
 
 def upipe_attention(
@@ -216,6 +250,7 @@ def upipe_attention(
     kernel: str | AttentionKernel = "auto",
     scale: float | None = None,
     causal: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over a sequence sharded contiguously across the ranks of `group`, heads in chunks.
 
@@ -227,6 +262,7 @@ def upipe_attention(
         kernel: "auto", a kernel name, or an `AttentionKernel`.
         scale: softmax scale, default D**-0.5.
         causal: must be True (the only mask this op implements).
+        sinks: [H] per-head attention-sink logits (GPT-OSS's `sinks`), or None; gradients flow to them.
 
     Returns:
         out [B, s, H, D] contiguous.
@@ -247,6 +283,9 @@ def upipe_attention(
     layout = HeadLayout(q.shape[2], k.shape[2], group_size(group), heads_per_chunk)
     kern = get_kernel(kernel, q.device, q.dtype) if isinstance(kernel, str) else kernel
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return UPipeAttentionFunction.apply(q, k, v, layout, group, kern, scale)
-    return upipe_attention_forward(q, k, v, layout, group, kern, scale)[0]
+    if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
+        raise ValueError(f"sinks must be one logit per query head, shape ({q.shape[2]},); got {tuple(sinks.shape)}")
+    grads = [q, k, v] + ([] if sinks is None else [sinks])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in grads):
+        return UPipeAttentionFunction.apply(q, k, v, layout, group, kern, scale, sinks)
+    return upipe_attention_forward(q, k, v, layout, group, kern, scale, sinks=sinks)[0]
