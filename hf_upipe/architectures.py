@@ -121,6 +121,8 @@ VERIFIED_REGISTERED = (
     # attention sinks (`s_aux`, from the log-sum-exp in `upipe_attention`); gpt_oss stays unverified: opted in, its
     # packed batches are not exact in the matrix
     "flint", "mimo_v2_flash",
+    # attention-logit soft-capping (`hf_upipe.ops.softcap`)
+    "gemma2", "vaultgemma",
 )
 # the Llama-shaped families with the fused block (each also exact on the registered path); MoE blocks stay untiled
 # (their norms are tiled), and Cohere's LayerNorm is tiled as its norm

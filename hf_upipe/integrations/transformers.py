@@ -32,10 +32,10 @@ kernel, padding, packing and generation with a KV cache included (`upipe_cu_seql
 Under SP, trailing (right) padding is accepted: causal attention never lets a real token see a later pad, so
 real tokens are exact; outputs at padded positions are not meaningful and their labels must be ignored (-100).
 Sliding windows shorter than the sequence (in the mask, in the call, or both, agreeing) run in the kernel
-(`hf_upipe.ops.windowed`); so do attention sinks (`s_aux`/`sinks`: `upipe_attention(sinks=)`, from the log-sum-exp)
-and value heads of another width (MLA: zero-padded). Left or interior padding, packed rows without
-`upipe_cu_seqlens`, windows with packed rows, custom masks, dropout, softcap and KV caches with past tokens raise
-errors naming the fix.
+(`hf_upipe.ops.windowed`); so do attention sinks (`s_aux`/`sinks`: `upipe_attention(sinks=)`, from the log-sum-exp),
+soft-capped scores (`softcap`: `hf_upipe.ops.softcap`, CPU) and value heads of another width (MLA: zero-padded).
+Left or interior padding, packed rows without `upipe_cu_seqlens`, windows with packed rows (except inside the
+soft-capped kernel), custom masks, dropout and KV caches with past tokens raise errors naming the fix.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ from hf_upipe.integrations.support import config_refusal, refusal_error, sdpa_re
 from hf_upipe.ops.documents import DocumentKernel
 from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.kernels import AttentionKernel, get_kernel
+from hf_upipe.ops.softcap import SoftcapKernel
 from hf_upipe.ops.upipe_attention import upipe_attention
 from hf_upipe.ops.windowed import WindowKernel
 
@@ -181,6 +182,15 @@ def window_kernel(kernel, window: int | None, documents, device, dtype):
     return WindowKernel(inner, window)
 
 
+def softcap_kernel(state, kwargs: dict | None, device, dtype, seq_len: int, softcap: float, window: int | None):
+    """The state's kernel with soft-capped scores (`hf_upipe.ops.softcap.SoftcapKernel`, any window inside it), run
+    per document for packed rows (`upipe_cu_seqlens` in `kwargs`)."""
+    base = get_kernel(state.kernel, device, dtype) if isinstance(state.kernel, str) else state.kernel
+    kernel = SoftcapKernel(base, softcap, window)
+    documents = None if kwargs is None else kwargs.get("upipe_cu_seqlens")
+    return kernel if documents is None else DocumentKernel(kernel, documents, seq_len, kwargs.get("upipe_max_seqlen"))
+
+
 # attention arguments "upipe" does not implement: refused with and without SP rather than dropped
 _UNIMPLEMENTED = ("softcap", "s_aux", "sinks", "position_bias", "alibi", "attention_bias")
 _SINKS = ("s_aux", "sinks")  # per-head attention-sink logits: implemented under SP (`upipe_attention(sinks=)`)
@@ -294,7 +304,7 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, **kwargs)
     check_model(config, state, query.shape[2] * state.sp_size)
-    check_call(module, dropout, kwargs, handled=_SINKS)
+    check_call(module, dropout, kwargs, handled=_SINKS + ("softcap",))
     _check_kv_length(query, key)
     sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")  # [H] sink logits
     query, key, value, v_dim, scaling = _equal_head_dims(query, key, value, scaling)
@@ -310,7 +320,10 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
                         kwargs.get("upipe_cu_seqlens"), query.dtype)
         kernel = sp_kernel(state, kwargs, query.device, query.dtype, s * state.sp_size)
     window = sp_window(attention_mask, sliding_window, s * state.sp_size, module)
-    if not is_fake(query):  # (the planner's simulation runs the unwindowed kernel: an upper bound)
+    if kwargs.get("softcap") is not None:  # blocked math kernel (the simulation runs it too: its memory counts)
+        kernel = softcap_kernel(state, None if is_fake(query) else kwargs, query.device, query.dtype,
+                                s * state.sp_size, kwargs["softcap"], window)
+    elif not is_fake(query):  # (the planner's simulation runs the unwindowed kernel: an upper bound)
         kernel = window_kernel(kernel, window, kwargs.get("upipe_cu_seqlens"), query.device, query.dtype)
     out = upipe_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [B, s, H|Hk, D] views

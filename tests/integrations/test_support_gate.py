@@ -206,6 +206,9 @@ def _gate_worker(rank, world):
         (got * w[:, sh].float()).sum().backward()
         out[f"mla {v_dim}"] = max([_rel(got, want[:, sh])] +
                                   [_rel(m.grad, r.grad[:, :, sh]) for m, r in zip(mine, ref)])
+    q = torch.randn(1, 8, S // world, 8)  # sinks and softcap run under SP (tests/ops); other arguments do not
+    out["position_bias under SP"] = _outcome(lambda: upipe_attention_forward(
+        attention, q, q[:, :2], q[:, :2], None, position_ids=inputs["position_ids"], position_bias=torch.zeros(1)))
     return out
 
 
@@ -230,6 +233,7 @@ def test_refusals_on_every_rank_before_any_collective():
         assert "use_cache=True" in out["use_cache"]
         assert "shard_batch(sp_rank=" in out["other sp_size"] and "of 2" in out["other sp_size"]
         assert out["mla 16"] < 1e-5 and out["mla 4"] < 1e-5, (out["mla 16"], out["mla 4"])
+        assert "passes 'position_bias' to its attention" in out["position_bias under SP"]
 
 
 def _opt_in_worker(rank, world, allow):
