@@ -123,6 +123,8 @@ VERIFIED_REGISTERED = (
     "flint", "mimo_v2_flash",
     # attention-logit soft-capping (`hf_upipe.ops.softcap`)
     "gemma2", "vaultgemma",
+    # its decoder layers drop the attention kwargs: packed rows' documents come from the model call
+    "nemotron",
 )
 # the Llama-shaped families with the fused block (each also exact on the registered path); MoE blocks stay untiled
 # (their norms are tiled), and Cohere's LayerNorm is tiled as its norm

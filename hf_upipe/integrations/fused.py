@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from hf_upipe.architectures import adapter_verified, fused_attention_classes
-from hf_upipe.integrations.layout import validate_layout
+from hf_upipe.integrations.layout import validate_layout, with_model_documents
 from hf_upipe.integrations.transformers import (
     active_state,
     check_call,
@@ -147,6 +147,7 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
     dropout = self.attention_dropout if self.training else 0.0
     check_model(self.config, state, hidden_states.shape[1] * state.sp_size)
     check_call(self, dropout, kwargs)
+    kwargs = with_model_documents(kwargs)
     if isinstance(attention_mask, torch.Tensor):
         raise NotImplementedError("The fused UPipe path got a prepared attention mask tensor under sequence "
                                   "parallelism; pass a 2-D padding mask (right padding) or none.")

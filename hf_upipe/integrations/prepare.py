@@ -14,7 +14,7 @@ than attention, attention that bypasses transformers' attention interface are re
 pre-hook on the model that refuses, under SP, what a call would silently get wrong: `labels=` without
 `shift_labels=` (the model would shift inside each shard), `output_attentions=True` (no attention weights exist),
 `use_cache=True` or a `past_key_values` cache (the cache would hold one shard's keys and values); and it notes the
-call's position_ids, which the layout check uses where an attention call does not receive them.
+call's position_ids and packed-row documents, which the attention uses where its call does not receive them.
 
 One log line says what was applied; classes the gate kept off (the installed transformers changed their source)
 get a warning naming them.
@@ -48,7 +48,7 @@ def _refuse_silent_misuse(module, args, kwargs):
     state = get_sequence_parallel_state()
     if state is None or state.sp_size == 1:
         return None
-    note_model_positions(kwargs.get("position_ids"))
+    note_model_positions(kwargs.get("position_ids"), kwargs.get("upipe_cu_seqlens"), kwargs.get("upipe_max_seqlen"))
     if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
         raise ValueError("labels= under sequence parallelism would be shifted inside each rank's shard (the last "
                          "target of every shard lost, the shards misaligned): pass the shard's labels already shifted "

@@ -49,7 +49,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from hf_upipe.distributed import SequenceParallelState, get_sequence_parallel_state
-from hf_upipe.integrations.layout import TensorCache, mask_agrees, validate_layout
+from hf_upipe.integrations.layout import TensorCache, mask_agrees, validate_layout, with_model_documents
 from hf_upipe.integrations.support import config_refusal, refusal_error, sdpa_refusal
 from hf_upipe.ops.documents import DocumentKernel
 from hf_upipe.ops.fake import is_fake
@@ -305,6 +305,7 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
                                       sliding_window=sliding_window, **kwargs)
     check_model(config, state, query.shape[2] * state.sp_size)
     check_call(module, dropout, kwargs, handled=_SINKS + ("softcap",))
+    kwargs = with_model_documents(kwargs)
     _check_kv_length(query, key)
     sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")  # [H] sink logits
     query, key, value, v_dim, scaling = _equal_head_dims(query, key, value, scaling)

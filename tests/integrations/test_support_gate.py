@@ -310,3 +310,22 @@ def test_initialising_again():
     assert same is True
     assert "already called with sp_size=2, heads_per_chunk=1" in other and "reset_sequence_parallel()" in other
     assert changed is None
+
+
+def test_attention_calls_without_documents_use_the_model_calls():
+    """Nemotron's decoder layers drop the attention kwargs (upipe_cu_seqlens): the attention takes the documents of
+    the prepared model's call, but only for the same batch (the model call's own position_ids tensor)."""
+    from hf_upipe.integrations.layout import note_model_positions, with_model_documents
+
+    pos, docs = torch.arange(8)[None], torch.tensor([0, 3, 8], dtype=torch.int32)
+    note_model_positions(pos, docs, 5)
+    try:
+        got = with_model_documents({"position_ids": pos})
+        assert got["upipe_cu_seqlens"] is docs and got["upipe_max_seqlen"] == 5
+        assert with_model_documents({})["upipe_cu_seqlens"] is docs  # no positions in the call: the model's
+        assert "upipe_cu_seqlens" not in with_model_documents({"position_ids": pos.clone()})  # another batch
+        own = torch.tensor([0, 8], dtype=torch.int32)
+        assert with_model_documents({"position_ids": pos, "upipe_cu_seqlens": own})["upipe_cu_seqlens"] is own
+    finally:
+        note_model_positions(None)
+    assert "upipe_cu_seqlens" not in with_model_documents({"position_ids": pos})
