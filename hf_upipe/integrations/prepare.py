@@ -1,7 +1,8 @@
 """`prepare_model` / `unprepare_model`: apply the registry's adapters to a loaded model, and revert them exactly.
 
 Entry points:
-- `prepare_model(model, upipe_config=None)`: switch the model to `attn_implementation="upipe"`, install the fused
+- `prepare_model(model, upipe_config=None)`: switch the model to `attn_implementation="upipe"`, make
+  length-dependent RoPE take the global length (`hf_upipe.integrations.rope`), install the fused
   attention block (`hf_upipe.integrations.fused`) and, with `upipe_config.tiled_mlp`, the tiled MLP/RMSNorm
   (`hf_upipe.memory.tiled_mlp`) on the modules of the architectures in `hf_upipe.architectures`, behind their
   version gate. Idempotent; a plain transformers model, a PEFT model, or any module tree.
@@ -31,6 +32,7 @@ from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.fused import install_fused_attention, remove_fused_attention
 from hf_upipe.integrations.layout import note_model_positions
 from hf_upipe.integrations.peft import base_model
+from hf_upipe.integrations.rope import install_global_rope, remove_global_rope
 from hf_upipe.integrations.support import model_refusal, refusal_error
 from hf_upipe.memory.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
 
@@ -81,9 +83,12 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
         NotImplementedError: under sequence parallelism, a model the support gate refuses (nothing is changed).
     """
     state = get_sequence_parallel_state()
+    installed_rope = install_global_rope(model)  # length-dependent RoPE from the global sequence (the gate needs it)
     if state is not None and state.sp_size > 1:
         reason = model_refusal(model, allow_unverified=state.allow_unverified)
         if reason is not None:
+            if installed_rope:
+                remove_global_rope(model)
             raise refusal_error(reason)
     if upipe_config is not None and upipe_config.tiled_mlp:
         apply_tiled_mlp(model, upipe_config.mlp_chunk_tokens)
@@ -112,6 +117,7 @@ def unprepare_model(model: nn.Module) -> nn.Module:
     """Remove every adapter `prepare_model` installed and restore the previous attention implementation."""
     remove_fused_attention(model)
     remove_tiled_mlp(model)
+    remove_global_rope(base_model(model))
     base = base_model(model)
     if _HOOK in base.__dict__:
         base.__dict__.pop(_HOOK).remove()

@@ -5,7 +5,8 @@ Entry points:
   under SP, or None. From the config alone: an architecture the registry (`hf_upipe.architectures`) does not list
   as verified; `layer_types` other than attention (the convolution or linear-attention layers of a hybrid, even of
   a verified family); RoPE whose frequencies depend on the sequence length ("dynamic", "longrope"), which every
-  rank would derive from its own shard. (Sliding windows are implemented: `hf_upipe.ops.windowed`; `seq_len`, the
+  rank would derive from its own shard, unless `prepare_model` made the model's rotary modules take the global
+  length (`hf_upipe.integrations.rope`). (Sliding windows are implemented: `hf_upipe.ops.windowed`; `seq_len`, the
   full length, is accepted for the callers' sake.) What the mask and attention functions check at the first call of
   a forward.
 - `model_refusal(model, *, allow_unverified=False)`: the same for a loaded model, naming the module that is not
@@ -30,6 +31,7 @@ from torch import nn
 
 from hf_upipe.architectures import ARCHITECTURES
 from hf_upipe.integrations.peft import base_model
+from hf_upipe.integrations.rope import global_rope_ready
 
 __all__ = ["config_refusal", "model_refusal", "refusal_error", "sdpa_refusal"]
 
@@ -70,7 +72,9 @@ _ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 def config_refusal(config, seq_len: int | None = None, *, allow_unverified: bool = False) -> str | None:
     """See the module docstring."""
     model_type = getattr(config, "model_type", None)  # the whole model's: a multimodal model is its own type
+    global_rope = global_rope_ready(config)
     config = _text_config(config)
+    global_rope = global_rope or global_rope_ready(config)
     arch = ARCHITECTURES.get(model_type)
     if (arch is None or not arch.verified) and not allow_unverified:
         return (f"hf_upipe has not verified model_type {model_type!r} under sequence parallelism (it is not in the "
@@ -81,9 +85,10 @@ def config_refusal(config, seq_len: int | None = None, *, allow_unverified: bool
                 "such as convolutions or linear attention, or attention of another kind), which hf_upipe does not "
                 "implement under sequence parallelism and which would run on each rank's shard alone")
     rope = _rope_type(config)
-    if rope in _LENGTH_ROPE:
+    if rope in _LENGTH_ROPE and not global_rope:
         return (f"RoPE of type {rope!r} derives its frequencies from the sequence length, which each rank would take "
-                "from its own shard")
+                "from its own shard: call hf_upipe.prepare_model(model) (the Trainer and the plugin do), which makes "
+                "it take the global length")
     return None
 
 

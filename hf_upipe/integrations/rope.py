@@ -1,0 +1,116 @@
+"""RoPE whose frequencies depend on the sequence length ("dynamic" NTK, "longrope"), from the GLOBAL sequence.
+
+Entry points:
+- `install_global_rope(model)` / `remove_global_rope(model)`: on every rotary-embedding module of the model whose
+  class forward goes through transformers' `dynamic_rope_update` and whose rope type depends on the length, install
+  (and remove, exactly) `global_rope_forward`. `hf_upipe.prepare_model` calls them.
+- `global_rope_ready(config)`: whether a prepared model of this config has them installed; the support gate
+  (`hf_upipe.integrations.support.config_refusal`) refuses length-dependent RoPE under SP otherwise.
+
+Why: transformers takes the length from the position_ids the rotary module receives (max + 1). Under SP each rank
+holds a shard, so rank 0 would pick the short-context frequencies while the last rank picks the long ones. Under
+SP, `global_rope_forward` all-reduces the maximum position over the SP group (one tiny collective per model
+forward, the same on every rank), runs the class's own forward once on that single position, which updates the
+frequencies exactly as for the whole sequence, then computes cos/sin for the shard's real positions with the
+undecorated forward. Packed rows: the length is the longest document's, as in transformers. Without SP the class's
+forward runs as it is.
+
+Version gate: `dynamic_rope_update`'s source has a recorded fingerprint; when the installed transformers changes
+it, nothing is installed and such models stay refused under SP (`tests/integrations/test_rope.py` fails then).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import types
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_upipe.distributed import get_sequence_parallel_state
+from hf_upipe.ops.fake import is_fake
+
+__all__ = ["ROPE_FINGERPRINT", "global_rope_forward", "global_rope_ready", "install_global_rope",
+           "remove_global_rope", "rope_update_fingerprint"]
+
+ROPE_FINGERPRINT = "c0bc145a218270ce"  # transformers.modeling_rope_utils.dynamic_rope_update, verified on 5.23
+_READY: dict[int, weakref.ref] = {}  # id(config) -> config, for prepared models with the global RoPE installed
+
+
+def rope_update_fingerprint() -> str:
+    from transformers import modeling_rope_utils
+
+    return hashlib.sha256(inspect.getsource(modeling_rope_utils.dynamic_rope_update).encode()).hexdigest()[:16]
+
+
+def _length_dependent(module: nn.Module) -> bool:
+    """A rotary module whose forward goes through `dynamic_rope_update` and whose rope type reads the length."""
+    kinds = module.rope_type.values() if isinstance(getattr(module, "rope_type", None), dict) else \
+        [getattr(module, "rope_type", "")]
+    if not any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds):
+        return False
+    fn = type(module).forward
+    while fn is not None:  # the decorators copy the name; the code object keeps the wrapper's own
+        if "dynamic_rope_update" in getattr(getattr(fn, "__code__", None), "co_qualname", ""):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def global_rope_forward(self, x, position_ids, *args, **kwargs):
+    """Installed on length-dependent rotary modules: their frequencies from the global length under SP."""
+    decorated = type(self).forward
+    state = get_sequence_parallel_state()
+    if state is None or state.sp_size == 1:
+        return decorated(self, x, position_ids, *args, **kwargs)
+    longest = position_ids.max().reshape(1, 1)  # [1, 1]
+    if not is_fake(position_ids):  # (a simulation's positions carry no values)
+        longest = longest.clone()
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=state.sp_group)
+    decorated(self, x, longest, *args, **kwargs)  # updates the frequencies for the whole sequence; output unused
+    with torch.no_grad():
+        return inspect.unwrap(decorated)(self, x, position_ids, *args, **kwargs)
+
+
+def _is_installed(module: nn.Module) -> bool:
+    return getattr(module.__dict__.get("forward"), "__func__", None) is global_rope_forward
+
+
+def install_global_rope(model: nn.Module) -> int:
+    """Install `global_rope_forward` on the model's length-dependent rotary modules (idempotent); how many."""
+    if rope_update_fingerprint() != ROPE_FINGERPRINT:
+        return 0
+    count = 0
+    for module in model.modules():
+        if _length_dependent(module) and ("forward" not in module.__dict__ or _is_installed(module)):
+            module.forward = types.MethodType(global_rope_forward, module)
+            config = getattr(module, "config", None)
+            if config is not None:
+                _READY[id(config)] = weakref.ref(config)
+            count += 1
+    config = getattr(model, "config", None)
+    if count and config is not None:
+        _READY[id(config)] = weakref.ref(config)
+    return count
+
+
+def remove_global_rope(model: nn.Module) -> int:
+    """Give every such module its class's forward back; how many."""
+    count = 0
+    for module in model.modules():
+        if _is_installed(module):
+            del module.forward
+            config = getattr(module, "config", None)
+            _READY.pop(id(config), None)
+            count += 1
+    _READY.pop(id(getattr(model, "config", None)), None)
+    return count
+
+
+def global_rope_ready(config) -> bool:
+    """Whether a model of this config object (or whose text config it is) has the global RoPE installed."""
+    ref = _READY.get(id(config))
+    return ref is not None and ref() is config
