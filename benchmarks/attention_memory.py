@@ -5,6 +5,10 @@ rank's shard, counted exactly with fake tensors on a fake process group (`hf_upi
 Counts tensor storages only: no kernel workspaces, CUDA allocator rounding or NCCL buffers.
 
     python benchmarks/attention_memory.py [--seq-lens 128K,1M,3M] [--sp-size 8] [--geometry llama3-8b,qwen3-32b]
+                                          [--arch llama]
+
+`--arch` builds another fused family's attention module at the geometry (e.g. olmo2: q/k norms over the whole
+projection; phi3: one fused qkv projection); its json and png are written as attention_memory_<arch>.*.
 
 Prints one markdown table per geometry and writes <out>/attention_memory.json (raw bytes, the command line,
 versions) and <out>/attention_memory.png. u = one full-width local activation = s * hidden * 2 bytes (bf16).
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-lens", default=DEFAULT_SEQ, help="comma list; K = 1000, M = 10**6 (default: %(default)s)")
     ap.add_argument("--sp-size", type=int, default=8)
     ap.add_argument("--geometry", default="llama3-8b,qwen3-32b", help=f"comma list of {sorted(GEOMETRIES)}")
+    ap.add_argument("--arch", default="llama", help="the attention module's model_type (a fused family)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     start = time.perf_counter()
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         for S in seq_lens:
             for label, impl, c in impls:
                 r = simulate_attention_block(impl, **geo, seq_len=S, sp_size=args.sp_size, dtype=torch.bfloat16,
-                                             heads_per_chunk=c)
+                                             heads_per_chunk=c, arch=args.arch)
                 rows[S, label] = r
                 records.append(dict(geometry=name, **geo, seq_len=S, sp_size=args.sp_size, impl=impl, label=label,
                                     heads_per_chunk=c, forward_peak_bytes=r["forward_peak"], peak_bytes=r["peak"],
@@ -99,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         tables.append((name, geo, impls, rows))
 
     for name, geo, impls, rows in tables:
-        print(f"\n### {name}: hidden {geo['hidden']}, {geo['heads']} q / {geo['kv_heads']} kv heads, head dim "
+        print(f"\n### {name} ({args.arch} attention): "
+              f"hidden {geo['hidden']}, {geo['heads']} q / {geo['kv_heads']} kv heads, head dim "
               f"{geo['head_dim']}, bf16, P = {args.sp_size}; per-rank peaks (u = s*hidden*2 B)\n")
         print("| S | implementation | fwd GiB (u) | fwd+bwd GiB (u) | fwd / DS | fwd+bwd / DS "
               "| fwd+bwd / DS, grad-in counted | fwd+bwd / ours-Ulysses |")
@@ -119,16 +125,17 @@ def main(argv: list[str] | None = None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     wall = time.perf_counter() - start
-    meta = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), sp_size=args.sp_size,
+    meta = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), sp_size=args.sp_size, arch=args.arch,
                 dtype="bfloat16", seq_lens=seq_lens,
                 versions=dict(torch=torch.__version__, transformers=transformers.__version__, deepspeed=ds_version,
                               hf_upipe=hf_upipe.__version__),
                 method="fake tensors + fake process group, MemoryTracker (tensor storages; rank 0)",
                 results=records, wall_time_s=round(wall, 2))
-    json_path = os.path.join(args.out, "attention_memory.json")
+    stem = "attention_memory" if args.arch == "llama" else f"attention_memory_{args.arch}"
+    json_path = os.path.join(args.out, f"{stem}.json")
     with open(json_path, "w") as f:
         json.dump(meta, f, indent=1)
-    png_path = os.path.join(args.out, "attention_memory.png")
+    png_path = os.path.join(args.out, f"{stem}.png")
     plot(tables, seq_lens, args.sp_size, png_path)
     print(f"\nwrote {json_path} and {png_path}")
     print(f"total wall time: {time.perf_counter() - start:.1f} s")

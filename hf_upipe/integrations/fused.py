@@ -147,7 +147,7 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
     dropout = self.attention_dropout if self.training else 0.0
     check_model(self.config, state, hidden_states.shape[1] * state.sp_size)
     check_call(self, dropout, kwargs)
-    kwargs = with_model_documents(kwargs)
+    kwargs = with_model_documents(kwargs, self)
     if isinstance(attention_mask, torch.Tensor):
         raise NotImplementedError("The fused UPipe path got a prepared attention mask tensor under sequence "
                                   "parallelism; pass a 2-D padding mask (right padding) or none.")

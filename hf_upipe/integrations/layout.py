@@ -6,10 +6,12 @@ Entry points:
   the same documents (`upipe_cu_seqlens`), position_ids that are global (or per document), a mask that is causal
   (inside the documents) and padding only at the end of each row; raises the same error on every rank. Once per
   model forward: later layers and checkpoint recomputes hand over the same objects and are not checked again.
-- `note_model_positions(position_ids, documents=None, max_seqlen=None)` / `model_positions()`: the position_ids
-  (and packed rows' documents) a prepared model was called with, for the models whose attention calls do not
-  receive them (the check then uses what the model received); `with_model_documents(kwargs)`: an attention call's
-  kwargs with the model call's documents, when the call lacks them (Nemotron's decoder layer drops its kwargs).
+- `note_model_positions(position_ids, documents=None, max_seqlen=None, model=None)` / `model_positions()`: the
+  position_ids (and packed rows' documents) a prepared model was called with, for the models whose attention calls
+  do not receive them (the check then uses what the model received); `adopt_modules(model)` (and
+  `release_modules`) and
+  `with_model_documents(kwargs, module)`: an attention call's kwargs with its own model's call's documents, when
+  the call lacks them (Nemotron's decoder layers drop their kwargs).
 - `mask_agrees(mask_function, b, q_idx, kv_idx, expected)`: probe a transformers mask function at index pairs.
 - `TensorCache`: tensor -> value by the tensor's identity, holding it weakly.
 
@@ -27,8 +29,8 @@ import torch.distributed as dist
 from hf_upipe.distributed import validation_failed
 from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
 
-__all__ = ["TensorCache", "mask_agrees", "model_positions", "note_model_positions", "validate_layout",
-           "with_model_documents"]
+__all__ = ["TensorCache", "adopt_modules", "mask_agrees", "model_positions", "note_model_positions",
+           "release_modules", "validate_layout", "with_model_documents"]
 
 
 def mask_agrees(mask_function, b: int, q_idx: torch.Tensor, kv_idx: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -241,23 +243,43 @@ def validate_layout(state, position_ids, mask, batch, local_len, device, documen
 
 
 _MODEL_POSITIONS: list = [None]  # a weak reference to the position_ids of the latest call of a prepared model
-_MODEL_DOCUMENTS: list = [None, None]  # and to its upipe_cu_seqlens, with its upipe_max_seqlen
+_MODEL_DOCUMENTS: list = [None, None, None]  # and to its upipe_cu_seqlens, its upipe_max_seqlen, and the model
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module of a prepared model -> weakref(model)
 
 
-def note_model_positions(position_ids, documents=None, max_seqlen=None) -> None:
+def adopt_modules(model) -> None:
+    """Record `model` (a prepared model) as the owner of its modules, for `with_model_documents`."""
+    ref = weakref.ref(model)
+    for module in model.modules():
+        _OWNERS[module] = ref
+
+
+def release_modules(model) -> None:
+    """Forget `model` as the owner of its modules (`unprepare_model`)."""
+    for module in model.modules():
+        _OWNERS.pop(module, None)
+
+
+def note_model_positions(position_ids, documents=None, max_seqlen=None, model=None) -> None:
     """Record the position_ids (and `upipe_cu_seqlens` / `upipe_max_seqlen`) a prepared model was called with
     (`hf_upipe.prepare_model`'s pre-hook): the layout check uses them for attention calls that do not receive them
     themselves. Kept weakly, so the tensors die with the batch; a checkpoint recompute finds the same tensors."""
     _MODEL_POSITIONS[0] = weakref.ref(position_ids) if isinstance(position_ids, torch.Tensor) else None
-    _MODEL_DOCUMENTS[:] = [weakref.ref(documents), max_seqlen] if isinstance(documents, torch.Tensor) else [None, None]
+    _MODEL_DOCUMENTS[:] = ([weakref.ref(documents), max_seqlen, None if model is None else weakref.ref(model)]
+                           if isinstance(documents, torch.Tensor) else [None, None, None])
 
 
-def with_model_documents(kwargs: dict) -> dict:
-    """An attention call's kwargs, with the model call's packed-row documents added when the call has none and its
-    position_ids are the model call's own tensor (or absent): the same batch, so the same documents."""
-    ref = _MODEL_DOCUMENTS[0]
+def with_model_documents(kwargs: dict, module=None) -> dict:
+    """An attention call's kwargs, with the model call's packed-row documents added when the call has none, its
+    position_ids are the model call's own tensor (or absent) and `module` belongs to that model: the same batch of
+    the same model, so the same documents."""
+    ref, owner = _MODEL_DOCUMENTS[0], _MODEL_DOCUMENTS[2]
     documents = ref() if ref is not None else None
     if documents is None or kwargs.get("upipe_cu_seqlens") is not None:
+        return kwargs
+    model = owner() if owner is not None else None
+    mine = _OWNERS.get(module) if module is not None else None
+    if model is None or mine is None or mine() is not model:
         return kwargs
     positions = kwargs.get("position_ids")
     if positions is not None and positions is not model_positions():

@@ -30,7 +30,7 @@ from torch import nn
 from hf_upipe.architectures import VERIFIED_ON
 from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.fused import install_fused_attention, remove_fused_attention
-from hf_upipe.integrations.layout import note_model_positions
+from hf_upipe.integrations.layout import adopt_modules, note_model_positions, release_modules
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.rope import install_global_rope, remove_global_rope
 from hf_upipe.integrations.support import model_refusal, refusal_error
@@ -50,7 +50,8 @@ def _refuse_silent_misuse(module, args, kwargs):
     state = get_sequence_parallel_state()
     if state is None or state.sp_size == 1:
         return None
-    note_model_positions(kwargs.get("position_ids"), kwargs.get("upipe_cu_seqlens"), kwargs.get("upipe_max_seqlen"))
+    note_model_positions(kwargs.get("position_ids"), kwargs.get("upipe_cu_seqlens"), kwargs.get("upipe_max_seqlen"),
+                         module)
     if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
         raise ValueError("labels= under sequence parallelism would be shifted inside each rank's shard (the last "
                          "target of every shard lost, the shards misaligned): pass the shard's labels already shifted "
@@ -95,6 +96,7 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
     base = base_model(model)
     if _HOOK not in base.__dict__:
         base.__dict__[_HOOK] = base.register_forward_pre_hook(_refuse_silent_misuse, with_kwargs=True)
+    adopt_modules(base)
     config = getattr(base, "config", None)
     current = getattr(config, "_attn_implementation", None)
     if config is not None and current != "upipe" and hasattr(base, "set_attn_implementation"):
@@ -119,6 +121,7 @@ def unprepare_model(model: nn.Module) -> nn.Module:
     remove_tiled_mlp(model)
     remove_global_rope(base_model(model))
     base = base_model(model)
+    release_modules(base)
     if _HOOK in base.__dict__:
         base.__dict__.pop(_HOOK).remove()
     if _PREVIOUS in base.__dict__:

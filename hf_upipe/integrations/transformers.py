@@ -305,7 +305,7 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
                                       sliding_window=sliding_window, **kwargs)
     check_model(config, state, query.shape[2] * state.sp_size)
     check_call(module, dropout, kwargs, handled=_SINKS + ("softcap",))
-    kwargs = with_model_documents(kwargs)
+    kwargs = with_model_documents(kwargs, module)
     _check_kv_length(query, key)
     sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")  # [H] sink logits
     query, key, value, v_dim, scaling = _equal_head_dims(query, key, value, scaling)

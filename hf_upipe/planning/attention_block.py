@@ -2,8 +2,9 @@
 
 Entry points:
 - `measure_attention_block(impl, *, hidden, heads, kv_heads, head_dim, seq_len, sp_size, dtype, group=None,
-  heads_per_chunk=1)`: forward + backward of one transformers `LlamaAttention` (q/k/v projections, RoPE,
-  attention, o_proj) on this rank's shard, under `MemoryTracker`. Runs on real tensors in a real process group
+  heads_per_chunk=1, arch="llama")`: forward + backward of one transformers attention module (`LlamaAttention`, or
+  the attention of another fused family, e.g. "olmo2", "phi3": q/k/v projections, norms, RoPE, attention, o_proj)
+  on this rank's shard, under `MemoryTracker`. Runs on real tensors in a real process group
   (gloo) or on fake tensors under `simulated_world` + `fake_tensors`.
 - `simulate_attention_block(impl, *, hidden, ..., seq_len, sp_size, dtype, heads_per_chunk=1)`: the same as
   rank 0 of a fake `sp_size`-rank world, in one process, at any sequence length.
@@ -105,14 +106,22 @@ def upipe_state(group: dist.ProcessGroup, heads_per_chunk: int | None) -> Iterat
         _sp.set_sequence_parallel_state(previous)  # exactly what was installed before (None: reset)
 
 
-def build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group):
-    """A LlamaAttention with this geometry, built in `dtype` (also under fake mode), and its rotary embedding."""
-    from transformers import AttentionInterface, LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+def build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group, arch="llama"):
+    """The attention module of `arch` (a model_type of the registry's fused families; LlamaAttention by default) with
+    this geometry, built in `dtype` (also under fake mode), and its rotary embedding."""
+    import importlib
 
+    from transformers import AttentionInterface, AutoConfig
+
+    from hf_upipe.architectures import ARCHITECTURES
+
+    entry = ARCHITECTURES.get(arch)
+    if entry is None or not entry.fused:
+        raise ValueError(f"arch={arch!r}: choose a fused architecture of hf_upipe.architectures.FUSED")
+    module = importlib.import_module(f"transformers.models.{entry.module or arch}.modeling_{entry.module or arch}")
     name = "upipe" if impl in UPIPE_IMPLS else DS_ATTN_NAME
-    config = LlamaConfig(
-        hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+    config = AutoConfig.for_model(
+        arch, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         intermediate_size=4 * hidden, num_hidden_layers=1, attention_dropout=0.0, attention_bias=False,
         max_position_embeddings=seq_len,
     )
@@ -120,8 +129,8 @@ def build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtyp
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # module.to(dtype) fails under fake mode
     try:
-        block = LlamaAttention(config, layer_idx=0)
-        rotary = LlamaRotaryEmbedding(config)  # inv_freq is float32 whatever the default dtype
+        block = getattr(module, entry.attention)(config, layer_idx=0)
+        rotary = getattr(module, f"{entry.prefix}RotaryEmbedding")(config)  # inv_freq: float32 whatever the dtype
     finally:
         torch.set_default_dtype(previous)
     if impl == "fused":
@@ -153,6 +162,7 @@ def measure_attention_block(
     group: dist.ProcessGroup | None = None,
     heads_per_chunk: int | None = 1,
     snapshot: bool = False,
+    arch: str = "llama",
 ) -> dict:
     """Tracked forward + backward of one attention block on this rank's shard of seq_len // sp_size tokens.
 
@@ -163,6 +173,7 @@ def measure_attention_block(
         dtype: weights and activations.
         heads_per_chunk: UPipe's query heads per rank per stage (None: Ulysses mode); ignored for "deepspeed".
         snapshot: also return the storages live at the peak (`MemoryTracker(snapshot_at_peak=True)`).
+        arch: the attention module's architecture (`build_attention_block`).
 
     Returns:
         {"forward_peak": bytes, "peak": bytes (forward + backward), "peak_with_grad_in": the same counting the
@@ -184,7 +195,7 @@ def measure_attention_block(
     state = upipe_state(group, heads_per_chunk) if impl in UPIPE_IMPLS else deepspeed_comm()
     with state:
         # not counted: weights, x [1, s, hidden], position_ids [1, s] (global), cos/sin [1, s, D]
-        block, rotary = build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group)
+        block, rotary = build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group, arch)
         x = torch.randn(1, s, hidden, dtype=dtype, requires_grad=True)
         position_ids = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)
         cos, sin = rotary(x, position_ids)
@@ -219,6 +230,7 @@ def simulate_attention_block(
     dtype: torch.dtype = torch.bfloat16,
     heads_per_chunk: int | None = 1,
     snapshot: bool = False,
+    arch: str = "llama",
 ) -> dict:
     """`measure_attention_block` as rank 0 of a fake sp_size-rank world on fake tensors (one process, no data).
 
@@ -231,6 +243,7 @@ def simulate_attention_block(
             return measure_attention_block(
                 impl, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len,
                 sp_size=sp_size, dtype=dtype, group=world, heads_per_chunk=heads_per_chunk, snapshot=snapshot,
+                arch=arch,
             )
         finally:
             if impl in UPIPE_IMPLS:

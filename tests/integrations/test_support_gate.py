@@ -314,18 +314,23 @@ def test_initialising_again():
 
 def test_attention_calls_without_documents_use_the_model_calls():
     """Nemotron's decoder layers drop the attention kwargs (upipe_cu_seqlens): the attention takes the documents of
-    the prepared model's call, but only for the same batch (the model call's own position_ids tensor)."""
-    from hf_upipe.integrations.layout import note_model_positions, with_model_documents
+    its own prepared model's call, for the same batch only (that call's position_ids tensor)."""
+    from hf_upipe.integrations.layout import adopt_modules, note_model_positions, with_model_documents
 
+    model, other = torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Sequential(torch.nn.Linear(2, 2))
+    adopt_modules(model)
+    attention = model[0]
     pos, docs = torch.arange(8)[None], torch.tensor([0, 3, 8], dtype=torch.int32)
-    note_model_positions(pos, docs, 5)
+    note_model_positions(pos, docs, 5, model)
     try:
-        got = with_model_documents({"position_ids": pos})
+        got = with_model_documents({"position_ids": pos}, attention)
         assert got["upipe_cu_seqlens"] is docs and got["upipe_max_seqlen"] == 5
-        assert with_model_documents({})["upipe_cu_seqlens"] is docs  # no positions in the call: the model's
-        assert "upipe_cu_seqlens" not in with_model_documents({"position_ids": pos.clone()})  # another batch
+        assert with_model_documents({}, attention)["upipe_cu_seqlens"] is docs  # no positions in the call
+        assert "upipe_cu_seqlens" not in with_model_documents({"position_ids": pos.clone()}, attention)  # other batch
+        assert "upipe_cu_seqlens" not in with_model_documents({"position_ids": pos}, other[0])  # another model
         own = torch.tensor([0, 8], dtype=torch.int32)
-        assert with_model_documents({"position_ids": pos, "upipe_cu_seqlens": own})["upipe_cu_seqlens"] is own
+        assert with_model_documents({"position_ids": pos, "upipe_cu_seqlens": own}, attention)["upipe_cu_seqlens"] \
+            is own
     finally:
         note_model_positions(None)
-    assert "upipe_cu_seqlens" not in with_model_documents({"position_ids": pos})
+    assert "upipe_cu_seqlens" not in with_model_documents({"position_ids": pos}, attention)
