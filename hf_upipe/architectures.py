@@ -125,6 +125,8 @@ VERIFIED_REGISTERED = (
     "gemma2", "vaultgemma",
     # its decoder layers drop the attention kwargs: packed rows' documents come from the model call
     "nemotron",
+    # Granite with sliding windows
+    "granite_swa", "granitemoe_swa",
 )
 # the Llama-shaped families with the fused block (each also exact on the registered path); MoE blocks stay untiled
 # (their norms are tiled), and Cohere's LayerNorm is tiled as its norm

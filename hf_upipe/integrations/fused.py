@@ -163,7 +163,7 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
     if call_window is None and arch.window_in_config:
         call_window = getattr(self.config, "sliding_window", None)
     window = sp_window(attention_mask, call_window, s * state.sp_size, self)
-    if not is_fake(hidden_states):
+    if not is_fake(hidden_states):  # (a simulation runs the unwindowed kernel: see upipe_attention_forward)
         kernel = window_kernel(kernel, window, kwargs.get("upipe_cu_seqlens"), hidden_states.device,
                                hidden_states.dtype)
     cos, sin = position_embeddings

@@ -324,7 +324,8 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
     if kwargs.get("softcap") is not None:  # blocked math kernel (the simulation runs it too: its memory counts)
         kernel = softcap_kernel(state, None if is_fake(query) else kwargs, query.device, query.dtype,
                                 s * state.sp_size, kwargs["softcap"], window)
-    elif not is_fake(query):  # (the planner's simulation runs the unwindowed kernel: an upper bound)
+    elif not is_fake(query):  # (a simulation runs the unwindowed kernel: the memory of a native-window kernel,
+        # flash-attn's, whose buffers do not depend on the window; the CPU kernel's block masks are not modelled)
         kernel = window_kernel(kernel, window, kwargs.get("upipe_cu_seqlens"), query.device, query.dtype)
     out = upipe_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [B, s, H|Hk, D] views

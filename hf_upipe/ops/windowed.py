@@ -60,15 +60,18 @@ class WindowKernel:
             raise NotImplementedError("WindowKernel is causal only")
         if not isinstance(self.inner, SdpaCpuKernel):  # a kernel with a native window (flash-attn)
             return self.inner.forward(q, k, v, scale=scale, causal=True, window=self.window)
-        S = q.shape[1]
-        outs, lses = [], []
+        B, S, h, _ = q.shape
+        out, lse = q.new_empty(B, S, h, v.shape[-1]), None  # written block by block: no list of blocks, no cat
         for i0, i1, k0 in self._blocks(S):
-            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q[:, i0:i1].transpose(1, 2), k[:, k0:i1].transpose(1, 2), v[:, k0:i1].transpose(1, 2), 0.0, False,
                 attn_mask=self._mask(i0, i1, k0, q.dtype, q.device), scale=scale)  # [B, h, c, D], [B, h, c]
-            outs.append(o.transpose(1, 2))
-            lses.append(lse)
-        return torch.cat(outs, dim=1), torch.cat(lses, dim=2)  # [B, S, h, D], [B, h, S]
+            if lse is None:
+                lse = m.new_empty(B, h, S)
+            out[:, i0:i1] = o.transpose(1, 2)
+            lse[:, :, i0:i1] = m
+            del o, m
+        return out, lse  # [B, S, h, D], [B, h, S]
 
     def backward(self, dout, q, k, v, out, lse, *, scale, causal=True):
         """Gradients dq [B, S, h, D], dk/dv [B, S, hk, D], block by block (module docstring)."""
