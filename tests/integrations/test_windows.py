@@ -45,11 +45,21 @@ def _pair(case, dtype):
     return ref, model
 
 
+def _run(model, kw, labels=None, **extra):
+    """Loss and logits of one forward + backward; gradients stay on the parameters."""
+    model.zero_grad()
+    out = model(**kw, labels=labels, **extra)
+    out.loss.backward()
+    return out.loss.detach().float(), out.logits.detach()
+
+
 def _worker(rank, world, cases, dtype):
+    """Errors of the SP run against the fp32 one-process model (and, in bf16, the plain bf16 one-process model's
+    own errors against it: the yardstick of the bf16 check)."""
     hf_upipe.init_sequence_parallel(world)
     results = {}
     for case in cases:
-        ref, model = _pair(case, dtype)
+        ref, model = _pair(case, torch.float32)
         if case == "mistral lora":
             from peft import LoraConfig
 
@@ -61,31 +71,34 @@ def _worker(rank, world, cases, dtype):
             torch.manual_seed(5)
             model = get_peft_model(model, copy.deepcopy(lora))
             model.load_state_dict(ref.state_dict())
+        low = copy.deepcopy(ref).to(dtype) if dtype != torch.float32 else None
+        model.to(dtype)
         hf_upipe.prepare_model(model, hf_upipe.UPipeConfig(fused_attention=case != "mistral registered"))
         vocab = model.get_output_embeddings().weight.shape[0] if hasattr(model, "get_output_embeddings") else 96
         ids = torch.randint(3, min(vocab, 96), (2, S), generator=torch.Generator().manual_seed(7))
-        ref.zero_grad()
-        out = ref(input_ids=ids, labels=ids)
-        out.loss.backward()
+        s = S // world
+        loss_ref, logits_ref = _run(ref, {"input_ids": ids}, ids)
         ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        base = None
+        if low is not None:
+            loss_low, logits_low = _run(low, {"input_ids": ids}, ids)
+            base = {"loss": _rel(loss_low, loss_ref), "logits": _rel(logits_low[:, rank * s:(rank + 1) * s],
+                                                                     logits_ref[:, rank * s:(rank + 1) * s])}
+            base.update({n: _rel(p.grad, ref_grads[n]) for n, p in low.named_parameters() if p.grad is not None})
         shard = shard_batch({"input_ids": ids, "labels": ids}, rank, world)
         kw = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens", "labels")}
-        model.zero_grad()
-        got = model(**kw, labels=shard["shift_labels"], shift_labels=shard["shift_labels"],
-                    num_items_in_batch=shard["num_label_tokens"])
-        got.loss.backward()
-        loss = got.loss.detach().float().clone()
+        loss, logits = _run(model, kw, shard["shift_labels"], shift_labels=shard["shift_labels"],
+                            num_items_in_batch=shard["num_label_tokens"])
+        loss = loss.clone()
         dist.all_reduce(loss)
-        s = S // world
-        errors = {"loss": _rel(loss, out.loss.detach()),
-                  "logits": _rel(got.logits.detach(), out.logits.detach()[:, rank * s:(rank + 1) * s])}
+        errors = {"loss": _rel(loss, loss_ref), "logits": _rel(logits, logits_ref[:, rank * s:(rank + 1) * s])}
         for name, p in model.named_parameters():
             if p.grad is None:
                 continue
             g = p.grad.float().clone()
             dist.all_reduce(g)
             errors[name] = _rel(g, ref_grads[name])
-        results[case] = max(errors.values()), max(errors, key=errors.get)
+        results[case] = errors, base
     hf_upipe.reset_sequence_parallel()
     return results
 
@@ -95,12 +108,15 @@ CASES = ["mistral fused", "mistral registered", "qwen2", "qwen2_moe", "gemma3_te
 
 def test_windows_shorter_than_the_sequence_are_exact_fp32():
     for rank, results in enumerate(run_distributed(_worker, 2, CASES, torch.float32, timeout=300)):
-        for case, (error, where) in results.items():
-            assert error < 2e-5, (rank, case, where, error)
+        for case, (errors, _) in results.items():
+            worst = max(errors, key=errors.get)
+            assert errors[worst] < 2e-5, (rank, case, worst, errors[worst])
 
 
 @pytest.mark.slow
 def test_windows_in_bf16():
+    """Within 2x the plain bf16 model's own error plus one bf16 ulp (MoE routing makes fixed bounds meaningless)."""
     for rank, results in enumerate(run_distributed(_worker, 2, ["mistral fused", "qwen2_moe"], torch.bfloat16)):
-        for case, (error, where) in results.items():
-            assert error < 6e-2, (rank, case, where, error)
+        for case, (errors, base) in results.items():
+            for name, e in errors.items():
+                assert e <= 2 * base[name] + 2**-7, (rank, case, name, e, base[name])
