@@ -127,6 +127,8 @@ VERIFIED_REGISTERED = (
     "nemotron",
     # Granite with sliding windows
     "granite_swa", "granitemoe_swa",
+    # chunked attention (`hf_upipe.integrations.chunked`)
+    "llama4_text",
 )
 # the Llama-shaped families with the fused block (each also exact on the registered path); MoE blocks stay untiled
 # (their norms are tiled), and Cohere's LayerNorm is tiled as its norm

@@ -151,6 +151,9 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
     if isinstance(attention_mask, torch.Tensor):
         raise NotImplementedError("The fused UPipe path got a prepared attention mask tensor under sequence "
                                   "parallelism; pass a 2-D padding mask (right padding) or none.")
+    if getattr(attention_mask, "chunk", None) is not None:
+        raise NotImplementedError("chunked attention is not implemented by the fused UPipe block; prepare the model "
+                                  "with UPipeConfig(fused_attention=False).")
     B, s, _ = hidden_states.shape
     kernel = state.kernel
     if not is_fake(hidden_states):

@@ -66,7 +66,7 @@ def _rope_type(config) -> str | None:
     return None
 
 
-_ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+_ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 def config_refusal(config, seq_len: int | None = None, *, allow_unverified: bool = False) -> str | None:

@@ -49,6 +49,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from hf_upipe.distributed import SequenceParallelState, get_sequence_parallel_state
+from hf_upipe.integrations.chunked import chunk_kernel, local_pattern
 from hf_upipe.integrations.layout import TensorCache, mask_agrees, validate_layout, with_model_documents
 from hf_upipe.integrations.support import config_refusal, refusal_error, sdpa_refusal
 from hf_upipe.ops.documents import DocumentKernel
@@ -78,12 +79,15 @@ class SequenceParallelMask:
         window: the sliding window of the mask (transformers' `local_size`: key t seen by query i when
             0 <= i - t < window) when it is shorter than the full sequence; `plain_causal` then means causal within
             that window (the mask function was probed against it).
+        chunk: chunked attention (Llama 4: key t seen by query i when t <= i in the same `chunk`-token block of
+            the row), told from a window by `hf_upipe.integrations.chunked.local_pattern`.
     """
 
     padding: torch.Tensor | None
     plain_causal: bool
     mask_function: Callable | None = field(default=None, compare=False, repr=False)
     window: int | None = None
+    chunk: int | None = None
 
     def __getattr__(self, name: str):
         # model code that treats the mask as a tensor (its own mask arithmetic: `.dtype`, `.shape`, ...) would run
@@ -126,26 +130,36 @@ def upipe_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     # a fake mask (memory simulation) carries no values: simulations model unpadded batches
     if padding is not None and (is_fake(padding) or bool(padding.all())):
         padding = None
-    local_size = kwargs.get("local_size")  # the window of transformers' sliding-window masks
-    window = local_size if isinstance(local_size, int) and 0 < local_size < q_length * state.sp_size else None
-    plain = mask_function is causal_mask_function or _agrees_with_causal(mask_function, q_length, batch_size, window)
+    local_size = kwargs.get("local_size")  # the size of transformers' sliding-window and chunked masks
+    window = chunk = None
+    if isinstance(local_size, int) and 0 < local_size < q_length * state.sp_size:
+        pattern = local_pattern(mask_function, batch_size, local_size, q_length * state.sp_size)
+        chunk, window = (local_size, None) if pattern == "chunk" else (None, local_size)
+    plain = mask_function is causal_mask_function or _agrees_with_causal(mask_function, q_length, batch_size, window,
+                                                                         chunk)
     return SequenceParallelMask(padding=padding, plain_causal=plain, mask_function=None if plain else mask_function,
-                                window=window)
+                                window=window, chunk=chunk)
 
 
-def _agrees_with_causal(mask_function, length: int, batch_size: int, window: int | None = None) -> bool:
+def _agrees_with_causal(mask_function, length: int, batch_size: int, window: int | None = None,
+                        chunk: int | None = None) -> bool:
     """Probe a model's mask function on a grid of local (query, key) positions against plain causal masking (within
-    `window` keys when given: 0 <= q - k < window).
+    `window` keys when given: 0 <= q - k < window; inside `chunk`-token chunks when given).
 
     The grid is {0, 1, s/2, s-1} and, with a window, the distances around it: a window shorter than the shard or a
     custom mask fails the probe (mask functions are elementwise, so a grid is enough to tell these apart).
     """
     grid = {0, 1, length // 2, length - 1}
-    if window is not None:
-        grid |= {window - 1, window, window + 1, length - 1 - window, length - window}
+    for size in (window, chunk):
+        if size is not None:
+            grid |= {size - 1, size, size + 1, length - 1 - size, length - size}
     points = torch.tensor(sorted(grid & set(range(length))))
     q_idx, kv_idx = (t.flatten() for t in torch.meshgrid(points, points, indexing="ij"))
-    expected = q_idx >= kv_idx if window is None else (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+    expected = q_idx >= kv_idx
+    if window is not None:
+        expected &= q_idx - kv_idx < window
+    if chunk is not None:
+        expected &= q_idx // chunk == kv_idx // chunk
     return all(mask_agrees(mask_function, b, q_idx, kv_idx, expected) for b in range(batch_size))
 
 
@@ -321,7 +335,14 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
                         kwargs.get("upipe_cu_seqlens"), query.dtype)
         kernel = sp_kernel(state, kwargs, query.device, query.dtype, s * state.sp_size)
     window = sp_window(attention_mask, sliding_window, s * state.sp_size, module)
-    if kwargs.get("softcap") is not None:  # blocked math kernel (the simulation runs it too: its memory counts)
+    chunk = attention_mask.chunk if isinstance(attention_mask, SequenceParallelMask) else None
+    if chunk is not None:  # chunked attention: the kernel inside each chunk, like packed documents
+        if kwargs.get("upipe_cu_seqlens") is not None or kwargs.get("softcap") is not None:
+            raise NotImplementedError(f"chunked attention (chunks of {chunk}) with packed documents or soft-capping is "
+                                      "not implemented under sequence parallelism: do not pack.")
+        if not is_fake(query):  # (a simulation runs the unchunked kernel: the same buffers)
+            kernel = chunk_kernel(kernel, chunk, B, s * state.sp_size, query.device, query.dtype)
+    elif kwargs.get("softcap") is not None:  # blocked math kernel (the simulation runs it too: its memory counts)
         kernel = softcap_kernel(state, None if is_fake(query) else kwargs, query.device, query.dtype,
                                 s * state.sp_size, kwargs["softcap"], window)
     elif not is_fake(query):  # (a simulation runs the unwindowed kernel: the memory of a native-window kernel,
