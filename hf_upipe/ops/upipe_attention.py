@@ -221,8 +221,9 @@ class UPipeAttentionFunction(torch.autograd.Function):
         out, lses, kept = upipe_attention_forward(q, k, v, layout, group, kernel, scale, keep_kv=keep_kv,
                                                   sinks=sinks)
         kv = kept if keep_kv else [k, v]
-        ctx.save_for_backward(q, out, *lses, *kv, *([] if sinks is None else [sinks]))
-        ctx.n_lse, ctx.keep_kv, ctx.has_sinks = len(lses), keep_kv, sinks is not None
+        ctx.save_for_backward(q, out, *lses, *kv)
+        ctx.sinks = sinks  # a parameter: not a saved tensor (FSDP2 frees and refills its storage in between)
+        ctx.n_lse, ctx.keep_kv = len(lses), keep_kv
         ctx.layout, ctx.group, ctx.kernel, ctx.scale = layout, group, kernel, scale
         ctx.kv_like = (k.shape, k.dtype, k.device)
         return out
@@ -231,7 +232,7 @@ class UPipeAttentionFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):
         q, out, *rest = ctx.saved_tensors
-        sinks = rest.pop() if ctx.has_sinks else None
+        sinks = ctx.sinks
         lses, kv = rest[:ctx.n_lse], rest[ctx.n_lse:]
         kv_args = dict(kv_chunks=kv) if ctx.keep_kv else dict(kv_local=tuple(kv))
         dq, dk, dv, dsinks = upipe_attention_backward(dout, q, out, lses, ctx.layout, ctx.group, ctx.kernel,
