@@ -5,7 +5,8 @@ Entry points:
   attention adapter and the tiled MLP/norm adapter apply, and the attention's variant: fused qkv projection,
   norm over the whole projection, RoPE pairing; the transformers source they were verified against; whether it
   is verified exact under sequence parallelism, which the support gate requires). `FUSED`: the Llama-shaped
-  families with the fused block; `VERIFIED_REGISTERED`: the others the matrix found exact on the registered path.
+  families with the fused block; `VERIFIED_REGISTERED`: the others the matrix found exact on the registered path;
+  `TEXT_ONLY`: multimodal types verified for text input only.
 - `architecture_of(model_or_config)`: the entry of a model (plain or PEFT) or config, or None.
 - `fused_attention_classes()`, `tiled_mlp_classes()`, `tiled_norm_classes()`: the module classes
   `hf_upipe.prepare_model` acts on.
@@ -39,9 +40,9 @@ from dataclasses import dataclass
 
 from hf_upipe.integrations.peft import base_model
 
-__all__ = ["ARCHITECTURES", "FUSED", "LOGIT_SCALES", "VERIFIED_REGISTERED", "Architecture", "adapter_verified",
-           "architecture_of", "fused_attention_classes", "logit_multiplier", "model_geometry", "source_fingerprint",
-           "tiled_mlp_classes", "tiled_norm_classes"]
+__all__ = ["ARCHITECTURES", "FUSED", "LOGIT_SCALES", "TEXT_ONLY", "VERIFIED_REGISTERED", "Architecture",
+           "adapter_verified", "architecture_of", "fused_attention_classes", "logit_multiplier", "model_geometry",
+           "source_fingerprint", "tiled_mlp_classes", "tiled_norm_classes"]
 
 VERIFIED_ON = "5.23"  # the transformers release the fingerprints below were taken from (and every test ran on)
 
@@ -61,6 +62,8 @@ class Architecture:
         projection_norm: q_norm/k_norm are RMSNorms over the whole projection (OLMo 2), not per head.
         rope_interleaved, rope_fp32: RoPE pairs (2i, 2i+1) and runs in fp32 (Cohere).
         mlp_suffix, norm_suffix: the tiled classes' suffixes (None: not tiled; MoE blocks are not).
+        text_only: a multimodal type verified for text input only: under SP, `prepare_model`'s pre-hook refuses
+            every other input (pixel values, audio features, cross-attention masks, ...).
         fused_fingerprint / tiled_fingerprint: the verified source fingerprints (module docstring).
         verified: exact under sequence parallelism on the registered "upipe" path, as the architecture matrix
             (`benchmarks/architecture_matrix.py`) measured it; the support gate admits only verified types.
@@ -74,6 +77,7 @@ class Architecture:
     fused_fingerprint: str = ""
     tiled_fingerprint: str = ""
     verified: bool = True
+    text_only: bool = False
     module: str = ""
     qkv_fused: bool = False
     projection_norm: bool = False
@@ -158,8 +162,11 @@ FUSED = (
     Architecture("cohere", "Cohere", rope_interleaved=True, rope_fp32=True, norm_suffix="LayerNorm",
                  fused_fingerprint="e861038c284bdaa7", tiled_fingerprint="360e241039e06907"),
 )
+# multimodal types whose language model is exact at SP 2 on text (the matrix's checks): verified for text input only
+TEXT_ONLY = ("emu3", "fuyu", "gemma3", "gemma4_unified", "got_ocr2", "llama4", "mllama")
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     *FUSED, *(Architecture(model_type, fused=False, tiled=False) for model_type in VERIFIED_REGISTERED),
+    *(Architecture(model_type, fused=False, tiled=False, text_only=True) for model_type in TEXT_ONLY),
 )}
 
 

@@ -194,6 +194,16 @@ def summary(results: dict) -> dict:
                for key in ("sp1", "sp2", "opt_in")}}
 
 
+def _text_type(model_type: str) -> str | None:
+    """The model_type of a multimodal type's text config (built tiny), or None."""
+    from hf_upipe.models import tiny_config
+
+    try:
+        return tiny_config(model_type).get_text_config().model_type
+    except Exception:  # noqa: BLE001  (no text config to read: the whole type's entry decides)
+        return None
+
+
 def table(results: dict) -> str:
     """Markdown: one row per tiny-buildable decoder, with the first sentence of its refusal."""
     from hf_upipe.architectures import ARCHITECTURES
@@ -203,7 +213,13 @@ def table(results: dict) -> str:
         if not (r.get("builds") and r.get("decoder")):
             continue
         arch = ARCHITECTURES.get(model_type)
+        if arch is not None and arch.text_only:  # its language model's attention decides the path
+            arch = ARCHITECTURES.get(_text_type(model_type)) or arch
+            prefix = "text only, "
+        else:
+            prefix = ""
         path = "fused" if arch is not None and arch.fused else "registered" if r.get("sp2") == "exact" else ""
+        path = prefix + path if path else ""
         why = ""
         if r.get("sp2") != "exact":
             why = (r.get("sp2_why") or "").split("hf_upipe: ", 1)[-1].split(". ")[0].replace("|", "/")[:150]

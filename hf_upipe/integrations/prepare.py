@@ -14,7 +14,8 @@ the whole model (`hf_upipe.integrations.support.model_refusal`: an unverified ar
 than attention, attention that bypasses transformers' attention interface are refused). It also installs a forward
 pre-hook on the model that refuses, under SP, what a call would silently get wrong: `labels=` without
 `shift_labels=` (the model would shift inside each shard), `output_attentions=True` (no attention weights exist),
-`use_cache=True` or a `past_key_values` cache (the cache would hold one shard's keys and values); and it notes the
+`use_cache=True` or a `past_key_values` cache (the cache would hold one shard's keys and values), any input but
+text to a multimodal model verified for text only (`Architecture.text_only`); and it notes the
 call's position_ids and packed-row documents, which the attention uses where its call does not receive them.
 
 One log line says what was applied; classes the gate kept off (the installed transformers changed their source)
@@ -25,9 +26,10 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
-from hf_upipe.architectures import VERIFIED_ON
+from hf_upipe.architectures import ARCHITECTURES, VERIFIED_ON
 from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.fused import install_fused_attention, remove_fused_attention
 from hf_upipe.integrations.layout import adopt_modules, note_model_positions, release_modules
@@ -42,6 +44,17 @@ __all__ = ["prepare_model", "unprepare_model"]
 
 _PREVIOUS = "_upipe_previous_attn_implementation"
 _HOOK = "_upipe_call_checks"
+
+
+# the inputs of a text-only call (anything else of a multimodal model is refused under SP)
+_TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "shift_labels",
+                          "token_type_ids", "upipe_cu_seqlens", "upipe_max_seqlen", "cache_position",
+                          "num_items_in_batch", "logits_to_keep", "past_key_values"})
+
+
+def _has_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor) or (isinstance(value, (list, tuple)) and any(
+        isinstance(v, torch.Tensor) for v in value))
 
 
 def _refuse_silent_misuse(module, args, kwargs):
@@ -60,6 +73,14 @@ def _refuse_silent_misuse(module, args, kwargs):
     if kwargs.get("output_attentions"):
         raise NotImplementedError("output_attentions=True under sequence parallelism: no [S, S] attention weights "
                                   "are ever formed (the kernels return outputs and log-sum-exps only).")
+    arch = ARCHITECTURES.get(getattr(getattr(module, "config", None), "model_type", None))  # the whole model's type
+    if arch is not None and arch.text_only:
+        other = sorted(k for k, v in kwargs.items() if k not in _TEXT_INPUTS and _has_tensor(v))
+        if other or any(_has_tensor(a) for a in args[1:]):
+            raise NotImplementedError(
+                f"{arch.model_type} is verified under sequence parallelism for text input only, and this call passes "
+                f"{other or 'positional inputs after input_ids'}: image, video or audio inputs would be scattered "
+                "into each rank's shard of the tokens. Train on text, or without sequence parallelism.")
     if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
         raise NotImplementedError("use_cache=True / past_key_values under sequence parallelism: the cache would hold "
                                   "one shard's keys and values. Call the model with use_cache=False; generate "

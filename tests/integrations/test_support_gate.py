@@ -334,3 +334,31 @@ def test_attention_calls_without_documents_use_the_model_calls():
     finally:
         note_model_positions(None)
     assert "upipe_cu_seqlens" not in with_model_documents({"position_ids": pos}, attention)
+
+
+def _text_only_worker(rank, world):
+    """A multimodal type verified for text only: text runs; pixel values are refused on every rank, before any
+    collective."""
+    from transformers import AutoModelForCausalLM
+
+    hf_upipe.init_sequence_parallel(world)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("gemma3"), attn_implementation="upipe")
+    hf_upipe.prepare_model(model)
+    ids = torch.randint(3, 96, (1, 16), generator=torch.Generator().manual_seed(0))
+    shard = hf_upipe.shard_batch({"input_ids": ids}, rank, world)
+    out = {"text": _outcome(lambda: model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]))}
+    out["pixels"] = _outcome(lambda: model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
+                                           pixel_values=torch.zeros(1, 3, 8, 8)))
+    hf_upipe.reset_sequence_parallel()
+    return out
+
+
+def test_multimodal_types_run_text_only():
+    from hf_upipe.architectures import ARCHITECTURES
+
+    assert ARCHITECTURES["gemma3"].text_only and not ARCHITECTURES["gemma3_text"].text_only
+    for out in run_distributed(_text_only_worker, 2):
+        assert out["text"] == "ok", out["text"]
+        assert out["pixels"].startswith("NotImplementedError: gemma3 is verified under sequence parallelism for text "
+                                        "input only, and this call passes ['pixel_values']"), out["pixels"]
