@@ -120,7 +120,8 @@ def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
     from hf_upipe.integrations.support import config_refusal, refusal_error
 
     state = get_sequence_parallel_state()
-    reason = config_refusal(runnable_config(name)[1], allow_unverified=state is not None and state.allow_unverified)
+    reason = config_refusal(runnable_config(name)[1], allow_unverified=state is not None and state.allow_unverified,
+                            prepared=True)
     if reason is not None:  # what prepare_model would refuse, before building anything (same message)
         raise refusal_error(reason)
     ref = _build(name)

@@ -33,6 +33,7 @@ from hf_upipe.architectures import ARCHITECTURES, VERIFIED_ON
 from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.fused import install_fused_attention, remove_fused_attention
 from hf_upipe.integrations.layout import adopt_modules, note_model_positions, release_modules
+from hf_upipe.integrations.mixers import install_mixers, remove_mixers
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.rope import install_global_rope, remove_global_rope
 from hf_upipe.integrations.support import model_refusal, refusal_error
@@ -105,12 +106,14 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
         NotImplementedError: under sequence parallelism, a model the support gate refuses (nothing is changed).
     """
     state = get_sequence_parallel_state()
-    installed_rope = install_global_rope(model)  # length-dependent RoPE from the global sequence (the gate needs it)
+    # length-dependent RoPE from the global sequence, mixers across shards: before the gate, which needs them
+    installed = install_global_rope(model) + install_mixers(base_model(model))
     if state is not None and state.sp_size > 1:
         reason = model_refusal(model, allow_unverified=state.allow_unverified)
         if reason is not None:
-            if installed_rope:
+            if installed:
                 remove_global_rope(model)
+                remove_mixers(base_model(model))
             raise refusal_error(reason)
     if upipe_config is not None and upipe_config.tiled_mlp:
         apply_tiled_mlp(model, upipe_config.mlp_chunk_tokens)
@@ -141,6 +144,7 @@ def unprepare_model(model: nn.Module) -> nn.Module:
     remove_fused_attention(model)
     remove_tiled_mlp(model)
     remove_global_rope(base_model(model))
+    remove_mixers(base_model(model))
     base = base_model(model)
     release_modules(base)
     if _HOOK in base.__dict__:

@@ -30,6 +30,7 @@ import functools
 from torch import nn
 
 from hf_upipe.architectures import ARCHITECTURES
+from hf_upipe.integrations.mixers import mixers_ready, supported
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.rope import global_rope_ready
 
@@ -69,21 +70,26 @@ def _rope_type(config) -> str | None:
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
 
 
-def config_refusal(config, seq_len: int | None = None, *, allow_unverified: bool = False) -> str | None:
-    """See the module docstring."""
+def config_refusal(config, seq_len: int | None = None, *, allow_unverified: bool = False,
+                   prepared: bool = False) -> str | None:
+    """See the module docstring. `prepared`: the caller runs the model through `prepare_model` first (which makes
+    supported mixers run across shards); otherwise "linear_attention" layers need a prepared model of `config`."""
     model_type = getattr(config, "model_type", None)  # the whole model's: a multimodal model is its own type
-    global_rope = global_rope_ready(config)
+    global_rope, mixers = global_rope_ready(config), prepared or mixers_ready(config)
     config = _text_config(config)
-    global_rope = global_rope or global_rope_ready(config)
+    global_rope, mixers = global_rope or global_rope_ready(config), mixers or mixers_ready(config)
     arch = ARCHITECTURES.get(model_type)
     if (arch is None or not arch.verified) and not allow_unverified:
         return (f"hf_upipe has not verified model_type {model_type!r} under sequence parallelism (it is not in the "
                 "architecture registry, hf_upipe/architectures.py)")
-    other = sorted({t for t in getattr(config, "layer_types", None) or () if t not in _ATTENTION_LAYERS})
+    handled = _ATTENTION_LAYERS + (("linear_attention",) if mixers else ())
+    other = sorted({t for t in getattr(config, "layer_types", None) or () if t not in handled})
     if other:
         return (f"its layer_types include {other}: layers other than full or sliding-window attention (token mixers "
                 "such as convolutions or linear attention, or attention of another kind), which hf_upipe does not "
-                "implement under sequence parallelism and which would run on each rank's shard alone")
+                "implement under sequence parallelism and which would run on each rank's shard alone"
+                + (" (its gated-DeltaNet layers run across shards once hf_upipe.prepare_model(model) prepared it)"
+                   if other == ["linear_attention"] else ""))
     rope = _rope_type(config)
     if rope in _LENGTH_ROPE and not global_rope:
         return (f"RoPE of type {rope!r} derives its frequencies from the sequence length, which each rank would take "
@@ -92,10 +98,27 @@ def config_refusal(config, seq_len: int | None = None, *, allow_unverified: bool
     return None
 
 
+def _hybrid_on_interface(base: nn.Module) -> bool:
+    """A hybrid (transformers marks hybrids not backend-compatible) whose token mixers are ones hf_upipe runs across
+    shards and whose every other *Attention module (if any) calls transformers' attention interface in its forward."""
+    import inspect
+
+    modules = list(base.modules())
+    if not any(supported(m) for m in modules):
+        return False
+    attention = {type(m) for m in modules if type(m).__name__.endswith("Attention") and not supported(m)}
+    try:
+        return all("ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward) for cls in attention)
+    except (OSError, TypeError):
+        return False
+
+
 def model_refusal(model: nn.Module, *, allow_unverified: bool = False) -> str | None:
     """See the module docstring."""
     base = base_model(model)
     for module in base.modules():
+        if supported(module) or any(supported(child) for child in module.children()):  # a mixer run across
+            continue  # shards once prepared (hf_upipe.integrations.mixers), or the decoder layer holding one
         name = type(module).__name__
         for fragment, why in _MIXERS:
             if fragment in name and not name.endswith(("Attention", "Norm", "RMSNorm")):
@@ -104,10 +127,16 @@ def model_refusal(model: nn.Module, *, allow_unverified: bool = False) -> str | 
     if config is None:
         return None
     is_compatible = getattr(type(base), "is_backend_compatible", None)
-    if callable(is_compatible) and not is_compatible():
+    if callable(is_compatible) and not is_compatible() and not _hybrid_on_interface(base):
         return (f"{type(base).__name__}'s attention does not go through transformers' attention interface, so "
                 "attn_implementation='upipe' never runs in it")
-    return config_refusal(config, allow_unverified=allow_unverified)
+    text = _text_config(config)
+    linear = sum(t == "linear_attention" for t in getattr(text, "layer_types", None) or ())
+    handled = sum(supported(m) for m in base.modules())
+    if linear and handled < linear:  # every linear-attention layer needs a mixer hf_upipe runs across shards
+        return (f"{linear} of its layer_types are 'linear_attention' but only {handled} of its modules are mixers "
+                "hf_upipe runs across shards (hf_upipe/integrations/mixers.py); the others would see their shard alone")
+    return config_refusal(config, allow_unverified=allow_unverified, prepared=True)
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,0 +1,132 @@
+"""Gated-DeltaNet hybrids (Qwen3-Next, OLMo-Hybrid) under sequence parallelism: each rank runs transformers' own
+mixer on its shard, continued from the previous rank's convolution halo and recurrent state
+(`hf_upipe.integrations.mixers`). Against one process: loss, the logits of every shard and every trainable
+gradient, at SP 2 and SP 4, plain and PEFT LoRA, with activation checkpointing (the recompute re-runs the rank
+chain inside the backward) and with linear-attention layers between attention layers. Unprepared, such a model is
+refused under SP; without the state passing the shards would be wrong (so the test can fail).
+"""
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import hf_upipe
+from hf_upipe.data import shard_batch
+from hf_upipe.integrations import mixers
+from hf_upipe.models import tiny_config
+from tests._dist import run_distributed
+
+S = 32
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _pair(model_type):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    config.num_hidden_layers = 4
+    config.layer_types = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    torch.manual_seed(3)
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="upipe")
+    model.load_state_dict(ref.state_dict())
+    return ref, model
+
+
+def _worker(rank, world, cases):
+    from peft import LoraConfig
+
+    from hf_upipe.integrations.peft import get_peft_model
+
+    hf_upipe.init_sequence_parallel(world)
+    out = {}
+    for model_type, lora, ckpt in cases:
+        ref, model = _pair(model_type)
+        unprepared = _refusal(model, rank, world)
+        if lora:
+            cfg = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear")
+            torch.manual_seed(5)
+            ref = get_peft_model(ref, cfg)
+            torch.manual_seed(5)
+            model = get_peft_model(model, copy.deepcopy(cfg))
+            model.load_state_dict(ref.state_dict())
+        hf_upipe.prepare_model(model)
+        installed = sum(mixers.is_installed(m) for m in model.modules())
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        ref.train()
+        ids = torch.randint(3, 96, (2, S), generator=torch.Generator().manual_seed(7))
+        want = ref(input_ids=ids, labels=ids)
+        want.loss.backward()
+        shard = shard_batch({"input_ids": ids, "labels": ids}, rank, world)
+        kw = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens", "labels")}
+        got = model(**kw, labels=shard["shift_labels"], shift_labels=shard["shift_labels"],
+                    num_items_in_batch=shard["num_label_tokens"])
+        got.loss.backward()
+        loss = got.loss.detach().clone()
+        dist.all_reduce(loss)
+        s = S // world
+        errors = {"loss": _rel(loss, want.loss), "logits": _rel(got.logits, want.logits[:, rank * s:(rank + 1) * s])}
+        grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        for name, p in trained:
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            errors[name] = _rel(g, grads[name])
+        out[(model_type, lora, ckpt)] = (errors, installed, len(trained), len(grads), unprepared)
+    hf_upipe.reset_sequence_parallel()
+    return out
+
+
+def _refusal(model, rank, world):
+    """An unprepared hybrid under SP: refused before any layer (the mask function's gate)."""
+    ids = torch.randint(3, 96, (1, S), generator=torch.Generator().manual_seed(1))
+    shard = hf_upipe.shard_batch({"input_ids": ids}, rank, world)
+    try:
+        model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+    except NotImplementedError as err:
+        return str(err)
+    return "ran"
+
+
+CASES = {2: [("qwen3_next", False, False), ("olmo_hybrid", True, True)],
+         4: [("qwen3_next", True, True), ("olmo_hybrid", False, False)]}
+
+
+def test_gated_deltanet_hybrids_are_exact():
+    for world, cases in CASES.items():
+        for rank, out in enumerate(run_distributed(_worker, world, cases, timeout=300)):
+            for case, (errors, installed, trained, ref_trained, unprepared) in out.items():
+                assert installed == 2, (case, installed)  # both linear-attention layers run across shards
+                assert trained == ref_trained
+                worst = max(errors, key=errors.get)
+                assert errors[worst] < 1e-4, (world, rank, case, worst, errors[worst])
+                assert "prepare_model" in unprepared and "linear_attention" in unprepared, unprepared
+
+
+def _shard_alone_worker(rank, world):
+    """The same model with the mixers left on their shard (no state passing): the last shard is wrong."""
+    ref, model = _pair("qwen3_next")
+    hf_upipe.init_sequence_parallel(world)
+    try:
+        hf_upipe.prepare_model(model)
+        mixers.remove_mixers(model)
+        mixers._READY[id(model.config)] = __import__("weakref").ref(model.config)  # let the gate pass, to show why
+        ids = torch.randint(3, 96, (1, S), generator=torch.Generator().manual_seed(1))
+        shard = hf_upipe.shard_batch({"input_ids": ids}, rank, world)
+        logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        s = S // world
+        return _rel(logits, ref(input_ids=ids).logits[:, rank * s:(rank + 1) * s])
+    finally:
+        mixers._READY.clear()
+        hf_upipe.reset_sequence_parallel()
+
+
+def test_shards_alone_would_be_wrong():
+    errors = run_distributed(_shard_alone_worker, 2)
+    assert errors[0] < 1e-5 and errors[1] > 1e-2, errors  # rank 0 starts from zero state either way
