@@ -59,7 +59,9 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def model_names() -> list[str]:
-    return sorted(PRESETS) + sorted(ARCHITECTURES)
+    """The presets and the registry's text models (multimodal types verified for text only are built by
+    `runnable_config` like any other causal-LM type, not planned by name)."""
+    return sorted(PRESETS) + sorted(t for t, a in ARCHITECTURES.items() if not a.text_only)
 
 
 def _unknown(spec) -> ValueError:

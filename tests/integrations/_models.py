@@ -61,3 +61,34 @@ def build_pair(config, impl: str, seed: int, dtype=torch.float32):
                 p.add_(noise)
                 q.add_(noise)
     return ref, model
+
+
+def sharded_errors(ref, model, ids: torch.Tensor, rank: int, world: int) -> tuple[dict, int]:
+    """One training step of the one-process `ref` on `ids` [B, S] and of `model` on this rank's shard (shift labels,
+    the loss summed over the SP group's tokens): relative errors of the loss, this shard's logits and every
+    trainable gradient (summed over the group). Returns (errors, number of trainable tensors)."""
+    import torch.distributed as dist
+
+    from hf_upipe.data import shard_batch
+
+    def rel(a, b):
+        return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+    want = ref(input_ids=ids, labels=ids)
+    want.loss.backward()
+    shard = shard_batch({"input_ids": ids, "labels": ids}, rank, world)
+    kw = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens", "labels")}
+    got = model(**kw, labels=shard["shift_labels"], shift_labels=shard["shift_labels"],
+                num_items_in_batch=shard["num_label_tokens"])
+    got.loss.backward()
+    loss = got.loss.detach().clone()
+    dist.all_reduce(loss)
+    s = ids.shape[1] // world
+    errors = {"loss": rel(loss, want.loss), "logits": rel(got.logits, want.logits[:, rank * s:(rank + 1) * s])}
+    grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for name, p in trained:
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        errors[name] = rel(g, grads[name])
+    return errors, len(trained)

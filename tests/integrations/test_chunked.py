@@ -7,13 +7,12 @@ indices cannot tell such a chunk from a window, the global probe must); transfor
 import copy
 
 import torch
-import torch.distributed as dist
 
 import hf_upipe
-from hf_upipe.data import shard_batch
 from hf_upipe.integrations.chunked import local_pattern
 from hf_upipe.models import tiny_config
 from tests._dist import run_distributed
+from tests.integrations._models import sharded_errors
 
 S = 24
 
@@ -36,23 +35,8 @@ def _worker(rank, world, chunks):
         model.load_state_dict(ref.state_dict())
         hf_upipe.prepare_model(model)
         ids = torch.randint(3, 96, (2, S), generator=torch.Generator().manual_seed(7))
-        want = ref(input_ids=ids, labels=ids)
-        want.loss.backward()
-        shard = shard_batch({"input_ids": ids, "labels": ids}, rank, world)
-        kw = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens", "labels")}
-        got = model(**kw, labels=shard["shift_labels"], shift_labels=shard["shift_labels"],
-                    num_items_in_batch=shard["num_label_tokens"])
-        got.loss.backward()
-        loss = got.loss.detach().clone()
-        dist.all_reduce(loss)
-        s = S // world
-        errors = {"loss": _rel(loss, want.loss), "logits": _rel(got.logits, want.logits[:, rank * s:(rank + 1) * s])}
-        grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-        for name, p in model.named_parameters():
-            if p.grad is not None:
-                g = p.grad.clone()
-                dist.all_reduce(g)
-                errors[name] = _rel(g, grads[name])
+        errors, _ = sharded_errors(ref, model, ids, rank, world)
+        want = ref(input_ids=ids)
         # without its chunks (plain causal attention) the model would differ: the test can fail
         unchunked = copy.deepcopy(config)
         unchunked.attention_chunk_size = 10 * S

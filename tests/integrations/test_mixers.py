@@ -9,13 +9,12 @@ refused under SP; without the state passing the shards would be wrong (so the te
 import copy
 
 import torch
-import torch.distributed as dist
 
 import hf_upipe
-from hf_upipe.data import shard_batch
 from hf_upipe.integrations import mixers
 from hf_upipe.models import tiny_config
 from tests._dist import run_distributed
+from tests.integrations._models import sharded_errors
 
 S = 32
 
@@ -61,24 +60,9 @@ def _worker(rank, world, cases):
         model.train()
         ref.train()
         ids = torch.randint(3, 96, (2, S), generator=torch.Generator().manual_seed(7))
-        want = ref(input_ids=ids, labels=ids)
-        want.loss.backward()
-        shard = shard_batch({"input_ids": ids, "labels": ids}, rank, world)
-        kw = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens", "labels")}
-        got = model(**kw, labels=shard["shift_labels"], shift_labels=shard["shift_labels"],
-                    num_items_in_batch=shard["num_label_tokens"])
-        got.loss.backward()
-        loss = got.loss.detach().clone()
-        dist.all_reduce(loss)
-        s = S // world
-        errors = {"loss": _rel(loss, want.loss), "logits": _rel(got.logits, want.logits[:, rank * s:(rank + 1) * s])}
-        grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        for name, p in trained:
-            g = p.grad.clone()
-            dist.all_reduce(g)
-            errors[name] = _rel(g, grads[name])
-        out[(model_type, lora, ckpt)] = (errors, installed, len(trained), len(grads), unprepared)
+        errors, trained = sharded_errors(ref, model, ids, rank, world)
+        ref_trained = sum(p.grad is not None for p in ref.parameters())
+        out[(model_type, lora, ckpt)] = (errors, installed, trained, ref_trained, unprepared)
     hf_upipe.reset_sequence_parallel()
     return out
 
