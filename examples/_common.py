@@ -214,11 +214,14 @@ def passkey_accuracy(model, rows, upipe) -> dict:
 
 
 def run(main) -> None:
-    """`raise SystemExit(main())`, with input errors as one line from the first rank and exit status 2."""
+    """`raise SystemExit(main())`, with input errors as one line from the first rank and exit status 2. The process
+    groups are destroyed before exiting (a gloo group left to the interpreter's exit can abort the process)."""
     try:
         code = main()
     except (ValueError, NotImplementedError) as err:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {err}", file=sys.stderr)
         code = 2
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     raise SystemExit(code)

@@ -74,18 +74,21 @@ class _ShardCache:
 
 
 def _send(t: torch.Tensor, dst: int, group, header: bool) -> None:
+    """Send t (after a small header with its shape and dtype when the receiver cannot know them), on t's device."""
     if header:
         code = [t.dim(), *t.shape, _DTYPES.index(t.dtype)]
-        dist.send(torch.tensor(code + [0] * (8 - len(code)), dtype=torch.int64), dst, group=group)
+        dist.send(torch.tensor(code + [0] * (8 - len(code)), dtype=torch.int64, device=t.device), dst, group=group)
     dist.send(t.detach().contiguous(), dst, group=group)
 
 
-def _recv(src: int, group, like: torch.Tensor | None = None) -> torch.Tensor:
+def _recv(src: int, group, like: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """Receive what `_send` sent: shaped like `like`, or as its header says (on `device`)."""
     if like is None:
-        code = torch.empty(8, dtype=torch.int64)
+        code = torch.empty(8, dtype=torch.int64, device=device)
         dist.recv(code, src, group=group)
-        n = int(code[0])
-        like = torch.empty([int(c) for c in code[1:1 + n]], dtype=_DTYPES[int(code[1 + n])])
+        code = code.tolist()
+        n = code[0]
+        like = torch.empty(code[1:1 + n], dtype=_DTYPES[code[1 + n]], device=device)
     out = torch.empty(like.shape, dtype=like.dtype, device=like.device)  # contiguous, whatever like's strides
     dist.recv(out, src, group=group)
     return out
@@ -96,9 +99,9 @@ class _Receive(torch.autograd.Function):
     graph on every rank alike (a leaf that requires grad), so no rank waits for a gradient nobody sends."""
 
     @staticmethod
-    def forward(ctx, anchor, group, src):
+    def forward(ctx, anchor, group, src, device):
         ctx.group, ctx.src = group, src
-        halo, state = _recv(src, group), _recv(src, group)
+        halo, state = _recv(src, group, device=device), _recv(src, group, device=device)
         ctx.like = (halo, state)
         return halo, state
 
@@ -106,7 +109,7 @@ class _Receive(torch.autograd.Function):
     def backward(ctx, d_halo, d_state):
         for g, like in zip((d_halo, d_state), ctx.like):
             _send(torch.zeros_like(like) if g is None else g, ctx.src, ctx.group, header=False)
-        return None, None, None
+        return None, None, None, None
 
 
 class _Give(torch.autograd.Function):
@@ -137,10 +140,10 @@ def sharded_mixer_forward(self, hidden_states, cache_params=None, attention_mask
     kwargs = {k: v for k, v in kwargs.items() if not k.startswith("upipe_")}
     group, rank, size = state.sp_group, state.sp_rank, state.sp_size
     ranks = dist.get_process_group_ranks(group)
-    anchor = torch.zeros((), requires_grad=torch.is_grad_enabled())
+    anchor = torch.zeros((), device=hidden_states.device, requires_grad=torch.is_grad_enabled())
     halo = start = None
     if rank > 0:
-        halo, start = _Receive.apply(anchor, group, ranks[rank - 1])
+        halo, start = _Receive.apply(anchor, group, ranks[rank - 1], hidden_states.device)
     cache = _ShardCache(halo, start)
     out = type(self).forward(self, hidden_states, cache, attention_mask, **kwargs)
     if rank < size - 1:
