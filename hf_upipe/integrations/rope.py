@@ -33,7 +33,7 @@ from torch import nn
 from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.ops.fake import is_fake
 
-__all__ = ["ROPE_FINGERPRINT", "global_rope_forward", "global_rope_ready", "install_global_rope",
+__all__ = ["ROPE_FINGERPRINT", "global_rope_forward", "global_rope_ready", "install_global_rope", "installable",
            "remove_global_rope", "rope_update_fingerprint"]
 
 ROPE_FINGERPRINT = "c0bc145a218270ce"  # transformers.modeling_rope_utils.dynamic_rope_update, verified on 5.23
@@ -73,6 +73,13 @@ def global_rope_forward(self, x, position_ids, *args, **kwargs):
     decorated(self, x, longest, *args, **kwargs)  # updates the frequencies for the whole sequence; output unused
     with torch.no_grad():
         return inspect.unwrap(decorated)(self, x, position_ids, *args, **kwargs)
+
+
+def installable(model: nn.Module) -> bool:
+    """Whether `install_global_rope` handles this model's length-dependent rotary modules (at least one, and the
+    verified `dynamic_rope_update`)."""
+    return rope_update_fingerprint() == ROPE_FINGERPRINT and any(
+        _length_dependent(m) or _is_installed(m) for m in model.modules())
 
 
 def _is_installed(module: nn.Module) -> bool:

@@ -32,7 +32,7 @@ from torch import nn
 from hf_upipe.architectures import ARCHITECTURES
 from hf_upipe.integrations.mixers import mixers_ready, supported
 from hf_upipe.integrations.peft import base_model
-from hf_upipe.integrations.rope import global_rope_ready
+from hf_upipe.integrations.rope import global_rope_ready, installable
 
 __all__ = ["config_refusal", "model_refusal", "refusal_error", "sdpa_refusal"]
 
@@ -73,9 +73,10 @@ _ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
 def config_refusal(config, seq_len: int | None = None, *, allow_unverified: bool = False,
                    prepared: bool = False) -> str | None:
     """See the module docstring. `prepared`: the caller runs the model through `prepare_model` first (which makes
-    supported mixers run across shards); otherwise "linear_attention" layers need a prepared model of `config`."""
+    supported mixers run across shards and length-dependent RoPE take the global length, and checks that it could:
+    `model_refusal`); otherwise both need a prepared model of `config`."""
     model_type = getattr(config, "model_type", None)  # the whole model's: a multimodal model is its own type
-    global_rope, mixers = global_rope_ready(config), prepared or mixers_ready(config)
+    global_rope, mixers = prepared or global_rope_ready(config), prepared or mixers_ready(config)
     config = _text_config(config)
     global_rope, mixers = global_rope or global_rope_ready(config), mixers or mixers_ready(config)
     arch = ARCHITECTURES.get(model_type)
@@ -136,6 +137,11 @@ def model_refusal(model: nn.Module, *, allow_unverified: bool = False) -> str | 
     if linear and handled < linear:  # every linear-attention layer needs a mixer hf_upipe runs across shards
         return (f"{linear} of its layer_types are 'linear_attention' but only {handled} of its modules are mixers "
                 "hf_upipe runs across shards (hf_upipe/integrations/mixers.py); the others would see their shard alone")
+    rope = _rope_type(text)
+    if rope in _LENGTH_ROPE and not installable(base):
+        return (f"RoPE of type {rope!r} derives its frequencies from the sequence length, which each rank would take "
+                "from its own shard, and hf_upipe cannot make this model's rotary modules take the global length "
+                "(hf_upipe/integrations/rope.py)")
     return config_refusal(config, allow_unverified=allow_unverified, prepared=True)
 
 

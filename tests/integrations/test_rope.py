@@ -106,3 +106,16 @@ def test_prepare_installs_only_on_length_dependent_rope_and_gates_on_it():
     assert not rope.global_rope_ready(dynamic.config)
     assert rope.install_global_rope(dynamic) == 1 and rope.global_rope_ready(dynamic.config)
     assert rope.remove_global_rope(dynamic) == 1 and not rope.global_rope_ready(dynamic.config)
+
+
+def test_the_trainers_setup_check_admits_what_prepare_model_handles(monkeypatch):
+    """`model_refusal` (run by UPipeTrainer/the plugin before `prepare_model`) admits a length-dependent RoPE that
+    `prepare_model` will make global, and refuses it when it could not (a changed `dynamic_rope_update`)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_upipe.integrations.support import model_refusal
+
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(_configs()["dynamic"]))
+    assert model_refusal(model) is None
+    monkeypatch.setattr(rope, "ROPE_FINGERPRINT", "0" * 16)
+    assert "cannot make this model's rotary modules take the global length" in model_refusal(model)
