@@ -86,8 +86,8 @@ class UPipeConfig:
     loss_chunk_tokens: int | None = field(default=None, metadata={"help": (
         "Tokens per tiled-loss chunk. Default: about 256 MiB of fp32 logits per chunk (65536 // (vocab / 1024)).")})
     tiled_mlp: bool | None = field(default=None, metadata={"help": (
-        "Run the MLPs of Llama/Mistral/Qwen2/Qwen3 over sequence chunks, recomputed in backward "
-        "(hf_upipe.memory.tiled_mlp). Default False.")})
+        "Run the MLPs and norms of the fused families (Llama, Mistral, Qwen, Granite, OLMo 2, Phi-3, Gemma, ...; "
+        "not MoE blocks) over sequence chunks, recomputed in backward (hf_upipe.memory.tiled_mlp). Default False.")})
     mlp_chunk_tokens: int | None = field(default=None, metadata={"help": (
         "Tokens per tiled-MLP chunk. Default: the model's hidden size.")})
     offload: str | None = field(default=None, metadata={"help": (

@@ -3,7 +3,8 @@
 Entry points:
 - `PRESETS`: full-size geometries for planning ("llama3-8b", "qwen3-32b-shape", "llama3-70b"; Llama-shaped).
 - `TINY`: the tiny geometry of the self-test; every architecture of the registry (`hf_upipe.architectures`:
-  "llama", "mistral", "qwen2", "qwen3") is a name too, built at that size.
+  "llama", "mistral", "qwen3_moe", "deepseek_v3", ...; not the multimodal types verified for text only) is a name
+  too, built at that size.
 - `model_names()`: all of the above, sorted (what `--help` and errors list).
 - `resolve(spec)`: (name, config) for `hf-upipe plan`: a preset (its geometry dict), a tiny architecture name, a
   transformers config, a config.json, a local model folder, or a Hub id.
