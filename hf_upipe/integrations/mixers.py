@@ -62,9 +62,6 @@ class _ShardCache:
     def update_conv_state(self, x, layer_idx, conv_kernel_size=None, **kwargs):
         """x [B, C, s] the convolution's input -> [B, C, k-1+s] with the halo in front; records this shard's tail."""
         k = conv_kernel_size
-        if x.shape[-1] < k - 1:
-            raise NotImplementedError(f"a shard of {x.shape[-1]} tokens is shorter than the convolution's reach "
-                                      f"({k - 1}): use fewer ranks or longer sequences.")
         self.tail = x[..., x.shape[-1] - (k - 1):]
         halo = self.halo if self.halo is not None else x.new_zeros(*x.shape[:-1], k - 1)
         return torch.cat([halo.to(x.dtype), x], dim=-1)
@@ -137,6 +134,10 @@ def sharded_mixer_forward(self, hidden_states, cache_params=None, attention_mask
         return type(self).forward(self, hidden_states, cache_params, attention_mask, **kwargs)
     if cache_params is not None:
         raise NotImplementedError("a cache under sequence parallelism: call the model with use_cache=False.")
+    reach = getattr(self, "conv_kernel_size", 1) - 1
+    if hidden_states.shape[1] < reach:  # every rank (equal shards), before any send or receive
+        raise NotImplementedError(f"a shard of {hidden_states.shape[1]} tokens is shorter than the convolution's "
+                                  f"reach ({reach} tokens): use fewer ranks or longer sequences.")
     kwargs = {k: v for k, v in kwargs.items() if not k.startswith("upipe_")}
     group, rank, size = state.sp_group, state.sp_rank, state.sp_size
     ranks = dist.get_process_group_ranks(group)

@@ -114,3 +114,25 @@ def _shard_alone_worker(rank, world):
 def test_shards_alone_would_be_wrong():
     errors = run_distributed(_shard_alone_worker, 2)
     assert errors[0] < 1e-5 and errors[1] > 1e-2, errors  # rank 0 starts from zero state either way
+
+
+def _short_shard_worker(rank, world):
+    """Shards shorter than the convolution's reach: the same error on every rank, before any send (no hang)."""
+    _, model = _pair("qwen3_next")
+    hf_upipe.init_sequence_parallel(world)
+    try:
+        hf_upipe.prepare_model(model)
+        ids = torch.randint(3, 96, (1, 4), generator=torch.Generator().manual_seed(1))
+        shard = hf_upipe.shard_batch({"input_ids": ids}, rank, world)
+        try:
+            model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+        except NotImplementedError as err:
+            return str(err)
+        return "ran"
+    finally:
+        hf_upipe.reset_sequence_parallel()
+
+
+def test_shards_shorter_than_the_convolution_are_refused_on_every_rank():
+    for said in run_distributed(_short_shard_worker, 2, timeout=120):
+        assert "a shard of 2 tokens is shorter than the convolution's reach (3 tokens)" in said, said
