@@ -6,7 +6,8 @@ Entry points:
   norm over the whole projection, RoPE pairing; the transformers source they were verified against; whether it
   is verified exact under sequence parallelism, which the support gate requires). `FUSED`: the Llama-shaped
   families with the fused block; `VERIFIED_REGISTERED`: the others the matrix found exact on the registered path;
-  `TEXT_ONLY`: multimodal types verified for text input only.
+  `TEXT_ONLY`: multimodal types verified for text input only; `ACROSS_DOCUMENTS`: verified types whose mask ignores
+  packed rows' documents. `keeps_documents_apart(config)`.
 - `architecture_of(model_or_config)`: the entry of a model (plain or PEFT) or config, or None.
 - `fused_attention_classes()`, `tiled_mlp_classes()`, `tiled_norm_classes()`: the module classes
   `hf_upipe.prepare_model` acts on.
@@ -40,9 +41,9 @@ from dataclasses import dataclass
 
 from hf_upipe.integrations.peft import base_model
 
-__all__ = ["ARCHITECTURES", "FUSED", "LOGIT_SCALES", "TEXT_ONLY", "VERIFIED_REGISTERED", "Architecture",
-           "adapter_verified", "architecture_of", "fused_attention_classes", "logit_multiplier", "model_geometry",
-           "source_fingerprint", "tiled_mlp_classes", "tiled_norm_classes"]
+__all__ = ["ACROSS_DOCUMENTS", "ARCHITECTURES", "FUSED", "LOGIT_SCALES", "TEXT_ONLY", "VERIFIED_REGISTERED",
+           "Architecture", "adapter_verified", "architecture_of", "fused_attention_classes", "keeps_documents_apart",
+           "logit_multiplier", "model_geometry", "source_fingerprint", "tiled_mlp_classes", "tiled_norm_classes"]
 
 VERIFIED_ON = "5.23"  # the transformers release the fingerprints below were taken from (and every test ran on)
 
@@ -67,6 +68,9 @@ class Architecture:
         fused_fingerprint / tiled_fingerprint: the verified source fingerprints (module docstring).
         verified: exact under sequence parallelism on the registered "upipe" path, as the architecture matrix
             (`benchmarks/architecture_matrix.py`) measured it; the support gate admits only verified types.
+        packed_documents: the model passes position_ids to its mask builder, so on one device the documents of a
+            packed row attend only within themselves; False (OPT, AFMoE): they attend across documents, and under
+            SP too (`hf_upipe.integrations.layout.validate_layout`).
     """
 
     model_type: str
@@ -85,6 +89,7 @@ class Architecture:
     rope_fp32: bool = False
     mlp_suffix: str | None = "MLP"
     norm_suffix: str | None = "RMSNorm"
+    packed_documents: bool = True
 
     @property
     def attention(self) -> str:
@@ -122,8 +127,7 @@ VERIFIED_REGISTERED = (
     "solar_open", "starcoder2",
     # multi-head latent attention (value heads of another width, padded in `upipe_attention_forward`)
     "axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "minicpm3", "youtu",
-    # attention sinks (`s_aux`, from the log-sum-exp in `upipe_attention`); gpt_oss stays unverified: opted in, its
-    # packed batches are not exact in the matrix
+    # attention sinks (`s_aux`, from the log-sum-exp in `upipe_attention`; gpt_oss in ACROSS_DOCUMENTS)
     "flint", "mimo_v2_flash",
     # attention-logit soft-capping (`hf_upipe.ops.softcap`)
     "gemma2", "vaultgemma",
@@ -133,9 +137,12 @@ VERIFIED_REGISTERED = (
     "granite_swa", "granitemoe_swa",
     # chunked attention (`hf_upipe.integrations.chunked`)
     "llama4_text",
-    # hybrids whose gated-DeltaNet layers run across shards (`hf_upipe.integrations.mixers`); qwen4_exp (the same
-    # mixer code) stays unverified: its packed-batch gradients miss the matrix's bound (1.1e-4)
+    # hybrids whose gated-DeltaNet layers run across shards (`hf_upipe.integrations.mixers`)
     "bailing_hybrid", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next",
+    # a key bias (its gradient is zero in exact arithmetic: see `hf_upipe.selftest.GRADIENT_FLOOR`)
+    "ctrl",
+    # Emu3's language model (Emu3ForCausalLM; the multimodal "emu3" is in TEXT_ONLY)
+    "emu3_text_model",
 )
 # the Llama-shaped families with the fused block (each also exact on the registered path); MoE blocks stay untiled
 # (their norms are tiled), and Cohere's LayerNorm is tiled as its norm
@@ -166,13 +173,24 @@ FUSED = (
                  fused_fingerprint="e861038c284bdaa7", tiled_fingerprint="360e241039e06907"),
 )
 # multimodal types whose language model is exact at SP 2 on text (the matrix's checks): verified for text input only.
-# Each one's text config is a verified type too (the mask function's gate sees that config); emu3 and mllama, whose
-# text configs are types of their own that hf_upipe has not verified, are not here.
-TEXT_ONLY = ("fuyu", "gemma3", "gemma4_unified", "got_ocr2", "llama4", "qwen3_5", "qwen3_5_moe")
+# Each one's text config is a verified type too (the mask function's gate sees that config). Mllama's language
+# model (MllamaForCausalLM) is text-only itself: its cross-attention layers are skipped without
+# `cross_attention_states`, which the pre-hook refuses under SP.
+TEXT_ONLY = ("emu3", "fuyu", "gemma3", "gemma4_unified", "got_ocr2", "llama4", "mllama", "mllama_text_model",
+             "qwen3_5", "qwen3_5_moe")
+# verified types whose mask is built without position_ids: a packed row is one sequence on one device, and under SP
+ACROSS_DOCUMENTS = ("afmoe", "gpt_oss", "opt")
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     *FUSED, *(Architecture(model_type, fused=False, tiled=False) for model_type in VERIFIED_REGISTERED),
     *(Architecture(model_type, fused=False, tiled=False, text_only=True) for model_type in TEXT_ONLY),
+    *(Architecture(model_type, fused=False, tiled=False, packed_documents=False) for model_type in ACROSS_DOCUMENTS),
 )}
+
+
+def keeps_documents_apart(config) -> bool:
+    """`Architecture.packed_documents` of a config (True for a type hf_upipe does not know: its mask decides)."""
+    arch = architecture_of(config) if config is not None else None
+    return arch is None or arch.packed_documents
 
 
 def _config_of(obj):

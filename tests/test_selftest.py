@@ -1,6 +1,7 @@
 """`hf-upipe selftest` passes on the four supported architectures and fails loudly on a broken sharding."""
 
 import pytest
+import torch
 
 from hf_upipe.cli import main
 from hf_upipe.selftest import run_selftest
@@ -20,3 +21,20 @@ def test_selftest_fails_loudly_when_labels_are_shifted_inside_shards(capsys):
     out = capsys.readouterr().out
     assert "FAIL" in out and "| qwen3 | padded | train loss |" in out
     assert "failed" in out.splitlines()[-1] and not out.splitlines()[-1].endswith(" 0 failed")
+
+
+def test_gradient_error_floors_noise_but_not_a_wrong_gradient():
+    """A gradient that is zero in exact arithmetic differs between two summation orders by rounding noise only: it
+    is measured against 1% of the model's largest gradient entry. A real gradient that is off still fails."""
+    from hf_upipe.selftest import GRADIENT_FLOOR, TOLERANCE, gradient_error
+
+    gen = torch.Generator().manual_seed(0)
+    scale = 0.3  # the model's largest gradient entry
+    noise = torch.randn(16, generator=gen) * 1e-8  # a key bias' gradient: zero up to fp32 noise
+    assert gradient_error(noise + 5e-8, noise, scale) < TOLERANCE["gradients"]  # noise over noise: not a failure
+    real = torch.randn(16, generator=gen) * 1e-3  # a small but real gradient, below the floor
+    assert float(real.abs().max()) < GRADIENT_FLOOR * scale
+    assert gradient_error(real * (1 + 1e-3), real, scale) > TOLERANCE["gradients"]  # 0.1% off: fails all the same
+    assert gradient_error(-real, real, scale) > 0.1  # the sign flipped: fails by far
+    big = torch.randn(16, generator=gen) * scale
+    assert gradient_error(big * (1 + 2e-4), big, scale) > TOLERANCE["gradients"]  # relative to itself above the floor

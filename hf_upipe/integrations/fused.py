@@ -31,8 +31,8 @@ import types
 import torch
 from torch import nn
 
-from hf_upipe.architectures import adapter_verified, fused_attention_classes
-from hf_upipe.integrations.layout import validate_layout, with_model_documents
+from hf_upipe.architectures import adapter_verified, fused_attention_classes, keeps_documents_apart
+from hf_upipe.integrations.layout import validate_layout, with_model_documents, without_documents
 from hf_upipe.integrations.transformers import (
     active_state,
     check_call,
@@ -157,8 +157,10 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
     B, s, _ = hidden_states.shape
     kernel = state.kernel
     if not is_fake(hidden_states):
-        validate_layout(state, kwargs.get("position_ids"), attention_mask, B, s, hidden_states.device,
-                        kwargs.get("upipe_cu_seqlens"), hidden_states.dtype)
+        if not validate_layout(state, kwargs.get("position_ids"), attention_mask, B, s, hidden_states.device,
+                               kwargs.get("upipe_cu_seqlens"), hidden_states.dtype,
+                               not keeps_documents_apart(self.config)):
+            kwargs = without_documents(kwargs)  # the model's mask ignores them (see validate_layout)
         # packed rows: the kernel runs inside each document (DocumentKernel), like the registered path
         kernel = sp_kernel(state, kwargs, hidden_states.device, hidden_states.dtype, s * state.sp_size)
     arch = fused_attention_classes()[type(self).__name__]

@@ -6,6 +6,8 @@ Entry points:
   the same documents (`upipe_cu_seqlens`), position_ids that are global (or per document), a mask that is causal
   (inside the documents) and padding only at the end of each row; raises the same error on every rank. Once per
   model forward: later layers and checkpoint recomputes hand over the same objects and are not checked again.
+  Returns whether attention keeps packed rows' documents apart (a model whose mask ignores them: no, and the caller
+  drops them with `without_documents(kwargs)`).
 - `note_model_positions(position_ids, documents=None, max_seqlen=None, model=None)` / `model_positions()`: the
   position_ids (and packed rows' documents) a prepared model was called with, for the models whose attention calls
   do not receive them (the check then uses what the model received); `adopt_modules(model)` (and
@@ -21,6 +23,7 @@ rank, which error (if any) to raise, before any all-to-all.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -30,7 +33,7 @@ from hf_upipe.distributed import validation_failed
 from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
 
 __all__ = ["TensorCache", "adopt_modules", "mask_agrees", "model_positions", "note_model_positions",
-           "release_modules", "validate_layout", "with_model_documents"]
+           "release_modules", "validate_layout", "with_model_documents", "without_documents"]
 
 
 def mask_agrees(mask_function, b: int, q_idx: torch.Tensor, kv_idx: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -103,8 +106,10 @@ def _dtype_code(dtype) -> int:
 
 
 def _layout_summary(state, position_ids, mask, batch, local_len, device, documents, dtype=None) -> torch.Tensor:
-    """This rank's facts as int64 [11]: s, B, mask ok, positions ok, padding ok locally, any pad, all pads
-    (every row all padding), positions restarting locally, documents given, and two checksums of them."""
+    """This rank's facts as int64 [14]: s, B, mask ok, positions ok, padding ok locally, any pad, all pads
+    (every row all padding), positions restarting locally, documents given, two checksums of them, the dtype, and
+    whether the model's mask here ignores / keeps the documents (positions restart locally and the mask is plain
+    causal / is not)."""
     r, s = state.sp_rank, local_len
     pad = None if mask is None else mask.padding
     pos = None  # [B, s] when usable; anything else fails the position check on every rank (no local raise)
@@ -122,11 +127,15 @@ def _layout_summary(state, position_ids, mask, batch, local_len, device, documen
     else:
         local = _local_documents(documents, r, s, state.sp_size, batch, pos.device if pos is not None else device)
         pos_ok = local is not None and pos is not None and bool((pos == local[1]).all())
-        mask_ok = mask is None or mask.plain_causal or (
-            local is not None and mask.mask_function is not None
-            and _agrees_with_documents(mask.mask_function, local[0]))
+        agrees = (mask is not None and not mask.plain_causal and local is not None
+                  and mask.mask_function is not None and _agrees_with_documents(mask.mask_function, local[0]))
+        mask_ok = mask is None or mask.plain_causal or agrees
         cu = documents.reshape(-1).to(torch.long)
         given, sums = 1, (int(cu.numel()), int((cu * (torch.arange(cu.numel(), device=cu.device) % 7919 + 1)).sum()))
+    across = apart = False
+    if documents is not None and restart and mask is not None:  # the model's mask met a document start here
+        # (given a 2-D attention_mask transformers never looks for documents, in any model: the mask tells nothing)
+        across, apart = mask.plain_causal and not getattr(mask, "mask_given", False), agrees
     if pad is None:
         form_ok, any_pad, all_pad = True, False, False
     else:
@@ -134,18 +143,22 @@ def _layout_summary(state, position_ids, mask, batch, local_len, device, documen
         form_ok = not left_padded_rows(pad)
         any_pad, all_pad = bool((~pad).any()), bool((~pad).all())
     return torch.tensor([s, batch, mask_ok, pos_ok, form_ok, any_pad, all_pad, restart, given, *sums,
-                         _dtype_code(dtype)],
+                         _dtype_code(dtype), across, apart],
                         dtype=torch.long, device=device)
 
 
-def _check_layout(state, position_ids, mask, batch, local_len, device, documents=None, dtype=None) -> None:
+def _check_layout(state, position_ids, mask, batch, local_len, device, documents=None, dtype=None,
+                  across_documents: bool = False) -> bool:
     """Validate the global layout with one all-gather every rank enters; raise the same error on every rank.
 
     `documents`: `upipe_cu_seqlens` (int32 [N+1] over the flattened full batch) for packed rows, else None.
+    `across_documents`: the architecture builds its mask without position_ids (`Architecture.packed_documents`).
+    Returns whether attention keeps the documents apart (see `validate_layout`).
     """
     mine = _layout_summary(state, position_ids, mask, batch, local_len, device, documents, dtype)
-    every = _gather_checked(mine, state)  # [P, 11]
-    s, B, mask_ok, pos_ok, form_ok, any_pad, all_pad, restart, given, n_cu, sum_cu, dtypes = every.t().tolist()
+    every = _gather_checked(mine, state)  # [P, 14]
+    (s, B, mask_ok, pos_ok, form_ok, any_pad, all_pad, restart, given, n_cu, sum_cu, dtypes, across,
+     apart) = every.t().tolist()
     if len(set(dtypes)) > 1:
         names = [str(_DTYPES[c]).replace("torch.", "") if c < len(_DTYPES) else "other" for c in dtypes]
         raise ValueError(f"Sequence-parallel ranks compute attention in different dtypes ({names} by SP rank): "
@@ -201,6 +214,26 @@ def _check_layout(state, position_ids, mask, batch, local_len, device, documents
         first = next(i for i, a in enumerate(any_pad) if a)
         if not all(all_pad[first + 1:]):
             _check_rows_trailing(state, mask, batch, device)
+    if not given[0]:
+        return True
+    # what the model's own mask did where it met a document start decides; else the registry's word
+    keep_apart = any(apart) or not (any(across) or across_documents)
+    if not keep_apart:
+        _warn_across_documents()
+    return keep_apart
+
+
+_WARNED: list = []
+
+
+def _warn_across_documents() -> None:
+    if not _WARNED:
+        _WARNED.append(True)
+        warnings.warn(
+            "This model builds its attention mask without position_ids, so on one device (sdpa, eager) the tokens "
+            "of a packed row attend across its documents; under sequence parallelism hf_upipe does exactly the same "
+            "(upipe_cu_seqlens only checks the position_ids). To keep documents apart, pad rows instead of "
+            "packing them.", stacklevel=3)
 
 
 class TensorCache:
@@ -224,22 +257,35 @@ class TensorCache:
 _VALIDATED = TensorCache()
 
 
-def validate_layout(state, position_ids, mask, batch, local_len, device, documents=None, dtype=None) -> None:
+def validate_layout(state, position_ids, mask, batch, local_len, device, documents=None, dtype=None,
+                    across_documents: bool = False) -> bool:
     """`_check_layout` once per model forward instead of once per layer (every rank raises the same error).
 
     The first attention layer of a forward checks, with one all-gather; later layers, and the recompute of
     checkpointed layers, get the same position_ids, mask and document objects and skip the check (no
     communication, no host sync). A new batch brings new tensors and is checked again.
+
+    Returns whether the attention keeps packed rows' documents apart (True without documents). A model that builds
+    its mask without position_ids (OPT, AFMoE: `Architecture.packed_documents`, or seen on a rank whose positions
+    restart under a plain causal mask) attends across the documents of a packed row on one device; the caller then
+    drops `upipe_cu_seqlens`, so that SP computes exactly that, and a warning says so once.
     """
     if position_ids is None:  # an attention call without them (GPT-BigCode, Persimmon, CTRL...): the model's own
         position_ids = model_positions()
     seen = _VALIDATED.get(position_ids) if isinstance(position_ids, torch.Tensor) else None
     if seen is not None and seen[0] is state and seen[1] is mask and seen[2] is documents \
             and seen[3] == (batch, local_len):
-        return
-    _check_layout(state, position_ids, mask, batch, local_len, device, documents, dtype)
+        return seen[4]
+    keep_apart = _check_layout(state, position_ids, mask, batch, local_len, device, documents, dtype,
+                               across_documents)
     if isinstance(position_ids, torch.Tensor):
-        _VALIDATED.set(position_ids, (state, mask, documents, (batch, local_len)))
+        _VALIDATED.set(position_ids, (state, mask, documents, (batch, local_len), keep_apart))
+    return keep_apart
+
+
+def without_documents(kwargs: dict) -> dict:
+    """An attention call's kwargs without the packed rows' documents (`validate_layout` returned False)."""
+    return {k: v for k, v in kwargs.items() if k not in ("upipe_cu_seqlens", "upipe_max_seqlen")}
 
 
 _MODEL_POSITIONS: list = [None]  # a weak reference to the position_ids of the latest call of a prepared model

@@ -48,9 +48,16 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
+from hf_upipe.architectures import keeps_documents_apart
 from hf_upipe.distributed import SequenceParallelState, get_sequence_parallel_state
 from hf_upipe.integrations.chunked import chunk_kernel, local_pattern
-from hf_upipe.integrations.layout import TensorCache, mask_agrees, validate_layout, with_model_documents
+from hf_upipe.integrations.layout import (
+    TensorCache,
+    mask_agrees,
+    validate_layout,
+    with_model_documents,
+    without_documents,
+)
 from hf_upipe.integrations.support import config_refusal, refusal_error, sdpa_refusal
 from hf_upipe.ops.documents import DocumentKernel
 from hf_upipe.ops.fake import is_fake
@@ -81,6 +88,8 @@ class SequenceParallelMask:
             that window (the mask function was probed against it).
         chunk: chunked attention (Llama 4: key t seen by query i when t <= i in the same `chunk`-token block of
             the row), told from a window by `hf_upipe.integrations.chunked.local_pattern`.
+        mask_given: the model got a 2-D attention_mask (transformers then never looks for packed documents in
+            position_ids, so a plain causal mask says nothing about the model's handling of them).
     """
 
     padding: torch.Tensor | None
@@ -88,6 +97,7 @@ class SequenceParallelMask:
     mask_function: Callable | None = field(default=None, compare=False, repr=False)
     window: int | None = None
     chunk: int | None = None
+    mask_given: bool = False
 
     def __getattr__(self, name: str):
         # model code that treats the mask as a tensor (its own mask arithmetic: `.dtype`, `.shape`, ...) would run
@@ -138,7 +148,7 @@ def upipe_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     plain = mask_function is causal_mask_function or _agrees_with_causal(mask_function, q_length, batch_size, window,
                                                                          chunk)
     return SequenceParallelMask(padding=padding, plain_causal=plain, mask_function=None if plain else mask_function,
-                                window=window, chunk=chunk)
+                                window=window, chunk=chunk, mask_given=attention_mask is not None)
 
 
 def _agrees_with_causal(mask_function, length: int, batch_size: int, window: int | None = None,
@@ -331,8 +341,9 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
     B, _, s, _ = query.shape
     kernel = state.kernel
     if not is_fake(query):  # fake tensors (memory simulation) carry no values to check (nor documents to split)
-        validate_layout(state, kwargs.get("position_ids"), attention_mask, B, s, query.device,
-                        kwargs.get("upipe_cu_seqlens"), query.dtype)
+        if not validate_layout(state, kwargs.get("position_ids"), attention_mask, B, s, query.device,
+                               kwargs.get("upipe_cu_seqlens"), query.dtype, not keeps_documents_apart(config)):
+            kwargs = without_documents(kwargs)  # the model's mask ignores them: attend across, as on one device
         kernel = sp_kernel(state, kwargs, query.device, query.dtype, s * state.sp_size)
     window = sp_window(attention_mask, sliding_window, s * state.sp_size, module)
     chunk = attention_mask.chunk if isinstance(attention_mask, SequenceParallelMask) else None

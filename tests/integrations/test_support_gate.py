@@ -71,7 +71,7 @@ def test_config_refusals():
     ("xlstm", "xLSTM"),
     ("openai-gpt", "does not go through transformers' attention interface"),
     ("bloom", "does not go through transformers' attention interface"),  # ALiBi as a float bias, its own attention
-    ("opt", "has not verified model_type 'opt'"),  # learned positions from the mask: wrong on a shard
+    ("doge", "has not verified model_type 'doge'"),  # its own mask code (reads the mask as a tensor)
 ])
 def test_model_refusals_name_the_module(model_type, reason):
     """Built on the meta device (only the modules matter): tiny where the type builds tiny, else its default size."""
@@ -352,6 +352,56 @@ def _text_only_worker(rank, world):
                                            pixel_values=torch.zeros(1, 3, 8, 8)))
     hf_upipe.reset_sequence_parallel()
     return out
+
+
+def _mllama_worker(rank, world):
+    """Mllama's language model, with a cross-attention layer, on text: exact (the cross-attention layer is skipped, as
+    on one device); cross-attention inputs are refused on every rank before any collective."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    hf_upipe.init_sequence_parallel(world)
+    config = tiny_config("mllama")  # builds MllamaForCausalLM (its text config)
+    config.text_config.cross_attention_layers = [1]
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="upipe")
+    model.load_state_dict(ref.state_dict())
+    hf_upipe.prepare_model(model)
+    ids = torch.randint(3, config.text_config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    want = ref(input_ids=ids, labels=ids)
+    want.loss.backward()
+    shard = hf_upipe.shard_batch({"input_ids": ids, "labels": ids}, rank, world)
+    kw = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
+    got = model(**kw, labels=shard["shift_labels"], shift_labels=shard["shift_labels"],
+                num_items_in_batch=shard["num_label_tokens"])
+    got.loss.backward()
+    loss = got.loss.detach().clone()
+    dist.all_reduce(loss)
+    errors, skipped = {"loss": ((loss - want.loss).abs() / want.loss.abs()).item()}, []
+    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+        assert (p.grad is None) == (q.grad is None), name  # the cross-attention layer gets none on either side
+        if p.grad is None:
+            skipped.append(name)
+        else:
+            g = q.grad.clone()
+            dist.all_reduce(g)
+            errors[name] = ((g - p.grad).abs().max() / p.grad.abs().max()).item()
+    cross = torch.zeros(2, 4, config.text_config.hidden_size)
+    refused = _outcome(lambda: model(**kw, cross_attention_states=cross))
+    hf_upipe.reset_sequence_parallel()
+    return errors, refused, skipped
+
+
+def test_mllama_runs_text_only():
+    from hf_upipe.architectures import ARCHITECTURES
+
+    assert ARCHITECTURES["mllama"].text_only and ARCHITECTURES["mllama_text_model"].text_only
+    for errors, refused, skipped in run_distributed(_mllama_worker, 2):
+        assert skipped and all(name.startswith("model.layers.1.") for name in skipped), skipped
+        assert len(errors) > 10 and max(errors.values()) < 2e-5, errors
+        assert refused.startswith("NotImplementedError: mllama_text_model is verified under sequence parallelism "
+                                  "for text input only, and this call passes ['cross_attention_states']"), refused
 
 
 def test_multimodal_types_run_text_only():
