@@ -81,6 +81,10 @@ class UPipeConfig:
     fused_attention: bool | None = field(default=None, metadata={"help": (
         "Install the fused UPipe attention block (q/k/v/o projections inside the head-chunk loop) on Llama, "
         "Mistral, Qwen2 and Qwen3 attention modules (hf_upipe.prepare_model). Default True.")})
+    fused_backward: str | None = field(default=None, metadata={"help": (
+        "How the fused block's backward gets each stage's attention output: 'recompute' (default: the least "
+        "memory) or 'save' (kept from the forward, about one local attention output more per layer: no attention "
+        "recompute, and dk/dv sent once per key-value chunk).")})
     tiled_loss: bool | None = field(default=None, metadata={"help": (
         "Compute lm_head + cross-entropy in token chunks so the [tokens, vocab] logits never exist. Default True.")})
     loss_chunk_tokens: int | None = field(default=None, metadata={"help": (
@@ -139,6 +143,10 @@ class UPipeConfig:
 
         self.kernel = self.kernel or env["kernel"] or "auto"
         check_kernel_name(self.kernel)
+        self.fused_backward = str(self.fused_backward or env["fused_backward"] or "recompute").lower()
+        if self.fused_backward not in ("recompute", "save"):
+            raise ValueError(f"fused_backward={self.fused_backward!r}: use 'recompute' (the least memory) or 'save' "
+                             "(no attention recompute in the backward; more memory).")
         for name, default in (("fused_attention", True), ("tiled_loss", True), ("tiled_mlp", False),
                               ("allow_unverified", False)):
             value = getattr(self, name)

@@ -129,7 +129,8 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
         logger.info("hf_upipe: attn_implementation set to 'upipe' (was %r)", current)
     if upipe_config is not None and not upipe_config.fused_attention:
         return model
-    fused, changed, other = install_fused_attention(model)
+    fused, changed, other = install_fused_attention(
+        model, save=upipe_config is not None and upipe_config.fused_backward == "save")
     if changed:
         logger.warning("hf_upipe: %s keep the registered 'upipe' attention, not the fused block: the installed "
                        "transformers changed their source (the fused block was verified on transformers %s)",

@@ -17,14 +17,18 @@ The flow, per stage i (rank r handles model heads r*H/P + i*c + j, as in `HeadLa
 4. y += a_i @ Wo[:, R]^T (+ LoRA: za += dropout(a_i) @ Ao[:, R]^T); after the loop y += za @ Bo^T * s + bo.
 So neither the local q/k/v of all heads, nor the local attention output of all heads, ever exists.
 
-Backward, per stage (the attention forward is recomputed instead of saved: about a third more attention
-compute): recompute q_i (and k/v at a chunk's first stage) and oh; d a_i = dy @ Wo[:, R] (+ LoRA); kernel
-backward; dq, dk, dv go straight back to the local layout (each stage sends its dk/dv partial, so no
-accumulator exists; more all-to-all bytes when stages share a k/v chunk), through RoPE's adjoint and the norm's
+Backward, per stage, in one of two modes (`save_attention`):
+- recompute (default): recompute q_i (and k/v at a chunk's first stage) and the attention forward (oh, lse): about
+  a third more attention compute; dq, dk, dv go straight back to the local layout (each stage sends its dk/dv
+  partial, so no accumulator exists; more all-to-all bytes when stages share a k/v chunk);
+- save: the forward keeps every stage's kernel output and log-sum-exp (oh [B, S, c, D], lse: together the size of
+  one local attention output [B, s, H*D], about what Ulysses keeps of it), so only the projections are recomputed;
+  the stages sharing a k/v chunk sum dk/dv in the head layout [B, S, kc, D] and send them once.
+Then d a_i = dy @ Wo[:, R] (+ LoRA); kernel backward; the gradients go back through RoPE's adjoint and the norm's
 (`hf_upipe.ops.head_transforms`), and their products with x are written into dx (`addmm_`) and the weight-row
 gradients; a whole-projection norm's coupled term is applied after the loop, a chunk of rows at a time.
-Saved: x, cos, sin, the small LoRA products xa/za, a whole-projection norm's inverse RMS [B, s, 1] and the
-dropout seed. Gradients of frozen tensors are not computed.
+Saved: x, cos, sin, the small LoRA products xa/za, a whole-projection norm's inverse RMS [B, s, 1], the
+dropout seed, and in save mode the stages' (oh, lse). Gradients of frozen tensors are not computed.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ class _Plan:
     scale: float
     D: int
     seed: int
+    save: bool = False  # keep each stage's (oh, lse) for the backward instead of recomputing them
     q_heads: list[torch.Tensor] = field(default_factory=list)  # per stage, model q heads [P*c] (rank-major)
     kv_heads: list[torch.Tensor] = field(default_factory=list)  # per stage, model k/v heads [P*kc]
 
@@ -76,11 +81,11 @@ class _Plan:
         return self.layout.sp_size * self.layout.chunk * self.D
 
 
-def _make_plan(layout, group, kernel, scale, D, device, dropout: bool) -> _Plan:
+def _make_plan(layout, group, kernel, scale, D, device, dropout: bool, save: bool = False) -> _Plan:
     # dropout masks are regenerated from this seed in backward; drawn from torch's RNG, so activation
     # checkpointing (which restores the RNG state before recomputing) draws the same one
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout else 0
-    plan = _Plan(layout, group, kernel, scale, D, seed=seed)
+    plan = _Plan(layout, group, kernel, scale, D, seed=seed, save=save)
     P, qpr, kpr = layout.sp_size, layout.q_per_rank, layout.kv_per_rank
     ranks = torch.arange(P, device=device)[:, None]  # [P, 1]
     for i in range(layout.num_stages):
@@ -130,7 +135,8 @@ def _features(plan: _Plan, name: str) -> int:
 
 
 def _fused_forward(x, cos, sin, w: AttentionWeights, plan: _Plan):
-    """The stage loop (no autograd). Returns y [B, s, Dm] and the small tensors the backward needs."""
+    """The stage loop (no autograd). Returns y [B, s, Dm], the small tensors the backward needs, and in save mode
+    the stages' kernel outputs and log-sum-exps [oh_0, lse_0, oh_1, ...] (else [])."""
     layout, D, style = plan.layout, plan.D, w.rope
     B, s, Dm = x.shape
     xas = w.lora_inputs(x, plan.seed, _dropout)
@@ -138,6 +144,7 @@ def _fused_forward(x, cos, sin, w: AttentionWeights, plan: _Plan):
     y = x.new_zeros(B, s, w.o.weight.shape[0])
     za = [x.new_zeros(B, s, a.A.shape[0]) for a in w.o.adapters]
     kh = vh = None
+    saved = []
     for i in range(layout.num_stages):
         if layout.starts_kv_group(i):
             kh = vh = None
@@ -151,8 +158,10 @@ def _fused_forward(x, cos, sin, w: AttentionWeights, plan: _Plan):
         q5 = post(sides["q"], _pre(x, w.q, rows, xas["q"]), rows, cos, sin, D, style)  # [B, s, P*c, D]
         qh = seq_to_head(q5.view(B, s, layout.sp_size, -1, D), plan.group)  # [B, S, c, D]
         del q5
-        oh, _ = plan.kernel.forward(qh, kh, vh, scale=plan.scale, causal=True)
+        oh, lse = plan.kernel.forward(qh, kh, vh, scale=plan.scale, causal=True)
         del qh
+        if plan.save:
+            saved += [oh, lse]
         a = head_to_seq(oh, plan.group).reshape(B * s, -1)  # [B*s, P*c*D], model heads q_heads[i]
         del oh
         y.view(B * s, -1).addmm_(a, w.o.weight.index_select(1, rows).t())  # o_proj of this stage's heads
@@ -163,7 +172,7 @@ def _fused_forward(x, cos, sin, w: AttentionWeights, plan: _Plan):
         y.add_(z @ ad.B.t(), alpha=ad.scaling)
     if w.o.bias is not None:
         y.add_(w.o.bias)
-    return y, xas, za, (sides["q"].inv_rms, sides["k"].inv_rms)
+    return y, xas, za, (sides["q"].inv_rms, sides["k"].inv_rms), saved
 
 
 class _Grads:
@@ -192,8 +201,8 @@ def _linear_backward(x2, proj, rows, d_pre2, xas, ts, grads: _Grads, dx2) -> Non
 
 
 def _fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: _Plan, xas, za, inv_rms,
-                    grads: _Grads) -> torch.Tensor:
-    """The backward stage loop; returns dx and fills `grads`."""
+                    grads: _Grads, saved=()) -> torch.Tensor:
+    """The backward stage loop; returns dx and fills `grads`. `saved`: the forward's stage outputs (save mode)."""
     layout, D, group, style = plan.layout, plan.D, plan.group, w.rope
     B, s, Dm = x.shape
     P = layout.sp_size
@@ -212,7 +221,7 @@ def _fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: _Plan, xas, za, 
         if (g := grads.get(ad.B)) is not None:
             g.add_((dy2.t() @ z.reshape(B * s, -1)) * ad.scaling)
         us.append((dy2 @ ad.B) * ad.scaling)
-    kh = vh = None
+    kh = vh = dk_sum = dv_sum = None
     for i in range(layout.num_stages):
         kv_rows = _rows(plan.kv_heads[i], D)
         if layout.starts_kv_group(i):
@@ -225,7 +234,10 @@ def _fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: _Plan, xas, za, 
         q5 = post(sides["q"], _pre(x, w.q, rows, xas["q"]), rows, cos, sin, D, style)  # [B, s, P*c, D]
         qh = seq_to_head(q5.view(B, s, P, -1, D), group)
         del q5
-        oh, lse = plan.kernel.forward(qh, kh, vh, scale=plan.scale, causal=True)  # recomputed, not saved
+        if plan.save:
+            oh, lse = saved[2 * i], saved[2 * i + 1]
+        else:
+            oh, lse = plan.kernel.forward(qh, kh, vh, scale=plan.scale, causal=True)  # recomputed
         a = head_to_seq(oh, group).reshape(B * s, -1)  # [N, P*c*D]
         # o_proj of this stage: d a = dy @ Wo[:, R] (+ LoRA), and the weight-column gradients
         da = dy2 @ w.o.weight.index_select(1, rows)
@@ -243,9 +255,18 @@ def _fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: _Plan, xas, za, 
         del qh, oh, doh
         if layout.ends_kv_group(i):
             kh = vh = None
-        # every gradient goes straight back to the local layout and into dx / the weights: no accumulators (the
-        # stages sharing a k/v chunk each send their dk/dv partial; the linear backward sums them)
+        # recompute mode: every gradient goes straight back to the local layout and into dx / the weights, no
+        # accumulators (the stages sharing a k/v chunk each send their dk/dv partial; the linear backward sums
+        # them). Save mode: dk/dv are summed over the chunk's stages here [B, S, kc, D] and sent once, at its end.
+        if plan.save:
+            dk_sum = dkh if dk_sum is None else dk_sum.add_(dkh)
+            dv_sum = dvh if dv_sum is None else dv_sum.add_(dvh)
+            dkh = dvh = None
+            if layout.ends_kv_group(i):
+                dkh, dvh, dk_sum, dv_sum = dk_sum, dv_sum, None, None
         for name, dh, r in (("q", dqh, rows), ("k", dkh, kv_rows)):
+            if dh is None:
+                continue
             d5 = head_to_seq(dh, group).reshape(B, s, -1, D)  # [B, s, P*c (or P*kc), D]
             proj = getattr(w, name)
             d_pre = post_backward(sides[name], lambda: _pre(x, proj, r, xas[name]), r, cos, sin, D, style, d5,
@@ -254,10 +275,11 @@ def _fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: _Plan, xas, za, 
             _linear_backward(x2, proj, r, d_pre.reshape(B * s, -1), xas[name], ts[name], grads, dx2)
             del d_pre
         del dqh, dkh
-        dv2 = head_to_seq(dvh, group).reshape(B * s, -1)
-        del dvh
-        _linear_backward(x2, w.v, kv_rows, dv2, xas["v"], ts["v"], grads, dx2)
-        del dv2
+        if dvh is not None:
+            dv2 = head_to_seq(dvh, group).reshape(B * s, -1)
+            del dvh
+            _linear_backward(x2, w.v, kv_rows, dv2, xas["v"], ts["v"], grads, dx2)
+            del dv2
     # a whole-projection norm's coupled term, d pre += factor * pre, over the distinct rows a chunk at a time
     for name in "qk":
         if sigma[name] is not None:
@@ -282,12 +304,12 @@ class _FusedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, static, *tensors):
         w, plan = static
-        y, xas, za, inv_rms = _fused_forward(x, cos, sin, w, plan)
+        y, xas, za, inv_rms, saved = _fused_forward(x, cos, sin, w, plan)
         flat_xas = [t for name in "qkv" for t in xas[name]]
         ctx.has_rms = [t is not None for t in inv_rms]
-        ctx.save_for_backward(x, cos, sin, *[t for t in inv_rms if t is not None], *flat_xas, *za)
+        ctx.save_for_backward(x, cos, sin, *[t for t in inv_rms if t is not None], *flat_xas, *za, *saved)
         ctx.static, ctx.n_tensors = static, len(tensors)
-        ctx.counts = [len(xas[name]) for name in "qkv"]
+        ctx.counts = [len(xas[name]) for name in "qkv"] + [len(za)]
         return y
 
     @staticmethod
@@ -301,9 +323,9 @@ class _FusedFunction(torch.autograd.Function):
         xas, k = {}, 0
         for name, n in zip("qkv", ctx.counts):
             xas[name], k = rest[k:k + n], k + n
-        za = rest[k:]
+        za, saved = rest[k:k + ctx.counts[3]], rest[k + ctx.counts[3]:]
         grads = _Grads(w.tensors(), list(ctx.needs_input_grad[4:]))
-        dx = _fused_backward(dy.contiguous(), x, cos, sin, w, plan, xas, za, inv_rms, grads)
+        dx = _fused_backward(dy.contiguous(), x, cos, sin, w, plan, xas, za, inv_rms, grads, saved)
         return (dx if ctx.needs_input_grad[0] else None, None, None, None, *grads.buf)
 
 
@@ -320,6 +342,7 @@ def fused_upipe_attention(
     heads_per_chunk: int | None = 1,
     kernel: str | AttentionKernel = "auto",
     scale: float | None = None,
+    save_attention: bool = False,
 ) -> torch.Tensor:
     """The attention block (projections, QK-norm, RoPE, causal attention, o_proj) on a sequence shard.
 
@@ -330,6 +353,8 @@ def fused_upipe_attention(
         weights: the block's tensors; gradients flow to every one that requires grad.
         num_heads, num_kv_heads, head_dim: H, Hk, D of the model.
         group, heads_per_chunk, kernel, scale: as for `hf_upipe.ops.upipe_attention`.
+        save_attention: keep every stage's kernel output and log-sum-exp for the backward (save mode: no attention
+            recompute, dk/dv sent once per k/v chunk; more memory) instead of recomputing them (module docstring).
 
     Returns:
         y [B, s, Dm], the o_proj output (bias and LoRA included).
@@ -338,7 +363,7 @@ def fused_upipe_attention(
     kern = get_kernel(kernel, x.device, x.dtype) if isinstance(kernel, str) else kernel
     dropout = any(a.dropout > 0 for p in (weights.q, weights.k, weights.v, weights.o) for a in p.adapters)
     plan = _make_plan(layout, group, kern, head_dim ** -0.5 if scale is None else scale, head_dim, x.device,
-                      dropout)
+                      dropout, save_attention and torch.is_grad_enabled())
     tensors = weights.tensors()
     if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in tensors)):
         return _FusedFunction.apply(x, cos, sin, (weights, plan), *tensors)

@@ -33,7 +33,7 @@ def _with_lora(ref, model, seed):
     return ref, model
 
 
-def _case(rank, world, arch, geom, chunk, lora, dtype, ckpt, seed, B=2):
+def _case(rank, world, arch, geom, chunk, lora, dtype, ckpt, seed, save=False, B=2):
     H, Hk = geom
     S = 8 * world
     cfg = tiny_config(arch, heads=H, kv_heads=Hk)
@@ -62,11 +62,12 @@ def _case(rank, world, arch, geom, chunk, lora, dtype, ckpt, seed, B=2):
         base["eval logits"] = base["logits"]
 
     state = hf_upipe.init_sequence_parallel(heads_per_chunk=chunk)
-    hf_upipe.prepare_model(model)
-    hf_upipe.prepare_model(model)  # idempotent
+    settings = hf_upipe.UPipeConfig(fused_backward="save") if save else None
+    hf_upipe.prepare_model(model, settings)
+    hf_upipe.prepare_model(model, settings)  # idempotent
     calls = []
     original = fused_mod.fused_upipe_attention
-    fused_mod.fused_upipe_attention = lambda *a, **k: calls.append(1) or original(*a, **k)
+    fused_mod.fused_upipe_attention = lambda *a, **k: calls.append(k["save_attention"]) or original(*a, **k)
     try:
         if ckpt:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -91,6 +92,7 @@ def _case(rank, world, arch, geom, chunk, lora, dtype, ckpt, seed, B=2):
         fused_mod.fused_upipe_attention = original
         hf_upipe.reset_sequence_parallel()
     layers = cfg.num_hidden_layers
+    assert set(calls) == {save}, calls  # the backward mode prepare_model was given reached every call
     return errs, base, len(calls), layers, len(trained)
 
 
@@ -113,6 +115,11 @@ for n, arch in enumerate(["mixtral", "qwen2_moe", "qwen3_moe", "granite", "grani
     CASES[2].append((arch, (4, 2), 1 if n % 3 else None, lora_at_2, F32, n == 5, 20 + n))
     CASES[4].append((arch, (8, 2) if n % 2 else (8, 4), 1, not lora_at_2, F32, False, 40 + n))
 CASES[2] += [("olmo2", (8, 2), 1, True, BF16, False, 60), ("cohere", (4, 4), 1, False, BF16, False, 61)]
+# the save-mode backward (UPipeConfig(fused_backward="save")): GQA chunks shared by several stages, replication at
+# 4 ranks, LoRA, checkpointing, the projection variants, bf16
+CASES[2] += [("llama", (8, 2), 1, True, F32, True, 70, True), ("olmo2", (4, 2), 1, False, F32, False, 71, True),
+             ("phi3", (8, 2), 1, True, BF16, False, 72, True)]
+CASES[4] += [("qwen3", (8, 2), 1, True, F32, False, 73, True), ("cohere", (8, 4), 1, False, F32, True, 74, True)]
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -132,7 +132,7 @@ def _tables(S, D, gen, interleaved=False):
     return emb.cos(), emb.sin()
 
 
-def _case(rank, world, group, case):
+def _case(rank, world, group, case, save=False):
     B, S, Dm, H, Hk, D, chunk, bias, norm, lora, frozen, dtype, seed, *opts = case
     opts = opts[0] if opts else {}
     gen = torch.Generator().manual_seed(seed)
@@ -150,7 +150,7 @@ def _case(rank, world, group, case):
     w, leaves = build(dtype)
     xl = x[:, sh].to(dtype).requires_grad_()
     y = fused_upipe_attention(xl, cos[:, sh].to(dtype), sin[:, sh].to(dtype), w, num_heads=H, num_kv_heads=Hk,
-                              head_dim=D, group=group, heads_per_chunk=chunk)
+                              head_dim=D, group=group, heads_per_chunk=chunk, save_attention=save)
     mine = [xl] + [t for t in leaves if t.requires_grad]
     grads = list(torch.autograd.grad(y, mine, dy[:, sh].to(dtype)))
     for g in grads[1:]:  # parameter gradients: every rank holds its shard's contribution
@@ -169,9 +169,9 @@ def _case(rank, world, group, case):
     return errs, base, len(grads)
 
 
-def _worker(rank, world, cases):
+def _worker(rank, world, cases, save=False):
     group = dist.group.WORLD if world > 1 else None
-    return [_case(rank, world, group, c) for c in cases]
+    return [_case(rank, world, group, c, save) for c in cases]
 
 
 def _cases(world):
@@ -210,15 +210,73 @@ def _check(cases, results):
                     assert e <= 2 * base[k] + 2**-7, f"tensor {k}: rel err {e:.2e} vs {base[k]:.2e} in {case}"
 
 
-def test_fused_single_process():
+@pytest.mark.parametrize("save", [False, True], ids=["recompute", "save"])
+def test_fused_single_process(save):
     cases = _cases(1)
-    _check(cases, [_worker(0, 1, cases)])
+    _check(cases, [_worker(0, 1, cases, save)])
 
 
+@pytest.mark.parametrize("save", [False, True], ids=["recompute", "save"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_fused_matches_plain_block(world):
+def test_fused_matches_plain_block(world, save):
     cases = _cases(world)
-    _check(cases, run_distributed(_worker, world, cases))
+    _check(cases, run_distributed(_worker, world, cases, save))
+
+
+def _counting_worker(rank, world):
+    """Kernel forwards and all-to-all bytes of one fused fwd+bwd in each mode (H=8, Hk=2 at 2 ranks, c=1: four
+    stages share each rank's k/v chunk); and the two modes' gradients agree."""
+    from hf_upipe.ops import fused_attention
+    from hf_upipe.ops.kernels import get_kernel
+
+    inner = get_kernel("sdpa", torch.device("cpu"), torch.float32)
+    calls = {"forward": 0, "bytes": 0}
+
+    class Counting:
+        def forward(self, *a, **k):
+            calls["forward"] += 1
+            return inner.forward(*a, **k)
+
+        def backward(self, *a, **k):
+            return inner.backward(*a, **k)
+
+    original = dist.all_to_all_single
+
+    def counted(out, inp, *a, **k):
+        calls["bytes"] += inp.numel() * inp.element_size()
+        return original(out, inp, *a, **k)
+
+    gen = torch.Generator().manual_seed(4)
+    build = _make(gen, 24, 8, 2, 8, True, True, True, False, torch.float32)
+    w, leaves = build(torch.float32)
+    x = torch.randn(1, 8, 24, generator=gen)
+    cos, sin = _tables(16, 8, gen)
+    cos, sin = (t[:, rank * 8:(rank + 1) * 8].float() for t in (cos, sin))
+    out = {}
+    dist.all_to_all_single = counted
+    try:
+        for save in (False, True):
+            calls.update(forward=0, bytes=0)
+            xl = x.clone().requires_grad_()
+            y = fused_attention.fused_upipe_attention(xl, cos, sin, w, num_heads=8, num_kv_heads=2, head_dim=8,
+                                                      group=dist.group.WORLD, heads_per_chunk=1, kernel=Counting(),
+                                                      save_attention=save)
+            grads = torch.autograd.grad(y, [xl] + [t for t in leaves if t.requires_grad], torch.ones_like(y))
+            out[save] = (dict(calls), grads)
+    finally:
+        dist.all_to_all_single = original
+    agree = max(_rel(a, b) for a, b in zip(out[False][1], out[True][1]))
+    return out[False][0], out[True][0], agree
+
+
+def test_save_mode_runs_no_attention_forward_in_backward_and_sends_dk_dv_once():
+    for recompute, save, agree in run_distributed(_counting_worker, 2):
+        stages = 4  # 8 query heads / 2 ranks, one per stage
+        assert recompute["forward"] == 2 * stages and save["forward"] == stages, (recompute, save)
+        # the all-to-alls differ only in the backward's dk/dv: one per stage (recompute: 4 + 4) or one per k/v
+        # chunk (save: 1 + 1), each [B, S, kc, D] = [1, 16, 1, 8] fp32 = 512 bytes per rank
+        assert recompute["bytes"] - save["bytes"] == 6 * 512, (recompute, save)
+        assert agree < 1e-5, agree
 
 
 def test_lora_dropout_gradients_match_finite_differences():

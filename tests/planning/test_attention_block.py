@@ -215,3 +215,21 @@ def test_fused_block_is_below_the_registered_path_as_designed() -> None:
         assert registered["peak"] - fused["peak"] >= 3 * unit - weights_grad, (registered["peak"] / unit,
                                                                                fused["peak"] / unit)
         assert fused["forward_peak"] < registered["forward_peak"]
+
+
+def test_fused_save_mode_simulation_equals_real_gloo_run_and_keeps_one_attention_output() -> None:
+    """Save mode (`UPipeConfig(fused_backward="save")`): the simulation is exact, and it holds at most what it keeps
+    more than the recompute mode: every stage's kernel output (together one local attention output, s*H*D) and
+    log-sum-exp (S*H/P fp32), plus the summed dk/dv of one k/v chunk; and at one head per stage less than
+    DeepSpeed's Ulysses (with all heads in one stage it is above: that is not the setting for memory)."""
+    real = run_distributed(_real_worker, 2, "fused_save", CHUNKS, SMALL)
+    save = _simulated("fused_save", CHUNKS, SMALL)
+    assert real[0] == save
+    recompute = _simulated("fused", CHUNKS, SMALL)
+    deepspeed = _simulated("deepspeed", (None,), SMALL)[0]
+    s, H, Hk, D = SMALL["seq_len"] // 2, SMALL["heads"], SMALL["kv_heads"], SMALL["head_dim"]
+    kept = s * H * D * 4 + SMALL["seq_len"] * H // 2 * 4  # outputs + log-sum-exps, fp32
+    sums = 2 * SMALL["seq_len"] * (Hk // 2) * D * 4  # dk, dv of one k/v chunk
+    for (fwd, peak, _), (fwd0, peak0, _) in zip(save, recompute):
+        assert peak0 < peak <= peak0 + kept + sums, (peak, peak0, kept)
+    assert save[0][1] < 0.85 * deepspeed[1], (save[0][1], deepspeed[1])  # heads_per_chunk=1
