@@ -264,7 +264,10 @@ def logit_multiplier(config) -> float:
 
 
 def model_geometry(config) -> dict:
-    """hidden, heads, kv_heads, layers, vocab and model_type of a transformers config (or a dict of its keys)."""
+    """hidden, heads, kv_heads, layers, vocab and model_type of a transformers config (its language model's, for a
+    multimodal one), or of a dict of its keys."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     hidden, heads = get("hidden_size"), get("num_attention_heads")
     return {"hidden": hidden, "heads": heads, "kv_heads": get("num_key_value_heads") or heads,

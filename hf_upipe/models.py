@@ -61,8 +61,9 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 def model_names() -> list[str]:
     """The presets and the registry's text models (multimodal types verified for text only are built by
-    `runnable_config` like any other causal-LM type, not planned by name)."""
-    return sorted(PRESETS) + sorted(t for t, a in ARCHITECTURES.items() if not a.text_only)
+    `runnable_config` like any other causal-LM type, not planned by name; nor are the text configs of multimodal
+    types, e.g. emu3_text_model, which transformers builds only inside their multimodal type)."""
+    return sorted(PRESETS) + sorted(t for t, a in ARCHITECTURES.items() if not a.text_only and _is_causal_lm_type(t))
 
 
 def _unknown(spec) -> ValueError:

@@ -60,7 +60,7 @@ from hf_upipe.integrations.layout import (
 )
 from hf_upipe.integrations.support import config_refusal, refusal_error, sdpa_refusal
 from hf_upipe.ops.documents import DocumentKernel
-from hf_upipe.ops.fake import is_fake
+from hf_upipe.ops.fake import is_fake, simulating
 from hf_upipe.ops.kernels import AttentionKernel, get_kernel
 from hf_upipe.ops.softcap import SoftcapKernel
 from hf_upipe.ops.upipe_attention import upipe_attention
@@ -142,6 +142,11 @@ def upipe_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
         padding = None
     local_size = kwargs.get("local_size")  # the size of transformers' sliding-window and chunked masks
     window = chunk = None
+    if simulating():  # fake tensors (the planner): no values to probe; a window's and a chunk's kernels and the
+        # layout check are not run on fake tensors either, and neither changes the buffers of the attention
+        window = local_size if isinstance(local_size, int) and 0 < local_size < q_length * state.sp_size else None
+        return SequenceParallelMask(padding=padding, plain_causal=True, window=window,
+                                    mask_given=attention_mask is not None)
     if isinstance(local_size, int) and 0 < local_size < q_length * state.sp_size:
         pattern = local_pattern(mask_function, batch_size, local_size, q_length * state.sp_size)
         chunk, window = (local_size, None) if pattern == "chunk" else (None, local_size)

@@ -2,6 +2,7 @@
 
 Entry points:
 - `is_fake(t)`: whether `t` is a fake tensor (memory simulation: shapes and storages, no data).
+- `simulating()`: whether new tensors are fake (a memory simulation's fake mode is active).
 - `chunk_starts(total, step, *tensors)`: the start offsets of a chunk loop, abbreviated to its first three and last
   two chunks when any of `tensors` is fake (the simulation shortcut that keeps a 5M-token step to seconds; its
   docstring says why it is exact). On real tensors it is `range(0, total, step)`.
@@ -17,7 +18,14 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["chunk_starts", "is_fake"]
+__all__ = ["chunk_starts", "is_fake", "simulating"]
+
+
+def simulating() -> bool:
+    """True inside a fake mode (a memory simulation): tensors created now carry no values."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode() is not None
 
 
 def is_fake(t: Any) -> bool:

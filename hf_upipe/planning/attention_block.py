@@ -141,7 +141,8 @@ def build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtyp
         from hf_upipe.config import UPipeConfig
         from hf_upipe.integrations.prepare import prepare_model
 
-        prepare_model(block, UPipeConfig(fused_backward="save" if impl == "fused_save" else "recompute"))
+        mode = "save" if impl == "fused_save" else "recompute"
+        prepare_model(block, UPipeConfig(fused_backward=mode, tiled_mlp=False, auto=False))  # not the env's UPIPE_*
     if impl == "deepspeed":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -2,14 +2,17 @@
 
 Entry points:
 - `CATEGORIES`: the labels, in report order.
+- `decoder_layers(model)`: the decoder layers of a causal LM (plain or PEFT, text or multimodal);
+  `layer_parts(layer)`: its token mixer(s) and MLP(s) by their attribute names.
 - `StepCategories(model)`: a context manager over a decoder-only HF model; pass its `label` to
   `MemoryTracker(labeler=...)` and call `attach(tracker)` so that checkpointed inputs can be relabeled. The tracker's
   `peak_by_label` then says what was live at the step's peak.
 
 How a storage gets its label, at the moment it is created:
 1. Forward, and the recompute of a checkpointed layer inside backward: the innermost categorized module running
-   (`self_attn` -> "attention", `mlp` -> "mlp", a decoder layer's own work -> "residual": its norms, residual adds
-   and the gradients of the residual stream), kept on a stack by
+   (the token mixer -> "attention", `mlp` (or `feed_forward`, `block_sparse_moe`, ...) -> "mlp"; a model whose
+   layer has no MLP module, OPT's fc1/fc2, counts its MLP as "residual"; a decoder layer's own work -> "residual":
+   its norms, residual adds and the gradients of the residual stream), kept on a stack by
    forward pre-hooks and popped by forward hooks registered with `always_call=True` (a non-reentrant checkpoint stops
    its recompute with an exception once it has what it needs; the pop still runs). The recompute calls the layer
    without its hooks, so the layer's `_gradient_checkpointing_func` is wrapped to push "residual" around it.
@@ -32,7 +35,37 @@ from torch import nn
 
 from hf_upipe.integrations.peft import base_model
 
-__all__ = ["CATEGORIES", "StepCategories"]
+__all__ = ["CATEGORIES", "StepCategories", "decoder_layers", "layer_parts"]
+
+# a decoder layer's children by name: token mixers (attention, linear attention, convolutions, SSMs) and MLPs
+_MIXERS = ("self_attn", "attn", "attention", "self_attention", "linear_attn", "mixer", "conv", "mamba", "mamba_mixer",
+           "token_mixer", "temporal_block")
+_MLPS = ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn", "experts", "shared_mlp")
+
+
+def decoder_layers(model) -> nn.ModuleList:
+    """The decoder layers of a causal LM, plain or PEFT: the `nn.ModuleList` of its language model's
+    `num_hidden_layers` layers (`model.layers` in most; `h` in GPT-2, `decoder.layers` in OPT, ...).
+
+    Raises:
+        ValueError: no such list (not a decoder-only transformers model).
+    """
+    causal_lm = base_model(model)
+    config = getattr(causal_lm, "config", None)
+    n = getattr(config.get_text_config(), "num_hidden_layers", None) if config is not None else None
+    decoder = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else causal_lm
+    for root in (decoder, causal_lm):
+        for module in root.modules():
+            if isinstance(module, nn.ModuleList) and len(module) == n and n:
+                return module
+    raise ValueError(f"{type(causal_lm).__name__} has no list of its {n} decoder layers; the memory categories need a "
+                     "decoder-only transformers model")
+
+
+def layer_parts(layer: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, "attention" | "mlp") for the token mixers and MLPs among a decoder layer's children."""
+    return [(child, "attention" if name in _MIXERS else "mlp") for name, child in layer.named_children()
+            if name in _MIXERS or name in _MLPS]
 
 CATEGORIES = ("checkpoints", "attention", "mlp", "residual", "loss", "other")
 _KEY, _STOP = "hf_upipe_category", "hf_upipe_stop"  # in each autograd node's own metadata dict: holding the nodes
@@ -127,19 +160,16 @@ class StepCategories:
     # ------------------------------------------------------------------ context
     def __enter__(self) -> StepCategories:
         causal_lm = base_model(self.model)
-        base = getattr(causal_lm, "model", causal_lm)
-        layers = getattr(base, "layers", None)
-        if layers is None:
-            raise ValueError(f"{type(self.model).__name__} has no .model.layers; StepCategories needs a decoder-only "
-                             "transformers model")
+        base = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else getattr(causal_lm, "model", causal_lm)
+        layers = decoder_layers(self.model)
         self._checkpointed = [(layer, layer._gradient_checkpointing_func) for layer in layers
                               if callable(getattr(layer, "_gradient_checkpointing_func", None))]
         for layer, checkpoint_fn in self._checkpointed:
             layer._gradient_checkpointing_func = self._labeled_recompute(checkpoint_fn)
         for layer in layers:
             self._handles += self._hooks(layer, "residual", checkpoint_input=True)
-            self._handles += self._hooks(layer.self_attn, "attention")
-            self._handles += self._hooks(layer.mlp, "mlp")
+            for part, category in layer_parts(layer):
+                self._handles += self._hooks(part, category)
 
         def base_done(mod, args, kwargs, output):
             self._after_model = True

@@ -12,7 +12,8 @@ Entry points:
 - `llama_config(name)`: the geometries of the presets ("llama3-8b", "qwen3-32b-shape", "llama3-70b").
 
 `impl`: "deepspeed" (DeepSpeed 0.19.8 `UlyssesSPAttentionHF` around sdpa, the peer), "ulysses" (our registered
-path with all local heads in one chunk), "upipe" (registered, `heads_per_chunk`), "fused" (`prepare_model`).
+path with all local heads in one chunk), "upipe" (registered, `heads_per_chunk`), "fused" (the fused block); each
+of ours prepared as a run prepares it (`prepare_model`: global RoPE, a hybrid's mixers, the input checks).
 Every impl gets the same stack around attention: activation checkpointing of every layer, optional tiled MLP
 (`hf_upipe.memory.tiled_mlp`, chunks of `hidden_size` tokens), optional offload of the checkpointed layer inputs
 ("cpu": to host memory, the last layer's input kept on the device), and the tiled loss.
@@ -32,7 +33,9 @@ import torch
 import torch.distributed as dist
 
 from hf_upipe import distributed as _sp
+from hf_upipe.integrations.peft import base_model
 from hf_upipe.models import PRESETS
+from hf_upipe.ops.fake import simulating
 from hf_upipe.planning.attention_block import DS_ATTN_NAME, deepspeed_attention, deepspeed_comm, require_deepspeed
 from hf_upipe.planning.simulate import fake_tensors, is_fake, simulated_world
 from hf_upipe.planning.tracker import MemoryTracker, checkpoint_label
@@ -76,12 +79,13 @@ def step_config(model_config, layers: int, seq_len: int):
 
     if isinstance(model_config, PretrainedConfig):
         config = copy.deepcopy(model_config)
-        config.num_hidden_layers = layers
-        config.max_position_embeddings = max(seq_len, getattr(config, "max_position_embeddings", 0) or 0)
-        config.use_cache = False
-        if hasattr(config, "layer_types") and config.layer_types is not None:
-            config.layer_types = list(config.layer_types)[:layers] + [config.layer_types[-1]] * max(
-                0, layers - len(config.layer_types))
+        text = config.get_text_config()  # the language model's (itself for a text model)
+        text.num_hidden_layers = layers
+        text.max_position_embeddings = max(seq_len, getattr(text, "max_position_embeddings", 0) or 0)
+        config.use_cache = text.use_cache = False
+        if getattr(text, "layer_types", None) is not None:
+            text.layer_types = list(text.layer_types)[:layers] + [text.layer_types[-1]] * max(
+                0, layers - len(text.layer_types))
         return config
     return LlamaConfig(**{**model_config, "num_hidden_layers": layers}, max_position_embeddings=seq_len,
                        attention_dropout=0.0, tie_word_embeddings=False, use_cache=False)
@@ -110,6 +114,7 @@ def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_ml
     frozen), as a LoRA fine-tune loads it.
     """
     from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
     from transformers.masking_utils import AttentionMaskInterface
 
     config = step_config(model_config, layers, seq_len)
@@ -120,7 +125,9 @@ def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_ml
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # module.to(dtype) fails under fake mode
     try:
-        model = AutoModelForCausalLM.from_config(config)
+        # fake weights need no values (and some initialisations read them: truncated normals, Gemma 3's vision)
+        with no_init_weights() if simulating() else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(previous)
     if impl == "deepspeed":
@@ -151,15 +158,22 @@ def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_ml
         finally:
             torch.nn.Module.to = _MODULE_TO
             torch.set_default_dtype(previous)
-    if impl == "fused":
+    if impl != "deepspeed":  # as a run prepares it: the fused block (impl "fused"), global RoPE, mixers, the checks
+        from hf_upipe.config import UPipeConfig
         from hf_upipe.integrations.prepare import prepare_model
 
-        prepare_model(model)
+        # (explicit values: the planner's settings, not the environment's UPIPE_*; tiling is applied below)
+        prepare_model(model, UPipeConfig(fused_attention=impl == "fused", fused_backward="recompute", tiled_mlp=False,
+                                         auto=False))
     if tiled_mlp:
         from hf_upipe.memory.tiled_mlp import apply_tiled_mlp
 
         apply_tiled_mlp(model, mlp_chunk_tokens)
     if checkpointing:
+        if not getattr(base_model(model), "supports_gradient_checkpointing", False):
+            raise ValueError(f"{type(base_model(model)).__name__} does not support activation checkpointing, which "
+                             "every step hf_upipe plans (and its Trainer runs) uses on every decoder layer: the "
+                             "planner cannot plan it.")
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     if drop_grads:

@@ -32,6 +32,7 @@ import math
 import time
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from hf_upipe.architectures import ARCHITECTURES, model_geometry
 from hf_upipe.models import resolve
@@ -220,9 +221,17 @@ class _Estimator:
         if key in _SIMULATIONS:
             _SIMULATIONS.move_to_end(key)
         else:
-            _SIMULATIONS[key] = simulate_train_step(self.config, settings, seq_len=seq_len, world_size=self.world,
-                                                    sp_size=self.sp_size, layers=layers, dtype=self.dtype,
-                                                    lora=self.lora)["by_category"]
+            try:
+                _SIMULATIONS[key] = simulate_train_step(self.config, settings, seq_len=seq_len, world_size=self.world,
+                                                        sp_size=self.sp_size, layers=layers, dtype=self.dtype,
+                                                        lora=self.lora)["by_category"]
+            except (DataDependentOutputException, DynamicOutputShapeException) as err:
+                name = model_geometry(self.config)["model_type"]
+                raise ValueError(
+                    f"{name}: the planner runs the model's own code on fake tensors (shapes, no values), and this "
+                    f"model's code needs values ({err.func}: e.g. routing tokens by value), so its memory cannot be "
+                    "simulated. Measure a real step instead (hf_upipe.planning.measure_train_step on a small "
+                    "world).") from None
             if len(_SIMULATIONS) > _CACHE_SIZE:
                 _SIMULATIONS.popitem(last=False)
         return _SIMULATIONS[key]

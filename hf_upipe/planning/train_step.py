@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from hf_upipe import distributed as _sp
-from hf_upipe.integrations.peft import base_model
 from hf_upipe.planning import categories as _cat
 from hf_upipe.planning.model_step import MODEL_IMPLEMENTATIONS, build_step_model, impl_context
 from hf_upipe.planning.simulate import fake_tensors, simulated_world
@@ -108,8 +107,7 @@ def _shard(model, dtype: torch.dtype, mesh) -> None:
 
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else \
         MixedPrecisionPolicy()
-    causal_lm = base_model(model)
-    for layer in causal_lm.model.layers:
+    for layer in _cat.decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
