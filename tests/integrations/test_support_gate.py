@@ -393,6 +393,7 @@ def _mllama_worker(rank, world):
     return errors, refused, skipped
 
 
+@pytest.mark.slow
 def test_mllama_runs_text_only():
     from hf_upipe.architectures import ARCHITECTURES
 

@@ -216,8 +216,9 @@ def test_fused_single_process(save):
     _check(cases, [_worker(0, 1, cases, save)])
 
 
-@pytest.mark.parametrize("save", [False, True], ids=["recompute", "save"])
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world,save", [(2, False), (4, False), (2, True),
+                                        pytest.param(4, True, marks=pytest.mark.slow)],
+                         ids=["2-recompute", "4-recompute", "2-save", "4-save"])
 def test_fused_matches_plain_block(world, save):
     cases = _cases(world)
     _check(cases, run_distributed(_worker, world, cases, save))

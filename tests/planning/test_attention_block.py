@@ -217,6 +217,7 @@ def test_fused_block_is_below_the_registered_path_as_designed() -> None:
         assert fused["forward_peak"] < registered["forward_peak"]
 
 
+@pytest.mark.slow
 def test_fused_save_mode_simulation_equals_real_gloo_run_and_keeps_one_attention_output() -> None:
     """Save mode (`UPipeConfig(fused_backward="save")`): the simulation is exact, and it holds at most what it keeps
     more than the recompute mode: every stage's kernel output (together one local attention output, s*H*D) and
