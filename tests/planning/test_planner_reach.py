@@ -12,12 +12,11 @@ from hf_upipe.planning.planner import plan
 
 pytestmark = pytest.mark.slow
 
-# one of each kind: a window (Mistral), experts (Mixtral; GraniteMoE's own layout), a multimodal model (Mllama),
-# GPT-2's and OPT's layouts, a hybrid (Qwen3-Next), chunked (Llama 4) and latent attention (DeepSeek-V3)
-PLANNED = ["mistral", "mixtral", "granitemoe", "mllama", "gpt2", "opt", "qwen3_next", "llama4_text", "deepseek_v3"]
+# one of each kind: a window (Mistral), experts in GraniteMoE's own layout, a multimodal model (Mllama), GPT-2's
+# layout, a hybrid (Qwen3-Next), chunked attention (Llama 4); the benchmark runs every verified type
+PLANNED = ["mistral", "granitemoe", "mllama", "gpt2", "qwen3_next", "llama4_text"]
 REFUSED = {
     "ctrl": "does not support activation checkpointing",
-    "jetmoe": "does not support activation checkpointing",
     "longcat_flash": "needs values (aten.nonzero.default",
     "hrm_text": "has no list of its 3 decoder layers",
 }
