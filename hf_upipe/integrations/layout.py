@@ -135,7 +135,7 @@ def _layout_summary(state, position_ids, mask, batch, local_len, device, documen
     across = apart = False
     if documents is not None and restart and mask is not None:  # the model's mask met a document start here
         # (given a 2-D attention_mask transformers never looks for documents, in any model: the mask tells nothing)
-        across, apart = mask.plain_causal and not getattr(mask, "mask_given", False), agrees
+        across, apart = mask.plain_causal and not mask.mask_given, agrees
     if pad is None:
         form_ok, any_pad, all_pad = True, False, False
     else:

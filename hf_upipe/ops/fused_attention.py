@@ -362,9 +362,10 @@ def fused_upipe_attention(
     layout = HeadLayout(num_heads, num_kv_heads, group_size(group), heads_per_chunk)
     kern = get_kernel(kernel, x.device, x.dtype) if isinstance(kernel, str) else kernel
     dropout = any(a.dropout > 0 for p in (weights.q, weights.k, weights.v, weights.o) for a in p.adapters)
-    plan = _make_plan(layout, group, kern, head_dim ** -0.5 if scale is None else scale, head_dim, x.device,
-                      dropout, save_attention and torch.is_grad_enabled())
     tensors = weights.tensors()
-    if torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in tensors)):
+    backward = torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in tensors))
+    plan = _make_plan(layout, group, kern, head_dim ** -0.5 if scale is None else scale, head_dim, x.device,
+                      dropout, save_attention and backward)  # nothing kept for a forward without backward
+    if backward:
         return _FusedFunction.apply(x, cos, sin, (weights, plan), *tensors)
     return _fused_forward(x, cos, sin, weights, plan)[0]

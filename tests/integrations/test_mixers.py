@@ -67,9 +67,10 @@ def _worker(rank, world, cases):
     return out
 
 
-def _refusal(model, rank, world):
-    """An unprepared hybrid under SP: refused before any layer (the mask function's gate)."""
-    ids = torch.randint(3, 96, (1, S), generator=torch.Generator().manual_seed(1))
+def _refusal(model, rank, world, length=S):
+    """A call on this rank's shard of `length` tokens: the NotImplementedError's message, or "ran" (an unprepared
+    hybrid under SP is refused before any layer, by the mask function's gate)."""
+    ids = torch.randint(3, 96, (1, length), generator=torch.Generator().manual_seed(1))
     shard = hf_upipe.shard_batch({"input_ids": ids}, rank, world)
     try:
         model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
@@ -122,13 +123,7 @@ def _short_shard_worker(rank, world):
     hf_upipe.init_sequence_parallel(world)
     try:
         hf_upipe.prepare_model(model)
-        ids = torch.randint(3, 96, (1, 4), generator=torch.Generator().manual_seed(1))
-        shard = hf_upipe.shard_batch({"input_ids": ids}, rank, world)
-        try:
-            model(input_ids=shard["input_ids"], position_ids=shard["position_ids"])
-        except NotImplementedError as err:
-            return str(err)
-        return "ran"
+        return _refusal(model, rank, world, length=4)
     finally:
         hf_upipe.reset_sequence_parallel()
 
