@@ -135,7 +135,7 @@ def _optimizer_with_states(model) -> torch.optim.Optimizer:
 
 
 def measure_train_step(model_config, settings: StepSettings, *, seq_len: int, sp_size: int, layers: int,
-                       dtype: torch.dtype = torch.bfloat16, mesh=None, lora=None) -> dict:
+                       dtype: torch.dtype = torch.bfloat16, mesh=None, lora=None, around_step=None) -> dict:
     """One tracked FSDP2 training step on this rank (see the module docstring).
 
     Args:
@@ -173,7 +173,8 @@ def measure_train_step(model_config, settings: StepSettings, *, seq_len: int, sp
             inputs = {"input_ids": ids, "position_ids": torch.arange(r * s, (r + 1) * s).unsqueeze(0),
                       "attention_mask": torch.ones(1, s, dtype=torch.long)}
             labels = torch.zeros(1, s, dtype=torch.long)
-            with _cat.StepCategories(model) as cats, MemoryTracker(labeler=cats.label) as tracker, \
+            with around_step if around_step is not None else contextlib.nullcontext(), \
+                    _cat.StepCategories(model) as cats, MemoryTracker(labeler=cats.label) as tracker, \
                     _fsdp_labels(model):
                 cats.attach(tracker)
                 static = {}

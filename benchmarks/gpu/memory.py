@@ -1,0 +1,233 @@
+"""GPU memory of rank 0 of 8, for real: the planner's predictions against the CUDA allocator.
+
+    python benchmarks/gpu/memory.py [--lengths 256K,512K,1M] [--full-length 256K] [--block-lengths 512K,1M]
+                                    [--out benchmarks/results/gpu] [--quick] [--cpu-dry-run]
+
+Rank 0 of a fake 8-rank process group (`hf_upipe.planning.simulate.simulated_world`) on real CUDA tensors: the
+kernels, the allocator and the offload's pinned buffers are real; the collectives only shape their outputs (the
+fake group copies the input into the output on recent torch: see kernels.json's fake_pg), so the per-GPU memory
+is what one of 8 GPUs holds, without NCCL's own buffers. Llama3-8B geometry (`hf_upipe.models.PRESETS`), bf16.
+
+Sections (written into <out>/memory.json as each finishes):
+1. block: one attention block (`hf_upipe.planning.attention_block.measure_attention_block`) for DeepSpeed's
+   Ulysses (when importable), our Ulysses mode, UPipe c=1 and the fused block in both backward modes: the tensor
+   peak tracked on the GPU, the same simulated on fake CPU tensors (must be equal), `max_memory_allocated` and
+   `max_memory_reserved` of the block's forward + backward.
+2. step: one FSDP2 training step as the planner models it (`hf_upipe.planning.train_step.measure_train_step`:
+   AdamW states, checkpointing on every layer with inputs offloaded to pinned host memory, tiled MLP and loss, the
+   fused block c=1) with 4 decoder layers at --lengths, and the whole 32-layer model at --full-length: tracked
+   tensor peak, simulated peak (for 32 layers: `hf_upipe.plan`'s extrapolation from 3 and 4 layers), and the
+   allocator's absolute peaks.
+3. calibration: the planner's margin fitted to these runs (`hf_upipe.planning.planner.Margin`): the allocator's
+   overhead over the tensor peak as a fraction, and the bytes outside the allocator (CUDA context, cuBLAS
+   workspaces) measured on this device; then each run's predicted peak (simulated tensors x (1 + fraction)) against
+   its `max_memory_reserved`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import GiB, PeakMemory, Results, fake_rank, parse, parser, sync  # noqa: E402
+
+import hf_upipe  # noqa: E402,F401
+from hf_upipe.models import PRESETS  # noqa: E402
+from hf_upipe.planning.attention_block import (  # noqa: E402
+    BENCHMARK_ROWS,
+    measure_attention_block,
+    simulate_attention_block,
+)
+from hf_upipe.planning.train_step import StepSettings, measure_train_step, simulate_train_step  # noqa: E402
+
+P = 8
+SETTINGS = StepSettings("fused", 1, tiled_mlp=True, offload="cpu")
+
+
+def parse_len(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 1024, "M": 1024**2}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def geometry(dry: bool) -> dict:
+    if dry:  # toy: Llama3-8B's head geometry at a small width
+        return dict(hidden_size=512, intermediate_size=1792, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=16, num_hidden_layers=32, vocab_size=4096)
+    return dict(PRESETS["llama3-8b"])
+
+
+def _deepspeed_importable() -> bool:
+    try:
+        from hf_upipe.planning.attention_block import require_deepspeed
+
+        require_deepspeed()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def block(res: Results, device, lengths: list[int], dry: bool) -> None:
+    cfg = geometry(dry)
+    geo = dict(hidden=cfg["hidden_size"], heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"],
+               head_dim=cfg["head_dim"])
+    have_ds = _deepspeed_importable()
+    rows = []
+    for S in lengths:
+        for label, impl, c in BENCHMARK_ROWS:
+            if impl == "deepspeed" and not have_ds:
+                continue
+            row = dict(label=label, impl=impl, heads_per_chunk=c, seq_len=S, sp_size=P)
+            try:
+                sim = simulate_attention_block(impl, **geo, seq_len=S, sp_size=P, heads_per_chunk=c)
+                with fake_rank(P, device) as world:
+                    if impl != "deepspeed":
+                        hf_upipe.init_sequence_parallel(group=world, heads_per_chunk=c)
+                    try:
+                        with PeakMemory(device) as peak:
+                            real = measure_attention_block(impl, **geo, seq_len=S, sp_size=P, dtype=torch.bfloat16,
+                                                           group=world, heads_per_chunk=c)
+                    finally:
+                        hf_upipe.reset_sequence_parallel()
+                row.update(simulated_peak=sim["peak"], tracked_peak=real["peak"], tracked_forward=real["forward_peak"],
+                           unit=real["unit"], **peak.to_dict())
+                row["tracked_equals_simulated"] = real["peak"] == sim["peak"]
+            except Exception as err:  # noqa: BLE001
+                row.update(res.error(f"block {label} {S}", err))
+            rows.append(row)
+            print("block", {k: (round(v / GiB, 3) if isinstance(v, int) and v > 2**20 else v)
+                            for k, v in row.items()}, flush=True)
+            res.put("block", rows)
+
+
+def _mesh(device):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (P,))
+
+
+def step_row(res: Results, device, cfg: dict, S: int, layers: int, predicted: dict) -> dict:
+    row = dict(seq_len=S, layers=layers, sp_size=P, world=P, settings=SETTINGS.__dict__.copy(), **predicted)
+    try:
+        with fake_rank(P, device):
+            mesh = _mesh(device)
+            peak = PeakMemory(device)
+            t0 = time.perf_counter()
+            real = measure_train_step(cfg, SETTINGS, seq_len=S, sp_size=P, layers=layers, mesh=mesh,
+                                      around_step=peak)
+            sync(device)
+            row["step_wall_s"] = round(time.perf_counter() - t0, 2)
+        row.update(tracked_peak=real["peak"], tracked_by_category=real["by_category"], **peak.to_dict())
+        row["max_allocated_total_bytes"] = peak.base_allocated + peak.allocated
+    except Exception as err:  # noqa: BLE001
+        row.update(res.error(f"step {layers} layers {S}", err))
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def step(res: Results, device, lengths: list[int], full_length: int | None, dry: bool) -> None:
+    from hf_upipe.planning.planner import plan
+
+    cfg, rows = geometry(dry), []
+
+    def four_layers(S):
+        sim = simulate_train_step(cfg, SETTINGS, seq_len=S, world_size=P, sp_size=P, layers=4)
+        rows.append(step_row(res, device, cfg, S, 4, {"simulated_peak": sim["peak"],
+                                                      "simulated_by_category": sim["by_category"]}))
+        print("step", rows[-1], flush=True)
+        res.put("step", rows)
+
+    four_layers(lengths[0])
+    if full_length:  # before the longer 4-layer steps, which take the most time
+        p = plan(cfg, gpus=P, gpu_memory="80GiB", seq_len=full_length, settings=SETTINGS)
+        rows.append(step_row(res, device, cfg, full_length, cfg["num_hidden_layers"], {
+            "simulated_peak": p.tensor_peak, "simulated_by_category": dict(p.by_category),
+            "planner_required_default_margin": p.required}))
+        print("step", rows[-1], flush=True)
+        res.put("step", rows)
+    for S in lengths[1:]:
+        four_layers(S)
+
+
+def context_bytes(device) -> int:
+    """Device memory in use outside the caching allocator: CUDA context, cuBLAS/cuDNN handles and workspaces."""
+    if device.type != "cuda":
+        return 0
+    sync(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
+
+
+def calibration(res: Results, device) -> None:
+    from hf_upipe.planning.planner import Margin
+
+    rows = [r for section in ("block", "step") for r in res.doc["sections"].get(section, [])
+            if "tracked_peak" in r and r.get("max_reserved_total_bytes")]
+    if not rows:
+        res.put("calibration", {"note": "no GPU rows to calibrate from"})
+        return
+    for r in rows:  # what the allocator reserves over what the planner counts, for the same run
+        base = r.get("allocated_on_entry_bytes", 0) if "layers" not in r else 0
+        r["_counted"] = r["simulated_peak"] + base  # the block's counts exclude its weights and inputs
+        r["_reserved"] = r["max_reserved_total_bytes"]
+    fraction = max(r["_reserved"] / r["_counted"] - 1 for r in rows)
+    fraction = math.ceil(max(fraction, 0.0) * 200) / 200  # up to the next 0.5%
+    context = context_bytes(device)
+    default = Margin()
+    table = []
+    for r in rows:
+        predicted = r["_counted"] * (1 + fraction)
+        table.append(dict(what="block " + r["label"] if "label" in r else f"step {r['layers']} layers",
+                          seq_len=r["seq_len"], counted=r["_counted"], max_reserved=r["_reserved"],
+                          predicted_calibrated=int(predicted),
+                          error_calibrated=(predicted - r["_reserved"]) / r["_reserved"],
+                          predicted_default=int(r["_counted"] * (1 + default.fraction)),
+                          error_default=(r["_counted"] * (1 + default.fraction) - r["_reserved"]) / r["_reserved"]))
+        del r["_counted"], r["_reserved"]
+    res.put("calibration", {"fraction": fraction, "context_bytes": context, "default_fraction": default.fraction,
+                            "default_reserved_bytes": default.reserved, "rows": table,
+                            "within_5_percent": all(abs(t["error_calibrated"]) <= 0.05 for t in table)})
+    for t in table:
+        print("calibration", t, flush=True)
+
+
+def main(argv=None) -> int:
+    ap = parser(__doc__)
+    ap.add_argument("--lengths", default="256K,512K,1M", help="4-layer step lengths (K = 1024)")
+    ap.add_argument("--full-length", default="256K", help="the 32-layer step's length ('' to skip)")
+    ap.add_argument("--block-lengths", default="512K,1M")
+    ap.add_argument("--sections", default="block,step,calibration")
+    args, device = parse(ap, argv)
+    dry = args.cpu_dry_run
+    lengths = [parse_len(x) for x in args.lengths.split(",") if x.strip()]
+    block_lengths = [parse_len(x) for x in args.block_lengths.split(",") if x.strip()]
+    full = parse_len(args.full_length) if args.full_length.strip() else None
+    if dry:
+        lengths, block_lengths, full = [8192, 16384], [8192], 8192
+    elif args.quick:
+        lengths, block_lengths = lengths[:2], block_lengths[:1]
+    res = Results(os.path.join(args.out, "memory.json"), device)
+    sections = args.sections.split(",")
+    start = time.perf_counter()
+    if "block" in sections:
+        block(res, device, block_lengths, dry)
+    if "step" in sections:
+        step(res, device, lengths, full, dry)
+    if "calibration" in sections:
+        calibration(res, device)
+    res.doc["wall_time_s"] = round(time.perf_counter() - start, 1)
+    res.write()
+    print(f"\nmemory: errors: {len(res.doc['errors'])}; wrote {res.path} ({res.doc['wall_time_s']} s)")
+    return 1 if res.doc["errors"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
