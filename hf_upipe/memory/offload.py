@@ -88,7 +88,9 @@ class HostBufferPool:
                 self.free_bytes -= buf.numel() * buf.element_size()
                 return buf
             self.allocated += 1
-        return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+        # device="cpu" explicitly: under a default device (`torch.set_default_device("cuda")`, `with
+        # torch.device(...)`) a bare torch.empty would land there, and pinning a CUDA tensor is an error
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=torch.cuda.is_available())
 
     def give(self, buf: torch.Tensor) -> None:
         nbytes = buf.numel() * buf.element_size()

@@ -138,3 +138,14 @@ def test_host_buffers_are_reused_across_steps_and_returned_after_a_failure(monke
         assert mod.HOST_POOL.free_bytes == free_after_first  # every buffer is back in the pool
     finally:
         mod.OffloadStore.stays = original
+
+
+def test_host_buffers_stay_on_the_host_under_a_default_device():
+    """A default device (`torch.set_default_device("cuda")`, `with torch.device(...)`) must not move the pinned host
+    buffers there: on a GPU that was "Only dense CPU tensors can be pinned" (found by benchmarks/gpu/memory.py)."""
+    from hf_upipe.memory.offload import HostBufferPool
+
+    pool = HostBufferPool()
+    with torch.device("meta"):  # stands for "cuda" on this CPU-only machine: any non-CPU default device
+        buf = pool.take((4, 3), torch.bfloat16)
+    assert buf.device.type == "cpu" and buf.shape == (4, 3) and buf.dtype == torch.bfloat16
