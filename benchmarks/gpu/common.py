@@ -8,7 +8,7 @@ Entry points:
 - `cuda_times(fn, *, warmup, reps)`: per-run times in seconds, timed with CUDA events (wall clock on CPU).
 - `PeakMemory(device)`: a context that records the allocator's peaks relative to what was allocated on entry.
 - `fake_rank(world_size, device)`: rank 0 of a fake `world_size`-rank process group with real tensors created on
-  `device` by default (collectives only shape their outputs: nothing is communicated).
+  `device` by default (nothing is communicated: an all-to-all leaves a copy of its input, `loopback_all_to_all`).
 - `Results`: the JSON document of one script, written after every section (a crash keeps what was measured).
 - `rel_error(x, ref)`: ||x - ref|| / ||ref|| in float64 on the CPU.
 """
@@ -145,11 +145,39 @@ class PeakMemory:
 
 
 @contextlib.contextmanager
+def loopback_all_to_all():
+    """`all_to_all_single` on a fake group leaves a copy of the input in the output, as torch 2.13's fake group does.
+
+    Older fake groups (torch 2.11, seen on the H100) leave the output as allocated: uninitialised memory, so the
+    numbers that follow are garbage and value checks fail. With the copy, every rank holds the same data: a valid
+    function of the inputs, the same on CPU and GPU, so the two can be compared.
+    """
+    import torch.distributed as dist
+
+    original = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        work = original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        if "fake" in str(dist.get_backend(group)) and output.shape == input.shape:
+            if work is not None:
+                work.wait()
+            output.copy_(input)
+        return work
+
+    dist.all_to_all_single = all_to_all_single
+    try:
+        yield
+    finally:
+        dist.all_to_all_single = original
+
+
+@contextlib.contextmanager
 def fake_rank(world_size: int, device: torch.device):
     """Rank 0 of a fake `world_size`-rank world; new tensors on `device` (see the module docstring)."""
     from hf_upipe.planning.simulate import simulated_world
 
-    with simulated_world(world_size) as world, device:
+    with simulated_world(world_size) as world, loopback_all_to_all(), device:
         yield world
 
 

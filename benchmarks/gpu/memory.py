@@ -167,34 +167,35 @@ def context_bytes(device) -> int:
 
 
 def calibration(res: Results, device) -> None:
+    """The margin fraction from the whole-step rows (what the planner plans); the block rows are shown beside."""
     from hf_upipe.planning.planner import Margin
 
-    rows = [r for section in ("block", "step") for r in res.doc["sections"].get(section, [])
-            if "tracked_peak" in r and r.get("max_reserved_total_bytes")]
-    if not rows:
-        res.put("calibration", {"note": "no GPU rows to calibrate from"})
+    steps = [r for r in res.doc["sections"].get("step", []) if r.get("max_reserved_total_bytes")]
+    blocks = [r for r in res.doc["sections"].get("block", []) if r.get("max_reserved_total_bytes")]
+    if not steps:
+        res.put("calibration", {"note": "no GPU step rows to calibrate from"})
         return
-    for r in rows:  # what the allocator reserves over what the planner counts, for the same run
-        base = r.get("allocated_on_entry_bytes", 0) if "layers" not in r else 0
-        r["_counted"] = r["simulated_peak"] + base  # the block's counts exclude its weights and inputs
-        r["_reserved"] = r["max_reserved_total_bytes"]
-    fraction = max(r["_reserved"] / r["_counted"] - 1 for r in rows)
+    # a step's tensor peak counts its parameters and optimizer states (allocated before the step), a block's does
+    # not count its weights and input: add what was allocated on entry
+    counted = {id(r): r["simulated_peak"] + (0 if r in steps else r["allocated_on_entry_bytes"])
+               for r in steps + blocks}
+    fraction = max(r["max_reserved_total_bytes"] / counted[id(r)] - 1 for r in steps)
     fraction = math.ceil(max(fraction, 0.0) * 200) / 200  # up to the next 0.5%
-    context = context_bytes(device)
     default = Margin()
     table = []
-    for r in rows:
-        predicted = r["_counted"] * (1 + fraction)
-        table.append(dict(what="block " + r["label"] if "label" in r else f"step {r['layers']} layers",
-                          seq_len=r["seq_len"], counted=r["_counted"], max_reserved=r["_reserved"],
-                          predicted_calibrated=int(predicted),
-                          error_calibrated=(predicted - r["_reserved"]) / r["_reserved"],
-                          predicted_default=int(r["_counted"] * (1 + default.fraction)),
-                          error_default=(r["_counted"] * (1 + default.fraction) - r["_reserved"]) / r["_reserved"]))
-        del r["_counted"], r["_reserved"]
-    res.put("calibration", {"fraction": fraction, "context_bytes": context, "default_fraction": default.fraction,
-                            "default_reserved_bytes": default.reserved, "rows": table,
-                            "within_5_percent": all(abs(t["error_calibrated"]) <= 0.05 for t in table)})
+    for r in steps + blocks:
+        c, reserved = counted[id(r)], r["max_reserved_total_bytes"]
+        table.append(dict(what=f"step {r['layers']} layers" if r in steps else f"block {r['label']}",
+                          seq_len=r["seq_len"], counted=c,
+                          max_allocated=r["max_allocated_bytes"] + r["allocated_on_entry_bytes"],
+                          max_reserved=reserved, predicted_calibrated=int(c * (1 + fraction)),
+                          error_calibrated=(c * (1 + fraction) - reserved) / reserved,
+                          predicted_default=int(c * (1 + default.fraction)),
+                          error_default=(c * (1 + default.fraction) - reserved) / reserved))
+    res.put("calibration", {"fraction": fraction, "context_bytes": context_bytes(device),
+                            "default_fraction": default.fraction, "default_reserved_bytes": default.reserved,
+                            "rows": table, "steps_within_5_percent": all(
+                                abs(t["error_calibrated"]) <= 0.05 for t in table if t["what"].startswith("step"))})
     for t in table:
         print("calibration", t, flush=True)
 

@@ -4,10 +4,13 @@
                                    [--out benchmarks/results/gpu] [--quick] [--cpu-dry-run]
 
 Sections (written into <out>/speed.json as each finishes):
+0. backends: forward + backward of one rank's attention (4 heads over S, D = 128, bf16) through torch SDPA with
+   each backend forced (and its default choice), and through each of hf_upipe's kernels usable here.
 1. layer: forward + backward of one Llama3-8B decoder layer (no checkpointing) as rank 0 of a fake 8-rank group on
    real CUDA tensors: this rank's s = S/8 tokens through the projections and MLP, and its H/8 = 4 query heads over
    the whole S in attention. DeepSpeed's Ulysses (when importable), our Ulysses mode, UPipe c=1 (registered),
-   and the fused block c=1 with its backward recomputing or saving each stage's attention. COMPUTE ONLY: under the
+   and the fused block c=1 with its backward recomputing or saving each stage's attention; ours with the "sdpa"
+   kernel (torch's flash kernel) and, where usable, the "cudnn" kernel. COMPUTE ONLY: under the
    fake group the all-to-alls do no communication (they copy locally), so NVLink time is not in these numbers.
    Median of --reps interleaved rounds (the order rotates every round) after one warm-up each, CUDA events.
 2. loss: the tiled lm_head + cross-entropy (`hf_upipe.ops.tiled_loss`) against the plain HF path (bf16 logits,
@@ -17,6 +20,7 @@ Sections (written into <out>/speed.json as each finishes):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -34,13 +38,76 @@ from hf_upipe.models import PRESETS  # noqa: E402
 from hf_upipe.planning.model_step import build_step_model, impl_context  # noqa: E402
 
 P = 8
-VARIANTS = (  # (label, impl of build_step_model, heads_per_chunk, fused_backward)
-    ("DeepSpeed Ulysses", "deepspeed", None, "recompute"),
-    ("ours Ulysses", "ulysses", None, "recompute"),
-    ("UPipe c=1", "upipe", 1, "recompute"),
-    ("UPipe fused c=1 (recompute)", "fused", 1, "recompute"),
-    ("UPipe fused c=1 (save)", "fused", 1, "save"),
+VARIANTS = (  # (label, impl of build_step_model, heads_per_chunk, fused_backward, kernel: None = "auto")
+    ("DeepSpeed Ulysses", "deepspeed", None, "recompute", None),
+    ("ours Ulysses", "ulysses", None, "recompute", "sdpa"),
+    ("UPipe c=1", "upipe", 1, "recompute", "sdpa"),
+    ("UPipe fused c=1 (recompute)", "fused", 1, "recompute", "sdpa"),
+    ("UPipe fused c=1 (save)", "fused", 1, "save", "sdpa"),
+    ("ours Ulysses [cudnn]", "ulysses", None, "recompute", "cudnn"),
+    ("UPipe c=1 [cudnn]", "upipe", 1, "recompute", "cudnn"),
+    ("UPipe fused c=1 (recompute) [cudnn]", "fused", 1, "recompute", "cudnn"),
+    ("UPipe fused c=1 (save) [cudnn]", "fused", 1, "save", "cudnn"),
 )
+
+
+@contextlib.contextmanager
+def prefer_kernel(name):
+    """Make `name` the kernel "auto" picks (None: leave the registry alone)."""
+    from hf_upipe.ops import kernels
+
+    if name is None:
+        yield
+        return
+    entry = kernels._REGISTRY[name]
+    kernels.register_kernel(name, entry[0], entry[1], priority=-1)
+    try:
+        yield
+    finally:
+        kernels.register_kernel(name, *entry)
+
+
+def backends(res: Results, device, lengths: list[int], dry: bool) -> None:
+    """fwd+bwd of one rank's attention (4 heads over S, D = 128): torch SDPA per backend and our kernels."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from hf_upipe.ops.kernels import available_kernels, get_kernel
+
+    rows = []
+    h, D = 4, (16 if dry else 128)
+    for S in lengths:
+        q, k, v = (torch.randn(1, h, S, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        grad = torch.randn(1, h, S, D, dtype=torch.bfloat16)
+
+        def sdpa_run(backend):
+            def run():
+                with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+            return run
+
+        cases = [("torch sdpa (default choice)", sdpa_run(None))]
+        if device.type == "cuda":
+            cases += [(f"torch sdpa {b.name}", sdpa_run(b)) for b in
+                      (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)]
+        for name in available_kernels(device, torch.bfloat16):
+            kern = get_kernel(name, device, torch.bfloat16)
+            qs, ks, vs, gs = (t.detach().transpose(1, 2) for t in (q, k, v, grad))  # [1, S, h, D] views
+
+            def kernel_run(kern=kern, qs=qs, ks=ks, vs=vs, gs=gs):
+                out, lse = kern.forward(qs, ks, vs, scale=D ** -0.5)
+                kern.backward(gs, qs, ks, vs, out, lse, scale=D ** -0.5)
+            cases.append((f"hf_upipe kernel {name}", kernel_run))
+        for label, run in cases:
+            row = dict(seq_len=S, heads=h, head_dim=D, case=label)
+            try:
+                times = cuda_times(run, device, warmup=1, reps=3)
+                row.update(times_s=times, median_s=median(times))
+            except Exception as err:  # noqa: BLE001
+                row.update(res.error(f"backends {label} {S}", err))
+            rows.append(row)
+            print("backends", row, flush=True)
+            res.put("backends", rows)
 
 
 def parse_len(text: str) -> int:
@@ -85,18 +152,22 @@ def layer(res: Results, device, lengths: list[int], reps: int, dry: bool) -> Non
     cfg = dict(PRESETS["llama3-8b"]) if not dry else dict(
         hidden_size=512, intermediate_size=1792, num_attention_heads=32, num_key_value_heads=8, head_dim=16,
         num_hidden_layers=32, vocab_size=4096)
-    variants = [v for v in VARIANTS if v[1] != "deepspeed" or _deepspeed_importable()]
+    from hf_upipe.ops.kernels import available_kernels
+
+    usable = available_kernels(device, torch.bfloat16)
+    variants = [v for v in VARIANTS if (v[1] != "deepspeed" or _deepspeed_importable())
+                and (v[4] is None or v[4] in usable)]
     rows = []
     for S in lengths:
         times = {label: [] for label, *_ in variants}
         errors = {}
         for r in range(reps + 1):  # round 0: warm-up
             order = variants[r % len(variants):] + variants[:r % len(variants)]
-            for label, impl, c, mode in order:
+            for label, impl, c, mode, kernel in order:
                 if label in errors:
                     continue
                 try:
-                    with fake_rank(P, device) as world, impl_context(impl, world, S, P, c):
+                    with fake_rank(P, device) as world, prefer_kernel(kernel), impl_context(impl, world, S, P, c):
                         run = _layer_run(impl, c, mode, cfg, S, world, device)
                         t = cuda_times(run, device, warmup=0, reps=1)[0]
                         del run
@@ -109,8 +180,8 @@ def layer(res: Results, device, lengths: list[int], reps: int, dry: bool) -> Non
                         torch.cuda.empty_cache()
         ref = median(times["ours Ulysses"]) if times.get("ours Ulysses") else None
         ds = median(times["DeepSpeed Ulysses"]) if times.get("DeepSpeed Ulysses") else None
-        for label, impl, c, mode in variants:
-            row = dict(seq_len=S, label=label, times_s=times[label])
+        for label, impl, c, mode, kernel in variants:
+            row = dict(seq_len=S, label=label, kernel=kernel or "auto", times_s=times[label])
             if label in errors:
                 row["error"] = errors[label]
             elif times[label]:
@@ -168,16 +239,20 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="128K,256K,512K", help="layer rows: full sequence S (K = 1024)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--loss-tokens", default="16K,32K,64K", help="loss rows: local tokens (K = 1024)")
-    ap.add_argument("--sections", default="layer,loss")
+    ap.add_argument("--backend-lengths", default="128K,512K", help="backends rows: S (K = 1024)")
+    ap.add_argument("--sections", default="backends,layer,loss")
     args, device = parse(ap, argv)
     lengths = [parse_len(x) for x in args.lengths.split(",") if x.strip()]
     tokens = [parse_len(x) for x in args.loss_tokens.split(",") if x.strip()]
+    backend_lengths = [parse_len(x) for x in args.backend_lengths.split(",") if x.strip()]
     if args.cpu_dry_run:
-        lengths, tokens, args.reps = [4096, 8192], [1024, 2048], 1
+        lengths, tokens, backend_lengths, args.reps = [4096], [1024], [2048], 1
     elif args.quick:
         lengths, args.reps = lengths[:2], 2
     res = Results(os.path.join(args.out, "speed.json"), device)
     start = time.perf_counter()
+    if "backends" in args.sections:
+        backends(res, device, backend_lengths, args.cpu_dry_run)
     if "layer" in args.sections:
         layer(res, device, lengths, args.reps, args.cpu_dry_run)
     if "loss" in args.sections:

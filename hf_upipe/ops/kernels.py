@@ -160,6 +160,21 @@ def _flash_attn_available(device: torch.device, dtype: torch.dtype | None) -> bo
     return flash_attn_available(device, dtype)
 
 
+def _cudnn(device: torch.device) -> AttentionKernel:
+    from hf_upipe.ops.kernels_cuda import CudnnKernel
+
+    return CudnnKernel()
+
+
+def _cudnn_available(device: torch.device, dtype: torch.dtype | None) -> bool:
+    if device.type != "cuda":
+        return False
+    from hf_upipe.ops.kernels_cuda import cudnn_available
+
+    return cudnn_available(device, dtype)
+
+
 register_kernel("sdpa", lambda device: _CPU_SDPA if device.type == "cpu" else _cuda_sdpa(device),
                 lambda device, dtype: device.type == "cpu" or _cuda_sdpa_available(device, dtype), priority=50)
 register_kernel("flash_attn", _flash_attn, _flash_attn_available, priority=10)
+register_kernel("cudnn", _cudnn, _cudnn_available, priority=60)

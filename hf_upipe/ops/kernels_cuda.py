@@ -44,7 +44,7 @@ import sys
 
 import torch
 
-__all__ = ["FlashAttnKernel", "SdpaCudaKernel", "flash_attn_available"]
+__all__ = ["CudnnKernel", "FlashAttnKernel", "SdpaCudaKernel", "cudnn_available", "flash_attn_available"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -69,6 +69,15 @@ def _aten_eff_fwd(q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, 
 def _aten_eff_bwd(dout, q, k, v, attn_bias, out, lse, seed, offset, dropout_p, grad_input_mask, is_causal, *, scale):
     return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, attn_bias, out, lse, seed, offset, dropout_p, grad_input_mask, is_causal, scale=scale)
+
+
+def _aten_cudnn_fwd(q, k, v, is_causal, *, scale):
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False, scale=scale)
+
+
+def _aten_cudnn_bwd(dout, q, k, v, out, lse, seed, offset, max_q, max_k, is_causal, *, scale):
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, offset, None, None, None, max_q, max_k, 0.0, is_causal, scale=scale)
 
 
 def _device_capability(device: torch.device) -> tuple[int, int]:
@@ -152,6 +161,56 @@ class SdpaCudaKernel:
                                           [True, True, True, False], causal, scale=scale)
         dq, dk, dv = (x.transpose(1, 2)[..., :d] for x in (dq, dk, dv))
         return dq, _sum_groups(dk, hk), _sum_groups(dv, hk)
+
+
+# ----------------------------------------------------------------------------------------------- cuDNN
+class CudnnKernel:
+    """torch's cuDNN attention (`aten::_scaled_dot_product_cudnn_attention` + `_backward`), fp16/bf16, sm90.
+
+    Same layouts and GQA handling as `SdpaCudaKernel` (k/v expanded, dk/dv summed back in fp32). cuDNN's softmax
+    statistics come back as [B, h, S, 1] (or [B, h, S]); they are handed out as lse [B, h, S] and reshaped back for
+    the backward. Head dims above 128 use `SdpaCudaKernel` (forward and backward alike: the choice depends on D only).
+    """
+
+    name = "cudnn"
+    _MAX_D = 128
+
+    def __init__(self):
+        self._fallback = SdpaCudaKernel()
+        self._stats_4d = True
+
+    def forward(self, q, k, v, *, scale, causal=True):
+        b, s, h, d = q.shape
+        if _round8(d) > self._MAX_D:
+            return self._fallback.forward(q, k, v, scale=scale, causal=causal)
+        dp = _round8(d)
+        qt, kt, vt = (_pad_d(x, dp).transpose(1, 2) for x in (q, _expand_kv(k, h), _expand_kv(v, h)))  # [B,h,S,D]
+        res = _aten_cudnn_fwd(qt, kt, vt, causal, scale=scale)
+        out, stats = res[0], res[1]
+        self._stats_4d = stats.dim() == 4
+        return out.transpose(1, 2)[..., :d], stats.reshape(b, h, s)  # [B, S, h, D], [B, h, S] fp32
+
+    def backward(self, dout, q, k, v, out, lse, *, scale, causal=True):
+        b, s, h, d = q.shape
+        if _round8(d) > self._MAX_D:
+            return self._fallback.backward(dout, q, k, v, out, lse, scale=scale, causal=causal)
+        hk, dp = k.shape[2], _round8(d)
+        qt, kt, vt, ot, dot = (_pad_d(x, dp).transpose(1, 2)
+                               for x in (q, _expand_kv(k, h), _expand_kv(v, h), out, dout))  # [B, h, S, D]
+        if dot.stride() != ot.stride():  # cuDNN wants dO laid out like O (torch would copy it with a warning)
+            dot = torch.empty_like(ot).copy_(dot)
+        stats = lse.reshape(b, h, s, 1) if self._stats_4d else lse.reshape(b, h, s)
+        zero = _zero_scalar(q.device)
+        dq, dk, dv = _aten_cudnn_bwd(dot, qt, kt, vt, ot, stats.contiguous(), zero, zero, s, k.shape[1], causal,
+                                     scale=scale)
+        dq, dk, dv = (x.transpose(1, 2)[..., :d] for x in (dq, dk, dv))
+        return dq, _sum_groups(dk, hk), _sum_groups(dv, hk)
+
+
+def cudnn_available(device: torch.device, dtype: torch.dtype | None) -> bool:
+    """Whether CudnnKernel can run: CUDA, fp16/bf16, sm90 (the Hopper GPUs it was measured on), cuDNN present."""
+    return (device.type == "cuda" and (dtype is None or dtype in _HALF) and torch.cuda.is_available()
+            and torch.backends.cudnn.is_available() and _device_capability(device) >= (9, 0))
 
 
 # ----------------------------------------------------------------------------------------------- flash-attn 2
