@@ -26,6 +26,7 @@ Sections (written into <out>/memory.json as each finishes):
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import sys
@@ -127,6 +128,7 @@ def step_row(res: Results, device, cfg: dict, S: int, layers: int, predicted: di
     except Exception as err:  # noqa: BLE001
         row.update(res.error(f"step {layers} layers {S}", err))
     finally:
+        gc.collect()  # the last row's model and optimizer: not on the next row's books
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return row
@@ -216,6 +218,7 @@ def main(argv=None) -> int:
     elif args.quick:
         lengths, block_lengths = lengths[:2], block_lengths[:1]
     res = Results(os.path.join(args.out, "memory.json"), device)
+    res.doc["environment"]["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     sections = args.sections.split(",")
     start = time.perf_counter()
     if "block" in sections:

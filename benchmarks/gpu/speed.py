@@ -21,6 +21,7 @@ Sections (written into <out>/speed.json as each finishes):
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -77,8 +78,8 @@ def backends(res: Results, device, lengths: list[int], dry: bool) -> None:
     rows = []
     h, D = 4, (16 if dry else 128)
     for S in lengths:
-        q, k, v = (torch.randn(1, h, S, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        grad = torch.randn(1, h, S, D, dtype=torch.bfloat16)
+        q, k, v = (torch.randn(1, h, S, D, dtype=torch.bfloat16, device=device, requires_grad=True) for _ in range(3))
+        grad = torch.randn(1, h, S, D, dtype=torch.bfloat16, device=device)
 
         def sdpa_run(backend):
             def run():
@@ -176,6 +177,7 @@ def layer(res: Results, device, lengths: list[int], reps: int, dry: bool) -> Non
                 except Exception as err:  # noqa: BLE001
                     errors[label] = res.error(f"layer {label} {S}", err)["error"]
                 finally:
+                    gc.collect()
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
         ref = median(times["ours Ulysses"]) if times.get("ours Ulysses") else None

@@ -18,6 +18,8 @@ What is counted, exactly:
   op that returned it until it is garbage collected (a ``weakref.finalize`` on the storage).
 * storages resized in place (``UntypedStorage.resize_``, as FSDP2 does to free and re-allocate unsharded
   parameters): a tracked one follows its new size; an untracked one that grows from zero bytes is counted from then on.
+* not counted: pinned host memory (the offload's buffers on a GPU machine: host memory, not the device's; nothing
+  is pinned on a machine without a GPU, where the tracker counts CPU tensors as the device);
 * not counted: tensors that existed before the tracker started (inputs, parameters) unless they are registered with
   :meth:`MemoryTracker.track`; kernel-internal scratch that never becomes an op output; allocator rounding and
   fragmentation; communication buffers of the backend (NCCL, gloo).
@@ -103,6 +105,16 @@ def _inner_tensors(leaves) -> Iterator[torch.Tensor]:
             yield from _inner_tensors(getattr(t, a) for a in attrs)
         else:
             yield t
+
+
+def _pinned_host(t: torch.Tensor) -> bool:
+    """Pinned host memory (only on a machine with CUDA; fake tensors are never pinned)."""
+    if t.device.type != "cpu" or not torch.cuda.is_available():
+        return False
+    try:
+        return bool(t.is_pinned())
+    except (RuntimeError, NotImplementedError):  # fake or other subclasses without storage data
+        return False
 
 
 class StorageRecord(NamedTuple):
@@ -358,6 +370,6 @@ class MemoryTracker(TorchDispatchMode):
             key, storage = found
             if key in self._live:
                 self._resize(key, storage)  # no-op unless an in-place op / out= changed its size
-            elif key not in inputs:
+            elif key not in inputs and not _pinned_host(t):
                 self._add(key, storage, t, str(func))
         return out
