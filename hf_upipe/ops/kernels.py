@@ -8,7 +8,7 @@ Entry points:
 Kernels registered here:
 - "sdpa" on CPU: `aten::_scaled_dot_product_flash_attention_for_cpu` (+ `_backward`), a real flash kernel that
   returns the log-sum-exp and takes it back in backward. Grouped-query attention (fewer k/v heads) is native.
-- CUDA kernels ("sdpa" on CUDA and "flash_attn") live in `hf_upipe.ops.kernels_cuda`; they are registered here
+- CUDA kernels ("sdpa" on CUDA, "cudnn" and "flash_attn") live in `hf_upipe.ops.kernels_cuda`; they are registered here
   with factories that import that module only when a CUDA kernel is asked for.
 
 Layout legend (every kernel): B batch, S full sequence, h query heads, hk k/v heads (h % hk == 0), D head dim.
@@ -177,4 +177,4 @@ def _cudnn_available(device: torch.device, dtype: torch.dtype | None) -> bool:
 register_kernel("sdpa", lambda device: _CPU_SDPA if device.type == "cpu" else _cuda_sdpa(device),
                 lambda device, dtype: device.type == "cpu" or _cuda_sdpa_available(device, dtype), priority=50)
 register_kernel("flash_attn", _flash_attn, _flash_attn_available, priority=10)
-register_kernel("cudnn", _cudnn, _cudnn_available, priority=60)
+register_kernel("cudnn", _cudnn, _cudnn_available, priority=40)

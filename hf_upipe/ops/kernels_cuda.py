@@ -7,6 +7,8 @@ Entry points:
   * otherwise (fp32, older GPUs, larger head dims): `aten::_scaled_dot_product_efficient_attention` (+ `_backward`).
   These ops are called with as many k/v heads as query heads: k/v are expanded (one copy) and dk/dv are summed back
   over each group of query heads, in fp32.
+- `CudnnKernel` ("cudnn", priority 40: "auto" prefers it to "sdpa" on sm90 with fp16/bf16): torch's cuDNN attention
+  at the aten level, with the flash kernel's fallbacks for what was not measured (see the class).
 - `FlashAttnKernel` ("flash_attn", registered by `kernels` with priority 10, so "auto" prefers it on CUDA when the
   `flash_attn` package is installed and the dtype is fp16/bf16): FlashAttention-2 through
   `flash_attn.flash_attn_interface._flash_attn_forward/_flash_attn_backward`, native [B,S,h,D] layout and native GQA.
@@ -22,8 +24,8 @@ Entry points:
   `_flash_attn_forward/_backward` signatures kept changing (argument order, return values), so no stable call exists.
 
 Indirections (module-level, looked up at call time, patched by the CPU tests): `_aten_flash_fwd`, `_aten_flash_bwd`,
-`_aten_eff_fwd`, `_aten_eff_bwd`, `_device_capability`, `_flash_attn_installed`, `_flash_api`, `_flash_varlen_api`
-(lru-cached).
+`_aten_eff_fwd`, `_aten_eff_bwd`, `_aten_cudnn_fwd`, `_aten_cudnn_bwd`, `_device_capability`, `_cudnn_installed`,
+`_flash_attn_installed`, `_flash_api`, `_flash_varlen_api` (lru-cached).
 
 Dummy backward arguments (valid for dropout_p == 0, checked against pytorch's attention_backward.cu / flash_api.cpp):
 - flash: `cum_seq_q/cum_seq_k = None` (an undefined tensor: the dense path; a *defined* tensor, even an empty one,
@@ -167,21 +169,28 @@ class SdpaCudaKernel:
 class CudnnKernel:
     """torch's cuDNN attention (`aten::_scaled_dot_product_cudnn_attention` + `_backward`), fp16/bf16, sm90.
 
-    Same layouts and GQA handling as `SdpaCudaKernel` (k/v expanded, dk/dv summed back in fp32). cuDNN's softmax
-    statistics come back as [B, h, S, 1] (or [B, h, S]); they are handed out as lse [B, h, S] and reshaped back for
-    the backward. Head dims above 128 use `SdpaCudaKernel` (forward and backward alike: the choice depends on D only).
+    What torch's own SDPA picks on an H100 (benchmarks/gpu/speed.py: 1.66x faster than the flash kernel at 4 heads
+    x 512K tokens, fwd+bwd), verified there against the fp32 CPU reference (benchmarks/gpu/kernels.py). Same layouts
+    and GQA handling as `SdpaCudaKernel` (k/v expanded, dk/dv summed back in fp32). cuDNN's softmax statistics come
+    back as [B, h, S, 1] (or [B, h, S]); they are handed out as lse [B, h, S] and reshaped back for the backward.
+    Calls outside what was measured use `SdpaCudaKernel`, forward and backward alike (the choice depends on the
+    shapes only): head dims above 128, and sequences longer than `MAX_S` (524288, the longest verified).
     """
 
     name = "cudnn"
     _MAX_D = 128
+    MAX_S = 2**19
 
     def __init__(self):
         self._fallback = SdpaCudaKernel()
         self._stats_4d = True
 
+    def _measured(self, q: torch.Tensor) -> bool:
+        return _round8(q.shape[-1]) <= self._MAX_D and q.shape[1] <= self.MAX_S
+
     def forward(self, q, k, v, *, scale, causal=True):
         b, s, h, d = q.shape
-        if _round8(d) > self._MAX_D:
+        if not self._measured(q):
             return self._fallback.forward(q, k, v, scale=scale, causal=causal)
         dp = _round8(d)
         qt, kt, vt = (_pad_d(x, dp).transpose(1, 2) for x in (q, _expand_kv(k, h), _expand_kv(v, h)))  # [B,h,S,D]
@@ -192,7 +201,7 @@ class CudnnKernel:
 
     def backward(self, dout, q, k, v, out, lse, *, scale, causal=True):
         b, s, h, d = q.shape
-        if _round8(d) > self._MAX_D:
+        if not self._measured(q):
             return self._fallback.backward(dout, q, k, v, out, lse, scale=scale, causal=causal)
         hk, dp = k.shape[2], _round8(d)
         qt, kt, vt, ot, dot = (_pad_d(x, dp).transpose(1, 2)
@@ -210,7 +219,11 @@ class CudnnKernel:
 def cudnn_available(device: torch.device, dtype: torch.dtype | None) -> bool:
     """Whether CudnnKernel can run: CUDA, fp16/bf16, sm90 (the Hopper GPUs it was measured on), cuDNN present."""
     return (device.type == "cuda" and (dtype is None or dtype in _HALF) and torch.cuda.is_available()
-            and torch.backends.cudnn.is_available() and _device_capability(device) >= (9, 0))
+            and _cudnn_installed() and _device_capability(device) >= (9, 0))
+
+
+def _cudnn_installed() -> bool:
+    return torch.backends.cudnn.is_available()
 
 
 # ----------------------------------------------------------------------------------------------- flash-attn 2

@@ -58,7 +58,7 @@ def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
-TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
 def _check(kernel, q, k, v, dout, scale, causal=True, lse_atol=None):
@@ -194,9 +194,34 @@ class FakeAten:
         return (*(_aten_layout(x, query.dtype) for x in (dq, dk, dv)), None)
 
 
+    def cudnn_fwd(self, query, key, value, is_causal, *, scale):
+        """Our indirection's signature; the real op returns (out, stats [B,h,S,1] fp32, cum_q, cum_k, max_q, max_k,
+        philox_seed, philox_offset, debug_mask) (stats shape as seen on the H100, torch 2.11)."""
+        self.calls.append("cudnn_fwd")
+        _check_bhsd(query, key, value)
+        assert query.dtype in (torch.float16, torch.bfloat16) and isinstance(scale, float)
+        out, lse = _math(query, key, value, scale, is_causal)
+        zero = torch.zeros((), dtype=torch.int64)
+        return (_aten_layout(out, query.dtype), lse.float()[..., None], None, None, query.shape[2], key.shape[2],
+                zero, zero.clone(), None)
+
+    def cudnn_bwd(self, dout, query, key, value, out, lse, seed, offset, max_q, max_k, is_causal, *, scale):
+        self.calls.append("cudnn_bwd")
+        _check_bhsd(dout, query, key, value, out)
+        assert dout.stride() == out.stride()  # cuDNN wants dO laid out like O
+        assert (max_q, max_k) == (query.shape[2], key.shape[2])
+        assert lse.dtype == torch.float32 and lse.is_contiguous() and lse.shape == (*query.shape[:3], 1)
+        r_out, r_lse = _math(query, key, value, scale, is_causal)
+        torch.testing.assert_close(lse[..., 0].double(), r_lse, atol=1e-4, rtol=1e-4)
+        dq, dk, dv = _math_grads(query, key, value, dout, scale, is_causal)
+        return tuple(_aten_layout(x, query.dtype) for x in (dq, dk, dv))
+
+
 @pytest.fixture
 def fake_aten(monkeypatch):
     fake = FakeAten()
+    monkeypatch.setattr(kernels_cuda, "_aten_cudnn_fwd", fake.cudnn_fwd)
+    monkeypatch.setattr(kernels_cuda, "_aten_cudnn_bwd", fake.cudnn_bwd)
     monkeypatch.setattr(kernels_cuda, "_aten_flash_fwd", fake.flash_fwd)
     monkeypatch.setattr(kernels_cuda, "_aten_flash_bwd", fake.flash_bwd)
     monkeypatch.setattr(kernels_cuda, "_aten_eff_fwd", fake.eff_fwd)
@@ -227,6 +252,27 @@ def test_sdpa_cuda_glue_non_causal(fake_aten, monkeypatch):
     monkeypatch.setattr(kernels_cuda, "_device_capability", lambda device: (9, 0))
     q, k, v, dout = _inputs(1, 9, 4, 2, 8, torch.float32)
     _check(SdpaCudaKernel(), q, k, v, dout, scale=0.4, causal=False)
+
+
+@pytest.mark.parametrize("d,max_s,path", [(16, None, "cudnn"), (12, None, "cudnn"), (264, None, "eff"),
+                                          (16, 8, "flash")])
+@pytest.mark.parametrize("h,hk", HEADS)
+def test_cudnn_glue(fake_aten, monkeypatch, d, max_s, path, h, hk):
+    """cuDNN's stats [B,h,S,1] out as lse [B,h,S] and back; GQA; padded head dims; head dims above 128 and sequences
+    above the verified length go to the flash / memory-efficient kernels, in forward and backward alike."""
+    monkeypatch.setattr(kernels_cuda, "_device_capability", lambda device: (9, 0))
+    kern = kernels_cuda.CudnnKernel()
+    if max_s is not None:
+        monkeypatch.setattr(kern, "MAX_S", max_s)
+    q, k, v, dout = _inputs(2, 19, h, hk, d, torch.bfloat16, seed=hk)
+    _check(kern, q, k, v, dout, scale=1 / math.sqrt(d), lse_atol=1e-3)
+    assert fake_aten.calls == [f"{path}_fwd", f"{path}_bwd"]
+
+
+def test_cudnn_glue_non_causal(fake_aten, monkeypatch):
+    monkeypatch.setattr(kernels_cuda, "_device_capability", lambda device: (9, 0))
+    q, k, v, dout = _inputs(1, 9, 4, 2, 8, torch.float16)
+    _check(kernels_cuda.CudnnKernel(), q, k, v, dout, scale=0.4, causal=False)
 
 
 # ----------------------------------------------------------------------------------------------- (b) flash_attn fakes
@@ -430,6 +476,7 @@ def test_registry_cpu():
 def test_registry_cuda_selection(monkeypatch, installed):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(kernels_cuda, "_flash_attn_installed", lambda: installed)
+    monkeypatch.setattr(kernels_cuda, "_cudnn_installed", lambda: False)  # cuDNN: test_registry_cudnn_on_hopper
     half = ["flash_attn", "sdpa"] if installed else ["sdpa"]
     assert available_kernels("cuda", torch.bfloat16) == half
     assert available_kernels("cuda", torch.float16) == half
@@ -444,3 +491,17 @@ def test_registry_cuda_selection(monkeypatch, installed):
     with pytest.raises(ValueError):
         get_kernel("auto", "cuda", torch.float64)
     assert kernels._REGISTRY["flash_attn"][2] < kernels._REGISTRY["sdpa"][2]
+
+
+@pytest.mark.parametrize("cap,cudnn", [((9, 0), True), ((8, 0), False)])
+def test_registry_cudnn_on_hopper(monkeypatch, cap, cudnn):
+    """"auto" picks cuDNN for fp16/bf16 on sm90 (verified and faster there), never for fp32 or older GPUs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels_cuda, "_flash_attn_installed", lambda: False)
+    monkeypatch.setattr(kernels_cuda, "_cudnn_installed", lambda: True)
+    monkeypatch.setattr(kernels_cuda, "_device_capability", lambda device: cap)
+    assert available_kernels("cuda", torch.bfloat16) == (["cudnn", "sdpa"] if cudnn else ["sdpa"])
+    assert available_kernels("cuda", torch.float32) == ["sdpa"]
+    want = kernels_cuda.CudnnKernel if cudnn else SdpaCudaKernel
+    assert isinstance(get_kernel("auto", "cuda", torch.float16), want)
+    assert isinstance(get_kernel("auto", "cuda", torch.float32), SdpaCudaKernel)
