@@ -45,12 +45,15 @@ def test_custom_loop_two_processes_equal_one(tmp_path, mode):
     out = _run("finetune_long_context.py", flags + ["--output-dir", str(tmp_path / "sp2"), "--save-every", "2",
                                                      "--log-json", str(tmp_path / "sp2.json")], tmp_path)
     assert "2 processes: SP 2 x DP 1" in out and "loss: first 4 steps" in out
-    _run("finetune_long_context.py", flags + ["--output-dir", str(tmp_path / "one"),
-                                              "--log-json", str(tmp_path / "one.json")], tmp_path, processes=1)
-    sp2, one = _losses(tmp_path / "sp2.json"), _losses(tmp_path / "one.json")
+    sp2 = _losses(tmp_path / "sp2.json")
     assert sorted(sp2) == [1, 2, 3, 4]
-    for step in one:
-        assert abs(sp2[step] - one[step]) <= 1e-4 * abs(one[step]), (step, sp2, one)
+    if mode == "full":  # (LoRA under SP against one process: tests/training/test_plugin.py and test_trainer.py)
+        _run("finetune_long_context.py", flags + ["--output-dir", str(tmp_path / "one"),
+                                                  "--log-json", str(tmp_path / "one.json")], tmp_path, processes=1)
+        one = _losses(tmp_path / "one.json")
+        assert sorted(one) == [1, 2, 3, 4]
+        for step in one:
+            assert abs(sp2[step] - one[step]) <= 1e-4 * abs(one[step]), (step, sp2, one)
     assert sorted(os.listdir(tmp_path / "sp2")) == ["step-2", "step-4"]  # no staging folder left
     state = set(os.listdir(tmp_path / "sp2" / "step-2" / "accelerate_state"))
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= state, state  # every rank's part is in

@@ -1,9 +1,9 @@
 """The planner: its predictions against real runs, its choices, its search, its command line and its errors.
 
-(a) Validation: for every configuration of `test_train_step.CASES` (fused, registered and Ulysses-mode attention;
-    SP 2 with two SP groups and SP 4; offload or not; fp32 and bf16), the plan of a 6-layer model, extrapolated
-    from 3- and 4-layer simulations, is within 5% of the tracked peak of a real 4-rank gloo FSDP2 step of that
-    6-layer model (in practice it is within a few bytes).
+(a) Validation: for three configurations of `test_train_step.CASES` (fused with offload at SP 2 with two SP groups,
+    registered at SP 4, LoRA), the plan of a 5-layer model, extrapolated from 3- and 4-layer simulations, is within
+    5% of the tracked peak of a real 4-rank gloo FSDP2 step of that 5-layer model (in practice it is within a few
+    bytes); `test_train_step` checks every case's simulation against those real runs.
 (b) Choice: with the GPU memory set between two rungs of the ladder, the plan picks the first rung that fits.
 (c) Llama3-8B on 8 x 80 GiB: UPipe fits 5M tokens (2**20 each); Ulysses mode (same code, all heads) does not.
 """
@@ -21,6 +21,8 @@ from hf_upipe.planning.planner import Margin, _search_max, ladder, parse_bytes, 
 from hf_upipe.planning.train_step import StepSettings
 from tests.planning.test_train_step import CASES, LAYERS, TINY, WORLD, S, real_runs
 
+PLANNED = (0, 2, 4)
+
 
 @pytest.mark.slow
 def test_plan_within_5_percent_of_real_gloo_runs(monkeypatch):
@@ -29,7 +31,10 @@ def test_plan_within_5_percent_of_real_gloo_runs(monkeypatch):
     real = real_runs()
     monkeypatch.setattr(tiled_loss, "_BLOCK_BYTES", 4096)  # as in the workers
     five = dict(TINY, num_hidden_layers=LAYERS)
-    for i, (settings, sp, dtype, lora) in enumerate(CASES):
+    # three of the five cases (fused + offload at SP 2, registered at SP 4, LoRA): each plan simulates 3 and 4
+    # layers; the other two cases' simulations are checked against the same real runs in test_train_step
+    for i in PLANNED:
+        settings, sp, dtype, lora = CASES[i]
         measured = real[i][0]
         p = plan(five, gpus=WORLD, sp_size=sp, seq_len=S, settings=settings, dtype=dtype, gpu_memory="1GiB",
                  lora=lora)
