@@ -11,6 +11,8 @@ Entry points:
   `device` by default (nothing is communicated: an all-to-all leaves a copy of its input, `loopback_all_to_all`).
 - `Results`: the JSON document of one script, written after every section (a crash keeps what was measured).
 - `rel_error(x, ref)`: ||x - ref|| / ||ref|| in float64 on the CPU.
+- `parse_len("512K")` (K = 1024), `llama3_8b(dry)` (the geometry, or a toy one of the same heads for a dry run),
+  `deepspeed_importable()`.
 """
 
 from __future__ import annotations
@@ -213,3 +215,29 @@ class Results:
         with open(tmp, "w") as f:
             json.dump(self.doc, f, indent=1, default=str)
         os.replace(tmp, self.path)
+
+
+def parse_len(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 1024, "M": 1024**2}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def llama3_8b(dry: bool) -> dict:
+    """Llama3-8B's geometry (`hf_upipe.models.PRESETS`), or for a dry run its head geometry at a small width."""
+    from hf_upipe.models import PRESETS
+
+    if dry:
+        return dict(hidden_size=512, intermediate_size=1792, num_attention_heads=32, num_key_value_heads=8,
+                    head_dim=16, num_hidden_layers=32, vocab_size=4096)
+    return dict(PRESETS["llama3-8b"])
+
+
+def deepspeed_importable() -> bool:
+    try:
+        from hf_upipe.planning.attention_block import require_deepspeed
+
+        require_deepspeed()
+        return True
+    except Exception:  # noqa: BLE001  (absent, or failing to import on this machine)
+        return False

@@ -35,10 +35,20 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import GiB, PeakMemory, Results, fake_rank, parse, parser, sync  # noqa: E402
+from common import (  # noqa: E402
+    GiB,
+    PeakMemory,
+    Results,
+    deepspeed_importable,
+    fake_rank,
+    llama3_8b,
+    parse,
+    parse_len,
+    parser,
+    sync,
+)
 
 import hf_upipe  # noqa: E402,F401
-from hf_upipe.models import PRESETS  # noqa: E402
 from hf_upipe.planning.attention_block import (  # noqa: E402
     BENCHMARK_ROWS,
     measure_attention_block,
@@ -50,34 +60,15 @@ P = 8
 SETTINGS = StepSettings("fused", 1, tiled_mlp=True, offload="cpu")
 
 
-def parse_len(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 1024, "M": 1024**2}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
 
 
-def geometry(dry: bool) -> dict:
-    if dry:  # toy: Llama3-8B's head geometry at a small width
-        return dict(hidden_size=512, intermediate_size=1792, num_attention_heads=32, num_key_value_heads=8,
-                    head_dim=16, num_hidden_layers=32, vocab_size=4096)
-    return dict(PRESETS["llama3-8b"])
-
-
-def _deepspeed_importable() -> bool:
-    try:
-        from hf_upipe.planning.attention_block import require_deepspeed
-
-        require_deepspeed()
-        return True
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def block(res: Results, device, lengths: list[int], dry: bool) -> None:
-    cfg = geometry(dry)
+    cfg = llama3_8b(dry)
     geo = dict(hidden=cfg["hidden_size"], heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"],
                head_dim=cfg["head_dim"])
-    have_ds = _deepspeed_importable()
+    have_ds = deepspeed_importable()
     rows = []
     for S in lengths:
         for label, impl, c in BENCHMARK_ROWS:
@@ -137,7 +128,7 @@ def step_row(res: Results, device, cfg: dict, S: int, layers: int, predicted: di
 def step(res: Results, device, lengths: list[int], full_length: int | None, dry: bool) -> None:
     from hf_upipe.planning.planner import plan
 
-    cfg, rows = geometry(dry), []
+    cfg, rows = llama3_8b(dry), []
 
     def four_layers(S):
         sim = simulate_train_step(cfg, SETTINGS, seq_len=S, world_size=P, sp_size=P, layers=4)

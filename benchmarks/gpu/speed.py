@@ -29,13 +29,24 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PeakMemory, Results, cuda_times, fake_rank, median, parse, parser, sync  # noqa: E402
+from common import (  # noqa: E402
+    PeakMemory,
+    Results,
+    cuda_times,
+    deepspeed_importable,
+    fake_rank,
+    llama3_8b,
+    median,
+    parse,
+    parse_len,
+    parser,
+    sync,
+)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tiled_loss as loss_bench  # noqa: E402  (benchmarks/tiled_loss.py: the two loss paths)
 
 import hf_upipe  # noqa: E402,F401
-from hf_upipe.models import PRESETS  # noqa: E402
 from hf_upipe.planning.model_step import build_step_model, impl_context  # noqa: E402
 
 P = 8
@@ -111,20 +122,7 @@ def backends(res: Results, device, lengths: list[int], dry: bool) -> None:
             res.put("backends", rows)
 
 
-def parse_len(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 1024, "M": 1024**2}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
 
-
-def _deepspeed_importable() -> bool:
-    try:
-        from hf_upipe.planning.attention_block import require_deepspeed
-
-        require_deepspeed()
-        return True
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def _layer_run(impl, c, mode, cfg, S, world, device):
@@ -150,13 +148,11 @@ def _layer_run(impl, c, mode, cfg, S, world, device):
 
 
 def layer(res: Results, device, lengths: list[int], reps: int, dry: bool) -> None:
-    cfg = dict(PRESETS["llama3-8b"]) if not dry else dict(
-        hidden_size=512, intermediate_size=1792, num_attention_heads=32, num_key_value_heads=8, head_dim=16,
-        num_hidden_layers=32, vocab_size=4096)
+    cfg = llama3_8b(dry)
     from hf_upipe.ops.kernels import available_kernels
 
     usable = available_kernels(device, torch.bfloat16)
-    variants = [v for v in VARIANTS if (v[1] != "deepspeed" or _deepspeed_importable())
+    variants = [v for v in VARIANTS if (v[1] != "deepspeed" or deepspeed_importable())
                 and (v[4] is None or v[4] in usable)]
     rows = []
     for S in lengths:
