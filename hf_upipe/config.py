@@ -85,6 +85,10 @@ class UPipeConfig:
         "How the fused block's backward gets each stage's attention output: 'recompute' (default: the least "
         "memory) or 'save' (kept from the forward, about one local attention output more per layer: no attention "
         "recompute, and dk/dv sent once per key-value chunk).")})
+    overlap_comm: bool | None = field(default=None, metadata={"help": (
+        "Issue the fused block's all-to-alls one stage ahead, asynchronously, so they run while the neighbouring "
+        "stage's attention kernel computes (NCCL: on its own stream; gloo: its worker thread). The same result, "
+        "for one more stage of q/k/v and output buffers per layer. Needs fused_attention. Default False.")})
     tiled_loss: bool | None = field(default=None, metadata={"help": (
         "Compute lm_head + cross-entropy in token chunks so the [tokens, vocab] logits never exist. Default True.")})
     loss_chunk_tokens: int | None = field(default=None, metadata={"help": (
@@ -148,7 +152,7 @@ class UPipeConfig:
             raise ValueError(f"fused_backward={self.fused_backward!r}: use 'recompute' (the least memory) or 'save' "
                              "(no attention recompute in the backward; more memory).")
         for name, default in (("fused_attention", True), ("tiled_loss", True), ("tiled_mlp", False),
-                              ("allow_unverified", False)):
+                              ("allow_unverified", False), ("overlap_comm", False)):
             value = getattr(self, name)
             value = env[name] if value is None else value
             setattr(self, name, default if value is None else _parse_bool(name, value))
@@ -171,6 +175,9 @@ class UPipeConfig:
         self.verify_checkpoints = _parse_bool("verify_checkpoints", self.verify_checkpoints
                                               if self.verify_checkpoints is not None else
                                               (env["verify_checkpoints"] or True))
+        if self.overlap_comm and not self.fused_attention:
+            raise ValueError(f"{self.describe('overlap_comm')} overlaps the fused block's all-to-alls, but "
+                             f"{self.describe('fused_attention')}: turn fused_attention on or overlap_comm off.")
         if self.auto and self.plan_seq_len is None:
             raise ValueError("auto=True chooses settings for a sequence length: set plan_seq_len (UPIPE_PLAN_SEQ_LEN) "
                              "to the longest sequence of your data.")

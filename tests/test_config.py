@@ -8,13 +8,13 @@ from hf_upipe import UPipeConfig
 def test_defaults(monkeypatch):
     for name in ("SP_SIZE", "HEADS_PER_CHUNK", "KERNEL", "FUSED_ATTENTION", "TILED_LOSS", "LOSS_CHUNK_TOKENS",
                  "ALLOW_UNVERIFIED",
-                 "TILED_MLP", "MLP_CHUNK_TOKENS", "OFFLOAD", "OFFLOAD_PATH", "FUSED_BACKWARD"):
+                 "TILED_MLP", "MLP_CHUNK_TOKENS", "OFFLOAD", "OFFLOAD_PATH", "FUSED_BACKWARD", "OVERLAP_COMM"):
         monkeypatch.delenv(f"UPIPE_{name}", raising=False)
     cfg = UPipeConfig()
     assert (cfg.sp_size, cfg.heads_per_chunk, cfg.kernel, cfg.fused_attention, cfg.tiled_loss,
             cfg.loss_chunk_tokens) == (None, 1, "auto", True, True, None)
     assert (cfg.tiled_mlp, cfg.mlp_chunk_tokens, cfg.offload, cfg.offload_path) == (False, None, "none", None)
-    assert cfg.fused_backward == "recompute"
+    assert cfg.fused_backward == "recompute" and cfg.overlap_comm is False
     assert cfg.init_kwargs() == {"heads_per_chunk": 1, "kernel": "auto", "allow_unverified": False}
 
 
@@ -27,8 +27,9 @@ def test_environment_fallbacks_and_explicit_precedence(monkeypatch):
     monkeypatch.setenv("UPIPE_TILED_MLP", "yes")
     monkeypatch.setenv("UPIPE_OFFLOAD", "DISK")
     monkeypatch.setenv("UPIPE_FUSED_BACKWARD", "Save")
+    monkeypatch.setenv("UPIPE_OVERLAP_COMM", "true")
     cfg = UPipeConfig()
-    assert (cfg.tiled_mlp, cfg.offload, cfg.fused_backward) == (True, "disk", "save")
+    assert (cfg.tiled_mlp, cfg.offload, cfg.fused_backward, cfg.overlap_comm) == (True, "disk", "save", True)
     assert (cfg.sp_size, cfg.heads_per_chunk, cfg.tiled_loss, cfg.loss_chunk_tokens, cfg.kernel) == \
         (4, "all", False, 2048, "sdpa")
     assert cfg.init_kwargs()["heads_per_chunk"] is None  # Ulysses mode
@@ -57,6 +58,9 @@ def test_resolve_sp_size(monkeypatch):
     (dict(offload="nvme"), "offload='nvme': use 'none', 'cpu'"),
     (dict(fused_backward="keep"), "fused_backward='keep': use 'recompute' .* or 'save'"),
     (dict(mlp_chunk_tokens=0), "mlp_chunk_tokens=0"),
+    (dict(overlap_comm="often"), "overlap_comm='often' is not a boolean"),
+    (dict(overlap_comm=True, fused_attention=False), r"UPipeConfig\(overlap_comm=True\) overlaps the fused block's "
+                                                     r"all-to-alls, but UPipeConfig\(fused_attention=False\)"),
     (dict(offload_min_bytes=-5), "offload_min_bytes=-5 must be an integer >= 0"),
 ])
 def test_bad_values_name_the_fix(kwargs, match):

@@ -176,7 +176,7 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
         hidden_states, cos, sin, attention_weights(self, arch),
         num_heads=self.config.num_attention_heads, num_kv_heads=self.config.num_key_value_heads,
         head_dim=self.head_dim, group=state.sp_group, heads_per_chunk=state.heads_per_chunk,
-        kernel=kernel, scale=self.scaling, save_attention=self.__dict__.get(_SAVE, False),
+        kernel=kernel, scale=self.scaling, **self.__dict__.get(_OPTIONS, {}),
     )
     return y, None
 
@@ -185,12 +185,16 @@ def _is_fused(module: nn.Module) -> bool:
     return getattr(module.__dict__.get("forward"), "__func__", None) is fused_forward
 
 
-_SAVE = "_upipe_save_attention"  # instance attribute: the fused block's backward mode (`UPipeConfig.fused_backward`)
+# instance attribute: the fused block's options, {"save_attention": `UPipeConfig.fused_backward` == "save",
+# "overlap": `UPipeConfig.overlap_comm`}
+_OPTIONS = "_upipe_fused_options"
 
 
-def install_fused_attention(model: nn.Module, save: bool = False) -> tuple[int, set[str], set[str]]:
+def install_fused_attention(model: nn.Module, save: bool = False, overlap: bool = False
+                            ) -> tuple[int, set[str], set[str]]:
     """Install `fused_forward` on every attention module of the registry's fused architectures (idempotent), with
-    its backward in save mode when `save` (`hf_upipe.ops.fused_attention`).
+    its backward in save mode when `save` and its all-to-alls overlapped when `overlap`
+    (`hf_upipe.ops.fused_attention`).
 
     Returns:
         (modules fused, attention classes left on the registered path because the installed transformers changed
@@ -213,7 +217,7 @@ def install_fused_attention(model: nn.Module, save: bool = False) -> tuple[int, 
             other.add(name)
             continue
         module.forward = types.MethodType(fused_forward, module)
-        module.__dict__[_SAVE] = save
+        module.__dict__[_OPTIONS] = {"save_attention": save, "overlap": overlap}
         fused += 1
     return fused, changed, other
 
@@ -224,6 +228,6 @@ def remove_fused_attention(model: nn.Module) -> int:
     for module in model.modules():
         if _is_fused(module):
             del module.forward
-            module.__dict__.pop(_SAVE, None)
+            module.__dict__.pop(_OPTIONS, None)
             count += 1
     return count

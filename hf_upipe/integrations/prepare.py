@@ -130,7 +130,13 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
     if upipe_config is not None and not upipe_config.fused_attention:
         return model
     fused, changed, other = install_fused_attention(
-        model, save=upipe_config is not None and upipe_config.fused_backward == "save")
+        model, save=upipe_config is not None and upipe_config.fused_backward == "save",
+        overlap=upipe_config is not None and upipe_config.overlap_comm)
+    if upipe_config is not None and upipe_config.overlap_comm and not fused:
+        unprepare_model(model)  # nothing left installed
+        raise ValueError(f"{upipe_config.describe('overlap_comm')} overlaps the fused block's all-to-alls, but none "
+                         f"of this model's attention modules takes the fused block ({sorted(changed | other)} keep "
+                         "the registered 'upipe' path): turn overlap_comm off.")
     if changed:
         logger.warning("hf_upipe: %s keep the registered 'upipe' attention, not the fused block: the installed "
                        "transformers changed their source (the fused block was verified on transformers %s)",

@@ -3,6 +3,9 @@
 Entry points:
 - `seq_to_head(x5, group)`: [B, s, P, h, D] (block p of dim 2 is for rank p) -> [B, S, h, D], no autograd.
 - `head_to_seq(y, group)`: [B, S, h, D] -> [B, s, P, h, D] (block p of dim 2 came from rank p), no autograd.
+- `start_seq_to_head(x5, group, async_op)` / `start_head_to_seq(y, group, async_op)`: the same, returning a
+  `Pending` whose `wait()` gives the result. With `async_op` the collective is in flight until then (NCCL runs it
+  on its own stream, gloo on its worker thread), so the caller can compute meanwhile; without, it is done at once.
 - `SeqToHead` / `HeadToSeq` (autograd Functions) and `all_to_all_seq_to_head(x, group)` /
   `all_to_all_head_to_seq(y, group)`: the same on [B, s, H, D] <-> [B, S, H/P, D], backward = the inverse.
 
@@ -24,10 +27,13 @@ __all__ = [
     "HeadToSeq",
     "SeqToHead",
     "all_to_all_head_to_seq",
+    "Pending",
     "all_to_all_seq_to_head",
     "group_size",
     "head_to_seq",
     "seq_to_head",
+    "start_head_to_seq",
+    "start_seq_to_head",
 ]
 
 
@@ -38,12 +44,53 @@ def group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def _exchange(send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """all_to_all_single along dim 0 of a contiguous [P, ...] buffer."""
+class Pending:
+    """An all-to-all in flight: `wait()` (once) hands over its result, a view of the receive buffer; the send buffer
+    is kept alive until then. Waiting on NCCL orders the current stream after the collective, it does not block the
+    host."""
+
+    __slots__ = ("_work", "_result", "_send")
+
+    def __init__(self, result: torch.Tensor, work=None, send: torch.Tensor | None = None):
+        self._result, self._work, self._send = result, work, send if work is not None else None
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+        result, self._result, self._work, self._send = self._result, None, None, None
+        if result is None:
+            raise RuntimeError("Pending.wait() was already called: it hands over its result once")
+        return result
+
+
+def _exchange(send: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
+    """all_to_all_single along dim 0 of a contiguous [P, ...] buffer: (receive buffer, work or None)."""
     assert send.is_contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv
+    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    return recv, work
+
+
+def start_seq_to_head(x5: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> Pending:
+    """`seq_to_head`, in flight until `Pending.wait()` when `async_op`."""
+    B, s, P, h, D = x5.shape
+    if P == 1:
+        return Pending(x5[:, :, 0])
+    send = x5.permute(2, 1, 0, 3, 4).contiguous()  # [P, s, B, h, D]
+    recv, work = _exchange(send, group, async_op)  # [P(src), s, B, h, D] = [S, B, h, D]
+    return Pending(recv.view(P * s, B, h, D).transpose(0, 1), work, send)  # [B, S, h, D]
+
+
+def start_head_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> Pending:
+    """`head_to_seq`, in flight until `Pending.wait()` when `async_op`."""
+    B, S, h, D = y.shape
+    P = group_size(group)
+    if P == 1:
+        return Pending(y.unsqueeze(2))
+    s = S // P
+    send = y.transpose(0, 1).reshape(P, s, B, h, D).contiguous()  # [P(dst), s, B, h, D]; no copy if y is [S,B,h,D]
+    recv, work = _exchange(send, group, async_op)  # [P(src), s, B, h, D]
+    return Pending(recv.permute(2, 1, 0, 3, 4), work, send)  # [B, s, P, h, D]
 
 
 def seq_to_head(x5: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -54,12 +101,7 @@ def seq_to_head(x5: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tens
     Returns:
         [B, S, h, D], a view of the receive buffer [S, B, h, D].
     """
-    B, s, P, h, D = x5.shape
-    if P == 1:
-        return x5[:, :, 0]
-    send = x5.permute(2, 1, 0, 3, 4).contiguous()  # [P, s, B, h, D]
-    recv = _exchange(send, group)  # [P(src), s, B, h, D] = [S, B, h, D]
-    return recv.view(P * s, B, h, D).transpose(0, 1)  # [B, S, h, D]
+    return start_seq_to_head(x5, group).wait()
 
 
 def head_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -70,14 +112,7 @@ def head_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
     Returns:
         [B, s, P, h, D], a view of the receive buffer [P, s, B, h, D]: [:, :, p] holds rank p's heads.
     """
-    B, S, h, D = y.shape
-    P = group_size(group)
-    if P == 1:
-        return y.unsqueeze(2)
-    s = S // P
-    send = y.transpose(0, 1).reshape(P, s, B, h, D).contiguous()  # [P(dst), s, B, h, D]; no copy if y is [S,B,h,D]
-    recv = _exchange(send, group)  # [P(src), s, B, h, D]
-    return recv.permute(2, 1, 0, 3, 4)  # [B, s, P, h, D]
+    return start_head_to_seq(y, group).wait()
 
 
 class SeqToHead(torch.autograd.Function):

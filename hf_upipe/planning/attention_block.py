@@ -12,7 +12,8 @@ Entry points:
 `impl`: "upipe" (our registered `attn_implementation="upipe"`; heads_per_chunk=None is its Ulysses mode),
 "fused" (the fused block installed by `hf_upipe.prepare_model`: projections inside the head-chunk loop; its
 backward recomputes each stage's attention), "fused_save" (the same block keeping each stage's attention output
-for the backward: `UPipeConfig(fused_backward="save")`) or
+for the backward: `UPipeConfig(fused_backward="save")`), "fused_overlap" / "fused_save_overlap" (either with its
+all-to-alls issued one stage ahead: `UPipeConfig(overlap_comm=True)`) or
 "deepspeed" (DeepSpeed 0.19.8 `UlyssesSPAttentionHF` around transformers' sdpa, registered as "ds_ulysses").
 
 Counted (the tracker's view): every tensor the block creates in forward and backward: activations, all-to-all
@@ -39,9 +40,9 @@ from hf_upipe.planning.tracker import MemoryTracker
 __all__ = ["BENCHMARK_ROWS", "IMPLEMENTATIONS", "build_attention_block", "measure_attention_block",
            "simulate_attention_block"]
 
-IMPLEMENTATIONS = ("upipe", "fused", "fused_save", "deepspeed")
+IMPLEMENTATIONS = ("upipe", "fused", "fused_save", "fused_overlap", "fused_save_overlap", "deepspeed")
 # ours: registered attention function / fused block (`prepare_model`), its backward recomputing or saving attention
-UPIPE_IMPLS = ("upipe", "fused", "fused_save")
+UPIPE_IMPLS = ("upipe", "fused", "fused_save", "fused_overlap", "fused_save_overlap")
 # what the benchmarks compare side by side: (label, impl, heads_per_chunk)
 BENCHMARK_ROWS = (
     ("DeepSpeed Ulysses", "deepspeed", None),
@@ -50,6 +51,7 @@ BENCHMARK_ROWS = (
     ("UPipe c=2", "upipe", 2),
     ("UPipe fused c=1", "fused", 1),
     ("UPipe fused save c=1", "fused_save", 1),
+    ("UPipe fused save c=1 overlap", "fused_save_overlap", 1),
 )
 DS_ATTN_NAME = "ds_ulysses"
 
@@ -137,12 +139,13 @@ def build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtyp
         rotary = getattr(module, f"{entry.prefix}RotaryEmbedding")(config)  # inv_freq: float32 whatever the dtype
     finally:
         torch.set_default_dtype(previous)
-    if impl in ("fused", "fused_save"):
+    if impl.startswith("fused"):
         from hf_upipe.config import UPipeConfig
         from hf_upipe.integrations.prepare import prepare_model
 
-        mode = "save" if impl == "fused_save" else "recompute"
-        prepare_model(block, UPipeConfig(fused_backward=mode, tiled_mlp=False, auto=False))  # not the env's UPIPE_*
+        mode = "save" if impl.startswith("fused_save") else "recompute"
+        prepare_model(block, UPipeConfig(fused_backward=mode, overlap_comm=impl.endswith("_overlap"), tiled_mlp=False,
+                                         auto=False))  # not the env's UPIPE_*
     if impl == "deepspeed":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -173,7 +176,7 @@ def measure_attention_block(
     """Tracked forward + backward of one attention block on this rank's shard of seq_len // sp_size tokens.
 
     Args:
-        impl: "upipe", "fused", "fused_save" or "deepspeed".
+        impl: "upipe", "fused", "fused_save", "fused_overlap", "fused_save_overlap" or "deepspeed".
         hidden, heads, kv_heads, head_dim: the block geometry (H query / Hk key-value heads of size D).
         seq_len: S, the full sequence; sp_size: P, the ranks of `group` (default: the world).
         dtype: weights and activations.

@@ -105,13 +105,15 @@ def _to_unless_unchanged(module, *args, **kwargs):
 
 
 def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_mlp, checkpointing=True,
-                     mlp_chunk_tokens=None, drop_grads=True, lora=None, fused_backward="recompute"):
+                     mlp_chunk_tokens=None, drop_grads=True, lora=None, fused_backward="recompute",
+                     overlap=False):
     """The model a simulated step runs: `impl`'s attention, optional tiled MLP, checkpointing; parameters in `dtype`.
 
     `model_config`: a Llama geometry dict or a transformers config (any supported architecture). `drop_grads`: each
     parameter's gradient is dropped once accumulated (the activation-only steps; FSDP2 keeps its sharded ones).
     `lora`: (rank, target module names) wraps the model with PEFT LoRA adapters (fp32; the base stays in `dtype`,
-    frozen), as a LoRA fine-tune loads it. `fused_backward`: the fused block's backward mode ("recompute" or "save").
+    frozen), as a LoRA fine-tune loads it. `fused_backward`: the fused block's backward mode ("recompute" or "save");
+    `overlap`: its all-to-alls one stage ahead.
     """
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
@@ -164,7 +166,7 @@ def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_ml
 
         # (explicit values: the planner's settings, not the environment's UPIPE_*; tiling is applied below)
         prepare_model(model, UPipeConfig(fused_attention=impl == "fused", fused_backward=fused_backward,
-                                         tiled_mlp=False, auto=False))
+                                         overlap_comm=overlap, tiled_mlp=False, auto=False))
     if tiled_mlp:
         from hf_upipe.memory.tiled_mlp import apply_tiled_mlp
 

@@ -38,6 +38,8 @@ def describe(settings) -> str:
     impl = {"fused": "fused UPipe", "upipe": "UPipe (registered)", "ulysses": "Ulysses mode (our code)",
             "deepspeed": "DeepSpeed Ulysses"}[settings.impl]
     parts = [impl, f"heads_per_chunk={settings.heads_per_chunk or 'all'}"]
+    if settings.impl == "fused":
+        parts.append(f"{settings.fused_backward} backward" + (", all-to-alls overlapped" if settings.overlap else ""))
     if settings.tiled_mlp:
         parts.append(f"tiled MLP ({settings.mlp_chunk_tokens or 'hidden-size'} tokens)")
     if settings.tiled_loss:
@@ -100,12 +102,17 @@ def launch_lines(plan) -> list[str]:
     env = {"UPIPE_SP_SIZE": cfg.sp_size, "UPIPE_HEADS_PER_CHUNK": cfg.heads_per_chunk,
            "UPIPE_FUSED_ATTENTION": str(cfg.fused_attention).lower(), "UPIPE_TILED_MLP": str(cfg.tiled_mlp).lower(),
            "UPIPE_OFFLOAD": cfg.offload}
+    if cfg.fused_attention and cfg.fused_backward != "recompute":
+        env["UPIPE_FUSED_BACKWARD"] = cfg.fused_backward
+    if cfg.overlap_comm:
+        env["UPIPE_OVERLAP_COMM"] = "true"
     for name in ("mlp_chunk_tokens", "loss_chunk_tokens"):
         if getattr(cfg, name):
             env[f"UPIPE_{name.upper()}"] = getattr(cfg, name)
     config_file = {1: "fsdp2_1node_8gpu.yaml", 2: "fsdp2_2nodes_8gpu.yaml"}.get(plan.nodes, "<your FSDP2 config>")
     names = ["sp_size", "heads_per_chunk", "fused_attention", "tiled_mlp", "offload", "mlp_chunk_tokens",
-             "loss_chunk_tokens"]
+             "loss_chunk_tokens"] + (["fused_backward"] if "UPIPE_FUSED_BACKWARD" in env else []) + \
+        (["overlap_comm"] if cfg.overlap_comm else [])
     fields = ", ".join(f"{k}={getattr(cfg, k)!r}" for k in names if getattr(cfg, k) is not None)
     return ["launch: " + " ".join(f"{k}={v}" for k, v in env.items()) +
             f" accelerate launch --config_file accelerate_configs/{config_file} your_script.py"

@@ -176,7 +176,8 @@ class Plan:
         return UPipeConfig(sp_size=self.sp_size, heads_per_chunk=s.heads_per_chunk or "all",
                            fused_attention=s.impl == "fused", tiled_loss=s.tiled_loss,
                            loss_chunk_tokens=s.loss_chunk_tokens, tiled_mlp=s.tiled_mlp,
-                           mlp_chunk_tokens=s.mlp_chunk_tokens, offload=s.offload)
+                           mlp_chunk_tokens=s.mlp_chunk_tokens, offload=s.offload,
+                           fused_backward=s.fused_backward, overlap_comm=s.overlap)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "seq_len": self.seq_len, "gpus": self.gpus, "nodes": self.nodes,

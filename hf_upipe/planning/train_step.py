@@ -49,6 +49,8 @@ class StepSettings:
         tiled_mlp: tile the MLPs and RMSNorms over `mlp_chunk_tokens` (None: `hidden_size` tokens).
         tiled_loss: compute the loss in chunks of `loss_chunk_tokens` (None: about 256 MiB of fp32 logits).
         offload: "none" or "cpu": checkpointed layer inputs go to host memory (the last layer's stays).
+        fused_backward: the fused block's backward mode, "recompute" (least memory) or "save" (`UPipeConfig`).
+        overlap: the fused block's all-to-alls issued one stage ahead (`UPipeConfig.overlap_comm`).
     """
 
     impl: str = "fused"
@@ -58,6 +60,8 @@ class StepSettings:
     tiled_loss: bool = True
     loss_chunk_tokens: int | None = None
     offload: str = "cpu"
+    fused_backward: str = "recompute"
+    overlap: bool = False
 
     def __post_init__(self):
         if self.impl not in MODEL_IMPLEMENTATIONS:
@@ -65,6 +69,10 @@ class StepSettings:
         if self.offload not in ("none", "cpu"):
             raise ValueError(f"offload={self.offload!r}: the planner models 'none' or 'cpu' (disk: like cpu on the "
                              "device, without the host memory)")
+        if self.fused_backward not in ("recompute", "save"):
+            raise ValueError(f"fused_backward={self.fused_backward!r}: choose 'recompute' or 'save'")
+        if self.impl != "fused" and (self.overlap or self.fused_backward != "recompute"):
+            raise ValueError(f"overlap and fused_backward are settings of the fused block, not of impl={self.impl!r}")
 
 
 def _fsdp_labels(model) -> contextlib.ExitStack:
@@ -166,7 +174,8 @@ def measure_train_step(model_config, settings: StepSettings, *, seq_len: int, sp
         with impl_context(settings.impl, group, seq_len, sp_size, settings.heads_per_chunk):
             model = build_step_model(settings.impl, model_config, layers, seq_len,
                                      torch.float32 if lora is None else dtype, group, settings.tiled_mlp,
-                                     mlp_chunk_tokens=settings.mlp_chunk_tokens, drop_grads=False, lora=lora)
+                                     mlp_chunk_tokens=settings.mlp_chunk_tokens, drop_grads=False, lora=lora,
+                                     fused_backward=settings.fused_backward, overlap=settings.overlap)
             _shard(model, dtype, mesh if mesh is not None else _mesh())
             optimizer = _optimizer_with_states(model)
             ids = torch.zeros(1, s, dtype=torch.long)  # not counted: token ids, positions, labels, mask

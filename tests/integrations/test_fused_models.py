@@ -33,7 +33,7 @@ def _with_lora(ref, model, seed):
     return ref, model
 
 
-def _case(rank, world, arch, geom, chunk, lora, dtype, ckpt, seed, save=False, B=2):
+def _case(rank, world, arch, geom, chunk, lora, dtype, ckpt, seed, save=False, overlap=False, B=2):
     H, Hk = geom
     S = 8 * world
     cfg = tiny_config(arch, heads=H, kv_heads=Hk)
@@ -62,12 +62,13 @@ def _case(rank, world, arch, geom, chunk, lora, dtype, ckpt, seed, save=False, B
         base["eval logits"] = base["logits"]
 
     state = hf_upipe.init_sequence_parallel(heads_per_chunk=chunk)
-    settings = hf_upipe.UPipeConfig(fused_backward="save") if save else None
+    settings = hf_upipe.UPipeConfig(fused_backward="save" if save else "recompute", overlap_comm=overlap)
     hf_upipe.prepare_model(model, settings)
     hf_upipe.prepare_model(model, settings)  # idempotent
     calls = []
     original = fused_mod.fused_upipe_attention
-    fused_mod.fused_upipe_attention = lambda *a, **k: calls.append(k["save_attention"]) or original(*a, **k)
+    fused_mod.fused_upipe_attention = lambda *a, **k: calls.append((k["save_attention"], k["overlap"])) or \
+        original(*a, **k)
     try:
         if ckpt:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -92,7 +93,7 @@ def _case(rank, world, arch, geom, chunk, lora, dtype, ckpt, seed, save=False, B
         fused_mod.fused_upipe_attention = original
         hf_upipe.reset_sequence_parallel()
     layers = cfg.num_hidden_layers
-    assert set(calls) == {save}, calls  # the backward mode prepare_model was given reached every call
+    assert set(calls) == {(save, overlap)}, calls  # the modes prepare_model was given reached every call
     return errs, base, len(calls), layers, len(trained)
 
 
@@ -120,6 +121,10 @@ CASES[2] += [("olmo2", (8, 2), 1, True, BF16, False, 60), ("cohere", (4, 4), 1, 
 CASES[2] += [("llama", (8, 2), 1, True, F32, True, 70, True), ("olmo2", (4, 2), 1, False, F32, False, 71, True),
              ("phi3", (8, 2), 1, True, BF16, False, 72, True)]
 CASES[4] += [("qwen3", (8, 2), 1, True, F32, False, 73, True), ("cohere", (8, 4), 1, False, F32, True, 74, True)]
+# all-to-alls overlapped (UPipeConfig(overlap_comm=True)), in both backward modes
+CASES[2] += [("llama", (8, 2), 1, True, F32, True, 80, True, True), ("qwen3", (6, 2), 1, False, F32, False, 81, False,
+                                                                       True)]
+CASES[4] += [("mistral", (8, 2), 1, True, F32, False, 82, False, True)]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -149,6 +154,13 @@ def test_unknown_attention_modules_keep_the_registered_path(caplog):
         hf_upipe.prepare_model(model)
     assert "fused UPipe attention on 0 module(s); ['OlmoAttention'] keep the registered 'upipe' path" in caplog.text
     assert not any("forward" in m.__dict__ for m in model.modules())
+    # overlapping the fused block's all-to-alls is a setting this model has no module to apply to: refused, and the
+    # model is left as it was
+    hf_upipe.unprepare_model(model)
+    with pytest.raises(ValueError, match=r"UPipeConfig\(overlap_comm=True\) overlaps the fused block's all-to-alls, "
+                                         r"but none of this model's attention modules .*\['OlmoAttention'\]"):
+        hf_upipe.prepare_model(model, hf_upipe.UPipeConfig(overlap_comm=True))
+    assert model.config._attn_implementation == "upipe" and not any("forward" in m.__dict__ for m in model.modules())
 
 
 @pytest.mark.parametrize("arch, setting, reason", [

@@ -68,7 +68,7 @@ class _HostReads(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-MODES = ("registered", "recompute", "save")  # the registered path; the fused block's two backward modes
+MODES = ("registered", "recompute", "save", "overlap")  # the registered path; the fused block's modes
 
 
 def _worker(rank, world, layers):
@@ -79,7 +79,8 @@ def _worker(rank, world, layers):
     for mode in MODES:
         _, model = build_pair(tiny_config("llama", layers=layers), "upipe", 0)
         if mode != "registered":
-            hf_upipe.prepare_model(model, hf_upipe.UPipeConfig(fused_backward=mode))
+            hf_upipe.prepare_model(model, hf_upipe.UPipeConfig(fused_backward="recompute" if mode == "recompute"
+                                                               else "save", overlap_comm=mode == "overlap"))
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         for step in range(2):  # the first step warms up (the tiled loss checks the model's logit scaling once)

@@ -132,7 +132,7 @@ def _tables(S, D, gen, interleaved=False):
     return emb.cos(), emb.sin()
 
 
-def _case(rank, world, group, case, save=False):
+def _case(rank, world, group, case, save=False, overlap=False):
     B, S, Dm, H, Hk, D, chunk, bias, norm, lora, frozen, dtype, seed, *opts = case
     opts = opts[0] if opts else {}
     gen = torch.Generator().manual_seed(seed)
@@ -150,7 +150,8 @@ def _case(rank, world, group, case, save=False):
     w, leaves = build(dtype)
     xl = x[:, sh].to(dtype).requires_grad_()
     y = fused_upipe_attention(xl, cos[:, sh].to(dtype), sin[:, sh].to(dtype), w, num_heads=H, num_kv_heads=Hk,
-                              head_dim=D, group=group, heads_per_chunk=chunk, save_attention=save)
+                              head_dim=D, group=group, heads_per_chunk=chunk, save_attention=save,
+                              overlap=overlap)
     mine = [xl] + [t for t in leaves if t.requires_grad]
     grads = list(torch.autograd.grad(y, mine, dy[:, sh].to(dtype)))
     for g in grads[1:]:  # parameter gradients: every rank holds its shard's contribution
@@ -169,9 +170,9 @@ def _case(rank, world, group, case, save=False):
     return errs, base, len(grads)
 
 
-def _worker(rank, world, cases, save=False):
+def _worker(rank, world, cases, save=False, overlap=False):
     group = dist.group.WORLD if world > 1 else None
-    return [_case(rank, world, group, c, save) for c in cases]
+    return [_case(rank, world, group, c, save, overlap) for c in cases]
 
 
 def _cases(world):
@@ -216,12 +217,16 @@ def test_fused_single_process(save):
     _check(cases, [_worker(0, 1, cases, save)])
 
 
-@pytest.mark.parametrize("world,save", [(2, False), (4, False), (2, True),
-                                        pytest.param(4, True, marks=pytest.mark.slow)],
-                         ids=["2-recompute", "4-recompute", "2-save", "4-save"])
-def test_fused_matches_plain_block(world, save):
+@pytest.mark.parametrize("world,save,overlap", [(2, False, False), (4, False, False), (2, True, False),
+                                                pytest.param(4, True, False, marks=pytest.mark.slow),
+                                                (2, True, True), (4, False, True),
+                                                pytest.param(2, False, True, marks=pytest.mark.slow),
+                                                pytest.param(4, True, True, marks=pytest.mark.slow)],
+                         ids=["2-recompute", "4-recompute", "2-save", "4-save", "2-save-overlap",
+                              "4-recompute-overlap", "2-recompute-overlap", "4-save-overlap"])
+def test_fused_matches_plain_block(world, save, overlap):
     cases = _cases(world)
-    _check(cases, run_distributed(_worker, world, cases, save))
+    _check(cases, run_distributed(_worker, world, cases, save, overlap))
 
 
 def _counting_worker(rank, world):
@@ -319,3 +324,76 @@ def test_lora_dropout_gradients_match_finite_differences():
     torch.manual_seed(7)
     y2 = fused_upipe_attention(x, cos, sin, w, num_heads=H, num_kv_heads=Hk, head_dim=D, heads_per_chunk=1)
     assert not torch.allclose(y, y2)
+
+
+def _schedule_worker(rank, world):
+    """One fused fwd+bwd per (mode, overlap) with LoRA dropout, logging the all-to-alls (and whether each was issued
+    asynchronously) and kernel calls in order; returns the logs and whether overlap left every result bitwise equal."""
+    from hf_upipe.ops.kernels import get_kernel
+
+    inner = get_kernel("sdpa", torch.device("cpu"), torch.float32)
+    log = []
+
+    class Logging:
+        def forward(self, *a, **k):
+            log.append("fwd")
+            return inner.forward(*a, **k)
+
+        def backward(self, *a, **k):
+            log.append("bwd")
+            return inner.backward(*a, **k)
+
+    original = dist.all_to_all_single
+
+    def logged(out, inp, *a, **k):
+        log.append("a2a-async" if k.get("async_op") else "a2a")
+        return original(out, inp, *a, **k)
+
+    gen = torch.Generator().manual_seed(8)
+    build = _make(gen, 24, 8, 2, 8, True, True, True, False, torch.float32)
+    w, leaves = build(torch.float32)
+    w = AttentionWeights(**{n: Projection(p.weight, p.bias, tuple(LoraAdapter(a.A, a.B, a.scaling, 0.2)
+                                                                 for a in p.adapters))
+                            for n, p in (("q", w.q), ("k", w.k), ("v", w.v), ("o", w.o))},
+                         q_norm=w.q_norm, k_norm=w.k_norm)
+    x = torch.randn(1, 8, 24, generator=gen)
+    dy = torch.randn(1, 8, 24, generator=gen)
+    cos, sin = _tables(16, 8, gen)
+    cos, sin = (t[:, rank * 8:(rank + 1) * 8].float() for t in (cos, sin))
+    logs, equal = {}, {}
+    dist.all_to_all_single = logged
+    try:
+        for save in (False, True):
+            results = {}
+            for overlap in (False, True):
+                log.clear()
+                torch.manual_seed(11)  # the same dropout seed for both schedules
+                xl = x.clone().requires_grad_()
+                y = fused_upipe_attention(xl, cos, sin, w, num_heads=8, num_kv_heads=2, head_dim=8,
+                                          group=dist.group.WORLD, heads_per_chunk=1, kernel=Logging(),
+                                          save_attention=save, overlap=overlap)
+                grads = torch.autograd.grad(y, [xl] + [t for t in leaves if t.requires_grad], dy)
+                results[overlap] = (y, *grads)
+                logs[(save, overlap)] = list(log)
+            equal[save] = all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+    finally:
+        dist.all_to_all_single = original
+    return logs, equal
+
+
+def test_overlap_issues_the_next_stage_before_the_kernel_and_changes_no_bit():
+    """H=8, Hk=2 on 2 ranks, c=1: 4 stages, one k/v chunk. Synchronous: stage 0's k, v, q, then its kernel.
+    Overlapped: stage 1's q is also in flight when stage 0's kernel runs, every all-to-all is asynchronous, and the
+    output, dx and every gradient are bitwise those of the synchronous schedule (LoRA dropout on)."""
+    for logs, equal in run_distributed(_schedule_worker, 2):
+        assert equal == {False: True, True: True}, equal
+        for save in (False, True):
+            sync, ov = logs[(save, False)], logs[(save, True)]
+            assert sync[:4] == ["a2a", "a2a", "a2a", "fwd"], sync[:4]
+            assert ov[:5] == ["a2a-async"] * 4 + ["fwd"], ov[:5]
+            assert "a2a" not in ov and sync.count("a2a") == ov.count("a2a-async")
+            # backward: before stage 0's kernel backward, stage 0's k, v, q, d a and stage 1's q, d a were sent, and
+            # stage 0's output (recompute mode: after its kernel forward), in save mode also stage 1's
+            forward_sends = 2 + 4 + 4  # k, v, four q, four outputs
+            assert ov[:ov.index("bwd")].count("a2a-async") - forward_sends == (8 if save else 7), (save, ov)
+            assert sync[:sync.index("bwd")].count("a2a") - forward_sends == 5, (save, sync)  # k, v, q, out, d a

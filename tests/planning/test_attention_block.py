@@ -38,12 +38,17 @@ def _sync_all_to_all() -> None:
     """
     original = dist.all_to_all_single
 
-    def all_to_all_single(output, input, *args, **kwargs):
-        before = output._use_count(), input._use_count()
-        work = original(output, input, *args, **kwargs)
+    def settle(output, input, before):
         deadline = time.monotonic() + 10
         while (output._use_count() > before[0] or input._use_count() > before[1]) and time.monotonic() < deadline:
             time.sleep(0)  # release the GIL until the worker thread has dropped its references
+
+    def all_to_all_single(output, input, *args, **kwargs):
+        before = output._use_count(), input._use_count()
+        work = original(output, input, *args, **kwargs)
+        if work is not None:  # asynchronous (overlap): the caller's `Pending` holds both buffers until it waits
+            return work
+        settle(output, input, before)
         return work
 
     dist.all_to_all_single = all_to_all_single  # this spawned worker process only
@@ -234,3 +239,18 @@ def test_fused_save_mode_simulation_equals_real_gloo_run_and_keeps_one_attention
     for (fwd, peak, _), (fwd0, peak0, _) in zip(save, recompute):
         assert peak0 < peak <= peak0 + kept + sums, (peak, peak0, kept)
     assert save[0][1] < 0.85 * deepspeed[1], (save[0][1], deepspeed[1])  # heads_per_chunk=1
+
+
+def test_fused_overlap_simulation_equals_real_gloo_run_and_holds_one_stage_in_flight() -> None:
+    """Overlap (`UPipeConfig(overlap_comm=True)`): the simulation is exact, and what it holds beyond the synchronous
+    schedule is bounded by the buffers in flight: the next stage's q, k, v, d a and output and the previous stage's
+    output and dq, dk, dv, each as a send and a receive buffer of one stage's heads over the full sequence."""
+    real = run_distributed(_real_worker, 2, "fused_save_overlap", CHUNKS, SMALL)
+    overlap = _simulated("fused_save_overlap", CHUNKS, SMALL)
+    assert real[0] == overlap
+    sync = _simulated("fused_save", CHUNKS, SMALL)
+    S, D, H, Hk = SMALL["seq_len"], SMALL["head_dim"], SMALL["heads"], SMALL["kv_heads"]
+    for c, (fwd, peak, _), (fwd0, peak0, _) in zip(CHUNKS, overlap, sync):
+        q = S * (c or H // 2) * D * 4  # one stage's query heads over the full sequence, fp32
+        kv = S * max(1, (c or H // 2) // (H // Hk)) * D * 4
+        assert peak0 < peak <= peak0 + 2 * (6 * q + 4 * kv), (c, peak - peak0, q)

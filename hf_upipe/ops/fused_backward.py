@@ -1,0 +1,192 @@
+"""The fused UPipe block's backward: the stage loop that turns dy into dx and the gradients of the block's tensors.
+
+Entry points (used by `hf_upipe.ops.fused_attention`'s autograd function):
+- `fused_backward(dy, x, cos, sin, w, plan, xas, za, inv_rms, grads, saved)`: returns dx [B, s, Dm] and fills
+  `grads`.
+- `Grads`: gradient buffers of the tensors that need one; `linear_backward`: the gradients of one projection's rows.
+
+The two modes (recompute, save) and the overlap schedule are described in `hf_upipe.ops.fused_attention`. Legend
+as there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_upipe.ops.all_to_all import Pending, head_to_seq, start_head_to_seq, start_seq_to_head
+from hf_upipe.ops.block_weights import AttentionWeights, ProjectionNorm
+from hf_upipe.ops.fused_stages import (
+    StagePlan,
+    block_sides,
+    head_rows,
+    project_rows,
+    projection_features,
+    seeded_dropout,
+)
+from hf_upipe.ops.head_transforms import correction, post, post_backward
+
+__all__ = ["Grads", "fused_backward", "linear_backward"]
+
+
+class Grads:
+    """Gradient buffers of the block's tensors that need one (None for frozen ones)."""
+
+    def __init__(self, tensors: list[torch.Tensor], needs: list[bool]):
+        self._pos = {id(t): i for i, t in reversed(list(enumerate(tensors)))}
+        self.buf: list[torch.Tensor | None] = [torch.zeros_like(t) if n else None for t, n in zip(tensors, needs)]
+
+    def get(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else self.buf[self._pos[id(t)]]
+
+
+def linear_backward(x2, proj, rows, d_pre2, xas, ts, grads: Grads, dx2) -> None:
+    """Gradients of `project_rows` for rows R given d_pre2 [N, R]: dx2 [N, Dm] += ..., weight/bias rows, LoRA B rows,
+    and the LoRA A-side products ts[j] [N, r] (finished once, after the loop)."""
+    dx2.addmm_(d_pre2, proj.weight.index_select(0, rows))
+    if (g := grads.get(proj.weight)) is not None:
+        g.index_add_(0, rows, d_pre2.t() @ x2)
+    if (g := grads.get(proj.bias)) is not None:
+        g.index_add_(0, rows, d_pre2.sum(0))
+    for a, xa, t in zip(proj.adapters, xas, ts):
+        if (g := grads.get(a.B)) is not None:
+            g.index_add_(0, rows, (d_pre2.t() @ xa.reshape(-1, xa.shape[-1])) * a.scaling)
+        t.addmm_(d_pre2, a.B.index_select(0, rows), alpha=a.scaling)
+
+
+def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, za, inv_rms,
+                    grads: Grads, saved=()) -> torch.Tensor:
+    """The backward stage loop; returns dx and fills `grads`. `saved`: the forward's stage outputs (save mode)."""
+    layout, D, group, style = plan.layout, plan.D, plan.group, w.rope
+    B, s, Dm = x.shape
+    P = layout.sp_size
+    x2, dy2 = x.reshape(B * s, Dm), dy.reshape(B * s, -1)
+    dx = torch.zeros_like(x)
+    dx2 = dx.view(B * s, Dm)
+    sides = block_sides(x, w, plan, xas, inv_rms)
+    # per-token sums of a whole-projection norm's coupled term [B, s, 1] (None for other norms)
+    sigma = {n: x.new_zeros(B, s, 1, dtype=torch.float32) if isinstance(sides[n].norm, ProjectionNorm) else None
+             for n in "qk"}
+    ts = {name: [x.new_zeros(B * s, a.A.shape[0]) for a in getattr(w, name).adapters] for name in "qkv"}
+    if (g := grads.get(w.o.bias)) is not None:
+        g.add_(dy2.sum(0))
+    us = []  # dy @ Bo * s for each o adapter: [N, r]
+    for ad, z in zip(w.o.adapters, za):
+        if (g := grads.get(ad.B)) is not None:
+            g.add_((dy2.t() @ z.reshape(B * s, -1)) * ad.scaling)
+        us.append((dy2 @ ad.B) * ad.scaling)
+    ov = plan.overlap
+
+    def send_qkv(i):  # stage i's q (and k/v at a chunk's first stage), recomputed and sent to the head layout
+        kv = None
+        if layout.starts_kv_group(i):
+            kv_rows = head_rows(plan.kv_heads[i], D)
+            k5 = post(sides["k"], project_rows(x, w.k, kv_rows, xas["k"]), kv_rows, cos, sin, D,
+                      style)  # [B, s, P*kc, D]
+            kv = (start_seq_to_head(k5.view(B, s, P, -1, D), group, ov),
+                  start_seq_to_head(project_rows(x, w.v, kv_rows, xas["v"]).view(B, s, P, -1, D), group, ov))
+            del k5
+        rows = head_rows(plan.q_heads[i], D)
+        q5 = post(sides["q"], project_rows(x, w.q, rows, xas["q"]), rows, cos, sin, D, style)  # [B, s, P*c, D]
+        return start_seq_to_head(q5.view(B, s, P, -1, D), group, ov), kv  # -> [B, S, c (kc), D]
+
+    def send_dout(i):  # d a_i = dy @ Wo[:, R] (+ LoRA) [N, P*c*D], sent to the head layout -> [B, S, c, D]
+        da = dy2 @ w.o.weight.index_select(1, head_rows(plan.q_heads[i], D))
+        for j, (ad, u) in enumerate(zip(w.o.adapters, us)):
+            da.add_(seeded_dropout(u @ ad.A.index_select(1, head_rows(plan.q_heads[i], D)), ad.dropout,
+                             plan.seed + 1000 + 16 * i + j))
+        return start_seq_to_head(da.view(B, s, P, -1, D), group, ov)
+
+    def o_grads(i, a):  # Wo's column gradients (and its LoRA A's) from stage i's output a [N, P*c*D]
+        rows = head_rows(plan.q_heads[i], D)
+        if (g := grads.get(w.o.weight)) is not None:
+            g.index_add_(1, rows, dy2.t() @ a)
+        for j, (ad, u) in enumerate(zip(w.o.adapters, us)):
+            if (g := grads.get(ad.A)) is not None:
+                g.index_add_(1, rows, u.t() @ seeded_dropout(a, ad.dropout, plan.seed + 1000 + 16 * i + j))
+
+    def input_grads(items):  # [(name, rows, dh [B, S, h, D] or its Pending)], consumed in order: dx, weight rows
+        while items:
+            name, r, dh = items.pop(0)
+            d5 = (dh.wait() if isinstance(dh, Pending) else head_to_seq(dh, group)).reshape(B, s, -1, D)
+            del dh  # [B, s, P*c (or P*kc), D]
+            proj = getattr(w, name)
+            d_pre = d5.reshape(B * s, -1) if name == "v" else post_backward(
+                sides[name], lambda: project_rows(x, proj, r, xas[name]), r, cos, sin, D, style, d5, grads, sigma[name])
+            del d5
+            linear_backward(x2, proj, r, d_pre.reshape(B * s, -1), xas[name], ts[name], grads, dx2)
+            del d_pre
+
+    # without overlap each stage runs in order: send q/k/v, [recompute the kernel forward], o_proj's gradients,
+    # send d a, kernel backward, gradients back. With it, stage i+1's q/k/v and d a (and in save mode its output)
+    # are in flight during stage i's kernel, and stage i's gradients (and output) during stage i+1's.
+    kh = vh = dk_sum = dv_sum = None
+    nxt = (send_qkv(0), send_dout(0) if ov else None,
+           start_head_to_seq(saved[0], group, True) if ov and plan.save else None) if layout.num_stages else None
+    prev = None  # overlap: (stage, output in flight, gradients in flight) of the previous stage
+    for i in range(layout.num_stages):
+        (q_sent, kv_sent), dout_sent, out_sent = nxt
+        if kv_sent is not None:
+            kh, vh = kv_sent[0].wait(), kv_sent[1].wait()  # [B, S, kc, D]
+        qh = q_sent.wait()  # [B, S, c, D]
+        nxt = None
+        if ov and i + 1 < layout.num_stages:
+            nxt = (send_qkv(i + 1), send_dout(i + 1),
+                   start_head_to_seq(saved[2 * i + 2], group, True) if plan.save else None)
+        if plan.save:
+            oh, lse = saved[2 * i], saved[2 * i + 1]
+        else:
+            oh, lse = plan.kernel.forward(qh, kh, vh, scale=plan.scale, causal=True)  # recomputed
+        if ov:
+            doh = dout_sent.wait()
+            out_sent = out_sent or start_head_to_seq(oh, group, True)
+        else:
+            o_grads(i, head_to_seq(oh, group).reshape(B * s, -1))
+            doh = send_dout(i).wait()
+        dqh, dkh, dvh = plan.kernel.backward(doh, qh, kh, vh, oh, lse, scale=plan.scale, causal=True)
+        del qh, oh, doh
+        if layout.ends_kv_group(i):
+            kh = vh = None
+        # recompute mode: every gradient goes straight back to the local layout and into dx / the weights, no
+        # accumulators (the stages sharing a k/v chunk each send their dk/dv partial; the linear backward sums
+        # them). Save mode: dk/dv are summed over the chunk's stages here [B, S, kc, D] and sent once, at its end.
+        if plan.save:
+            dk_sum = dkh if dk_sum is None else dk_sum.add_(dkh)
+            dv_sum = dvh if dv_sum is None else dv_sum.add_(dvh)
+            dkh = dvh = None
+            if layout.ends_kv_group(i):
+                dkh, dvh, dk_sum, dv_sum = dk_sum, dv_sum, None, None
+        rows, kv_rows = head_rows(plan.q_heads[i], D), head_rows(plan.kv_heads[i], D)
+        items = [(n, r, t) for n, r, t in (("q", rows, dqh), ("k", kv_rows, dkh), ("v", kv_rows, dvh))
+                 if t is not None]
+        del dqh, dkh, dvh
+        if not ov:
+            input_grads(items)
+            if i + 1 < layout.num_stages:
+                nxt = (send_qkv(i + 1), None, None)
+            continue
+        items = [(n, r, start_head_to_seq(t, group, True)) for n, r, t in items]
+        if prev is not None:
+            o_grads(prev[0], prev[1].wait().reshape(B * s, -1))
+            input_grads(prev[2])
+        prev = (i, out_sent, items)
+        del items, out_sent
+    if prev is not None:
+        o_grads(prev[0], prev[1].wait().reshape(B * s, -1))
+        input_grads(prev[2])
+    # a whole-projection norm's coupled term, d pre += factor * pre, over the distinct rows a chunk at a time
+    for name in "qk":
+        if sigma[name] is not None:
+            factor = correction(sides[name], sigma[name], projection_features(plan, name))
+            proj, n = getattr(w, name), None
+            for r in torch.arange(projection_features(plan, name), device=x.device).split(plan.chunk_rows):
+                n = (factor * project_rows(x, proj, r, xas[name]).float()).to(x.dtype)  # [B, s, len(r)]
+                linear_backward(x2, proj, r, n.reshape(B * s, -1), xas[name], ts[name], grads, dx2)
+            del n
+    # LoRA A sides of q/k/v: one product with x (or dropout(x)) each, after the loop
+    seeds = w.lora_seeds(plan.seed)
+    for name in "qkv":
+        for a, t, seed in zip(getattr(w, name).adapters, ts[name], seeds[name]):
+            if (g := grads.get(a.A)) is not None:
+                g.add_(t.t() @ seeded_dropout(x2, a.dropout, seed))
+            dx2.add_(seeded_dropout(t @ a.A, a.dropout, seed))
+    return dx
