@@ -3,8 +3,9 @@
 Entry point:
 - `apply_auto_settings(config, model, *, world_size, local_world_size=None)`: with `config.auto`, plans the
   model for `config.plan_seq_len` tokens on this launch's GPUs (`hf_upipe.planning.planner.plan` with no settings
-  given: the cheapest rung of its ladder that fits) and returns (a copy of `config` with the choice: heads_per_chunk,
-  fused_attention, tiled_mlp, mlp_chunk_tokens, tiled_loss, loss_chunk_tokens, offload; the planner's answer).
+  given: the candidate with the shortest predicted step that fits) and returns (a copy of `config` with the choice:
+  heads_per_chunk, fused_attention, fused_backward, overlap_comm, tiled_mlp, mlp_chunk_tokens, tiled_loss,
+  loss_chunk_tokens, offload; the planner's answer).
   Without `auto` it returns (config, None). The given config is never changed.
 
 The runtime never imports the planner: the simulation needs a process without a process group, and a launched job
@@ -114,8 +115,10 @@ def apply_auto_settings(config, model, *, world_size: int, local_world_size: int
     config = config.with_auto(
         heads_per_chunk="all" if s["heads_per_chunk"] is None else s["heads_per_chunk"],
         fused_attention=s["impl"] == "fused", tiled_mlp=s["tiled_mlp"], mlp_chunk_tokens=s["mlp_chunk_tokens"],
-        tiled_loss=s["tiled_loss"], loss_chunk_tokens=s["loss_chunk_tokens"], offload=s["offload"])
-    logger.info("hf_upipe auto settings for %d tokens: heads_per_chunk=%s, tiled_mlp=%s, offload=%s (planned peak "
-                "%.1f GiB of %.1f GiB per GPU)", config.plan_seq_len, config.heads_per_chunk, config.tiled_mlp,
-                config.offload, result["required"] / 2**30, result["gpu_memory"] / 2**30)
+        tiled_loss=s["tiled_loss"], loss_chunk_tokens=s["loss_chunk_tokens"], offload=s["offload"],
+        fused_backward=s["fused_backward"], overlap_comm=s["overlap"])
+    logger.info("hf_upipe auto settings for %d tokens: heads_per_chunk=%s, tiled_mlp=%s, offload=%s, "
+                "fused_backward=%s, overlap_comm=%s (planned peak %.1f GiB of %.1f GiB per GPU)", config.plan_seq_len,
+                config.heads_per_chunk, config.tiled_mlp, config.offload, config.fused_backward, config.overlap_comm,
+                result["required"] / 2**30, result["gpu_memory"] / 2**30)
     return config, result

@@ -106,8 +106,9 @@ class UPipeConfig:
     offload_min_bytes: int | None = field(default=None, metadata={"help": (
         "Layer inputs smaller than this stay on the device. Default 1 MiB.")})
     auto: bool | None = field(default=None, metadata={"help": (
-        "Let the planner (hf_upipe.plan) choose heads_per_chunk, fused_attention, tiled_mlp, the MLP and loss tiles "
-        "and offload for plan_seq_len tokens on this launch's GPUs: the cheapest settings that fit. The explicit "
+        "Let the planner (hf_upipe.plan) choose heads_per_chunk, fused_attention, fused_backward, overlap_comm, "
+        "tiled_mlp, the MLP and loss tiles and offload for plan_seq_len tokens on this launch's GPUs: the settings "
+        "with the shortest predicted step that fit. The explicit "
         "values of those fields are then replaced. Default False.")})
     plan_seq_len: int | None = field(default=None, metadata={"help": (
         "Tokens per sequence the auto settings must fit (the longest sequence of your data), e.g. 1048576, 1024K or "

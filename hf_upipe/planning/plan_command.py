@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tiled-mlp", action=argparse.BooleanOptionalAction, default=None,
                         help="fix the tiled MLP on or off instead of choosing it")
     parser.add_argument("--offload", choices=("none", "cpu"), help="fix the offload instead of choosing it")
+    parser.add_argument("--fused-backward", choices=("recompute", "save"),
+                        help="fix the fused block's backward mode instead of choosing it")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                        help="fix whether the fused block's all-to-alls are overlapped instead of choosing it")
     parser.add_argument("--mlp-chunk-tokens", type=int)
     parser.add_argument("--loss-chunk-tokens", type=int)
     parser.add_argument("--margin", type=float, default=0.10, help="allocator share of the tensor peak (default 0.10)")
@@ -80,13 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _fixed_settings(args, config, sp_size):
     """StepSettings from the flags, or None to let the planner choose (no setting flag given)."""
     if all(getattr(args, k) is None for k in ("heads_per_chunk", "tiled_mlp", "offload", "mlp_chunk_tokens",
-                                              "loss_chunk_tokens")):
+                                              "loss_chunk_tokens", "fused_backward", "overlap")):
         return None
     impl = args.impl or default_impl(config)
     hpc = args.heads_per_chunk or ("all" if impl in ("ulysses", "deepspeed") else "1")
     return StepSettings(impl=impl, heads_per_chunk=None if hpc == "all" else int(hpc),
                         tiled_mlp=args.tiled_mlp is not False, mlp_chunk_tokens=args.mlp_chunk_tokens,
-                        loss_chunk_tokens=args.loss_chunk_tokens, offload=args.offload or "cpu")
+                        loss_chunk_tokens=args.loss_chunk_tokens, offload=args.offload or "cpu",
+                        fused_backward=args.fused_backward or "recompute", overlap=bool(args.overlap))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -33,6 +33,10 @@ def _gib(n: int) -> str:
     return f"{n / GiB:,.2f}"
 
 
+def _secs(t: float) -> str:
+    return f"{t:,.1f} s" if t >= 10 else f"{t:.2f} s"
+
+
 def describe(settings) -> str:
     """One line naming the settings."""
     impl = {"fused": "fused UPipe", "upipe": "UPipe (registered)", "ulysses": "Ulysses mode (our code)",
@@ -77,10 +81,18 @@ def format_plan(plan) -> str:
         lines.append(f"host memory for offloaded checkpoints: {_gib(plan.host_bytes_per_gpu)} GiB per GPU, "
                      f"{_gib(plan.host_bytes_per_gpu * plan.gpus)} GiB per node (pinned)"
                      + (host or " (--host-memory checks it)"))
+    if plan.step_time is not None:
+        t = plan.step_time
+        lines.append(f"predicted step: {_secs(t.seconds)}, {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU on "
+                     f"{plan.gpu.name} (a model of FLOPs and bytes, not a measurement: hf_upipe.planning.step_time)")
     if plan.tried:
-        lines += ["", f"settings tried at {format_tokens(plan.seq_len)}, cheapest first (required GiB):"]
-        lines += [f"  {_gib(need):>9}  {'fits' if need <= plan.usable and host else 'host' if not host else 'no  '}"
-                  f"  {describe(s)}" for s, need, host in plan.tried]
+        lines += ["", f"settings judged at {format_tokens(plan.seq_len)}, fastest first (predicted step, tokens/s per "
+                      "GPU, required GiB; '-': not simulated, it needs more memory than a setting that does not fit):"]
+        for s, need, host, secs in plan.tried:
+            verdict = "-   " if need is None else "fits" if need <= plan.usable and host else \
+                "host" if not host else "no  "
+            lines.append(f"  {_secs(secs):>9} {plan.seq_len / secs / plan.sp_size:>9,.0f} "
+                         f"{'-' if need is None else _gib(need):>9}  {verdict}  {describe(s)}")
     lines += ["", "assumed: " + assumptions(plan), "", *launch_lines(plan), "",
               f"planned in {plan.seconds:.1f} s: one FSDP2 training step of the model code on fake tensors, "
               + (f"all {g['layers']} layers" if plan.exact or g["layers"] <= 4 else

@@ -6,7 +6,8 @@ Entry points:
   launch them (`Plan.table()`, `Plan.launch()`, `Plan.upipe_config()`, `Plan.to_dict()`).
 - `Margin`: what is added to the tensor peak for memory that tensor accounting cannot see.
 - `resolve_model(spec)`: a model name, a config.json, a local model folder or a Hub id -> (name, config).
-- `ladder(config, sp_size, impl=None)`: the candidate settings, cheapest first.
+- `ladder(config, sp_size, impl=None)`: the memory ladder, cheapest first; `candidates(...)`: it with the fused
+  block's faster variants, each with the rung it adds memory to.
 
 How a length is judged: `hf_upipe.planning.train_step` runs one FSDP2 training step of the real model code on fake
 tensors in a fake world of gpus x nodes ranks (rank 0), with 3 and with 4 decoder layers; every category of the
@@ -15,12 +16,16 @@ simulates every layer). Required = tensor peak + margin; it fits when required <
 headroom (5% by default: a length at the very edge is not recommended) and the offloaded checkpoints fit the host
 memory of a node (2 TiB by default, a DGX H100's).
 
-Choosing settings (`settings=None`): the ladder goes from cheapest to most memory-saving: all local heads in one
-chunk (Ulysses speed), then the tiled MLP, then offloading checkpointed inputs to host memory, then ever smaller head
-chunks down to the smallest the head geometry allows, then smaller MLP and loss tiles. With `seq_len`, the first
-rung that fits is chosen. With `max_context`, the longest length the last rung fits is searched (in steps of
-`step` tokens), then the first rung that fits that length is chosen. The sequence-parallel degree defaults to the
-GPUs of one node; FSDP2 shards the model over all GPUs.
+Choosing settings (`settings=None`): the memory ladder goes from cheapest to most memory-saving: all local heads in
+one chunk (Ulysses speed), then the tiled MLP, then offloading checkpointed inputs to host memory, then ever smaller
+head chunks down to the smallest the head geometry allows, then smaller MLP and loss tiles. For the fused block each
+rung also comes in faster variants that take more memory: the save-mode backward, and with several stages the
+overlapped all-to-alls. Every candidate gets a predicted step time (`hf_upipe.planning.step_time`, a model of FLOPs
+and bytes on the GPU named by `gpu`), and they are judged fastest first: the first that fits is the fastest that
+fits. A variant whose rung does not fit is not simulated (it needs at least the rung's memory). With `max_context`,
+the longest length the last rung fits is searched (in steps of `step` tokens), then the fastest candidate that fits
+that length is chosen. The sequence-parallel degree defaults to the GPUs of one node; FSDP2 shards the model over
+all GPUs.
 """
 
 from __future__ import annotations
@@ -34,16 +39,18 @@ import time
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
-from hf_upipe.architectures import ARCHITECTURES, model_geometry
+from hf_upipe.architectures import model_geometry
 from hf_upipe.models import resolve
-from hf_upipe.ops.head_layout import valid_heads_per_chunk, valid_sp_sizes
+from hf_upipe.ops.head_layout import valid_sp_sizes
+from hf_upipe.planning.ladder import candidates, default_impl, ladder
 from hf_upipe.planning.plan_report import format_plan, launch_lines
+from hf_upipe.planning.step_time import GPU, H100_SXM, StepTime, step_time
 from hf_upipe.planning.tracker import GiB
 from hf_upipe.planning.train_step import CATEGORIES, StepSettings, simulate_train_step
 from hf_upipe.units import parse_size
 
-__all__ = ["DEFAULT_HEADROOM", "DEFAULT_HOST_MEMORY", "Margin", "Plan", "default_impl", "ladder", "parse_bytes", "plan",
-           "resolve_model"]
+__all__ = ["DEFAULT_HEADROOM", "DEFAULT_HOST_MEMORY", "Margin", "Plan", "candidates", "default_impl", "ladder",
+           "parse_bytes", "plan", "resolve_model"]
 
 DEFAULT_HEADROOM = 0.05  # share of each GPU a plan keeps free beyond its margin (--headroom)
 DEFAULT_HOST_MEMORY = "2TiB"  # host memory of one node offloaded checkpoints may use (--host-memory): a DGX H100
@@ -83,40 +90,12 @@ def resolve_model(spec):
     return resolve(spec)
 
 
-def default_impl(config) -> str:
-    """"fused" for the architectures with the fused adapter (`hf_upipe.architectures`), "upipe" (registered)
-    otherwise."""
-    arch = ARCHITECTURES.get(model_geometry(config)["model_type"])
-    return "fused" if arch is not None and arch.fused else "upipe"
-
-
 def _host_bytes(config, settings: StepSettings, seq_len: int, sp_size: int, dtype: torch.dtype) -> int:
     """Pinned host memory per GPU for the offloaded layer inputs: all layers but the last, [s, hidden] each."""
     if settings.offload == "none":
         return 0
     g = model_geometry(config)
     return (g["layers"] - 1) * (seq_len // sp_size) * g["hidden"] * torch.finfo(dtype).bits // 8
-
-
-def ladder(config, sp_size: int, impl: str | None = None) -> list[StepSettings]:
-    """The candidate settings for this model and SP degree, cheapest first (see the module docstring).
-
-    `impl`: None picks `default_impl(config)` (fused where the registry has the adapter); "ulysses" or "deepspeed"
-    keep all heads in one chunk (their ladder has the tiled MLP and offload rungs only).
-    """
-    g = model_geometry(config)
-    impl = impl or default_impl(config)
-    rungs = [StepSettings(impl, None, tiled_mlp=False, offload="none"),
-             StepSettings(impl, None, tiled_mlp=True, offload="none"),
-             StepSettings(impl, None, tiled_mlp=True, offload="cpu")]
-    if impl in ("ulysses", "deepspeed"):
-        return rungs
-    chunks = sorted(c for c in valid_heads_per_chunk(g["heads"], g["kv_heads"], sp_size) if c < g["heads"] // sp_size)
-    rungs += [StepSettings(impl, c, tiled_mlp=True, offload="cpu") for c in reversed(chunks)]
-    smallest = rungs[-1]
-    rungs.append(dataclasses.replace(smallest, mlp_chunk_tokens=max(1, g["hidden"] // 4),
-                                     loss_chunk_tokens=max(1, math.ceil(2**24 / g["vocab"]))))  # 64 MiB fp32 logits
-    return rungs
 
 
 @dataclasses.dataclass
@@ -137,10 +116,14 @@ class Plan:
     exact: bool = False
     seconds: float = 0.0
     max_seq_len: int | None = None
-    tried: list = dataclasses.field(default_factory=list)  # (settings, required bytes, host ok) at seq_len, with auto
+    # candidates judged at seq_len when the settings were chosen, fastest first: (settings, required bytes or None
+    # when not simulated, host ok, predicted step seconds)
+    tried: list = dataclasses.field(default_factory=list)
     host_memory: int | None = None  # per node; None: not checked
     lora: tuple | None = None  # (rank, target modules) of a LoRA plan
     headroom: float = 0.0  # share of each GPU kept free: required must stay within `usable`
+    step_time: StepTime | None = None  # predicted step time of `settings` (a model: `hf_upipe.planning.step_time`)
+    gpu: GPU = H100_SXM  # whose figures the step time uses
 
     @property
     def usable(self) -> int:
@@ -190,7 +173,11 @@ class Plan:
                 "host_memory": self.host_memory, "host_fits": self.host_fits, "headroom": self.headroom,
                 "usable": self.usable,
                 "lora": None if self.lora is None else {"rank": self.lora[0], "targets": list(self.lora[1])},
-                "tried": [{"settings": dataclasses.asdict(s), "required": r, "host_fits": h} for s, r, h in self.tried]}
+                "predicted_step_seconds": None if self.step_time is None else self.step_time.seconds,
+                "predicted_tokens_per_s_per_gpu": None if self.step_time is None else
+                self.step_time.tokens_per_s_per_gpu, "step_time_gpu": self.gpu.name,
+                "tried": [{"settings": dataclasses.asdict(s), "required": r, "host_fits": h, "predicted_seconds": t}
+                          for s, r, h, t in self.tried]}
 
     def table(self) -> str:
         return format_plan(self)
@@ -277,7 +264,7 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
          max_context: bool = False, settings: StepSettings | None = None, impl: str | None = None,
          sp_size: int | None = None, margin: Margin | None = None, dtype: torch.dtype = torch.bfloat16,
          step: int = 2**17, max_seq_len: int = 2**26, exact: bool = False, host_memory=DEFAULT_HOST_MEMORY,
-         lora=None, headroom: float = DEFAULT_HEADROOM) -> Plan:
+         lora=None, headroom: float = DEFAULT_HEADROOM, gpu: GPU = H100_SXM) -> Plan:
     """Plan a training run (see the module docstring).
 
     Args:
@@ -295,6 +282,7 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
             checked.
         headroom: share of each GPU that must stay free beyond the margin (default 5%): a length at the very edge
             of the memory is not recommended.
+        gpu: the hardware figures of the predicted step time (`hf_upipe.planning.step_time.H100_SXM` by default).
         lora: None plans a full fine-tune (fp32 master weights, gradients and AdamW states for every parameter);
             (rank, target module names) plans LoRA: the frozen base in `dtype`, fp32 adapters, AdamW on them.
 
@@ -324,7 +312,8 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
     limit = int(gpu_bytes * (1 - headroom))
     step = math.lcm(step, sp)
     estimate = _Estimator(config, world=world, sp_size=sp, dtype=dtype, exact=exact, lora=lora)
-    rungs = [settings] if settings is not None else ladder(config, sp, impl)
+    pairs = [(settings, settings)] if settings is not None else candidates(config, sp, impl)
+    rungs = [rung for cand, rung in pairs if cand == rung]
 
     host = None if host_memory is None else parse_size(host_memory)
 
@@ -335,6 +324,10 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
     def host_ok(s, length):
         return host is None or _host_bytes(config, s, length, sp, dtype) * gpus <= host
 
+    def seconds(s, length):
+        return step_time(config, s, seq_len=length, sp_size=sp, world=world, gpus_per_node=gpus, lora=estimate.lora,
+                         gpu=gpu)
+
     longest = None
     if max_context:
         steps = max_seq_len // step
@@ -344,14 +337,26 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
         longest = _search_max(lambda length: required(rungs[-1], length), limit, step, steps)
         if seq_len is None:
             seq_len = longest or step
-    tried, chosen = [], rungs[-1]
-    for rung in rungs:
-        need, host_fits = required(rung, seq_len), host_ok(rung, seq_len)
-        tried.append((rung, need, host_fits))
-        if need <= limit and host_fits:
-            chosen = rung
+    # fastest first (the ladder's order among equal times); the first that fits is the fastest that fits
+    order = sorted(range(len(pairs)), key=lambda k: (seconds(pairs[k][0], seq_len).seconds, k))
+    tried, chosen, fits_of = [], rungs[-1], {}
+    for k in order:
+        cand, rung = pairs[k]
+        t = seconds(cand, seq_len).seconds
+        if rung != cand:
+            if rung not in fits_of:
+                fits_of[rung] = required(rung, seq_len) <= limit and host_ok(rung, seq_len)
+            if not fits_of[rung]:
+                tried.append((cand, None, host_ok(cand, seq_len), t))  # needs more than its rung, which does not fit
+                continue
+        need, host_fits = required(cand, seq_len), host_ok(cand, seq_len)
+        fits_of[cand] = need <= limit and host_fits
+        tried.append((cand, need, host_fits, t))
+        if fits_of[cand]:
+            chosen = cand
             break
     return Plan(model=name, config=config, seq_len=seq_len, gpus=gpus, nodes=nodes, sp_size=sp, gpu_memory=gpu_bytes,
                 settings=chosen, by_category=estimate(chosen, seq_len), margin=margin, dtype=dtype, exact=exact,
                 seconds=time.perf_counter() - started, max_seq_len=longest,
-                tried=tried if settings is None else [], host_memory=host, lora=estimate.lora, headroom=headroom)
+                tried=tried if settings is None else [], host_memory=host, lora=estimate.lora, headroom=headroom,
+                step_time=seconds(chosen, seq_len), gpu=gpu)

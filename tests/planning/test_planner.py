@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hf_upipe.cli import main
-from hf_upipe.planning.planner import Margin, _search_max, ladder, parse_bytes, plan
+from hf_upipe.planning.planner import Margin, _search_max, candidates, ladder, parse_bytes, plan
 from hf_upipe.planning.train_step import StepSettings
 from tests.planning.test_train_step import CASES, LAYERS, TINY, WORLD, S, real_runs
 
@@ -50,23 +50,35 @@ def _tiny_model():
 
 
 @pytest.mark.slow
-def test_plan_picks_the_first_rung_that_fits():
+def test_plan_picks_the_fastest_candidate_that_fits():
     cfg, seq = _tiny_model(), 16384
     rungs = ladder(cfg, 2)
     assert [r.heads_per_chunk for r in rungs] == [None, None, None, 2, 1, 1]
     assert (rungs[0].tiled_mlp, rungs[0].offload, rungs[1].tiled_mlp, rungs[2].offload) == (False, "none", True, "cpu")
     assert rungs[-1].mlp_chunk_tokens == 16 and rungs[-1].loss_chunk_tokens == 2**24 // 128  # a quarter of the defaults
+    pairs = candidates(cfg, 2)
+    # every rung, its save-mode variant, and with several stages (c = 2, 1) the overlapped ones in both modes
+    assert len(pairs) == 3 * 2 + 3 * 4 and [c for c, r in pairs if c == r] == rungs
+    assert all(r in rungs and (c.fused_backward, c.overlap) != ("recompute", False) for c, r in pairs if c != r)
     margin = Margin(0.0, 0)
-    need = [plan(cfg, gpus=2, seq_len=seq, settings=r, margin=margin, gpu_memory=2**40, headroom=0).required
-            for r in rungs]
-    assert need[0] > need[1] > need[2] > need[3] > need[4]  # each rung saves memory on this model
-    for k in (0, 2, 4):
-        memory = need[k] if k == 0 else (need[k] + need[k - 1]) // 2
+    need, secs = {}, {}
+    for c, _ in pairs:
+        p = plan(cfg, gpus=2, seq_len=seq, settings=c, margin=margin, gpu_memory=2**40, headroom=0)
+        need[c], secs[c] = p.required, p.step_time.seconds
+    assert all(need[c] >= need[r] for c, r in pairs)  # a variant needs at least its rung's memory
+    assert need[rungs[0]] > need[rungs[1]] > need[rungs[2]] > need[rungs[3]] > need[rungs[4]]
+    for memory in sorted({need[c] for c, _ in pairs})[::3] + [min(need.values()) // 2]:
         p = plan(cfg, gpus=2, seq_len=seq, margin=margin, gpu_memory=memory, headroom=0)
-        assert p.settings == rungs[k] and p.fits, k
-        assert [s for s, _, _ in p.tried] == rungs[:k + 1]
-    p = plan(cfg, gpus=2, seq_len=seq, margin=margin, gpu_memory=min(need) // 2, headroom=0)
-    assert not p.fits and p.settings == rungs[-1]
+        fitting = [c for c, _ in pairs if need[c] <= memory]
+        if not fitting:
+            assert not p.fits and p.settings == rungs[-1]
+            continue
+        fastest = min(secs[c] for c in fitting)
+        assert p.fits and p.settings in fitting and secs[p.settings] == fastest, (memory, p.settings)
+        judged = [t for _, _, _, t in p.tried]
+        assert judged == sorted(judged) and p.tried[-1][0] == p.settings  # fastest first, stopping at the choice
+        # what was judged and not chosen did not fit (or was not simulated: its rung does not fit)
+        assert all(r is None or r > memory for _, r, _, _ in p.tried[:-1])
 
 
 def test_max_context_search_equals_brute_force():
@@ -154,9 +166,10 @@ def test_command_line(tmp_path, capsys):
 
 def test_plan_settings_become_an_upipe_config():
     p = plan(_tiny_model(), gpus=2, seq_len=16384, gpu_memory="64GiB", margin=Margin(0.1, 0))
-    cfg = p.upipe_config()
-    assert cfg.sp_size == 2 and cfg.heads_per_chunk == "all" and cfg.offload == "none" and not cfg.tiled_mlp
-    assert cfg.fused_attention
+    cfg, s = p.upipe_config(), p.settings
+    assert cfg.sp_size == 2 and cfg.heads_per_chunk == (s.heads_per_chunk or "all") and cfg.offload == s.offload
+    assert (cfg.tiled_mlp, cfg.fused_backward, cfg.overlap_comm) == (s.tiled_mlp, s.fused_backward, s.overlap)
+    assert cfg.fused_attention and p.fits and p.tried[0][0] == s  # the fastest candidate fits 64 GiB
     assert p.required == p.tensor_peak + int(0.1 * p.tensor_peak)
     assert torch.bfloat16 == p.dtype
 

@@ -19,7 +19,7 @@ from hf_upipe import auto_settings as auto
 from tests._dist import run_distributed
 
 FIELDS = ("heads_per_chunk", "fused_attention", "tiled_mlp", "mlp_chunk_tokens", "tiled_loss", "loss_chunk_tokens",
-          "offload")
+          "offload", "fused_backward", "overlap_comm")
 
 
 def _trainer_auto(rank, world, out_dir):
@@ -67,16 +67,17 @@ def test_trainer_applies_the_plan_on_every_rank(tmp_path):
 
 def test_every_planned_setting_lands_in_the_config(monkeypatch):
     answer = {"fits": True, "required": 2**30, "gpu_memory": 2**31,
-              "settings": {"impl": "upipe", "heads_per_chunk": 2, "tiled_mlp": True, "mlp_chunk_tokens": 77,
-                           "tiled_loss": False, "loss_chunk_tokens": 99, "offload": "cpu"}}
+              "settings": {"impl": "fused", "heads_per_chunk": 2, "tiled_mlp": True, "mlp_chunk_tokens": 77,
+                           "tiled_loss": False, "loss_chunk_tokens": 99, "offload": "cpu", "fused_backward": "save",
+                           "overlap": True}}
     monkeypatch.setattr(auto, "_run_planner", lambda *a: answer)
     given = UPipeConfig(auto=True, plan_seq_len=1024, gpu_memory="2GiB")
     cfg, plan = auto.apply_auto_settings(given, object(), world_size=1)
     assert plan is answer and given == UPipeConfig(auto=True, plan_seq_len=1024, gpu_memory="2GiB")
     assert cfg.describe("heads_per_chunk") == "heads_per_chunk=2 (chosen by auto=True)"
-    assert {f: getattr(cfg, f) for f in FIELDS} == dict(heads_per_chunk=2, fused_attention=False, tiled_mlp=True,
+    assert {f: getattr(cfg, f) for f in FIELDS} == dict(heads_per_chunk=2, fused_attention=True, tiled_mlp=True,
                                                         mlp_chunk_tokens=77, tiled_loss=False, loss_chunk_tokens=99,
-                                                        offload="cpu")
+                                                        offload="cpu", fused_backward="save", overlap_comm=True)
     answer["settings"]["heads_per_chunk"] = None
     cfg, _ = auto.apply_auto_settings(given, object(), world_size=1)
     assert cfg.heads_per_chunk == "all"

@@ -1,0 +1,66 @@
+"""The settings the planner chooses among: the memory ladder and the fused block's faster variants.
+
+Entry points:
+- `ladder(config, sp_size, impl=None)`: the candidate memory settings, cheapest first (see
+  `hf_upipe.planning.planner`).
+- `candidates(config, sp_size, impl=None)`: the ladder with the fused block's faster variants, each paired with the
+  rung whose memory it needs at least.
+- `default_impl(config)`: "fused" where the registry has the fused adapter, "upipe" otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hf_upipe.architectures import ARCHITECTURES, model_geometry
+from hf_upipe.ops.head_layout import valid_heads_per_chunk
+from hf_upipe.planning.train_step import StepSettings
+
+__all__ = ["candidates", "default_impl", "ladder"]
+
+
+def default_impl(config) -> str:
+    """"fused" for the architectures with the fused adapter (`hf_upipe.architectures`), "upipe" (registered)
+    otherwise."""
+    arch = ARCHITECTURES.get(model_geometry(config)["model_type"])
+    return "fused" if arch is not None and arch.fused else "upipe"
+
+
+def ladder(config, sp_size: int, impl: str | None = None) -> list[StepSettings]:
+    """The candidate settings for this model and SP degree, cheapest first (see the module docstring).
+
+    `impl`: None picks `default_impl(config)` (fused where the registry has the adapter); "ulysses" or "deepspeed"
+    keep all heads in one chunk (their ladder has the tiled MLP and offload rungs only).
+    """
+    g = model_geometry(config)
+    impl = impl or default_impl(config)
+    rungs = [StepSettings(impl, None, tiled_mlp=False, offload="none"),
+             StepSettings(impl, None, tiled_mlp=True, offload="none"),
+             StepSettings(impl, None, tiled_mlp=True, offload="cpu")]
+    if impl in ("ulysses", "deepspeed"):
+        return rungs
+    chunks = sorted(c for c in valid_heads_per_chunk(g["heads"], g["kv_heads"], sp_size) if c < g["heads"] // sp_size)
+    rungs += [StepSettings(impl, c, tiled_mlp=True, offload="cpu") for c in reversed(chunks)]
+    smallest = rungs[-1]
+    rungs.append(dataclasses.replace(smallest, mlp_chunk_tokens=max(1, g["hidden"] // 4),
+                                     loss_chunk_tokens=max(1, math.ceil(2**24 / g["vocab"]))))  # 64 MiB fp32 logits
+    return rungs
+
+
+def candidates(config, sp_size: int, impl: str | None = None) -> list[tuple[StepSettings, StepSettings]]:
+    """(candidate, its memory rung): the ladder's rungs (their own rung), and for the fused block each rung's faster
+    variants, which need at least the rung's memory: the save-mode backward, and where a rung has several stages
+    the overlapped all-to-alls, in both backward modes."""
+    g = model_geometry(config)
+    out = []
+    for rung in ladder(config, sp_size, impl):
+        out.append((rung, rung))
+        if rung.impl != "fused":
+            continue
+        stages = g["heads"] // sp_size // (rung.heads_per_chunk or g["heads"] // sp_size)
+        out.append((dataclasses.replace(rung, fused_backward="save"), rung))
+        if stages > 1:
+            out += [(dataclasses.replace(rung, overlap=True), rung),
+                    (dataclasses.replace(rung, fused_backward="save", overlap=True), rung)]
+    return out

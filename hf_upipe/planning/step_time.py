@@ -1,0 +1,199 @@
+"""Predicted time of one training step: a model of FLOPs and bytes, not a measurement.
+
+Entry points:
+- `step_time(config, settings, *, seq_len, sp_size, world, gpus_per_node, lora=None, gpu=H100_SXM,
+  efficiency=EFFICIENCY) -> StepTime`: seconds by part, the total, tokens/s per GPU.
+- `GPU`, `H100_SXM`: the hardware figures used (datasheet values); `Efficiency`, `EFFICIENCY`: the share of those
+  figures the kernels and collectives reach, in one place, to be calibrated on a GPU.
+- `PAPER_ULYSSES_TOKENS_PER_S`, `PAPER_UPIPE_TOKENS_PER_S`: the UPipe paper's Llama3-8B throughputs on 8 x H100,
+  that `benchmarks/step_time_model.py` compares the model's ratios with.
+
+What is counted, per rank and decoder layer (s = S/P local tokens, bf16; every layer checkpointed, as the planner's
+step is):
+- GEMMs: the q/k/v/o projections and the MLP (gated: 3 matrices; a MoE layer its active experts), each run in the
+  forward, again in the checkpoint's recompute, and twice in the backward (d input, d weight; the frozen base of a
+  LoRA run skips its d weight). The fused block's backward re-runs the q/k/v projections of each stage (both
+  modes); the tiled MLP re-runs the MLP forward in its backward.
+- Attention: the causal kernel over the full sequence for H/P heads, 2 S^2 (H/P) D FLOPs forward; the backward
+  2.5x that (five GEMM-sized products against two); the checkpoint's recompute runs the forward again, and the
+  fused block's recompute mode a third time.
+- All-to-alls (NVLink inside a node, the network when an SP group spans nodes), in units of s*D elements, of
+  which (P-1)/P leave the GPU: forward q, k, v and the output (2H + 2Hk, k/v replicated up to P heads), again in
+  the recompute; backward dout, dq, dk, dv for DeepSpeed; our registered path also re-sends q and the output; the
+  fused block re-sends q, k, v and the output and sends dk/dv once per stage (recompute mode) or once per k/v chunk
+  (save mode). With `overlap` they run during the neighbouring stage's kernel: only the first stage's share and
+  what exceeds the attention time stay exposed. Each call also costs a fixed latency (`GPU.all_to_all_latency`),
+  which is what smaller head chunks pay.
+- Overlapped with the layer's compute (the larger of the two counts): FSDP2's all-gathers (bf16 weights, forward
+  and backward) and reduce-scatters (fp32 gradients); the offloaded input's copies over PCIe.
+- Per step: the lm_head and loss (three GEMMs, two for a frozen head), AdamW over the local shard (HBM-bound).
+Not modelled: kernel launch latency, small-message all-to-all latency, the optimizer's all-reduce of the loss,
+memory-allocator stalls. Calibrate `EFFICIENCY` on a GPU before trusting absolute seconds; the ratios between
+settings depend mostly on the counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hf_upipe.architectures import model_geometry
+from hf_upipe.ops.head_layout import HeadLayout
+
+__all__ = ["EFFICIENCY", "GPU", "H100_SXM", "PAPER_ULYSSES_TOKENS_PER_S", "PAPER_UPIPE_TOKENS_PER_S", "Efficiency",
+           "StepTime", "step_time"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    """Hardware figures of one GPU (bytes/s are per direction)."""
+
+    name: str
+    flops: float  # dense bf16 tensor-core FLOP/s (no sparsity)
+    hbm: float  # memory bandwidth
+    nvlink: float  # to the other GPUs of its node
+    network: float  # to other nodes (its share of the node's NICs)
+    pcie: float  # to host memory
+    all_to_all_latency: float  # seconds one all-to-all costs beyond its bytes (small messages, launch)
+
+
+# NVIDIA H100 SXM5 datasheet: 989.4 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 each way);
+# one 400 Gb/s NDR InfiniBand NIC per GPU (50 GB/s); PCIe Gen5 x16 (64 GB/s each way); 20 us per all-to-all call
+# (a typical small-message NCCL latency inside an NVLink node; not measured here)
+H100_SXM = GPU("H100 SXM", flops=989.4e12, hbm=3.35e12, nvlink=450e9, network=50e9, pcie=64e9,
+               all_to_all_latency=20e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """Shares of the `GPU` figures reached. The attention kernel's two were fitted together (backward = 0.79 x
+    forward, FlashAttention-3's published forward/backward ratio on H100) to one published point: the UPipe paper's
+    Ulysses baseline, Llama3-8B at 1M tokens on 8 x H100, 475.33 tokens/s per GPU. The others are typical values for
+    large GEMMs and bandwidth-bound transfers on H100s, not fitted. None was measured by this project."""
+
+    gemm: float = 0.70
+    attention_forward: float = 0.72
+    attention_backward: float = 0.57
+    all_to_all: float = 0.70
+    gather: float = 0.70  # FSDP2's all-gather / reduce-scatter
+    pcie: float = 0.80
+    hbm: float = 0.80
+
+
+EFFICIENCY = Efficiency()
+
+# tokens/s per GPU, Llama3-8B on 8 x H100 (the paper's project page; ../shared/reference/upipe-method.md section 3)
+PAPER_ULYSSES_TOKENS_PER_S = {2**17: 2320.47, 2**18: 1503.80, 2**19: 878.63, 2**20: 475.33, 2**21: 246.05,
+                              3 * 2**20: 162.41}
+PAPER_UPIPE_TOKENS_PER_S = {2**17: 2281.05, 2**18: 1487.29, 2**19: 867.17, 2**20: 472.53, 2**21: 246.07,
+                            3 * 2**20: 166.32}
+
+
+@dataclasses.dataclass
+class StepTime:
+    """Predicted seconds of one step by part (`parts`), their total and tokens/s per GPU."""
+
+    parts: dict
+    seq_len: int
+    sp_size: int
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        """One sequence of seq_len tokens per SP group per step, over its sp_size GPUs."""
+        return self.seq_len / self.seconds / self.sp_size
+
+
+def _dims(config) -> dict:
+    """Widths the model needs beyond `model_geometry`: head dim, the MLP's active and total width."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    g = model_geometry(config)
+    head_dim = get("head_dim") or g["hidden"] // g["heads"]
+    experts, active = get("num_local_experts") or get("num_experts"), get("num_experts_per_tok")
+    expert_width = get("moe_intermediate_size") or get("intermediate_size") or 4 * g["hidden"]
+    if experts and active:  # a MoE layer: the tokens run through `active` experts; FSDP gathers all of them
+        shared = get("shared_expert_intermediate_size") or 0
+        mlp_active, mlp_total = active * expert_width + shared, experts * expert_width + shared
+    else:
+        mlp_active = mlp_total = get("intermediate_size") or 4 * g["hidden"]
+    return {**g, "head_dim": head_dim, "mlp_active": mlp_active, "mlp_total": mlp_total}
+
+
+def _all_to_all_units(impl: str, fused_backward: str, H: int, Hkv: int, P: int, stages: int, kc: int) -> float:
+    """Elements sent per rank and layer in a step, in units of s*D (see the module docstring)."""
+    forward = 2 * H + 2 * Hkv  # q, out, k, v
+    if impl == "deepspeed":
+        backward = 2 * H + 2 * Hkv  # dout, dq, dk, dv
+    elif impl in ("ulysses", "upipe"):
+        backward = 4 * H + 2 * Hkv  # + q and the output again
+    elif fused_backward == "save":
+        backward = 4 * H + 4 * Hkv  # q, k, v, out again; dout, dq; dk, dv once per k/v chunk
+    else:
+        backward = 4 * H + 2 * Hkv + 2 * stages * kc * P  # dk, dv partials from every stage
+    return 2 * forward + backward  # the checkpoint's recompute repeats the forward's
+
+
+def _all_to_all_calls(impl: str, fused_backward: str, stages: int, groups: int) -> int:
+    """All-to-all calls per rank and layer in a step: per stage q and the output (k, v per k/v group) forward,
+    twice with the recompute; the backward as `_all_to_all_units` counts its tensors."""
+    if impl == "deepspeed":
+        return 2 * 4 + 4
+    forward = 2 * stages + 2 * groups
+    backward = 4 * stages + 2 * groups  # q, out, dout, dq per stage; k, v per group (registered: dk, dv)
+    if impl == "fused":
+        backward += 2 * stages if fused_backward == "recompute" else 2 * groups  # dk, dv per stage or per group
+    return 2 * forward + backward
+
+
+def step_time(config, settings, *, seq_len: int, sp_size: int, world: int, gpus_per_node: int, lora=None,
+              gpu: GPU = H100_SXM, efficiency: Efficiency = EFFICIENCY) -> StepTime:
+    """The predicted time of one training step with `settings` (`hf_upipe.planning.StepSettings`); see the module
+    docstring for what is counted. `lora`: None (full fine-tune) or (rank, targets): the frozen base computes no
+    weight gradients and reduces none."""
+    d = _dims(config)
+    H, Hk, D, Dm, L, V = d["heads"], d["kv_heads"], d["head_dim"], d["hidden"], d["layers"], d["vocab"]
+    P, S, eff = sp_size, seq_len, efficiency
+    s = S // P
+    fused, impl = settings.impl == "fused", settings.impl
+    layout = HeadLayout(H, Hk, P, settings.heads_per_chunk if impl in ("fused", "upipe") else None)
+    stages, kc = layout.num_stages, layout.kv_per_stage
+    Hkv = layout.kv_per_rank * P  # k/v heads after replication up to one per rank
+    frozen = lora is not None
+
+    # GEMM FLOPs per layer: forward, recompute, backward (d input, and d weight unless frozen)
+    proj_qkv, proj_o, mlp = 2 * s * Dm * (H + 2 * Hk) * D, 2 * s * H * D * Dm, 6 * s * Dm * d["mlp_active"]
+    runs = 2 + (1 if frozen else 2)
+    gemm = (proj_qkv + proj_o + mlp) * runs + (proj_qkv if fused else 0) + (mlp if settings.tiled_mlp else 0)
+    attention_fwd = 2 * S * S * (H // P) * D  # causal: half of 4 S^2 h D
+    recompute = fused and settings.fused_backward == "recompute"
+    t_gemm = gemm / (gpu.flops * eff.gemm)
+    t_attention = (attention_fwd * (3 if recompute else 2) / (gpu.flops * eff.attention_forward)
+                   + 2.5 * attention_fwd / (gpu.flops * eff.attention_backward))
+    sp_bandwidth = gpu.nvlink if P <= gpus_per_node else gpu.network
+    a2a_bytes = _all_to_all_units(impl, settings.fused_backward, H, Hkv, P, stages, kc) * s * D * 2 * (P - 1) / P
+    t_a2a = a2a_bytes / (sp_bandwidth * eff.all_to_all)
+    if fused and settings.overlap and stages > 1:
+        t_a2a = t_a2a / stages + max(0.0, t_a2a * (1 - 1 / stages) - t_attention)
+    groups = layout.kv_per_rank // layout.kv_per_stage
+    t_a2a += _all_to_all_calls(impl, settings.fused_backward, stages, groups) * gpu.all_to_all_latency
+
+    # overlapped with the layer's compute: FSDP2's gathers and reduce-scatters, the offloaded input over PCIe
+    layer_params = Dm * (H + 2 * Hk) * D + H * D * Dm + 3 * Dm * d["mlp_total"]
+    share = (world - 1) / world
+    gathered = 2 * layer_params * 2 * share + (0 if frozen else layer_params * 4 * share)
+    t_fsdp = gathered / ((gpu.nvlink if world <= gpus_per_node else gpu.network) * eff.gather)
+    t_offload = 2 * s * Dm * 2 / (gpu.pcie * eff.pcie) if settings.offload == "cpu" else 0.0
+    compute = t_gemm + t_attention + t_a2a
+    hidden_behind = max(compute, t_fsdp, t_offload) - compute
+
+    head = 2 * s * Dm * V * (2 if frozen else 3)
+    trained = (2 * Dm * V + L * layer_params) if not frozen else L * 2 * lora[0] * Dm * 4  # rough LoRA size
+    t_optimizer = trained / world * 16 * 2 / (gpu.hbm * eff.hbm)  # fp32 master, grad, m, v read and written
+    parts = {"gemm": L * t_gemm, "attention": L * t_attention, "all_to_all": L * t_a2a,
+             "fsdp_offload_exposed": L * hidden_behind, "loss": head / (gpu.flops * eff.gemm),
+             "optimizer": t_optimizer}
+    return StepTime(parts=parts, seq_len=S, sp_size=P)
