@@ -77,7 +77,8 @@ def main(argv=None) -> int:
         print(f"| {label} | " + " | ".join(cells) + f" | {rows[label, 'max'].max_seq_len / M:.3g}M |")
     s = auto.settings
     print(f"| UPipe, planner's choice | | | | | | | | {auto.max_seq_len / M:.3g}M (heads_per_chunk="
-          f"{s.heads_per_chunk or 'all'}, tiled MLP {s.tiled_mlp}, offload {s.offload}) |")
+          f"{s.heads_per_chunk or 'all'}, tiled MLP {s.tiled_mlp}, offload {s.offload}, {s.fused_backward} backward"
+          f"{', overlapped' if s.overlap else ''}) |")
 
     print("\n### Predicted tensor peak at 3M next to the paper's measured peak (8 x H100, 3M tokens)\n")
     print("| implementation | predicted tensors GiB | + margin GiB | paper (measured) GiB |")

@@ -54,7 +54,7 @@ def linear_backward(x2, proj, rows, d_pre2, xas, ts, grads: Grads, dx2) -> None:
 
 
 def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, za, inv_rms,
-                    grads: Grads, saved=()) -> torch.Tensor:
+                   grads: Grads, saved=()) -> torch.Tensor:
     """The backward stage loop; returns dx and fills `grads`. `saved`: the forward's stage outputs (save mode)."""
     layout, D, group, style = plan.layout, plan.D, plan.group, w.rope
     B, s, Dm = x.shape

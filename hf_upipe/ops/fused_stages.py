@@ -54,6 +54,7 @@ class StagePlan:
 
 def make_plan(layout, group, kernel, scale, D, device, dropout: bool, save: bool = False,
                overlap: bool = False) -> StagePlan:
+    """The per-call constants of one fused block call, with each stage's model heads (rank-major)."""
     # dropout masks are regenerated from this seed in backward; drawn from torch's RNG, so activation
     # checkpointing (which restores the RNG state before recomputing) draws the same one
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout else 0
