@@ -219,7 +219,8 @@ def test_fused_single_process(save):
 
 @pytest.mark.parametrize("world,save,overlap", [(2, False, False), (4, False, False), (2, True, False),
                                                 pytest.param(4, True, False, marks=pytest.mark.slow),
-                                                (2, True, True), (4, False, True),
+                                                (2, True, True),
+                                                pytest.param(4, False, True, marks=pytest.mark.slow),
                                                 pytest.param(2, False, True, marks=pytest.mark.slow),
                                                 pytest.param(4, True, True, marks=pytest.mark.slow)],
                          ids=["2-recompute", "4-recompute", "2-save", "4-save", "2-save-overlap",

@@ -85,10 +85,15 @@ def _count_worker(rank, world, impl, chunk):
     return (forward, sent[0]), (n_forward, n[0])
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("impl, chunk, settings", [
-    ("upipe", None, StepSettings("ulysses", None)), ("upipe", 1, StepSettings("upipe", 1)),
-    ("fused", 1, StepSettings("fused", 1)), ("fused_save", 1, StepSettings("fused", 1, fused_backward="save")),
-    ("fused", 2, StepSettings("fused", 2))], ids=["ulysses", "upipe-c1", "fused-c1", "fused-save-c1", "fused-c2"])
+    ("upipe", None, StepSettings("ulysses", None)), pytest.param("upipe", 1, StepSettings("upipe", 1), marks=SLOW),
+    pytest.param("fused", 1, StepSettings("fused", 1), marks=SLOW),
+    ("fused_save", 1, StepSettings("fused", 1, fused_backward="save")),
+    pytest.param("fused", 2, StepSettings("fused", 2), marks=SLOW)],
+    ids=["ulysses", "upipe-c1", "fused-c1", "fused-save-c1", "fused-c2"])
 def test_all_to_all_units_equal_a_real_runs_bytes(impl, chunk, settings):
     from hf_upipe.ops.head_layout import HeadLayout
 
