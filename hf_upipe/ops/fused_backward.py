@@ -90,10 +90,10 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
         return start_seq_to_head(q5.view(B, s, P, -1, D), group, ov), kv  # -> [B, S, c (kc), D]
 
     def send_dout(i):  # d a_i = dy @ Wo[:, R] (+ LoRA) [N, P*c*D], sent to the head layout -> [B, S, c, D]
-        da = dy2 @ w.o.weight.index_select(1, head_rows(plan.q_heads[i], D))
+        rows = head_rows(plan.q_heads[i], D)
+        da = dy2 @ w.o.weight.index_select(1, rows)
         for j, (ad, u) in enumerate(zip(w.o.adapters, us)):
-            da.add_(seeded_dropout(u @ ad.A.index_select(1, head_rows(plan.q_heads[i], D)), ad.dropout,
-                             plan.seed + 1000 + 16 * i + j))
+            da.add_(seeded_dropout(u @ ad.A.index_select(1, rows), ad.dropout, plan.seed + 1000 + 16 * i + j))
         return start_seq_to_head(da.view(B, s, P, -1, D), group, ov)
 
     def o_grads(i, a):  # Wo's column gradients (and its LoRA A's) from stage i's output a [N, P*c*D]

@@ -28,7 +28,7 @@ def default_impl(config) -> str:
 
 
 def ladder(config, sp_size: int, impl: str | None = None) -> list[StepSettings]:
-    """The candidate settings for this model and SP degree, cheapest first (see the module docstring).
+    """The candidate settings for this model and SP degree, cheapest first (`hf_upipe.planning.planner`'s docstring).
 
     `impl`: None picks `default_impl(config)` (fused where the registry has the adapter); "ulysses" or "deepspeed"
     keep all heads in one chunk (their ladder has the tiled MLP and offload rungs only).

@@ -338,11 +338,10 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
         if seq_len is None:
             seq_len = longest or step
     # fastest first (the ladder's order among equal times); the first that fits is the fastest that fits
-    order = sorted(range(len(pairs)), key=lambda k: (seconds(pairs[k][0], seq_len).seconds, k))
+    times = [seconds(cand, seq_len).seconds for cand, _ in pairs]
     tried, chosen, fits_of = [], rungs[-1], {}
-    for k in order:
-        cand, rung = pairs[k]
-        t = seconds(cand, seq_len).seconds
+    for k in sorted(range(len(pairs)), key=lambda k: (times[k], k)):
+        (cand, rung), t = pairs[k], times[k]
         if rung != cand:
             if rung not in fits_of:
                 fits_of[rung] = required(rung, seq_len) <= limit and host_ok(rung, seq_len)
