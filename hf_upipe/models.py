@@ -114,6 +114,12 @@ def resolve(spec):
     return spec, _from_path_or_hub(str(spec))
 
 
+# Mamba2 hybrids that check mamba heads * head width == mamba_expand * hidden_size (2 * 64 = 4 * 32)
+# (Falcon-H1's mamba_d_ssm None: its mixer width from mamba_expand)
+_TYPE_SIZES = {"bamba": dict(mamba_d_head=32), "granitemoehybrid": dict(mamba_d_head=32),
+               "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=None)}
+
+
 def tiny_config(model_type: str):
     """The installed transformers' config of `model_type` at `SMALL`'s sizes (its text sub-config too)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -121,7 +127,7 @@ def tiny_config(model_type: str):
     cls = CONFIG_MAPPING[model_type]
     text = getattr(cls, "sub_configs", {}).get("text_config")
     text_cls = text if isinstance(text, type) and text.__name__ != "AutoConfig" else None
-    small = dict(SMALL)
+    small = dict(SMALL, **_TYPE_SIZES.get(model_type, {}))
     while True:
         try:
             if text is None:

@@ -1,23 +1,34 @@
-"""Linear-time token mixers under SP (gated DeltaNet: Qwen3-Next, Qwen3.5), exact by passing state between ranks.
+"""Token mixers other than attention under SP (gated DeltaNet, Mamba2, short convolutions), exact across shards.
 
 Entry points:
-- `install_mixers(model)` / `remove_mixers(model)`: on every mixer module of a class in `MIXERS` (behind the
-  fingerprint of its forward's source), install (and remove, exactly) `sharded_mixer_forward`.
+- `install_mixers(model)` / `remove_mixers(model)`: on every mixer module of a class in `MIXERS` or `HALO_MIXERS`
+  (behind the fingerprint of its forward's source), install (and remove, exactly) `sharded_mixer_forward`.
 - `mixers_ready(config)`: whether a prepared model of this config has them installed (the support gate admits
-  `layer_types` "linear_attention" under SP at run time only then); `supported(module)`, `is_installed(module)`.
+  the `layer_types` in `MIXER_LAYER_TYPES` under SP at run time only then); `supported(module)`,
+  `is_installed(module)`.
 
-How: each rank runs the mixer's own forward (transformers' code, its torch or CUDA kernels) on its shard, with a
-`_ShardCache` as its cache, the way transformers continues a prefill from a cache: the causal convolution's state
-is the last k-1 convolution inputs of the previous rank's shard (a halo), the recurrence's initial state is the
-previous rank's final state. The ranks run one after the other inside each such layer (rank r waits for rank
-r-1's halo and state; the backward runs the chain the other way, rank r sending rank r-1 the gradients of what it
-received): the sequential fallback of the sequence-parallel design, measured and documented in README. Attention
-layers in between stay parallel. Bytes sent per mixer layer and rank: the halo [B, conv channels, k-1] and the state
-[B, heads, d_k, d_v] (fp32), forward and backward; independent of the sequence length.
+Two ways, by what the mixer carries across the sequence:
+- State (`MIXERS`: gated DeltaNet of Qwen3-Next, Qwen3.5, OLMo-Hybrid, Bailing-Hybrid; Mamba2 of Bamba, Nemotron-H,
+  Falcon-H1, Granite 4 hybrids). Each rank runs the mixer's own forward (transformers' code, its torch or CUDA
+  kernels) on its shard, with a `_ShardCache` as its cache, the way transformers continues a prefill from a cache:
+  the causal convolution's state is the last k-1 convolution inputs of the previous rank's shard (a halo), the
+  recurrence's initial state is the previous rank's final state (Mamba2's chunked scan and the delta rule both take
+  an initial state). The ranks run one after the other inside each such layer (rank r waits for rank r-1's halo and
+  state; the backward runs the chain the other way, rank r sending rank r-1 the gradients of what it received): the
+  sequential fallback of the sequence-parallel design, measured and documented in README. Attention layers in
+  between stay parallel. Bytes sent per mixer layer and rank: the halo [B, conv channels, k-1] and the state
+  (gated DeltaNet [B, heads, d_k, d_v]; Mamba2 [B, heads, head_dim, d_state]), fp32, forward and backward;
+  independent of the sequence length.
+- Halo only (`HALO_MIXERS`: LFM2's short convolutions, whose only reach is the k-1 previous tokens). All ranks at
+  once send their last k-1 input tokens [B, k-1, Dm] to the next rank (`_Halo`), run the mixer's own forward on
+  [halo; shard] and keep the last s outputs; the backward sends the halo's gradient back, where it is added to the
+  last k-1 tokens' gradient. Parallel: one exchange of (k-1)*Dm values per sequence and rank each way.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import hashlib
 import inspect
 import types
@@ -29,13 +40,20 @@ from torch import nn
 
 from hf_upipe.distributed import get_sequence_parallel_state
 
-__all__ = ["MIXERS", "install_mixers", "is_installed", "mixers_ready", "remove_mixers", "sharded_mixer_forward",
-           "supported"]
+__all__ = ["HALO_MIXERS", "MIXERS", "MIXER_LAYER_TYPES", "install_mixers", "is_installed", "mixers_ready",
+           "remove_mixers", "sharded_mixer_forward", "supported"]
 
 # mixer class -> fingerprint of its forward (transformers 5.23), read the cache the way `_ShardCache` serves it
+_MAMBA2 = "691f3ca98636d473"  # Bamba's, Nemotron-H's and Granite 4's Mamba2 mixers: the same source
 MIXERS = {"Qwen3NextGatedDeltaNet": "177c5d3df989a7b4", "Qwen3_5GatedDeltaNet": "8f31ae7d35daf534",
           "Qwen3_5MoeGatedDeltaNet": "8f31ae7d35daf534", "Qwen4ExpTextGatedDeltaNet": "8f31ae7d35daf534",
-          "OlmoHybridGatedDeltaNet": "167004f14399b33e", "BailingHybridDeltaAttention": "cd86b9f6aaf59e3c"}
+          "OlmoHybridGatedDeltaNet": "167004f14399b33e", "BailingHybridDeltaAttention": "cd86b9f6aaf59e3c",
+          "BambaMixer": _MAMBA2, "NemotronHMamba2Mixer": _MAMBA2, "GraniteMoeHybridMambaLayer": _MAMBA2,
+          "FalconH1Mixer": "8274bd4cb6961bb4"}
+# short convolutions: class -> fingerprint of its forward; they reach k-1 tokens back and carry nothing further
+HALO_MIXERS = {"Lfm2ShortConv": "dd9e0a8c046f3cb6", "Lfm2MoeShortConv": "dd9e0a8c046f3cb6"}
+# the `layer_types` these mixers fill ("hybrid": Falcon-H1's layers, attention and a Mamba2 mixer side by side)
+MIXER_LAYER_TYPES = ("linear_attention", "conv", "hybrid")
 _READY: dict[int, weakref.ref] = {}
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -126,30 +144,121 @@ class _Give(torch.autograd.Function):
         return None, None, None, *grads
 
 
-def sharded_mixer_forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+class _Halo(torch.autograd.Function):
+    """x [B, s, Dm] -> [B, k-1+s, Dm]: the previous rank's last k-1 tokens in front (rank 0: x unchanged). Every
+    rank sends its own last k-1 tokens to the next rank at the same time. Backward: the front's gradient goes back
+    to the previous rank, and the gradient received from the next rank is added to the last k-1 tokens'."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, ranks, reach):
+        ctx.group, ctx.rank, ctx.ranks, ctx.reach = group, rank, ranks, reach
+        B, s, Dm = x.shape
+        halo = x.new_empty(B, reach, Dm) if rank > 0 else None
+        works = [dist.isend(x[:, s - reach:].contiguous(), ranks[rank + 1], group=group)] if rank + 1 < len(ranks) \
+            else []
+        if halo is not None:
+            works.append(dist.irecv(halo, ranks[rank - 1], group=group))
+        for work in works:
+            work.wait()
+        return torch.cat([halo, x], dim=1) if halo is not None else x.clone()  # [B, k-1+s, Dm] (rank 0: [B, s, Dm])
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, ranks, reach, group = ctx.rank, ctx.ranks, ctx.reach, ctx.group
+        dx = (grad[:, reach:] if rank > 0 else grad).contiguous().clone()  # [B, s, Dm]
+        works, d_tail = [], None
+        if rank > 0:
+            works.append(dist.isend(grad[:, :reach].contiguous(), ranks[rank - 1], group=group))
+        if rank + 1 < len(ranks):
+            d_tail = dx.new_empty(dx.shape[0], reach, dx.shape[2])
+            works.append(dist.irecv(d_tail, ranks[rank + 1], group=group))
+        for work in works:
+            work.wait()
+        if d_tail is not None:
+            dx[:, dx.shape[1] - reach:] += d_tail
+        return dx, None, None, None, None
+
+
+@functools.lru_cache(maxsize=64)
+def _arg_names(cls) -> tuple[str, str]:
+    """The names of a mixer forward's cache and mask parameters (the 2nd and 3rd: `cache_params` or
+    `past_key_values`, then `attention_mask`)."""
+    names = list(inspect.signature(cls.forward).parameters)[2:4]
+    return names[0], names[1]
+
+
+def sharded_mixer_forward(self, hidden_states, *args, **kwargs):
     """Installed on mixer modules: under SP, the module's own forward on this shard continued from the previous
-    rank's halo and state (module docstring); without SP the class's forward as it is."""
+    rank's halo (and state) (module docstring); without SP the class's forward as it is."""
     state = get_sequence_parallel_state()
     if state is None or state.sp_size == 1:
-        return type(self).forward(self, hidden_states, cache_params, attention_mask, **kwargs)
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    cache_name, mask_name = _arg_names(type(self))
+    cache_params = args[0] if args else kwargs.pop(cache_name, None)
+    attention_mask = args[1] if len(args) > 1 else kwargs.pop(mask_name, None)
     if cache_params is not None:
         raise NotImplementedError("a cache under sequence parallelism: call the model with use_cache=False.")
     reach = getattr(self, "conv_kernel_size", 1) - 1
-    if hidden_states.shape[1] < reach:  # every rank (equal shards), before any send or receive
+    if hidden_states.shape[1] < max(reach, 2):  # every rank (equal shards), before any send or receive
         raise NotImplementedError(f"a shard of {hidden_states.shape[1]} tokens is shorter than the convolution's "
-                                  f"reach ({reach} tokens): use fewer ranks or longer sequences.")
+                                  f"reach ({reach} tokens) or than 2 tokens: use fewer ranks or longer sequences.")
     kwargs = {k: v for k, v in kwargs.items() if not k.startswith("upipe_")}
     group, rank, size = state.sp_group, state.sp_rank, state.sp_size
     ranks = dist.get_process_group_ranks(group)
+    if type(self).__name__ in HALO_MIXERS:  # parallel: [halo; shard] through the module, the shard's outputs kept
+        if attention_mask is not None:  # [B, s] padding mask (transformers gives one only where a row pads)
+            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != tuple(hidden_states.shape[:2]):
+                raise NotImplementedError(f"{type(self).__name__}: a mask of shape {tuple(attention_mask.shape)} "
+                                          f"for a shard of shape {tuple(hidden_states.shape[:2])}.")
+            # what the module does first, done before the exchange so the halo carries it too
+            hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+        if reach == 0:
+            return type(self).forward(self, hidden_states, None, None, **kwargs)
+        out = type(self).forward(self, _Halo.apply(hidden_states, group, rank, tuple(ranks), reach), None, None,
+                                 **kwargs)
+        return out[:, reach:] if rank > 0 else out
+    if torch._C._current_graph_task_id() != -1:  # activation checkpointing's recompute, inside the backward:
+        return _recompute(self, hidden_states, attention_mask, rank, kwargs)  # no communication (see there)
     anchor = torch.zeros((), device=hidden_states.device, requires_grad=torch.is_grad_enabled())
     halo = start = None
     if rank > 0:
         halo, start = _Receive.apply(anchor, group, ranks[rank - 1], hidden_states.device)
+        if torch.is_grad_enabled():  # what a recompute of this call will need
+            stash = self.__dict__.setdefault("_upipe_stash", collections.deque(maxlen=_STASH))
+            stash.append((_fingerprint_of(hidden_states), halo.detach(), start.detach()))
     cache = _ShardCache(halo, start)
     out = type(self).forward(self, hidden_states, cache, attention_mask, **kwargs)
     if rank < size - 1:
         out = out + _Give.apply(anchor, group, ranks[rank + 1], cache.tail, cache.final).to(out.dtype)
     return out
+
+
+_STASH = 4  # received (halo, state) pairs kept per mixer for recomputes: the last calls' (small: no sequence axis)
+
+
+def _fingerprint_of(x: torch.Tensor) -> torch.Tensor:
+    """A few values of the mixer's input [B, s, Dm], which a recompute reproduces bitwise."""
+    return x[:, :4, :16].detach().clone()
+
+
+def _recompute(self, hidden_states, attention_mask, rank, kwargs):
+    """The forward again, as activation checkpointing reruns it inside the backward, without sending or receiving:
+    the ranks reach their recomputes in an order the autograd engine picks (a rank may first wait in `_Give`'s
+    backward for the next rank's gradient, while that rank's recompute would wait for this rank's halo), so a
+    recompute that communicated could deadlock. It takes the (halo, state) this call received in its forward, found
+    by the input's fingerprint; gradients flow through the forward's graph, not through the recompute's."""
+    halo = start = None
+    if rank > 0:
+        stash = self.__dict__.get("_upipe_stash", ())
+        key = _fingerprint_of(hidden_states)
+        entry = next((e for e in reversed(stash) if e[0].shape == key.shape and torch.equal(e[0], key)), None)
+        if entry is None:
+            raise RuntimeError(f"{type(self).__name__}: a recompute of a forward whose received state is gone (more "
+                               f"than {_STASH} forwards of this layer before one backward under activation "
+                               "checkpointing); run the backward of each forward before the next forward.")
+        # requiring grad as the forward's did, so the recompute saves the tensors the forward saved
+        halo, start = (t.detach().requires_grad_(torch.is_grad_enabled()) for t in entry[1:])
+    return type(self).forward(self, hidden_states, _ShardCache(halo, start), attention_mask, **kwargs)
 
 
 def is_installed(module: nn.Module) -> bool:
@@ -158,7 +267,8 @@ def is_installed(module: nn.Module) -> bool:
 
 def supported(module: nn.Module) -> bool:
     """A mixer of a verified class whose installed source is the verified one (installed, or to be installed)."""
-    want = MIXERS.get(type(module).__name__)
+    name = type(module).__name__
+    want = MIXERS.get(name, HALO_MIXERS.get(name))
     return is_installed(module) or (want is not None and _fingerprint(type(module)) == want)
 
 

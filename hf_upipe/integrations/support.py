@@ -30,7 +30,7 @@ import functools
 from torch import nn
 
 from hf_upipe.architectures import ARCHITECTURES
-from hf_upipe.integrations.mixers import mixers_ready, supported
+from hf_upipe.integrations.mixers import MIXER_LAYER_TYPES, mixers_ready, supported
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.rope import global_rope_ready, installable
 
@@ -68,6 +68,7 @@ def _rope_type(config) -> str | None:
 
 
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
+_PER_TOKEN_LAYERS = ("mlp", "moe")  # Nemotron-H's layers with only an MLP or MoE block: nothing mixes tokens
 
 
 def config_refusal(config, seq_len: int | None = None, *, allow_unverified: bool = False,
@@ -83,14 +84,14 @@ def config_refusal(config, seq_len: int | None = None, *, allow_unverified: bool
     if (arch is None or not arch.verified) and not allow_unverified:
         return (f"hf_upipe has not verified model_type {model_type!r} under sequence parallelism (it is not in the "
                 "architecture registry, hf_upipe/architectures.py)")
-    handled = _ATTENTION_LAYERS + (("linear_attention",) if mixers else ())
+    handled = _ATTENTION_LAYERS + _PER_TOKEN_LAYERS + (MIXER_LAYER_TYPES if mixers else ())
     other = sorted({t for t in getattr(config, "layer_types", None) or () if t not in handled})
     if other:
         return (f"its layer_types include {other}: layers other than full or sliding-window attention (token mixers "
                 "such as convolutions or linear attention, or attention of another kind), which hf_upipe does not "
                 "implement under sequence parallelism and which would run on each rank's shard alone"
-                + (" (its gated-DeltaNet layers run across shards once hf_upipe.prepare_model(model) prepared it)"
-                   if other == ["linear_attention"] else ""))
+                + (" (its gated-DeltaNet, Mamba2 or short-convolution layers run across shards once "
+                   "hf_upipe.prepare_model(model) prepared it)" if set(other) <= set(MIXER_LAYER_TYPES) else ""))
     rope = _rope_type(config)
     if rope in _LENGTH_ROPE and not global_rope:
         return (f"RoPE of type {rope!r} derives its frequencies from the sequence length, which each rank would take "
@@ -132,11 +133,12 @@ def model_refusal(model: nn.Module, *, allow_unverified: bool = False) -> str | 
         return (f"{type(base).__name__}'s attention does not go through transformers' attention interface, so "
                 "attn_implementation='upipe' never runs in it")
     text = _text_config(config)
-    linear = sum(t == "linear_attention" for t in getattr(text, "layer_types", None) or ())
+    linear = sum(t in MIXER_LAYER_TYPES for t in getattr(text, "layer_types", None) or ())
     handled = sum(supported(m) for m in base.modules())
-    if linear and handled < linear:  # every linear-attention layer needs a mixer hf_upipe runs across shards
-        return (f"{linear} of its layer_types are 'linear_attention' but only {handled} of its modules are mixers "
-                "hf_upipe runs across shards (hf_upipe/integrations/mixers.py); the others would see their shard alone")
+    if linear and handled < linear:  # every mixer layer needs a mixer hf_upipe runs across shards
+        return (f"{linear} of its layer_types are {list(MIXER_LAYER_TYPES)} but only {handled} of its modules are "
+                "mixers hf_upipe runs across shards (hf_upipe/integrations/mixers.py); the others would see their "
+                "shard alone")
     rope = _rope_type(text)
     if rope in _LENGTH_ROPE and not installable(base):
         return (f"RoPE of type {rope!r} derives its frequencies from the sequence length, which each rank would take "

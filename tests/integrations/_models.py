@@ -92,3 +92,32 @@ def sharded_errors(ref, model, ids: torch.Tensor, rank: int, world: int) -> tupl
         dist.all_reduce(g)
         errors[name] = rel(g, grads[name])
     return errors, len(trained)
+
+
+# per model type: its layers (2 mixers each), set through `layer_types` or, where that is derived (Bamba), the
+# attention layers' indices
+_ALTERNATING = ["linear_attention", "full_attention"] * 2
+LAYERS = {"qwen3_next": _ALTERNATING, "olmo_hybrid": _ALTERNATING, "bamba": _ALTERNATING,
+          "granitemoehybrid": _ALTERNATING,
+          "nemotron_h": ["linear_attention", "mlp", "full_attention", "linear_attention"],
+          "falcon_h1": ["hybrid", "hybrid"], "lfm2": ["conv", "full_attention"] * 2}
+
+
+def hybrid_config(model_type):
+    """`hf_upipe.models.tiny_config(model_type)` with the layers of `LAYERS`."""
+    from hf_upipe.models import tiny_config as small_config
+
+    config = small_config(model_type)
+    layers = LAYERS[model_type]
+    config.num_hidden_layers = len(layers)
+    try:
+        config.layer_types = layers
+    except AttributeError:  # Bamba: layer_types is a property of attn_layer_indices
+        config.attn_layer_indices = [i for i, t in enumerate(layers) if t != "linear_attention"]
+    assert list(config.layer_types) == layers, (model_type, config.layer_types)
+    return config
+
+
+def lora_exclusions(model_type) -> list[str] | None:
+    """What PEFT refuses to adapt in a Mamba model (a Mamba2 mixer's out_proj; its conv1d is not linear anyway)."""
+    return ["out_proj"] if model_type in ("bamba", "falcon_h1", "granitemoehybrid", "nemotron_h") else None

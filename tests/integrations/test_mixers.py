@@ -1,6 +1,7 @@
-"""Gated-DeltaNet hybrids (Qwen3-Next, OLMo-Hybrid) under sequence parallelism: each rank runs transformers' own
-mixer on its shard, continued from the previous rank's convolution halo and recurrent state
-(`hf_upipe.integrations.mixers`). Against one process: loss, the logits of every shard and every trainable
+"""Hybrids under sequence parallelism (`hf_upipe.integrations.mixers`): gated DeltaNet (Qwen3-Next, OLMo-Hybrid) and
+Mamba2 (Bamba, Nemotron-H, Falcon-H1, Granite 4), where each rank runs transformers' own mixer on its shard continued
+from the previous rank's convolution halo and recurrent state, and LFM2's short convolutions, where all ranks at once
+take the previous rank's last k-1 tokens. Against one process: loss, the logits of every shard and every trainable
 gradient, at SP 2 and SP 4, plain and PEFT LoRA, with activation checkpointing (the recompute re-runs the rank
 chain inside the backward) and with linear-attention layers between attention layers. Unprepared, such a model is
 refused under SP; without the state passing the shards would be wrong (so the test can fail).
@@ -12,9 +13,8 @@ import torch
 
 import hf_upipe
 from hf_upipe.integrations import mixers
-from hf_upipe.models import tiny_config
 from tests._dist import run_distributed
-from tests.integrations._models import sharded_errors
+from tests.integrations._models import hybrid_config, lora_exclusions, sharded_errors
 
 S = 32
 
@@ -26,9 +26,7 @@ def _rel(a, b):
 def _pair(model_type):
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(model_type)
-    config.num_hidden_layers = 4
-    config.layer_types = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    config = hybrid_config(model_type)
     torch.manual_seed(3)
     ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="upipe")
@@ -47,7 +45,8 @@ def _worker(rank, world, cases):
         ref, model = _pair(model_type)
         unprepared = _refusal(model, rank, world)
         if lora:
-            cfg = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear")
+            cfg = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear",
+                             exclude_modules=lora_exclusions(model_type))
             torch.manual_seed(5)
             ref = get_peft_model(ref, cfg)
             torch.manual_seed(5)
@@ -79,11 +78,16 @@ def _refusal(model, rank, world, length=S):
     return "ran"
 
 
-CASES = {2: [("qwen3_next", False, False), ("olmo_hybrid", True, True)],
-         4: [("qwen3_next", True, True), ("olmo_hybrid", False, False)]}
+# (model type, LoRA, activation checkpointing): each type at SP 2 and SP 4, full and LoRA across the two
+CASES = {2: [("qwen3_next", False, False), ("olmo_hybrid", True, True), ("bamba", True, True),
+             ("nemotron_h", False, False), ("falcon_h1", True, False), ("granitemoehybrid", False, True),
+             ("lfm2", False, False)],
+         4: [("qwen3_next", True, True), ("olmo_hybrid", False, False), ("bamba", False, False),
+             ("nemotron_h", True, True), ("falcon_h1", False, True), ("granitemoehybrid", True, False),
+             ("lfm2", True, True)]}
 
 
-def test_gated_deltanet_hybrids_are_exact():
+def test_hybrids_are_exact():
     for world, cases in CASES.items():
         for rank, out in enumerate(run_distributed(_worker, world, cases, timeout=300)):
             for case, (errors, installed, trained, ref_trained, unprepared) in out.items():
@@ -91,7 +95,7 @@ def test_gated_deltanet_hybrids_are_exact():
                 assert trained == ref_trained
                 worst = max(errors, key=errors.get)
                 assert errors[worst] < 1e-4, (world, rank, case, worst, errors[worst])
-                assert "prepare_model" in unprepared and "linear_attention" in unprepared, unprepared
+                assert "prepare_model" in unprepared and "layer_types" in unprepared, unprepared
 
 
 def _shard_alone_worker(rank, world):
@@ -131,3 +135,54 @@ def _short_shard_worker(rank, world):
 def test_shards_shorter_than_the_convolution_are_refused_on_every_rank():
     for said in run_distributed(_short_shard_worker, 2, timeout=120):
         assert "a shard of 2 tokens is shorter than the convolution's reach (3 tokens)" in said, said
+
+
+def _sent_worker(rank, world, model_type, lengths):
+    """Bytes this rank sends (point to point) in one forward+backward of the prepared hybrid, per sequence length."""
+    import torch.distributed as dist
+
+    _, model = _pair(model_type)
+    hf_upipe.init_sequence_parallel(world)
+    sent = {"bytes": 0}
+    originals = dist.send, dist.isend
+
+    def counting(original):
+        def wrapped(tensor, *args, **kwargs):
+            sent["bytes"] += tensor.numel() * tensor.element_size()
+            return original(tensor, *args, **kwargs)
+        return wrapped
+
+    dist.send, dist.isend = counting(dist.send), counting(dist.isend)
+    try:
+        hf_upipe.prepare_model(model)
+        model.train()
+        out = {}
+        for length in lengths:
+            ids = torch.randint(3, 96, (2, length), generator=torch.Generator().manual_seed(1))
+            shard = hf_upipe.shard_batch({"input_ids": ids}, rank, world)
+            sent["bytes"] = 0
+            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+            logits.float().square().mean().backward()
+            out[length] = sent["bytes"]
+        return out
+    finally:
+        dist.send, dist.isend = originals
+        hf_upipe.reset_sequence_parallel()
+
+
+def test_what_a_mixer_sends_is_its_halo_and_state_whatever_the_length():
+    """Per mixer layer and rank, forward and backward: Mamba2 sends its convolution halo [B, conv channels, k-1] and
+    its state [B, heads, head_dim, d_state] (fp32; plus two 64-byte shape headers forward); LFM2's short convolution
+    sends the last k-1 tokens [B, k-1, Dm]. Nothing grows with the sequence (no rank gathers it)."""
+    B, world, layers = 2, 2, 2
+    config = hybrid_config("bamba")
+    conv_dim = config.mamba_expand * config.hidden_size + 2 * config.mamba_n_groups * config.mamba_d_state
+    payload = B * (conv_dim * (config.mamba_d_conv - 1)
+                   + config.mamba_n_heads * config.mamba_d_head * config.mamba_d_state) * 4
+    sent = run_distributed(_sent_worker, world, "bamba", (32, 128), timeout=200)
+    assert sent[0] == {32: layers * (payload + 2 * 64), 128: layers * (payload + 2 * 64)}, sent  # forward
+    assert sent[1] == {32: layers * payload, 128: layers * payload}, sent  # backward
+    config = hybrid_config("lfm2")
+    halo = B * (config.conv_L_cache - 1) * config.hidden_size * 4
+    sent = run_distributed(_sent_worker, world, "lfm2", (32, 128), timeout=200)
+    assert sent == [{32: layers * halo, 128: layers * halo}] * 2, sent  # rank 0 forward, rank 1 backward

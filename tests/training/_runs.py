@@ -37,18 +37,21 @@ def _packed(rows):
     return Dataset.from_dict({"input_ids": ids, "labels": ids})
 
 
-def _model(lora: bool, seed: int):
+def _model(lora: bool, seed: int, arch: str | None = None):
+    """A tiny Llama, or a hybrid of `tests.integrations._models.LAYERS` (`arch`)."""
     from transformers import AutoModelForCausalLM
 
-    from tests.integrations._models import tiny_config
+    from tests.integrations._models import hybrid_config, lora_exclusions, tiny_config
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa", dtype=torch.float32)
+    config = tiny_config("llama") if arch is None else hybrid_config(arch)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     if lora:
         from peft import LoraConfig, get_peft_model
 
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"] if arch is None else "all-linear"
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]))
+                                                 target_modules=targets, exclude_modules=lora_exclusions(arch)))
     return model
 
 
@@ -80,7 +83,7 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
 
     import hf_upipe
 
-    model = _model(spec["lora"], seed=11)
+    model = _model(spec["lora"], seed=11, arch=spec.get("arch"))
     args = TrainingArguments(
         output_dir=spec["output_dir"], per_device_train_batch_size=spec["batch"],
         per_device_eval_batch_size=spec["batch"],

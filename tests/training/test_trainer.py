@@ -10,7 +10,9 @@ replicas). Checked: the logged loss and grad norm of every step, every eval loss
 trainable parameters, for a full fine-tune and for LoRA (PEFT), through the fused block and the registered
 attention path, tiled and plain loss, with and without activation checkpointing (with the tiled MLP and checkpoint
 inputs offloaded to disk), packed batches (`DataCollatorWithFlattening`), a streamed (iterable) eval set, and a
-first step whose batches carry no label tokens (logged as 0 with grad norm 0, as the Trainer does).
+first step whose batches carry no label tokens (logged as 0 with grad norm 0, as the Trainer does), and two hybrids
+(LFM2 with short-convolution layers, full; Bamba with Mamba2 layers, LoRA with checkpointing at SP 4) instead of the
+Llama.
 """
 
 import numpy as np
@@ -58,9 +60,12 @@ UPIPE_CASES = {
     "sp2dp2_iterable_eval": (4, dict(sp=2, lora=False, iterable_eval=True)),
     "sp2_packed_full": (2, dict(sp=2, lora=False, packed=True)),
     "sp2dp2_packed_lora": (4, dict(sp=2, lora=True, packed=True)),
+    # hybrids: LFM2's short convolutions (halo exchange), Bamba's Mamba2 (state passing)
+    "sp2_lfm2_full": (2, dict(sp=2, lora=False, arch="lfm2")),
+    "sp4_bamba_lora_checkpointing": (4, dict(sp=4, lora=True, arch="bamba", checkpointing=True)),
 }
 BASE = dict(batch=2, eval_steps=1, steps=4, ga=2, evaluate_again=2)
-REF_KEYS = ("lora", "packed", "unlabeled", "ga")  # what the one-process reference run shares with a case
+REF_KEYS = ("lora", "packed", "unlabeled", "ga", "arch")  # what the one-process reference run shares with a case
 
 
 def _ref_key(world: int, spec: dict) -> tuple:
