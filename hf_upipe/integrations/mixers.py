@@ -294,6 +294,7 @@ def remove_mixers(model: nn.Module) -> int:
     for module in model.modules():
         if is_installed(module):
             del module.forward
+            module.__dict__.pop("_upipe_stash", None)
             count += 1
     config = getattr(model, "config", None)
     if config is not None:
