@@ -6,8 +6,9 @@ For each length of the paper's table (128K to 3M), `hf_upipe.planning.step_time.
 step of Llama3-8B on one node of 8 H100s (SP 8, FSDP2 over 8, every layer checkpointed with offloaded inputs, tiled
 MLP and loss) for:
 - our Ulysses mode (all local heads in one chunk), the paper's Ulysses baseline;
-- the fused UPipe block at one head per rank per stage in save mode: what the paper's UPipe does (it keeps the
-  attention output and log-sum-exp and recomputes the projections and all-to-alls in the backward);
+- the fused UPipe block at one head per rank per stage in save mode: nearest to the paper's UPipe (which keeps the
+  attention output and log-sum-exp and recomputes the projections and all-to-alls in the backward; ours also keeps
+  each key-value chunk's k and v, so only q is recomputed and re-sent);
 - the same with the all-to-alls overlapped (the paper's code has no overlap), and in recompute mode (it also
   recomputes the attention forward: our default, the least memory);
 - DeepSpeed's Ulysses (the peer).

@@ -22,14 +22,16 @@ Backward, per stage, in one of two modes (`save_attention`):
   a third more attention compute; dq, dk, dv go straight back to the local layout (each stage sends its dk/dv
   partial, so no accumulator exists; more all-to-all bytes when stages share a k/v chunk);
 - save: the forward keeps every stage's kernel output and log-sum-exp (oh [B, S, c, D], lse: together the size of
-  one local attention output [B, s, H*D], about what Ulysses keeps of it), so only the projections are recomputed;
-  the stages sharing a k/v chunk sum dk/dv in the head layout [B, S, kc, D] and send them once.
+  one local attention output [B, s, H*D], about what Ulysses keeps of it) and every k/v chunk's kh, vh in the head
+  layout [B, S, kc, D] (together the size of the local k and v, [B, s, 2*Hk*D]), so only the q projection is
+  recomputed and re-sent; the stages sharing a k/v chunk sum dk/dv in the head layout and send them once.
 Then d a_i = dy @ Wo[:, R] (+ LoRA); kernel backward; the gradients go back through RoPE's adjoint and the norm's
 (`hf_upipe.ops.head_transforms`), and their products with x are written into dx (`addmm_`) and the weight-row
 gradients; a whole-projection norm's coupled term is applied after the loop, a chunk of rows at a time.
 Saved: x, cos, sin, the small LoRA products xa/za, a whole-projection norm's inverse RMS [B, s, 1], the
-dropout seed, and in save mode the stages' (oh, lse). Gradients of frozen tensors are not computed. The backward
-loop is `hf_upipe.ops.fused_backward`; the per-call plan and projection helpers `hf_upipe.ops.fused_stages`.
+dropout seed, and in save mode the stages' (oh, lse) and the chunks' (kh, vh). Gradients of frozen tensors are not
+computed. The backward loop is `hf_upipe.ops.fused_backward`; the per-call plan and projection helpers
+`hf_upipe.ops.fused_stages`.
 
 Overlap (`overlap=True`): the same arithmetic in the same order, with the all-to-alls issued asynchronously one
 stage ahead. Forward: stage i+1's q (k/v) are projected and sent before stage i's kernel runs, and stage i's output
@@ -69,7 +71,8 @@ __all__ = ["AttentionWeights", "HeadNorm", "LoraAdapter", "Projection", "Project
 
 def _fused_forward(x, cos, sin, w: AttentionWeights, plan: StagePlan):
     """The stage loop (no autograd). Returns y [B, s, Dm], the small tensors the backward needs, and in save mode
-    the stages' kernel outputs and log-sum-exps [oh_0, lse_0, oh_1, ...] (else []).
+    what the stages' kernel backward needs beyond q: per stage, at a k/v chunk's first stage its (kh, vh), then the
+    stage's kernel output and log-sum-exp: [kh_0, vh_0, oh_0, lse_0, oh_1, lse_1, ...] (else []).
 
     With `plan.overlap`, stage i+1's inputs are projected and sent before stage i's kernel runs, and stage i's
     output is sent while stage i+1's kernel runs (its o_proj after that): one more stage of buffers in flight."""
@@ -109,6 +112,8 @@ def _fused_forward(x, cos, sin, w: AttentionWeights, plan: StagePlan):
         q_sent, kv_sent = inputs
         if kv_sent is not None:
             kh, vh = kv_sent[0].wait(), kv_sent[1].wait()  # [B, S, kc, D]
+            if plan.save:
+                saved += [kh, vh]
         qh = q_sent.wait()  # [B, S, c, D]
         inputs = send_inputs(i + 1) if ov and i + 1 < n else None
         oh, lse = plan.kernel.forward(qh, kh, vh, scale=plan.scale, causal=True)

@@ -76,9 +76,16 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
         us.append((dy2 @ ad.B) * ad.scaling)
     ov = plan.overlap
 
-    def send_qkv(i):  # stage i's q (and k/v at a chunk's first stage), recomputed and sent to the head layout
+    # save mode: per stage, (kh, vh) kept at a k/v chunk's first stage (else None), oh, lse (see `_fused_forward`)
+    kept, rest = [], list(saved)
+    for i in range(layout.num_stages if plan.save else 0):
+        kv = (rest.pop(0), rest.pop(0)) if layout.starts_kv_group(i) else None
+        kept.append((kv, rest.pop(0), rest.pop(0)))
+    del rest
+
+    def send_qkv(i):  # stage i's q (and k/v at a chunk's first stage, unless kept), recomputed and sent
         kv = None
-        if layout.starts_kv_group(i):
+        if layout.starts_kv_group(i) and not plan.save:
             kv_rows = head_rows(plan.kv_heads[i], D)
             k5 = post(sides["k"], project_rows(x, w.k, kv_rows, xas["k"]), kv_rows, cos, sin, D,
                       style)  # [B, s, P*kc, D]
@@ -121,19 +128,21 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
     # are in flight during stage i's kernel, and stage i's gradients (and output) during stage i+1's.
     kh = vh = dk_sum = dv_sum = None
     nxt = (send_qkv(0), send_dout(0) if ov else None,
-           start_head_to_seq(saved[0], group, True) if ov and plan.save else None) if layout.num_stages else None
+           start_head_to_seq(kept[0][1], group, True) if ov and plan.save else None) if layout.num_stages else None
     prev = None  # overlap: (stage, output in flight, gradients in flight) of the previous stage
     for i in range(layout.num_stages):
         (q_sent, kv_sent), dout_sent, out_sent = nxt
         if kv_sent is not None:
             kh, vh = kv_sent[0].wait(), kv_sent[1].wait()  # [B, S, kc, D]
+        elif plan.save and kept[i][0] is not None:
+            kh, vh = kept[i][0]  # [B, S, kc, D], kept by the forward
         qh = q_sent.wait()  # [B, S, c, D]
         nxt = None
         if ov and i + 1 < layout.num_stages:
             nxt = (send_qkv(i + 1), send_dout(i + 1),
-                   start_head_to_seq(saved[2 * i + 2], group, True) if plan.save else None)
+                   start_head_to_seq(kept[i + 1][1], group, True) if plan.save else None)
         if plan.save:
-            oh, lse = saved[2 * i], saved[2 * i + 1]
+            oh, lse = kept[i][1:]
         else:
             oh, lse = plan.kernel.forward(qh, kh, vh, scale=plan.scale, causal=True)  # recomputed
         if ov:

@@ -12,18 +12,18 @@ What is counted, per rank and decoder layer (s = S/P local tokens, bf16; every l
 step is):
 - GEMMs: the q/k/v/o projections and the MLP (gated: 3 matrices; a MoE layer its active experts), each run in the
   forward, again in the checkpoint's recompute, and twice in the backward (d input, d weight; the frozen base of a
-  LoRA run skips its d weight). The fused block's backward re-runs the q/k/v projections of each stage (both
-  modes); the tiled MLP re-runs the MLP forward in its backward.
+  LoRA run skips its d weight). The fused block's backward re-runs each stage's q/k/v projections (recompute
+  mode) or its q projection only (save mode keeps k/v); the tiled MLP re-runs the MLP forward in its backward.
 - Attention: the causal kernel over the full sequence for H/P heads, 2 S^2 (H/P) D FLOPs forward; the backward
   2.5x that (five GEMM-sized products against two); the checkpoint's recompute runs the forward again, and the
   fused block's recompute mode a third time.
 - All-to-alls (NVLink inside a node, the network when an SP group spans nodes), in units of s*D elements, of
   which (P-1)/P leave the GPU: forward q, k, v and the output (2H + 2Hk, k/v replicated up to P heads), again in
   the recompute; backward dout, dq, dk, dv for DeepSpeed; our registered path also re-sends q and the output; the
-  fused block re-sends q, k, v and the output and sends dk/dv once per stage (recompute mode) or once per k/v chunk
-  (save mode). With `overlap` they run during the neighbouring stage's kernel: only the first stage's share and
-  what exceeds the attention time stay exposed. Each call also costs a fixed latency (`GPU.all_to_all_latency`),
-  which is what smaller head chunks pay.
+  fused block re-sends q and the output, and either re-sends k, v and sends dk/dv once per stage (recompute mode)
+  or keeps k, v and sends dk/dv once per k/v chunk (save mode). With `overlap` they run during the neighbouring
+  stage's kernel: only the first stage's share and what exceeds the attention time stay exposed. Each call also
+  costs a fixed latency (`GPU.all_to_all_latency`), which is what smaller head chunks pay.
 - Overlapped with the layer's compute (the larger of the two counts): FSDP2's all-gathers (bf16 weights, forward
   and backward) and reduce-scatters (fp32 gradients); the offloaded input's copies over PCIe.
 - Per step: the lm_head and loss (three GEMMs, two for a frozen head), AdamW over the local shard (HBM-bound).
@@ -131,7 +131,7 @@ def _all_to_all_units(impl: str, fused_backward: str, H: int, Hkv: int, P: int, 
     elif impl in ("ulysses", "upipe"):
         backward = 4 * H + 2 * Hkv  # + q and the output again
     elif fused_backward == "save":
-        backward = 4 * H + 4 * Hkv  # q, k, v, out again; dout, dq; dk, dv once per k/v chunk
+        backward = 4 * H + 2 * Hkv  # q, out again; dout, dq; dk, dv once per k/v chunk (k, v kept)
     else:
         backward = 4 * H + 2 * Hkv + 2 * stages * kc * P  # dk, dv partials from every stage
     return 2 * forward + backward  # the checkpoint's recompute repeats the forward's
@@ -143,9 +143,9 @@ def _all_to_all_calls(impl: str, fused_backward: str, stages: int, groups: int) 
     if impl == "deepspeed":
         return 2 * 4 + 4
     forward = 2 * stages + 2 * groups
-    backward = 4 * stages + 2 * groups  # q, out, dout, dq per stage; k, v per group (registered: dk, dv)
-    if impl == "fused":
-        backward += 2 * stages if fused_backward == "recompute" else 2 * groups  # dk, dv per stage or per group
+    backward = 4 * stages + 2 * groups  # q, out, dout, dq per stage; per group dk, dv (fused recompute: k, v)
+    if impl == "fused" and fused_backward == "recompute":
+        backward += 2 * stages  # dk, dv per stage (save mode: per group, as counted, and k, v are kept)
     return 2 * forward + backward
 
 
@@ -167,7 +167,8 @@ def step_time(config, settings, *, seq_len: int, sp_size: int, world: int, gpus_
     # GEMM FLOPs per layer: forward, recompute, backward (d input, and d weight unless frozen)
     proj_qkv, proj_o, mlp = 2 * s * Dm * (H + 2 * Hk) * D, 2 * s * H * D * Dm, 6 * s * Dm * d["mlp_active"]
     runs = 2 + (1 if frozen else 2)
-    gemm = (proj_qkv + proj_o + mlp) * runs + (proj_qkv if fused else 0) + (mlp if settings.tiled_mlp else 0)
+    rerun = (proj_qkv if settings.fused_backward == "recompute" else 2 * s * Dm * H * D) if fused else 0
+    gemm = (proj_qkv + proj_o + mlp) * runs + rerun + (mlp if settings.tiled_mlp else 0)
     attention_fwd = 2 * S * S * (H // P) * D  # causal: half of 4 S^2 h D
     recompute = fused and settings.fused_backward == "recompute"
     t_gemm = gemm / (gpu.flops * eff.gemm)

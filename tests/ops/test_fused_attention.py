@@ -276,13 +276,14 @@ def _counting_worker(rank, world):
     return out[False][0], out[True][0], agree
 
 
-def test_save_mode_runs_no_attention_forward_in_backward_and_sends_dk_dv_once():
+def test_save_mode_runs_no_attention_forward_in_backward_keeps_kv_and_sends_dk_dv_once():
     for recompute, save, agree in run_distributed(_counting_worker, 2):
         stages = 4  # 8 query heads / 2 ranks, one per stage
         assert recompute["forward"] == 2 * stages and save["forward"] == stages, (recompute, save)
-        # the all-to-alls differ only in the backward's dk/dv: one per stage (recompute: 4 + 4) or one per k/v
-        # chunk (save: 1 + 1), each [B, S, kc, D] = [1, 16, 1, 8] fp32 = 512 bytes per rank
-        assert recompute["bytes"] - save["bytes"] == 6 * 512, (recompute, save)
+        # the all-to-alls differ only in the backward's k/v: dk/dv one per stage (recompute: 4 + 4) or one per k/v
+        # chunk (save: 1 + 1), and k, v re-sent (recompute: 1 + 1) or kept (save: 0), each [B, S, kc, D] =
+        # [1, 16, 1, 8] fp32 = 512 bytes per rank
+        assert recompute["bytes"] - save["bytes"] == 8 * 512, (recompute, save)
         assert agree < 1e-5, agree
 
 
@@ -393,8 +394,10 @@ def test_overlap_issues_the_next_stage_before_the_kernel_and_changes_no_bit():
             assert sync[:4] == ["a2a", "a2a", "a2a", "fwd"], sync[:4]
             assert ov[:5] == ["a2a-async"] * 4 + ["fwd"], ov[:5]
             assert "a2a" not in ov and sync.count("a2a") == ov.count("a2a-async")
-            # backward: before stage 0's kernel backward, stage 0's k, v, q, d a and stage 1's q, d a were sent, and
-            # stage 0's output (recompute mode: after its kernel forward), in save mode also stage 1's
+            # backward: before stage 0's kernel backward, stage 0's q, d a and stage 1's q, d a were sent, and
+            # stage 0's output (recompute mode: after its kernel forward); recompute mode also re-sent k, v, save
+            # mode (which kept them) sent stage 1's output
             forward_sends = 2 + 4 + 4  # k, v, four q, four outputs
-            assert ov[:ov.index("bwd")].count("a2a-async") - forward_sends == (8 if save else 7), (save, ov)
-            assert sync[:sync.index("bwd")].count("a2a") - forward_sends == 5, (save, sync)  # k, v, q, out, d a
+            assert ov[:ov.index("bwd")].count("a2a-async") - forward_sends == (6 if save else 7), (save, ov)
+            # k, v (recompute mode only), q, out, d a
+            assert sync[:sync.index("bwd")].count("a2a") - forward_sends == (3 if save else 5), (save, sync)

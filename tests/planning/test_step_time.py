@@ -25,7 +25,8 @@ def _llama(settings, S, **kw):
 
 @pytest.mark.parametrize("S", [2**17, 2**20, 3 * 2**20])
 def test_upipe_over_ulysses_is_within_five_points_of_the_paper(S):
-    """The paper's UPipe keeps the attention output and recomputes projections and all-to-alls: our save mode."""
+    """The paper's UPipe keeps the attention output and recomputes projections and all-to-alls: nearest to our save
+    mode (which also keeps k and v)."""
     ulysses = _llama(StepSettings("ulysses", None, **STACK), S).tokens_per_s_per_gpu
     upipe = _llama(StepSettings("fused", 1, fused_backward="save", **STACK), S).tokens_per_s_per_gpu
     paper = PAPER_UPIPE_TOKENS_PER_S[S] / PAPER_ULYSSES_TOKENS_PER_S[S]
