@@ -3,6 +3,7 @@
 Entry points:
 - `install_mixers(model)` / `remove_mixers(model)`: on every mixer module of a class in `MIXERS` or `HALO_MIXERS`
   (behind the fingerprint of its forward's source), install (and remove, exactly) `sharded_mixer_forward`.
+- `reentrant_refusal(model)`: why its checkpointing cannot run a state mixer (use_reentrant=True), or None.
 - `mixers_ready(config)`: whether a prepared model of this config has them installed (the support gate admits
   the `layer_types` in `MIXER_LAYER_TYPES` under SP at run time only then); `supported(module)`,
   `is_installed(module)`.
@@ -41,7 +42,7 @@ from torch import nn
 from hf_upipe.distributed import get_sequence_parallel_state
 
 __all__ = ["HALO_MIXERS", "MIXERS", "MIXER_LAYER_TYPES", "install_mixers", "is_installed", "mixers_ready",
-           "remove_mixers", "sharded_mixer_forward", "supported"]
+           "reentrant_refusal", "remove_mixers", "sharded_mixer_forward", "supported"]
 
 # mixer class -> fingerprint of its forward (transformers 5.23), read the cache the way `_ShardCache` serves it
 _MAMBA2 = "691f3ca98636d473"  # Bamba's, Nemotron-H's and Granite 4's Mamba2 mixers: the same source
@@ -223,7 +224,7 @@ def sharded_mixer_forward(self, hidden_states, *args, **kwargs):
     halo = start = None
     if rank > 0:
         halo, start = _Receive.apply(anchor, group, ranks[rank - 1], hidden_states.device)
-        if torch.is_grad_enabled():  # what a recompute of this call will need
+        if torch.is_grad_enabled() and _may_recompute():  # what a recompute of this call will need
             stash = self.__dict__.setdefault("_upipe_stash", collections.deque(maxlen=_STASH))
             stash.append((_fingerprint_of(hidden_states), halo.detach(), start.detach()))
     cache = _ShardCache(halo, start)
@@ -234,6 +235,13 @@ def sharded_mixer_forward(self, hidden_states, *args, **kwargs):
 
 
 _STASH = 4  # received (halo, state) pairs kept per mixer for recomputes: the last calls' (small: no sequence axis)
+
+
+def _may_recompute() -> bool:
+    """Whether saved-tensor hooks are active, as inside a (non-reentrant) activation checkpoint's forward, whose
+    recompute will need what this call received (plain forwards keep no stash). Unknown: True."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
 
 
 def _fingerprint_of(x: torch.Tensor) -> torch.Tensor:
@@ -253,12 +261,29 @@ def _recompute(self, hidden_states, attention_mask, rank, kwargs):
         key = _fingerprint_of(hidden_states)
         entry = next((e for e in reversed(stash) if e[0].shape == key.shape and torch.equal(e[0], key)), None)
         if entry is None:
-            raise RuntimeError(f"{type(self).__name__}: a recompute of a forward whose received state is gone (more "
-                               f"than {_STASH} forwards of this layer before one backward under activation "
-                               "checkpointing); run the backward of each forward before the next forward.")
+            raise RuntimeError(f"{type(self).__name__}: a recompute of a forward whose received state is gone: "
+                               f"either more than {_STASH} forwards of this layer ran before one backward under "
+                               "activation checkpointing (run the backward of each forward before the next "
+                               "forward), or the checkpoint is reentrant (use_reentrant=True runs the forward "
+                               "without grad); use transformers' default, use_reentrant=False.")
         # requiring grad as the forward's did, so the recompute saves the tensors the forward saved
         halo, start = (t.detach().requires_grad_(torch.is_grad_enabled()) for t in entry[1:])
     return type(self).forward(self, hidden_states, _ShardCache(halo, start), attention_mask, **kwargs)
+
+
+def reentrant_refusal(model: nn.Module) -> str | None:
+    """Why a checkpointed layer holding a state mixer cannot run (its checkpoint is reentrant: the forward runs
+    without grad, so nothing is kept for the recompute, which must not communicate), or None."""
+    for layer in model.modules():
+        fn = getattr(layer, "_gradient_checkpointing_func", None)
+        if not getattr(layer, "gradient_checkpointing", False) or fn is None:
+            continue
+        if (getattr(fn, "keywords", None) or {}).get("use_reentrant", False) and any(
+                is_installed(m) and type(m).__name__ in MIXERS for m in layer.modules()):
+            return (f"{type(layer).__name__} is checkpointed with use_reentrant=True around a recurrent mixer run "
+                    "across shards; use non-reentrant checkpointing, transformers' default "
+                    "(activation_checkpointing_kwargs={'use_reentrant': False}).")
+    return None
 
 
 def is_installed(module: nn.Module) -> bool:

@@ -33,7 +33,7 @@ from hf_upipe.architectures import ARCHITECTURES, VERIFIED_ON
 from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.fused import install_fused_attention, remove_fused_attention
 from hf_upipe.integrations.layout import adopt_modules, note_model_positions, release_modules
-from hf_upipe.integrations.mixers import install_mixers, remove_mixers
+from hf_upipe.integrations.mixers import install_mixers, reentrant_refusal, remove_mixers
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.rope import install_global_rope, remove_global_rope
 from hf_upipe.integrations.support import model_refusal, refusal_error
@@ -82,6 +82,8 @@ def _refuse_silent_misuse(module, args, kwargs):
                 f"{arch.model_type} is verified under sequence parallelism for text input only, and this call passes "
                 f"{other or 'positional inputs after input_ids'}: image, video or audio inputs would be scattered "
                 "into each rank's shard of the tokens. Train on text, or without sequence parallelism.")
+    if module.training and torch.is_grad_enabled() and (why := reentrant_refusal(module)) is not None:
+        raise NotImplementedError(why)
     if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
         raise NotImplementedError("use_cache=True / past_key_values under sequence parallelism: the cache would hold "
                                   "one shard's keys and values. Call the model with use_cache=False; generate "

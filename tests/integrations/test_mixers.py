@@ -137,6 +137,37 @@ def test_shards_shorter_than_the_convolution_are_refused_on_every_rank():
         assert "a shard of 2 tokens is shorter than the convolution's reach (3 tokens)" in said, said
 
 
+def _checkpoint_worker(rank, world):
+    """What a state mixer keeps for a recompute: nothing without checkpointing, the received (halo, state) under
+    non-reentrant checkpointing; reentrant checkpointing (its forward runs without grad, so nothing could be kept) is
+    refused on every rank before any send."""
+    _, model = _pair("bamba")
+    hf_upipe.init_sequence_parallel(world)
+    try:
+        hf_upipe.prepare_model(model)
+        model.train()
+        mixer = next(m for m in model.modules() if mixers.is_installed(m))
+        ids = torch.randint(3, 96, (1, S), generator=torch.Generator().manual_seed(1))
+        shard = hf_upipe.shard_batch({"input_ids": ids}, rank, world)
+        kept = []
+        for kwargs in (None, {"use_reentrant": False}):
+            if kwargs is not None:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits.sum().backward()
+            kept.append(len(mixer.__dict__.get("_upipe_stash", ())))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        return kept, _refusal(model, rank, world)
+    finally:
+        hf_upipe.reset_sequence_parallel()
+
+
+def test_a_mixer_keeps_received_state_only_for_a_checkpoint_recompute():
+    (kept0, said0), (kept1, said1) = run_distributed(_checkpoint_worker, 2, timeout=120)
+    assert kept0 == [0, 0] and kept1 == [0, 1], (kept0, kept1)  # rank 0 receives nothing
+    for said in (said0, said1):
+        assert "use_reentrant=True around a recurrent mixer" in said and "'use_reentrant': False" in said, said
+
+
 def _sent_worker(rank, world, model_type, lengths):
     """Bytes this rank sends (point to point) in one forward+backward of the prepared hybrid, per sequence length."""
     import torch.distributed as dist
