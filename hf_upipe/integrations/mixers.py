@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_upipe.distributed import get_sequence_parallel_state
+from hf_upipe.ops.fake import simulating
 
 __all__ = ["HALO_MIXERS", "MIXERS", "MIXER_LAYER_TYPES", "install_mixers", "is_installed", "mixers_ready",
            "reentrant_refusal", "remove_mixers", "sharded_mixer_forward", "supported"]
@@ -221,12 +222,15 @@ def sharded_mixer_forward(self, hidden_states, *args, **kwargs):
     if torch._C._current_graph_task_id() != -1:  # activation checkpointing's recompute, inside the backward:
         return _recompute(self, hidden_states, attention_mask, rank, kwargs)  # no communication (see there)
     anchor = torch.zeros((), device=hidden_states.device, requires_grad=torch.is_grad_enabled())
+    key = _call_key() if torch.is_grad_enabled() and _may_recompute() else None  # every rank alike
     halo = start = None
     if rank > 0:
         halo, start = _Receive.apply(anchor, group, ranks[rank - 1], hidden_states.device)
-        if torch.is_grad_enabled() and _may_recompute():  # what a recompute of this call will need
-            stash = self.__dict__.setdefault("_upipe_stash", collections.deque(maxlen=_STASH))
-            stash.append((_fingerprint_of(hidden_states), halo.detach(), start.detach()))
+        if key is not None:  # what a recompute of this call will need
+            stash = self.__dict__.setdefault("_upipe_stash", collections.OrderedDict())
+            stash[key] = (halo.detach(), start.detach())
+            while len(stash) > _STASH:
+                stash.popitem(last=False)
     cache = _ShardCache(halo, start)
     out = type(self).forward(self, hidden_states, cache, attention_mask, **kwargs)
     if rank < size - 1:
@@ -234,7 +238,7 @@ def sharded_mixer_forward(self, hidden_states, *args, **kwargs):
     return out
 
 
-_STASH = 4  # received (halo, state) pairs kept per mixer for recomputes: the last calls' (small: no sequence axis)
+_STASH = 4  # received (halo, state) pairs kept per mixer for recomputes, by key: the last checkpointed calls'
 
 
 def _may_recompute() -> bool:
@@ -244,9 +248,13 @@ def _may_recompute() -> bool:
     return top is None or top(False) is not None
 
 
-def _fingerprint_of(x: torch.Tensor) -> torch.Tensor:
-    """A few values of the mixer's input [B, s, Dm], which a recompute reproduces bitwise."""
-    return x[:, :4, :16].detach().clone()
+def _call_key() -> int:
+    """A number drawn from torch's CPU generator. Activation checkpointing restores that generator's state before
+    it recomputes a forward (preserve_rng_state, its default), so the recompute draws the same number: an exact key
+    from a checkpointed forward to its recompute, distinct between forwards, whatever their inputs."""
+    if simulating():  # a memory simulation: fake tensors have no values to read (and nothing is recomputed twice)
+        return 0
+    return int(torch.randint(0, 2**62, (1,)).item())
 
 
 def _recompute(self, hidden_states, attention_mask, rank, kwargs):
@@ -254,20 +262,19 @@ def _recompute(self, hidden_states, attention_mask, rank, kwargs):
     the ranks reach their recomputes in an order the autograd engine picks (a rank may first wait in `_Give`'s
     backward for the next rank's gradient, while that rank's recompute would wait for this rank's halo), so a
     recompute that communicated could deadlock. It takes the (halo, state) this call received in its forward, found
-    by the input's fingerprint; gradients flow through the forward's graph, not through the recompute's."""
+    by the key both draw (`_call_key`); gradients flow through the forward's graph, not through the recompute's."""
+    key = _call_key()  # every rank alike, as its forward did
     halo = start = None
     if rank > 0:
-        stash = self.__dict__.get("_upipe_stash", ())
-        key = _fingerprint_of(hidden_states)
-        entry = next((e for e in reversed(stash) if e[0].shape == key.shape and torch.equal(e[0], key)), None)
+        entry = self.__dict__.get("_upipe_stash", {}).get(key)
         if entry is None:
             raise RuntimeError(f"{type(self).__name__}: a recompute of a forward whose received state is gone: "
-                               f"either more than {_STASH} forwards of this layer ran before one backward under "
-                               "activation checkpointing (run the backward of each forward before the next "
-                               "forward), or the checkpoint is reentrant (use_reentrant=True runs the forward "
-                               "without grad); use transformers' default, use_reentrant=False.")
+                               f"more than {_STASH} forwards of this layer ran before one backward under activation "
+                               "checkpointing (run the backward of each forward before the next forward), or the "
+                               "checkpoint does not restore the random state (keep preserve_rng_state=True, its "
+                               "default).")
         # requiring grad as the forward's did, so the recompute saves the tensors the forward saved
-        halo, start = (t.detach().requires_grad_(torch.is_grad_enabled()) for t in entry[1:])
+        halo, start = (t.detach().requires_grad_(torch.is_grad_enabled()) for t in entry)
     return type(self).forward(self, hidden_states, _ShardCache(halo, start), attention_mask, **kwargs)
 
 

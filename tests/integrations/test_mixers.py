@@ -168,6 +168,47 @@ def test_a_mixer_keeps_received_state_only_for_a_checkpoint_recompute():
         assert "use_reentrant=True around a recurrent mixer" in said and "'use_reentrant': False" in said, said
 
 
+def _pending_worker(rank, world):
+    """Two checkpointed forwards before one backward, with the same second shard but different first shards, so
+    rank 1 receives different states for the same input: each recompute must take its own forward's state."""
+    import torch.distributed as dist
+
+    ref, model = _pair("bamba")
+    hf_upipe.init_sequence_parallel(world)
+    try:
+        hf_upipe.prepare_model(model)
+        for m in (ref, model):
+            m.train()
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        gen = torch.Generator().manual_seed(2)
+        a = torch.randint(3, 96, (1, S), generator=gen)
+        b = a.clone()
+        b[:, :S // 2] = torch.randint(3, 96, (1, S // 2), generator=gen)
+        w = torch.randn(1, S, ref.config.vocab_size, generator=gen)
+        s = S // world
+        got = 0
+        for ids, scale in ((a, 1.0), (b, 2.0)):
+            shard = hf_upipe.shard_batch({"input_ids": ids}, rank, world)
+            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+            got = got + scale * (logits * w[:, rank * s:(rank + 1) * s]).sum()
+        got.backward()
+        sum(scale * (ref(input_ids=ids).logits * w).sum() for ids, scale in ((a, 1.0), (b, 2.0))).backward()
+        errors = {}
+        for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+            if p.grad is not None:
+                g = q.grad.clone()
+                dist.all_reduce(g)
+                errors[name] = _rel(g, p.grad)
+        return max(errors.values())
+    finally:
+        hf_upipe.reset_sequence_parallel()
+
+
+def test_each_recompute_takes_its_own_forwards_state():
+    for worst in run_distributed(_pending_worker, 2, timeout=120):
+        assert worst < 1e-4, worst
+
+
 def _sent_worker(rank, world, model_type, lengths):
     """Bytes this rank sends (point to point) in one forward+backward of the prepared hybrid, per sequence length."""
     import torch.distributed as dist
