@@ -1,6 +1,20 @@
-"""Test order: the files holding slow tests (multi-process equivalence runs, the examples, the architecture matrix)
-run first, each file's tests in their own order. With two workers (README's `-n 2 --dist loadfile`), the long
-files then start early and the short ones fill the gaps, instead of one long file running alone at the end."""
+"""Test order and threads for the two-worker run (README's `-n 2 --dist loadfile`).
+
+- The files holding slow tests (multi-process equivalence runs, the examples, the architecture matrix) run first,
+  each file's tests in their own order: the long files start early and the short ones fill the gaps, instead of one
+  long file running alone at the end.
+- Each worker's own torch uses one thread: two workers already fill the two cores, and two-thread kernels in both
+  would only contend (the spawned ranks and the examples' processes run one thread each anyway).
+"""
+
+import os
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
