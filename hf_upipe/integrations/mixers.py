@@ -3,7 +3,8 @@
 Entry points:
 - `install_mixers(model)` / `remove_mixers(model)`: on every mixer module of a class in `MIXERS` or `HALO_MIXERS`
   (behind the fingerprint of its forward's source), install (and remove, exactly) `sharded_mixer_forward`.
-- `reentrant_refusal(model)`: why its checkpointing cannot run a state mixer (use_reentrant=True), or None.
+- `reentrant_refusal(model)`: why its checkpointing cannot run a state mixer (use_reentrant=True, or
+  preserve_rng_state=False), or None.
 - `mixers_ready(config)`: whether a prepared model of this config has them installed (the support gate admits
   the `layer_types` in `MIXER_LAYER_TYPES` under SP at run time only then); `supported(module)`,
   `is_installed(module)`.
@@ -279,17 +280,20 @@ def _recompute(self, hidden_states, attention_mask, rank, kwargs):
 
 
 def reentrant_refusal(model: nn.Module) -> str | None:
-    """Why a checkpointed layer holding a state mixer cannot run (its checkpoint is reentrant: the forward runs
-    without grad, so nothing is kept for the recompute, which must not communicate), or None."""
+    """Why a checkpointed layer holding a state mixer cannot run, or None: a reentrant checkpoint (its forward runs
+    without grad, so nothing is kept for the recompute, which must not communicate), or one that does not restore
+    the random state (the recompute finds its forward's state by a key drawn from it, `_call_key`)."""
     for layer in model.modules():
         fn = getattr(layer, "_gradient_checkpointing_func", None)
         if not getattr(layer, "gradient_checkpointing", False) or fn is None:
             continue
-        if (getattr(fn, "keywords", None) or {}).get("use_reentrant", False) and any(
-                is_installed(m) and type(m).__name__ in MIXERS for m in layer.modules()):
-            return (f"{type(layer).__name__} is checkpointed with use_reentrant=True around a recurrent mixer run "
-                    "across shards; use non-reentrant checkpointing, transformers' default "
-                    "(activation_checkpointing_kwargs={'use_reentrant': False}).")
+        keywords = getattr(fn, "keywords", None) or {}
+        bad = ("use_reentrant=True" if keywords.get("use_reentrant", False) else
+               "preserve_rng_state=False" if not keywords.get("preserve_rng_state", True) else None)
+        if bad and any(is_installed(m) and type(m).__name__ in MIXERS for m in layer.modules()):
+            return (f"{type(layer).__name__} is checkpointed with {bad} around a recurrent mixer run across shards; "
+                    "use transformers' default checkpointing (activation_checkpointing_kwargs={'use_reentrant': "
+                    "False}, random state preserved).")
     return None
 
 

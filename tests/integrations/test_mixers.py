@@ -139,8 +139,8 @@ def test_shards_shorter_than_the_convolution_are_refused_on_every_rank():
 
 def _checkpoint_worker(rank, world):
     """What a state mixer keeps for a recompute: nothing without checkpointing, the received (halo, state) under
-    non-reentrant checkpointing; reentrant checkpointing (its forward runs without grad, so nothing could be kept) is
-    refused on every rank before any send."""
+    non-reentrant checkpointing; reentrant checkpointing (its forward runs without grad, so nothing could be kept)
+    and checkpointing that does not restore the random state are refused on every rank before any send."""
     _, model = _pair("bamba")
     hf_upipe.init_sequence_parallel(world)
     try:
@@ -156,16 +156,21 @@ def _checkpoint_worker(rank, world):
             model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits.sum().backward()
             kept.append(len(mixer.__dict__.get("_upipe_stash", ())))
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-        return kept, _refusal(model, rank, world)
+        reentrant = _refusal(model, rank, world)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                           "preserve_rng_state": False})
+        return kept, reentrant, _refusal(model, rank, world)
     finally:
         hf_upipe.reset_sequence_parallel()
 
 
 def test_a_mixer_keeps_received_state_only_for_a_checkpoint_recompute():
-    (kept0, said0), (kept1, said1) = run_distributed(_checkpoint_worker, 2, timeout=120)
+    (kept0, said0, rng0), (kept1, said1, rng1) = run_distributed(_checkpoint_worker, 2, timeout=120)
     assert kept0 == [0, 0] and kept1 == [0, 1], (kept0, kept1)  # rank 0 receives nothing
     for said in (said0, said1):
         assert "use_reentrant=True around a recurrent mixer" in said and "'use_reentrant': False" in said, said
+    for said in (rng0, rng1):  # the recompute's key would not match its forward's
+        assert "preserve_rng_state=False around a recurrent mixer" in said, said
 
 
 def _pending_worker(rank, world):
