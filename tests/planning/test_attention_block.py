@@ -54,9 +54,30 @@ def _sync_all_to_all() -> None:
     dist.all_to_all_single = all_to_all_single  # this spawned worker process only
 
 
+def _settle_pending() -> None:
+    """The same for the asynchronous all-to-alls of the overlap schedule: `Pending.wait()` returns only once gloo's
+    worker thread has let go of the send buffer (the only reference left is then the one taken here), as the
+    simulation's immediate collectives imply. Without it, a loaded machine (two test workers) sometimes saw the
+    real peak one stage's buffer higher."""
+    from hf_upipe.ops.all_to_all import Pending
+
+    original = Pending.wait
+
+    def wait(self):
+        send = self._send
+        result = original(self)
+        deadline = time.monotonic() + 10
+        while send is not None and send._use_count() > 1 and time.monotonic() < deadline:
+            time.sleep(0)
+        return result
+
+    Pending.wait = wait
+
+
 def _real_worker(rank, world, impl, chunks, dims):
     """Real fp32 tensors on a gloo group: (forward_peak, peak, unit) per heads_per_chunk."""
     _sync_all_to_all()
+    _settle_pending()
     out = []
     for c in chunks:
         r = measure_attention_block(impl, **dims, sp_size=world, dtype=torch.float32, group=dist.group.WORLD,
