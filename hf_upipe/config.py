@@ -86,9 +86,10 @@ class UPipeConfig:
         "memory) or 'save' (kept from the forward, about one local attention output more per layer: no attention "
         "recompute, and dk/dv sent once per key-value chunk).")})
     overlap_comm: bool | None = field(default=None, metadata={"help": (
-        "Issue the fused block's all-to-alls one stage ahead, asynchronously, so they run while the neighbouring "
-        "stage's attention kernel computes (NCCL: on its own stream; gloo: its worker thread). The same result, "
-        "for one more stage of q/k/v and output buffers per layer. Needs fused_attention. Default False.")})
+        "Issue the fused block's backward all-to-alls one stage ahead, asynchronously, so they run while the "
+        "neighbouring stage's attention kernel computes (NCCL: on its own stream; gloo: its worker thread), as its "
+        "forward always does in training (that costs no peak memory). The same result, for one more stage of "
+        "q/k/v and gradient buffers in the backward. Needs fused_attention. Default False.")})
     tiled_loss: bool | None = field(default=None, metadata={"help": (
         "Compute lm_head + cross-entropy in token chunks so the [tokens, vocab] logits never exist. Default True.")})
     loss_chunk_tokens: int | None = field(default=None, metadata={"help": (

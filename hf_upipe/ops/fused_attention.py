@@ -33,15 +33,17 @@ dropout seed, and in save mode the stages' (oh, lse) and the chunks' (kh, vh). G
 computed. The backward loop is `hf_upipe.ops.fused_backward`; the per-call plan and projection helpers
 `hf_upipe.ops.fused_stages`.
 
-Overlap (`overlap=True`): the same arithmetic in the same order, with the all-to-alls issued asynchronously one
-stage ahead. Forward: stage i+1's q (k/v) are projected and sent before stage i's kernel runs, and stage i's output
-is sent while stage i+1's kernel runs (its o_proj follows). Backward: stage i+1's q (k/v), d a (and in save mode
-its output) are sent before stage i's kernel runs, stage i's dq/dk/dv while stage i+1's kernels run. On NCCL the
-collectives run on NCCL's stream while the kernels run on the compute stream (the projections stay on the compute
-stream: they and the kernel both want all the SMs); on gloo they run on gloo's worker thread. The cost: the send
-and receive buffers in flight, about one stage's tensors each way (2.25 u at Llama3-8B shapes, P = 8, c = 1, save
-mode), which the memory simulation counts (it runs this code). Results are bitwise those of the synchronous
-schedule.
+Overlap. The forward, whenever a backward follows, issues its all-to-alls asynchronously one stage ahead: stage
+i+1's q (k/v) are projected and sent before stage i's kernel runs, and stage i's output is sent while stage i+1's
+kernel runs (its o_proj follows). The buffers in flight raise the forward's peak (0.25-0.75 u at Llama3-8B shapes,
+P = 8, c = 1) but stay under the backward's, so the fwd+bwd peak is unchanged (the memory simulation runs this
+code and shows it); a forward without backward stays synchronous, for the least memory. With `overlap=True` the
+backward does the same: stage i+1's q (k/v), d a (and in save mode its output) are sent before stage i's kernel
+runs, stage i's dq/dk/dv while stage i+1's kernels run; that costs the send and receive buffers in flight, about one
+stage's tensors each way (2.25 u at Llama3-8B shapes, P = 8, c = 1, save mode). On NCCL the collectives run on
+NCCL's stream while the kernels run on the compute stream (the projections stay on the compute stream: they and
+the kernel both want all the SMs); on gloo they run on gloo's worker thread. Results are bitwise those of the
+synchronous schedule.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def _fused_forward(x, cos, sin, w: AttentionWeights, plan: StagePlan):
 
     With `plan.overlap`, stage i+1's inputs are projected and sent before stage i's kernel runs, and stage i's
     output is sent while stage i+1's kernel runs (its o_proj after that): one more stage of buffers in flight."""
-    layout, D, style, group, ov = plan.layout, plan.D, w.rope, plan.group, plan.overlap
+    layout, D, style, group, ov = plan.layout, plan.D, w.rope, plan.group, plan.overlap_forward
     B, s, Dm = x.shape
     P, n = layout.sp_size, layout.num_stages
     xas = w.lora_inputs(x, plan.seed, seeded_dropout)
@@ -198,8 +200,9 @@ def fused_upipe_attention(
         group, heads_per_chunk, kernel, scale: as for `hf_upipe.ops.upipe_attention`.
         save_attention: keep every stage's kernel output and log-sum-exp for the backward (save mode: no attention
             recompute, dk/dv sent once per k/v chunk; more memory) instead of recomputing them (module docstring).
-        overlap: issue the all-to-alls one stage ahead, asynchronously, so they run during the neighbouring
-            stage's kernel (module docstring): one more stage of buffers, the same result.
+        overlap: issue the backward's all-to-alls one stage ahead, asynchronously, as the forward's are whenever
+            a backward follows, so they run during the neighbouring stage's kernel (module docstring): one more
+            stage of buffers in the backward, the same result.
 
     Returns:
         y [B, s, Dm], the o_proj output (bias and LoRA included).
@@ -210,7 +213,8 @@ def fused_upipe_attention(
     tensors = weights.tensors()
     backward = torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in tensors))
     plan = make_plan(layout, group, kern, head_dim ** -0.5 if scale is None else scale, head_dim, x.device,
-                     dropout, save_attention and backward, overlap)  # nothing kept for a forward without backward
+                     dropout, save_attention and backward, overlap and backward,  # nothing kept without backward
+                     overlap_forward=backward)
     if backward:
         return _FusedFunction.apply(x, cos, sin, (weights, plan), *tensors)
     return _fused_forward(x, cos, sin, weights, plan)[0]

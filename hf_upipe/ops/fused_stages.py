@@ -42,7 +42,8 @@ class StagePlan:
     D: int
     seed: int
     save: bool = False  # keep each stage's (oh, lse) for the backward instead of recomputing them
-    overlap: bool = False  # send the next stage's inputs (and this stage's outputs) while this stage's kernel runs
+    overlap: bool = False  # backward: send the next stage's inputs (and this stage's outputs) during this kernel
+    overlap_forward: bool = False  # the same in the forward (on whenever a backward follows: it costs no peak)
     q_heads: list[torch.Tensor] = field(default_factory=list)  # per stage, model q heads [P*c] (rank-major)
     kv_heads: list[torch.Tensor] = field(default_factory=list)  # per stage, model k/v heads [P*kc]
 
@@ -53,12 +54,14 @@ class StagePlan:
 
 
 def make_plan(layout, group, kernel, scale, D, device, dropout: bool, save: bool = False,
-               overlap: bool = False) -> StagePlan:
-    """The per-call constants of one fused block call, with each stage's model heads (rank-major)."""
+               overlap: bool = False, overlap_forward: bool = False) -> StagePlan:
+    """The per-call constants of one fused block call, with each stage's model heads (rank-major). `overlap`: the
+    backward's all-to-alls one stage ahead (and the forward's); `overlap_forward`: the forward's."""
     # dropout masks are regenerated from this seed in backward; drawn from torch's RNG, so activation
     # checkpointing (which restores the RNG state before recomputing) draws the same one
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout else 0
-    plan = StagePlan(layout, group, kernel, scale, D, seed=seed, save=save, overlap=overlap)
+    plan = StagePlan(layout, group, kernel, scale, D, seed=seed, save=save, overlap=overlap,
+                     overlap_forward=overlap or overlap_forward)
     P, qpr, kpr = layout.sp_size, layout.q_per_rank, layout.kv_per_rank
     ranks = torch.arange(P, device=device)[:, None]  # [P, 1]
     for i in range(layout.num_stages):

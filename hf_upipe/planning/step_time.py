@@ -21,8 +21,9 @@ step is):
   which (P-1)/P leave the GPU: forward q, k, v and the output (2H + 2Hk, k/v replicated up to P heads), again in
   the recompute; backward dout, dq, dk, dv for DeepSpeed; our registered path also re-sends q and the output; the
   fused block re-sends q and the output, and either re-sends k, v and sends dk/dv once per stage (recompute mode)
-  or keeps k, v and sends dk/dv once per k/v chunk (save mode). With `overlap` they run during the neighbouring
-  stage's kernel: only the first stage's share and what exceeds the attention time stay exposed. Each call also
+  or keeps k, v and sends dk/dv once per k/v chunk (save mode). The fused forward (and its recompute) sends each
+  stage's inputs and output while the neighbouring stage's kernel runs, and with `overlap` its backward does too:
+  only the first stage's share and what exceeds the kernels' time stay exposed. Each call also
   costs a fixed latency (`GPU.all_to_all_latency`), which is what smaller head chunks pay.
 - Overlapped with the layer's compute (the larger of the two counts): FSDP2's all-gathers (bf16 weights, forward
   and backward) and reduce-scatters (fp32 gradients); the offloaded input's copies over PCIe.
@@ -123,9 +124,20 @@ def _dims(config) -> dict:
     return {**g, "head_dim": head_dim, "mlp_active": mlp_active, "mlp_total": mlp_total}
 
 
+def _forward_units(H: int, Hkv: int) -> int:
+    """Elements one forward sends per rank and layer, in units of s*D: q, out, k, v."""
+    return 2 * H + 2 * Hkv
+
+
+def _exposed(t: float, stages: int, budget: float) -> float:
+    """Seconds of all-to-all `t`, sent one stage ahead over `stages`, left exposed beside `budget` seconds of
+    kernels: the first stage's share, and whatever exceeds the kernels."""
+    return t / stages + max(0.0, t * (1 - 1 / stages) - budget)
+
+
 def _all_to_all_units(impl: str, fused_backward: str, H: int, Hkv: int, P: int, stages: int, kc: int) -> float:
     """Elements sent per rank and layer in a step, in units of s*D (see the module docstring)."""
-    forward = 2 * H + 2 * Hkv  # q, out, k, v
+    forward = _forward_units(H, Hkv)
     if impl == "deepspeed":
         backward = 2 * H + 2 * Hkv  # dout, dq, dk, dv
     elif impl in ("ulysses", "upipe"):
@@ -175,10 +187,15 @@ def step_time(config, settings, *, seq_len: int, sp_size: int, world: int, gpus_
     t_attention = (attention_fwd * (3 if recompute else 2) / (gpu.flops * eff.attention_forward)
                    + 2.5 * attention_fwd / (gpu.flops * eff.attention_backward))
     sp_bandwidth = gpu.nvlink if P <= gpus_per_node else gpu.network
-    a2a_bytes = _all_to_all_units(impl, settings.fused_backward, H, Hkv, P, stages, kc) * s * D * 2 * (P - 1) / P
-    t_a2a = a2a_bytes / (sp_bandwidth * eff.all_to_all)
-    if fused and settings.overlap and stages > 1:
-        t_a2a = t_a2a / stages + max(0.0, t_a2a * (1 - 1 / stages) - t_attention)
+    seconds_per_unit = s * D * 2 * (P - 1) / P / (sp_bandwidth * eff.all_to_all)
+    units = _all_to_all_units(impl, settings.fused_backward, H, Hkv, P, stages, kc)
+    t_fwd = 2 * _forward_units(H, Hkv) * seconds_per_unit  # the forward's and the checkpoint recompute's
+    t_bwd = (units - 2 * _forward_units(H, Hkv)) * seconds_per_unit
+    if fused and stages > 1:  # the fused forward always sends one stage ahead; its backward does with `overlap`
+        t_fwd = _exposed(t_fwd, stages, 2 * attention_fwd / (gpu.flops * eff.attention_forward))
+        if settings.overlap:
+            t_bwd = _exposed(t_bwd, stages, t_attention - 2 * attention_fwd / (gpu.flops * eff.attention_forward))
+    t_a2a = t_fwd + t_bwd
     groups = layout.kv_per_rank // layout.kv_per_stage
     t_a2a += _all_to_all_calls(impl, settings.fused_backward, stages, groups) * gpu.all_to_all_latency
 

@@ -43,7 +43,9 @@ def test_orderings_the_code_implies():
             "overlap": StepSettings("fused", 1, fused_backward="save", overlap=True, **STACK),
             "recompute": StepSettings("fused", 1, **STACK),
             "untiled": StepSettings("fused", 1, fused_backward="save", tiled_mlp=False, offload="cpu")}.items()}
-        assert t["deepspeed"] < t["ulysses"] < t["save"] < t["recompute"]  # bytes, then the projections, attention
+        assert t["deepspeed"] < t["ulysses"] and t["save"] < t["recompute"]  # bytes; the attention recompute
+        # the save mode recomputes q's projection but its forward sends one stage ahead, hidden behind the kernels
+        assert abs(t["save"] / t["ulysses"] - 1) < 0.02, t
         assert t["overlap"] < t["save"] and t["untiled"] < t["save"]  # overlap hides bytes; tiling recomputes the MLP
     full = _llama(StepSettings("fused", 1, **STACK), 2**20)
     lora = _llama(StepSettings("fused", 1, **STACK), 2**20, lora=(16, ("q_proj", "v_proj")))
