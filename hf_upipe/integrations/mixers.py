@@ -29,7 +29,6 @@ Two ways, by what the mixer carries across the sequence:
 
 from __future__ import annotations
 
-import collections
 import functools
 import hashlib
 import inspect
@@ -99,35 +98,50 @@ def _send(t: torch.Tensor, dst: int, group, header: bool) -> None:
     dist.send(t.detach().contiguous(), dst, group=group)
 
 
-def _recv(src: int, group, like: torch.Tensor | None = None, device=None) -> torch.Tensor:
-    """Receive what `_send` sent: shaped like `like`, or as its header says (on `device`)."""
+def _recv(src: int, group, like: tuple | None = None, device=None) -> torch.Tensor:
+    """Receive what `_send` sent, on `device`: of `like` = (shape, dtype), or as its header says."""
     if like is None:
         code = torch.empty(8, dtype=torch.int64, device=device)
         dist.recv(code, src, group=group)
         code = code.tolist()
         n = code[0]
-        like = torch.empty(code[1:1 + n], dtype=_DTYPES[code[1 + n]], device=device)
-    out = torch.empty(like.shape, dtype=like.dtype, device=like.device)  # contiguous, whatever like's strides
+        like = (code[1:1 + n], _DTYPES[code[1 + n]])
+    out = torch.empty(like[0], dtype=like[1], device=device)
     dist.recv(out, src, group=group)
     return out
 
 
+class _Kept:
+    """What a recompute of one forward needs (`tensors`: the received halo and state, detached). Held by that
+    forward's `_Receive` node, so it lives exactly as long as the forward's graph; the mixer's stash holds it
+    weakly."""
+
+    __slots__ = ("tensors", "__weakref__")
+
+    def __init__(self):
+        self.tensors = None
+
+
 class _Receive(torch.autograd.Function):
     """(halo, state) from the previous rank; backward sends it their gradients. `anchor` keeps the node in the
-    graph on every rank alike (a leaf that requires grad), so no rank waits for a gradient nobody sends."""
+    graph on every rank alike (a leaf that requires grad), so no rank waits for a gradient nobody sends. `kept`: a
+    `_Kept` to fill (for a recompute), or None."""
 
     @staticmethod
-    def forward(ctx, anchor, group, src, device):
-        ctx.group, ctx.src = group, src
+    def forward(ctx, anchor, group, src, device, kept):
+        ctx.group, ctx.src, ctx.device = group, src, device
         halo, state = _recv(src, group, device=device), _recv(src, group, device=device)
-        ctx.like = (halo, state)
+        ctx.like = [(t.shape, t.dtype) for t in (halo, state)]  # not the outputs: that would be a reference cycle
+        if kept is not None:
+            kept.tensors, ctx.kept = (halo.detach(), state.detach()), kept
         return halo, state
 
     @staticmethod
     def backward(ctx, d_halo, d_state):
-        for g, like in zip((d_halo, d_state), ctx.like):
-            _send(torch.zeros_like(like) if g is None else g, ctx.src, ctx.group, header=False)
-        return None, None, None, None
+        for g, (shape, dtype) in zip((d_halo, d_state), ctx.like):
+            _send(g if g is not None else torch.zeros(shape, dtype=dtype, device=ctx.device), ctx.src, ctx.group,
+                  header=False)
+        return None, None, None, None, None
 
 
 class _Give(torch.autograd.Function):
@@ -136,14 +150,15 @@ class _Give(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, group, dst, tail, final):
-        ctx.group, ctx.dst, ctx.like = group, dst, (tail, final)
+        ctx.group, ctx.dst, ctx.device = group, dst, tail.device
+        ctx.like = [(t.shape, t.dtype) for t in (tail, final)]  # not the tensors: they need not live until backward
         _send(tail, dst, group, header=True)
         _send(final, dst, group, header=True)
         return anchor.new_zeros(())
 
     @staticmethod
     def backward(ctx, _):
-        grads = [_recv(ctx.dst, ctx.group, like) for like in ctx.like]
+        grads = [_recv(ctx.dst, ctx.group, like, ctx.device) for like in ctx.like]
         return None, None, None, *grads
 
 
@@ -226,20 +241,18 @@ def sharded_mixer_forward(self, hidden_states, *args, **kwargs):
     key = _call_key() if torch.is_grad_enabled() and _may_recompute() else None  # every rank alike
     halo = start = None
     if rank > 0:
-        halo, start = _Receive.apply(anchor, group, ranks[rank - 1], hidden_states.device)
-        if key is not None:  # what a recompute of this call will need
-            stash = self.__dict__.setdefault("_upipe_stash", collections.OrderedDict())
-            stash[key] = (halo.detach(), start.detach())
-            while len(stash) > _STASH:
-                stash.popitem(last=False)
+        kept = _Kept() if key is not None else None  # what a recompute of this call will need
+        halo, start = _Receive.apply(anchor, group, ranks[rank - 1], hidden_states.device, kept)
+        if kept is not None:  # found by key, alive while this forward's graph is
+            stash = self.__dict__.setdefault("_upipe_stash", {})
+            for k in [k for k, ref in stash.items() if ref() is None]:
+                del stash[k]
+            stash[key] = weakref.ref(kept)
     cache = _ShardCache(halo, start)
     out = type(self).forward(self, hidden_states, cache, attention_mask, **kwargs)
     if rank < size - 1:
         out = out + _Give.apply(anchor, group, ranks[rank + 1], cache.tail, cache.final).to(out.dtype)
     return out
-
-
-_STASH = 4  # received (halo, state) pairs kept per mixer for recomputes, by key: the last checkpointed calls'
 
 
 def _may_recompute() -> bool:
@@ -267,15 +280,14 @@ def _recompute(self, hidden_states, attention_mask, rank, kwargs):
     key = _call_key()  # every rank alike, as its forward did
     halo = start = None
     if rank > 0:
-        entry = self.__dict__.get("_upipe_stash", {}).get(key)
-        if entry is None:
-            raise RuntimeError(f"{type(self).__name__}: a recompute of a forward whose received state is gone: "
-                               f"more than {_STASH} forwards of this layer ran before one backward under activation "
-                               "checkpointing (run the backward of each forward before the next forward), or the "
+        ref = self.__dict__.get("_upipe_stash", {}).get(key)
+        kept = ref() if ref is not None else None
+        if kept is None:
+            raise RuntimeError(f"{type(self).__name__}: a recompute found no state received by its forward: the "
                                "checkpoint does not restore the random state (keep preserve_rng_state=True, its "
                                "default).")
         # requiring grad as the forward's did, so the recompute saves the tensors the forward saved
-        halo, start = (t.detach().requires_grad_(torch.is_grad_enabled()) for t in entry)
+        halo, start = (t.detach().requires_grad_(torch.is_grad_enabled()) for t in kept.tensors)
     return type(self).forward(self, hidden_states, _ShardCache(halo, start), attention_mask, **kwargs)
 
 

@@ -139,8 +139,9 @@ def test_shards_shorter_than_the_convolution_are_refused_on_every_rank():
 
 def _checkpoint_worker(rank, world):
     """What a state mixer keeps for a recompute: nothing without checkpointing, the received (halo, state) under
-    non-reentrant checkpointing; reentrant checkpointing (its forward runs without grad, so nothing could be kept)
-    and checkpointing that does not restore the random state are refused on every rank before any send."""
+    non-reentrant checkpointing, for as long as that forward's graph lives (counted before its backward and after
+    the graph is dropped); reentrant checkpointing (its forward runs without grad, so nothing could be kept) and
+    checkpointing that does not restore the random state are refused on every rank before any send."""
     _, model = _pair("bamba")
     hf_upipe.init_sequence_parallel(world)
     try:
@@ -149,12 +150,19 @@ def _checkpoint_worker(rank, world):
         mixer = next(m for m in model.modules() if mixers.is_installed(m))
         ids = torch.randint(3, 96, (1, S), generator=torch.Generator().manual_seed(1))
         shard = hf_upipe.shard_batch({"input_ids": ids}, rank, world)
+
+        def live():
+            return sum(ref() is not None for ref in mixer.__dict__.get("_upipe_stash", {}).values())
+
         kept = []
         for kwargs in (None, {"use_reentrant": False}):
             if kwargs is not None:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits.sum().backward()
-            kept.append(len(mixer.__dict__.get("_upipe_stash", ())))
+            loss = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits.sum()
+            before = live()
+            loss.backward()
+            del loss
+            kept.append((before, live()))
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         reentrant = _refusal(model, rank, world)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
@@ -166,7 +174,8 @@ def _checkpoint_worker(rank, world):
 
 def test_a_mixer_keeps_received_state_only_for_a_checkpoint_recompute():
     (kept0, said0, rng0), (kept1, said1, rng1) = run_distributed(_checkpoint_worker, 2, timeout=120)
-    assert kept0 == [0, 0] and kept1 == [0, 1], (kept0, kept1)  # rank 0 receives nothing
+    # rank 0 receives nothing; rank 1 keeps one forward's state while its graph lives, none once it is dropped
+    assert kept0 == [(0, 0), (0, 0)] and kept1 == [(0, 0), (1, 0)], (kept0, kept1)
     for said in (said0, said1):
         assert "use_reentrant=True around a recurrent mixer" in said and "'use_reentrant': False" in said, said
     for said in (rng0, rng1):  # the recompute's key would not match its forward's
