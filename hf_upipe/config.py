@@ -73,6 +73,10 @@ class UPipeConfig:
         "Ranks that share one sequence (sequence-parallel degree). Default: all processes of a node "
         "(LOCAL_WORLD_SIZE when it divides the world size), else all processes. Must divide the world size; the "
         "remaining factor is data parallelism.")})
+    ring_size: int | None = field(default=None, metadata={"help": (
+        "Ring attention across the SP group: sp_size = U x ring_size ranks, UPipe's all-to-alls over U contiguous "
+        "ranks (a node) and a ring over ring_size (across nodes), for more ranks than the heads allow. Default 1 "
+        "(no ring). With a ring, sp_size defaults to the processes of one node times ring_size.")})
     heads_per_chunk: int | str | None = field(default=None, metadata={"help": (
         "Query heads each rank processes per UPipe stage: 1 (default) uses the least attention memory; 'all' "
         "processes all local heads at once, which is DeepSpeed-Ulysses done by the same code.")})
@@ -137,6 +141,8 @@ class UPipeConfig:
         if self.sp_size is None and env["sp_size"] is not None:
             self.sp_size = env["sp_size"]
         self.sp_size = _parse_positive_int("sp_size", self.sp_size, allow_none=True)
+        ring = self.ring_size if self.ring_size is not None else env["ring_size"]
+        self.ring_size = 1 if ring is None else _parse_positive_int("ring_size", ring)
 
         hpc = self.heads_per_chunk if self.heads_per_chunk is not None else env["heads_per_chunk"]
         if hpc is None:
@@ -235,16 +241,19 @@ class UPipeConfig:
             local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
         sp = self.sp_size
         if sp is None:
-            fits = local_world_size and world_size % local_world_size == 0
-            sp = local_world_size if fits else world_size
+            node = local_world_size * self.ring_size if local_world_size else None
+            sp = node if node and world_size % node == 0 else world_size
         if world_size % sp != 0:
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
             raise ValueError(f"{self.describe('sp_size')}: sp_size={sp} does not divide the {world_size} processes "
                              f"of this launch; use one of {divisors}.")
+        if sp % self.ring_size:
+            raise ValueError(f"{self.describe('ring_size')} does not divide sp_size={sp} (sp_size = ranks per ring "
+                             f"shard x ring_size); use one of {[d for d in range(1, sp + 1) if sp % d == 0]}.")
         return sp
 
     def init_kwargs(self) -> dict:
-        """`heads_per_chunk`, `kernel` and `allow_unverified` as `init_sequence_parallel` takes them
+        """`ring_size`, `heads_per_chunk`, `kernel` and `allow_unverified` as `init_sequence_parallel` takes them
         ('all' -> None)."""
-        return {"heads_per_chunk": None if self.heads_per_chunk == "all" else self.heads_per_chunk,
-                "kernel": self.kernel, "allow_unverified": self.allow_unverified}
+        return {"ring_size": self.ring_size, "heads_per_chunk": None if self.heads_per_chunk == "all" else
+                self.heads_per_chunk, "kernel": self.kernel, "allow_unverified": self.allow_unverified}

@@ -1,11 +1,12 @@
 """Cut collated batches into the per-rank sequence shards that `attn_implementation="upipe"` expects.
 
 Entry points:
-- `shard_batch(batch, sp_rank, sp_size, *, pad_token_id=0, ignore_index=-100)`: pure function (no communication)
-  from a full collated batch to this rank's shard: `shift_labels` built over the whole sequence, the sequence
-  right-padded to a multiple of `sp_size`, `position_ids` (global, or per document for packed rows), every [B, S]
-  tensor sliced to the contiguous shard `[:, r*s:(r+1)*s]`, `num_label_tokens` of the whole batch for a globally
-  normalised loss, and for packed rows the document boundaries `upipe_cu_seqlens` / `upipe_max_seqlen`.
+- `shard_batch(batch, sp_rank, sp_size, *, ring_size=None, pad_token_id=0, ignore_index=-100)`: pure function (no
+  communication) from a full collated batch to this rank's shard: `shift_labels` built over the whole sequence,
+  the sequence right-padded to a multiple of `sp_size`, `position_ids` (global, or per document for packed rows),
+  every [B, S] tensor sliced to the contiguous shard `[:, r*s:(r+1)*s]` (with a ring: the rank's tokens in ring
+  order, `hf_upipe.ops.ring.ring_positions`), `num_label_tokens` of the whole batch for a globally normalised
+  loss, and for packed rows the document boundaries `upipe_cu_seqlens` / `upipe_max_seqlen`.
 - `ShardedDataLoader(dataloader, state, *, pad_token_id=0)`: wraps a loader that yields the SAME batch on every
   rank of an SP group and yields `shard_batch(batch, state.sp_rank, state.sp_size)`.
 - `sampler_kwargs(state)`: `dict(num_replicas=state.dp_size, rank=state.dp_rank)` for a `DistributedSampler`, so
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from hf_upipe.distributed import SequenceParallelState, get_sequence_parallel_state
 from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
+from hf_upipe.ops.ring import ring_positions
 
 __all__ = ["ShardedDataLoader", "sampler_kwargs", "shard_batch"]
 
@@ -124,9 +126,11 @@ def _is_sequence(value, batch_size: int, seq_len: int) -> bool:
 
 
 def shard_batch(
-    batch: dict, sp_rank: int, sp_size: int, *, pad_token_id: int = 0, ignore_index: int = -100
+    batch: dict, sp_rank: int, sp_size: int, *, ring_size: int | None = None, pad_token_id: int = 0,
+    ignore_index: int = -100
 ) -> dict:
-    """This rank's contiguous sequence shard of a full collated batch (pure, no communication).
+    """This rank's sequence shard of a full collated batch (pure, no communication): contiguous, or with a ring
+    its tokens in ring order (`hf_upipe.ops.ring.ring_positions`).
 
     Every rank of an SP group calls it on the same batch, so every rank takes the same decisions and raises the
     same errors (all checks run on the unsharded batch, before slicing).
@@ -144,7 +148,10 @@ def shard_batch(
             sliced; everything else is passed through unchanged.
         sp_rank: this rank's index in its SP group.
         sp_size: ranks in the SP group.
-        pad_token_id: id used to right-pad `input_ids` to a multiple of `sp_size`.
+        ring_size: R of `init_sequence_parallel(ring_size=R)`; default: the installed state's (else 1). With R > 1
+            the sequence is padded to a multiple of 2*sp_size and each rank takes `ring_positions` (two mirrored
+            chunks per ring shard, for causal load balance); packed rows are refused.
+        pad_token_id: id used to right-pad `input_ids` to a multiple of `sp_size` (2*sp_size with a ring).
         ignore_index: label value ignored by the loss (transformers: -100).
 
     Returns:
@@ -170,6 +177,10 @@ def shard_batch(
         raise ValueError(f"shard_batch(sp_rank={sp_rank}, sp_size={sp_size}) but this rank is SP rank {state.sp_rank} "
                          f"of {state.sp_size} (init_sequence_parallel): the shards would not cover the sequence. Pass "
                          "state.sp_rank and state.sp_size.")
+    if ring_size is None:
+        ring_size = state.ring_size if state is not None and state.sp_size == sp_size else 1
+    if not isinstance(ring_size, int) or ring_size < 1 or sp_size % ring_size:
+        raise ValueError(f"ring_size={ring_size!r} must be a positive integer dividing sp_size={sp_size}.")
     ids = batch.get("input_ids")
     if not torch.is_tensor(ids) or ids.dim() != 2:
         raise ValueError("shard_batch needs batch['input_ids'] as a [B, S] tensor (collate and pad the batch first), "
@@ -191,6 +202,9 @@ def shard_batch(
     starts = _document_starts(batch, pos, real)  # [B, S]
     packed = bool(starts[:, 1:].any())
     _check_positions(pos, real, starts, packed)
+    if packed and ring_size > 1:
+        raise ValueError(f"Packed rows (several documents per row) are not implemented with ring attention "
+                         f"(ring_size={ring_size}): pad each document to its own row, or use ring_size=1.")
 
     out = {k: v for k, v in batch.items() if k not in _FLASH_KEYS and k not in ("labels", "position_ids")}
     # (1) targets shifted over the WHOLE sequence: position t predicts token t+1
@@ -209,7 +223,8 @@ def shard_batch(
 
     # (2) right-pad to a multiple of sp_size; (3) global positions, or per-document ones continuing the last
     # document of each row over the padding (also replacing any given ones on padding)
-    s = -(-S // sp_size)
+    step = sp_size * (2 if ring_size > 1 else 1)  # a ring cuts the sequence into 2R chunks of U*s/2 tokens
+    s = -(-S // step) * step // sp_size
     pad = s * sp_size - S
     fill = {"input_ids": pad_token_id, "shift_labels": ignore_index, "attention_mask": 0}
     if packed:
@@ -218,15 +233,16 @@ def shard_batch(
         out["upipe_cu_seqlens"], out["upipe_max_seqlen"] = _cu_seqlens(starts)  # global: the same on every rank
     else:
         out["position_ids"] = torch.arange(S + pad, device=ids.device).expand(B, S + pad)  # [B, S_padded]
-    # (4) this rank's contiguous shard of every sequence tensor
-    lo, hi = sp_rank * s, (sp_rank + 1) * s
+    # (4) this rank's shard of every sequence tensor: contiguous, or its tokens in ring order
+    take = slice(sp_rank * s, (sp_rank + 1) * s) if ring_size == 1 else \
+        ring_positions(sp_rank, s, sp_size, ring_size, ids.device)
     for key, value in out.items():
         if not _is_sequence(value, B, S + pad if key == "position_ids" else S):
             continue
         if pad and key != "position_ids":
             tail = value.new_full((value.shape[0], pad, *value.shape[2:]), fill.get(key, 0))  # [B|1, pad, ...]
             value = torch.cat([value, tail], dim=1)  # [B|1, S_padded, ...]
-        out[key] = value[:, lo:hi].contiguous()  # [B|1, s, ...]
+        out[key] = value[:, take].contiguous()  # [B|1, s, ...]
     return out
 
 

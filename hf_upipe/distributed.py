@@ -1,10 +1,11 @@
 """Process groups for sequence parallelism: the only module that creates them.
 
 Entry points:
-- `init_sequence_parallel(sp_size=None, *, heads_per_chunk=1, group=None, kernel="auto")`: after
+- `init_sequence_parallel(sp_size=None, *, ring_size=1, heads_per_chunk=1, group=None, kernel="auto")`: after
   `torch.distributed` is up (torchrun, `accelerate launch`), build contiguous sequence-parallel (SP) groups of
   `sp_size` ranks, data parallel (DP) across groups, and install them as the defaults the registered
-  `attn_implementation="upipe"` uses. Returns a `SequenceParallelState`.
+  `attn_implementation="upipe"` uses. Returns a `SequenceParallelState`. With `ring_size` R > 1 each SP group is
+  U x R ranks: UPipe's all-to-alls over U contiguous ranks (a node), ring attention over R (`hf_upipe.ops.ring`).
 - `get_sequence_parallel_state()`: the installed defaults, or `None` when SP was never initialised (then "upipe"
   is exact local attention).
 - `reset_sequence_parallel()`: forget the defaults (tests, notebooks).
@@ -23,7 +24,9 @@ again with the same settings returns the installed state; with other settings it
 
 Layout: with world size W and `sp_size` P, SP group g holds ranks [g*P, (g+1)*P) (neighbours share a node, where
 the all-to-alls are fast) and DP group i holds ranks {i, i+P, i+2P, ...}. Every rank of one SP group works on
-the same sample; different SP groups get different samples.
+the same sample; different SP groups get different samples. With `ring_size` R (U = sp_size / R), inside SP
+group g the Ulysses group j holds ranks g*P + j*U + [0, U) and ring group u the ranks g*P + u + U*[0, R): SP rank
+r = j*U + u holds part u of ring shard j (`hf_upipe.ops.ring.ring_positions`).
 
 The defaults are a convenience for transformers' attention interface, which gives no way to pass a process group
 through a model call. Every op in `hf_upipe.ops` takes its group explicitly.
@@ -68,6 +71,8 @@ class SequenceParallelState:
         kernel: inner attention kernel name ("auto", "sdpa", "flash_attn", ...), see `hf_upipe.ops.kernels`.
         allow_unverified: run model types hf_upipe has not verified under SP (after `hf-upipe selftest` on them).
         check_group: a gloo twin of `sp_group` with a short timeout, for validation collectives (None: use sp_group).
+        ring_size: R, the ring across the SP group (1: none); `ulysses_group` (its U = sp_size / R ranks that
+            all-to-all heads) and `ring_group` (the R ranks with this rank's place in the other ring shards).
     """
 
     sp_group: dist.ProcessGroup | None
@@ -80,9 +85,17 @@ class SequenceParallelState:
     kernel: str = "auto"
     allow_unverified: bool = False
     check_group: dist.ProcessGroup | None = None
+    ring_size: int = 1
+    ulysses_group: dist.ProcessGroup | None = None
+    ring_group: dist.ProcessGroup | None = None
 
     def settings(self) -> tuple:
-        return (self.sp_size, self.heads_per_chunk, self.kernel, self.allow_unverified)
+        return (self.sp_size, self.heads_per_chunk, self.kernel, self.allow_unverified, self.ring_size)
+
+    @property
+    def attention_group(self) -> dist.ProcessGroup | None:
+        """The group UPipe's all-to-alls run over: the Ulysses group with a ring, else the SP group."""
+        return self.ulysses_group if self.ring_size > 1 else self.sp_group
 
 
 _STATE: SequenceParallelState | None = None
@@ -132,7 +145,7 @@ def _agree(settings: tuple) -> None:
     except (RuntimeError, dist.DistError) as err:
         raise validation_failed(err, "init_sequence_parallel") from None
     if len(set(every)) > 1:
-        names = ("sp_size", "heads_per_chunk", "kernel", "allow_unverified")
+        names = ("sp_size", "heads_per_chunk", "kernel", "allow_unverified", "ring_size")
         lines = "; ".join(f"rank {r}: " + ", ".join(f"{n}={v!r}" for n, v in zip(names, s)) for r, s in
                           enumerate(every))
         raise ValueError(f"The ranks asked init_sequence_parallel for different settings ({lines}): every rank must "
@@ -150,6 +163,7 @@ def _check_heads_per_chunk(heads_per_chunk: int | None) -> None:
 def init_sequence_parallel(
     sp_size: int | None = None,
     *,
+    ring_size: int = 1,
     heads_per_chunk: int | None = 1,
     group: dist.ProcessGroup | None = None,
     kernel: str = "auto",
@@ -162,6 +176,8 @@ def init_sequence_parallel(
 
     Args:
         sp_size: ranks that share one sequence; default: all ranks. Must divide the world size.
+        ring_size: R > 1 splits the SP group into U = sp_size / R ranks that all-to-all heads (UPipe, inside a
+            node) times R ring shards passed around by ring attention (across nodes); must divide sp_size.
         heads_per_chunk: query heads each rank processes per stage (1 = least memory, the UPipe default);
             None = all local heads at once (Ulysses).
         group: an explicit SP process group to use instead of building one (then `sp_size`, if given, must
@@ -192,6 +208,10 @@ def init_sequence_parallel(
     world = dist.get_world_size()
     rank = dist.get_rank()
 
+    if not isinstance(ring_size, int) or ring_size < 1:
+        raise ValueError(f"ring_size={ring_size!r} must be a positive integer (1: no ring).")
+    if group is not None and ring_size > 1:
+        raise ValueError("ring_size > 1 builds its own Ulysses and ring groups: pass sp_size, not group.")
     if group is not None:
         if dist.get_rank(group) < 0:
             raise ValueError(
@@ -213,15 +233,18 @@ def init_sequence_parallel(
         raise ValueError(
             f"sp_size={sp_size} does not divide the world size {world}; use one of {divisors}."
         )
+    if sp_size % ring_size:
+        raise ValueError(f"ring_size={ring_size} does not divide sp_size={sp_size}; use one of "
+                         f"{[d for d in range(1, sp_size + 1) if sp_size % d == 0]}.")
     dp_size = world // sp_size
-    settings = (sp_size, heads_per_chunk, kernel, allow_unverified)
+    settings = (sp_size, heads_per_chunk, kernel, allow_unverified, ring_size)
     _agree(settings)
     if _STATE is not None and _STATE.check_group is not None:
         if _STATE.settings() == settings:
             return _STATE  # the same settings again: nothing to build
-        raise ValueError(f"init_sequence_parallel was already called with sp_size={_STATE.sp_size}, heads_per_chunk="
-                         f"{_STATE.heads_per_chunk!r}, kernel={_STATE.kernel!r}: call reset_sequence_parallel() "
-                         "first to change them.")
+        raise ValueError(f"init_sequence_parallel was already called with sp_size={_STATE.sp_size}, ring_size="
+                         f"{_STATE.ring_size}, heads_per_chunk={_STATE.heads_per_chunk!r}, kernel={_STATE.kernel!r}: "
+                         "call reset_sequence_parallel() first to change them.")
 
     # new_group must be called by every rank for every group, in the same order.
     sp_group = dp_group = check_group = None
@@ -233,6 +256,18 @@ def init_sequence_parallel(
         twin = None if simulated else dist.new_group(ranks, backend="gloo", timeout=timeout)
         if rank in ranks:
             sp_group, check_group = pg, twin
+    ulysses_group = ring_group = None
+    if ring_size > 1:
+        U = sp_size // ring_size
+        for g in range(dp_size):
+            for j in range(ring_size):
+                ranks = [g * sp_size + j * U + u for u in range(U)]
+                pg = dist.new_group(ranks)
+                ulysses_group = pg if rank in ranks else ulysses_group
+            for u in range(U):
+                ranks = [g * sp_size + u + U * j for j in range(ring_size)]
+                pg = dist.new_group(ranks)
+                ring_group = pg if rank in ranks else ring_group
     if dp_size > 1:
         for i in range(sp_size):
             ranks = list(range(i, world, sp_size))
@@ -244,11 +279,12 @@ def init_sequence_parallel(
         sp_group=sp_group, sp_size=sp_size, sp_rank=rank % sp_size,
         dp_group=dp_group, dp_size=dp_size, dp_rank=rank // sp_size,
         heads_per_chunk=heads_per_chunk, kernel=kernel, allow_unverified=allow_unverified, check_group=check_group,
+        ring_size=ring_size, ulysses_group=ulysses_group, ring_group=ring_group,
     )
     if rank == 0:
         logger.info(
-            "hf_upipe: %d SP group(s) of %d ranks, heads_per_chunk=%s, kernel=%s", dp_size, sp_size,
-            heads_per_chunk, kernel,
+            "hf_upipe: %d SP group(s) of %d ranks (ring of %d), heads_per_chunk=%s, kernel=%s", dp_size, sp_size,
+            ring_size, heads_per_chunk, kernel,
         )
     return _STATE
 

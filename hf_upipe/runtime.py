@@ -119,6 +119,14 @@ def _geometry_errors(config: UPipeConfig, heads, sp: int, world: int) -> list[Ex
     if heads is None or sp == 1:
         return []
     H, Hk = heads
+    ring = config.ring_size
+    if ring > 1:  # the heads split over the U = sp / ring ranks of a ring shard
+        why = geometry_error(H, Hk, sp // ring)
+        if why is not None:
+            return [ValueError(f"sp_size={sp} with {config.describe('ring_size')} leaves {sp // ring} ranks per ring "
+                               f"shard, which cannot split this model's attention: {why}. Values of sp_size / "
+                               f"ring_size that work: {[p for p in valid_sp_sizes(H, Hk, upto=sp) if sp % p == 0]}.")]
+        sp = sp // ring
     why = geometry_error(H, Hk, sp)
     if why is not None:
         ok = [p for p in valid_sp_sizes(H, Hk, upto=world) if world % p == 0]

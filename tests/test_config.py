@@ -6,8 +6,8 @@ from hf_upipe import UPipeConfig
 
 
 def test_defaults(monkeypatch):
-    for name in ("SP_SIZE", "HEADS_PER_CHUNK", "KERNEL", "FUSED_ATTENTION", "TILED_LOSS", "LOSS_CHUNK_TOKENS",
-                 "ALLOW_UNVERIFIED",
+    for name in ("SP_SIZE", "RING_SIZE", "HEADS_PER_CHUNK", "KERNEL", "FUSED_ATTENTION", "TILED_LOSS",
+                 "LOSS_CHUNK_TOKENS", "ALLOW_UNVERIFIED",
                  "TILED_MLP", "MLP_CHUNK_TOKENS", "OFFLOAD", "OFFLOAD_PATH", "FUSED_BACKWARD", "OVERLAP_COMM"):
         monkeypatch.delenv(f"UPIPE_{name}", raising=False)
     cfg = UPipeConfig()
@@ -15,7 +15,19 @@ def test_defaults(monkeypatch):
             cfg.loss_chunk_tokens) == (None, 1, "auto", True, True, None)
     assert (cfg.tiled_mlp, cfg.mlp_chunk_tokens, cfg.offload, cfg.offload_path) == (False, None, "none", None)
     assert cfg.fused_backward == "recompute" and cfg.overlap_comm is False
-    assert cfg.init_kwargs() == {"heads_per_chunk": 1, "kernel": "auto", "allow_unverified": False}
+    assert cfg.init_kwargs() == {"ring_size": 1, "heads_per_chunk": 1, "kernel": "auto", "allow_unverified": False}
+
+
+def test_ring_size(monkeypatch):
+    monkeypatch.setenv("UPIPE_RING_SIZE", "2")
+    cfg = UPipeConfig()
+    assert cfg.ring_size == 2 and cfg.init_kwargs()["ring_size"] == 2
+    assert cfg.resolve_sp_size(16, local_world_size=8) == 16  # UPipe over a node's 8 ranks, a ring of 2 nodes
+    assert UPipeConfig(ring_size=1).resolve_sp_size(16, local_world_size=8) == 8
+    with pytest.raises(ValueError, match=r"UPIPE_RING_SIZE=2 does not divide sp_size=3 .* use one of \[1, 3\]"):
+        UPipeConfig(sp_size=3).resolve_sp_size(6)
+    with pytest.raises(ValueError, match="ring_size=0 must be a positive integer"):
+        UPipeConfig(ring_size=0)
 
 
 def test_environment_fallbacks_and_explicit_precedence(monkeypatch):

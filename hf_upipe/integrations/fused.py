@@ -33,6 +33,7 @@ from torch import nn
 
 from hf_upipe.architectures import adapter_verified, fused_attention_classes, keeps_documents_apart
 from hf_upipe.integrations.layout import validate_layout, with_model_documents, without_documents
+from hf_upipe.integrations.ring_seam import ring_kernel
 from hf_upipe.integrations.transformers import (
     active_state,
     check_call,
@@ -168,14 +169,16 @@ def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=
     if call_window is None and arch.window_in_config:
         call_window = getattr(self.config, "sliding_window", None)
     window = sp_window(attention_mask, call_window, s * state.sp_size, self)
-    if not is_fake(hidden_states):  # (a simulation runs the unwindowed kernel: see upipe_attention_forward)
+    if state.ring_size > 1:  # ring attention: plain causal attention only (packed rows were refused above)
+        kernel = ring_kernel(state, kernel, hidden_states.device, hidden_states.dtype, window=window)
+    elif not is_fake(hidden_states):  # (a simulation runs the unwindowed kernel: see upipe_attention_forward)
         kernel = window_kernel(kernel, window, kwargs.get("upipe_cu_seqlens"), hidden_states.device,
                                hidden_states.dtype)
     cos, sin = position_embeddings
     y = fused_upipe_attention(
         hidden_states, cos, sin, attention_weights(self, arch),
         num_heads=self.config.num_attention_heads, num_kv_heads=self.config.num_key_value_heads,
-        head_dim=self.head_dim, group=state.sp_group, heads_per_chunk=state.heads_per_chunk,
+        head_dim=self.head_dim, group=state.attention_group, heads_per_chunk=state.heads_per_chunk,
         kernel=kernel, scale=self.scaling, **self.__dict__.get(_OPTIONS, {}),
     )
     return y, None

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from hf_upipe.distributed import validation_failed
 from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
+from hf_upipe.ops.ring import ring_positions
 
 __all__ = ["TensorCache", "adopt_modules", "mask_agrees", "model_positions", "note_model_positions",
            "release_modules", "validate_layout", "with_model_documents", "without_documents"]
@@ -117,12 +118,13 @@ def _layout_summary(state, position_ids, mask, batch, local_len, device, documen
             and position_ids.reshape(-1, s).shape[0] in (1, batch):
         pos = position_ids.reshape(-1, s).expand(batch, s)  # [B, s]
     restart = False
-    if pos is not None:  # between two real tokens, a position that does not continue: a new document
-        jump = pos[:, 1:] != pos[:, :-1] + 1  # [B, s-1]
+    expected = ring_positions(r, s, state.sp_size, state.ring_size, pos.device if pos is not None else device)
+    if pos is not None:  # between two real tokens, a position that does not continue (in ring order): a new document
+        jump = pos[:, 1:] - pos[:, :-1] != expected[1:] - expected[:-1]  # [B, s-1]
         restart = bool((jump if pad is None else jump & pad[:, 1:] & pad[:, :-1]).any())
     if documents is None:
         mask_ok = mask is None or mask.plain_causal
-        pos_ok = pos is not None and bool((pos == torch.arange(r * s, (r + 1) * s, device=pos.device)).all())
+        pos_ok = pos is not None and bool((pos == expected).all())
         given, sums = 0, (0, 0)
     else:
         local = _local_documents(documents, r, s, state.sp_size, batch, pos.device if pos is not None else device)
@@ -175,6 +177,10 @@ def _check_layout(state, position_ids, mask, batch, local_len, device, documents
             f"{[i for i, g in enumerate(given) if g]}): every rank must pass the same global document boundaries, "
             "as hf_upipe.shard_batch returns them for a packed batch."
         )
+    if given[0] and state.ring_size > 1:
+        raise NotImplementedError(f"Packed rows (upipe_cu_seqlens) are not implemented with ring attention "
+                                  f"(ring_size={state.ring_size}): pad each document to its own row, or use "
+                                  "ring_size=1.")
     if not given[0] and any(restart):
         raise ValueError(
             f"position_ids restart inside the shards of SP ranks {[i for i, x in enumerate(restart) if x]}: packed "
@@ -190,9 +196,12 @@ def _check_layout(state, position_ids, mask, batch, local_len, device, documents
                 f"... over the flattened batch of {B[0]} rows of {s[0] * state.sp_size} tokens), or upipe_cu_seqlens "
                 "is malformed: pass the shard of hf_upipe.shard_batch unchanged (position_ids, upipe_cu_seqlens)."
             )
+        where = (f"rank r must pass r*{s[0]} .. r*{s[0]}+{s[0] - 1}). Pass position_ids=torch.arange(S)[r*s:(r+1)*s]"
+                 " with each shard" if state.ring_size == 1 else
+                 f"with ring_size={state.ring_size} rank r must pass hf_upipe.ops.ring.ring_positions(r, {s[0]}, "
+                 f"{state.sp_size}, {state.ring_size}), as hf_upipe.shard_batch does)")
         raise ValueError(
-            f"position_ids on SP ranks {bad} are not the global positions of their shard (rank r must pass "
-            f"r*{s[0]} .. r*{s[0]}+{s[0] - 1}). Pass position_ids=torch.arange(S)[r*s:(r+1)*s] with each shard; "
+            f"position_ids on SP ranks {bad} are not the global positions of their shard ({where}; "
             "per-shard positions starting at 0 break RoPE and causality. Packed rows (positions restarting) need "
             "hf_upipe.shard_batch, which adds their document boundaries ('upipe_cu_seqlens')."
             + ("" if position_ids is not None else " (This model's attention receives no position_ids: call "
@@ -209,7 +218,9 @@ def _check_layout(state, position_ids, mask, batch, local_len, device, documents
             "attention_mask has left or interior padding, which sequence-parallel 'upipe' attention cannot honour: "
             "pad on the right (padding_side='right') with labels -100 on the padding, or do not pad."
         )
-    if any(any_pad):
+    if any(any_pad) and state.ring_size > 1:  # ranks are not in sequence order: compare positions
+        _check_ring_rows_trailing(state, mask, batch, s[0], device)
+    elif any(any_pad):
         # rows must be ones-then-zeros across ranks: after the first rank with padding, only full padding
         first = next(i for i, a in enumerate(any_pad) if a)
         if not all(all_pad[first + 1:]):
@@ -337,6 +348,20 @@ def model_positions():
     """The position_ids of the latest prepared model call, or None."""
     ref = _MODEL_POSITIONS[0]
     return ref() if ref is not None else None
+
+
+def _check_ring_rows_trailing(state, mask, batch, local_len, device) -> None:
+    """With a ring: per row, every padded token comes after every real token in global positions (second, rare
+    all-gather of each rank's last real and first padded position per row)."""
+    pos = ring_positions(state.sp_rank, local_len, state.sp_size, state.ring_size, device)  # [s]
+    real = mask.padding if mask is not None and mask.padding is not None else \
+        torch.ones(batch, local_len, dtype=torch.bool, device=device)  # [B, s], True on real tokens
+    last_real = torch.where(real, pos, -1).amax(-1)  # [B]
+    first_pad = torch.where(real, local_len * state.sp_size, pos).amin(-1)  # [B]
+    every = _gather_checked(torch.cat([last_real, first_pad]).long(), state).view(-1, 2, batch)  # [P, 2, B]
+    if bool((every[:, 0].amax(0) > every[:, 1].amin(0)).any()):
+        raise ValueError("attention_mask has interior padding across sequence shards (a padded stretch followed by "
+                         "real tokens): pad on the right (padding_side='right') with labels -100, or do not pad.")
 
 
 def _check_rows_trailing(state, mask, batch, device) -> None:

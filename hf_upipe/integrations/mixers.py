@@ -216,6 +216,10 @@ def sharded_mixer_forward(self, hidden_states, *args, **kwargs):
     attention_mask = args[1] if len(args) > 1 else kwargs.pop(mask_name, None)
     if cache_params is not None:
         raise NotImplementedError("a cache under sequence parallelism: call the model with use_cache=False.")
+    if state.ring_size > 1:  # every rank (the same settings), before any send: shards are in ring order
+        raise NotImplementedError(f"{type(self).__name__} passes its state (or halo) from each shard to the next in "
+                                  f"sequence order, which ring attention (ring_size={state.ring_size}) reorders: "
+                                  "use ring_size=1 for this hybrid model.")
     reach = getattr(self, "conv_kernel_size", 1) - 1
     if hidden_states.shape[1] < max(reach, 2):  # every rank (equal shards), before any send or receive
         raise NotImplementedError(f"a shard of {hidden_states.shape[1]} tokens is shorter than the convolution's "

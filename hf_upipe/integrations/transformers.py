@@ -58,10 +58,12 @@ from hf_upipe.integrations.layout import (
     with_model_documents,
     without_documents,
 )
+from hf_upipe.integrations.ring_seam import ring_kernel
 from hf_upipe.integrations.support import config_refusal, refusal_error, sdpa_refusal
 from hf_upipe.ops.documents import DocumentKernel
 from hf_upipe.ops.fake import is_fake, simulating
 from hf_upipe.ops.kernels import AttentionKernel, get_kernel
+from hf_upipe.ops.ring import ring_positions
 from hf_upipe.ops.softcap import SoftcapKernel
 from hf_upipe.ops.upipe_attention import upipe_attention
 from hf_upipe.ops.windowed import WindowKernel
@@ -152,6 +154,10 @@ def upipe_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
         chunk, window = (local_size, None) if pattern == "chunk" else (None, local_size)
     plain = mask_function is causal_mask_function or _agrees_with_causal(mask_function, q_length, batch_size, window,
                                                                          chunk)
+    if not plain and state.ring_size > 1 and window is None and chunk is None:
+        # ring order jumps inside a shard, which transformers takes for packed documents: causal within those
+        # segments is plain causal here (the layout check refuses positions other than the ring's)
+        plain = _agrees_with_ring_segments(mask_function, state, q_length, batch_size)
     return SequenceParallelMask(padding=padding, plain_causal=plain, mask_function=None if plain else mask_function,
                                 window=window, chunk=chunk, mask_given=attention_mask is not None)
 
@@ -175,6 +181,21 @@ def _agrees_with_causal(mask_function, length: int, batch_size: int, window: int
         expected &= q_idx - kv_idx < window
     if chunk is not None:
         expected &= q_idx // chunk == kv_idx // chunk
+    return all(mask_agrees(mask_function, b, q_idx, kv_idx, expected) for b in range(batch_size))
+
+
+def _agrees_with_ring_segments(mask_function, state, length: int, batch_size: int) -> bool:
+    """Probe a mask function against causal masking inside the runs of consecutive ring positions of this shard
+    (`ring_positions`), on the grid {0, 1, s/2, s-1} plus each run's start and the token before it."""
+    positions = ring_positions(state.sp_rank, length, state.sp_size, state.ring_size)  # [s]
+    starts = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
+    segment = torch.zeros(length, dtype=torch.long)
+    segment[starts] = 1
+    segment = segment.cumsum(0)  # [s] run index
+    grid = {0, 1, length // 2, length - 1} | set(starts) | {p - 1 for p in starts}
+    points = torch.tensor(sorted(grid & set(range(length))))
+    q_idx, kv_idx = (t.flatten() for t in torch.meshgrid(points, points, indexing="ij"))
+    expected = (q_idx >= kv_idx) & (segment[q_idx] == segment[kv_idx])
     return all(mask_agrees(mask_function, b, q_idx, kv_idx, expected) for b in range(batch_size))
 
 
@@ -352,7 +373,10 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
         kernel = sp_kernel(state, kwargs, query.device, query.dtype, s * state.sp_size)
     window = sp_window(attention_mask, sliding_window, s * state.sp_size, module)
     chunk = attention_mask.chunk if isinstance(attention_mask, SequenceParallelMask) else None
-    if chunk is not None:  # chunked attention: the kernel inside each chunk, like packed documents
+    if state.ring_size > 1:  # ring attention: plain causal attention only (packed rows were refused above)
+        kernel = ring_kernel(state, kernel, query.device, query.dtype, window=window, chunk=chunk,
+                             softcap=kwargs.get("softcap"))
+    elif chunk is not None:  # chunked attention: the kernel inside each chunk, like packed documents
         if kwargs.get("upipe_cu_seqlens") is not None or kwargs.get("softcap") is not None:
             raise NotImplementedError(f"chunked attention (chunks of {chunk}) with packed documents or soft-capping is "
                                       "not implemented under sequence parallelism: do not pack.")
@@ -366,7 +390,7 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
         kernel = window_kernel(kernel, window, kwargs.get("upipe_cu_seqlens"), query.device, query.dtype)
     out = upipe_attention(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [B, s, H|Hk, D] views
-        group=state.sp_group, heads_per_chunk=state.heads_per_chunk, kernel=kernel, scale=scaling, sinks=sinks,
+        group=state.attention_group, heads_per_chunk=state.heads_per_chunk, kernel=kernel, scale=scaling, sinks=sinks,
     )
     return out[..., :v_dim], None  # [B, s, H, Dv]
 

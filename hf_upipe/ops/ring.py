@@ -5,7 +5,8 @@ Entry points:
   on this ring rank's queries against every ring rank's keys, passing key/value blocks around the ring and merging
   the partial outputs by their log-sum-exps. UPipe's stage loops (the registered op and the fused block) call it
   as they call any kernel, so head chunking applies inside each ring step: one chunk's buffers at a time.
-- `zigzag_order(seq_len, ring_size)`: the global token indices in ring order (what `hf_upipe.data` shards).
+- `zigzag_order(seq_len, ring_size)`: the global token indices in ring order; `ring_positions(sp_rank, s, sp_size,
+  ring_size)`: those one SP rank holds (what `hf_upipe.data.shard_batch` gives it, what the layout check expects).
 
 The sequence in ring order (causal load balance). The S tokens are cut into 2R chunks of m = S/(2R); ring rank r
 holds chunks r and 2R-1-r, in that order: its ring shard, 2m tokens, which the U ranks of its Ulysses group hold
@@ -34,7 +35,7 @@ import torch.distributed as dist
 
 from hf_upipe.ops.kernels import AttentionKernel
 
-__all__ = ["RingKernel", "zigzag_order"]
+__all__ = ["RingKernel", "ring_positions", "zigzag_order"]
 
 
 def zigzag_order(seq_len: int, ring_size: int) -> torch.Tensor:
@@ -48,9 +49,20 @@ def zigzag_order(seq_len: int, ring_size: int) -> torch.Tensor:
         low = seq_len // (2 * R) * 2 * R
         raise ValueError(f"A ring of {R} ranks cuts the sequence into {2 * R} equal chunks: {seq_len} tokens is not "
                          f"a multiple of {2 * R}; pad or trim to {low} or {low + 2 * R} tokens.")
-    m = seq_len // (2 * R)
-    chunks = torch.arange(seq_len).view(2 * R, m)
-    return torch.cat([torch.cat([chunks[r], chunks[2 * R - 1 - r]]) for r in range(R)])
+    return torch.cat([ring_positions(r, seq_len // R, R, R) for r in range(R)])
+
+
+def ring_positions(sp_rank: int, local_len: int, sp_size: int, ring_size: int, device=None) -> torch.Tensor:
+    """Global token indices [s] that SP rank r holds: part u = r % U of ring shard j = r // U (U = sp_size / R),
+    the shard being chunks j and 2R-1-j of m = U*s/2 tokens; without a ring, r*s .. r*s+s-1. U*s must be even."""
+    s, R = local_len, ring_size
+    if R == 1:
+        return torch.arange(sp_rank * s, (sp_rank + 1) * s, device=device)
+    U = sp_size // R
+    j, u = divmod(sp_rank, U)
+    m = U * s // 2
+    o = u * s + torch.arange(s, device=device)  # offsets in the ring shard [s]
+    return torch.where(o < m, j * m + o, (2 * R - 1 - j) * m + o - m)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_j: torch.Tensor) -> None:

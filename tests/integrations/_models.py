@@ -65,11 +65,13 @@ def build_pair(config, impl: str, seed: int, dtype=torch.float32):
 
 def sharded_errors(ref, model, ids: torch.Tensor, rank: int, world: int) -> tuple[dict, int]:
     """One training step of the one-process `ref` on `ids` [B, S] and of `model` on this rank's shard (shift labels,
-    the loss summed over the SP group's tokens): relative errors of the loss, this shard's logits and every
-    trainable gradient (summed over the group). Returns (errors, number of trainable tensors)."""
+    the loss summed over the SP group's tokens; with a ring, the shard in ring order): relative errors of the loss,
+    this shard's logits and every trainable gradient (summed over the group). Returns (errors, number of trainable tensors)."""
     import torch.distributed as dist
 
     from hf_upipe.data import shard_batch
+    from hf_upipe.distributed import get_sequence_parallel_state
+    from hf_upipe.ops.ring import ring_positions
 
     def rel(a, b):
         return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
@@ -83,8 +85,9 @@ def sharded_errors(ref, model, ids: torch.Tensor, rank: int, world: int) -> tupl
     got.loss.backward()
     loss = got.loss.detach().clone()
     dist.all_reduce(loss)
-    s = ids.shape[1] // world
-    errors = {"loss": rel(loss, want.loss), "logits": rel(got.logits, want.logits[:, rank * s:(rank + 1) * s])}
+    state = get_sequence_parallel_state()
+    mine = ring_positions(rank, shard["input_ids"].shape[1], world, state.ring_size if state is not None else 1)
+    errors = {"loss": rel(loss, want.loss), "logits": rel(got.logits, want.logits[:, mine])}
     grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     for name, p in trained:

@@ -303,7 +303,8 @@ def test_a_rank_that_never_arrives_fails_the_others_within_the_timeout():
 def test_initialising_again():
     same, other, changed = run_distributed(_settings_worker, 2, "reinit")[0]
     assert same is True
-    assert "already called with sp_size=2, heads_per_chunk=1" in other and "reset_sequence_parallel()" in other
+    assert "already called with sp_size=2, ring_size=1, heads_per_chunk=1" in other
+    assert "reset_sequence_parallel()" in other
     assert changed is None
 
 

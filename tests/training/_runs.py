@@ -107,7 +107,8 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
         evals = evals.to_iterable_dataset()
     kwargs = dict(model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator)
     if spec["trainer"] == "upipe":
-        cfg = hf_upipe.UPipeConfig(sp_size=spec["sp"], heads_per_chunk=spec.get("heads_per_chunk", 1),
+        cfg = hf_upipe.UPipeConfig(sp_size=spec["sp"], ring_size=spec.get("ring", 1),
+                                   heads_per_chunk=spec.get("heads_per_chunk", 1),
                                    fused_attention=spec.get("fused", True),
                                    tiled_loss=spec.get("tiled", True), loss_chunk_tokens=7,
                                    tiled_mlp=spec.get("tiled_mlp", False), mlp_chunk_tokens=5,
