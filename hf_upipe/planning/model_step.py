@@ -53,15 +53,23 @@ def llama_config(name: str) -> dict:
 
 
 @contextlib.contextmanager
-def impl_context(impl: str, group, seq_len: int, sp_size: int, heads_per_chunk: int | None):
-    """Validate, install the SP defaults for our impls (DeepSpeed's communicator for the peer), restore on exit."""
+def impl_context(impl: str, group, seq_len: int, sp_size: int, heads_per_chunk: int | None, ring_size: int = 1):
+    """Validate, install the SP defaults for our impls (DeepSpeed's communicator for the peer), restore on exit.
+    With `ring_size` > 1 the SP groups are built anew (`init_sequence_parallel(sp_size, ring_size=...)`)."""
     if impl not in MODEL_IMPLEMENTATIONS:
         raise ValueError(f"impl={impl!r}: choose one of {MODEL_IMPLEMENTATIONS}")
-    if seq_len % sp_size:
-        raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp_size}")
+    if seq_len % (sp_size * (2 if ring_size > 1 else 1)):
+        raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp_size}" +
+                         (f" x 2 (a ring of {ring_size} cuts {2 * ring_size} chunks)" if ring_size > 1 else ""))
+    if ring_size > 1 and impl == "deepspeed":
+        raise ValueError("ring_size > 1 is hf_upipe's ring attention: DeepSpeed's Ulysses has none")
     previous = _sp.get_sequence_parallel_state()
-    if impl != "deepspeed":
-        _sp.init_sequence_parallel(group=group, heads_per_chunk=None if impl == "ulysses" else heads_per_chunk)
+    hpc = None if impl == "ulysses" else heads_per_chunk
+    if ring_size > 1:
+        _sp.set_sequence_parallel_state(None)
+        _sp.init_sequence_parallel(sp_size, ring_size=ring_size, heads_per_chunk=hpc)
+    elif impl != "deepspeed":
+        _sp.init_sequence_parallel(group=group, heads_per_chunk=hpc)
     try:
         with deepspeed_comm() if impl == "deepspeed" else contextlib.nullcontext():
             yield

@@ -49,7 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="tokens per sequence, e.g. 1048576, 1024K or 1M (K = 1024, M = 1048576): does it fit, "
                            "with which settings?")
     what.add_argument("--max", action="store_true", help="the longest sequence that fits, and its settings")
-    parser.add_argument("--sp-size", type=int, help="sequence-parallel degree (default: --gpus)")
+    parser.add_argument("--sp-size", type=int, help="sequence-parallel degree (default: --gpus, x --ring)")
+    parser.add_argument("--ring", type=int, default=1,
+                        help="ring attention across this many ring shards of the SP group, UPipe inside each (e.g. "
+                             "--nodes 2 --ring 2: UPipe over a node's GPUs, a ring across the nodes; default 1)")
     parser.add_argument("--impl", choices=("fused", "upipe", "ulysses", "deepspeed"),
                         help="attention implementation (default: fused where supported); 'ulysses' plans our Ulysses "
                              "mode, 'deepspeed' the peer")
@@ -101,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                       gpu_memory=args.gpu_memory, nodes=args.nodes, seq_len=args.seq_len, max_context=args.max,
                       settings=_fixed_settings(args, config, args.sp_size or args.gpus), impl=args.impl,
                       sp_size=args.sp_size, margin=Margin(args.margin, args.reserved), step=args.step,
-                      exact=args.exact, host_memory=args.host_memory, headroom=args.headroom,
+                      exact=args.exact, host_memory=args.host_memory, headroom=args.headroom, ring_size=args.ring,
                       lora=None if not args.lora_rank else (args.lora_rank, args.lora_targets.split(",")))
     except ValueError as err:
         print(f"hf-upipe plan: error: {err}", file=sys.stderr)

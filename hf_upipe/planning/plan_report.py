@@ -56,7 +56,9 @@ def format_plan(plan) -> str:
     g = model_geometry(plan.config)
     lines = [f"model {plan.model}: {g['layers']} layers, hidden {g['hidden']}, {g['heads']}/{g['kv_heads']} heads, "
              f"vocab {g['vocab']}; {plan.nodes} node(s) x {plan.gpus} GPUs of {_gib(plan.gpu_memory)} GiB; "
-             f"SP {plan.sp_size}, FSDP2 over {plan.gpus * plan.nodes}; {str(plan.dtype).replace('torch.', '')}; "
+             f"SP {plan.sp_size}" + (f" (UPipe over {plan.sp_size // plan.settings.ring_size} x a ring of "
+                                     f"{plan.settings.ring_size})" if plan.settings.ring_size > 1 else "")
+             + f", FSDP2 over {plan.gpus * plan.nodes}; {str(plan.dtype).replace('torch.', '')}; "
              + ("full fine-tune" if plan.lora is None else f"LoRA rank {plan.lora[0]} on {','.join(plan.lora[1])}")]
     if plan.max_seq_len is not None:
         lines.append(f"longest sequence that fits: {plan.max_seq_len:,} tokens ({format_tokens(plan.max_seq_len)})"
@@ -118,13 +120,15 @@ def launch_lines(plan) -> list[str]:
         env["UPIPE_FUSED_BACKWARD"] = cfg.fused_backward
     if cfg.overlap_comm:
         env["UPIPE_OVERLAP_COMM"] = "true"
+    if cfg.ring_size > 1:
+        env["UPIPE_RING_SIZE"] = cfg.ring_size
     for name in ("mlp_chunk_tokens", "loss_chunk_tokens"):
         if getattr(cfg, name):
             env[f"UPIPE_{name.upper()}"] = getattr(cfg, name)
     config_file = {1: "fsdp2_1node_8gpu.yaml", 2: "fsdp2_2nodes_8gpu.yaml"}.get(plan.nodes, "<your FSDP2 config>")
     names = ["sp_size", "heads_per_chunk", "fused_attention", "tiled_mlp", "offload", "mlp_chunk_tokens",
              "loss_chunk_tokens"] + (["fused_backward"] if "UPIPE_FUSED_BACKWARD" in env else []) + \
-        (["overlap_comm"] if cfg.overlap_comm else [])
+        (["overlap_comm"] if cfg.overlap_comm else []) + (["ring_size"] if cfg.ring_size > 1 else [])
     fields = ", ".join(f"{k}={getattr(cfg, k)!r}" for k in names if getattr(cfg, k) is not None)
     return ["launch: " + " ".join(f"{k}={v}" for k, v in env.items()) +
             f" accelerate launch --config_file accelerate_configs/{config_file} your_script.py"

@@ -156,7 +156,7 @@ class Plan:
         from hf_upipe.config import UPipeConfig
 
         s = self.settings
-        return UPipeConfig(sp_size=self.sp_size, heads_per_chunk=s.heads_per_chunk or "all",
+        return UPipeConfig(sp_size=self.sp_size, ring_size=s.ring_size, heads_per_chunk=s.heads_per_chunk or "all",
                            fused_attention=s.impl == "fused", tiled_loss=s.tiled_loss,
                            loss_chunk_tokens=s.loss_chunk_tokens, tiled_mlp=s.tiled_mlp,
                            mlp_chunk_tokens=s.mlp_chunk_tokens, offload=s.offload,
@@ -264,7 +264,7 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
          max_context: bool = False, settings: StepSettings | None = None, impl: str | None = None,
          sp_size: int | None = None, margin: Margin | None = None, dtype: torch.dtype = torch.bfloat16,
          step: int = 2**17, max_seq_len: int = 2**26, exact: bool = False, host_memory=DEFAULT_HOST_MEMORY,
-         lora=None, headroom: float = DEFAULT_HEADROOM, gpu: GPU = H100_SXM) -> Plan:
+         lora=None, headroom: float = DEFAULT_HEADROOM, gpu: GPU = H100_SXM, ring_size: int = 1) -> Plan:
     """Plan a training run (see the module docstring).
 
     Args:
@@ -275,7 +275,10 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
         seq_len: tokens per sequence to judge. max_context: search the longest that fits instead (or as well).
         settings: fixed `StepSettings`; None chooses them (the ladder). impl: the attention implementation of the
             ladder (None: fused where supported; "ulysses" for our Ulysses mode; "deepspeed" for the peer).
-        sp_size: sequence-parallel degree (default: `gpus`). margin: `Margin()` by default.
+        sp_size: sequence-parallel degree (default: `gpus`, with a ring `gpus` x `ring_size`). margin: `Margin()`
+            by default.
+        ring_size: R > 1 plans ring attention across R ring shards of the SP group (UPipe over sp_size / R ranks
+            inside each, `hf_upipe.ops.ring`): the SP degree can then exceed what the heads allow.
         step: granularity of the max search, tokens. max_seq_len: where the search stops.
         exact: simulate every layer instead of extrapolating from 3 and 4.
         host_memory: host memory of one node for offloaded checkpoints (default "2TiB", a DGX H100's); None: not
@@ -295,24 +298,40 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
     g = model_geometry(config)
     if gpus < 1 or nodes < 1:
         raise ValueError(f"gpus={gpus} and nodes={nodes} must be >= 1")
-    sp = gpus if sp_size is None else sp_size
+    if not isinstance(ring_size, int) or ring_size < 1:
+        raise ValueError(f"ring_size={ring_size!r} must be a positive integer (1: no ring)")
+    sp = gpus * ring_size if sp_size is None else sp_size
     world = gpus * nodes
     if world % sp:
         raise ValueError(f"sp_size={sp} does not divide the {world} GPUs; use a divisor such as {gpus}")
-    if sp not in valid_sp_sizes(g["heads"], g["kv_heads"], upto=sp):
-        raise ValueError(f"sp_size={sp} does not fit {g['heads']} query / {g['kv_heads']} k/v heads; valid: "
-                         f"{[p for p in valid_sp_sizes(g['heads'], g['kv_heads'], upto=world) if world % p == 0]}")
+    if sp % ring_size:
+        raise ValueError(f"ring_size={ring_size} does not divide sp_size={sp}")
+    if ring_size > 1 and (impl == "deepspeed" or (settings is not None and settings.impl == "deepspeed")):
+        raise ValueError("ring_size > 1 is hf_upipe's ring attention; DeepSpeed's Ulysses has none")
+    u = sp // ring_size  # the ranks UPipe's heads split over
+    if u not in valid_sp_sizes(g["heads"], g["kv_heads"], upto=u):
+        raise ValueError(f"sp_size={sp}" + (f" / ring_size={ring_size} = {u} ranks per ring shard" if ring_size > 1
+                                            else "") + f" does not fit {g['heads']} query / {g['kv_heads']} k/v "
+                         f"heads; valid: {valid_sp_sizes(g['heads'], g['kv_heads'], upto=world)}")
+    unit = sp * (2 if ring_size > 1 else 1)  # a ring cuts the sequence into 2R equal chunks
     if seq_len is None and not max_context:
         raise ValueError("give seq_len (does it fit, and with which settings?) or max_context=True (what fits?)")
-    if seq_len is not None and seq_len % sp:
-        raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp}; round it to {seq_len // sp * sp}")
+    if seq_len is not None and seq_len % unit:
+        raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp}"
+                         f"{' x 2 (a ring cuts the sequence into 2 x ring_size chunks)' if ring_size > 1 else ''}; "
+                         f"round it to {seq_len // unit * unit}")
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom={headroom} must be a share of the GPU memory in [0, 1), e.g. 0.05")
     gpu_bytes, margin = parse_size(gpu_memory), margin or Margin()
     limit = int(gpu_bytes * (1 - headroom))
-    step = math.lcm(step, sp)
+    step = math.lcm(step, unit)
     estimate = _Estimator(config, world=world, sp_size=sp, dtype=dtype, exact=exact, lora=lora)
-    pairs = [(settings, settings)] if settings is not None else candidates(config, sp, impl)
+    if settings is not None:
+        pairs = [(settings, settings)] if ring_size == 1 else \
+            [(dataclasses.replace(settings, ring_size=ring_size),) * 2]
+    else:  # the ladder over the ranks UPipe's heads split over, each rung with the ring
+        pairs = [(dataclasses.replace(c, ring_size=ring_size), dataclasses.replace(r, ring_size=ring_size))
+                 for c, r in candidates(config, u, impl)]
     rungs = [rung for cand, rung in pairs if cand == rung]
 
     host = None if host_memory is None else parse_size(host_memory)

@@ -25,6 +25,10 @@ step is):
   stage's inputs and output while the neighbouring stage's kernel runs, and with `overlap` its backward does too:
   only the first stage's share and what exceeds the kernels' time stay exposed. Each call also
   costs a fixed latency (`GPU.all_to_all_latency`), which is what smaller head chunks pay.
+- Ring attention (`ring_size` R > 1; the all-to-alls above then run over U = P/R ranks): each stage's k/v block
+  [S/R, kc, D] passes R-1 ranks per forward run (the forward, the checkpoint's recompute, the recompute mode's
+  third), and in the backward R-1 times with its fp32 dk/dv accumulator passing R times; over the network when the
+  SP group spans nodes. It runs during the ring's kernels: what exceeds (R-1)/R of the attention time is exposed.
 - Overlapped with the layer's compute (the larger of the two counts): FSDP2's all-gathers (bf16 weights, forward
   and backward) and reduce-scatters (fp32 gradients); the offloaded input's copies over PCIe.
 - Per step: the lm_head and loss (three GEMMs, two for a frozen head), AdamW over the local shard (HBM-bound).
@@ -170,10 +174,12 @@ def step_time(config, settings, *, seq_len: int, sp_size: int, world: int, gpus_
     H, Hk, D, Dm, L, V = d["heads"], d["kv_heads"], d["head_dim"], d["hidden"], d["layers"], d["vocab"]
     P, S, eff = sp_size, seq_len, efficiency
     s = S // P
+    R = getattr(settings, "ring_size", 1)
+    U = P // R  # the ranks UPipe's all-to-alls run over (all P without a ring)
     fused, impl = settings.impl == "fused", settings.impl
-    layout = HeadLayout(H, Hk, P, settings.heads_per_chunk if impl in ("fused", "upipe") else None)
+    layout = HeadLayout(H, Hk, U, settings.heads_per_chunk if impl in ("fused", "upipe") else None)
     stages, kc = layout.num_stages, layout.kv_per_stage
-    Hkv = layout.kv_per_rank * P  # k/v heads after replication up to one per rank
+    Hkv = layout.kv_per_rank * U  # k/v heads after replication up to one per rank
     frozen = lora is not None
 
     # GEMM FLOPs per layer: forward, recompute, backward (d input, and d weight unless frozen)
@@ -186,9 +192,9 @@ def step_time(config, settings, *, seq_len: int, sp_size: int, world: int, gpus_
     t_gemm = gemm / (gpu.flops * eff.gemm)
     t_attention = (attention_fwd * (3 if recompute else 2) / (gpu.flops * eff.attention_forward)
                    + 2.5 * attention_fwd / (gpu.flops * eff.attention_backward))
-    sp_bandwidth = gpu.nvlink if P <= gpus_per_node else gpu.network
-    seconds_per_unit = s * D * 2 * (P - 1) / P / (sp_bandwidth * eff.all_to_all)
-    units = _all_to_all_units(impl, settings.fused_backward, H, Hkv, P, stages, kc)
+    sp_bandwidth = gpu.nvlink if U <= gpus_per_node else gpu.network
+    seconds_per_unit = s * D * 2 * (U - 1) / U / (sp_bandwidth * eff.all_to_all)
+    units = _all_to_all_units(impl, settings.fused_backward, H, Hkv, U, stages, kc)
     t_fwd = 2 * _forward_units(H, Hkv) * seconds_per_unit  # the forward's and the checkpoint recompute's
     t_bwd = (units - 2 * _forward_units(H, Hkv)) * seconds_per_unit
     if fused and stages > 1:  # the fused forward always sends one stage ahead; its backward does with `overlap`
@@ -198,6 +204,13 @@ def step_time(config, settings, *, seq_len: int, sp_size: int, world: int, gpus_
     t_a2a = t_fwd + t_bwd
     groups = layout.kv_per_rank // layout.kv_per_stage
     t_a2a += _all_to_all_calls(impl, settings.fused_backward, stages, groups) * gpu.all_to_all_latency
+    t_ring = 0.0
+    if R > 1:  # each stage's k/v block around the ring (network when the SP group spans nodes), behind the kernels
+        block = 2 * (S // R) * kc * D * 2  # k and v of one stage over a ring shard, bf16
+        passes = (R - 1) * (3 if recompute else 2) + (R - 1) + 2 * R  # forward runs; backward k/v, fp32 dk/dv
+        ring_bytes = stages * block * passes
+        t_ring = ring_bytes / ((gpu.network if P > gpus_per_node else gpu.nvlink) * eff.all_to_all)
+        t_ring = max(0.0, t_ring - t_attention * (R - 1) / R)
 
     # overlapped with the layer's compute: FSDP2's gathers and reduce-scatters, the offloaded input over PCIe
     layer_params = Dm * (H + 2 * Hk) * D + H * D * Dm + 3 * Dm * d["mlp_total"]
@@ -205,13 +218,13 @@ def step_time(config, settings, *, seq_len: int, sp_size: int, world: int, gpus_
     gathered = 2 * layer_params * 2 * share + (0 if frozen else layer_params * 4 * share)
     t_fsdp = gathered / ((gpu.nvlink if world <= gpus_per_node else gpu.network) * eff.gather)
     t_offload = 2 * s * Dm * 2 / (gpu.pcie * eff.pcie) if settings.offload == "cpu" else 0.0
-    compute = t_gemm + t_attention + t_a2a
+    compute = t_gemm + t_attention + t_a2a + t_ring
     hidden_behind = max(compute, t_fsdp, t_offload) - compute
 
     head = 2 * s * Dm * V * (2 if frozen else 3)
     trained = (2 * Dm * V + L * layer_params) if not frozen else L * 2 * lora[0] * Dm * 4  # rough LoRA size
     t_optimizer = trained / world * 16 * 2 / (gpu.hbm * eff.hbm)  # fp32 master, grad, m, v read and written
-    parts = {"gemm": L * t_gemm, "attention": L * t_attention, "all_to_all": L * t_a2a,
+    parts = {"gemm": L * t_gemm, "attention": L * t_attention, "all_to_all": L * t_a2a, "ring": L * t_ring,
              "fsdp_offload_exposed": L * hidden_behind, "loss": head / (gpu.flops * eff.gemm),
              "optimizer": t_optimizer}
     return StepTime(parts=parts, seq_len=S, sp_size=P)

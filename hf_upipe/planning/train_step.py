@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hf_upipe import distributed as _sp
+from hf_upipe.ops.ring import ring_positions
 from hf_upipe.planning import categories as _cat
 from hf_upipe.planning.model_step import MODEL_IMPLEMENTATIONS, build_step_model, impl_context
 from hf_upipe.planning.simulate import fake_tensors, simulated_world
@@ -51,6 +52,8 @@ class StepSettings:
         offload: "none" or "cpu": checkpointed layer inputs go to host memory (the last layer's stays).
         fused_backward: the fused block's backward mode, "recompute" (least memory) or "save" (`UPipeConfig`).
         overlap: the fused block's all-to-alls issued one stage ahead (`UPipeConfig.overlap_comm`).
+        ring_size: ring attention across R ring shards of the SP group (`UPipeConfig.ring_size`; our impls only):
+            UPipe's head chunks over sp_size / R ranks.
     """
 
     impl: str = "fused"
@@ -62,6 +65,7 @@ class StepSettings:
     offload: str = "cpu"
     fused_backward: str = "recompute"
     overlap: bool = False
+    ring_size: int = 1
 
     def __post_init__(self):
         if self.impl not in MODEL_IMPLEMENTATIONS:
@@ -171,7 +175,7 @@ def measure_train_step(model_config, settings: StepSettings, *, seq_len: int, sp
     group = state.sp_group if state.sp_group is not None else dist.group.WORLD
     s, r = seq_len // sp_size, state.sp_rank
     try:
-        with impl_context(settings.impl, group, seq_len, sp_size, settings.heads_per_chunk):
+        with impl_context(settings.impl, group, seq_len, sp_size, settings.heads_per_chunk, settings.ring_size):
             model = build_step_model(settings.impl, model_config, layers, seq_len,
                                      torch.float32 if lora is None else dtype, group, settings.tiled_mlp,
                                      mlp_chunk_tokens=settings.mlp_chunk_tokens, drop_grads=False, lora=lora,
@@ -179,7 +183,8 @@ def measure_train_step(model_config, settings: StepSettings, *, seq_len: int, sp
             _shard(model, dtype, mesh if mesh is not None else _mesh())
             optimizer = _optimizer_with_states(model)
             ids = torch.zeros(1, s, dtype=torch.long)  # not counted: token ids, positions, labels, mask
-            inputs = {"input_ids": ids, "position_ids": torch.arange(r * s, (r + 1) * s).unsqueeze(0),
+            positions = ring_positions(r, s, sp_size, settings.ring_size)  # [s]: contiguous, or in ring order
+            inputs = {"input_ids": ids, "position_ids": positions.unsqueeze(0),
                       "attention_mask": torch.ones(1, s, dtype=torch.long)}
             labels = torch.zeros(1, s, dtype=torch.long)
             with around_step if around_step is not None else contextlib.nullcontext(), \

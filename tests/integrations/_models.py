@@ -66,7 +66,8 @@ def build_pair(config, impl: str, seed: int, dtype=torch.float32):
 def sharded_errors(ref, model, ids: torch.Tensor, rank: int, world: int) -> tuple[dict, int]:
     """One training step of the one-process `ref` on `ids` [B, S] and of `model` on this rank's shard (shift labels,
     the loss summed over the SP group's tokens; with a ring, the shard in ring order): relative errors of the loss,
-    this shard's logits and every trainable gradient (summed over the group). Returns (errors, number of trainable tensors)."""
+    this shard's logits and every trainable gradient (summed over the group). Returns (errors, number of trainable
+    tensors)."""
     import torch.distributed as dist
 
     from hf_upipe.data import shard_batch

@@ -209,3 +209,26 @@ def test_host_memory_for_offload_is_checked():
     short = plan(cfg, seq_len=16384, host_memory=node - 1, **kw)
     assert not short.fits and short.required <= short.gpu_memory and not short.host_fits
     assert plan(cfg, max_context=True, host_memory=node, step=2048, **kw).max_seq_len == 16384
+
+
+def test_a_ring_plans_sp_across_nodes_beyond_the_heads(capsys):
+    """ring_size: SP = gpus x ring by default, the ladder's head chunks over the U = sp / ring ranks of a ring
+    shard, the ring in every candidate, in the UPipeConfig and the launch line; the heads are checked against U."""
+    from hf_upipe.ops.head_layout import valid_heads_per_chunk
+
+    cfg = _tiny_model()  # 8 query heads, 2 k/v heads
+    p = plan(cfg, gpus=2, nodes=2, ring_size=2, seq_len=4096, gpu_memory="64GiB")
+    assert p.sp_size == 4 and p.fits and p.settings.ring_size == 2
+    assert all(s.ring_size == 2 for s, *_ in p.tried) and p.settings.heads_per_chunk in (
+        None, *valid_heads_per_chunk(8, 2, 2))
+    assert p.upipe_config().ring_size == 2 and "UPIPE_RING_SIZE=2" in p.launch()
+    assert "SP 4 (UPipe over 2 x a ring of 2)" in p.table() and p.step_time.parts["ring"] >= 0
+    with pytest.raises(ValueError, match="sp_size=6 / ring_size=2 = 3 ranks per ring shard does not fit 8 query / 2"):
+        plan(cfg, gpus=3, nodes=2, ring_size=2, seq_len=6144)
+    with pytest.raises(ValueError, match=r"not divisible by sp_size=4 x 2 .*round it to 4088"):
+        plan(cfg, gpus=2, nodes=2, ring_size=2, seq_len=4092)
+    with pytest.raises(ValueError, match="DeepSpeed's Ulysses has none"):
+        plan(cfg, gpus=2, nodes=2, ring_size=2, seq_len=4096, impl="deepspeed")
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--nodes", "2", "--ring", "2", "--seq-len", "8M",
+                 "--sp-size", "12"]) == 2
+    assert "sp_size=12 does not divide the 16 GPUs" in capsys.readouterr().err

@@ -4,7 +4,8 @@
     `measure_train_step` on real tensors, a 5-layer model: FSDP2 over the 4 ranks, AdamW, checkpointing, SP 2
     (two SP groups) and SP 4; fused, registered and Ulysses-mode attention; tiled MLP and loss with many chunks (so
     the simulation's abbreviated chunk loops are checked against full ones); offload to host; fp32 and bf16
-    compute; full fine-tuning and LoRA (PEFT adapters on a frozen base, AdamW on the adapters). The peaks and
+    compute; full fine-tuning and LoRA (PEFT adapters on a frozen base, AdamW on the adapters); ring attention
+    (UPipe over 2 ranks x a ring of 2). The peaks and
     every category agree to within 64 bytes per layer (a few bytes of collective
     bookkeeping differ between gloo and the fake backend in one case; the others are byte-exact).
 (b) The per-layer slope: the peak of an L-layer step is the 4-layer peak plus (L - 4) times the 3-to-4-layer
@@ -33,6 +34,8 @@ CASES = [  # (settings, sp_size, dtype, lora)
     (StepSettings(impl="upipe", offload="none", loss_chunk_tokens=48), 4, torch.float32, None),
     (StepSettings(impl="fused", offload="cpu", mlp_chunk_tokens=40, loss_chunk_tokens=24), 4, torch.bfloat16, None),
     (StepSettings(impl="fused", offload="none", mlp_chunk_tokens=32), 2, torch.float32, LORA),
+    # UPipe over 2 ranks x a ring of 2: the ring's k/v blocks and dk/dv accumulators in flight
+    (StepSettings(impl="fused", offload="none", loss_chunk_tokens=48, ring_size=2), 4, torch.float32, None),
 ]
 TOLERANCE = 64 * LAYERS  # bytes: in the fused SP-4 bf16 case the fake backend's collectives keep 32 bytes per layer
 # more than gloo's (a few int64 of bookkeeping); every other case is byte-exact

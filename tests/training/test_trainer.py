@@ -55,7 +55,8 @@ UPIPE_CASES = {
                                                        offload="disk")),
     "sp4_lora_ulysses_mode": (4, dict(sp=4, lora=True, heads_per_chunk="all")),
     # UPipe over 2 ranks x a ring of 2 (ring order sharding, padded to a multiple of 2 * sp_size)
-    "sp4_ring2x2_lora_checkpointing": (4, dict(sp=4, ring=2, lora=True, checkpointing=True)),
+    "sp4_ring2x2_lora_checkpointing_tiledmlp_offload": (4, dict(sp=4, ring=2, lora=True, checkpointing=True,
+                                                                 tiled_mlp=True, offload="disk")),
     "sp2dp2_full": (4, dict(sp=2, lora=False)),
     "sp2dp2_lora": (4, dict(sp=2, lora=True)),
     "sp2dp2_no_label_step": (4, dict(sp=2, lora=True, unlabeled=8)),  # step 1: rows 0-7
