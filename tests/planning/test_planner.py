@@ -30,7 +30,7 @@ PLANNED = (0,)
 def test_plan_within_5_percent_of_real_gloo_runs(monkeypatch):
     import hf_upipe.ops.tiled_loss as tiled_loss
 
-    real = real_runs()
+    real = real_runs(PLANNED)
     monkeypatch.setattr(tiled_loss, "_BLOCK_BYTES", 4096)  # as in the workers
     five = dict(TINY, num_hidden_layers=LAYERS)
     # one of the five cases (fused + offload at SP 2, two SP groups): its plan simulates 3 and 4 layers and
