@@ -125,3 +125,20 @@ def hybrid_config(model_type):
 def lora_exclusions(model_type) -> list[str] | None:
     """What PEFT refuses to adapt in a Mamba model (a Mamba2 mixer's out_proj; its conv1d is not linear anyway)."""
     return ["out_proj"] if model_type in ("bamba", "falcon_h1", "granitemoehybrid", "nemotron_h") else None
+
+
+def lora_pair(ref, model, exclude_modules=None):
+    """`ref` and `model` wrapped in the same random PEFT LoRA adapters (rank 4 on every linear layer, B not zero, so
+    the adapters change the outputs): (ref, model) with equal state dicts."""
+    from peft import LoraConfig
+
+    from hf_upipe.integrations.peft import get_peft_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear",
+                     exclude_modules=exclude_modules)
+    torch.manual_seed(5)
+    ref = get_peft_model(ref, cfg)
+    torch.manual_seed(5)
+    model = get_peft_model(model, copy.deepcopy(cfg))
+    model.load_state_dict(ref.state_dict())
+    return ref, model

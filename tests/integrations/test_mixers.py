@@ -14,7 +14,7 @@ import torch
 import hf_upipe
 from hf_upipe.integrations import mixers
 from tests._dist import run_distributed
-from tests.integrations._models import hybrid_config, lora_exclusions, sharded_errors
+from tests.integrations._models import hybrid_config, lora_exclusions, lora_pair, sharded_errors
 
 S = 32
 
@@ -35,23 +35,13 @@ def _pair(model_type):
 
 
 def _worker(rank, world, cases):
-    from peft import LoraConfig
-
-    from hf_upipe.integrations.peft import get_peft_model
-
     hf_upipe.init_sequence_parallel(world)
     out = {}
     for model_type, lora, ckpt in cases:
         ref, model = _pair(model_type)
         unprepared = _refusal(model, rank, world)
         if lora:
-            cfg = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear",
-                             exclude_modules=lora_exclusions(model_type))
-            torch.manual_seed(5)
-            ref = get_peft_model(ref, cfg)
-            torch.manual_seed(5)
-            model = get_peft_model(model, copy.deepcopy(cfg))
-            model.load_state_dict(ref.state_dict())
+            ref, model = lora_pair(ref, model, lora_exclusions(model_type))
         hf_upipe.prepare_model(model)
         installed = sum(mixers.is_installed(m) for m in model.modules())
         if ckpt:

@@ -9,29 +9,19 @@ positions that are not in ring order (contiguous shards, the usual mistake); int
 refused, right padding runs exactly.
 """
 
-import copy
 
 import pytest
 import torch
 
 import hf_upipe
 from tests._dist import run_distributed
-from tests.integrations._models import build_pair, sharded_errors, tiny_config
+from tests.integrations._models import build_pair, lora_pair, sharded_errors, tiny_config
 
 
 def _case(rank, world, arch, heads, fused, mode, lora, ckpt, seed):
-    from peft import LoraConfig
-
-    from hf_upipe.integrations.peft import get_peft_model
-
     ref, model = build_pair(tiny_config(arch, heads=heads[0], kv_heads=heads[1]), "upipe", seed)
     if lora:
-        cfg = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear")
-        torch.manual_seed(5)
-        ref = get_peft_model(ref, cfg)
-        torch.manual_seed(5)
-        model = get_peft_model(model, copy.deepcopy(cfg))
-        model.load_state_dict(ref.state_dict())
+        ref, model = lora_pair(ref, model)
     hf_upipe.prepare_model(model, hf_upipe.UPipeConfig(fused_attention=fused, fused_backward=mode, tiled_mlp=False))
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

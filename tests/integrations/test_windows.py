@@ -17,7 +17,7 @@ import hf_upipe
 from hf_upipe.data import shard_batch
 from hf_upipe.models import tiny_config as any_tiny
 from tests._dist import run_distributed
-from tests.integrations._models import build_pair, tiny_config
+from tests.integrations._models import build_pair, lora_pair, tiny_config
 
 S, WINDOW = 24, 5
 
@@ -61,16 +61,7 @@ def _worker(rank, world, cases, dtype):
     for case in cases:
         ref, model = _pair(case, torch.float32)
         if case == "mistral lora":
-            from peft import LoraConfig
-
-            from hf_upipe.integrations.peft import get_peft_model
-
-            lora = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear")
-            torch.manual_seed(5)
-            ref = get_peft_model(ref, lora)
-            torch.manual_seed(5)
-            model = get_peft_model(model, copy.deepcopy(lora))
-            model.load_state_dict(ref.state_dict())
+            ref, model = lora_pair(ref, model)
         low = copy.deepcopy(ref).to(dtype) if dtype != torch.float32 else None
         model.to(dtype)
         hf_upipe.prepare_model(model, hf_upipe.UPipeConfig(fused_attention=case != "mistral registered"))

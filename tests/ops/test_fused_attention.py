@@ -132,6 +132,34 @@ def _tables(S, D, gen, interleaved=False):
     return emb.cos(), emb.sin()
 
 
+def _block_errors(build, x, dy, cos, sin, H, Hk, D, dtype, idx, call):
+    """The fused block `call(xl, cos_l, sin_l, w)` on this rank's tokens `idx` (a slice or an index) against the
+    plain float64 block over the whole sequence: relative errors of y, dx and every trainable tensor's gradient
+    (summed over the ranks when distributed), and in bf16 the plain bf16 block's own errors (else None)."""
+    w_ref, ref_leaves = build(torch.float64)
+    xr = x.clone().requires_grad_()
+    y_ref = _reference(xr, cos, sin, w_ref, H, Hk, D)
+    ref_grads = torch.autograd.grad(y_ref, [xr] + [t for t in ref_leaves if t.requires_grad], dy)
+    w, leaves = build(dtype)
+    xl = x[:, idx].to(dtype).requires_grad_()
+    y = call(xl, cos[:, idx].to(dtype), sin[:, idx].to(dtype), w)
+    grads = list(torch.autograd.grad(y, [xl] + [t for t in leaves if t.requires_grad], dy[:, idx].to(dtype)))
+    for g in grads[1:]:  # parameter gradients: every rank holds its tokens' contribution
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(g)
+    errs = [_rel(y, y_ref[:, idx]), _rel(grads[0], ref_grads[0][:, idx])] + \
+        [_rel(g, r) for g, r in zip(grads[1:], ref_grads[1:])]
+    base = None
+    if dtype == torch.bfloat16:
+        w16, leaves16 = build(dtype)
+        x16 = x.to(dtype).requires_grad_()
+        y16 = _reference(x16, cos.to(dtype), sin.to(dtype), w16, H, Hk, D)
+        g16 = torch.autograd.grad(y16, [x16] + [t for t in leaves16 if t.requires_grad], dy.to(dtype))
+        base = [_rel(y16[:, idx], y_ref[:, idx]), _rel(g16[0][:, idx], ref_grads[0][:, idx])] + \
+            [_rel(g, r) for g, r in zip(g16[1:], ref_grads[1:])]
+    return errs, base, len(grads)
+
+
 def _case(rank, world, group, case, save=False, overlap=False):
     B, S, Dm, H, Hk, D, chunk, bias, norm, lora, frozen, dtype, seed, *opts = case
     opts = opts[0] if opts else {}
@@ -140,34 +168,12 @@ def _case(rank, world, group, case, save=False, overlap=False):
     x = torch.randn(B, S, Dm, generator=gen, dtype=torch.float64)
     dy = torch.randn(B, S, Dm, generator=gen, dtype=torch.float64)
     cos, sin = _tables(S, opts.get("rotary", D), gen, opts.get("rope", RopeStyle()).interleaved)
-    w_ref, ref_leaves = build(torch.float64)
-    xr = x.clone().requires_grad_()
-    y_ref = _reference(xr, cos, sin, w_ref, H, Hk, D)
-    need = [xr] + [t for t in ref_leaves if t.requires_grad]
-    ref_grads = torch.autograd.grad(y_ref, need, dy)
     s = S // world
-    sh = slice(rank * s, (rank + 1) * s)
-    w, leaves = build(dtype)
-    xl = x[:, sh].to(dtype).requires_grad_()
-    y = fused_upipe_attention(xl, cos[:, sh].to(dtype), sin[:, sh].to(dtype), w, num_heads=H, num_kv_heads=Hk,
-                              head_dim=D, group=group, heads_per_chunk=chunk, save_attention=save,
-                              overlap=overlap)
-    mine = [xl] + [t for t in leaves if t.requires_grad]
-    grads = list(torch.autograd.grad(y, mine, dy[:, sh].to(dtype)))
-    for g in grads[1:]:  # parameter gradients: every rank holds its shard's contribution
-        if world > 1:
-            dist.all_reduce(g)
-    errs = [_rel(y, y_ref[:, sh]), _rel(grads[0], ref_grads[0][:, sh])] + \
-        [_rel(g, r) for g, r in zip(grads[1:], ref_grads[1:])]
-    base = None
-    if dtype == torch.bfloat16:
-        w16, leaves16 = build(dtype)
-        x16 = x.to(dtype).requires_grad_()
-        y16 = _reference(x16, cos.to(dtype), sin.to(dtype), w16, H, Hk, D)
-        g16 = torch.autograd.grad(y16, [x16] + [t for t in leaves16 if t.requires_grad], dy.to(dtype))
-        base = [_rel(y16[:, sh], y_ref[:, sh]), _rel(g16[0][:, sh], ref_grads[0][:, sh])] + \
-            [_rel(g, r) for g, r in zip(g16[1:], ref_grads[1:])]
-    return errs, base, len(grads)
+
+    def call(xl, cos_l, sin_l, w):
+        return fused_upipe_attention(xl, cos_l, sin_l, w, num_heads=H, num_kv_heads=Hk, head_dim=D, group=group,
+                                     heads_per_chunk=chunk, save_attention=save, overlap=overlap)
+    return _block_errors(build, x, dy, cos, sin, H, Hk, D, dtype, slice(rank * s, (rank + 1) * s), call)
 
 
 def _worker(rank, world, cases, save=False, overlap=False):

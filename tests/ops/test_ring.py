@@ -18,7 +18,7 @@ from hf_upipe.ops.kernels import get_kernel
 from hf_upipe.ops.ring import RingKernel, zigzag_order
 from hf_upipe.ops.upipe_attention import upipe_attention
 from tests._dist import run_distributed
-from tests.ops.test_fused_attention import _make, _reference, _rel, _tables
+from tests.ops.test_fused_attention import _block_errors, _make, _rel, _tables
 
 
 def _groups(U: int, R: int):
@@ -78,37 +78,18 @@ def _op_case(rank, U, R, uly, ring, H, Hk, chunk, dtype, seed):
 
 
 def _fused_case(rank, U, R, uly, ring, H, Hk, chunk, save, overlap, dtype, seed):
-    B, S, Dm, D = 1, 16 * U * R, 24, 8
+    S, Dm, D = 16 * U * R, 24, 8
     gen = torch.Generator().manual_seed(seed)
     build = _make(gen, Dm, H, Hk, D, True, True, True, False, dtype)
-    x = torch.randn(B, S, Dm, generator=gen, dtype=torch.float64)
-    dy = torch.randn(B, S, Dm, generator=gen, dtype=torch.float64)
+    x = torch.randn(1, S, Dm, generator=gen, dtype=torch.float64)
+    dy = torch.randn(1, S, Dm, generator=gen, dtype=torch.float64)
     cos, sin = _tables(S, D, gen)
-    w_ref, ref_leaves = build(torch.float64)
-    xr = x.clone().requires_grad_()
-    y_ref = _reference(xr, cos, sin, w_ref, H, Hk, D)
-    ref_grads = torch.autograd.grad(y_ref, [xr] + [t for t in ref_leaves if t.requires_grad], dy)
-    idx = _tokens(rank, S, U, R)
-    w, leaves = build(dtype)
-    xl = x[:, idx].to(dtype).requires_grad_()
     kernel = RingKernel(get_kernel("sdpa", torch.device("cpu"), dtype), ring)
-    y = fused_upipe_attention(xl, cos[:, idx].to(dtype), sin[:, idx].to(dtype), w, num_heads=H, num_kv_heads=Hk,
-                              head_dim=D, group=uly, heads_per_chunk=chunk, kernel=kernel, save_attention=save,
-                              overlap=overlap)
-    trainable = [t for t in leaves if t.requires_grad]
-    grads = list(torch.autograd.grad(y, [xl] + trainable, dy[:, idx].to(dtype)))
-    for g in grads[1:]:  # every rank holds its tokens' share of a parameter's gradient
-        dist.all_reduce(g)
-    errs = [_rel(y, y_ref[:, idx]), _rel(grads[0], ref_grads[0][:, idx])] + \
-        [_rel(g, r) for g, r in zip(grads[1:], ref_grads[1:])]
-    base = None
-    if dtype == torch.bfloat16:
-        w16, leaves16 = build(dtype)
-        x16 = x.to(dtype).requires_grad_()
-        y16 = _reference(x16, cos.to(dtype), sin.to(dtype), w16, H, Hk, D)
-        g16 = torch.autograd.grad(y16, [x16] + [t for t in leaves16 if t.requires_grad], dy.to(dtype))
-        base = [_rel(y16[:, idx], y_ref[:, idx]), _rel(g16[0][:, idx], ref_grads[0][:, idx])] + \
-            [_rel(g, r) for g, r in zip(g16[1:], ref_grads[1:])]
+
+    def call(xl, cos_l, sin_l, w):
+        return fused_upipe_attention(xl, cos_l, sin_l, w, num_heads=H, num_kv_heads=Hk, head_dim=D, group=uly,
+                                     heads_per_chunk=chunk, kernel=kernel, save_attention=save, overlap=overlap)
+    errs, base, _ = _block_errors(build, x, dy, cos, sin, H, Hk, D, dtype, _tokens(rank, S, U, R), call)
     return errs, base
 
 
