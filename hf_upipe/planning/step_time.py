@@ -153,6 +153,13 @@ def _all_to_all_units(impl: str, fused_backward: str, H: int, Hkv: int, P: int, 
     return 2 * forward + backward  # the checkpoint's recompute repeats the forward's
 
 
+def _ring_bytes(S: int, R: int, D: int, stages: int, kc: int, kv_bytes: int = 2, acc_bytes: int = 4):
+    """Bytes one rank sends around a ring of R per layer: (one forward run: each stage's k/v block over a ring
+    shard, R-1 hops; the backward: the k/v blocks again and their dk/dv accumulators, R hops)."""
+    block = 2 * (S // R) * kc * D  # elements of one stage's k and v over a ring shard
+    return stages * block * (R - 1) * kv_bytes, stages * block * ((R - 1) * kv_bytes + R * acc_bytes)
+
+
 def _all_to_all_calls(impl: str, fused_backward: str, stages: int, groups: int) -> int:
     """All-to-all calls per rank and layer in a step: per stage q and the output (k, v per k/v group) forward,
     twice with the recompute; the backward as `_all_to_all_units` counts its tensors."""
@@ -206,9 +213,8 @@ def step_time(config, settings, *, seq_len: int, sp_size: int, world: int, gpus_
     t_a2a += _all_to_all_calls(impl, settings.fused_backward, stages, groups) * gpu.all_to_all_latency
     t_ring = 0.0
     if R > 1:  # each stage's k/v block around the ring (network when the SP group spans nodes), behind the kernels
-        block = 2 * (S // R) * kc * D * 2  # k and v of one stage over a ring shard, bf16
-        passes = (R - 1) * (3 if recompute else 2) + (R - 1) + 2 * R  # forward runs; backward k/v, fp32 dk/dv
-        ring_bytes = stages * block * passes
+        forward_run, backward = _ring_bytes(S, R, D, stages, kc)
+        ring_bytes = forward_run * (3 if recompute else 2) + backward  # forward, recompute(s), backward
         t_ring = ring_bytes / ((gpu.network if P > gpus_per_node else gpu.nvlink) * eff.all_to_all)
         t_ring = max(0.0, t_ring - t_attention * (R - 1) / R)
 

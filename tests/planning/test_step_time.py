@@ -113,3 +113,48 @@ def test_all_to_all_units_equal_a_real_runs_bytes(impl, chunk, settings):
         assert forward == forward_units * unit and n_forward == forward_calls
         # the model adds the checkpoint's repeat of the forward
         assert total == (units - forward_units) * unit and n_total == calls - forward_calls
+
+
+def _ring_worker(rank, world, save):
+    """Bytes this rank sends around the ring in one fused block's forward and backward at U x R = 2 x 2."""
+    from hf_upipe.ops.fused_attention import fused_upipe_attention
+    from hf_upipe.ops.kernels import get_kernel
+    from hf_upipe.ops.ring import RingKernel
+    from tests.ops.test_fused_attention import _make, _tables
+    from tests.ops.test_ring import _groups, _tokens
+
+    uly, ring = _groups(2, 2)
+    sent = [0]
+    original = dist.batch_isend_irecv
+
+    def counted(ops):
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return original(ops)
+
+    w, _ = _make(torch.Generator().manual_seed(0), 32, 8, 2, 8, False, False, False, False, torch.float32)(
+        torch.float32)
+    cos, sin = _tables(64, 8, torch.Generator().manual_seed(1))
+    idx = _tokens(rank, 64, 2, 2)
+    x = torch.randn(1, 16, 32, requires_grad=True)
+    dist.batch_isend_irecv = counted
+    try:
+        y = fused_upipe_attention(x, cos[:, idx].float(), sin[:, idx].float(), w, num_heads=8, num_kv_heads=2,
+                                  head_dim=8, group=uly, heads_per_chunk=1, save_attention=save,
+                                  kernel=RingKernel(get_kernel("sdpa", torch.device("cpu"), torch.float32), ring))
+        forward = sent[0]
+        y.sum().backward()
+    finally:
+        dist.batch_isend_irecv = original
+    return forward, sent[0] - forward
+
+
+@pytest.mark.parametrize("save", [True, False], ids=["save", "recompute"])
+def test_ring_bytes_equal_a_real_runs(save):
+    """The step-time model's ring bytes (`_ring_bytes`, fp32 here) against what a 2 x 2 fused block sends: 8 query
+    and 2 k/v heads, so U = 2 ranks hold 4 stages of one query head sharing one k/v head each."""
+    from hf_upipe.planning.step_time import _ring_bytes
+
+    forward_run, backward = _ring_bytes(64, 2, 8, 4, 1, kv_bytes=4, acc_bytes=4)
+    for forward, back in run_distributed(_ring_worker, 4, save):
+        assert forward == forward_run, (forward, forward_run)
+        assert back == backward + (0 if save else forward_run), (back, backward)  # recompute: the ring again
