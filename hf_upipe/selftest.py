@@ -1,11 +1,11 @@
 """`hf-upipe selftest`: check on YOUR model that sequence-parallel training equals training on one device.
 
 Entry points:
-- `run_selftest(models, *, sp=2, lora=False, seq_len=61, heads_per_chunk=1, fused=True, breakage=None)`: spawns
-  `sp` processes (gloo on CPU; NCCL when there are `sp` GPUs) and returns one `Check` per comparison and model.
+- `run_selftest(models, *, sp=2, lora=False, seq_len=61, heads_per_chunk=1, fused=True, breakage=None, ring=1)`:
+  spawns `sp` processes (gloo on CPU; NCCL when there are `sp` GPUs) and returns one `Check` per comparison and model.
 - `format_table(checks)`: the pass/fail table the command prints.
 - `check_inputs(models, sp, heads_per_chunk)`: the input checks made before any process is started.
-- `hf-upipe selftest --model <name | config.json | model dir | org/name> [--sp 2] [--lora]`: the names of
+- `hf-upipe selftest --model <name | config.json | model dir | org/name> [--sp 2] [--ring 1] [--lora]`: the names of
   `hf_upipe.models` (presets run at a tiny width and depth with their own head geometry); exit 0 when every check
   passes, 1 on a numerical mismatch, 2 on bad input or a model hf_upipe refuses to run under SP (its message whole).
 
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.models import model_names, runnable_config
 from hf_upipe.ops.head_layout import geometry_error, valid_heads_per_chunk, valid_sp_sizes
+from hf_upipe.ops.ring import ring_positions
 from hf_upipe.testing import DistributedFailure, run_distributed
 
 __all__ = ["Check", "check_model", "format_table", "raised_by_hf_upipe", "run_selftest"]
@@ -71,8 +72,9 @@ def _build(model: str):
         return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
 
 
-def check_inputs(models, sp: int, heads_per_chunk: int | None) -> None:
-    """Every model resolves and its heads split over `sp` ranks in chunks of `heads_per_chunk`.
+def check_inputs(models, sp: int, heads_per_chunk: int | None, ring: int = 1) -> None:
+    """Every model resolves and its heads split over `sp` ranks (sp / ring with a ring) in chunks of
+    `heads_per_chunk`.
 
     Raises:
         ValueError: the first input that cannot work, with the values that would.
@@ -80,6 +82,9 @@ def check_inputs(models, sp: int, heads_per_chunk: int | None) -> None:
     if sp < 2:
         raise ValueError(f"--sp {sp}: the self-test compares sequence parallelism over at least 2 ranks with one "
                          "device.")
+    if ring < 1 or sp % ring:
+        raise ValueError(f"--ring {ring} must divide --sp {sp}: sp = ranks per ring shard x ring.")
+    sp //= ring  # the heads split over the ranks of a ring shard
     for name in models:
         _, config = runnable_config(name)
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -149,12 +154,20 @@ def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
     for batch_name, full in _batches(vocab, spec["seq_len"]).items():
         ref.zero_grad()
         sp_model.zero_grad()
+        try:
+            shard = shard_batch(full, rank, world)
+        except ValueError as err:  # a ring refuses packed rows: check that it says so (on every rank alike)
+            if state.ring_size == 1:
+                raise
+            checks.append(Check(name, batch_name, "refused clearly", 0.0, 0.0, note=str(err).split(":")[0]))
+            continue
         out = ref(**full)  # transformers' loss: mean over the label tokens of the whole batch
         out.loss.backward()
-        shard = shard_batch(full, rank, world)
+        s, S = shard["input_ids"].shape[1], full["input_ids"].shape[1]
+        mine = ring_positions(rank, s, world, state.ring_size)  # this rank's tokens (contiguous without a ring)
         if spec.get("breakage") == "shard-shift":  # the classic bug: shifting the labels inside each shard
-            local = full["labels"][:, rank * shard["input_ids"].shape[1]:(rank + 1) * shard["input_ids"].shape[1]]
-            local = torch.nn.functional.pad(local, (0, shard["input_ids"].shape[1] - local.shape[1]), value=-100)
+            padded = torch.nn.functional.pad(full["labels"], (0, s * world - S), value=-100)
+            local = padded[:, mine]
             shard["shift_labels"] = torch.cat([local[:, 1:], torch.full_like(local[:, :1], -100)], dim=1)
         inputs = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}
         n = float(shard["num_label_tokens"])
@@ -176,12 +189,11 @@ def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
             worst, where = (err, pname) if err > worst else (worst, where)
         checks.append(Check(name, batch_name, "gradients", worst, TOLERANCE["gradients"], f"worst: {where}"))
         with torch.no_grad():
-            s = shard["input_ids"].shape[1]
             logits = sp_model(**inputs).logits  # [B, s, V]
-            real = min(s, full["input_ids"].shape[1] - rank * s)
-            mask = full.get("attention_mask", torch.ones_like(full["input_ids"]))[:, rank * s:rank * s + real].bool()
-            want = out.logits.detach()[:, rank * s:rank * s + real][mask]
-            checks.append(Check(name, batch_name, "logits", _rel(logits[:, :real][mask], want), TOLERANCE["logits"]))
+            here = torch.nonzero(mine < S).flatten()  # local indices of this rank's tokens of the unpadded batch
+            mask = full.get("attention_mask", torch.ones_like(full["input_ids"]))[:, mine[here]].bool()
+            want = out.logits.detach()[:, mine[here]][mask]
+            checks.append(Check(name, batch_name, "logits", _rel(logits[:, here][mask], want), TOLERANCE["logits"]))
             eval_sum, _ = shard_loss_sum(sp_model, inputs, shard["shift_labels"])
             dist.all_reduce(eval_sum)
             ref_eval = ref(**full).loss
@@ -193,7 +205,7 @@ def _rank(rank: int, world: int, spec: dict) -> list[dict]:
     """One rank of the self-test: every model's checks (a model that cannot run under SP: one failed check)."""
     import hf_upipe
 
-    hf_upipe.init_sequence_parallel(world, heads_per_chunk=spec["heads_per_chunk"],
+    hf_upipe.init_sequence_parallel(world, ring_size=spec.get("ring", 1), heads_per_chunk=spec["heads_per_chunk"],
                                     allow_unverified=spec.get("allow_unverified", True))
     checks = []
     for name in spec["models"]:
@@ -220,7 +232,7 @@ def raised_by_hf_upipe(err: BaseException) -> bool:
 
 def run_selftest(models, *, sp: int = 2, lora: bool = False, seq_len: int = 61, heads_per_chunk: int | None = 1,
                  fused: bool = True, breakage: str | None = None, timeout: float = 600, tolerant: bool = False,
-                 start_method: str = "spawn", allow_unverified: bool = True) -> list[Check]:
+                 start_method: str = "spawn", allow_unverified: bool = True, ring: int = 1) -> list[Check]:
     """Spawn `sp` ranks and compare each model under SP with one device; returns rank 0's checks (the gradients,
     losses and eval losses are global; logits are rank 0's shard, and every rank asserts nothing on its own).
 
@@ -228,9 +240,9 @@ def run_selftest(models, *, sp: int = 2, lora: bool = False, seq_len: int = 61, 
     runs an architecture hf_upipe has not verified; every other refusal of the support gate still applies."""
     if breakage not in (None, "shard-shift"):
         raise ValueError(f"breakage={breakage!r}: the only deliberate breakage is 'shard-shift'.")
-    check_inputs(models, sp, heads_per_chunk)
+    check_inputs(models, sp, heads_per_chunk, ring)
     spec = dict(models=list(models), lora=lora, seq_len=seq_len, heads_per_chunk=heads_per_chunk, fused=fused,
-                breakage=breakage, tolerant=tolerant, allow_unverified=allow_unverified)
+                breakage=breakage, tolerant=tolerant, allow_unverified=allow_unverified, ring=ring)
     try:
         ranks = run_distributed(_rank, sp, spec, timeout=timeout, start_method=start_method)
     except DistributedFailure as err:
@@ -274,6 +286,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated: {', '.join(model_names())} (presets run at a tiny width and depth "
                              "with their own head geometry), a config.json, a model folder, or a Hub id 'org/name'")
     parser.add_argument("--sp", type=int, default=2, help="sequence-parallel ranks to launch (default 2)")
+    parser.add_argument("--ring", type=int, default=1,
+                        help="ring attention over this many ring shards of the --sp ranks (default 1: none)")
     parser.add_argument("--lora", action="store_true", help="check a LoRA (PEFT) model on all linear layers")
     parser.add_argument("--seq-len", type=int, default=61, help="sequence length (default 61: odd, pads under SP)")
     parser.add_argument("--heads-per-chunk", default="1", help="UPipe head chunk, or 'all' (Ulysses mode)")
@@ -286,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         hpc = None if args.heads_per_chunk == "all" else int(args.heads_per_chunk)
         checks = run_selftest(args.model.split(","), sp=args.sp, lora=args.lora, seq_len=args.seq_len,
-                              heads_per_chunk=hpc, fused=not args.registered, breakage=args.breakage)
+                              heads_per_chunk=hpc, fused=not args.registered, breakage=args.breakage,
+                              ring=args.ring)
     except ValueError as err:
         print(f"hf-upipe selftest: error: {err}", file=sys.stderr)
         return 2
