@@ -18,9 +18,10 @@ def test_selftest_passes_on_the_supported_architectures():
 
 
 def test_selftest_with_a_ring(capsys):
-    """--ring: UPipe over 2 ranks x a ring of 2, the padded batch exact; the packed row refused clearly (a check
-    row that says so, not a silent skip); a ring that does not divide the ranks is refused before any spawn."""
-    checks = run_selftest(["llama"], sp=4, ring=2)
+    """--ring: a ring of 2 (one rank per ring shard: its shard is two mirrored chunks), the padded batch exact;
+    the packed row refused clearly (a check row that says so, not a silent skip); a ring that does not divide the
+    ranks is refused before any spawn."""
+    checks = run_selftest(["llama"], sp=2, ring=2)
     assert all(c.passed for c in checks), [c for c in checks if not c.passed]
     assert [(c.batch, c.name) for c in checks if c.batch == "packed"] == [("packed", "refused clearly")]
     assert "Packed rows" in next(c.note for c in checks if c.batch == "packed")

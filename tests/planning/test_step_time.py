@@ -115,7 +115,11 @@ def test_all_to_all_units_equal_a_real_runs_bytes(impl, chunk, settings):
         assert total == (units - forward_units) * unit and n_total == calls - forward_calls
 
 
-def _ring_worker(rank, world, save):
+def _ring_worker(rank, world):
+    return {save: _ring_bytes_sent(rank, save) for save in (True, False)}
+
+
+def _ring_bytes_sent(rank, save):
     """Bytes this rank sends around the ring in one fused block's forward and backward at U x R = 2 x 2."""
     from hf_upipe.ops.fused_attention import fused_upipe_attention
     from hf_upipe.ops.kernels import get_kernel
@@ -123,7 +127,7 @@ def _ring_worker(rank, world, save):
     from tests.ops.test_fused_attention import _make, _tables
     from tests.ops.test_ring import _groups, _tokens
 
-    uly, ring = _groups(2, 2)
+    uly, ring = _GROUPS.get("2x2") or _GROUPS.setdefault("2x2", _groups(2, 2))
     sent = [0]
     original = dist.batch_isend_irecv
 
@@ -148,13 +152,16 @@ def _ring_worker(rank, world, save):
     return forward, sent[0] - forward
 
 
-@pytest.mark.parametrize("save", [True, False], ids=["save", "recompute"])
-def test_ring_bytes_equal_a_real_runs(save):
+_GROUPS: dict = {}  # a worker's (Ulysses, ring) groups, built once
+
+
+def test_ring_bytes_equal_a_real_runs():
     """The step-time model's ring bytes (`_ring_bytes`, fp32 here) against what a 2 x 2 fused block sends: 8 query
     and 2 k/v heads, so U = 2 ranks hold 4 stages of one query head sharing one k/v head each."""
     from hf_upipe.planning.step_time import _ring_bytes
 
     forward_run, backward = _ring_bytes(64, 2, 8, 4, 1, kv_bytes=4, acc_bytes=4)
-    for forward, back in run_distributed(_ring_worker, 4, save):
-        assert forward == forward_run, (forward, forward_run)
-        assert back == backward + (0 if save else forward_run), (back, backward)  # recompute: the ring again
+    for per_mode in run_distributed(_ring_worker, 4):
+        for save, (forward, back) in per_mode.items():  # save mode, then recompute mode
+            assert forward == forward_run, (save, forward, forward_run)
+            assert back == backward + (0 if save else forward_run), (save, back, backward)  # recompute: ring again
