@@ -4,7 +4,7 @@ Entry points:
 - `install_mixers(model)` / `remove_mixers(model)`: on every mixer module of a class in `MIXERS` or `HALO_MIXERS`
   (behind the fingerprint of its forward's source), install (and remove, exactly) `sharded_mixer_forward`.
 - `reentrant_refusal(model)`: why its checkpointing cannot run a state mixer (use_reentrant=True, or
-  preserve_rng_state=False), or None.
+  preserve_rng_state=False), or None; `ring_refusal(model, ring_size)`: why its mixers cannot run under a ring.
 - `mixers_ready(config)`: whether a prepared model of this config has them installed (the support gate admits
   the `layer_types` in `MIXER_LAYER_TYPES` under SP at run time only then); `supported(module)`,
   `is_installed(module)`.
@@ -43,7 +43,7 @@ from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.ops.fake import simulating
 
 __all__ = ["HALO_MIXERS", "MIXERS", "MIXER_LAYER_TYPES", "install_mixers", "is_installed", "mixers_ready",
-           "reentrant_refusal", "remove_mixers", "sharded_mixer_forward", "supported"]
+           "reentrant_refusal", "remove_mixers", "ring_refusal", "sharded_mixer_forward", "supported"]
 
 # mixer class -> fingerprint of its forward (transformers 5.23), read the cache the way `_ShardCache` serves it
 _MAMBA2 = "691f3ca98636d473"  # Bamba's, Nemotron-H's and Granite 4's Mamba2 mixers: the same source
@@ -216,10 +216,6 @@ def sharded_mixer_forward(self, hidden_states, *args, **kwargs):
     attention_mask = args[1] if len(args) > 1 else kwargs.pop(mask_name, None)
     if cache_params is not None:
         raise NotImplementedError("a cache under sequence parallelism: call the model with use_cache=False.")
-    if state.ring_size > 1:  # every rank (the same settings), before any send: shards are in ring order
-        raise NotImplementedError(f"{type(self).__name__} passes its state (or halo) from each shard to the next in "
-                                  f"sequence order, which ring attention (ring_size={state.ring_size}) reorders: "
-                                  "use ring_size=1 for this hybrid model.")
     reach = getattr(self, "conv_kernel_size", 1) - 1
     if hidden_states.shape[1] < max(reach, 2):  # every rank (equal shards), before any send or receive
         raise NotImplementedError(f"a shard of {hidden_states.shape[1]} tokens is shorter than the convolution's "
@@ -310,6 +306,18 @@ def reentrant_refusal(model: nn.Module) -> str | None:
             return (f"{type(layer).__name__} is checkpointed with {bad} around a recurrent mixer run across shards; "
                     "use transformers' default checkpointing (activation_checkpointing_kwargs={'use_reentrant': "
                     "False}, random state preserved).")
+    return None
+
+
+def ring_refusal(model: nn.Module, ring_size: int) -> str | None:
+    """Why a model with installed mixers cannot run under a ring of `ring_size`, or None: a mixer passes its state
+    (or halo) from each shard to the next in sequence order, and the ring reorders the shards."""
+    if ring_size > 1:
+        mixer = next((m for m in model.modules() if is_installed(m)), None)
+        if mixer is not None:
+            return (f"{type(mixer).__name__} passes its state (or halo) from each shard to the next in sequence "
+                    f"order, which ring attention (ring_size={ring_size}) reorders: use ring_size=1 for this hybrid "
+                    "model.")
     return None
 
 

@@ -33,7 +33,7 @@ from hf_upipe.architectures import ARCHITECTURES, VERIFIED_ON
 from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.fused import install_fused_attention, remove_fused_attention
 from hf_upipe.integrations.layout import adopt_modules, note_model_positions, release_modules
-from hf_upipe.integrations.mixers import install_mixers, reentrant_refusal, remove_mixers
+from hf_upipe.integrations.mixers import install_mixers, reentrant_refusal, remove_mixers, ring_refusal
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.rope import install_global_rope, remove_global_rope
 from hf_upipe.integrations.support import model_refusal, refusal_error
@@ -83,6 +83,8 @@ def _refuse_silent_misuse(module, args, kwargs):
                 f"{other or 'positional inputs after input_ids'}: image, video or audio inputs would be scattered "
                 "into each rank's shard of the tokens. Train on text, or without sequence parallelism.")
     if module.training and torch.is_grad_enabled() and (why := reentrant_refusal(module)) is not None:
+        raise NotImplementedError(why)
+    if (why := ring_refusal(module, state.ring_size)) is not None:  # before any layer, on every rank
         raise NotImplementedError(why)
     if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
         raise NotImplementedError("use_cache=True / past_key_values under sequence parallelism: the cache would hold "

@@ -54,11 +54,16 @@ def zigzag_order(seq_len: int, ring_size: int) -> torch.Tensor:
 
 def ring_positions(sp_rank: int, local_len: int, sp_size: int, ring_size: int, device=None) -> torch.Tensor:
     """Global token indices [s] that SP rank r holds: part u = r % U of ring shard j = r // U (U = sp_size / R),
-    the shard being chunks j and 2R-1-j of m = U*s/2 tokens; without a ring, r*s .. r*s+s-1. U*s must be even."""
+    the shard being chunks j and 2R-1-j of m = U*s/2 tokens; without a ring, r*s .. r*s+s-1. Raises ValueError
+    when U*s is odd."""
     s, R = local_len, ring_size
     if R == 1:
         return torch.arange(sp_rank * s, (sp_rank + 1) * s, device=device)
     U = sp_size // R
+    if U * s % 2:  # every rank alike (equal shards), before any collective: the layout check computes this first
+        raise ValueError(f"A ring of {R} cuts the sequence into {2 * R} equal chunks, but {sp_size} shards of {s} "
+                         f"tokens ({sp_size * s}) are not a multiple of {2 * R}: pad the sequence to a multiple of "
+                         f"2 x sp_size = {2 * sp_size} (hf_upipe.shard_batch does).")
     j, u = divmod(sp_rank, U)
     m = U * s // 2
     o = u * s + torch.arange(s, device=device)  # offsets in the ring shard [s]

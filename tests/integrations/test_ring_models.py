@@ -107,9 +107,9 @@ def _refusal_worker(rank, world, ring):
 
 def test_what_the_ring_does_not_implement_is_refused_on_every_rank():
     results = run_distributed(_refusal_worker, 4, 2, timeout=300)  # 2 x 2
+    said = [{k: v for k, v in out.items() if k != "right padding"} for out in results]
+    assert all(s == said[0] for s in said), said  # every rank the same error
     for out in results:
-        assert out == results[0] or {k: v for k, v in out.items() if k != "right padding"} == \
-            {k: v for k, v in results[0].items() if k != "right padding"}, (out, results[0])
         assert out["contiguous"].startswith("ValueError") and "ring_positions(r, 8, 4, 2)" in out["contiguous"], out
         assert out["interior padding"].startswith("ValueError") and "interior padding" in out["interior padding"]
         assert out["right padding"] < 1e-5, out["right padding"]
@@ -118,6 +118,11 @@ def test_what_the_ring_does_not_implement_is_refused_on_every_rank():
 
 
 def test_packed_rows_and_odd_lengths_under_a_ring():
+    from hf_upipe.ops.ring import ring_positions
+
+    with pytest.raises(ValueError, match=r"2 shards of 5 tokens \(10\) are not a multiple of 4: pad the sequence to a "
+                                         "multiple of 2 x sp_size = 4"):
+        ring_positions(0, 5, 2, 2)  # the layout check computes it on every rank before its all-gather
     ids = torch.arange(3, 19)[None]  # 16 tokens, two documents
     with pytest.raises(ValueError, match="Packed rows .* not implemented with ring attention \\(ring_size=2\\)"):
         hf_upipe.shard_batch({"input_ids": ids, "position_ids": torch.cat([torch.arange(8), torch.arange(8)])[None]},
