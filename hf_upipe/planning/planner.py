@@ -326,9 +326,8 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
     limit = int(gpu_bytes * (1 - headroom))
     step = math.lcm(step, unit)
     estimate = _Estimator(config, world=world, sp_size=sp, dtype=dtype, exact=exact, lora=lora)
-    if settings is not None:
-        pairs = [(settings, settings)] if ring_size == 1 else \
-            [(dataclasses.replace(settings, ring_size=ring_size),) * 2]
+    if settings is not None:  # (the plan's ring, whatever the given settings say)
+        pairs = [(dataclasses.replace(settings, ring_size=ring_size),) * 2]
     else:  # the ladder over the ranks UPipe's heads split over, each rung with the ring
         pairs = [(dataclasses.replace(c, ring_size=ring_size), dataclasses.replace(r, ring_size=ring_size))
                  for c, r in candidates(config, u, impl)]
