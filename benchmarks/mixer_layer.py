@@ -3,8 +3,10 @@
 For each mixer kind (Mamba2: Bamba's mixer; gated DeltaNet: Qwen3-Next's; short convolution: LFM2's), the mixer
 module of `hf_upipe.models.tiny_config(model_type)` (widened by `--hidden`) after `hf_upipe.prepare_model`, forward
 + backward on a sequence of S tokens, on 2 gloo ranks with one thread each:
-- "SP 2": the installed `sharded_mixer_forward` on each rank's shard of S/2 tokens (the state mixers pass state
-  rank to rank, the sequential fallback of the design; the short convolution exchanges a halo, in parallel);
+- "SP 2": the installed `sharded_mixer_forward` on each rank's shard of S/2 tokens (gated DeltaNet: all ranks at
+  once, a prefix over their gathered states; Mamba2: state passed rank to rank, the sequential fallback of the
+  design; the short convolution exchanges a halo, in parallel);
+- "SP 2 sequential" (gated DeltaNet only): the same mixer installed with state_passing="sequential";
 - "shard alone": the class's own forward on the same shard without SP (wrong across shards: the parallel ideal of
   one rank's work);
 - "one process": the class's own forward on all S tokens in one process (the other rank idles).
@@ -14,6 +16,7 @@ the incoming gradient not counted) under SP minus the shard alone's, per rank, a
 memory, which should not grow with S (what it receives and sends has no sequence axis, or k-1 tokens).
 
     python benchmarks/mixer_layer.py [--seq-lens 2048,8192] [--reps 5] [--hidden 256] [--out benchmarks/results]
+        [--kinds bamba,qwen3_next,lfm2]
 
 Writes <out>/mixer_layer.json and prints a markdown table. CPU timings are noisy; compare within a run.
 """
@@ -58,7 +61,7 @@ def _mixer(model_type: str, layer_type: str, hidden: int):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float()
     hf_upipe.prepare_model(model)
-    return next(m for m in model.modules() if mixers.is_installed(m)), config
+    return model, next(m for m in model.modules() if mixers.is_installed(m)), config
 
 
 def _worker(rank: int, world: int, model_type: str, layer_type: str, hidden: int, lengths: list[int],
@@ -67,15 +70,20 @@ def _worker(rank: int, world: int, model_type: str, layer_type: str, hidden: int
     import torch.distributed as dist
 
     import hf_upipe
+    from hf_upipe.integrations import mixers
+    from hf_upipe.integrations.delta_rule import DELTA_KERNELS
     from hf_upipe.planning.tracker import MemoryTracker
 
     torch.set_num_threads(1)
     hf_upipe.init_sequence_parallel(world)
-    mixer, config = _mixer(model_type, layer_type, hidden)
+    model, mixer, config = _mixer(model_type, layer_type, hidden)
+    sp_modes = ("sp", "sp_seq") if type(mixer).__name__ in DELTA_KERNELS else ("sp",)
 
     def run(mode, x, dy):
         own = type(mixer).forward
-        out = mixer(x) if mode == "sp" else own(mixer, x)
+        if mode in sp_modes:
+            mixers.install_mixers(model, state_passing="sequential" if mode == "sp_seq" else "parallel")
+        out = mixer(x) if mode in sp_modes else own(mixer, x)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(dy)
 
@@ -92,16 +100,17 @@ def _worker(rank: int, world: int, model_type: str, layer_type: str, hidden: int
         shard = full[:, rank * s:(rank + 1) * s].clone().requires_grad_()
         dshard = dfull[:, rank * s:(rank + 1) * s].clone()
         full.requires_grad_()
-        inputs = {"sp": (shard, dshard), "alone": (shard, dshard), "one": (full, dfull)}
+        inputs = {**{m: (shard, dshard) for m in sp_modes}, "alone": (shard, dshard), "one": (full, dfull)}
         peaks = {}
-        for mode in ("sp", "alone"):
+        for mode in (*sp_modes, "alone"):
             with MemoryTracker() as tracker:
                 run(mode, *inputs[mode])
             peaks[mode] = tracker.peak_bytes
         times = {mode: [] for mode in inputs}
+        n = len(inputs)
         for r in range(reps + 1):
-            for k in range(3):
-                mode = list(inputs)[(k + r) % 3]
+            for k in range(n):
+                mode = list(inputs)[(k + r) % n]
                 dist.barrier()
                 t0 = time.perf_counter()
                 if mode != "one" or rank == 0:
@@ -121,6 +130,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--kinds", default=",".join(k[1] for k in KINDS), help="model types of the mixers to run")
     args = ap.parse_args()
     from hf_upipe.testing import run_distributed
 
@@ -128,13 +138,18 @@ def main() -> None:
     rows, raw = [], {}
     start = time.time()
     for label, model_type, layer_type in KINDS:
+        if model_type not in args.kinds.split(","):
+            continue
         ranks = run_distributed(_worker, 2, model_type, layer_type, args.hidden, lengths, args.reps, timeout=3000)
         raw[model_type] = ranks
         for S in lengths:
-            med = {m: statistics.median(max(a, b) for a, b in zip(ranks[0][S]["times"][m], ranks[1][S]["times"][m]))
-                   for m in ("sp", "alone", "one")}
-            peaks = [(ranks[r][S]["peaks"]["sp"], ranks[r][S]["peaks"]["alone"]) for r in (0, 1)]
-            rows.append((label, S, med["sp"], med["alone"], med["one"], peaks))
+            times = ranks[0][S]["times"]
+            med = {m: statistics.median(max(a, b) for a, b in zip(times[m], ranks[1][S]["times"][m])) for m in times}
+            for mode, how in (("sp", "parallel" if "sp_seq" in times else None), ("sp_seq", "sequential")):
+                if mode in times:
+                    peaks = [(ranks[r][S]["peaks"][mode], ranks[r][S]["peaks"]["alone"]) for r in (0, 1)]
+                    rows.append((f"{label}{f', {how}' if how else ''}", S, med[mode], med["alone"], med["one"],
+                                 peaks))
     print("| mixer | S | SP 2 fwd+bwd s | shard alone s | one process s | SP 2 / shard alone | SP 2 / one process "
           "| peak MiB, shard alone | SP 2 extra MiB: rank 0, rank 1 |")
     print("|---|---|---|---|---|---|---|---|---|")

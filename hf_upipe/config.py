@@ -94,6 +94,11 @@ class UPipeConfig:
         "neighbouring stage's attention kernel computes (NCCL: on its own stream; gloo: its worker thread), as its "
         "forward always does in training (that costs no peak memory). The same result, for one more stage of "
         "q/k/v and gradient buffers in the backward. Needs fused_attention. Default False.")})
+    mixer_state_passing: str | None = field(default=None, metadata={"help": (
+        "How a hybrid's delta-rule mixers (gated DeltaNet, Kimi delta attention) pass state across shards: "
+        "'parallel' (default: every rank at once, from the states all ranks gather; its kernel carries d_k more "
+        "value columns) or 'sequential' (rank after rank inside each such layer: the least memory, P times the "
+        "time). Mamba2 mixers always pass it in sequence.")})
     tiled_loss: bool | None = field(default=None, metadata={"help": (
         "Compute lm_head + cross-entropy in token chunks so the [tokens, vocab] logits never exist. Default True.")})
     loss_chunk_tokens: int | None = field(default=None, metadata={"help": (
@@ -159,6 +164,10 @@ class UPipeConfig:
         if self.fused_backward not in ("recompute", "save"):
             raise ValueError(f"fused_backward={self.fused_backward!r}: use 'recompute' (the least memory) or 'save' "
                              "(no attention recompute in the backward; more memory).")
+        self.mixer_state_passing = str(self.mixer_state_passing or env["mixer_state_passing"] or "parallel").lower()
+        if self.mixer_state_passing not in ("parallel", "sequential"):
+            raise ValueError(f"mixer_state_passing={self.mixer_state_passing!r}: use 'parallel' (every rank at once) "
+                             "or 'sequential' (the least memory).")
         for name, default in (("fused_attention", True), ("tiled_loss", True), ("tiled_mlp", False),
                               ("allow_unverified", False), ("overlap_comm", False)):
             value = getattr(self, name)

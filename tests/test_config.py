@@ -8,13 +8,15 @@ from hf_upipe import UPipeConfig
 def test_defaults(monkeypatch):
     for name in ("SP_SIZE", "RING_SIZE", "HEADS_PER_CHUNK", "KERNEL", "FUSED_ATTENTION", "TILED_LOSS",
                  "LOSS_CHUNK_TOKENS", "ALLOW_UNVERIFIED",
-                 "TILED_MLP", "MLP_CHUNK_TOKENS", "OFFLOAD", "OFFLOAD_PATH", "FUSED_BACKWARD", "OVERLAP_COMM"):
+                 "TILED_MLP", "MLP_CHUNK_TOKENS", "OFFLOAD", "OFFLOAD_PATH", "FUSED_BACKWARD", "OVERLAP_COMM",
+                 "MIXER_STATE_PASSING"):
         monkeypatch.delenv(f"UPIPE_{name}", raising=False)
     cfg = UPipeConfig()
     assert (cfg.sp_size, cfg.heads_per_chunk, cfg.kernel, cfg.fused_attention, cfg.tiled_loss,
             cfg.loss_chunk_tokens) == (None, 1, "auto", True, True, None)
     assert (cfg.tiled_mlp, cfg.mlp_chunk_tokens, cfg.offload, cfg.offload_path) == (False, None, "none", None)
     assert cfg.fused_backward == "recompute" and cfg.overlap_comm is False
+    assert cfg.mixer_state_passing == "parallel"
     assert cfg.init_kwargs() == {"ring_size": 1, "heads_per_chunk": 1, "kernel": "auto", "allow_unverified": False}
 
 
@@ -40,7 +42,9 @@ def test_environment_fallbacks_and_explicit_precedence(monkeypatch):
     monkeypatch.setenv("UPIPE_OFFLOAD", "DISK")
     monkeypatch.setenv("UPIPE_FUSED_BACKWARD", "Save")
     monkeypatch.setenv("UPIPE_OVERLAP_COMM", "true")
+    monkeypatch.setenv("UPIPE_MIXER_STATE_PASSING", "Sequential")
     cfg = UPipeConfig()
+    assert cfg.mixer_state_passing == "sequential"
     assert (cfg.tiled_mlp, cfg.offload, cfg.fused_backward, cfg.overlap_comm) == (True, "disk", "save", True)
     assert (cfg.sp_size, cfg.heads_per_chunk, cfg.tiled_loss, cfg.loss_chunk_tokens, cfg.kernel) == \
         (4, "all", False, 2048, "sdpa")
@@ -70,6 +74,7 @@ def test_resolve_sp_size(monkeypatch):
     (dict(offload="nvme"), "offload='nvme': use 'none', 'cpu'"),
     (dict(fused_backward="keep"), "fused_backward='keep': use 'recompute' .* or 'save'"),
     (dict(mlp_chunk_tokens=0), "mlp_chunk_tokens=0"),
+    (dict(mixer_state_passing="ring"), "mixer_state_passing='ring': use 'parallel' .* or 'sequential'"),
     (dict(overlap_comm="often"), "overlap_comm='often' is not a boolean"),
     (dict(overlap_comm=True, fused_attention=False), r"UPipeConfig\(overlap_comm=True\) overlaps the fused block's "
                                                      r"all-to-alls, but UPipeConfig\(fused_attention=False\)"),

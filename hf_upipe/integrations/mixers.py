@@ -1,30 +1,34 @@
 """Token mixers other than attention under SP (gated DeltaNet, Mamba2, short convolutions), exact across shards.
 
 Entry points:
-- `install_mixers(model)` / `remove_mixers(model)`: on every mixer module of a class in `MIXERS` or `HALO_MIXERS`
-  (behind the fingerprint of its forward's source), install (and remove, exactly) `sharded_mixer_forward`.
+- `install_mixers(model, state_passing)` / `remove_mixers(model)`: on every mixer module of a class in `MIXERS` or
+  `HALO_MIXERS` (behind the fingerprint of its forward's source), install (and remove, exactly)
+  `sharded_mixer_forward`.
 - `reentrant_refusal(model)`: why its checkpointing cannot run a state mixer (use_reentrant=True, or
   preserve_rng_state=False), or None; `ring_refusal(model, ring_size)`: why its mixers cannot run under a ring.
 - `mixers_ready(config)`: whether a prepared model of this config has them installed (the support gate admits
   the `layer_types` in `MIXER_LAYER_TYPES` under SP at run time only then); `supported(module)`,
   `is_installed(module)`.
 
-Two ways, by what the mixer carries across the sequence:
-- State (`MIXERS`: gated DeltaNet of Qwen3-Next, Qwen3.5, OLMo-Hybrid, Bailing-Hybrid; Mamba2 of Bamba, Nemotron-H,
-  Falcon-H1, Granite 4 hybrids). Each rank runs the mixer's own forward (transformers' code, its torch or CUDA
-  kernels) on its shard, with a `_ShardCache` as its cache, the way transformers continues a prefill from a cache:
-  the causal convolution's state is the last k-1 convolution inputs of the previous rank's shard (a halo), the
-  recurrence's initial state is the previous rank's final state (Mamba2's chunked scan and the delta rule both take
-  an initial state). The ranks run one after the other inside each such layer (rank r waits for rank r-1's halo and
-  state; the backward runs the chain the other way, rank r sending rank r-1 the gradients of what it received): the
-  sequential fallback of the sequence-parallel design, measured and documented in README. Attention layers in
-  between stay parallel. Bytes sent per mixer layer and rank: the halo [B, conv channels, k-1] and the state
-  (gated DeltaNet [B, heads, d_k, d_v]; Mamba2 [B, heads, head_dim, d_state]), fp32, forward and backward;
-  independent of the sequence length.
+Three ways, by what the mixer carries across the sequence:
+- Delta-rule state, all ranks at once (`DELTA_KERNELS`: gated DeltaNet of Qwen3-Next, Qwen3.5, OLMo-Hybrid; Kimi
+  delta attention of Bailing-Hybrid): each rank corrects its shard's output by the prefix of the states all ranks
+  gather (`hf_upipe.integrations.delta_rule`, which says why that is exact and what it costs). The default;
+  `install_mixers(model, state_passing="sequential")` runs them the next way instead.
+- State in sequence (`MIXERS`: the above, and Mamba2 of Bamba, Nemotron-H, Falcon-H1, Granite 4 hybrids). Each rank
+  runs the mixer's own forward (transformers' code, its torch or CUDA kernels) on its shard, with a `_ShardCache`
+  as its cache, the way transformers continues a prefill from a cache: the causal convolution's state is the last
+  k-1 convolution inputs of the previous rank's shard (a halo), the recurrence's initial state is the previous
+  rank's final state. The ranks run one after the other inside each such layer (rank r waits for rank r-1; the
+  backward runs the chain the other way): the sequential fallback, measured and documented in README. Attention
+  layers in between stay parallel. Bytes sent per mixer layer and rank: the halo [B, conv channels, k-1] and the
+  state (gated DeltaNet [B, heads, d_k, d_v]; Mamba2 [B, heads, head_dim, d_state]), fp32, forward and backward.
 - Halo only (`HALO_MIXERS`: LFM2's short convolutions, whose only reach is the k-1 previous tokens). All ranks at
   once send their last k-1 input tokens [B, k-1, Dm] to the next rank (`_Halo`), run the mixer's own forward on
   [halo; shard] and keep the last s outputs; the backward sends the halo's gradient back, where it is added to the
-  last k-1 tokens' gradient. Parallel: one exchange of (k-1)*Dm values per sequence and rank each way.
+  last k-1 tokens'. One exchange of (k-1)*Dm values per sequence and rank each way.
+None of them gathers the sequence. Under (non-reentrant) activation checkpointing the recompute inside the backward
+reuses what its forward received, found by a key both draw (`_call_key`), and does not communicate.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_upipe.distributed import get_sequence_parallel_state
+from hf_upipe.integrations.delta_rule import DELTA_KERNELS, kernel_present, parallel_delta_forward
 from hf_upipe.ops.fake import simulating
 
 __all__ = ["HALO_MIXERS", "MIXERS", "MIXER_LAYER_TYPES", "install_mixers", "is_installed", "mixers_ready",
@@ -116,10 +121,10 @@ class _Kept:
     forward's `_Receive` node, so it lives exactly as long as the forward's graph; the mixer's stash holds it
     weakly."""
 
-    __slots__ = ("tensors", "__weakref__")
+    __slots__ = ("tensors", "halo", "__weakref__")
 
     def __init__(self):
-        self.tensors = None
+        self.tensors = self.halo = None
 
 
 class _Receive(torch.autograd.Function):
@@ -163,38 +168,44 @@ class _Give(torch.autograd.Function):
 
 
 class _Halo(torch.autograd.Function):
-    """x [B, s, Dm] -> [B, k-1+s, Dm]: the previous rank's last k-1 tokens in front (rank 0: x unchanged). Every
-    rank sends its own last k-1 tokens to the next rank at the same time. Backward: the front's gradient goes back
-    to the previous rank, and the gradient received from the next rank is added to the last k-1 tokens'."""
+    """x [B, s, Dm] -> [B, k-1+s, Dm] (or on another axis `dim`, e.g. a convolution's input [B, C, s] -> [B, C,
+    k-1+s]): the previous rank's last k-1 tokens in front (rank 0: x unchanged). Every rank sends its own last k-1
+    tokens to the next rank at the same time. Backward: the front's gradient goes back to the previous rank, and the
+    gradient received from the next rank is added to the last k-1 tokens'. `kept`: a `_Kept` whose `halo` takes
+    the received tokens (for a recompute), or None."""
 
     @staticmethod
-    def forward(ctx, x, group, rank, ranks, reach):
-        ctx.group, ctx.rank, ctx.ranks, ctx.reach = group, rank, ranks, reach
-        B, s, Dm = x.shape
-        halo = x.new_empty(B, reach, Dm) if rank > 0 else None
-        works = [dist.isend(x[:, s - reach:].contiguous(), ranks[rank + 1], group=group)] if rank + 1 < len(ranks) \
-            else []
+    def forward(ctx, x, group, rank, ranks, reach, dim=1, kept=None):
+        dim = dim % x.dim()
+        ctx.group, ctx.rank, ctx.ranks, ctx.reach, ctx.dim = group, rank, ranks, reach, dim
+        s = x.shape[dim]
+        halo = x.new_empty(*x.shape[:dim], reach, *x.shape[dim + 1:]) if rank > 0 else None
+        works = [dist.isend(x.narrow(dim, s - reach, reach).contiguous(), ranks[rank + 1], group=group)] \
+            if rank + 1 < len(ranks) else []
         if halo is not None:
             works.append(dist.irecv(halo, ranks[rank - 1], group=group))
         for work in works:
             work.wait()
-        return torch.cat([halo, x], dim=1) if halo is not None else x.clone()  # [B, k-1+s, Dm] (rank 0: [B, s, Dm])
+        if kept is not None:
+            kept.halo = halo
+        return torch.cat([halo, x], dim=dim) if halo is not None else x.clone()  # k-1+s (rank 0: s) along dim
 
     @staticmethod
     def backward(ctx, grad):
-        rank, ranks, reach, group = ctx.rank, ctx.ranks, ctx.reach, ctx.group
-        dx = (grad[:, reach:] if rank > 0 else grad).contiguous().clone()  # [B, s, Dm]
+        rank, ranks, reach, group, dim = ctx.rank, ctx.ranks, ctx.reach, ctx.group, ctx.dim
+        s = grad.shape[dim] - (reach if rank > 0 else 0)
+        dx = grad.narrow(dim, grad.shape[dim] - s, s).contiguous().clone()  # x's shape
         works, d_tail = [], None
         if rank > 0:
-            works.append(dist.isend(grad[:, :reach].contiguous(), ranks[rank - 1], group=group))
+            works.append(dist.isend(grad.narrow(dim, 0, reach).contiguous(), ranks[rank - 1], group=group))
         if rank + 1 < len(ranks):
-            d_tail = dx.new_empty(dx.shape[0], reach, dx.shape[2])
+            d_tail = dx.new_empty(*dx.shape[:dim], reach, *dx.shape[dim + 1:])
             works.append(dist.irecv(d_tail, ranks[rank + 1], group=group))
         for work in works:
             work.wait()
         if d_tail is not None:
-            dx[:, dx.shape[1] - reach:] += d_tail
-        return dx, None, None, None, None
+            dx.narrow(dim, s - reach, reach).add_(d_tail)
+        return dx, None, None, None, None, None, None
 
 
 @functools.lru_cache(maxsize=64)
@@ -235,24 +246,54 @@ def sharded_mixer_forward(self, hidden_states, *args, **kwargs):
         out = type(self).forward(self, _Halo.apply(hidden_states, group, rank, tuple(ranks), reach), None, None,
                                  **kwargs)
         return out[:, reach:] if rank > 0 else out
+    parallel = _passing(self) == "parallel"
     if torch._C._current_graph_task_id() != -1:  # activation checkpointing's recompute, inside the backward:
+        if parallel:  # no communication: what the forward received
+            return parallel_delta_forward(self, hidden_states, attention_mask, kwargs, group, rank, ranks, True,
+                                          _stashed(self, _call_key()))
         return _recompute(self, hidden_states, attention_mask, rank, kwargs)  # no communication (see there)
-    anchor = torch.zeros((), device=hidden_states.device, requires_grad=torch.is_grad_enabled())
     key = _call_key() if torch.is_grad_enabled() and _may_recompute() else None  # every rank alike
+    if parallel:
+        kept = _stash(self, key, _Kept()) if key is not None else None
+        return parallel_delta_forward(self, hidden_states, attention_mask, kwargs, group, rank, ranks, False, kept)
+    anchor = torch.zeros((), device=hidden_states.device, requires_grad=torch.is_grad_enabled())
     halo = start = None
     if rank > 0:
-        kept = _Kept() if key is not None else None  # what a recompute of this call will need
+        kept = _stash(self, key, _Kept()) if key is not None else None  # what a recompute of this call will need
         halo, start = _Receive.apply(anchor, group, ranks[rank - 1], hidden_states.device, kept)
-        if kept is not None:  # found by key, alive while this forward's graph is
-            stash = self.__dict__.setdefault("_upipe_stash", {})
-            for k in [k for k, ref in stash.items() if ref() is None]:
-                del stash[k]
-            stash[key] = weakref.ref(kept)
     cache = _ShardCache(halo, start)
     out = type(self).forward(self, hidden_states, cache, attention_mask, **kwargs)
     if rank < size - 1:
         out = out + _Give.apply(anchor, group, ranks[rank + 1], cache.tail, cache.final).to(out.dtype)
     return out
+
+
+def _passing(module) -> str:
+    """How this mixer passes state across shards: "parallel" (a delta-rule mixer, unless installed with
+    state_passing="sequential"), "sequential" (the rank chain), or "halo" (a short convolution)."""
+    name = type(module).__name__
+    if name in HALO_MIXERS:
+        return "halo"
+    return module.__dict__.get("_upipe_passing", "parallel") if name in DELTA_KERNELS else "sequential"
+
+
+def _stash(module, key: int, kept: _Kept) -> _Kept:
+    """Record `kept` under `key` for this call's recompute, weakly (it lives as long as the forward's graph)."""
+    stash = module.__dict__.setdefault("_upipe_stash", {})
+    for k in [k for k, ref in stash.items() if ref() is None]:
+        del stash[k]
+    stash[key] = weakref.ref(kept)
+    return kept
+
+
+def _stashed(module, key: int) -> _Kept:
+    """What the forward that drew `key` received (its recompute draws the same key)."""
+    ref = module.__dict__.get("_upipe_stash", {}).get(key)
+    kept = ref() if ref is not None else None
+    if kept is None:
+        raise RuntimeError(f"{type(module).__name__}: a recompute found no state received by its forward: the "
+                           "checkpoint does not restore the random state (keep preserve_rng_state=True, its default).")
+    return kept
 
 
 def _may_recompute() -> bool:
@@ -280,14 +321,8 @@ def _recompute(self, hidden_states, attention_mask, rank, kwargs):
     key = _call_key()  # every rank alike, as its forward did
     halo = start = None
     if rank > 0:
-        ref = self.__dict__.get("_upipe_stash", {}).get(key)
-        kept = ref() if ref is not None else None
-        if kept is None:
-            raise RuntimeError(f"{type(self).__name__}: a recompute found no state received by its forward: the "
-                               "checkpoint does not restore the random state (keep preserve_rng_state=True, its "
-                               "default).")
         # requiring grad as the forward's did, so the recompute saves the tensors the forward saved
-        halo, start = (t.detach().requires_grad_(torch.is_grad_enabled()) for t in kept.tensors)
+        halo, start = (t.detach().requires_grad_(torch.is_grad_enabled()) for t in _stashed(self, key).tensors)
     return type(self).forward(self, hidden_states, _ShardCache(halo, start), attention_mask, **kwargs)
 
 
@@ -329,17 +364,24 @@ def supported(module: nn.Module) -> bool:
     """A mixer of a verified class whose installed source is the verified one (installed, or to be installed)."""
     name = type(module).__name__
     want = MIXERS.get(name, HALO_MIXERS.get(name))
-    return is_installed(module) or (want is not None and _fingerprint(type(module)) == want)
+    return is_installed(module) or (want is not None and _fingerprint(type(module)) == want
+                                    and (name not in DELTA_KERNELS or kernel_present(module)))
 
 
-def install_mixers(model: nn.Module) -> int:
-    """Install `sharded_mixer_forward` on the model's mixers of verified classes (idempotent); how many."""
+def install_mixers(model: nn.Module, state_passing: str = "parallel") -> int:
+    """Install `sharded_mixer_forward` on the model's mixers of verified classes (idempotent); how many.
+    `state_passing`: "parallel" (the delta-rule mixers all ranks at once, `hf_upipe.integrations.delta_rule`) or
+    "sequential" (the rank chain, the least memory); Mamba2 mixers always pass state in sequence."""
+    if state_passing not in ("parallel", "sequential"):
+        raise ValueError(f"state_passing={state_passing!r}: use 'parallel' or 'sequential'.")
     count = 0
     for module in model.modules():
         if not supported(module):
             continue
         if "forward" not in module.__dict__ or is_installed(module):
             module.forward = types.MethodType(sharded_mixer_forward, module)
+            if type(module).__name__ in DELTA_KERNELS:
+                module.__dict__["_upipe_passing"] = state_passing
             count += 1
     config = getattr(model, "config", None)
     if count and config is not None:
@@ -355,6 +397,7 @@ def remove_mixers(model: nn.Module) -> int:
         if is_installed(module):
             del module.forward
             module.__dict__.pop("_upipe_stash", None)
+            module.__dict__.pop("_upipe_passing", None)
             count += 1
     config = getattr(model, "config", None)
     if config is not None:

@@ -100,7 +100,8 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
         model: a transformers model, a PEFT model wrapping one, or any module tree containing attention modules.
         upipe_config: an optional `hf_upipe.UPipeConfig`: `fused_attention=False` keeps the registered attention path
             (only `attn_implementation="upipe"` is set); `tiled_mlp=True` also tiles the MLPs and RMSNorms
-            (`mlp_chunk_tokens`). Offloading is per step: wrap each forward and backward in
+            (`mlp_chunk_tokens`); `mixer_state_passing` picks how a hybrid's delta-rule mixers pass state.
+            Offloading is per step: wrap each forward and backward in
             `hf_upipe.memory.offload_checkpoints(model, upipe_config.offload, ...)` (UPipeTrainer does).
 
     Returns:
@@ -111,7 +112,8 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
     """
     state = get_sequence_parallel_state()
     # length-dependent RoPE from the global sequence, mixers across shards: before the gate, which needs them
-    installed = install_global_rope(model) + install_mixers(base_model(model))
+    passing = upipe_config.mixer_state_passing if upipe_config is not None else "parallel"
+    installed = install_global_rope(model) + install_mixers(base_model(model), state_passing=passing)
     if state is not None and state.sp_size > 1:
         reason = model_refusal(model, allow_unverified=state.allow_unverified)
         if reason is not None:

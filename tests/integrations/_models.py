@@ -101,7 +101,8 @@ def sharded_errors(ref, model, ids: torch.Tensor, rank: int, world: int) -> tupl
 # per model type: its layers (2 mixers each), set through `layer_types` or, where that is derived (Bamba), the
 # attention layers' indices
 _ALTERNATING = ["linear_attention", "full_attention"] * 2
-LAYERS = {"qwen3_next": _ALTERNATING, "olmo_hybrid": _ALTERNATING, "bamba": _ALTERNATING,
+LAYERS = {"qwen3_next": _ALTERNATING, "olmo_hybrid": _ALTERNATING, "bailing_hybrid": _ALTERNATING,
+          "bamba": _ALTERNATING,
           "granitemoehybrid": _ALTERNATING,
           "nemotron_h": ["linear_attention", "mlp", "full_attention", "linear_attention"],
           "falcon_h1": ["hybrid", "hybrid"], "lfm2": ["conv", "full_attention"] * 2}
@@ -119,6 +120,8 @@ def hybrid_config(model_type):
     except AttributeError:  # Bamba: layer_types is a property of attn_layer_indices
         config.attn_layer_indices = [i for i, t in enumerate(layers) if t != "linear_attention"]
     assert list(config.layer_types) == layers, (model_type, config.layer_types)
+    if getattr(config, "mlp_layer_types", None):  # Bailing-Hybrid: one MLP kind per layer, cycled
+        config.mlp_layer_types = [config.mlp_layer_types[i % len(config.mlp_layer_types)] for i in range(len(layers))]
     return config
 
 

@@ -1,9 +1,11 @@
-"""Hybrids under sequence parallelism (`hf_upipe.integrations.mixers`): gated DeltaNet (Qwen3-Next, OLMo-Hybrid) and
-Mamba2 (Bamba, Nemotron-H, Falcon-H1, Granite 4), where each rank runs transformers' own mixer on its shard continued
-from the previous rank's convolution halo and recurrent state, and LFM2's short convolutions, where all ranks at once
-take the previous rank's last k-1 tokens. Against one process: loss, the logits of every shard and every trainable
-gradient, at SP 2 and SP 4, plain and PEFT LoRA, with activation checkpointing (the recompute re-runs the rank
-chain inside the backward) and with linear-attention layers between attention layers. Unprepared, such a model is
+"""Hybrids under sequence parallelism (`hf_upipe.integrations.mixers`): delta-rule mixers (gated DeltaNet of
+Qwen3-Next and OLMo-Hybrid, Kimi delta attention of Bailing-Hybrid), all ranks at once with a prefix over their
+gathered states (`hf_upipe.integrations.delta_rule`) or, opted in, in sequence; Mamba2 (Bamba, Nemotron-H,
+Falcon-H1, Granite 4), where each rank runs transformers' own mixer on its shard continued from the previous rank's
+convolution halo and recurrent state; and LFM2's short convolutions, where all ranks at once take the previous
+rank's last k-1 tokens. Against one process: loss, the logits of every shard and every trainable gradient, at SP 2
+and SP 4, plain and PEFT LoRA, with activation checkpointing (the recompute re-runs the forward inside the backward
+without communicating) and with linear-attention layers between attention layers. Unprepared, such a model is
 refused under SP; without the state passing the shards would be wrong (so the test can fail).
 """
 
@@ -37,12 +39,14 @@ def _pair(model_type):
 def _worker(rank, world, cases):
     hf_upipe.init_sequence_parallel(world)
     out = {}
-    for model_type, lora, ckpt in cases:
+    for model_type, lora, ckpt, *passing in cases:
         ref, model = _pair(model_type)
         unprepared = _refusal(model, rank, world)
         if lora:
             ref, model = lora_pair(ref, model, lora_exclusions(model_type))
         hf_upipe.prepare_model(model)
+        if passing:
+            mixers.install_mixers(model, state_passing=passing[0])
         installed = sum(mixers.is_installed(m) for m in model.modules())
         if ckpt:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -68,13 +72,14 @@ def _refusal(model, rank, world, length=S):
     return "ran"
 
 
-# (model type, LoRA, activation checkpointing): each type at SP 2 and SP 4, full and LoRA across the two
+# (model type, LoRA, activation checkpointing[, a delta-rule mixer's state passing]): each type at SP 2 and SP 4,
+# full and LoRA across the two; the delta-rule mixers in parallel (the default) and in sequence
 CASES = {2: [("qwen3_next", False, False), ("olmo_hybrid", True, True), ("bamba", True, True),
              ("nemotron_h", False, False), ("falcon_h1", True, False), ("granitemoehybrid", False, True),
-             ("lfm2", False, False)],
+             ("lfm2", False, False), ("qwen3_next", True, True, "sequential")],
          4: [("qwen3_next", True, True), ("olmo_hybrid", False, False), ("bamba", False, False),
              ("nemotron_h", True, True), ("falcon_h1", False, True), ("granitemoehybrid", True, False),
-             ("lfm2", True, True)]}
+             ("lfm2", True, True), ("bailing_hybrid", True, True), ("olmo_hybrid", False, True, "sequential")]}
 
 
 def test_hybrids_are_exact():
@@ -127,12 +132,12 @@ def test_shards_shorter_than_the_convolution_are_refused_on_every_rank():
         assert "a shard of 2 tokens is shorter than the convolution's reach (3 tokens)" in said, said
 
 
-def _checkpoint_worker(rank, world):
+def _checkpoint_worker(rank, world, model_type):
     """What a state mixer keeps for a recompute: nothing without checkpointing, the received (halo, state) under
     non-reentrant checkpointing, for as long as that forward's graph lives (counted before its backward and after
     the graph is dropped); reentrant checkpointing (its forward runs without grad, so nothing could be kept) and
     checkpointing that does not restore the random state are refused on every rank before any send."""
-    _, model = _pair("bamba")
+    _, model = _pair(model_type)
     hf_upipe.init_sequence_parallel(world)
     try:
         hf_upipe.prepare_model(model)
@@ -163,21 +168,24 @@ def _checkpoint_worker(rank, world):
 
 
 def test_a_mixer_keeps_received_state_only_for_a_checkpoint_recompute():
-    (kept0, said0, rng0), (kept1, said1, rng1) = run_distributed(_checkpoint_worker, 2, timeout=120)
+    (kept0, said0, rng0), (kept1, said1, rng1) = run_distributed(_checkpoint_worker, 2, "bamba", timeout=120)
     # rank 0 receives nothing; rank 1 keeps one forward's state while its graph lives, none once it is dropped
     assert kept0 == [(0, 0), (0, 0)] and kept1 == [(0, 0), (1, 0)], (kept0, kept1)
-    for said in (said0, said1):
+    # a delta-rule mixer in parallel: every rank keeps the gathered states (and rank 1 its halo) the same way
+    (p0, said2, rng2), (p1, said3, rng3) = run_distributed(_checkpoint_worker, 2, "qwen3_next", timeout=120)
+    assert p0 == p1 == [(0, 0), (1, 0)], (p0, p1)
+    for said in (said0, said1, said2, said3):
         assert "use_reentrant=True around a recurrent mixer" in said and "'use_reentrant': False" in said, said
-    for said in (rng0, rng1):  # the recompute's key would not match its forward's
+    for said in (rng0, rng1, rng2, rng3):  # the recompute's key would not match its forward's
         assert "preserve_rng_state=False around a recurrent mixer" in said, said
 
 
-def _pending_worker(rank, world):
+def _pending_worker(rank, world, model_type):
     """Two checkpointed forwards before one backward, with the same second shard but different first shards, so
     rank 1 receives different states for the same input: each recompute must take its own forward's state."""
     import torch.distributed as dist
 
-    ref, model = _pair("bamba")
+    ref, model = _pair(model_type)
     hf_upipe.init_sequence_parallel(world)
     try:
         hf_upipe.prepare_model(model)
@@ -209,26 +217,31 @@ def _pending_worker(rank, world):
 
 
 def test_each_recompute_takes_its_own_forwards_state():
-    for worst in run_distributed(_pending_worker, 2, timeout=120):
-        assert worst < 1e-4, worst
+    for model_type in ("bamba", "qwen3_next"):  # in sequence, and a delta-rule mixer in parallel
+        for worst in run_distributed(_pending_worker, 2, model_type, timeout=120):
+            assert worst < 1e-4, (model_type, worst)
 
 
 def _sent_worker(rank, world, model_type, lengths):
-    """Bytes this rank sends (point to point) in one forward+backward of the prepared hybrid, per sequence length."""
+    """Bytes this rank sends point to point, and contributes to all-gathers and all-reduces, in one forward+backward
+    of the prepared hybrid, per sequence length."""
     import torch.distributed as dist
 
     _, model = _pair(model_type)
     hf_upipe.init_sequence_parallel(world)
     sent = {"bytes": 0}
-    originals = dist.send, dist.isend
+    names = ("send", "isend", "all_gather", "all_reduce")
+    originals = [getattr(dist, name) for name in names]
 
-    def counting(original):
-        def wrapped(tensor, *args, **kwargs):
+    def counting(original, gather):
+        def wrapped(first, *args, **kwargs):
+            tensor = args[0] if gather else first  # all_gather(outputs, input): what this rank contributes
             sent["bytes"] += tensor.numel() * tensor.element_size()
-            return original(tensor, *args, **kwargs)
+            return original(first, *args, **kwargs)
         return wrapped
 
-    dist.send, dist.isend = counting(dist.send), counting(dist.isend)
+    for name, original in zip(names, originals):
+        setattr(dist, name, counting(original, name == "all_gather"))
     try:
         hf_upipe.prepare_model(model)
         model.train()
@@ -242,14 +255,17 @@ def _sent_worker(rank, world, model_type, lengths):
             out[length] = sent["bytes"]
         return out
     finally:
-        dist.send, dist.isend = originals
+        for name, original in zip(names, originals):
+            setattr(dist, name, original)
         hf_upipe.reset_sequence_parallel()
 
 
 def test_what_a_mixer_sends_is_its_halo_and_state_whatever_the_length():
     """Per mixer layer and rank, forward and backward: Mamba2 sends its convolution halo [B, conv channels, k-1] and
-    its state [B, heads, head_dim, d_state] (fp32; plus two 64-byte shape headers forward); LFM2's short convolution
-    sends the last k-1 tokens [B, k-1, Dm]. Nothing grows with the sequence (no rank gathers it)."""
+    its state [B, heads, head_dim, d_state] (fp32; plus two 64-byte shape headers forward); gated DeltaNet sends its
+    halo and all-gathers its [F | M] [B, heads, d_k, d_v + d_k] (fp32), whose gradient it all-reduces over P such
+    blocks; LFM2's short convolution sends the last k-1 tokens [B, k-1, Dm]. Nothing grows with the sequence (no
+    rank gathers it)."""
     B, world, layers = 2, 2, 2
     config = hybrid_config("bamba")
     conv_dim = config.mamba_expand * config.hidden_size + 2 * config.mamba_n_groups * config.mamba_d_state
@@ -262,3 +278,11 @@ def test_what_a_mixer_sends_is_its_halo_and_state_whatever_the_length():
     halo = B * (config.conv_L_cache - 1) * config.hidden_size * 4
     sent = run_distributed(_sent_worker, world, "lfm2", (32, 128), timeout=200)
     assert sent == [{32: layers * halo, 128: layers * halo}] * 2, sent  # rank 0 forward, rank 1 backward
+    config = hybrid_config("qwen3_next")
+    dk, dv, heads = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_num_value_heads
+    conv = 2 * config.linear_num_key_heads * dk + heads * dv
+    halo = B * conv * (config.linear_conv_kernel_dim - 1) * 4
+    states = B * heads * dk * (dv + dk) * 4  # [F | M] of one rank
+    sent = run_distributed(_sent_worker, world, "qwen3_next", (32, 128), timeout=200)
+    # rank 0 sends its halo forward, rank 1 its halo's gradient backward; both gather and reduce the states
+    assert sent == [{n: layers * (halo + states + world * states) for n in (32, 128)}] * 2, sent
