@@ -85,11 +85,11 @@ class _ShardCache:
         return False
 
     def update_conv_state(self, x, layer_idx, conv_kernel_size=None, **kwargs):
-        """x [B, C, s] the convolution's input -> [B, C, k-1+s] with the halo in front; records this shard's tail."""
+        """x [B, C, s] the convolution's input -> [B, C, k-1+s] with the halo in front (rank 0: x, which the
+        convolution pads itself); records this shard's tail [B, C, k-1], a copy, so x need not outlive the call."""
         k = conv_kernel_size
-        self.tail = x[..., x.shape[-1] - (k - 1):]
-        halo = self.halo if self.halo is not None else x.new_zeros(*x.shape[:-1], k - 1)
-        return torch.cat([halo.to(x.dtype), x], dim=-1)
+        self.tail = x[..., x.shape[-1] - (k - 1):].clone()
+        return torch.cat([self.halo.to(x.dtype), x], dim=-1) if self.halo is not None else x
 
     def update_recurrent_state(self, state, layer_idx, **kwargs):
         self.final = state
