@@ -113,7 +113,7 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
                                    tiled_loss=spec.get("tiled", True), loss_chunk_tokens=7,
                                    tiled_mlp=spec.get("tiled_mlp", False), mlp_chunk_tokens=5,
                                    offload=spec.get("offload", "none"), offload_path=spec.get("offload_path"),
-                                   offload_min_bytes=0)
+                                   offload_min_bytes=0, mixer_state_passing=spec.get("passing", "parallel"))
         hf_upipe.reset_sequence_parallel()  # one job runs several specs with other SP settings
         trainer = hf_upipe.UPipeTrainer(**kwargs, upipe_config=cfg)
     else:

@@ -63,8 +63,8 @@ UPIPE_CASES = {
     "sp2dp2_iterable_eval": (4, dict(sp=2, lora=False, iterable_eval=True)),
     "sp2_packed_full": (2, dict(sp=2, lora=False, packed=True)),
     "sp2dp2_packed_lora": (4, dict(sp=2, lora=True, packed=True)),
-    # hybrids: LFM2's short convolutions (halo exchange), Bamba's Mamba2 (state passing)
-    "sp2_lfm2_full": (2, dict(sp=2, lora=False, arch="lfm2")),
+    # hybrids: Qwen3-Next's gated DeltaNet (all ranks at once), Bamba's Mamba2 (state passed rank to rank)
+    "sp2_qwen3next_full_checkpointing": (2, dict(sp=2, lora=False, arch="qwen3_next", checkpointing=True)),
     "sp4_bamba_lora_checkpointing": (4, dict(sp=4, lora=True, arch="bamba", checkpointing=True)),
 }
 BASE = dict(batch=2, eval_steps=2, steps=4, ga=2, evaluate_again=2)  # evaluation at steps 2 and 4
