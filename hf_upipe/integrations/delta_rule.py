@@ -20,7 +20,7 @@ before the module's gated norm. Autograd carries the gradients: the all-gather's
 gradient of the gathered states (an all-reduce) and hands each rank its own slice.
 
 The causal convolution before the kernel needs the previous rank's last k-1 convolution inputs; every rank sends
-its own to the next at the same moment (`hf_upipe.integrations.mixers._Halo`, on the channel axis). Under
+its own to the next at the same moment (`hf_upipe.integrations.shard_exchange.Halo`, on the channel axis). Under
 activation checkpointing the recompute inside the backward reuses what the forward received (halo and gathered
 states, found by the key both draw) and does not communicate, as for the other mixers.
 
@@ -39,6 +39,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from hf_upipe.integrations.shard_exchange import Halo
+
 __all__ = ["DELTA_KERNELS", "parallel_delta_forward"]
 
 # mixer class -> the kernel its forward calls for a prefill (transformers 5.23; its forward is fingerprinted)
@@ -52,7 +54,7 @@ DELTA_KERNELS = {"Qwen3NextGatedDeltaNet": "torch_chunk_gated_delta_rule",
 
 class _GatherStates(torch.autograd.Function):
     """final [B, H, d_k, n] (this rank's) -> [P, B, H, d_k, n] (every rank's, in rank order). Backward: the sum over
-    ranks of the gradient of the gathered states, this rank's slice. `kept`: a `_Kept` to hold them for a recompute
+    ranks of the gradient of the gathered states, this rank's slice. `kept`: a `Kept` to hold them for a recompute
     (held by this node, so it lives as long as the forward's graph), or None."""
 
     @staticmethod
@@ -90,13 +92,11 @@ class _DeltaCache:
 
     def update_conv_state(self, x, layer_idx, conv_kernel_size=None, **kwargs):
         """x [B, C, s] the convolution's input -> [B, C, k-1+s] (rank 0: [B, C, s]; the convolution pads it)."""
-        from hf_upipe.integrations.mixers import _Halo
-
         reach = conv_kernel_size - 1
         if self.recompute:  # what the forward received, no communication
             halo = self.kept.halo
             return torch.cat([halo.to(x.dtype), x], dim=-1) if halo is not None else x
-        return _Halo.apply(x, self.group, self.rank, self.ranks, reach, -1, self.kept)
+        return Halo.apply(x, self.group, self.rank, self.ranks, reach, -1, self.kept)
 
     def update_recurrent_state(self, state, layer_idx, **kwargs):
         pass
@@ -154,7 +154,7 @@ def kernel_present(module) -> bool:
 def parallel_delta_forward(module, hidden_states, attention_mask, kwargs, group, rank, ranks, recompute, kept):
     """The module's own forward on this shard with a `_DeltaCache` and its kernel corrected across shards.
     `recompute`: activation checkpointing's rerun inside the backward, with `kept` what the forward received;
-    otherwise `kept` is a `_Kept` to fill for such a rerun, or None."""
+    otherwise `kept` is a `Kept` to fill for such a rerun, or None."""
     cache = _DeltaCache(group, rank, tuple(ranks), kept, recompute)
     with _kernel_swapped(module, DELTA_KERNELS[type(module).__name__],
                          lambda kernel, *a, **k: _across_shards(kernel, cache, *a, **k)):

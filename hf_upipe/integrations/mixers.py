@@ -24,11 +24,11 @@ Three ways, by what the mixer carries across the sequence:
   layers in between stay parallel. Bytes sent per mixer layer and rank: the halo [B, conv channels, k-1] and the
   state (gated DeltaNet [B, heads, d_k, d_v]; Mamba2 [B, heads, head_dim, d_state]), fp32, forward and backward.
 - Halo only (`HALO_MIXERS`: LFM2's short convolutions, whose only reach is the k-1 previous tokens). All ranks at
-  once send their last k-1 input tokens [B, k-1, Dm] to the next rank (`_Halo`), run the mixer's own forward on
+  once send their last k-1 input tokens [B, k-1, Dm] to the next rank (`Halo`), run the mixer's own forward on
   [halo; shard] and keep the last s outputs; the backward sends the halo's gradient back, where it is added to the
   last k-1 tokens'. One exchange of (k-1)*Dm values per sequence and rank each way.
 None of them gathers the sequence. Under (non-reentrant) activation checkpointing the recompute inside the backward
-reuses what its forward received, found by a key both draw (`_call_key`), and does not communicate.
+reuses what its forward received, found by a key both draw (`call_key`), and does not communicate.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from torch import nn
 
 from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.delta_rule import DELTA_KERNELS, kernel_present, parallel_delta_forward
-from hf_upipe.ops.fake import simulating
+from hf_upipe.integrations.shard_exchange import Halo, Kept, call_key, may_recompute, stash, stashed
 
 __all__ = ["HALO_MIXERS", "MIXERS", "MIXER_LAYER_TYPES", "install_mixers", "is_installed", "mixers_ready",
            "reentrant_refusal", "remove_mixers", "ring_refusal", "sharded_mixer_forward", "supported"]
@@ -116,21 +116,10 @@ def _recv(src: int, group, like: tuple | None = None, device=None) -> torch.Tens
     return out
 
 
-class _Kept:
-    """What a recompute of one forward needs (`tensors`: the received halo and state, detached). Held by that
-    forward's `_Receive` node, so it lives exactly as long as the forward's graph; the mixer's stash holds it
-    weakly."""
-
-    __slots__ = ("tensors", "halo", "__weakref__")
-
-    def __init__(self):
-        self.tensors = self.halo = None
-
-
 class _Receive(torch.autograd.Function):
     """(halo, state) from the previous rank; backward sends it their gradients. `anchor` keeps the node in the
     graph on every rank alike (a leaf that requires grad), so no rank waits for a gradient nobody sends. `kept`: a
-    `_Kept` to fill (for a recompute), or None."""
+    `Kept` to fill (for a recompute), or None."""
 
     @staticmethod
     def forward(ctx, anchor, group, src, device, kept):
@@ -165,47 +154,6 @@ class _Give(torch.autograd.Function):
     def backward(ctx, _):
         grads = [_recv(ctx.dst, ctx.group, like, ctx.device) for like in ctx.like]
         return None, None, None, *grads
-
-
-class _Halo(torch.autograd.Function):
-    """x [B, s, Dm] -> [B, k-1+s, Dm] (or on another axis `dim`, e.g. a convolution's input [B, C, s] -> [B, C,
-    k-1+s]): the previous rank's last k-1 tokens in front (rank 0: x unchanged). Every rank sends its own last k-1
-    tokens to the next rank at the same time. Backward: the front's gradient goes back to the previous rank, and the
-    gradient received from the next rank is added to the last k-1 tokens'. `kept`: a `_Kept` whose `halo` takes
-    the received tokens (for a recompute), or None."""
-
-    @staticmethod
-    def forward(ctx, x, group, rank, ranks, reach, dim=1, kept=None):
-        dim = dim % x.dim()
-        ctx.group, ctx.rank, ctx.ranks, ctx.reach, ctx.dim = group, rank, ranks, reach, dim
-        s = x.shape[dim]
-        halo = x.new_empty(*x.shape[:dim], reach, *x.shape[dim + 1:]) if rank > 0 else None
-        works = [dist.isend(x.narrow(dim, s - reach, reach).contiguous(), ranks[rank + 1], group=group)] \
-            if rank + 1 < len(ranks) else []
-        if halo is not None:
-            works.append(dist.irecv(halo, ranks[rank - 1], group=group))
-        for work in works:
-            work.wait()
-        if kept is not None:
-            kept.halo = halo
-        return torch.cat([halo, x], dim=dim) if halo is not None else x.clone()  # k-1+s (rank 0: s) along dim
-
-    @staticmethod
-    def backward(ctx, grad):
-        rank, ranks, reach, group, dim = ctx.rank, ctx.ranks, ctx.reach, ctx.group, ctx.dim
-        s = grad.shape[dim] - (reach if rank > 0 else 0)
-        dx = grad.narrow(dim, grad.shape[dim] - s, s).contiguous().clone()  # x's shape
-        works, d_tail = [], None
-        if rank > 0:
-            works.append(dist.isend(grad.narrow(dim, 0, reach).contiguous(), ranks[rank - 1], group=group))
-        if rank + 1 < len(ranks):
-            d_tail = dx.new_empty(*dx.shape[:dim], reach, *dx.shape[dim + 1:])
-            works.append(dist.irecv(d_tail, ranks[rank + 1], group=group))
-        for work in works:
-            work.wait()
-        if d_tail is not None:
-            dx.narrow(dim, s - reach, reach).add_(d_tail)
-        return dx, None, None, None, None, None, None
 
 
 @functools.lru_cache(maxsize=64)
@@ -243,23 +191,23 @@ def sharded_mixer_forward(self, hidden_states, *args, **kwargs):
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         if reach == 0:
             return type(self).forward(self, hidden_states, None, None, **kwargs)
-        out = type(self).forward(self, _Halo.apply(hidden_states, group, rank, tuple(ranks), reach), None, None,
+        out = type(self).forward(self, Halo.apply(hidden_states, group, rank, tuple(ranks), reach), None, None,
                                  **kwargs)
         return out[:, reach:] if rank > 0 else out
     parallel = _passing(self) == "parallel"
     if torch._C._current_graph_task_id() != -1:  # activation checkpointing's recompute, inside the backward:
         if parallel:  # no communication: what the forward received
             return parallel_delta_forward(self, hidden_states, attention_mask, kwargs, group, rank, ranks, True,
-                                          _stashed(self, _call_key()))
+                                          stashed(self, call_key()))
         return _recompute(self, hidden_states, attention_mask, rank, kwargs)  # no communication (see there)
-    key = _call_key() if torch.is_grad_enabled() and _may_recompute() else None  # every rank alike
+    key = call_key() if torch.is_grad_enabled() and may_recompute() else None  # every rank alike
     if parallel:
-        kept = _stash(self, key, _Kept()) if key is not None else None
+        kept = stash(self, key, Kept()) if key is not None else None
         return parallel_delta_forward(self, hidden_states, attention_mask, kwargs, group, rank, ranks, False, kept)
     anchor = torch.zeros((), device=hidden_states.device, requires_grad=torch.is_grad_enabled())
     halo = start = None
     if rank > 0:
-        kept = _stash(self, key, _Kept()) if key is not None else None  # what a recompute of this call will need
+        kept = stash(self, key, Kept()) if key is not None else None  # what a recompute of this call will need
         halo, start = _Receive.apply(anchor, group, ranks[rank - 1], hidden_states.device, kept)
     cache = _ShardCache(halo, start)
     out = type(self).forward(self, hidden_states, cache, attention_mask, **kwargs)
@@ -277,59 +225,24 @@ def _passing(module) -> str:
     return module.__dict__.get("_upipe_passing", "parallel") if name in DELTA_KERNELS else "sequential"
 
 
-def _stash(module, key: int, kept: _Kept) -> _Kept:
-    """Record `kept` under `key` for this call's recompute, weakly (it lives as long as the forward's graph)."""
-    stash = module.__dict__.setdefault("_upipe_stash", {})
-    for k in [k for k, ref in stash.items() if ref() is None]:
-        del stash[k]
-    stash[key] = weakref.ref(kept)
-    return kept
-
-
-def _stashed(module, key: int) -> _Kept:
-    """What the forward that drew `key` received (its recompute draws the same key)."""
-    ref = module.__dict__.get("_upipe_stash", {}).get(key)
-    kept = ref() if ref is not None else None
-    if kept is None:
-        raise RuntimeError(f"{type(module).__name__}: a recompute found no state received by its forward: the "
-                           "checkpoint does not restore the random state (keep preserve_rng_state=True, its default).")
-    return kept
-
-
-def _may_recompute() -> bool:
-    """Whether saved-tensor hooks are active, as inside a (non-reentrant) activation checkpoint's forward, whose
-    recompute will need what this call received (plain forwards keep no stash). Unknown: True."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(False) is not None
-
-
-def _call_key() -> int:
-    """A number drawn from torch's CPU generator. Activation checkpointing restores that generator's state before
-    it recomputes a forward (preserve_rng_state, its default), so the recompute draws the same number: an exact key
-    from a checkpointed forward to its recompute, distinct between forwards, whatever their inputs."""
-    if simulating():  # a memory simulation: fake tensors have no values to read (and nothing is recomputed twice)
-        return 0
-    return int(torch.randint(0, 2**62, (1,)).item())
-
-
 def _recompute(self, hidden_states, attention_mask, rank, kwargs):
     """The forward again, as activation checkpointing reruns it inside the backward, without sending or receiving:
     the ranks reach their recomputes in an order the autograd engine picks (a rank may first wait in `_Give`'s
     backward for the next rank's gradient, while that rank's recompute would wait for this rank's halo), so a
     recompute that communicated could deadlock. It takes the (halo, state) this call received in its forward, found
-    by the key both draw (`_call_key`); gradients flow through the forward's graph, not through the recompute's."""
-    key = _call_key()  # every rank alike, as its forward did
+    by the key both draw (`call_key`); gradients flow through the forward's graph, not through the recompute's."""
+    key = call_key()  # every rank alike, as its forward did
     halo = start = None
     if rank > 0:
         # requiring grad as the forward's did, so the recompute saves the tensors the forward saved
-        halo, start = (t.detach().requires_grad_(torch.is_grad_enabled()) for t in _stashed(self, key).tensors)
+        halo, start = (t.detach().requires_grad_(torch.is_grad_enabled()) for t in stashed(self, key).tensors)
     return type(self).forward(self, hidden_states, _ShardCache(halo, start), attention_mask, **kwargs)
 
 
 def reentrant_refusal(model: nn.Module) -> str | None:
     """Why a checkpointed layer holding a state mixer cannot run, or None: a reentrant checkpoint (its forward runs
     without grad, so nothing is kept for the recompute, which must not communicate), or one that does not restore
-    the random state (the recompute finds its forward's state by a key drawn from it, `_call_key`)."""
+    the random state (the recompute finds its forward's state by a key drawn from it, `call_key`)."""
     for layer in model.modules():
         fn = getattr(layer, "_gradient_checkpointing_func", None)
         if not getattr(layer, "gradient_checkpointing", False) or fn is None:
