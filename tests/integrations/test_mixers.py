@@ -93,6 +93,46 @@ def test_hybrids_are_exact():
                 assert "prepare_model" in unprepared and "layer_types" in unprepared, unprepared
 
 
+def _bf16_worker(rank, world, model_types):
+    """bf16 under SP against the fp32 model in one process, next to the plain bf16 model in one process against the
+    same: (errors, the plain model's errors) per type."""
+    hf_upipe.init_sequence_parallel(world)
+    out = {}
+    try:
+        for model_type in model_types:
+            ref, model = _pair(model_type)
+            plain = copy.deepcopy(ref).to(torch.bfloat16)
+            model.to(torch.bfloat16)
+            hf_upipe.prepare_model(model)
+            for m in (ref, model, plain):
+                m.train()
+            ids = torch.randint(3, 96, (2, S), generator=torch.Generator().manual_seed(7))
+            errors, _ = sharded_errors(ref, model, ids, rank, world)
+            got = plain(input_ids=ids, labels=ids)
+            got.loss.backward()
+            mine = slice(rank * S // world, (rank + 1) * S // world)
+            want = ref(input_ids=ids, labels=ids)
+            base = {"loss": _rel(got.loss, want.loss), "logits": _rel(got.logits[:, mine], want.logits[:, mine])}
+            grads = dict(ref.named_parameters())
+            for name, p in plain.named_parameters():
+                if p.grad is not None:
+                    base[name] = _rel(p.grad, grads[name].grad)
+            out[model_type] = (errors, base)
+    finally:
+        hf_upipe.reset_sequence_parallel()
+    return out
+
+
+def test_hybrids_in_bf16():
+    """Within 2x the plain bf16 model's own error plus one bf16 ulp: the parallel delta rule (its reads of the
+    initial state come back from the kernel in bf16), Mamba2 in sequence, the short convolution."""
+    for rank, results in enumerate(run_distributed(_bf16_worker, 2, ["qwen3_next", "bailing_hybrid", "bamba",
+                                                                      "lfm2"], timeout=300)):
+        for model_type, (errors, base) in results.items():
+            for name, e in errors.items():
+                assert e <= 2 * base[name] + 2**-7, (rank, model_type, name, e, base[name])
+
+
 def _shard_alone_worker(rank, world):
     """The same model with the mixers left on their shard (no state passing): the last shard is wrong."""
     ref, model = _pair("qwen3_next")
