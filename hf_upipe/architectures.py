@@ -140,7 +140,9 @@ VERIFIED_REGISTERED = (
     # hybrids whose gated-DeltaNet, Mamba2 or short-convolution layers run across shards
     # (`hf_upipe.integrations.mixers`; lfm2 above)
     "bailing_hybrid", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next",
-    "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h",
+    "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2",
+    # Mamba2 alone (no attention layers): its mixers run across shards as the hybrids' do
+    "mamba2",
     # a key bias (its gradient is zero in exact arithmetic: see `hf_upipe.selftest.GRADIENT_FLOOR`)
     "ctrl",
     # Emu3's language model (Emu3ForCausalLM; the multimodal "emu3" is in TEXT_ONLY)

@@ -117,7 +117,9 @@ def resolve(spec):
 # Mamba2 hybrids that check mamba heads * head width == mamba_expand * hidden_size (2 * 64 = 4 * 32)
 # (Falcon-H1's mamba_d_ssm None: its mixer width from mamba_expand)
 _TYPE_SIZES = {"bamba": dict(mamba_d_head=32), "granitemoehybrid": dict(mamba_d_head=32),
-               "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=None)}
+               "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=None), "mamba2": dict(num_heads=4, head_dim=32),
+               "zamba2": dict(n_mamba_heads=4, mamba_headdim=32, layer_types=["linear_attention", "hybrid"],
+                             hybrid_layer_ids=[1])}
 
 
 def tiny_config(model_type: str):

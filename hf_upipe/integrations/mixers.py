@@ -56,6 +56,7 @@ MIXERS = {"Qwen3NextGatedDeltaNet": "177c5d3df989a7b4", "Qwen3_5GatedDeltaNet": 
           "Qwen3_5MoeGatedDeltaNet": "8f31ae7d35daf534", "Qwen4ExpTextGatedDeltaNet": "8f31ae7d35daf534",
           "OlmoHybridGatedDeltaNet": "167004f14399b33e", "BailingHybridDeltaAttention": "cd86b9f6aaf59e3c",
           "BambaMixer": _MAMBA2, "NemotronHMamba2Mixer": _MAMBA2, "GraniteMoeHybridMambaLayer": _MAMBA2,
+          "Mamba2Mixer": _MAMBA2, "Zamba2MambaMixer": _MAMBA2,
           "FalconH1Mixer": "8274bd4cb6961bb4"}
 # short convolutions: class -> fingerprint of its forward; they reach k-1 tokens back and carry nothing further
 HALO_MIXERS = {"Lfm2ShortConv": "dd9e0a8c046f3cb6", "Lfm2MoeShortConv": "dd9e0a8c046f3cb6"}
@@ -140,20 +141,37 @@ class _Receive(torch.autograd.Function):
 
 class _Give(torch.autograd.Function):
     """Send (tail, final state) to the next rank; returns a zero scalar to add to the output, whose backward
-    receives their gradients from the next rank."""
+    receives their gradients from the next rank. It saves `anchor`, so that under activation checkpointing its
+    backward first makes the checkpoint recompute the layer (which may hold attention, whose recompute all ranks
+    run together: Zamba2's layers run attention, then the mixer), and only then waits for the next rank."""
 
     @staticmethod
     def forward(ctx, anchor, group, dst, tail, final):
         ctx.group, ctx.dst, ctx.device = group, dst, tail.device
         ctx.like = [(t.shape, t.dtype) for t in (tail, final)]  # not the tensors: they need not live until backward
+        ctx.save_for_backward(anchor)
         _send(tail, dst, group, header=True)
         _send(final, dst, group, header=True)
         return anchor.new_zeros(())
 
     @staticmethod
     def backward(ctx, _):
+        ctx.saved_tensors  # noqa: B018  (a checkpoint's recompute runs here, before the wait)
         grads = [_recv(ctx.dst, ctx.group, like, ctx.device) for like in ctx.like]
         return None, None, None, *grads
+
+
+class _Mark(torch.autograd.Function):
+    """What `_Give` saves, in a recompute (which sends nothing): the same saved tensor in the same place."""
+
+    @staticmethod
+    def forward(ctx, anchor):
+        ctx.save_for_backward(anchor)
+        return anchor.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        return None
 
 
 @functools.lru_cache(maxsize=64)
@@ -236,7 +254,11 @@ def _recompute(self, hidden_states, attention_mask, rank, kwargs):
     if rank > 0:
         # requiring grad as the forward's did, so the recompute saves the tensors the forward saved
         halo, start = (t.detach().requires_grad_(torch.is_grad_enabled()) for t in stashed(self, key).tensors)
-    return type(self).forward(self, hidden_states, _ShardCache(halo, start), attention_mask, **kwargs)
+    out = type(self).forward(self, hidden_states, _ShardCache(halo, start), attention_mask, **kwargs)
+    if rank < get_sequence_parallel_state().sp_size - 1:  # where the forward gave, the same saved tensor
+        anchor = torch.zeros((), device=hidden_states.device, requires_grad=torch.is_grad_enabled())
+        out = out + _Mark.apply(anchor).to(out.dtype)
+    return out
 
 
 def reentrant_refusal(model: nn.Module) -> str | None:

@@ -118,9 +118,12 @@ def _hybrid_on_interface(base: nn.Module) -> bool:
 def model_refusal(model: nn.Module, *, allow_unverified: bool = False) -> str | None:
     """See the module docstring."""
     base = base_model(model)
+    # a mixer run across shards once prepared (hf_upipe.integrations.mixers), its own submodules (its gated norm),
+    # and what holds one (its decoder layer, a pure Mamba2 model) are not refused by their names
+    inside = {id(m) for mixer in base.modules() if supported(mixer) for m in mixer.modules()}
     for module in base.modules():
-        if supported(module) or any(supported(child) for child in module.children()):  # a mixer run across
-            continue  # shards once prepared (hf_upipe.integrations.mixers), or the decoder layer holding one
+        if id(module) in inside or any(supported(m) for m in module.modules()):
+            continue
         name = type(module).__name__
         for fragment, why in _MIXERS:
             if fragment in name and not name.endswith(("Attention", "Norm", "RMSNorm")):

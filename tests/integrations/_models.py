@@ -105,7 +105,8 @@ LAYERS = {"qwen3_next": _ALTERNATING, "olmo_hybrid": _ALTERNATING, "bailing_hybr
           "bamba": _ALTERNATING,
           "granitemoehybrid": _ALTERNATING,
           "nemotron_h": ["linear_attention", "mlp", "full_attention", "linear_attention"],
-          "falcon_h1": ["hybrid", "hybrid"], "lfm2": ["conv", "full_attention"] * 2}
+          "falcon_h1": ["hybrid", "hybrid"], "lfm2": ["conv", "full_attention"] * 2,
+          "zamba2": ["linear_attention", "hybrid"], "mamba2": None}  # mamba2: two Mamba2 layers, no attention
 
 
 def hybrid_config(model_type):
@@ -114,6 +115,8 @@ def hybrid_config(model_type):
 
     config = small_config(model_type)
     layers = LAYERS[model_type]
+    if layers is None:
+        return config
     config.num_hidden_layers = len(layers)
     try:
         config.layer_types = layers
@@ -127,7 +130,8 @@ def hybrid_config(model_type):
 
 def lora_exclusions(model_type) -> list[str] | None:
     """What PEFT refuses to adapt in a Mamba model (a Mamba2 mixer's out_proj; its conv1d is not linear anyway)."""
-    return ["out_proj"] if model_type in ("bamba", "falcon_h1", "granitemoehybrid", "nemotron_h") else None
+    return ["out_proj"] if model_type in ("bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2",
+                                          "mamba2") else None
 
 
 def lora_pair(ref, model, exclude_modules=None):
