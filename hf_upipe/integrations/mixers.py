@@ -15,14 +15,15 @@ Three ways, by what the mixer carries across the sequence:
   delta attention of Bailing-Hybrid): each rank corrects its shard's output by the prefix of the states all ranks
   gather (`hf_upipe.integrations.delta_rule`, which says why that is exact and what it costs). The default;
   `install_mixers(model, state_passing="sequential")` runs them the next way instead.
-- State in sequence (`MIXERS`: the above, and Mamba2 of Bamba, Nemotron-H, Falcon-H1, Granite 4 hybrids). Each rank
-  runs the mixer's own forward (transformers' code, its torch or CUDA kernels) on its shard, with a `_ShardCache`
-  as its cache, the way transformers continues a prefill from a cache: the causal convolution's state is the last
-  k-1 convolution inputs of the previous rank's shard (a halo), the recurrence's initial state is the previous
-  rank's final state. The ranks run one after the other inside each such layer (rank r waits for rank r-1; the
-  backward runs the chain the other way): the sequential fallback, measured and documented in README. Attention
-  layers in between stay parallel. Bytes sent per mixer layer and rank: the halo [B, conv channels, k-1] and the
-  state (gated DeltaNet [B, heads, d_k, d_v]; Mamba2 [B, heads, head_dim, d_state]), fp32, forward and backward.
+- State in sequence (`MIXERS`: the above, and Mamba2 of Bamba, Nemotron-H, Falcon-H1, Granite 4 hybrids, Zamba2
+  and Mamba2 models). Each rank runs the mixer's own forward (transformers' code, its torch or CUDA kernels) on
+  its shard, with a `_ShardCache` as its cache, the way transformers continues a prefill from a cache: the causal
+  convolution's state is the last k-1 convolution inputs of the previous rank's shard (a halo), the recurrence's
+  initial state is the previous rank's final state. The ranks run one after the other inside each such layer
+  (rank r waits for rank r-1; the backward runs the chain the other way): the sequential fallback, measured and
+  documented in README. Attention layers in between stay parallel. Bytes sent per mixer layer and rank: the halo
+  [B, conv channels, k-1] and the state (gated DeltaNet [B, heads, d_k, d_v]; Mamba2 [B, heads, head_dim,
+  d_state]), fp32, forward and backward.
 - Halo only (`HALO_MIXERS`: LFM2's short convolutions, whose only reach is the k-1 previous tokens). All ranks at
   once send their last k-1 input tokens [B, k-1, Dm] to the next rank (`Halo`), run the mixer's own forward on
   [halo; shard] and keep the last s outputs; the backward sends the halo's gradient back, where it is added to the

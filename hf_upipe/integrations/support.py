@@ -120,9 +120,10 @@ def model_refusal(model: nn.Module, *, allow_unverified: bool = False) -> str | 
     base = base_model(model)
     # a mixer run across shards once prepared (hf_upipe.integrations.mixers), its own submodules (its gated norm),
     # and what holds one (its decoder layer, a pure Mamba2 model) are not refused by their names
-    inside = {id(m) for mixer in base.modules() if supported(mixer) for m in mixer.modules()}
+    mixers = {id(m) for m in base.modules() if supported(m)}
+    inside = {id(m) for mixer in base.modules() if id(mixer) in mixers for m in mixer.modules()}
     for module in base.modules():
-        if id(module) in inside or any(supported(m) for m in module.modules()):
+        if id(module) in inside or any(id(m) in mixers for m in module.modules()):
             continue
         name = type(module).__name__
         for fragment, why in _MIXERS:
