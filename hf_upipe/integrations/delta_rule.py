@@ -133,15 +133,16 @@ def _across_shards(kernel, cache: _DeltaCache, query, key, value, g=None, beta=N
 
 
 @contextlib.contextmanager
-def _kernel_swapped(module, kernel_name: str, replacement):
-    """The module's modeling file's `kernel_name` replaced by `replacement` for one call, restored after."""
-    space = sys.modules[type(module).__module__].__dict__
-    original = space[kernel_name]
-    space[kernel_name] = functools.partial(replacement, original)
+def _kernel_swapped(module, cache: _DeltaCache):
+    """The kernel the module's modeling file calls, replaced by `_across_shards` around it for one call, restored
+    after."""
+    space, name = sys.modules[type(module).__module__].__dict__, DELTA_KERNELS[type(module).__name__]
+    original = space[name]
+    space[name] = functools.partial(_across_shards, original, cache)
     try:
         yield
     finally:
-        space[kernel_name] = original
+        space[name] = original
 
 
 def kernel_present(module) -> bool:
@@ -156,6 +157,5 @@ def parallel_delta_forward(module, hidden_states, attention_mask, kwargs, group,
     `recompute`: activation checkpointing's rerun inside the backward, with `kept` what the forward received;
     otherwise `kept` is a `Kept` to fill for such a rerun, or None."""
     cache = _DeltaCache(group, rank, tuple(ranks), kept, recompute)
-    with _kernel_swapped(module, DELTA_KERNELS[type(module).__name__],
-                         lambda kernel, *a, **k: _across_shards(kernel, cache, *a, **k)):
+    with _kernel_swapped(module, cache):
         return type(module).forward(module, hidden_states, cache, attention_mask, **kwargs)
