@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_upipe.ops.all_to_all import Pending, head_to_seq, start_head_to_seq, start_seq_to_head
+from hf_upipe.ops.all_to_all import Pending, start_head_to_seq, start_seq_to_head
 from hf_upipe.ops.block_weights import AttentionWeights, ProjectionNorm
 from hf_upipe.ops.fused_stages import (
     StagePlan,
@@ -89,19 +89,19 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
             kv_rows = head_rows(plan.kv_heads[i], D)
             k5 = post(sides["k"], project_rows(x, w.k, kv_rows, xas["k"]), kv_rows, cos, sin, D,
                       style)  # [B, s, P*kc, D]
-            kv = (start_seq_to_head(k5.view(B, s, P, -1, D), group, ov),
-                  start_seq_to_head(project_rows(x, w.v, kv_rows, xas["v"]).view(B, s, P, -1, D), group, ov))
+            kv = (start_seq_to_head(k5.view(B, s, P, -1, D), group, True),
+                  start_seq_to_head(project_rows(x, w.v, kv_rows, xas["v"]).view(B, s, P, -1, D), group, True))
             del k5
         rows = head_rows(plan.q_heads[i], D)
         q5 = post(sides["q"], project_rows(x, w.q, rows, xas["q"]), rows, cos, sin, D, style)  # [B, s, P*c, D]
-        return start_seq_to_head(q5.view(B, s, P, -1, D), group, ov), kv  # -> [B, S, c (kc), D]
+        return start_seq_to_head(q5.view(B, s, P, -1, D), group, True), kv  # -> [B, S, c (kc), D]
 
     def send_dout(i):  # d a_i = dy @ Wo[:, R] (+ LoRA) [N, P*c*D], sent to the head layout -> [B, S, c, D]
         rows = head_rows(plan.q_heads[i], D)
         da = dy2 @ w.o.weight.index_select(1, rows)
         for j, (ad, u) in enumerate(zip(w.o.adapters, us)):
             da.add_(seeded_dropout(u @ ad.A.index_select(1, rows), ad.dropout, plan.seed + 1000 + 16 * i + j))
-        return start_seq_to_head(da.view(B, s, P, -1, D), group, ov)
+        return start_seq_to_head(da.view(B, s, P, -1, D), group, True)
 
     def o_grads(i, a):  # Wo's column gradients (and its LoRA A's) from stage i's output a [N, P*c*D]
         rows = head_rows(plan.q_heads[i], D)
@@ -113,8 +113,11 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
 
     def input_grads(items):  # [(name, rows, dh [B, S, h, D] or its Pending)], consumed in order: dx, weight rows
         while items:
+            if not isinstance(items[0][2], Pending):  # issue this tensor and the k/v after it together
+                n = 1 if items[0][0] == "q" else len(items)
+                items[:n] = [(nm, r, start_head_to_seq(t, group, True)) for nm, r, t in items[:n]]
             name, r, dh = items.pop(0)
-            d5 = (dh.wait() if isinstance(dh, Pending) else head_to_seq(dh, group)).reshape(B, s, -1, D)
+            d5 = dh.wait().reshape(B, s, -1, D)
             del dh  # [B, s, P*c (or P*kc), D]
             proj = getattr(w, name)
             d_pre = d5.reshape(B * s, -1) if name == "v" else post_backward(
@@ -123,34 +126,37 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
             linear_backward(x2, proj, r, d_pre.reshape(B * s, -1), xas[name], ts[name], grads, dx2)
             del d_pre
 
-    # without overlap each stage runs in order: send q/k/v, [recompute the kernel forward], o_proj's gradients,
-    # send d a, kernel backward, gradients back. With it, stage i+1's q/k/v and d a (and in save mode its output)
-    # are in flight during stage i's kernel, and stage i's gradients (and output) during stage i+1's.
+    def issue(i):  # stage i's inputs, in flight together: q (k/v), d a, and in save mode its output
+        if not (ov or plan.save):
+            return send_qkv(i), None, None
+        return send_qkv(i), send_dout(i), start_head_to_seq(kept[i][1], group, True) if plan.save else None
+
+    # Every all-to-all is issued asynchronously, a stage's together, so the ranks meet once per group of them (the
+    # first wait) rather than once per tensor. Without overlap each stage runs in order: issue its q (k/v), d a
+    # (and saved output), [recompute the kernel forward], o_proj's gradients, kernel backward, gradients back (all
+    # issued, then consumed in order). With it, stage i+1's inputs are in flight during stage i's kernel, and
+    # stage i's gradients (and output) during stage i+1's.
     kh = vh = dk_sum = dv_sum = None
-    nxt = (send_qkv(0), send_dout(0) if ov else None,
-           start_head_to_seq(kept[0][1], group, True) if ov and plan.save else None) if layout.num_stages else None
+    nxt = issue(0) if ov and layout.num_stages else None
     prev = None  # overlap: (stage, output in flight, gradients in flight) of the previous stage
     for i in range(layout.num_stages):
-        (q_sent, kv_sent), dout_sent, out_sent = nxt
+        (q_sent, kv_sent), dout_sent, out_sent = nxt if ov else issue(i)
         if kv_sent is not None:
             kh, vh = kv_sent[0].wait(), kv_sent[1].wait()  # [B, S, kc, D]
         elif plan.save and kept[i][0] is not None:
             kh, vh = kept[i][0]  # [B, S, kc, D], kept by the forward
         qh = q_sent.wait()  # [B, S, c, D]
-        nxt = None
-        if ov and i + 1 < layout.num_stages:
-            nxt = (send_qkv(i + 1), send_dout(i + 1),
-                   start_head_to_seq(kept[i + 1][1], group, True) if plan.save else None)
+        nxt = issue(i + 1) if ov and i + 1 < layout.num_stages else None
         if plan.save:
             oh, lse = kept[i][1:]
         else:
             oh, lse = plan.kernel.forward(qh, kh, vh, scale=plan.scale, causal=True)  # recomputed
-        if ov:
-            doh = dout_sent.wait()
-            out_sent = out_sent or start_head_to_seq(oh, group, True)
-        else:
-            o_grads(i, head_to_seq(oh, group).reshape(B * s, -1))
-            doh = send_dout(i).wait()
+        out_sent = out_sent or start_head_to_seq(oh, group, True)
+        dout_sent = dout_sent or send_dout(i)
+        doh = dout_sent.wait()
+        if not ov:
+            o_grads(i, out_sent.wait().reshape(B * s, -1))
+            out_sent = None
         dqh, dkh, dvh = plan.kernel.backward(doh, qh, kh, vh, oh, lse, scale=plan.scale, causal=True)
         del qh, oh, doh
         if layout.ends_kv_group(i):
@@ -165,15 +171,12 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
             if layout.ends_kv_group(i):
                 dkh, dvh, dk_sum, dv_sum = dk_sum, dv_sum, None, None
         rows, kv_rows = head_rows(plan.q_heads[i], D), head_rows(plan.kv_heads[i], D)
-        items = [(n, r, t) for n, r, t in (("q", rows, dqh), ("k", kv_rows, dkh), ("v", kv_rows, dvh))
-                 if t is not None]
+        items = [(n, r, start_head_to_seq(t, group, True) if ov else t)
+                 for n, r, t in (("q", rows, dqh), ("k", kv_rows, dkh), ("v", kv_rows, dvh)) if t is not None]
         del dqh, dkh, dvh
         if not ov:
             input_grads(items)
-            if i + 1 < layout.num_stages:
-                nxt = (send_qkv(i + 1), None, None)
             continue
-        items = [(n, r, start_head_to_seq(t, group, True)) for n, r, t in items]
         if prev is not None:
             o_grads(prev[0], prev[1].wait().reshape(B * s, -1))
             input_grads(prev[2])

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hf_upipe.ops.all_to_all import Pending
 from hf_upipe.ops.fused_attention import (
     AttentionWeights,
     HeadNorm,
@@ -336,7 +337,8 @@ def test_lora_dropout_gradients_match_finite_differences():
 
 def _schedule_worker(rank, world):
     """One fused fwd+bwd per (mode, overlap) with LoRA dropout, logging the all-to-alls (and whether each was issued
-    asynchronously) and kernel calls in order; returns the logs and whether overlap left every result bitwise equal."""
+    asynchronously), the waits on them and the kernel calls in order; returns the logs and whether overlap left every
+    result bitwise equal."""
     from hf_upipe.ops.kernels import get_kernel
 
     inner = get_kernel("sdpa", torch.device("cpu"), torch.float32)
@@ -351,11 +353,15 @@ def _schedule_worker(rank, world):
             log.append("bwd")
             return inner.backward(*a, **k)
 
-    original = dist.all_to_all_single
+    original, original_wait = dist.all_to_all_single, Pending.wait
 
     def logged(out, inp, *a, **k):
         log.append("a2a-async" if k.get("async_op") else "a2a")
         return original(out, inp, *a, **k)
+
+    def logged_wait(self):
+        log.append("wait")
+        return original_wait(self)
 
     gen = torch.Generator().manual_seed(8)
     build = _make(gen, 24, 8, 2, 8, True, True, True, False, torch.float32)
@@ -369,7 +375,7 @@ def _schedule_worker(rank, world):
     cos, sin = _tables(16, 8, gen)
     cos, sin = (t[:, rank * 8:(rank + 1) * 8].float() for t in (cos, sin))
     logs, equal = {}, {}
-    dist.all_to_all_single = logged
+    dist.all_to_all_single, Pending.wait = logged, logged_wait
     try:
         for save in (False, True):
             results = {}
@@ -385,29 +391,45 @@ def _schedule_worker(rank, world):
                 logs[(save, overlap)] = list(log)
             equal[save] = all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
     finally:
-        dist.all_to_all_single = original
+        dist.all_to_all_single, Pending.wait = original, original_wait
     return logs, equal
 
 
+
+def _meetings(log: list[str]) -> int:
+    """Points where the ranks meet: runs of waits after all-to-alls issued since the previous run."""
+    count, issued = 0, False
+    for event in log:
+        if event.startswith("a2a"):
+            issued = True
+        elif event == "wait" and issued:
+            count, issued = count + 1, False
+    return count
+
+
 def test_overlap_issues_the_next_stage_before_the_kernel_and_changes_no_bit():
-    """H=8, Hk=2 on 2 ranks, c=1: 4 stages, one k/v chunk. The forward is overlapped in both schedules (a backward
-    follows): stage 0's k, v, q and stage 1's q are in flight when stage 0's kernel runs. The synchronous schedule's
-    backward sends each stage's tensors just before its kernel; the overlapped one's every all-to-all is
-    asynchronous, one stage ahead. Output, dx and every gradient are bitwise those of the synchronous schedule
-    (LoRA dropout on)."""
+    """H=8, Hk=2 on 2 ranks, c=1: 4 stages, one k/v chunk. Every all-to-all is issued asynchronously. The forward is
+    overlapped in both schedules (a backward follows): stage 0's k, v, q and stage 1's q are in flight when stage
+    0's kernel runs. The synchronous schedule's backward issues a stage's tensors together, just before they are
+    needed, so the ranks meet once per group of them rather than once per tensor; the overlapped one issues them
+    one stage ahead. Output, dx and every gradient are bitwise those of the synchronous schedule (LoRA dropout on)."""
     forward = 2 + 4 + 4 + 4  # all-to-alls of k, v, four q, four outputs; four kernel forwards
     for logs, equal in run_distributed(_schedule_worker, 2):
         assert equal == {False: True, True: True}, equal
         for save in (False, True):
-            sync, ov = logs[(save, False)], logs[(save, True)]
+            sync, ov = ([e for e in logs[(save, o)] if e != "wait"] for o in (False, True))
             assert sync[:forward] == ov[:forward], (sync[:forward], ov[:forward])
             assert ov[:5] == ["a2a-async"] * 4 + ["fwd"], ov[:5]
-            assert sync[:forward].count("fwd") == 4 and "a2a" not in sync[:forward], sync[:forward]
-            assert "a2a" not in ov and sync.count("a2a") + 10 == ov.count("a2a-async")
-            assert "a2a-async" not in sync[forward:], sync[forward:]
+            assert sync[:forward].count("fwd") == 4, sync[:forward]
+            assert "a2a" not in ov + sync and sync.count("a2a-async") == ov.count("a2a-async"), (sync, ov)
             # backward: before stage 0's kernel backward, stage 0's q, d a and stage 1's q, d a were sent, and
             # stage 0's output (recompute mode: after its kernel forward); recompute mode also re-sent k, v, save
             # mode (which kept them) sent stage 1's output
             assert ov[forward:ov.index("bwd")].count("a2a-async") == (6 if save else 7), (save, ov)
             # k, v (recompute mode only), q, out, d a
-            assert sync[forward:sync.index("bwd")].count("a2a") == (3 if save else 5), (save, sync)
+            assert sync[forward:sync.index("bwd")].count("a2a-async") == (3 if save else 5), (save, sync)
+            # where the synchronous backward's ranks meet, per stage: save mode {q, d a, out}, {dq}, and {dk, dv}
+            # once, at the chunk's end; recompute mode {q (k, v)}, {out, d a}, {dq}, {dk, dv}
+            full = logs[(save, False)]
+            backward = full[[i for i, e in enumerate(full) if e != "wait"][forward]:]
+            assert _meetings(backward) == (4 * 2 + 1 if save else 4 * 4), (save, backward)
