@@ -14,16 +14,19 @@ Entry points:
 - `runtime.evaluate(model, loader)`: the exact eval loss (token mean over the whole eval set) of an
   accelerate-prepared loader; `runtime.eval_sums(...)`: its per-round sums (what `UPipeTrainer` reports from).
 - `NO_SP`: the state of a run without sequence parallelism; `activation_checkpointing(model)`: whether a model
-  checkpoints its layers; `output_dir_errors(path)` and `agree_on_errors(errors, world)`: the writable-folder check
-  and the all-ranks agreement that `setup` uses (UPipeTrainer runs them before transformers creates the folder).
+  checkpoints its layers; `output_dir_errors(path)`, `shared_settings(config)` and
+  `agree_on_errors(errors, world, settings)`: the writable-folder check, the settings every rank must share, and the
+  all-ranks agreement that `setup` uses (UPipeTrainer runs it before transformers creates the folder).
 
 The flow of `setup` (every rank, the same arguments):
 1. checks that need only the settings, the launch and the model: sp_size divides the processes, activation
    checkpointing where offload/auto need it, the kernel runs on this device and dtype, the heads split over sp_size
    in chunks of heads_per_chunk, the model passes the support gate (`hf_upipe.integrations.support`), the output
    folder can be written. Each rank collects its errors; one
-   all_gather_object over all ranks shares them, and every rank raises the first (naming the ranks where only some
-   failed) before any other collective. Messages name each setting as the user wrote it (`config.describe`);
+   all_gather_object over all ranks shares them with the settings, and every rank raises the first error (naming
+   the ranks where only some failed), or else names the settings that differ between ranks (all but the offload
+   folder and the planner's GPU memory must agree: they decide which collectives run), before any other
+   collective. Messages name each setting as the user wrote it (`config.describe`);
 2. `auto=True`: the planner's settings (rank 0 plans in a child process and broadcasts) in a copy of the config;
 3. `init_sequence_parallel`, then `prepare_model` (fused block, tiled MLP).
 
@@ -39,7 +42,7 @@ import contextlib
 import math
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -63,7 +66,8 @@ from hf_upipe.memory.offload import offload_checkpoints
 from hf_upipe.ops.head_layout import geometry_error, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.ops.kernels import get_kernel
 
-__all__ = ["EvalSums", "NO_SP", "UPipeRuntime", "activation_checkpointing", "agree_on_errors", "output_dir_errors"]
+__all__ = ["EvalSums", "NO_SP", "UPipeRuntime", "activation_checkpointing", "agree_on_errors", "output_dir_errors",
+           "shared_settings"]
 
 NO_SP = SequenceParallelState(sp_group=None, sp_size=1, sp_rank=0, dp_group=None, dp_size=1, dp_rank=0)
 
@@ -142,9 +146,40 @@ def _geometry_errors(config: UPipeConfig, heads, sp: int, world: int) -> list[Ex
     return []
 
 
-def agree_on_errors(errors: list[Exception], world: int) -> None:
-    """Raise on every rank the first error any rank found (one all_gather_object over all ranks)."""
-    mine = [(isinstance(e, NotImplementedError), str(e)) for e in errors]
+# settings a rank may hold on its own: its offload folder, and the GPU memory the planner is told (auto's choice is
+# broadcast from rank 0)
+_PER_RANK_SETTINGS = ("offload_path", "gpu_memory")
+
+
+def shared_settings(config: UPipeConfig) -> tuple:
+    """((name, value, as the user wrote it), ...) of the settings every rank must share: the schedule of the
+    collectives (fused backward mode, overlap, mixer state passing, heads per chunk...) and the numerics depend on
+    them."""
+    return tuple((f.name, getattr(config, f.name), config.describe(f.name)) for f in fields(config)
+                 if f.name not in _PER_RANK_SETTINGS)
+
+
+def _settings_error(every: list[tuple]) -> ValueError | None:
+    """The error naming each setting whose value differs between ranks, or None when they all agree."""
+    differ = []
+    for i, (name, _, _) in enumerate(every[0]):
+        by_value: dict[str, tuple[str, list[int]]] = {}
+        for rank, settings in enumerate(every):
+            by_value.setdefault(repr(settings[i][1]), (settings[i][2], []))[1].append(rank)
+        if len(by_value) > 1:
+            differ.append(f"{name}: " + ", ".join(f"{d} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                                                  for d, r in by_value.values()))
+    if not differ:
+        return None
+    return ValueError("The ranks were given different hf_upipe settings (" + "; ".join(differ) + "). Every rank must "
+                      "use the same ones (the same UPIPE_* variables, flags and script): different settings pair "
+                      "different collectives, which hangs or corrupts the run.")
+
+
+def agree_on_errors(errors: list[Exception], world: int, settings: tuple | None = None) -> None:
+    """Raise on every rank the first error any rank found, or else (given each rank's `shared_settings`) the
+    settings that differ between ranks: one all_gather_object over all ranks."""
+    mine = ([(isinstance(e, NotImplementedError), str(e)) for e in errors], settings)
     every = [mine]
     if world > 1 and dist.is_initialized():
         every = [None] * dist.get_world_size()
@@ -152,12 +187,14 @@ def agree_on_errors(errors: list[Exception], world: int) -> None:
             dist.all_gather_object(every, mine, group=validation_group())
         except (RuntimeError, dist.DistError) as err:
             raise validation_failed(err, "hf_upipe's setup checks") from None
-    failed = [rank for rank, found in enumerate(every) if found]
+    failed = [rank for rank, (found, _) in enumerate(every) if found]
     if failed:
-        not_implemented, message = every[failed[0]][0]
+        not_implemented, message = every[failed[0]][0][0]
         if len(failed) < len(every):
             message += f" (found on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))})"
         raise (NotImplementedError if not_implemented else ValueError)(message)
+    if settings is not None and (err := _settings_error([s for _, s in every])) is not None:
+        raise err
 
 
 @dataclass
@@ -238,7 +275,7 @@ class UPipeRuntime:
                 errors.append(refusal_error(reason))
         if output_dir is not None:
             errors += output_dir_errors(output_dir)
-        agree_on_errors(errors, world_size)
+        agree_on_errors(errors, world_size, shared_settings(config))
 
         plan = None
         if config.auto:

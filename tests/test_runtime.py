@@ -1,8 +1,9 @@
 """The pieces of `hf_upipe.runtime` and `hf_upipe.integrations.loaders` that need no process group: settings named
-as the user wrote them, the eval-loss arithmetic, the zero-token guard of the loss, and the evaluation loaders'
-records (no repeated examples, the examples of every round)."""
+as the user wrote them, the settings every rank must share, the eval-loss arithmetic, the zero-token guard of the
+loss, and the evaluation loaders' records (no repeated examples, the examples of every round)."""
 
 import math
+from dataclasses import fields
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
 
 from hf_upipe import UPipeConfig
 from hf_upipe.integrations.loaders import _ExactIterableShard, _RecordingBatchSampler, eval_rounds
-from hf_upipe.runtime import NO_SP, EvalSums, UPipeRuntime
+from hf_upipe.runtime import NO_SP, EvalSums, UPipeRuntime, _settings_error, shared_settings
 
 
 def test_settings_are_named_as_the_user_wrote_them(monkeypatch):
@@ -23,6 +24,19 @@ def test_settings_are_named_as_the_user_wrote_them(monkeypatch):
     chosen = UPipeConfig().with_auto(heads_per_chunk=2)
     assert chosen.describe("heads_per_chunk") == "heads_per_chunk=2 (chosen by auto=True)"
     assert chosen.heads_per_chunk == 2 and UPipeConfig().heads_per_chunk == "all"
+
+
+def test_every_shared_setting_that_differs_between_ranks_is_named():
+    """Every field but the offload folder and the planner's GPU memory must agree across ranks; a difference in
+    any one is named with each rank's value as written (the 2-rank refusal: tests/training/test_plugin.py)."""
+    base = shared_settings(UPipeConfig())
+    assert {n for n, _, _ in base} == {f.name for f in fields(UPipeConfig)} - {"offload_path", "gpu_memory"}
+    assert _settings_error([base, base, base]) is None
+    for i, (name, value, described) in enumerate(base):
+        other = list(base)
+        other[i] = (name, ("not", value), "as rank 1 wrote it")
+        err = str(_settings_error([base, tuple(other), base]))
+        assert f"({name}: {described} on ranks 0, 2, as rank 1 wrote it on rank 1)" in err, err
 
 
 def test_eval_sums_match_the_trainers_definitions():

@@ -84,6 +84,12 @@ def bad_settings(rank: int, world: int) -> dict:
         UPipePlugin(sp_size=2, heads_per_chunk=3).prepare(Accelerator(cpu=True), _model(False, 1))
     except ValueError as err:
         seen["heads"] = str(err)
+    # settings that differ between ranks (they would pair different all-to-alls): refused on both, by name
+    try:
+        UPipePlugin(sp_size=2, **({"fused_backward": "save", "overlap_comm": True} if rank == 0 else {})).prepare(
+            Accelerator(cpu=True), _model(False, 1))
+    except ValueError as err:
+        seen["differ"] = str(err)
     return seen
 
 

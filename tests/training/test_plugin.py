@@ -58,3 +58,6 @@ def test_bad_settings_fail_on_every_rank():
         assert "activation_checkpointing_enable" in seen["offload"]
         assert "UPipePlugin(heads_per_chunk=3) does not fit 8 query / 2 key-value heads" in seen["heads"]
         assert "[1, 2, 4]" in seen["heads"] and "'all'" in seen["heads"] and "None" not in seen["heads"]
+        assert ("different hf_upipe settings (fused_backward: UPipePlugin(fused_backward='save') on rank 0, "
+                "fused_backward='recompute' (the default) on rank 1; overlap_comm: UPipePlugin(overlap_comm=True) "
+                "on rank 0, overlap_comm=False (the default) on rank 1)") in seen["differ"], seen["differ"]
