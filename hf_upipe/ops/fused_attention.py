@@ -37,7 +37,9 @@ Overlap. The forward, whenever a backward follows, issues its all-to-alls asynch
 i+1's q (k/v) are projected and sent before stage i's kernel runs, and stage i's output is sent while stage i+1's
 kernel runs (its o_proj follows). The buffers in flight raise the forward's peak (0.25-0.75 u at Llama3-8B shapes,
 P = 8, c = 1) but stay under the backward's, so the fwd+bwd peak is unchanged (the memory simulation runs this
-code and shows it); a forward without backward stays synchronous, for the least memory. With `overlap=True` the
+code and shows it); a forward without backward stays synchronous, for the least memory. Without `overlap` the
+backward issues the all-to-alls each step needs together (save mode: q, d a and the stage's output; then dq; then
+dk and dv at a k/v chunk's end), so the ranks meet once per group, at no cost in peak memory. With `overlap=True` the
 backward does the same: stage i+1's q (k/v), d a (and in save mode its output) are sent before stage i's kernel
 runs, stage i's dq/dk/dv while stage i+1's kernels run; that costs the send and receive buffers in flight, about one
 stage's tensors each way (2.25 u at Llama3-8B shapes, P = 8, c = 1, save mode). On NCCL the collectives run on

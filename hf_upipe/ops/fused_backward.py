@@ -113,9 +113,10 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
 
     def input_grads(items):  # [(name, rows, dh [B, S, h, D] or its Pending)], consumed in order: dx, weight rows
         while items:
-            if not isinstance(items[0][2], Pending):  # issue this tensor and the k/v after it together
-                n = 1 if items[0][0] == "q" else len(items)
-                items[:n] = [(nm, r, start_head_to_seq(t, group, True)) for nm, r, t in items[:n]]
+            # a tensor not yet sent: dq alone, or dk with dv, so that only one receive buffer of dq is live at once
+            if not isinstance(items[0][2], Pending):
+                k = 1 if items[0][0] == "q" else len(items)
+                items[:k] = [(nm, r, start_head_to_seq(t, group, True)) for nm, r, t in items[:k]]
             name, r, dh = items.pop(0)
             d5 = dh.wait().reshape(B, s, -1, D)
             del dh  # [B, s, P*c (or P*kc), D]
@@ -127,15 +128,17 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
             del d_pre
 
     def issue(i):  # stage i's inputs, in flight together: q (k/v), d a, and in save mode its output
-        if not (ov or plan.save):
+        if not (ov or plan.save):  # recompute mode, in order: d a is sent with the output, after the kernel forward
             return send_qkv(i), None, None
         return send_qkv(i), send_dout(i), start_head_to_seq(kept[i][1], group, True) if plan.save else None
 
-    # Every all-to-all is issued asynchronously, a stage's together, so the ranks meet once per group of them (the
-    # first wait) rather than once per tensor. Without overlap each stage runs in order: issue its q (k/v), d a
-    # (and saved output), [recompute the kernel forward], o_proj's gradients, kernel backward, gradients back (all
-    # issued, then consumed in order). With it, stage i+1's inputs are in flight during stage i's kernel, and
-    # stage i's gradients (and output) during stage i+1's.
+    # Every all-to-all is issued asynchronously, those a step needs together, so the ranks meet once per group (at
+    # its first wait) rather than once per tensor; each group is what the memory peak allows (the simulation in
+    # benchmarks/attention_memory.py shows every peak as with one tensor at a time). Without overlap each stage
+    # runs in order: save mode {q, d a, saved output}, o_proj's gradients, kernel backward, {dq}, {dk, dv} at a k/v
+    # chunk's end; recompute mode {q (k, v)}, kernel forward, {output, d a}, o_proj's gradients, kernel backward,
+    # {dq}, {dk, dv}. With overlap, stage i+1's inputs are in flight during stage i's kernel, and stage i's
+    # gradients (and output) during stage i+1's.
     kh = vh = dk_sum = dv_sum = None
     nxt = issue(0) if ov and layout.num_stages else None
     prev = None  # overlap: (stage, output in flight, gradients in flight) of the previous stage
