@@ -8,15 +8,18 @@ UPipe with heads_per_chunk=1 and 2, and the fused UPipe block (`hf_upipe.prepare
 
     python benchmarks/attention_speed.py [--seq-lens 4096,8192,16384] [--reps 5] [--warmup 1]
         [--hidden 512 --heads 8 --kv-heads 4 --head-dim 64] [--out benchmarks/results]
+    python benchmarks/attention_speed.py --summarize benchmarks/results/attention_speed.json
 
 Method: per sequence length, the blocks are built with the same weights, then `--warmup` untimed rounds are run,
 then `--reps` timed rounds. In each round every implementation runs once, round-robin, and the order is
 rotated each round. A timing is `dist.barrier(); t0; fwd+bwd; t1; dist.barrier()` on every rank. The reported
 time is the max over ranks of t1 - t0. The table shows the median over rounds with the min-max range, and
-ratios of medians vs DeepSpeed and vs our Ulysses mode. all-to-all bytes are counted by wrapping
-`torch.distributed.all_to_all_single` in each rank. Both DeepSpeed and hf_upipe reach it through a module
-attribute lookup. The count is the sum of input.numel() * element_size() per rank per fwd+bwd, so it includes
-the 1/P slice that a rank "sends" to itself.
+ratios of medians vs DeepSpeed and vs our Ulysses mode. Below it, the paired ratios: per round, each
+implementation's time over DeepSpeed's in the same round, as a median over rounds with a 95% bootstrap interval
+(how far the ratio can be trusted on a noisy machine). `--summarize` re-prints both from a run's JSON.
+all-to-all bytes are counted by wrapping `torch.distributed.all_to_all_single` in each rank. Both DeepSpeed and
+hf_upipe reach it through a module attribute lookup. The count is the sum of input.numel() * element_size() per
+rank per fwd+bwd, so it includes the 1/P slice that a rank "sends" to itself.
 
 Writes <out>/attention_speed.json: raw per-rank timings, the command, versions, host info, and output checks
 (max |y - y_first_impl| per implementation).
@@ -36,6 +39,7 @@ import importlib.util
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -155,6 +159,67 @@ def _loadavg():
         return None
 
 
+def summarize(summary: dict, labels: list[str], seq_lens: list[int]) -> list[dict]:
+    """Print the table (median (min-max) per implementation, ratios of medians) and return its rows.
+    summary: {(S, label): {"times": [...], "a2a_bytes": {...}, "a2a_calls": {...}}}."""
+    print("| S | implementation | median s (min-max) | vs DeepSpeed | vs ours Ulysses | all-to-all MiB sent per rank |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for S in seq_lens:
+        med = {label: statistics.median(summary[S, label]["times"]) for label in labels}
+        for label in labels:
+            e = summary[S, label]
+            times = e["times"]
+            vs_ds = med[label] / med["DeepSpeed Ulysses"] if "DeepSpeed Ulysses" in med else None
+            vs_uly = med[label] / med["ours Ulysses"]
+            mib = max(e["a2a_bytes"]) / MiB
+            calls = max(e["a2a_calls"])
+            rows.append(dict(seq_len=S, label=label, median_s=med[label], min_s=min(times), max_s=max(times),
+                             vs_deepspeed=vs_ds, vs_ours_ulysses=vs_uly, a2a_mib_per_rank=mib,
+                             a2a_calls_per_rank=calls, a2a_consistent=len(e["a2a_bytes"]) == 1))
+            ds_txt = f"{vs_ds:.2f}" if vs_ds is not None else "n/a"
+            print(f"| {S} | {label} | {med[label]:.3f} ({min(times):.3f}-{max(times):.3f}) | {ds_txt} "
+                  f"| {vs_uly:.2f} | {mib:.1f} ({calls} calls) |")
+    return rows
+
+
+def print_paired(raw: list[dict], labels: list[str], seq_lens: list[int], base: str = "DeepSpeed Ulysses") -> None:
+    """Per round, each implementation's time over `base`'s in the same round (a paired ratio: both ran back to back
+    under the same load); printed: the median over rounds with a 95% bootstrap interval (2000 resamples, seed 0)."""
+    t = {(r["seq_len"], r["label"], r["round"]): r["seconds_max_over_ranks"] for r in raw}
+    if not any(k[1] == base for k in t):
+        return
+    print(f"\npaired per-round ratio vs {base}: median [95% bootstrap interval] over rounds")
+    for S in seq_lens:
+        rounds = sorted({k[2] for k in t if k[0] == S and k[1] == base})
+        cells = []
+        for label in labels:
+            ratios = [t[S, label, r] / t[S, base, r] for r in rounds if (S, label, r) in t]
+            if label == base or not ratios:
+                continue
+            rng = random.Random(0)
+            boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+            cells.append(f"{label} {statistics.median(ratios):.2f} [{boot[49]:.2f}-{boot[1949]:.2f}]")
+        print(f"  S={S}: " + "; ".join(cells))
+
+
+def _summarize_file(path: str) -> int:
+    """Re-print the table and the paired ratios of a run's JSON."""
+    with open(path) as f:
+        meta = json.load(f)
+    raw, labels = meta["raw_timings"], [i["label"] for i in meta["implementations"]]
+    summary = {}
+    for r in raw:
+        e = summary.setdefault((r["seq_len"], r["label"]), dict(times=[], a2a_bytes=set(), a2a_calls=set()))
+        e["times"].append(r["seconds_max_over_ranks"])
+        e["a2a_bytes"].update(r["a2a_bytes_per_rank"])
+        e["a2a_calls"].update(r["a2a_calls_per_rank"])
+    print(f"{path}: {meta['command']} ({meta['reps']} rounds)")
+    summarize(summary, labels, meta["seq_lens"])
+    print_paired(raw, labels, meta["seq_lens"])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-lens", default="4096,8192,16384", help="comma list of full sequence lengths S")
@@ -167,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are given up on")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--summarize", metavar="JSON", help="re-print the table and paired ratios of a run's JSON")
     args = ap.parse_args(argv)
+    if args.summarize:
+        return _summarize_file(args.summarize)
     start = time.perf_counter()
     world = 2
 
@@ -233,24 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n### attention block fwd+bwd, 2 gloo ranks x 1 thread: hidden {args.hidden}, {args.heads} q / "
           f"{args.kv_heads} kv heads, head dim {args.head_dim}, {args.dtype}, {args.reps} interleaved rounds "
           f"(+{args.warmup} warm-up); time = max over ranks\n")
-    print("| S | implementation | median s (min-max) | vs DeepSpeed | vs ours Ulysses | all-to-all MiB sent per rank |")
-    print("|---|---|---|---|---|---|")
-    rows = []
-    for S in seq_lens:
-        med = {label: statistics.median(summary[S, label]["times"]) for label in labels}
-        for label in labels:
-            e = summary[S, label]
-            times = e["times"]
-            vs_ds = med[label] / med["DeepSpeed Ulysses"] if "DeepSpeed Ulysses" in med else None
-            vs_uly = med[label] / med["ours Ulysses"]
-            mib = max(e["a2a_bytes"]) / MiB
-            calls = max(e["a2a_calls"])
-            rows.append(dict(seq_len=S, label=label, median_s=med[label], min_s=min(times), max_s=max(times),
-                             vs_deepspeed=vs_ds, vs_ours_ulysses=vs_uly, a2a_mib_per_rank=mib,
-                             a2a_calls_per_rank=calls, a2a_consistent=len(e["a2a_bytes"]) == 1))
-            ds_txt = f"{vs_ds:.2f}" if vs_ds is not None else "n/a"
-            print(f"| {S} | {label} | {med[label]:.3f} ({min(times):.3f}-{max(times):.3f}) | {ds_txt} "
-                  f"| {vs_uly:.2f} | {mib:.1f} ({calls} calls) |")
+    rows = summarize(summary, labels, seq_lens)
+    print_paired(raw, labels, seq_lens)
 
     checks = per_rank[0]["checks"] + per_rank[1]["checks"]
     worst_y = max(c["max_abs_diff_y"] for c in checks)
