@@ -30,6 +30,7 @@ def test_selftest_with_a_ring(capsys):
     assert "--ring 3 must divide --sp 4" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_selftest_fails_loudly_when_labels_are_shifted_inside_shards(capsys):
     assert main(["selftest", "--model", "qwen3", "--lora", "--break", "shard-shift"]) == 1
     out = capsys.readouterr().out

@@ -127,7 +127,7 @@ CASES[2] += [("llama", (8, 2), 1, True, F32, True, 80, True, True), ("qwen3", (6
 CASES[4] += [("mistral", (8, 2), 1, True, F32, False, 82, False, True)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fused_models_match_single_process(world):
     for per_rank in run_distributed(_worker, world, CASES[world]):
         for case, (errs, base, calls, layers, n_trained) in zip(CASES[world], per_rank):

@@ -12,6 +12,7 @@ under SP; without the state passing the shards would be wrong (so the test can f
 
 import copy
 
+import pytest
 import torch
 
 import hf_upipe
@@ -88,6 +89,7 @@ CASES = {2: [("qwen3_next", False, False), ("olmo_hybrid", True, True), ("bamba"
              ("mamba2", False, True), ("zamba2", True, False)]}
 
 
+@pytest.mark.slow
 def test_hybrids_are_exact():
     for world, cases in CASES.items():
         for rank, out in enumerate(run_distributed(_worker, world, cases, timeout=300)):

@@ -4,6 +4,7 @@ byte for byte, per rank: gated DeltaNet (parallel and, on rank 0, sequential), K
 shard does not gather the sequence: in sequence it is a constant number of bytes at every length, in parallel the
 kernel's d_k extra value columns, linear in the shard."""
 
+import pytest
 import torch
 
 from hf_upipe.planning.mixer_memory import mixer_module, mixer_peak
@@ -57,6 +58,7 @@ def test_simulation_equals_real_runs():
     assert len(real[0]) == 9 and len(real[1]) == 7, (sorted(real[0]), sorted(real[1]))
 
 
+@pytest.mark.slow
 def test_the_added_memory_does_not_gather_the_sequence():
     """Rank 3 of 4 in parallel, rank 0 in sequence: hf_upipe's bytes over the shard alone's, at three lengths."""
     config = hybrid_config("qwen3_next")

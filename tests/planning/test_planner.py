@@ -163,6 +163,7 @@ def test_bad_inputs_name_the_numbers_and_the_fix():
         plan("no-such-model", gpus=2, seq_len=1024)
 
 
+@pytest.mark.slow
 def test_command_line(tmp_path, capsys):
     from transformers import LlamaConfig
 
