@@ -64,6 +64,11 @@ def _parse_positive_int(name: str, value, allow_none: bool = False, minimum: int
     return number
 
 
+# settings a rank may hold on its own: its offload folder, and the GPU memory the planner is told (auto's choice is
+# broadcast from rank 0); every other setting decides which collectives run, so all ranks must share it
+PER_RANK_SETTINGS = ("offload_path", "gpu_memory")
+
+
 @dataclass
 class UPipeConfig:
     """Sequence-parallel training settings. Every field falls back to the environment variable `UPIPE_<FIELD>`

@@ -18,7 +18,9 @@ Entry points:
   check of the attention.
 
 Agreement: `init_sequence_parallel` compares every rank's settings (sp_size, heads_per_chunk, kernel,
-allow_unverified) over the validation group and raises the same error everywhere when they differ. Calling it
+allow_unverified, ring_size) and the UPIPE_* variables of its environment that `prepare_model` and the Trainer read
+(all but the per-rank `hf_upipe.config.PER_RANK_SETTINGS`) over the validation group, and raises the same error
+everywhere when they differ. Calling it
 again with the same settings returns the installed state; with other settings it raises until
 `reset_sequence_parallel()`.
 
@@ -135,15 +137,39 @@ def validation_failed(err: Exception, what: str) -> RuntimeError:
         "sets the wait.)")
 
 
+def _upipe_environment() -> tuple:
+    """((name, value or None), ...): this process's UPIPE_<SETTING> variables that every rank must share (those of
+    every `UPipeConfig` field but the per-rank ones), which `prepare_model` and the Trainer read."""
+    from dataclasses import fields
+
+    from hf_upipe.config import PER_RANK_SETTINGS, UPipeConfig  # local: keeps this module importable alone
+
+    names = [f"UPIPE_{f.name.upper()}" for f in fields(UPipeConfig) if f.name not in PER_RANK_SETTINGS]
+    return tuple((name, os.environ.get(name)) for name in names)
+
+
 def _agree(settings: tuple) -> None:
-    """Every rank asked for the same settings, or the same ValueError everywhere (bounded wait)."""
+    """Every rank asked for the same settings and has the same UPIPE_* settings in its environment, or the same
+    ValueError everywhere (bounded wait)."""
     if dist.get_world_size() == 1 or _simulated():
         return
     every = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(every, settings, group=validation_group())
+        dist.all_gather_object(every, (settings, _upipe_environment()), group=validation_group())
     except (RuntimeError, dist.DistError) as err:
         raise validation_failed(err, "init_sequence_parallel") from None
+    environments = [env for _, env in every]
+    every = [s for s, _ in every]
+    if len(set(environments)) > 1:
+        differ = []
+        for i, (name, _) in enumerate(environments[0]):
+            values = [env[i][1] for env in environments]
+            if len(set(values)) > 1:
+                differ.append(name + ": " + ", ".join(f"{'unset' if v is None else repr(v)} on rank {r}"
+                                                      for r, v in enumerate(values)))
+        raise ValueError(f"The ranks have different UPIPE_* settings in their environment ({'; '.join(differ)}): "
+                         "export the same ones on every node (different settings pair different collectives, "
+                         "which hangs or corrupts the run).")
     if len(set(every)) > 1:
         names = ("sp_size", "heads_per_chunk", "kernel", "allow_unverified", "ring_size")
         lines = "; ".join(f"rank {r}: " + ", ".join(f"{n}={v!r}" for n, v in zip(names, s)) for r, s in

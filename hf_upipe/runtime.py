@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from hf_upipe.auto_settings import apply_auto_settings
-from hf_upipe.config import UPipeConfig
+from hf_upipe.config import PER_RANK_SETTINGS, UPipeConfig
 from hf_upipe.data import shard_batch
 from hf_upipe.distributed import (
     SequenceParallelState,
@@ -146,17 +146,12 @@ def _geometry_errors(config: UPipeConfig, heads, sp: int, world: int) -> list[Ex
     return []
 
 
-# settings a rank may hold on its own: its offload folder, and the GPU memory the planner is told (auto's choice is
-# broadcast from rank 0)
-_PER_RANK_SETTINGS = ("offload_path", "gpu_memory")
-
-
 def shared_settings(config: UPipeConfig) -> tuple:
     """((name, value, as the user wrote it), ...) of the settings every rank must share: the schedule of the
     collectives (fused backward mode, overlap, mixer state passing, heads per chunk...) and the numerics depend on
     them."""
     return tuple((f.name, getattr(config, f.name), config.describe(f.name)) for f in fields(config)
-                 if f.name not in _PER_RANK_SETTINGS)
+                 if f.name not in PER_RANK_SETTINGS)
 
 
 def _settings_error(every: list[tuple]) -> ValueError | None:

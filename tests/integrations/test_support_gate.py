@@ -261,6 +261,16 @@ def _settings_worker(rank, world, case):
         return _outcome(lambda: hf_upipe.init_sequence_parallel(2 if rank == 0 else 1))
     if case == "heads_per_chunk":
         return _outcome(lambda: hf_upipe.init_sequence_parallel(world, heads_per_chunk=1 if rank == 0 else None))
+    if case == "environment":  # a setting exported on one node only, which prepare_model would read
+        if rank == 0:
+            os.environ["UPIPE_FUSED_BACKWARD"] = "save"
+            os.environ["UPIPE_MIXER_STATE_PASSING"] = "sequential"
+        os.environ["UPIPE_OFFLOAD_PATH"] = f"/tmp/rank{rank}"  # a folder of its own: may differ
+        try:
+            return _outcome(lambda: hf_upipe.init_sequence_parallel(world))
+        finally:
+            for name in ("UPIPE_FUSED_BACKWARD", "UPIPE_MIXER_STATE_PASSING", "UPIPE_OFFLOAD_PATH"):
+                os.environ.pop(name, None)
     if case == "skipped":  # rank 1 never calls init_sequence_parallel
         return _outcome(lambda: hf_upipe.init_sequence_parallel(world)) if rank == 0 else "skipped"
     if case == "reinit":
@@ -279,6 +289,14 @@ def _settings_worker(rank, world, case):
     ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(2))
     return _outcome(lambda: model(input_ids=ids, position_ids=torch.arange(rank * 8, rank * 8 + 8)[None]).logits
                     .to(dtype))
+
+
+def test_ranks_with_other_upipe_variables_get_the_same_error():
+    outs = run_distributed(_settings_worker, 2, "environment")
+    assert outs[0] == outs[1], outs
+    assert outs[0].startswith("ValueError: The ranks have different UPIPE_* settings in their environment "
+                              "(UPIPE_FUSED_BACKWARD: 'save' on rank 0, unset on rank 1; UPIPE_MIXER_STATE_PASSING: "
+                              "'sequential' on rank 0, unset on rank 1)"), outs[0]
 
 
 @pytest.mark.parametrize("case", ["sp_size", "heads_per_chunk"])
