@@ -203,19 +203,25 @@ def print_paired(raw: list[dict], labels: list[str], seq_lens: list[int], base: 
         print(f"  S={S}: " + "; ".join(cells))
 
 
-def _summarize_file(path: str) -> int:
-    """Re-print the table and the paired ratios of a run's JSON."""
-    with open(path) as f:
-        meta = json.load(f)
-    raw, labels = meta["raw_timings"], [i["label"] for i in meta["implementations"]]
+def _per_implementation(raw: list[dict]) -> dict:
+    """The raw timings (one record per S, implementation and round) -> `summarize`'s {(S, label): times, bytes,
+    calls}."""
     summary = {}
     for r in raw:
         e = summary.setdefault((r["seq_len"], r["label"]), dict(times=[], a2a_bytes=set(), a2a_calls=set()))
         e["times"].append(r["seconds_max_over_ranks"])
         e["a2a_bytes"].update(r["a2a_bytes_per_rank"])
         e["a2a_calls"].update(r["a2a_calls_per_rank"])
+    return summary
+
+
+def _summarize_file(path: str) -> int:
+    """Re-print the table and the paired ratios of a run's JSON."""
+    with open(path) as f:
+        meta = json.load(f)
+    raw, labels = meta["raw_timings"], [i["label"] for i in meta["implementations"]]
     print(f"{path}: {meta['command']} ({meta['reps']} rounds)")
-    summarize(summary, labels, meta["seq_lens"])
+    summarize(_per_implementation(raw), labels, meta["seq_lens"])
     print_paired(raw, labels, meta["seq_lens"])
     return 0
 
@@ -284,24 +290,18 @@ def main(argv: list[str] | None = None) -> int:
     for res in per_rank:
         for t in res["timings"]:
             by_key.setdefault((t["seq_len"], t["label"], t["round"]), []).append(t)
-    summary = {}
     raw = []
     for (S, label, r), ts in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][2])):
-        step = max(t["seconds"] for t in ts)
         raw.append(dict(seq_len=S, label=label, impl=ts[0]["impl"], heads_per_chunk=ts[0]["heads_per_chunk"],
-                        round=r, position=ts[0]["position"], seconds_max_over_ranks=step,
+                        round=r, position=ts[0]["position"], seconds_max_over_ranks=max(t["seconds"] for t in ts),
                         seconds_per_rank=[t["seconds"] for t in ts], a2a_bytes_per_rank=[t["a2a_bytes"] for t in ts],
                         a2a_calls_per_rank=[t["a2a_calls"] for t in ts]))
-        entry = summary.setdefault((S, label), dict(times=[], a2a_bytes=set(), a2a_calls=set()))
-        entry["times"].append(step)
-        entry["a2a_bytes"].update(t["a2a_bytes"] for t in ts)
-        entry["a2a_calls"].update(t["a2a_calls"] for t in ts)
 
     labels = [label for label, _, _ in impls]
     print(f"\n### attention block fwd+bwd, 2 gloo ranks x 1 thread: hidden {args.hidden}, {args.heads} q / "
           f"{args.kv_heads} kv heads, head dim {args.head_dim}, {args.dtype}, {args.reps} interleaved rounds "
           f"(+{args.warmup} warm-up); time = max over ranks\n")
-    rows = summarize(summary, labels, seq_lens)
+    rows = summarize(_per_implementation(raw), labels, seq_lens)
     print_paired(raw, labels, seq_lens)
 
     checks = per_rank[0]["checks"] + per_rank[1]["checks"]

@@ -69,6 +69,20 @@ def _parse_positive_int(name: str, value, allow_none: bool = False, minimum: int
 PER_RANK_SETTINGS = ("offload_path", "gpu_memory")
 
 
+def settings_that_differ(every: list[tuple]) -> list[str]:
+    """every[rank] = ((name, value, as shown), ...), the same names in the same order on every rank -> one line per
+    setting whose value differs: "name: <shown> on ranks 0, 2, <shown> on rank 1" (empty when all agree)."""
+    lines = []
+    for i, (name, _, _) in enumerate(every[0]):
+        by_value: dict[str, tuple[str, list[int]]] = {}
+        for rank, settings in enumerate(every):
+            by_value.setdefault(repr(settings[i][1]), (settings[i][2], []))[1].append(rank)
+        if len(by_value) > 1:
+            lines.append(f"{name}: " + ", ".join(f"{shown} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                                                 for shown, r in by_value.values()))
+    return lines
+
+
 @dataclass
 class UPipeConfig:
     """Sequence-parallel training settings. Every field falls back to the environment variable `UPIPE_<FIELD>`

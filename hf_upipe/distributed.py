@@ -138,14 +138,15 @@ def validation_failed(err: Exception, what: str) -> RuntimeError:
 
 
 def _upipe_environment() -> tuple:
-    """((name, value or None), ...): this process's UPIPE_<SETTING> variables that every rank must share (those of
-    every `UPipeConfig` field but the per-rank ones), which `prepare_model` and the Trainer read."""
+    """((name, value or None, as shown), ...): this process's UPIPE_<SETTING> variables that every rank must share
+    (those of every `UPipeConfig` field but the per-rank ones), which `prepare_model` and the Trainer read."""
     from dataclasses import fields
 
     from hf_upipe.config import PER_RANK_SETTINGS, UPipeConfig  # local: keeps this module importable alone
 
     names = [f"UPIPE_{f.name.upper()}" for f in fields(UPipeConfig) if f.name not in PER_RANK_SETTINGS]
-    return tuple((name, os.environ.get(name)) for name in names)
+    values = [os.environ.get(name) for name in names]
+    return tuple((name, v, "unset" if v is None else repr(v)) for name, v in zip(names, values))
 
 
 def _agree(settings: tuple) -> None:
@@ -153,20 +154,16 @@ def _agree(settings: tuple) -> None:
     ValueError everywhere (bounded wait)."""
     if dist.get_world_size() == 1 or _simulated():
         return
+    from hf_upipe.config import settings_that_differ  # local: keeps this module importable alone
+
     every = [None] * dist.get_world_size()
     try:
         dist.all_gather_object(every, (settings, _upipe_environment()), group=validation_group())
     except (RuntimeError, dist.DistError) as err:
         raise validation_failed(err, "init_sequence_parallel") from None
-    environments = [env for _, env in every]
+    differ = settings_that_differ([env for _, env in every])
     every = [s for s, _ in every]
-    if len(set(environments)) > 1:
-        differ = []
-        for i, (name, _) in enumerate(environments[0]):
-            values = [env[i][1] for env in environments]
-            if len(set(values)) > 1:
-                differ.append(name + ": " + ", ".join(f"{'unset' if v is None else repr(v)} on rank {r}"
-                                                      for r, v in enumerate(values)))
+    if differ:
         raise ValueError(f"The ranks have different UPIPE_* settings in their environment ({'; '.join(differ)}): "
                          "export the same ones on every node (different settings pair different collectives, "
                          "which hangs or corrupts the run).")

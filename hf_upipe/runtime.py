@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from hf_upipe.auto_settings import apply_auto_settings
-from hf_upipe.config import PER_RANK_SETTINGS, UPipeConfig
+from hf_upipe.config import PER_RANK_SETTINGS, UPipeConfig, settings_that_differ
 from hf_upipe.data import shard_batch
 from hf_upipe.distributed import (
     SequenceParallelState,
@@ -156,14 +156,7 @@ def shared_settings(config: UPipeConfig) -> tuple:
 
 def _settings_error(every: list[tuple]) -> ValueError | None:
     """The error naming each setting whose value differs between ranks, or None when they all agree."""
-    differ = []
-    for i, (name, _, _) in enumerate(every[0]):
-        by_value: dict[str, tuple[str, list[int]]] = {}
-        for rank, settings in enumerate(every):
-            by_value.setdefault(repr(settings[i][1]), (settings[i][2], []))[1].append(rank)
-        if len(by_value) > 1:
-            differ.append(f"{name}: " + ", ".join(f"{d} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
-                                                  for d, r in by_value.values()))
+    differ = settings_that_differ(every)
     if not differ:
         return None
     return ValueError("The ranks were given different hf_upipe settings (" + "; ".join(differ) + "). Every rank must "
