@@ -7,7 +7,7 @@ with a note if deepspeed is missing), `attn_implementation="upipe"` with heads_p
 UPipe with heads_per_chunk=1 and 2, and the fused UPipe block (`hf_upipe.prepare_model`) with heads_per_chunk=1.
 
     python benchmarks/attention_speed.py [--seq-lens 4096,8192,16384] [--reps 5] [--warmup 1]
-        [--hidden 512 --heads 8 --kv-heads 4 --head-dim 64] [--out benchmarks/results]
+        [--hidden 512 --heads 8 --kv-heads 4 --head-dim 64] [--out benchmarks/results] [--only LABEL,...]
     python benchmarks/attention_speed.py --summarize benchmarks/results/attention_speed.json
 
 Method: per sequence length, the blocks are built with the same weights, then `--warmup` untimed rounds are run,
@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are given up on")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--summarize", metavar="JSON", help="re-print the table and paired ratios of a run's JSON")
+    ap.add_argument("--only", help="comma list of row labels to run (default: all), e.g. "
+                    "'DeepSpeed Ulysses,ours Ulysses,UPipe fused save c=1'")
     args = ap.parse_args(argv)
     if args.summarize:
         return _summarize_file(args.summarize)
@@ -269,8 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("note: deepspeed is not installed, DeepSpeed Ulysses is skipped (pip install 'hf_upipe[bench]')")
     valid = valid_heads_per_chunk(args.heads, args.kv_heads, world)
+    only = None if args.only is None else [x.strip() for x in args.only.split(",") if x.strip()]
+    unknown = sorted(set(only or ()) - {label for label, _, _ in BENCHMARK_ROWS})
+    if unknown:
+        ap.error(f"--only: unknown rows {unknown}; the rows are {[label for label, _, _ in BENCHMARK_ROWS]}")
     impls = []
     for label, impl, c in BENCHMARK_ROWS:
+        if only is not None and label not in only:
+            continue
         if impl == "deepspeed" and ds_version is None:
             continue
         if c is not None and c not in valid:

@@ -39,7 +39,9 @@ kernel runs (its o_proj follows). The buffers in flight raise the forward's peak
 P = 8, c = 1) but stay under the backward's, so the fwd+bwd peak is unchanged (the memory simulation runs this
 code and shows it); a forward without backward stays synchronous, for the least memory. Without `overlap` the
 backward issues the all-to-alls each step needs together (save mode: q, d a and the stage's output; then dq; then
-dk and dv at a k/v chunk's end), so the ranks meet once per group, at no cost in peak memory. With `overlap=True` the
+dk and dv at a k/v chunk's end), so the ranks meet once per group, at no cost in peak memory. The stage's output
+goes back to the local layout only for Wo's gradients: with Wo frozen and no o_proj adapter (PEFT's default LoRA on
+Llama targets q_proj and v_proj) it is not sent, one all-to-all per stage fewer. With `overlap=True` the
 backward does the same: stage i+1's q (k/v), d a (and in save mode its output) are sent before stage i's kernel
 runs, stage i's dq/dk/dv while stage i+1's kernels run; that costs the send and receive buffers in flight, about one
 stage's tensors each way (2.25 u at Llama3-8B shapes, P = 8, c = 1, save mode). On NCCL the collectives run on

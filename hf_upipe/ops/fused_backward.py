@@ -75,6 +75,9 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
             g.add_((dy2.t() @ z.reshape(B * s, -1)) * ad.scaling)
         us.append((dy2 @ ad.B) * ad.scaling)
     ov = plan.overlap
+    # Wo's gradients need each stage's output in the local layout; without them (Wo frozen and no o_proj adapter,
+    # e.g. PEFT's default LoRA targets q_proj, v_proj) the output is not sent back at all
+    needs_out = grads.get(w.o.weight) is not None or any(grads.get(ad.A) is not None for ad in w.o.adapters)
 
     # save mode: per stage, (kh, vh) kept at a k/v chunk's first stage (else None), oh, lse (see `_fused_forward`)
     kept, rest = [], list(saved)
@@ -127,10 +130,16 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
             linear_backward(x2, proj, r, d_pre.reshape(B * s, -1), xas[name], ts[name], grads, dx2)
             del d_pre
 
+    def finish(i, out_sent, items):  # overlap: stage i's Wo gradients and input gradients, once they are back
+        if out_sent is not None:
+            o_grads(i, out_sent.wait().reshape(B * s, -1))
+        input_grads(items)
+
     def issue(i):  # stage i's inputs, in flight together: q (k/v), d a, and in save mode its output
         if not (ov or plan.save):  # recompute mode, in order: d a is sent with the output, after the kernel forward
             return send_qkv(i), None, None
-        return send_qkv(i), send_dout(i), start_head_to_seq(kept[i][1], group, True) if plan.save else None
+        qkv, dout = send_qkv(i), send_dout(i)  # in this order: the output's buffers after q's projection's peak
+        return qkv, dout, start_head_to_seq(kept[i][1], group, True) if plan.save and needs_out else None
 
     # Every all-to-all is issued asynchronously, those a step needs together, so the ranks meet once per group (at
     # its first wait) rather than once per tensor; each group is what the memory peak allows (the simulation in
@@ -154,11 +163,13 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
             oh, lse = kept[i][1:]
         else:
             oh, lse = plan.kernel.forward(qh, kh, vh, scale=plan.scale, causal=True)  # recomputed
-        out_sent = out_sent or start_head_to_seq(oh, group, True)
+        if needs_out and out_sent is None:
+            out_sent = start_head_to_seq(oh, group, True)
         dout_sent = dout_sent or send_dout(i)
         doh = dout_sent.wait()
         if not ov:
-            o_grads(i, out_sent.wait().reshape(B * s, -1))
+            if out_sent is not None:
+                o_grads(i, out_sent.wait().reshape(B * s, -1))
             out_sent = None
         dqh, dkh, dvh = plan.kernel.backward(doh, qh, kh, vh, oh, lse, scale=plan.scale, causal=True)
         del qh, oh, doh
@@ -181,13 +192,11 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
             input_grads(items)
             continue
         if prev is not None:
-            o_grads(prev[0], prev[1].wait().reshape(B * s, -1))
-            input_grads(prev[2])
+            finish(*prev)
         prev = (i, out_sent, items)
         del items, out_sent
     if prev is not None:
-        o_grads(prev[0], prev[1].wait().reshape(B * s, -1))
-        input_grads(prev[2])
+        finish(*prev)
     # a whole-projection norm's coupled term, d pre += factor * pre, over the distinct rows a chunk at a time
     for name in "qk":
         if sigma[name] is not None:

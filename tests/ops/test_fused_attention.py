@@ -50,14 +50,15 @@ def _make(gen, Dm, H, Hk, D, bias, norm, lora, frozen, dtype, opts=None):
     """Random block tensors (float64 masters) and a builder for AttentionWeights in any dtype.
 
     opts: "norm": "proj" (a norm over the whole projection), "qkv": True (q/k/v rows of one weight, LoRA with one
-    shared A), "rope": a RopeStyle."""
+    shared A), "rope": a RopeStyle, "lora_on": the projections with an adapter (default "qkvo")."""
     opts = opts or {}
     def rnd(*shape, scale=1.0):
         return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
     spec = {}
     for name, out_f, in_f in (("q", H * D, Dm), ("k", Hk * D, Dm), ("v", Hk * D, Dm), ("o", Dm, H * D)):
         spec[name] = dict(weight=rnd(out_f, in_f, scale=in_f ** -0.5), bias=rnd(out_f, scale=0.3) if bias else None,
-                          adapters=[(rnd(3, in_f, scale=in_f ** -0.5), rnd(out_f, 3, scale=0.5), 0.7)] if lora else [])
+                          adapters=[(rnd(3, in_f, scale=in_f ** -0.5), rnd(out_f, 3, scale=0.5), 0.7)]
+                          if lora and name in opts.get("lora_on", "qkvo") else [])
     if norm:
         nq, nk = (H * D, Hk * D) if opts.get("norm") == "proj" else (D, D)
         spec["q_norm"], spec["k_norm"] = 1 + rnd(nq, scale=0.3), 1 + rnd(nk, scale=0.3)
@@ -203,7 +204,10 @@ def _cases(world):
             # (no bias: without RoPE a k bias shifts every key's score equally, so its true gradient is 0)
             (1, 8 * world, 24, 4, 2, 8, 1, False, False, True, False, torch.float32, 64, {"rope": RopeStyle(
                 rotate=False)}),
-            (1, 8 * world, 24, 8, 2, 8, 1, True, True, True, False, torch.bfloat16, 65, proj)]
+            (1, 8 * world, 24, 8, 2, 8, 1, True, True, True, False, torch.bfloat16, 65, proj),
+            # PEFT's default LoRA on Llama: adapters on q_proj and v_proj only, base frozen (no Wo gradient, so the
+            # backward sends no stage output back)
+            (1, 8 * world, 24, 8, 2, 8, 1, True, True, True, True, torch.float32, 66, {"lora_on": "qv"})]
     return out
 
 
@@ -261,37 +265,46 @@ def _counting_worker(rank, world):
         return original(out, inp, *a, **k)
 
     gen = torch.Generator().manual_seed(4)
-    build = _make(gen, 24, 8, 2, 8, True, True, True, False, torch.float32)
-    w, leaves = build(torch.float32)
+    builds = {"full": _make(gen, 24, 8, 2, 8, True, True, True, False, torch.float32),
+              # PEFT's default LoRA targets: no Wo gradient, so no stage output goes back in the backward
+              "lora_qv": _make(gen, 24, 8, 2, 8, True, True, True, True, torch.float32, {"lora_on": "qv"})}
     x = torch.randn(1, 8, 24, generator=gen)
     cos, sin = _tables(16, 8, gen)
     cos, sin = (t[:, rank * 8:(rank + 1) * 8].float() for t in (cos, sin))
     out = {}
     dist.all_to_all_single = counted
     try:
-        for save in (False, True):
-            calls.update(forward=0, bytes=0)
-            xl = x.clone().requires_grad_()
-            y = fused_attention.fused_upipe_attention(xl, cos, sin, w, num_heads=8, num_kv_heads=2, head_dim=8,
-                                                      group=dist.group.WORLD, heads_per_chunk=1, kernel=Counting(),
-                                                      save_attention=save)
-            grads = torch.autograd.grad(y, [xl] + [t for t in leaves if t.requires_grad], torch.ones_like(y))
-            out[save] = (dict(calls), grads)
+        for name, build in builds.items():
+            w, leaves = build(torch.float32)
+            for save in (False, True):
+                calls.update(forward=0, bytes=0)
+                xl = x.clone().requires_grad_()
+                y = fused_attention.fused_upipe_attention(xl, cos, sin, w, num_heads=8, num_kv_heads=2, head_dim=8,
+                                                          group=dist.group.WORLD, heads_per_chunk=1,
+                                                          kernel=Counting(), save_attention=save)
+                grads = torch.autograd.grad(y, [xl] + [t for t in leaves if t.requires_grad], torch.ones_like(y))
+                out[name, save] = (dict(calls), grads)
     finally:
         dist.all_to_all_single = original
-    agree = max(_rel(a, b) for a, b in zip(out[False][1], out[True][1]))
-    return out[False][0], out[True][0], agree
+    return {k: v[0] for k, v in out.items()}, {name: max(_rel(a, b) for a, b in zip(out[name, False][1],
+                                                                                   out[name, True][1]))
+                                              for name in builds}
 
 
 def test_save_mode_runs_no_attention_forward_in_backward_keeps_kv_and_sends_dk_dv_once():
-    for recompute, save, agree in run_distributed(_counting_worker, 2):
+    for calls, agree in run_distributed(_counting_worker, 2):
         stages = 4  # 8 query heads / 2 ranks, one per stage
+        recompute, save = calls["full", False], calls["full", True]
         assert recompute["forward"] == 2 * stages and save["forward"] == stages, (recompute, save)
         # the all-to-alls differ only in the backward's k/v: dk/dv one per stage (recompute: 4 + 4) or one per k/v
         # chunk (save: 1 + 1), and k, v re-sent (recompute: 1 + 1) or kept (save: 0), each [B, S, kc, D] =
         # [1, 16, 1, 8] fp32 = 512 bytes per rank
         assert recompute["bytes"] - save["bytes"] == 8 * 512, (recompute, save)
-        assert agree < 1e-5, agree
+        # without Wo's gradients no stage output [B, S, c, D] (512 bytes) is sent back, in either mode
+        for save_mode in (False, True):
+            full, lora = calls["full", save_mode], calls["lora_qv", save_mode]
+            assert full["bytes"] - lora["bytes"] == stages * 512, (save_mode, full, lora)
+        assert max(agree.values()) < 1e-5, agree
 
 
 def test_lora_dropout_gradients_match_finite_differences():

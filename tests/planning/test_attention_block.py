@@ -284,3 +284,17 @@ def test_fused_overlap_simulation_equals_real_gloo_run_and_holds_one_stage_in_fl
         q = S * (c or H // 2) * D * 4  # one stage's query heads over the full sequence, fp32
         kv = S * max(1, (c or H // 2) // (H // Hk)) * D * 4
         assert peak0 < peak <= peak0 + 2 * (6 * q + 4 * kv), (c, peak - peak0, q)
+
+
+def test_llama3_8b_at_3m_tokens_save_mode_stays_under_the_memory_bound() -> None:
+    """Issue 17's bound, at its geometry (Llama3-8B attention, 3M tokens, P = 8, bf16, one head per stage): the
+    save mode's fwd+bwd peak at most 0.8x DeepSpeed's (measured: 0.75x, 5.29 u; the order in which the backward
+    issues its all-to-alls moves it, e.g. the stage output's sent before q's projection: 0.79x), and the recompute
+    mode's at its 4.16 u."""
+    geometry = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, seq_len=3 * 2**20, sp_size=8)
+    peaks = {impl: simulate_attention_block(impl, **geometry, heads_per_chunk=1)
+             for impl in ("deepspeed", "fused_save", "fused")}
+    unit = peaks["fused"]["unit"]
+    assert peaks["fused_save"]["peak"] <= 0.76 * peaks["deepspeed"]["peak"], (peaks["fused_save"]["peak"] / unit,
+                                                                              peaks["deepspeed"]["peak"] / unit)
+    assert peaks["fused"]["peak"] <= 4.17 * unit, peaks["fused"]["peak"] / unit
