@@ -13,7 +13,9 @@ Main entry points:
   a tiled loss; the settings dataclass (`UPIPE_*` environment fallbacks).
 - `UPipePlugin`: the same settings plus `prepare(accelerator, model, optimizer, loader)` for custom loops under
   `accelerate launch` (FSDP2 or DDP), returning the run's `UPipeRuntime`.
-- `shard_batch`, `ShardedDataLoader`, `sampler_kwargs`: per-rank sequence shards for custom training loops.
+- `shard_batch`, `ShardedDataLoader`, `sampler_kwargs`: per-rank sequence shards for custom training loops;
+  `without_sequence_parallel()`: a context in which a model runs on whole sequences (under SP, a model called
+  without `prepare_model` whose attention is not "upipe", or with token mixers, is refused).
 - `MemoryTracker`: exact tensor-memory accounting (real or fake tensors), as used by the benchmarks.
 - `plan(model, *, gpus, gpu_memory, nodes=1, seq_len=None, max_context=False, ...)`: before launch, the per-GPU
   peak by category, whether it fits, the settings to use and the longest sequence that fits (`hf-upipe plan`).
@@ -32,7 +34,9 @@ from hf_upipe.distributed import (
     get_sequence_parallel_state,
     init_sequence_parallel,
     reset_sequence_parallel,
+    without_sequence_parallel,
 )
+from hf_upipe.integrations import guard as _guard  # noqa: F401  (refuses unprepared models on shards under SP)
 from hf_upipe.ops.head_layout import HeadLayout, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.ops.upipe_attention import upipe_attention
 from hf_upipe.registration import register_with_transformers
@@ -63,6 +67,7 @@ __all__ = [
     "upipe_attention",
     "valid_heads_per_chunk",
     "valid_sp_sizes",
+    "without_sequence_parallel",
     *sorted(_LAZY),
 ]
 

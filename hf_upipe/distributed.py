@@ -10,7 +10,11 @@ Entry points:
   is exact local attention).
 - `reset_sequence_parallel()`: forget the defaults (tests, notebooks).
 - `set_sequence_parallel_state(state)`: install a state (or None) directly and return the previous one, e.g. to
-  restore it after a temporary change.
+  restore it after a temporary change; `without_sequence_parallel()`: a context without any state, to run a model
+  on whole sequences in an SP process.
+- `on_state_change(listener)`: be told of every state change. While a state of sp_size > 1 is installed,
+  `hf_upipe.integrations.guard` (a listener) refuses a transformers model called without `prepare_model` whose
+  attention is not "upipe" or that has token mixers (each rank would mix its shard alone).
 - `validation_group()`: a gloo group over all ranks whose collectives give up after `validation_timeout()` seconds
   (`UPIPE_VALIDATION_TIMEOUT`, default 60): the checks that every rank enters (settings agreement, the runtime's
   shared errors) use it, so a rank that took another path makes the others fail with a message, not hang for the
@@ -36,6 +40,7 @@ through a model call. Every op in `hf_upipe.ops` takes its group explicitly.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -54,6 +59,8 @@ __all__ = [
     "get_sequence_parallel_state",
     "reset_sequence_parallel",
     "set_sequence_parallel_state",
+    "on_state_change",
+    "without_sequence_parallel",
 ]
 
 
@@ -101,6 +108,7 @@ class SequenceParallelState:
 
 
 _STATE: SequenceParallelState | None = None
+_LISTENERS: list = []  # called with the new state whenever it changes (`on_state_change`)
 _VALIDATION: dict = {}  # (world, timeout) -> the world's validation group
 
 
@@ -218,7 +226,6 @@ def init_sequence_parallel(
             rank.
         RuntimeError: another rank did not reach this call within the validation timeout.
     """
-    global _STATE
     from hf_upipe.ops.kernels import check_kernel_name  # local: keeps distributed.py importable alone
 
     _check_heads_per_chunk(heads_per_chunk)
@@ -244,11 +251,10 @@ def init_sequence_parallel(
         size = dist.get_world_size(group)
         if sp_size is not None and sp_size != size:
             raise ValueError(f"sp_size={sp_size} but the given group has {size} ranks: pass one of them, not both.")
-        _STATE = SequenceParallelState(
+        return _install(SequenceParallelState(
             sp_group=group, sp_size=size, sp_rank=dist.get_rank(group), dp_group=None, dp_size=1, dp_rank=0,
             heads_per_chunk=heads_per_chunk, kernel=kernel, allow_unverified=allow_unverified,
-        )
-        return _STATE
+        ))
 
     sp_size = world if sp_size is None else sp_size
     if not isinstance(sp_size, int) or sp_size < 1 or world % sp_size != 0:
@@ -298,12 +304,12 @@ def init_sequence_parallel(
             if rank in ranks:
                 dp_group = pg
 
-    _STATE = SequenceParallelState(
+    _install(SequenceParallelState(
         sp_group=sp_group, sp_size=sp_size, sp_rank=rank % sp_size,
         dp_group=dp_group, dp_size=dp_size, dp_rank=rank // sp_size,
         heads_per_chunk=heads_per_chunk, kernel=kernel, allow_unverified=allow_unverified, check_group=check_group,
         ring_size=ring_size, ulysses_group=ulysses_group, ring_group=ring_group,
-    )
+    ))
     if rank == 0:
         logger.info(
             "hf_upipe: %d SP group(s) of %d ranks (ring of %d), heads_per_chunk=%s, kernel=%s", dp_size, sp_size,
@@ -319,12 +325,37 @@ def get_sequence_parallel_state() -> SequenceParallelState | None:
 
 def reset_sequence_parallel() -> None:
     """Forget the installed defaults; "upipe" falls back to exact local attention. Groups are not destroyed."""
-    global _STATE
-    _STATE = None
+    _install(None)
 
 
 def set_sequence_parallel_state(state: SequenceParallelState | None) -> SequenceParallelState | None:
     """Install `state` (None: no SP) as the "upipe" defaults; return the previous state."""
-    global _STATE
-    previous, _STATE = _STATE, state
+    previous = _STATE
+    _install(state)
     return previous
+
+
+@contextlib.contextmanager
+def without_sequence_parallel():
+    """Inside, no SP state is installed: run a model on whole sequences in this process (a reference, an evaluation)
+    without the guard refusing it. The previous state is restored after."""
+    previous = set_sequence_parallel_state(None)
+    try:
+        yield
+    finally:
+        set_sequence_parallel_state(previous)
+
+
+def on_state_change(listener) -> None:
+    """Call `listener(state)` now and whenever the installed state changes (`hf_upipe.integrations.guard` turns its
+    hook on and off so)."""
+    _LISTENERS.append(listener)
+    listener(_STATE)
+
+
+def _install(state: SequenceParallelState | None) -> SequenceParallelState | None:
+    global _STATE
+    _STATE = state
+    for listener in _LISTENERS:
+        listener(state)
+    return state

@@ -129,7 +129,13 @@ def gradient_error(got: torch.Tensor, want: torch.Tensor, scale: float) -> float
 
 
 def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
-    from hf_upipe import UPipeConfig, get_sequence_parallel_state, prepare_model, shard_batch
+    from hf_upipe import (
+        UPipeConfig,
+        get_sequence_parallel_state,
+        prepare_model,
+        shard_batch,
+        without_sequence_parallel,
+    )
     from hf_upipe.integrations.loss import shard_loss_sum
     from hf_upipe.integrations.support import config_refusal, refusal_error
 
@@ -161,7 +167,8 @@ def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
                 raise
             checks.append(Check(name, batch_name, "refused clearly", 0.0, 0.0, note=str(err).split(":")[0]))
             continue
-        out = ref(**full)  # transformers' loss: mean over the label tokens of the whole batch
+        with without_sequence_parallel():  # one process, the whole sequence
+            out = ref(**full)  # transformers' loss: mean over the label tokens of the whole batch
         out.loss.backward()
         s, S = shard["input_ids"].shape[1], full["input_ids"].shape[1]
         mine = ring_positions(rank, s, world, state.ring_size)  # this rank's tokens (contiguous without a ring)
@@ -196,7 +203,8 @@ def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
             checks.append(Check(name, batch_name, "logits", _rel(logits[:, here][mask], want), TOLERANCE["logits"]))
             eval_sum, _ = shard_loss_sum(sp_model, inputs, shard["shift_labels"])
             dist.all_reduce(eval_sum)
-            ref_eval = ref(**full).loss
+            with without_sequence_parallel():
+                ref_eval = ref(**full).loss
             checks.append(Check(name, batch_name, "eval loss", _rel(eval_sum / n, ref_eval), TOLERANCE["eval loss"]))
     return checks
 

@@ -11,9 +11,8 @@ Entry points:
 - `note_model_positions(position_ids, documents=None, max_seqlen=None, model=None)` / `model_positions()`: the
   position_ids (and packed rows' documents) a prepared model was called with, for the models whose attention calls
   do not receive them (the check then uses what the model received); `adopt_modules(model)` (and
-  `release_modules`) and
-  `with_model_documents(kwargs, module)`: an attention call's kwargs with its own model's call's documents, when
-  the call lacks them (Nemotron's decoder layers drop their kwargs).
+  `release_modules`, `is_adopted(module)`) and `with_model_documents(kwargs, module)`: an attention call's kwargs
+  with its own model's call's documents, when the call lacks them (Nemotron's decoder layers drop their kwargs).
 - `mask_agrees(mask_function, b, q_idx, kv_idx, expected)`: probe a transformers mask function at index pairs.
 - `TensorCache`: tensor -> value by the tensor's identity, holding it weakly.
 
@@ -309,6 +308,11 @@ def adopt_modules(model) -> None:
     ref = weakref.ref(model)
     for module in model.modules():
         _OWNERS[module] = ref
+
+
+def is_adopted(module) -> bool:
+    """Whether `module` belongs to a model `prepare_model` prepared (and `unprepare_model` did not release)."""
+    return module in _OWNERS
 
 
 def release_modules(model) -> None:

@@ -71,13 +71,14 @@ def sharded_errors(ref, model, ids: torch.Tensor, rank: int, world: int) -> tupl
     import torch.distributed as dist
 
     from hf_upipe.data import shard_batch
-    from hf_upipe.distributed import get_sequence_parallel_state
+    from hf_upipe.distributed import get_sequence_parallel_state, without_sequence_parallel
     from hf_upipe.ops.ring import ring_positions
 
     def rel(a, b):
         return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
-    want = ref(input_ids=ids, labels=ids)
+    with without_sequence_parallel():  # the one-process reference runs on the whole sequence
+        want = ref(input_ids=ids, labels=ids)
     want.loss.backward()
     shard = shard_batch({"input_ids": ids, "labels": ids}, rank, world)
     kw = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens", "labels")}

@@ -60,7 +60,8 @@ def _errors(ref, model, batch, rank, world):
     """Loss, logits of this shard and the worst gradient, relative to the single-process model."""
     ref.zero_grad()
     model.zero_grad()
-    want = ref(**batch)
+    with hf_upipe.without_sequence_parallel():
+        want = ref(**batch)
     want.loss.backward()
     shard = shard_batch(batch, rank, world)
     kw = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}

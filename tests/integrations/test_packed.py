@@ -43,7 +43,8 @@ def _packed_batch(vocab, seed, layout=LAYOUT):
 
 def _reference(ref, batch, **kw):
     ref.zero_grad()
-    out = ref(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"], **kw)
+    with hf_upipe.without_sequence_parallel():  # one process, the whole batch
+        out = ref(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"], **kw)
     out.loss.backward()
     return out.loss.detach(), out.logits.detach(), {n: p.grad.clone() for n, p in ref.named_parameters()}
 

@@ -39,7 +39,8 @@ def _model_errors(rank, world, arch, geom, chunk, dtype, seed, B=2, S=None, sp_s
     labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], dim=1)  # pre-shifted over the whole sequence
     n_tokens = (labels != -100).sum()
     # single-process reference (fp32, every rank computes it)
-    ref_logits = ref(ids).logits
+    with hf_upipe.without_sequence_parallel():
+        ref_logits = ref(ids).logits
     _loss(ref_logits, labels, n_tokens).backward()
     # this rank's shard with global positions
     s = S // sp
@@ -54,7 +55,8 @@ def _model_errors(rank, world, arch, geom, chunk, dtype, seed, B=2, S=None, sp_s
     base = None
     if dtype != torch.float32:  # the plain single-process model's own error in this dtype
         low = build_pair(cfg, "sdpa", seed)[0].to(dtype)
-        low_logits = low(ids).logits
+        with hf_upipe.without_sequence_parallel():
+            low_logits = low(ids).logits
         _loss(low_logits, labels, n_tokens).backward()
         base = {"logits": _rel(low_logits[:, sh], ref_logits[:, sh])}
         base.update({n: _rel(p.grad, rp.grad)
