@@ -40,6 +40,7 @@ through a model call. Every op in `hf_upipe.ops` takes its group explicitly.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
@@ -351,6 +352,14 @@ def on_state_change(listener) -> None:
     hook on and off so)."""
     _LISTENERS.append(listener)
     listener(_STATE)
+
+
+@atexit.register
+def _release_groups() -> None:
+    """Drop this module's references to process groups (the state's, the validation groups) while the interpreter
+    is still whole: a gloo group whose last reference dies in the interpreter's teardown can abort the process."""
+    _install(None)
+    _VALIDATION.clear()
 
 
 def _install(state: SequenceParallelState | None) -> SequenceParallelState | None:
