@@ -11,7 +11,9 @@ Entry points:
 
 Under sequence parallelism (`init_sequence_parallel` called before), `prepare_model` first runs the support gate on
 the whole model (`hf_upipe.integrations.support.model_refusal`: an unverified architecture, a token mixer other
-than attention, attention that bypasses transformers' attention interface are refused). It also installs a forward
+than attention, attention that bypasses transformers' attention interface are refused), then checks in one bounded
+collective that every rank of the SP group prepares the same model (class, parameter counts) with the same
+settings, and raises the same error naming what differs on every rank otherwise. It also installs a forward
 pre-hook on the model that refuses, under SP, what a call would silently get wrong: `labels=` without
 `shift_labels=` (the model would shift inside each shard), `output_attentions=True` (no attention weights exist),
 `use_cache=True` or a `past_key_values` cache (the cache would hold one shard's keys and values), any input but
@@ -27,10 +29,12 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hf_upipe.architectures import ARCHITECTURES, VERIFIED_ON
-from hf_upipe.distributed import get_sequence_parallel_state
+from hf_upipe.config import settings_that_differ
+from hf_upipe.distributed import get_sequence_parallel_state, validation_failed
 from hf_upipe.integrations.fused import install_fused_attention, remove_fused_attention
 from hf_upipe.integrations.layout import adopt_modules, note_model_positions, release_modules
 from hf_upipe.integrations.mixers import install_mixers, reentrant_refusal, remove_mixers, ring_refusal
@@ -93,6 +97,48 @@ def _refuse_silent_misuse(module, args, kwargs):
     return None
 
 
+def _preparation(model: nn.Module, upipe_config) -> tuple:
+    """((name, value, as shown), ...): what `prepare_model` does to `model` with `upipe_config`, and the model."""
+    base = base_model(model)
+    total = sum(p.numel() for p in base.parameters())
+    trained = sum(p.numel() for p in base.parameters() if p.requires_grad)
+    described = ((type(base).__name__, total, trained), f"{type(base).__name__} with {total:,} parameters "
+                 f"({trained:,} trainable)")
+    if upipe_config is None:  # the values prepare_model uses without a UPipeConfig
+        values = dict(fused_attention=True, fused_backward="recompute", overlap_comm=False, tiled_mlp=False,
+                      mlp_chunk_tokens=None, mixer_state_passing="parallel")
+        shown = {name: f"{name}={value!r} (no UPipeConfig)" for name, value in values.items()}
+    else:
+        values = {name: getattr(upipe_config, name) for name in ("fused_attention", "fused_backward", "overlap_comm",
+                                                                 "tiled_mlp", "mlp_chunk_tokens",
+                                                                 "mixer_state_passing")}
+        shown = {name: upipe_config.describe(name) for name in values}
+    if not values["tiled_mlp"]:
+        values["mlp_chunk_tokens"] = shown["mlp_chunk_tokens"] = None  # unused
+    return (("model", *described),) + tuple((name, value, shown[name]) for name, value in values.items())
+
+
+def _preparations_differ(model: nn.Module, upipe_config, state) -> ValueError | None:
+    """None when every rank of the SP group prepares the same model with the same settings, else the error naming
+    what differs, on every rank: one all_gather_object over the group's validation twin (none in a simulated
+    world, whose collectives carry no data)."""
+    group = state.check_group or state.sp_group
+    if group is None or not dist.is_initialized() or "fake" in str(dist.get_backend()):
+        return None
+    mine = _preparation(model, upipe_config)
+    every = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(every, mine, group=group)
+    except (RuntimeError, dist.DistError) as err:
+        raise validation_failed(err, "prepare_model") from None
+    differ = settings_that_differ(every)
+    if not differ:
+        return None
+    return ValueError("The ranks of one SP group called prepare_model differently (" + "; ".join(differ) + "): "
+                      "each rank would run other collectives (or other weights) on its shard of the same sequence, "
+                      "which hangs or corrupts the run. Prepare the same model with the same settings on every rank.")
+
+
 def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
     """Install hf_upipe's adapters on `model` (see the module docstring).
 
@@ -109,6 +155,8 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
 
     Raises:
         NotImplementedError: under sequence parallelism, a model the support gate refuses (nothing is changed).
+        ValueError: under sequence parallelism, the ranks of an SP group prepare different models or with different
+            settings (compared in one bounded collective: every rank of the group must call prepare_model).
     """
     state = get_sequence_parallel_state()
     # length-dependent RoPE from the global sequence, mixers across shards: before the gate, which needs them
@@ -116,11 +164,12 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
     installed = install_global_rope(model) + install_mixers(base_model(model), state_passing=passing)
     if state is not None and state.sp_size > 1:
         reason = model_refusal(model, allow_unverified=state.allow_unverified)
-        if reason is not None:
+        error = refusal_error(reason) if reason is not None else _preparations_differ(model, upipe_config, state)
+        if error is not None:
             if installed:
                 remove_global_rope(model)
                 remove_mixers(base_model(model))
-            raise refusal_error(reason)
+            raise error
     if upipe_config is not None and upipe_config.tiled_mlp:
         apply_tiled_mlp(model, upipe_config.mlp_chunk_tokens)
     base = base_model(model)
