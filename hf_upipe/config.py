@@ -9,6 +9,9 @@ Entry points:
   for the settings of a script's command-line flags (errors then name `--the-flag`).
 - `auto=True`: `hf_upipe.auto_settings.apply_auto_settings` returns a copy with the planner's memory settings
   (UPipeTrainer and UPipePlugin call it before anything else; the planner runs in a child process).
+- `settings_that_differ(every)` / `differing_settings_error(every, intro, advice)`: the lines, and the error, that
+  name each setting whose value differs between ranks (the runtime's, `init_sequence_parallel`'s and
+  `prepare_model`'s agreement checks).
 
 Precedence: an explicit argument, then the `UPIPE_<FIELD>` environment variable, then the default. Validation
 that needs the world size (sp_size dividing it) happens in `resolve_sp_size`, on every rank, before any
@@ -81,6 +84,12 @@ def settings_that_differ(every: list[tuple]) -> list[str]:
             lines.append(f"{name}: " + ", ".join(f"{shown} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
                                                  for shown, r in by_value.values()))
     return lines
+
+
+def differing_settings_error(every: list[tuple], intro: str, advice: str) -> ValueError | None:
+    """`{intro} (<settings_that_differ lines>){advice}` when a setting of `every` differs between ranks, else None."""
+    differ = settings_that_differ(every)
+    return ValueError(f"{intro} ({'; '.join(differ)}){advice}") if differ else None
 
 
 @dataclass

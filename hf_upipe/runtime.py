@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from hf_upipe.auto_settings import apply_auto_settings
-from hf_upipe.config import PER_RANK_SETTINGS, UPipeConfig, settings_that_differ
+from hf_upipe.config import PER_RANK_SETTINGS, UPipeConfig, differing_settings_error
 from hf_upipe.data import shard_batch
 from hf_upipe.distributed import (
     SequenceParallelState,
@@ -156,12 +156,9 @@ def shared_settings(config: UPipeConfig) -> tuple:
 
 def _settings_error(every: list[tuple]) -> ValueError | None:
     """The error naming each setting whose value differs between ranks, or None when they all agree."""
-    differ = settings_that_differ(every)
-    if not differ:
-        return None
-    return ValueError("The ranks were given different hf_upipe settings (" + "; ".join(differ) + "). Every rank must "
-                      "use the same ones (the same UPIPE_* variables, flags and script): different settings pair "
-                      "different collectives, which hangs or corrupts the run.")
+    return differing_settings_error(every, "The ranks were given different hf_upipe settings", (
+        ". Every rank must use the same ones (the same UPIPE_* variables, flags and script): different settings pair "
+        "different collectives, which hangs or corrupts the run."))
 
 
 def agree_on_errors(errors: list[Exception], world: int, settings: tuple | None = None) -> None:

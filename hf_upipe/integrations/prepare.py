@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_upipe.architectures import ARCHITECTURES, VERIFIED_ON
-from hf_upipe.config import settings_that_differ
+from hf_upipe.config import differing_settings_error
 from hf_upipe.distributed import get_sequence_parallel_state, validation_failed
 from hf_upipe.integrations.fused import install_fused_attention, remove_fused_attention
 from hf_upipe.integrations.layout import adopt_modules, note_model_positions, release_modules
@@ -131,12 +131,9 @@ def _preparations_differ(model: nn.Module, upipe_config, state) -> ValueError | 
         dist.all_gather_object(every, mine, group=group)
     except (RuntimeError, dist.DistError) as err:
         raise validation_failed(err, "prepare_model") from None
-    differ = settings_that_differ(every)
-    if not differ:
-        return None
-    return ValueError("The ranks of one SP group called prepare_model differently (" + "; ".join(differ) + "): "
-                      "each rank would run other collectives (or other weights) on its shard of the same sequence, "
-                      "which hangs or corrupts the run. Prepare the same model with the same settings on every rank.")
+    return differing_settings_error(every, "The ranks of one SP group called prepare_model differently", (
+        ": each rank would run other collectives (or other weights) on its shard of the same sequence, which hangs "
+        "or corrupts the run. Prepare the same model with the same settings on every rank."))
 
 
 def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
