@@ -171,15 +171,15 @@ def summarize(summary: dict, labels: list[str], seq_lens: list[int]) -> list[dic
             e = summary[S, label]
             times = e["times"]
             vs_ds = med[label] / med["DeepSpeed Ulysses"] if "DeepSpeed Ulysses" in med else None
-            vs_uly = med[label] / med["ours Ulysses"]
+            vs_uly = med[label] / med["ours Ulysses"] if "ours Ulysses" in med else None  # None: not run (--only)
             mib = max(e["a2a_bytes"]) / MiB
             calls = max(e["a2a_calls"])
             rows.append(dict(seq_len=S, label=label, median_s=med[label], min_s=min(times), max_s=max(times),
                              vs_deepspeed=vs_ds, vs_ours_ulysses=vs_uly, a2a_mib_per_rank=mib,
                              a2a_calls_per_rank=calls, a2a_consistent=len(e["a2a_bytes"]) == 1))
-            ds_txt = f"{vs_ds:.2f}" if vs_ds is not None else "n/a"
+            ds_txt, uly_txt = (f"{v:.2f}" if v is not None else "n/a" for v in (vs_ds, vs_uly))
             print(f"| {S} | {label} | {med[label]:.3f} ({min(times):.3f}-{max(times):.3f}) | {ds_txt} "
-                  f"| {vs_uly:.2f} | {mib:.1f} ({calls} calls) |")
+                  f"| {uly_txt} | {mib:.1f} ({calls} calls) |")
     return rows
 
 
