@@ -24,9 +24,9 @@ Entry points:
 Agreement: `init_sequence_parallel` compares every rank's settings (sp_size, heads_per_chunk, kernel,
 allow_unverified, ring_size) and the UPIPE_* variables of its environment that `prepare_model` and the Trainer read
 (all but the per-rank `hf_upipe.config.PER_RANK_SETTINGS`) over the validation group, and raises the same error
-everywhere when they differ. Calling it
-again with the same settings returns the installed state; with other settings it raises until
-`reset_sequence_parallel()`.
+everywhere when they differ. Calling it again with the same settings returns the installed state; with other
+settings it raises until `reset_sequence_parallel()`. `simulated()`: whether the default group is a simulated
+(fake) one, where the agreement checks are skipped.
 
 Layout: with world size W and `sp_size` P, SP group g holds ranks [g*P, (g+1)*P) (neighbours share a node, where
 the all-to-alls are fast) and DP group i holds ranks {i, i+P, i+2P, ...}. Every rank of one SP group works on
@@ -61,6 +61,7 @@ __all__ = [
     "reset_sequence_parallel",
     "set_sequence_parallel_state",
     "on_state_change",
+    "simulated",
     "without_sequence_parallel",
 ]
 
@@ -125,7 +126,9 @@ def validation_timeout() -> float:
     return seconds
 
 
-def _simulated() -> bool:
+def simulated() -> bool:
+    """Whether the default process group is a simulated one (`hf_upipe.planning.simulated_world`: the "fake"
+    backend, whose collectives carry no data, so agreement checks are skipped)."""
     return "fake" in str(dist.get_backend())
 
 
@@ -161,7 +164,7 @@ def _upipe_environment() -> tuple:
 def _agree(settings: tuple) -> None:
     """Every rank asked for the same settings and has the same UPIPE_* settings in its environment, or the same
     ValueError everywhere (bounded wait)."""
-    if dist.get_world_size() == 1 or _simulated():
+    if dist.get_world_size() == 1 or simulated():
         return
     from hf_upipe.config import settings_that_differ  # local: keeps this module importable alone
 
@@ -278,12 +281,12 @@ def init_sequence_parallel(
 
     # new_group must be called by every rank for every group, in the same order.
     sp_group = dp_group = check_group = None
-    simulated = _simulated()
+    fake = simulated()
     timeout = datetime.timedelta(seconds=validation_timeout())
     for g in range(dp_size):
         ranks = list(range(g * sp_size, (g + 1) * sp_size))
         pg = dist.new_group(ranks) if sp_size < world else dist.group.WORLD
-        twin = None if simulated else dist.new_group(ranks, backend="gloo", timeout=timeout)
+        twin = None if fake else dist.new_group(ranks, backend="gloo", timeout=timeout)
         if rank in ranks:
             sp_group, check_group = pg, twin
     ulysses_group = ring_group = None

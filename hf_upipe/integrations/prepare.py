@@ -34,7 +34,7 @@ from torch import nn
 
 from hf_upipe.architectures import ARCHITECTURES, VERIFIED_ON
 from hf_upipe.config import differing_settings_error
-from hf_upipe.distributed import get_sequence_parallel_state, validation_failed
+from hf_upipe.distributed import get_sequence_parallel_state, simulated, validation_failed
 from hf_upipe.integrations.fused import install_fused_attention, remove_fused_attention
 from hf_upipe.integrations.layout import adopt_modules, note_model_positions, release_modules
 from hf_upipe.integrations.mixers import install_mixers, reentrant_refusal, remove_mixers, ring_refusal
@@ -123,7 +123,7 @@ def _preparations_differ(model: nn.Module, upipe_config, state) -> ValueError | 
     what differs, on every rank: one all_gather_object over the group's validation twin (none in a simulated
     world, whose collectives carry no data)."""
     group = state.check_group or state.sp_group
-    if group is None or not dist.is_initialized() or "fake" in str(dist.get_backend()):
+    if group is None or not dist.is_initialized() or simulated():
         return None
     mine = _preparation(model, upipe_config)
     every = [None] * dist.get_world_size(group)

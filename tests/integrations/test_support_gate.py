@@ -155,7 +155,7 @@ def _gate_worker(rank, world):
         want = ref(input_ids=ids).logits[:, rank * (S // world):(rank + 1) * (S // world)]
     out["no positions, prepared"] = float((bigcode(**inputs).logits - want).abs().max())
     hybrid = AutoModelForCausalLM.from_config(tiny_config("jamba"), attn_implementation="upipe")
-    out["hybrid forward"] = _outcome(lambda: hybrid(**inputs))  # refused by the mask function, before any layer
+    out["hybrid forward"] = _outcome(lambda: hybrid(**inputs))  # refused at the call (the guard), before any layer
     out["hybrid prepare"] = _outcome(lambda: hf_upipe.prepare_model(hybrid))
     gpt = AutoModelForCausalLM.from_config(tiny_config("openai-gpt"), attn_implementation="upipe")
     out["no interface prepare"] = _outcome(lambda: hf_upipe.prepare_model(gpt))
