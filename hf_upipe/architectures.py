@@ -16,17 +16,16 @@ Entry points:
   tiled loss must apply too; 1.0 for the others. The tiled loss checks it against the model's own logits once.
 - `model_geometry(config)`: what the planner reads of a model (hidden size, heads, key-value heads, layers,
   vocabulary, model_type).
-- `source_fingerprint(arch, adapter)` / `adapter_verified(arch, adapter)`: the version gate (below).
+- `source_fingerprint(arch, adapter)`: the installed source's fingerprint (below).
 
-The version gate. An adapter replaces `forward` on transformers' module instances, so it is only right while
-transformers' code for that module is what it was written against. Each adapter records a fingerprint (SHA-256, 16
-hex digits) of the installed source it replaces or relies on: for the fused attention, the attention class's
-`__init__` and `forward` and the module's `apply_rotary_pos_emb` / `rotate_half`; for the tiled MLP, the MLP's and
-RMSNorm's `forward`. `prepare_model` compares them with the installed transformers at run time: an adapter whose
-source changed is not installed (the model keeps the registered "upipe" attention, which goes through transformers'
-own AttentionInterface, or its untiled MLP), with a warning naming the class and the verified version.
-`tests/integrations/test_architectures.py` fails when the installed transformers changes one, and compares every
-replaced forward with the installed original on random inputs.
+Verified sources. An adapter replaces `forward` on transformers' module instances, so it is only right while it
+computes what transformers' code for that module computes. Each architecture records, per adapter, the fingerprints
+(SHA-256, 16 hex digits) of the source it replaces or relies on in each transformers release it was verified on
+(`hf_upipe.verification.VERIFIED_RELEASES`): for the fused attention, the attention class's `__init__` and
+`forward` and the module's `apply_rotary_pos_emb` / `rotate_half`; for the tiled MLP, the MLP's and RMSNorm's
+`forward`. A fingerprint in the list is the fast path; a source not seen before is checked by behaviour on the
+installed code before the adapter is installed (`hf_upipe.integrations.fused.fused_verdict`,
+`hf_upipe.memory.tiled_mlp.tiled_verdict`).
 
 This module imports no third-party package at import time but torch (through `hf_upipe.integrations.peft`);
 transformers only inside `source_fingerprint`.
@@ -34,18 +33,16 @@ transformers only inside `source_fingerprint`.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import inspect
 from dataclasses import dataclass
 
 from hf_upipe.integrations.peft import base_model
+from hf_upipe.verification import fingerprint
 
 __all__ = ["ACROSS_DOCUMENTS", "ARCHITECTURES", "FUSED", "LOGIT_SCALES", "TEXT_ONLY", "VERIFIED_REGISTERED",
-           "Architecture", "adapter_verified", "architecture_of", "fused_attention_classes", "keeps_documents_apart",
+           "Architecture", "architecture_of", "fused_attention_classes", "keeps_documents_apart",
            "logit_multiplier", "model_geometry", "source_fingerprint", "tiled_mlp_classes", "tiled_norm_classes"]
 
-VERIFIED_ON = "5.23"  # the transformers release the fingerprints below were taken from (and every test ran on)
 
 
 @dataclass(frozen=True)
@@ -65,7 +62,8 @@ class Architecture:
         mlp_suffix, norm_suffix: the tiled classes' suffixes (None: not tiled; MoE blocks are not).
         text_only: a multimodal type verified for text input only: under SP, `prepare_model`'s pre-hook refuses
             every other input (pixel values, audio features, cross-attention masks, ...).
-        fused_fingerprint / tiled_fingerprint: the verified source fingerprints (module docstring).
+        fused_fingerprints / tiled_fingerprints: the verified sources' fingerprints, one per release where the
+            source differs (module docstring).
         verified: exact under sequence parallelism on the registered "upipe" path, as the architecture matrix
             (`benchmarks/architecture_matrix.py`) measured it; the support gate admits only verified types.
         packed_documents: the model passes position_ids to its mask builder, so on one device the documents of a
@@ -78,8 +76,8 @@ class Architecture:
     fused: bool = True
     tiled: bool = True
     window_in_config: bool = False
-    fused_fingerprint: str = ""
-    tiled_fingerprint: str = ""
+    fused_fingerprints: tuple[str, ...] = ()
+    tiled_fingerprints: tuple[str, ...] = ()
     verified: bool = True
     text_only: bool = False
     module: str = ""
@@ -112,8 +110,9 @@ class Architecture:
         return tuple(f"{name}.forward" for name in (self.mlp, self.norm) if name)
 
 
-_TILED = "9dbbf389e9bdd646"  # LlamaMLP/RMSNorm-shaped forwards (identical source in several families)
-_MOE_NORM = "790fa612e4fa57ac"  # a Llama RMSNorm alone (the MoE families, whose MoE blocks are not tiled)
+# the tiled MLP/norms' sources (the same in 5.23 and 5.24)
+_TILED = ("9dbbf389e9bdd646",)  # LlamaMLP/RMSNorm-shaped forwards (identical source in several families)
+_MOE_NORM = ("790fa612e4fa57ac",)  # a Llama RMSNorm alone (the MoE families, whose MoE blocks are not tiled)
 # exact at SP 2 against one process on the registered "upipe" path in the architecture matrix
 # (benchmarks/architecture_matrix.py, transformers 5.23; text-only causal LMs: a multimodal type stays unverified
 # even where its text model is exact): verified, without the fused or tiled adapters
@@ -150,31 +149,40 @@ VERIFIED_REGISTERED = (
 )
 # the Llama-shaped families with the fused block (each also exact on the registered path); MoE blocks stay untiled
 # (their norms are tiled), and Cohere's LayerNorm is tiled as its norm
+# the fused attention's sources, per release verified (transformers 5.23, 5.24): model_type -> fingerprints
+_FUSED_SOURCES = {
+    "llama": ("a0d395fa0cfcaa0f", "e406be0e59883e41"), "mistral": ("c3b3be99e77bcec1", "7432c7942a55b5ba"),
+    "qwen2": ("216c98ededbca3e0", "185b09d011ac802e"), "qwen3": ("643897dbf1d482cc", "99d7bba274ac9eee"),
+    "mixtral": ("cb82e38bed550d12", "4544bcbc67f076ef"), "qwen2_moe": ("37b9e77e49266ba0", "0352bcd5506560a0"),
+    "qwen3_moe": ("f33c3236244793f8", "482c10611ff6bccb"), "granite": ("ff085b6eb9e7e7ef", "72de6fadb3856231"),
+    "granitemoe": ("fc6bc1fb65339952", "534b92efeee132cf"), "olmo2": ("11921dce07f14631", "47d18e679604ff43"),
+    "phi3": ("fdb27daee609b944", "cbdaa4bca0f9a4d8"), "gemma": ("915c1d81e23d9cdc", "3b2dc74f2a118b57"),
+    "gemma3_text": ("ae094d89156cbb5c", "744d4fc6eefde09a"), "smollm3": ("9464eeefa2833c5a", "ef344d37c146d4d9"),
+    "cohere": ("e861038c284bdaa7", "ce7aa900fc92e443"),
+}
+
+
+def _fused(model_type: str, prefix: str, tiled: tuple[str, ...] = _TILED, **kw) -> Architecture:
+    return Architecture(model_type, prefix, fused_fingerprints=_FUSED_SOURCES[model_type], tiled_fingerprints=tiled,
+                        **kw)
+
+
 FUSED = (
-    Architecture("llama", "Llama", fused_fingerprint="a0d395fa0cfcaa0f", tiled_fingerprint=_TILED),
-    Architecture("mistral", "Mistral", window_in_config=True, fused_fingerprint="c3b3be99e77bcec1",
-                 tiled_fingerprint=_TILED),
-    Architecture("qwen2", "Qwen2", fused_fingerprint="216c98ededbca3e0", tiled_fingerprint=_TILED),
-    Architecture("qwen3", "Qwen3", fused_fingerprint="643897dbf1d482cc", tiled_fingerprint=_TILED),
-    Architecture("mixtral", "Mixtral", window_in_config=True, mlp_suffix=None,
-                 fused_fingerprint="cb82e38bed550d12", tiled_fingerprint=_MOE_NORM),
-    Architecture("qwen2_moe", "Qwen2Moe", mlp_suffix=None,
-                 fused_fingerprint="37b9e77e49266ba0", tiled_fingerprint=_MOE_NORM),
-    Architecture("qwen3_moe", "Qwen3Moe", mlp_suffix=None,
-                 fused_fingerprint="f33c3236244793f8", tiled_fingerprint=_MOE_NORM),
-    Architecture("granite", "Granite", fused_fingerprint="ff085b6eb9e7e7ef", tiled_fingerprint=_TILED),
-    Architecture("granitemoe", "GraniteMoe", mlp_suffix=None,
-                 fused_fingerprint="fc6bc1fb65339952", tiled_fingerprint=_MOE_NORM),
-    Architecture("olmo2", "Olmo2", projection_norm=True,
-                 fused_fingerprint="11921dce07f14631", tiled_fingerprint="ef3cf012f30786e0"),
-    Architecture("phi3", "Phi3", window_in_config=True, qkv_fused=True,
-                 fused_fingerprint="fdb27daee609b944", tiled_fingerprint="1a3f6cee1e1be859"),
-    Architecture("gemma", "Gemma", fused_fingerprint="915c1d81e23d9cdc", tiled_fingerprint="905bb4e12a414935"),
-    Architecture("gemma3_text", "Gemma3", module="gemma3",
-                 fused_fingerprint="ae094d89156cbb5c", tiled_fingerprint="6e5a6611dff1b85d"),
-    Architecture("smollm3", "SmolLM3", fused_fingerprint="9464eeefa2833c5a", tiled_fingerprint=_TILED),
-    Architecture("cohere", "Cohere", rope_interleaved=True, rope_fp32=True, norm_suffix="LayerNorm",
-                 fused_fingerprint="e861038c284bdaa7", tiled_fingerprint="360e241039e06907"),
+    _fused("llama", "Llama"),
+    _fused("mistral", "Mistral", window_in_config=True),
+    _fused("qwen2", "Qwen2"),
+    _fused("qwen3", "Qwen3"),
+    _fused("mixtral", "Mixtral", _MOE_NORM, window_in_config=True, mlp_suffix=None),
+    _fused("qwen2_moe", "Qwen2Moe", _MOE_NORM, mlp_suffix=None),
+    _fused("qwen3_moe", "Qwen3Moe", _MOE_NORM, mlp_suffix=None),
+    _fused("granite", "Granite"),
+    _fused("granitemoe", "GraniteMoe", _MOE_NORM, mlp_suffix=None),
+    _fused("olmo2", "Olmo2", ("ef3cf012f30786e0",), projection_norm=True),
+    _fused("phi3", "Phi3", ("1a3f6cee1e1be859",), window_in_config=True, qkv_fused=True),
+    _fused("gemma", "Gemma", ("905bb4e12a414935",)),
+    _fused("gemma3_text", "Gemma3", ("6e5a6611dff1b85d",), module="gemma3"),
+    _fused("smollm3", "SmolLM3"),
+    _fused("cohere", "Cohere", ("360e241039e06907",), rope_interleaved=True, rope_fp32=True, norm_suffix="LayerNorm"),
 )
 # multimodal types whose language model is exact at SP 2 on text (the matrix's checks): verified for text input only.
 # Each one's text config is a verified type too (the mask function's gate sees that config). Mllama's language
@@ -223,31 +231,17 @@ def tiled_norm_classes() -> dict[str, Architecture]:
 
 
 def source_fingerprint(arch: Architecture, adapter: str) -> str:
-    """The installed transformers' fingerprint of what `adapter` ("fused" or "tiled") replaces or relies on."""
+    """The installed transformers' fingerprint of what `adapter` ("fused" or "tiled") replaces or relies on.
+    Raises ImportError / AttributeError when a class or function is gone."""
     name = arch.module or arch.model_type
     module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    digest = hashlib.sha256()
+    objects = []
     for name in arch.fused_sources() if adapter == "fused" else arch.tiled_sources():
         obj = module
         for part in name.split("."):
             obj = getattr(obj, part)
-        digest.update(inspect.getsource(obj).encode())
-    return digest.hexdigest()[:16]
-
-
-_VERIFIED_CACHE: dict[tuple[str, str], bool] = {}
-
-
-def adapter_verified(arch: Architecture, adapter: str) -> bool:
-    """Whether the installed transformers' source for `adapter` is the verified one (cached per process)."""
-    key = (arch.model_type, adapter)
-    if key not in _VERIFIED_CACHE:
-        want = arch.fused_fingerprint if adapter == "fused" else arch.tiled_fingerprint
-        try:
-            _VERIFIED_CACHE[key] = source_fingerprint(arch, adapter) == want
-        except (ImportError, AttributeError, OSError, TypeError):  # renamed, removed, or no source to read
-            _VERIFIED_CACHE[key] = False
-    return _VERIFIED_CACHE[key]
+        objects.append(obj)
+    return fingerprint(*objects)
 
 
 # model_type -> (config key, +1: logits * value, -1: logits / value), as each ForCausalLM.forward applies it

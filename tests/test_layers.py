@@ -1,7 +1,7 @@
 """The package's layers import only downward, with no circles, and `import hf_upipe` stays light.
 
 Layers, bottom to top (a module may import its own layer and the layers below):
-  0 ops, architectures, registration helpers: pure torch (ops import nothing of transformers/accelerate/peft)
+  0 ops, architectures, verification, registration helpers: pure torch (ops import nothing of transformers/accelerate/peft)
   1 data, distributed, config, memory, integrations
   2 runtime, checkpoint, auto_settings
   3 trainer, integrations.accelerate (UPipeTrainer and UPipePlugin, both on the runtime)
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "hf_upipe")
 
 LAYERS = [
-    ("hf_upipe.ops", "hf_upipe.architectures", "hf_upipe.integrations.peft", "hf_upipe.units"),
+    ("hf_upipe.ops", "hf_upipe.architectures", "hf_upipe.verification", "hf_upipe.integrations.peft", "hf_upipe.units"),
     ("hf_upipe.data", "hf_upipe.distributed", "hf_upipe.config", "hf_upipe.memory", "hf_upipe.integrations",
      "hf_upipe.registration", "hf_upipe.models"),
     ("hf_upipe.runtime", "hf_upipe.checkpoint", "hf_upipe.auto_settings"),

@@ -4,9 +4,11 @@ Entry points:
 - `install_fused_attention(model)` / `remove_fused_attention(model)`: replace (and restore, exactly) the forward of
   every attention module of the registry's fused architectures (`hf_upipe.architectures.FUSED`: the Llama-shaped
   families, with q/k/v biases, per-head or whole-projection q/k norms, a fused qkv projection, interleaved or
-  partial RoPE, NoPE layers, sliding windows), behind its version gate. A module with a setting the block does not
-  compute (bidirectional attention, logit soft-capping, Cohere's per-head LayerNorm q/k norms) keeps the
-  registered path, which handles or refuses it. `hf_upipe.prepare_model` calls them.
+  partial RoPE, NoPE layers, sliding windows), once it is verified on the installed transformers. A module with a
+  setting the block does not compute (bidirectional attention, logit soft-capping, Cohere's per-head LayerNorm q/k
+  norms) keeps the registered path, which handles or refuses it. `hf_upipe.prepare_model` calls them.
+- `fused_verdict(arch)`: verified by the fingerprint of a verified release, else by `fused_check(arch)`: the block
+  against the module's own forward and backward on a tiny model (`hf_upipe.verification`).
 - `fused_forward`: the forward installed on those modules.
 - `attention_weights(module, arch)`: the module's tensors as `hf_upipe.ops.fused_attention.AttentionWeights`,
   reading PEFT LoRA layers (active adapters, scaling, dropout) on q_proj/k_proj/v_proj (or qkv_proj)/o_proj.
@@ -31,13 +33,16 @@ import types
 import torch
 from torch import nn
 
-from hf_upipe.architectures import adapter_verified, fused_attention_classes, keeps_documents_apart
+from hf_upipe.architectures import fused_attention_classes, keeps_documents_apart, source_fingerprint
+from hf_upipe.distributed import without_sequence_parallel
 from hf_upipe.integrations.layout import validate_layout, with_model_documents, without_documents
+from hf_upipe.integrations.probe import case_config, compare, model_pair, with_lora
 from hf_upipe.integrations.ring_seam import ring_kernel
 from hf_upipe.integrations.transformers import (
     active_state,
     check_call,
     check_model,
+    local_sequence_parallel,
     sp_kernel,
     sp_window,
     window_kernel,
@@ -52,10 +57,12 @@ from hf_upipe.ops.fused_attention import (
     RopeStyle,
     fused_upipe_attention,
 )
+from hf_upipe.verification import Verdict, verify
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attention_weights", "fused_forward", "install_fused_attention", "remove_fused_attention"]
+__all__ = ["CACHE_NAMES", "attention_weights", "fused_check", "fused_forward", "fused_verdict",
+           "install_fused_attention", "remove_fused_attention"]
 
 
 def _projection(layer: nn.Module, training: bool) -> Projection:
@@ -135,14 +142,31 @@ def unfused_reason(module: nn.Module) -> str | None:
     return None
 
 
-def fused_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                  **kwargs):
+# the names transformers gives an attention forward's cache: `past_key_values` (to 5.23), `cache` (5.24 on)
+CACHE_NAMES = ("cache", "past_key_values")
+
+
+def _call_arguments(args: tuple, kwargs: dict) -> tuple:
+    """An attention forward's (position_embeddings, attention_mask, cache, other kwargs), whichever way the decoder
+    layer passed them (by position or by name, the cache under either name)."""
+    kwargs = dict(kwargs)
+    named = [kwargs.pop(n, None) for n in ("position_embeddings", "attention_mask")]
+    cache = next((kwargs.pop(n) for n in CACHE_NAMES if kwargs.get(n) is not None), None)
+    for n in CACHE_NAMES:
+        kwargs.pop(n, None)
+    position_embeddings, attention_mask, positional_cache = (*args, None, None, None)[:3]
+    return (position_embeddings if position_embeddings is not None else named[0],
+            attention_mask if attention_mask is not None else named[1],
+            positional_cache if positional_cache is not None else cache, kwargs)
+
+
+def fused_forward(self, hidden_states, *args, **kwargs):
     """Forward installed on known attention modules: the fused UPipe block under SP, the original otherwise."""
     state = active_state()
     if state is None:
-        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
-                                  **kwargs)
-    if past_key_values is not None and past_key_values.get_seq_length(self.layer_idx) > 0:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    position_embeddings, attention_mask, cache, kwargs = _call_arguments(args, kwargs)
+    if cache is not None and cache.get_seq_length(self.layer_idx) > 0:
         raise NotImplementedError("A KV cache with past tokens is not supported under sequence parallelism; "
                                   "generate without SP (one process), or call the model with use_cache=False.")
     dropout = self.attention_dropout if self.training else 0.0
@@ -200,8 +224,8 @@ def install_fused_attention(model: nn.Module, save: bool = False, overlap: bool 
     (`hf_upipe.ops.fused_attention`).
 
     Returns:
-        (modules fused, attention classes left on the registered path because the installed transformers changed
-        their source (the version gate), other attention classes found).
+        (modules fused, attention classes left on the registered path because the fused block failed its check on
+        the installed transformers (`fused_verdict`), other attention classes found).
     """
     classes = fused_attention_classes()
     fused, changed, other = 0, set(), set()
@@ -212,7 +236,7 @@ def install_fused_attention(model: nn.Module, save: bool = False, overlap: bool 
             if name.endswith("Attention") and hasattr(module, "q_proj"):
                 other.add(name)
             continue
-        if not adapter_verified(arch, "fused") or ("forward" in module.__dict__ and not _is_fused(module)):
+        if not fused_verdict(arch).ok or ("forward" in module.__dict__ and not _is_fused(module)):
             changed.add(name)  # a changed class, or an instance whose forward someone else replaced: not stacked
             continue
         if (reason := unfused_reason(module)) is not None:
@@ -234,3 +258,39 @@ def remove_fused_attention(model: nn.Module) -> int:
             module.__dict__.pop(_OPTIONS, None)
             count += 1
     return count
+
+
+def fused_verdict(arch) -> Verdict:
+    """Whether the fused block computes what `arch`'s attention computes on the installed transformers: by the
+    fingerprint of a verified release, else by `fused_check` (`hf_upipe.verification`)."""
+    try:
+        source = source_fingerprint(arch, "fused")
+    except (ImportError, AttributeError, OSError, TypeError):  # renamed, removed, or no source to read
+        source = None
+    return verify("fused", arch.model_type, source, arch.fused_fingerprints, lambda: fused_check(arch))
+
+
+def fused_check(arch) -> str | None:
+    """The fused block against the attention's own forward and backward on a tiny model of `arch` (its
+    `ADAPTER_CASES` variant: biases, windows, partial rotary, NoPE layers, logit scaling, ...), plain and with
+    LoRA, in fp32 on 13 tokens in 8 one-head stages: None when the logits and every gradient agree, else what
+    differed."""
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(2))
+    config = case_config(arch.model_type, **({"sliding_window": 5} if arch.window_in_config else {}))
+    with without_sequence_parallel(), local_sequence_parallel(heads_per_chunk=1):
+        for lora in (False, True):
+            ref, model = model_pair(config, "upipe", seed=5)
+            if lora:
+                ref, model = with_lora(ref, 5), with_lora(model, 5)
+                if ref is None:  # no peft here: LoRA cannot be used, nor checked
+                    break
+                model.load_state_dict(ref.state_dict())
+            modules = [m for m in model.modules() if type(m).__name__ == arch.attention and unfused_reason(m) is None]
+            if not modules:
+                return f"the tiny {arch.model_type} model has no {arch.attention} the fused block takes"
+            for module in modules:
+                module.forward = types.MethodType(fused_forward, module)
+            detail = compare(ref, model, ids)
+            if detail is not None:
+                return f"{detail}{' (with LoRA)' if lora else ''}"
+    return None

@@ -79,6 +79,8 @@ def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
 def _gather_checked(t: torch.Tensor, state) -> torch.Tensor:
     """`_all_gather` of a small int64 summary over the SP group's validation twin (gloo, CPU, bounded wait)."""
     group = state.check_group if state.check_group is not None else state.sp_group
+    if group is None and state.sp_size == 1:  # a rank of its own (`local_sequence_parallel`): nothing to gather
+        return t.reshape(1, -1)
     try:
         out = _all_gather(t.cpu() if state.check_group is not None else t, group)
     except (RuntimeError, dist.DistError) as err:

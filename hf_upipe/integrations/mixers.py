@@ -17,7 +17,7 @@ Three ways, by what the mixer carries across the sequence:
   `install_mixers(model, state_passing="sequential")` runs them the next way instead.
 - State in sequence (`MIXERS`: the above, and Mamba2 of Bamba, Nemotron-H, Falcon-H1, Granite 4 hybrids, Zamba2
   and Mamba2 models). Each rank runs the mixer's own forward (transformers' code, its torch or CUDA kernels) on
-  its shard, with a `_ShardCache` as its cache, the way transformers continues a prefill from a cache: the causal
+  its shard, with a `ShardCache` as its cache, the way transformers continues a prefill from a cache: the causal
   convolution's state is the last k-1 convolution inputs of the previous rank's shard (a halo), the recurrence's
   initial state is the previous rank's final state. The ranks run one after the other inside each such layer
   (rank r waits for rank r-1; the backward runs the chain the other way): the sequential fallback, measured and
@@ -35,8 +35,8 @@ reuses what its forward received, found by a key both draw (`call_key`), and doe
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
+import logging
 import types
 import weakref
 
@@ -46,55 +46,27 @@ from torch import nn
 
 from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.delta_rule import DELTA_KERNELS, kernel_present, parallel_delta_forward
-from hf_upipe.integrations.shard_exchange import Halo, Kept, call_key, may_recompute, stash, stashed
+from hf_upipe.integrations.mixer_sources import HALO_MIXERS, MIXERS, mixer_verdict
+from hf_upipe.integrations.shard_exchange import (
+    Halo,
+    Kept,
+    ShardCache,
+    call_key,
+    may_recompute,
+    stash,
+    stashed,
+)
+from hf_upipe.verification import VERIFIED_RELEASES
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["HALO_MIXERS", "MIXERS", "MIXER_LAYER_TYPES", "install_mixers", "is_installed", "mixers_ready",
            "reentrant_refusal", "remove_mixers", "ring_refusal", "sharded_mixer_forward", "supported"]
 
-# mixer class -> fingerprint of its forward (transformers 5.23), read the cache the way `_ShardCache` serves it
-_MAMBA2 = "691f3ca98636d473"  # Bamba's, Nemotron-H's and Granite 4's Mamba2 mixers: the same source
-MIXERS = {"Qwen3NextGatedDeltaNet": "177c5d3df989a7b4", "Qwen3_5GatedDeltaNet": "8f31ae7d35daf534",
-          "Qwen3_5MoeGatedDeltaNet": "8f31ae7d35daf534", "Qwen4ExpTextGatedDeltaNet": "8f31ae7d35daf534",
-          "OlmoHybridGatedDeltaNet": "167004f14399b33e", "BailingHybridDeltaAttention": "cd86b9f6aaf59e3c",
-          "BambaMixer": _MAMBA2, "NemotronHMamba2Mixer": _MAMBA2, "GraniteMoeHybridMambaLayer": _MAMBA2,
-          "Mamba2Mixer": _MAMBA2, "Zamba2MambaMixer": _MAMBA2,
-          "FalconH1Mixer": "8274bd4cb6961bb4"}
-# short convolutions: class -> fingerprint of its forward; they reach k-1 tokens back and carry nothing further
-HALO_MIXERS = {"Lfm2ShortConv": "dd9e0a8c046f3cb6", "Lfm2MoeShortConv": "dd9e0a8c046f3cb6"}
 # the `layer_types` these mixers fill ("hybrid": Falcon-H1's layers, attention and a Mamba2 mixer side by side)
 MIXER_LAYER_TYPES = ("linear_attention", "conv", "hybrid")
 _READY: dict[int, weakref.ref] = {}
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-
-
-def _fingerprint(cls) -> str:
-    return hashlib.sha256(inspect.getsource(cls.forward).encode()).hexdigest()[:16]
-
-
-class _ShardCache:
-    """The cache a mixer reads: the previous rank's halo (conv state) and final state; it records this shard's."""
-
-    def __init__(self, halo, state):
-        self.halo, self.state, self.tail, self.final = halo, state, None, None
-
-    def get_conv_state(self, layer_idx, state_idx=0):
-        return self.halo
-
-    def get_recurrent_state(self, layer_idx, state_idx=0):
-        return self.state
-
-    def is_recording_past(self, layer_idx):
-        return False
-
-    def update_conv_state(self, x, layer_idx, conv_kernel_size=None, **kwargs):
-        """x [B, C, s] the convolution's input -> [B, C, k-1+s] with the halo in front (rank 0: x, which the
-        convolution pads itself); records this shard's tail [B, C, k-1], a copy, so x need not outlive the call."""
-        k = conv_kernel_size
-        self.tail = x[..., x.shape[-1] - (k - 1):].clone()
-        return torch.cat([self.halo.to(x.dtype), x], dim=-1) if self.halo is not None else x
-
-    def update_recurrent_state(self, state, layer_idx, **kwargs):
-        self.final = state
 
 
 def _send(t: torch.Tensor, dst: int, group, header: bool) -> None:
@@ -228,7 +200,7 @@ def sharded_mixer_forward(self, hidden_states, *args, **kwargs):
     if rank > 0:
         kept = stash(self, key, Kept()) if key is not None else None  # what a recompute of this call will need
         halo, start = _Receive.apply(anchor, group, ranks[rank - 1], hidden_states.device, kept)
-    cache = _ShardCache(halo, start)
+    cache = ShardCache(halo, start)
     out = type(self).forward(self, hidden_states, cache, attention_mask, **kwargs)
     if rank < size - 1:
         out = out + _Give.apply(anchor, group, ranks[rank + 1], cache.tail, cache.final).to(out.dtype)
@@ -255,7 +227,7 @@ def _recompute(self, hidden_states, attention_mask, rank, kwargs):
     if rank > 0:
         # requiring grad as the forward's did, so the recompute saves the tensors the forward saved
         halo, start = (t.detach().requires_grad_(torch.is_grad_enabled()) for t in stashed(self, key).tensors)
-    out = type(self).forward(self, hidden_states, _ShardCache(halo, start), attention_mask, **kwargs)
+    out = type(self).forward(self, hidden_states, ShardCache(halo, start), attention_mask, **kwargs)
     if rank < get_sequence_parallel_state().sp_size - 1:  # where the forward gave, the same saved tensor
         anchor = torch.zeros((), device=hidden_states.device, requires_grad=torch.is_grad_enabled())
         out = out + _Mark.apply(anchor).to(out.dtype)
@@ -297,10 +269,9 @@ def is_installed(module: nn.Module) -> bool:
 
 
 def supported(module: nn.Module) -> bool:
-    """A mixer of a verified class whose installed source is the verified one (installed, or to be installed)."""
+    """A mixer of a known class verified on the installed transformers (installed, or to be installed)."""
     name = type(module).__name__
-    want = MIXERS.get(name, HALO_MIXERS.get(name))
-    return is_installed(module) or (want is not None and _fingerprint(type(module)) == want
+    return is_installed(module) or ((name in MIXERS or name in HALO_MIXERS) and mixer_verdict(type(module)).ok
                                     and (name not in DELTA_KERNELS or kernel_present(module)))
 
 
@@ -317,7 +288,7 @@ def install_mixers(model: nn.Module, state_passing: str = "parallel") -> int:
         if "forward" not in module.__dict__ or is_installed(module):
             module.forward = types.MethodType(sharded_mixer_forward, module)
             if type(module).__name__ in DELTA_KERNELS:
-                module.__dict__["_upipe_passing"] = state_passing
+                module.__dict__["_upipe_passing"] = _delta_passing(type(module), state_passing)
             count += 1
     config = getattr(model, "config", None)
     if count and config is not None:
@@ -325,6 +296,16 @@ def install_mixers(model: nn.Module, state_passing: str = "parallel") -> int:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         _READY[id(text)] = weakref.ref(text)
     return count
+
+
+def _delta_passing(cls, state_passing: str) -> str:
+    """The state passing a delta-rule mixer runs: the parallel prefix only on a verified release's source (what it
+    relies on beyond the cache, the kernel's call, is not in the behaviour check); else the rank chain."""
+    if state_passing == "parallel" and mixer_verdict(cls).how != "fingerprint":
+        logger.info("hf_upipe: %s passes its state in sequence (verified by behaviour on this transformers; the "
+                    "parallel prefix is verified on transformers %s)", cls.__name__, ", ".join(VERIFIED_RELEASES))
+        return "sequential"
+    return state_passing
 
 
 def remove_mixers(model: nn.Module) -> int:

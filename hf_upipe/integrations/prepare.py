@@ -16,12 +16,13 @@ collective that every rank of the SP group prepares the same model (class, param
 settings, and raises the same error naming what differs on every rank otherwise. It also installs a forward
 pre-hook on the model that refuses, under SP, what a call would silently get wrong: `labels=` without
 `shift_labels=` (the model would shift inside each shard), `output_attentions=True` (no attention weights exist),
-`use_cache=True` or a `past_key_values` cache (the cache would hold one shard's keys and values), any input but
-text to a multimodal model verified for text only (`Architecture.text_only`); and it notes the
-call's position_ids and packed-row documents, which the attention uses where its call does not receive them.
+`use_cache=True` or a cache (`past_key_values`, or `cache` from transformers 5.24 on: it would hold one shard's
+keys and values), any input but text to a multimodal model verified for text only (`Architecture.text_only`); and
+it notes the call's position_ids and packed-row documents, which the attention uses where its call does not
+receive them.
 
-One log line says what was applied; classes the gate kept off (the installed transformers changed their source)
-get a warning naming them.
+One log line says what was applied; classes kept off because an adapter is not verified on the installed
+transformers (`hf_upipe.verification`) get a warning naming them and what differed.
 """
 
 from __future__ import annotations
@@ -32,16 +33,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_upipe.architectures import ARCHITECTURES, VERIFIED_ON
+from hf_upipe.architectures import ARCHITECTURES
 from hf_upipe.config import differing_settings_error
 from hf_upipe.distributed import get_sequence_parallel_state, simulated, validation_failed
-from hf_upipe.integrations.fused import install_fused_attention, remove_fused_attention
+from hf_upipe.integrations.fused import CACHE_NAMES, fused_verdict, install_fused_attention, remove_fused_attention
 from hf_upipe.integrations.layout import adopt_modules, note_model_positions, release_modules
 from hf_upipe.integrations.mixers import install_mixers, reentrant_refusal, remove_mixers, ring_refusal
 from hf_upipe.integrations.peft import base_model
-from hf_upipe.integrations.rope import install_global_rope, remove_global_rope
+from hf_upipe.integrations.rope import install_global_rope, installable, remove_global_rope
 from hf_upipe.integrations.support import model_refusal, refusal_error
-from hf_upipe.memory.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp
+from hf_upipe.memory.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp, tiled_verdict
+from hf_upipe.verification import verdicts
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ _HOOK = "_upipe_call_checks"
 # the inputs of a text-only call (anything else of a multimodal model is refused under SP)
 _TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "shift_labels",
                           "token_type_ids", "upipe_cu_seqlens", "upipe_max_seqlen", "cache_position",
-                          "num_items_in_batch", "logits_to_keep", "past_key_values"})
+                          "num_items_in_batch", "logits_to_keep", "past_key_values", "cache"})
 
 
 def _has_tensor(value) -> bool:
@@ -90,10 +92,10 @@ def _refuse_silent_misuse(module, args, kwargs):
         raise NotImplementedError(why)
     if (why := ring_refusal(module, state.ring_size)) is not None:  # before any layer, on every rank
         raise NotImplementedError(why)
-    if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
-        raise NotImplementedError("use_cache=True / past_key_values under sequence parallelism: the cache would hold "
-                                  "one shard's keys and values. Call the model with use_cache=False; generate "
-                                  "without SP (one process).")
+    if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in CACHE_NAMES):
+        raise NotImplementedError("use_cache=True / a KV cache (past_key_values, cache) under sequence parallelism: "
+                                  "the cache would hold one shard's keys and values. Call the model with "
+                                  "use_cache=False; generate without SP (one process).")
     return None
 
 
@@ -115,7 +117,24 @@ def _preparation(model: nn.Module, upipe_config) -> tuple:
         shown = {name: upipe_config.describe(name) for name in values}
     if not values["tiled_mlp"]:
         values["mlp_chunk_tokens"] = shown["mlp_chunk_tokens"] = None  # unused
-    return (("model", *described),) + tuple((name, value, shown[name]) for name, value in values.items())
+    verdicts = _verdicts(base, values["fused_attention"], values["tiled_mlp"])
+    return (("model", *described),) + tuple((name, value, shown[name]) for name, value in values.items()) + (
+        ("adapters verified", verdicts, f"adapters verified on this transformers: {verdicts}"),)
+
+
+def _verdicts(base: nn.Module, fused: bool, tiled: bool) -> tuple:
+    """((adapter, subject, ok), ...) for the adapters `prepare_model` would install on `base`: reached before the
+    agreement, so that ranks which (against expectation) judged a source differently are named, not run apart."""
+    arch = ARCHITECTURES.get(getattr(getattr(base, "config", None), "model_type", None))
+    found = []
+    if arch is not None and arch.fused and fused:
+        found.append(("fused", arch.model_type, fused_verdict(arch).ok))
+    if arch is not None and arch.tiled and tiled:
+        found.append(("tiled", arch.model_type, tiled_verdict(arch).ok))
+    classes = {type(m).__name__ for m in base.modules()}
+    found += [(adapter, subject, v.ok) for (adapter, subject), v in verdicts().items()
+              if (adapter == "mixer" and subject in classes) or (adapter == "rope" and installable(base))]
+    return tuple(sorted(set(found)))
 
 
 def _preparations_differ(model: nn.Module, upipe_config, state) -> ValueError | None:
@@ -190,9 +209,9 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
                          f"of this model's attention modules takes the fused block ({sorted(changed | other)} keep "
                          "the registered 'upipe' path): turn overlap_comm off.")
     if changed:
-        logger.warning("hf_upipe: %s keep the registered 'upipe' attention, not the fused block: the installed "
-                       "transformers changed their source (the fused block was verified on transformers %s)",
-                       sorted(changed), VERIFIED_ON)
+        logger.warning("hf_upipe: %s keep the registered 'upipe' attention, not the fused block: not verified on the "
+                       "installed transformers (the warning above says why), or another library replaced their "
+                       "forward", sorted(changed))
     logger.info("hf_upipe: fused UPipe attention on %d module(s)%s", fused,
                 f"; {sorted(other)} keep the registered 'upipe' path" if other else "")
     return model

@@ -15,13 +15,14 @@ frequencies exactly as for the whole sequence, then computes cos/sin for the sha
 undecorated forward. Packed rows: the length is the longest document's, as in transformers. Without SP the class's
 forward runs as it is.
 
-Version gate: `dynamic_rope_update`'s source has a recorded fingerprint; when the installed transformers changes
-it, nothing is installed and such models stay refused under SP (`tests/integrations/test_rope.py` fails then).
+Verified sources: `rope_verdict()` accepts `dynamic_rope_update`'s source by its fingerprint in a verified release,
+else by `rope_check()`, the shards' cos/sin against the whole sequence's on tiny "dynamic" and "longrope" models
+(`hf_upipe.verification`). Unverified, nothing is installed and such models stay refused under SP.
 """
 
 from __future__ import annotations
 
-import hashlib
+import copy
 import inspect
 import types
 import weakref
@@ -32,18 +33,20 @@ from torch import nn
 
 from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.ops.fake import is_fake
+from hf_upipe.verification import Verdict, fingerprint, verify
 
-__all__ = ["ROPE_FINGERPRINT", "global_rope_forward", "global_rope_ready", "install_global_rope", "installable",
-           "remove_global_rope", "rope_update_fingerprint"]
+__all__ = ["ROPE_FINGERPRINTS", "global_rope_forward", "global_rope_ready", "install_global_rope", "installable",
+           "remove_global_rope", "rope_check", "rope_update_fingerprint", "rope_verdict"]
 
-ROPE_FINGERPRINT = "c0bc145a218270ce"  # transformers.modeling_rope_utils.dynamic_rope_update, verified on 5.23
+# transformers.modeling_rope_utils.dynamic_rope_update in the verified releases (5.23 and 5.24: the same source)
+ROPE_FINGERPRINTS = ("c0bc145a218270ce",)
 _READY: dict[int, weakref.ref] = {}  # id(config) -> config, for prepared models with the global RoPE installed
 
 
 def rope_update_fingerprint() -> str:
     from transformers import modeling_rope_utils
 
-    return hashlib.sha256(inspect.getsource(modeling_rope_utils.dynamic_rope_update).encode()).hexdigest()[:16]
+    return fingerprint(modeling_rope_utils.dynamic_rope_update)
 
 
 def _length_dependent(module: nn.Module) -> bool:
@@ -62,23 +65,67 @@ def _length_dependent(module: nn.Module) -> bool:
 
 def global_rope_forward(self, x, position_ids, *args, **kwargs):
     """Installed on length-dependent rotary modules: their frequencies from the global length under SP."""
-    decorated = type(self).forward
     state = get_sequence_parallel_state()
     if state is None or state.sp_size == 1:
-        return decorated(self, x, position_ids, *args, **kwargs)
+        return type(self).forward(self, x, position_ids, *args, **kwargs)
     longest = position_ids.max().reshape(1, 1)  # [1, 1]
     if not is_fake(position_ids):  # (a simulation's positions carry no values)
         longest = longest.clone()
         dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=state.sp_group)
+    return _shard_rope(self, x, position_ids, longest, *args, **kwargs)
+
+
+def _shard_rope(self, x, position_ids, longest, *args, **kwargs):
+    """cos/sin of a shard's positions with the frequencies of a sequence whose largest position is `longest`."""
+    decorated = type(self).forward
     decorated(self, x, longest, *args, **kwargs)  # updates the frequencies for the whole sequence; output unused
     with torch.no_grad():
         return inspect.unwrap(decorated)(self, x, position_ids, *args, **kwargs)
 
 
+def rope_verdict() -> Verdict:
+    """Whether `global_rope_forward` computes the whole sequence's cos/sin on the installed transformers: by the
+    fingerprint of `dynamic_rope_update` in a verified release, else by `rope_check` (`hf_upipe.verification`)."""
+    try:
+        source = rope_update_fingerprint()
+    except (ImportError, AttributeError, OSError, TypeError):
+        source = None
+    return verify("rope", "dynamic_rope_update", source, ROPE_FINGERPRINTS, rope_check)
+
+
+def rope_check() -> str | None:
+    """"dynamic" (Llama) and "longrope" (Phi-3) rotary modules of tiny models, 40 positions past their original 16:
+    two shards' cos/sin as `global_rope_forward` computes them equal the whole sequence's; None, else what
+    differed."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_upipe.integrations.probe import case_config
+
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+                "short_factor": [1.0], "long_factor": [7.0], "partial_rotary_factor": 0.5}
+    for config in (case_config("llama", max_position_embeddings=16, rope_parameters={
+                       "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+                   case_config("phi3", max_position_embeddings=64, rope_parameters=longrope)):
+        model = AutoModelForCausalLM.from_config(config)
+        rotary = next((m for m in model.modules() if _length_dependent(m)), None)
+        if rotary is None:
+            return f"{config.model_type}'s rotary module no longer goes through dynamic_rope_update"
+        x, positions = torch.zeros(1, 40, 8), torch.arange(40)[None]  # [1, S, D], [1, S]
+        with torch.no_grad():
+            want = copy.deepcopy(rotary)(x, positions)
+            shards = [_shard_rope(copy.deepcopy(rotary), x[:, r * 20:(r + 1) * 20], positions[:, r * 20:(r + 1) * 20],
+                                  positions.max().reshape(1, 1)) for r in range(2)]
+        for name, w, *parts in zip(("cos", "sin"), want, *shards):
+            got = torch.cat(parts, dim=1)
+            if got.shape != w.shape or not torch.allclose(got, w, rtol=1e-6, atol=1e-6):
+                return f"{config.model_type}'s {config.rope_parameters['rope_type']} {name} on two shards differs"
+    return None
+
+
 def installable(model: nn.Module) -> bool:
     """Whether `install_global_rope` handles this model's length-dependent rotary modules (at least one, and the
     verified `dynamic_rope_update`)."""
-    return rope_update_fingerprint() == ROPE_FINGERPRINT and any(
+    return rope_verdict().ok and any(
         _length_dependent(m) or _is_installed(m) for m in model.modules())
 
 
@@ -88,7 +135,7 @@ def _is_installed(module: nn.Module) -> bool:
 
 def install_global_rope(model: nn.Module) -> int:
     """Install `global_rope_forward` on the model's length-dependent rotary modules (idempotent); how many."""
-    if rope_update_fingerprint() != ROPE_FINGERPRINT:
+    if not rope_verdict().ok:
         return 0
     count = 0
     for module in model.modules():

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from hf_upipe.ops.fake import simulating
 
-__all__ = ["Halo", "Kept", "call_key", "may_recompute", "stash", "stashed"]
+__all__ = ["Halo", "Kept", "ShardCache", "call_key", "may_recompute", "stash", "stashed"]
 
 
 class Kept:
@@ -108,3 +108,29 @@ def call_key() -> int:
     if simulating():  # a memory simulation: fake tensors have no values to read (and nothing is recomputed twice)
         return 0
     return int(torch.randint(0, 2**62, (1,)).item())
+
+
+class ShardCache:
+    """The cache a mixer reads: the previous rank's halo (conv state) and final state; it records this shard's."""
+
+    def __init__(self, halo, state):
+        self.halo, self.state, self.tail, self.final = halo, state, None, None
+
+    def get_conv_state(self, layer_idx, state_idx=0):
+        return self.halo
+
+    def get_recurrent_state(self, layer_idx, state_idx=0):
+        return self.state
+
+    def is_recording_past(self, layer_idx):
+        return False
+
+    def update_conv_state(self, x, layer_idx, conv_kernel_size=None, **kwargs):
+        """x [B, C, s] the convolution's input -> [B, C, k-1+s] with the halo in front (rank 0: x, which the
+        convolution pads itself); records this shard's tail [B, C, k-1], a copy, so x need not outlive the call."""
+        k = conv_kernel_size
+        self.tail = x[..., x.shape[-1] - (k - 1):].clone()
+        return torch.cat([self.halo.to(x.dtype), x], dim=-1) if self.halo is not None else x
+
+    def update_recurrent_state(self, state, layer_idx, **kwargs):
+        self.final = state

@@ -7,6 +7,7 @@ Entry points:
 - `upipe_mask(...)`: the registered mask function; `SequenceParallelMask`: what it returns under SP.
 - `sp_kernel(state, kwargs, device, dtype, seq_len)`: the state's kernel, wrapped in
   `hf_upipe.ops.documents.DocumentKernel` for packed rows (one per batch; shared with the fused path).
+- `local_sequence_parallel()`: the SP paths on a rank of its own, for the adapters' behaviour checks.
 - `active_state()`, `check_model(...)`, `check_call(...)`, `sp_window(...)`, `window_kernel(...)`: the checks
   and the sliding window (`hf_upipe.ops.windowed`) the fused path shares (the layout check itself is
   `hf_upipe.integrations.layout.validate_layout`: one all-gather per model forward, not per layer).
@@ -40,6 +41,7 @@ soft-capped kernel), custom masks, dropout and KV caches with past tokens raise 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -68,8 +70,8 @@ from hf_upipe.ops.softcap import SoftcapKernel
 from hf_upipe.ops.upipe_attention import upipe_attention
 from hf_upipe.ops.windowed import WindowKernel
 
-__all__ = ["SequenceParallelMask", "active_state", "check_call", "check_model", "register", "sp_kernel", "sp_window",
-           "upipe_attention_forward", "upipe_mask", "window_kernel"]
+__all__ = ["SequenceParallelMask", "active_state", "check_call", "check_model", "local_sequence_parallel", "register",
+           "sp_kernel", "sp_window", "upipe_attention_forward", "upipe_mask", "window_kernel"]
 
 NAME = "upipe"
 
@@ -122,8 +124,26 @@ def active_state() -> SequenceParallelState | None:
 
 
 def _active_state() -> SequenceParallelState | None:
+    if _LOCAL:
+        return _LOCAL[-1]
     state = get_sequence_parallel_state()
     return state if state is not None and state.sp_size > 1 else None
+
+
+_LOCAL: list[SequenceParallelState] = []
+
+
+@contextlib.contextmanager
+def local_sequence_parallel(heads_per_chunk: int = 1):
+    """Inside, the SP paths run as on one rank of its own (no process group, no collective): a behaviour check of
+    an adapter (`hf_upipe.verification`) compares them with transformers' own code in this process. Use it inside
+    `hf_upipe.distributed.without_sequence_parallel()`, so that nothing else sees an SP state."""
+    _LOCAL.append(SequenceParallelState(sp_group=None, sp_size=1, sp_rank=0, dp_group=None, dp_size=1, dp_rank=0,
+                                        heads_per_chunk=heads_per_chunk, kernel="sdpa"))
+    try:
+        yield
+    finally:
+        _LOCAL.pop()
 
 
 def upipe_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,

@@ -5,7 +5,9 @@ Entry points:
 - `TiledMLPFunction`: its autograd Function.
 - `apply_tiled_mlp(model, chunk_tokens=None, *, norms=True)`: install it on the MLP modules (and the decoder
   layers' and final RMSNorms) of a loaded model (idempotent; plain or PEFT); `remove_tiled_mlp(model)` undoes it
-  exactly. The modules handled are the registry's (`hf_upipe.architectures`), behind its version gate.
+  exactly. The modules handled are the registry's (`hf_upipe.architectures`), once verified on the installed
+  transformers: `tiled_verdict(arch)`, by the fingerprint of a verified release, else by `tiled_check(arch)`, the
+  tiled modules against their own forward and backward on a tiny model (`hf_upipe.verification`).
 - `default_chunk_tokens(hidden_size)`: the default tile, `hidden_size` tokens (ALST's shards = ceil(s / hidden)).
 
 Why: a gated MLP keeps gate, up, act(gate), act(gate)*up for backward, [B, s, I] each, with I about 3.5 x the
@@ -33,12 +35,15 @@ import types
 import torch
 from torch import nn
 
-from hf_upipe.architectures import VERIFIED_ON, adapter_verified, tiled_mlp_classes, tiled_norm_classes
+from hf_upipe.architectures import source_fingerprint, tiled_mlp_classes, tiled_norm_classes
+from hf_upipe.integrations.probe import case_config, compare, model_pair, with_lora
 from hf_upipe.ops.fake import chunk_starts
+from hf_upipe.verification import Verdict, verify
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TiledMLPFunction", "apply_tiled_mlp", "default_chunk_tokens", "remove_tiled_mlp", "tiled_mlp"]
+__all__ = ["TiledMLPFunction", "apply_tiled_mlp", "default_chunk_tokens", "remove_tiled_mlp", "tiled_check",
+           "tiled_mlp", "tiled_verdict"]
 
 _HEAD_NORMS = ("q_norm", "k_norm")  # per-head norms inside attention: [B, s, H, D], not tiled
 
@@ -147,8 +152,8 @@ def apply_tiled_mlp(model: nn.Module, chunk_tokens: int | None = None, *, norms:
     """Run every known MLP module of `model` (plain or PEFT) tiled; returns how many MLPs were tiled.
 
     The known modules are the registry's (`hf_upipe.architectures`: gated MLPs and RMSNorms of the Llama-shaped
-    families), and only while the installed transformers' source of their forward is the verified one; others keep
-    their forward, with a warning. Idempotent (a second call only updates `chunk_tokens`).
+    families), once verified on the installed transformers (`tiled_verdict`); others keep their forward, with a
+    warning. Idempotent (a second call only updates `chunk_tokens`).
 
     Args:
         model: a transformers model, a PEFT model, or any module tree.
@@ -169,7 +174,7 @@ def apply_tiled_mlp(model: nn.Module, chunk_tokens: int | None = None, *, norms:
             if name.endswith("MLP"):
                 other.add(name)
             continue
-        if not adapter_verified(arch, "tiled"):
+        if not tiled_verdict(arch).ok:
             changed.add(name)
             continue
         if not _is_tiled(module):
@@ -180,8 +185,8 @@ def apply_tiled_mlp(model: nn.Module, chunk_tokens: int | None = None, *, norms:
         module._upipe_mlp_chunk = chunk_tokens
         count += name in mlps
     if changed:
-        logger.warning("hf_upipe: tiled MLP not applied to %s: the installed transformers changed their forward "
-                       "(verified on transformers %s)", sorted(changed), VERIFIED_ON)
+        logger.warning("hf_upipe: tiled MLP not applied to %s: not verified on the installed transformers (the "
+                       "warning above says why)", sorted(changed))
     if other:
         logger.warning("hf_upipe: tiled MLP not applied to %s (not a known gated MLP)", sorted(other))
     logger.info("hf_upipe: tiled MLP on %d module(s), chunk %s tokens", count, chunk_tokens or "hidden_size")
@@ -197,3 +202,39 @@ def remove_tiled_mlp(model: nn.Module) -> int:
             del module.forward, module._upipe_mlp_chunk
             count += 1
     return count
+
+
+def tiled_verdict(arch) -> Verdict:
+    """Whether the tiled MLP/norm compute what `arch`'s own do on the installed transformers: by the fingerprint
+    of a verified release, else by `tiled_check` (`hf_upipe.verification`)."""
+    try:
+        source = source_fingerprint(arch, "tiled")
+    except (ImportError, AttributeError, OSError, TypeError):  # renamed, removed, or no source to read
+        source = None
+    return verify("tiled", arch.model_type, source, arch.tiled_fingerprints, lambda: tiled_check(arch))
+
+
+def tiled_check(arch) -> str | None:
+    """The tiled MLP and norms (4-token chunks) against the modules' own forward and backward on a tiny model of
+    `arch`, plain and with LoRA, fp32 on 13 tokens: None when the logits and every gradient agree, else what
+    differed."""
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(3))
+    names = {arch.mlp, arch.norm} - {None}
+    for lora in (False, True):
+        ref, model = model_pair(case_config(arch.model_type), "sdpa", seed=6)
+        if lora:
+            ref, model = with_lora(ref, 6), with_lora(model, 6)
+            if ref is None:  # no peft here: LoRA cannot be used, nor checked
+                break
+            model.load_state_dict(ref.state_dict())
+        modules = [m for path, m in model.named_modules()
+                   if type(m).__name__ in names and path.rsplit(".", 1)[-1] not in _HEAD_NORMS]
+        if not modules:
+            return f"the tiny {arch.model_type} model has no {sorted(names)}"
+        for module in modules:
+            module.forward = types.MethodType(_tiled_forward, module)
+            module._upipe_mlp_chunk = 4
+        detail = compare(ref, model, ids)
+        if detail is not None:
+            return f"{detail}{' (with LoRA)' if lora else ''}"
+    return None

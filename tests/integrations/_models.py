@@ -3,64 +3,14 @@
 import copy
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
-# the fused architectures (hf_upipe.architectures.FUSED) and what each tiny config sets beyond the geometry, so
-# that every variant the fused block handles is exercised: biases, MoE routing, Granite's multipliers, partial
-# rotary (Phi-3), Gemma 3's sliding window (5 tokens, shorter than the tests' sequences) and its local RoPE,
-# SmolLM3's NoPE layer, Cohere's logit scale
-_EXPERTS = dict(num_experts_per_tok=2)
-ARCHS = {
-    "llama": dict(attention_bias=True),  # exercise the q/k/v/o biases too
-    "mistral": {},
-    "qwen2": {},
-    "qwen3": dict(attention_bias=True),
-    "mixtral": dict(num_local_experts=4, **_EXPERTS),
-    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=40, **_EXPERTS),
-    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, attention_bias=True, **_EXPERTS),
-    "granite": dict(attention_multiplier=0.2, residual_multiplier=0.7, embedding_multiplier=2.0, logits_scaling=4.0,
-                    attention_bias=True),
-    "granitemoe": dict(num_local_experts=4, attention_multiplier=0.2, logits_scaling=4.0, **_EXPERTS),
-    "olmo2": dict(attention_bias=True),
-    "phi3": dict(partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-    "gemma": dict(attention_bias=True),
-    "gemma3_text": dict(query_pre_attn_scalar=12, sliding_window=5, layer_types=["sliding_attention",
-                                                                                 "full_attention"]),
-    "smollm3": dict(no_rope_layers=[1, 0], pad_token_id=0),  # no biases: a NoPE layer's k bias has gradient 0
-    "cohere": dict(logit_scale=0.5, attention_bias=True, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-}
+from hf_upipe.integrations.probe import ADAPTER_CASES, case_config, model_pair
 
-
-def tiny_config(arch: str, heads: int = 8, kv_heads: int = 2, head_dim: int = 8, layers: int = 2, **overrides):
-    """A 2-layer config with the given head geometry and large random init (so attention is far from uniform)."""
-    kw = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=layers,
-              num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-              max_position_embeddings=1024, initializer_range=0.25, tie_word_embeddings=False, use_cache=False,
-              bos_token_id=1, eos_token_id=2)
-    kw.update(ARCHS[arch])
-    if "layer_types" in kw:
-        kw["layer_types"] = (kw["layer_types"] * layers)[:layers]
-    if "no_rope_layers" in kw:
-        kw["no_rope_layers"] = (kw["no_rope_layers"] * layers)[:layers]
-    kw.update(overrides)
-    return AutoConfig.for_model(arch, **kw)
-
-
-def build_pair(config, impl: str, seed: int, dtype=torch.float32):
-    """Reference model (sdpa) and a model with `impl` holding the same random weights."""
-    torch.manual_seed(seed)
-    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=dtype)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl, dtype=dtype)
-    model.load_state_dict(ref.state_dict())
-    # make every bias and norm weight non-trivial so a wrong head or token order cannot hide
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(seed + 1)
-        for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
-            if p.dim() == 1:
-                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype) * 0.3
-                p.add_(noise)
-                q.add_(noise)
-    return ref, model
+# the fused architectures (hf_upipe.architectures.FUSED) and what each tiny config sets beyond the geometry
+# (hf_upipe.integrations.probe.ADAPTER_CASES: biases, MoE routing, multipliers, partial rotary, windows, NoPE, ...)
+ARCHS = ADAPTER_CASES
+tiny_config = case_config
+build_pair = model_pair
 
 
 def sharded_errors(ref, model, ids: torch.Tensor, rank: int, world: int) -> tuple[dict, int]:

@@ -92,10 +92,14 @@ def test_the_shards_own_lengths_would_be_wrong():
     assert max(run_distributed(_shard_length_worker, 2)) > 1e-2  # so the test above can fail
 
 
-def test_fingerprint_of_dynamic_rope_update():
-    got = rope.rope_update_fingerprint()
-    assert got == rope.ROPE_FINGERPRINT, (
-        f"transformers changed dynamic_rope_update: re-verify hf_upipe/integrations/rope.py, then record {got!r}")
+def test_dynamic_rope_update_is_verified():
+    from hf_upipe.verification import VERIFIED_RELEASES, installed_release
+
+    got, verdict = rope.rope_update_fingerprint(), rope.rope_verdict()
+    if installed_release() in VERIFIED_RELEASES:
+        assert got in rope.ROPE_FINGERPRINTS, (
+            f"transformers changed dynamic_rope_update: re-verify hf_upipe/integrations/rope.py, then record {got!r}")
+    assert verdict.ok, verdict
 
 
 def test_prepare_installs_only_on_length_dependent_rope_and_gates_on_it():
@@ -115,8 +119,9 @@ def test_the_trainers_setup_check_admits_what_prepare_model_handles(monkeypatch)
     from transformers import AutoModelForCausalLM
 
     from hf_upipe.integrations.support import model_refusal
+    from hf_upipe.verification import Verdict
 
     model = AutoModelForCausalLM.from_config(copy.deepcopy(_configs()["dynamic"]))
     assert model_refusal(model) is None
-    monkeypatch.setattr(rope, "ROPE_FINGERPRINT", "0" * 16)
+    monkeypatch.setattr(rope, "rope_verdict", lambda: Verdict(False, "failed", "a changed dynamic_rope_update"))
     assert "cannot make this model's rotary modules take the global length" in model_refusal(model)

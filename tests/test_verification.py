@@ -1,0 +1,193 @@
+"""Adapters verified by behaviour (`hf_upipe.verification`) on a transformers source not seen before.
+
+- A source that differs from the recorded ones only in its text (a renamed argument, a comment) passes the check:
+  the fused block and the tiled MLP are installed, with one info line, and run exact.
+- A source whose arithmetic differs (a monkeypatched attention scaling, a mixer that loses its state, RoPE that
+  takes a shard's length) fails it: the model keeps transformers' own path, with one warning naming the
+  architecture, what differed and by how much, the releases verified and the pin to install.
+- Verdicts are cached per process and on disk (a second process does not check again), and `prepare_model`'s
+  agreement compares them across ranks.
+"""
+
+import importlib
+import logging
+
+import pytest
+import torch
+
+import hf_upipe
+from hf_upipe import architectures, verification
+from hf_upipe.integrations import fused as fused_module
+from hf_upipe.integrations import mixer_sources, rope
+from hf_upipe.integrations.probe import case_config, model_pair
+from hf_upipe.verification import VERIFIED_RELEASES, Verdict, verify
+
+tiled_module = importlib.import_module("hf_upipe.memory.tiled_mlp")  # (hf_upipe.memory.tiled_mlp is also a function)
+
+
+@pytest.fixture
+def unseen(monkeypatch, tmp_path):
+    """A transformers release nobody verified: no recorded fingerprint matches, and empty caches."""
+    monkeypatch.setenv("HF_UPIPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(verification, "_PROCESS", {})
+    monkeypatch.setattr(verification, "_WARNED", set())
+    for model_type in ("llama", "qwen3"):
+        entry = architectures.ARCHITECTURES[model_type]
+        monkeypatch.setitem(architectures.ARCHITECTURES, model_type, architectures.Architecture(
+            **{**entry.__dict__, "fused_fingerprints": ("0" * 16,), "tiled_fingerprints": ("0" * 16,)}))
+    return tmp_path
+
+
+def _fused_modules(model) -> int:
+    return sum(fused_module._is_fused(m) for m in model.modules())
+
+
+def test_a_changed_source_text_is_verified_by_behaviour(unseen, monkeypatch, caplog):
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaAttention.forward
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        # the same arithmetic under a renamed argument, as 5.24 renamed past_key_values (and this comment): another
+        # source, another fingerprint
+        cache = kwargs.pop("past_key_values", cache)
+        return original(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", forward)
+    _, model = model_pair(case_config("llama"), "upipe", seed=1)
+    with caplog.at_level(logging.INFO):
+        hf_upipe.prepare_model(model, hf_upipe.UPipeConfig(tiled_mlp=True))
+    assert _fused_modules(model) == 2
+    assert sum(tiled_module._is_tiled(m) for m in model.modules()) == 7  # 2 MLPs, 2 x 2 + 1 norms
+    verdict = verification.verdicts()[("fused", "llama")]
+    assert verdict.ok and verdict.how == "behaviour"
+    assert "the fused adapter of llama verified by behaviour on transformers" in caplog.text
+    assert "WARNING" not in caplog.text
+
+
+def test_changed_attention_arithmetic_fails_and_keeps_the_registered_path(unseen, monkeypatch, caplog):
+    real = fused_module.fused_upipe_attention
+
+    def scaled(*args, **kwargs):  # the fused block's attention scale 1% off
+        return real(*args, **{**kwargs, "scale": kwargs["scale"] * 1.01})
+
+    monkeypatch.setattr(fused_module, "fused_upipe_attention", scaled)
+    _, model = model_pair(case_config("qwen3"), "upipe", seed=2)
+    with caplog.at_level(logging.INFO):
+        hf_upipe.prepare_model(model)
+        hf_upipe.prepare_model(model)  # one warning per architecture, however often
+    assert _fused_modules(model) == 0 and model.config._attn_implementation == "upipe"
+    verdict = verification.verdicts()[("fused", "qwen3")]
+    assert not verdict.ok and verdict.how == "failed"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "adapter of" in
+                r.getMessage()]
+    assert len(warnings) == 1
+    assert "the fused adapter of qwen3 is not used" in warnings[0]
+    assert "the logits differ by" in warnings[0] and "(relative)" in warnings[0]
+    assert ", ".join(VERIFIED_RELEASES) in warnings[0] and verification.TESTED_RANGE in warnings[0]
+
+
+def test_changed_mlp_arithmetic_fails_the_tiled_check(unseen, monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaMLP.forward
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: original(self, x) * 1.0)  # same
+    assert tiled_module.tiled_verdict(architectures.ARCHITECTURES["llama"]).ok
+    monkeypatch.setattr(verification, "_PROCESS", {})
+    monkeypatch.setenv("HF_UPIPE_CACHE_DIR", str(unseen / "again"))
+    real = tiled_module.tiled_mlp
+    monkeypatch.setattr(tiled_module, "tiled_mlp", lambda x, fn, params, chunk_tokens: real(
+        x[:, :, :] * 1.001, fn, params, chunk_tokens=chunk_tokens))  # the tiles see a changed input
+    verdict = tiled_module.tiled_verdict(architectures.ARCHITECTURES["llama"])
+    assert not verdict.ok and "differ" in verdict.detail
+
+
+def test_the_verdict_is_cached_in_the_process_and_on_disk(unseen, monkeypatch):
+    calls = []
+    check = lambda: calls.append(1)  # noqa: E731 - passes (returns None)
+    first = verify("fused", "x", "abc", (), check)
+    assert first.ok and first.how == "behaviour" and calls == [1]
+    assert verify("fused", "x", "abc", (), check) is first and calls == [1]  # this process
+    monkeypatch.setattr(verification, "_PROCESS", {})  # a new process: the file answers
+    again = verify("fused", "x", "abc", (), check)
+    assert again.ok and again.how == "behaviour" and calls == [1]
+    assert (unseen / "verified.json").exists()
+    assert verify("fused", "x", "def", (), lambda: "it differs").how == "failed"  # another source: checked again
+    assert verify("fused", "x", "abc", ("abc",), check).how == "fingerprint"
+
+
+def test_a_check_that_raises_is_a_failure_and_a_missing_source_unavailable(unseen):
+    def broken():
+        raise TypeError("forward() got an unexpected keyword argument 'cache'")
+
+    verdict = verify("mixer", "SomeMixer", "abc", (), broken)
+    assert not verdict.ok and "TypeError" in verdict.detail and "'cache'" in verdict.detail
+    assert verify("tiled", "gone", None, ("abc",), lambda: None).how == "unavailable"
+
+
+def test_the_check_leaves_the_callers_random_state_and_threads(unseen):
+    torch.manual_seed(123)
+    threads = torch.get_num_threads()
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    verify("fused", "seeded", "abc", (), lambda: torch.rand(5) and None)
+    assert torch.equal(torch.rand(3), want) and torch.get_num_threads() == threads
+
+
+def _mixer_class(name: str):
+    module = {"BambaMixer": "bamba", "Lfm2ShortConv": "lfm2", "Qwen3NextGatedDeltaNet": "qwen3_next"}[name]
+    return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+
+
+@pytest.mark.parametrize("name", ["BambaMixer", "Lfm2ShortConv", "Qwen3NextGatedDeltaNet"])
+def test_the_mixer_check_passes_and_fails_on_a_lost_state(name, monkeypatch):
+    cls = _mixer_class(name)
+    assert mixer_sources.mixer_check(cls) is None
+    if name == "Lfm2ShortConv":  # no state: a module whose reach the adapter cannot read gets no halo, and shows
+        init = cls.__init__
+
+        def without_reach(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            del self.conv_kernel_size
+
+        monkeypatch.setattr(cls, "__init__", without_reach)
+    else:
+        monkeypatch.setattr(mixer_sources.ShardCache, "get_recurrent_state", lambda self, *a, **k: None)
+    assert "differs" in (mixer_sources.mixer_check(cls) or "")
+
+
+def test_the_rope_check_fails_when_a_shard_takes_its_own_length(monkeypatch):
+    assert rope.rope_check() is None
+    real = rope._shard_rope
+    monkeypatch.setattr(rope, "_shard_rope", lambda self, x, pos, longest, *a, **k: real(self, x, pos, pos.max()
+                                                                                          .reshape(1, 1), *a, **k))
+    assert "differs" in (rope.rope_check() or "")
+
+
+def test_an_unseen_mixer_source_runs_its_state_in_sequence(unseen, monkeypatch):
+    from hf_upipe.integrations import mixers
+
+    cls = _mixer_class("Qwen3NextGatedDeltaNet")
+    monkeypatch.setitem(mixer_sources.MIXERS, cls.__name__, ("0" * 16,))
+    monkeypatch.setattr(mixer_sources, "mixer_check", lambda cls: None)  # checked (here: taken as passed)
+    assert mixers.mixer_verdict(cls).how == "behaviour"
+    assert mixers._delta_passing(cls, "parallel") == "sequential"
+    assert mixers._delta_passing(cls, "sequential") == "sequential"
+
+
+def test_the_agreement_names_verdicts_that_differ():
+    from hf_upipe.config import settings_that_differ
+    from hf_upipe.integrations.prepare import _preparation
+
+    _, model = model_pair(case_config("llama"), "upipe", seed=3)
+    mine = _preparation(model, None)
+    row = next(r for r in mine if r[0] == "adapters verified")
+    assert row[1] == (("fused", "llama", True),)
+    other = tuple(r if r[0] != "adapters verified" else (r[0], (("fused", "llama", False),), "x") for r in mine)
+    assert any("adapters verified" in line for line in settings_that_differ([mine, other]))
+
+
+def test_verdict_describes_itself():
+    assert "5.23" in Verdict(True, "fingerprint").describe()
+    assert "verified by behaviour on transformers" in Verdict(True, "behaviour").describe()
+    assert Verdict(False, "failed", "the logits differ").describe() == "not verified: the logits differ"
