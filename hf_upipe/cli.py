@@ -41,13 +41,15 @@ def _version(package: str) -> str | None:
         return None
 
 
-def collect_env() -> dict:
-    """Everything `hf-upipe env` reports, as a dict."""
+def collect_env(checked: bool = True) -> dict:
+    """Everything `hf-upipe env` reports, as a dict (`checked`: run the adapters' behaviour checks on a source not
+    seen before, `hf_upipe.integrations.adapter_status`)."""
     import torch
     import torch.distributed as dist
 
     import hf_upipe
     from hf_upipe.config import UPipeConfig
+    from hf_upipe.integrations.adapter_status import adapter_status
     from hf_upipe.ops.kernels import available_kernels
 
     cuda = torch.cuda.is_available()
@@ -74,15 +76,20 @@ def collect_env() -> dict:
         "attention_kernels_bf16": kernels,
         "upipe_settings": settings,
         "upipe_settings_error": settings_error,
+        "adapters": adapter_status(check=checked),
     }
 
 
 def _env_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--no-check", dest="check", action="store_false",
+                        help="do not run the adapters' behaviour checks on a transformers source not seen before")
 
 
 def _env_run(args: argparse.Namespace) -> int:
-    info = collect_env()
+    from hf_upipe.integrations.adapter_status import format_status
+
+    info = collect_env(checked=args.check)
     if args.json:
         print(json.dumps(info, indent=1))
         return 0 if info["upipe_settings_error"] is None else 1
@@ -97,6 +104,9 @@ def _env_run(args: argparse.Namespace) -> int:
                                                 for b, ok in info["distributed_backends"].items()))
     for device, names in info["attention_kernels_bf16"].items():
         print(f"attention kernels on {device} (bf16, first = 'auto'): {', '.join(names) or 'none'}")
+    print(f"adapters on transformers {info['packages']['transformers']} (adapter, subject, source fingerprint, "
+          "status):")
+    print("\n".join(format_status(info["adapters"])))
     if info["upipe_settings_error"]:
         print(f"UPIPE_* settings: ERROR: {info['upipe_settings_error']}")
         return 1
