@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 __all__ = ["TESTED_RANGE", "VERIFIED_RELEASES", "Verdict", "cache_file", "fingerprint", "installed_release", "verdicts",
            "verify"]
@@ -132,18 +133,21 @@ def _write_disk(key: str, verdict: Verdict) -> None:
 
 @contextlib.contextmanager
 def _deterministic():
-    """One thread, fixed seeds, grad on, transformers' warnings off, the caller's random state restored: the same
-    result on every rank."""
-    threads, quiet = torch.get_num_threads(), logging.getLogger("transformers")
+    """One thread, real fp32 CPU tensors, fixed seeds, grad on, transformers' warnings off, the caller's random state
+    restored: the same result on every rank."""
+    threads, quiet, dtype = torch.get_num_threads(), logging.getLogger("transformers"), torch.get_default_dtype()
     level = quiet.level
     torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
     quiet.setLevel(logging.ERROR)  # the tiny configs' own warnings are not the user's
     try:
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        # real tensors on CPU, also when the caller simulates (the planner's fake tensors) or sets a default device
+        with unset_fake_temporarily(), torch.device("cpu"), torch.random.fork_rng(devices=[]), torch.enable_grad():
             torch.manual_seed(0)
             yield
     finally:
         torch.set_num_threads(threads)
+        torch.set_default_dtype(dtype)
         quiet.setLevel(level)
 
 

@@ -1,7 +1,7 @@
 """The package's layers import only downward, with no circles, and `import hf_upipe` stays light.
 
 Layers, bottom to top (a module may import its own layer and the layers below):
-  0 ops, architectures, verification, registration helpers: pure torch (ops import nothing of transformers/accelerate/peft)
+  0 ops, architectures, verification, registration helpers: pure torch (ops import nothing of transformers etc.)
   1 data, distributed, config, memory, integrations
   2 runtime, checkpoint, auto_settings
   3 trainer, integrations.accelerate (UPipeTrainer and UPipePlugin, both on the runtime)

@@ -191,3 +191,23 @@ def test_verdict_describes_itself():
     assert "5.23" in Verdict(True, "fingerprint").describe()
     assert "verified by behaviour on transformers" in Verdict(True, "behaviour").describe()
     assert Verdict(False, "failed", "the logits differ").describe() == "not verified: the logits differ"
+
+
+def test_the_checks_run_whole_on_real_tensors_inside_a_simulation_under_sp(unseen, monkeypatch):
+    """The planner prepares models on fake bf16 tensors with a simulated SP state installed: the checks must still
+    compute on real fp32 tensors, on whole sequences."""
+    from hf_upipe.distributed import SequenceParallelState, set_sequence_parallel_state
+    from hf_upipe.planning.simulate import fake_tensors
+
+    monkeypatch.setitem(mixer_sources.MIXERS, "BambaMixer", ("0" * 16,))
+    monkeypatch.setattr(rope, "ROPE_FINGERPRINTS", ("0" * 16,))
+    state = SequenceParallelState(sp_group=None, sp_size=2, sp_rank=0, dp_group=None, dp_size=1, dp_rank=0)
+    previous = set_sequence_parallel_state(state)
+    try:
+        with fake_tensors(torch.bfloat16):
+            llama = architectures.ARCHITECTURES["llama"]
+            verdicts = [fused_module.fused_verdict(llama), tiled_module.tiled_verdict(llama), rope.rope_verdict()]
+            verdicts.append(mixer_sources.mixer_verdict(_mixer_class("BambaMixer")))
+    finally:
+        set_sequence_parallel_state(previous)
+    assert all(v.ok and v.how == "behaviour" for v in verdicts), verdicts

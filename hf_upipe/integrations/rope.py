@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_upipe.distributed import get_sequence_parallel_state
+from hf_upipe.distributed import get_sequence_parallel_state, without_sequence_parallel
 from hf_upipe.ops.fake import is_fake
 from hf_upipe.verification import Verdict, fingerprint, verify
 
@@ -97,15 +97,22 @@ def rope_check() -> str | None:
     """"dynamic" (Llama) and "longrope" (Phi-3) rotary modules of tiny models, 40 positions past their original 16:
     two shards' cos/sin as `global_rope_forward` computes them equal the whole sequence's; None, else what
     differed."""
-    from transformers import AutoModelForCausalLM
 
     from hf_upipe.integrations.probe import case_config
 
     longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
                 "short_factor": [1.0], "long_factor": [7.0], "partial_rotary_factor": 0.5}
-    for config in (case_config("llama", max_position_embeddings=16, rope_parameters={
-                       "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
-                   case_config("phi3", max_position_embeddings=64, rope_parameters=longrope)):
+    configs = (case_config("llama", max_position_embeddings=16, rope_parameters={
+                   "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+               case_config("phi3", max_position_embeddings=64, rope_parameters=longrope))
+    with without_sequence_parallel():  # the two shards run here in one process, as ranks would
+        return _rope_check(configs)
+
+
+def _rope_check(configs) -> str | None:
+    from transformers import AutoModelForCausalLM
+
+    for config in configs:
         model = AutoModelForCausalLM.from_config(config)
         rotary = next((m for m in model.modules() if _length_dependent(m)), None)
         if rotary is None:
