@@ -8,6 +8,9 @@ Entry points:
   compute (bidirectional attention, logit soft-capping, Cohere's per-head LayerNorm q/k norms) keeps the
   registered path, which handles or refuses it. `hf_upipe.prepare_model` calls them.
 - `fused_forward`: the forward installed on those modules.
+- `fused_unavailable(config)`: why `install_fused_attention` would not install the block on a model of this config
+  (no adapter for its architecture, or the version gate refuses the installed transformers), or None.
+- `count_fused(model)`: how many of the model's attention modules run the fused block.
 - `attention_weights(module, arch)`: the module's tensors as `hf_upipe.ops.fused_attention.AttentionWeights`,
   reading PEFT LoRA layers (active adapters, scaling, dropout) on q_proj/k_proj/v_proj (or qkv_proj)/o_proj.
 
@@ -31,7 +34,14 @@ import types
 import torch
 from torch import nn
 
-from hf_upipe.architectures import adapter_verified, fused_attention_classes, keeps_documents_apart
+from hf_upipe.architectures import (
+    ARCHITECTURES,
+    VERIFIED_ON,
+    adapter_verified,
+    fused_attention_classes,
+    keeps_documents_apart,
+    model_geometry,
+)
 from hf_upipe.integrations.layout import validate_layout, with_model_documents, without_documents
 from hf_upipe.integrations.ring_seam import ring_kernel
 from hf_upipe.integrations.transformers import (
@@ -55,7 +65,8 @@ from hf_upipe.ops.fused_attention import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attention_weights", "fused_forward", "install_fused_attention", "remove_fused_attention"]
+__all__ = ["attention_weights", "count_fused", "fused_forward", "fused_unavailable", "install_fused_attention",
+           "remove_fused_attention"]
 
 
 def _projection(layer: nn.Module, training: bool) -> Projection:
@@ -234,3 +245,24 @@ def remove_fused_attention(model: nn.Module) -> int:
             module.__dict__.pop(_OPTIONS, None)
             count += 1
     return count
+
+
+def count_fused(model: nn.Module) -> int:
+    """How many of `model`'s attention modules run the fused block (the others keep the registered path)."""
+    return sum(_is_fused(module) for module in model.modules())
+
+
+def fused_unavailable(config) -> str | None:
+    """Why `install_fused_attention` would keep a model of `config` on the registered "upipe" path, or None where
+    it installs the fused block: the registry has no fused adapter for the architecture, or the version gate
+    (`adapter_verified`) refuses the installed transformers."""
+    model_type = model_geometry(config)["model_type"]
+    arch = ARCHITECTURES.get(model_type)
+    if arch is None or not arch.fused:
+        return f"{model_type} has no fused attention adapter"
+    if not adapter_verified(arch, "fused"):
+        import transformers
+
+        return (f"the installed transformers {transformers.__version__} changed {arch.attention}'s source from the "
+                f"one the fused block was verified on ({VERIFIED_ON}), so a run keeps the registered 'upipe' path")
+    return None
