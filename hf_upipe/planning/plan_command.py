@@ -111,8 +111,8 @@ def _fused_flags_error(args, config) -> str | None:
         return None
     cause = f"--impl {impl} plans another attention" if args.impl else \
         f"without --impl the planner plans the registered 'upipe' path here, as a run would use it: {why}"
-    return f"{' and '.join(flags)} set the fused attention block, which this plan does not use ({cause}). " \
-           f"Leave {' and '.join(f.split()[0] for f in flags)} out."
+    return f"{' and '.join(flags)} {'is a setting' if len(flags) == 1 else 'are settings'} of the fused attention " \
+           f"block, which this plan does not use ({cause}). Leave {' and '.join(f.split()[0] for f in flags)} out."
 
 
 def run(args: argparse.Namespace) -> int:
