@@ -16,6 +16,7 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import importlib.util
 import json
@@ -58,7 +59,7 @@ def collect_env(checked: bool = True) -> dict:
     if cuda:
         kernels["cuda"] = available_kernels("cuda", torch.bfloat16)
     try:
-        settings = vars(UPipeConfig())
+        settings = dataclasses.asdict(UPipeConfig())  # the fields only: not the config's bookkeeping (_origin)
         settings_error = None
     except ValueError as err:  # a bad UPIPE_* variable: report it instead of failing
         settings, settings_error = None, str(err)

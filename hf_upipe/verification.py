@@ -8,7 +8,8 @@ Entry points:
 - `Verdict`: ok, how ("fingerprint", "behaviour", "failed" or "unavailable") and the detail.
 - `verdicts()`: every verdict reached in this process, for `hf-upipe env` and `prepare_model`'s agreement.
 - `fingerprint(*objects)`: SHA-256 (16 hex digits) of the objects' source.
-- `cache_file()`: where verdicts by behaviour are kept across processes; `installed_release()`: "5.24".
+- `cache_file()`: where verdicts by behaviour are kept across processes.
+- `installed_release()` ("5.24"), `installed_version()` ("5.24.0"): the installed transformers.
 
 A verdict by behaviour is reached once per (adapter, subject, source fingerprint): cached per process and on disk
 (`$HF_UPIPE_CACHE_DIR/verified.json`, default `~/.cache/hf_upipe`), keyed also by the transformers, torch and
@@ -35,8 +36,8 @@ from typing import Callable
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-__all__ = ["TESTED_RANGE", "VERIFIED_RELEASES", "Verdict", "cache_file", "fingerprint", "installed_release", "verdicts",
-           "verify"]
+__all__ = ["TESTED_RANGE", "VERIFIED_RELEASES", "Verdict", "cache_file", "fingerprint", "installed_release",
+           "installed_version", "verdicts", "verify"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,12 @@ def cache_file() -> str:
 
 def installed_release() -> str:
     """The installed transformers' release, major.minor ("5.24"), or "none"."""
-    return ".".join(_versions()["transformers"].split(".")[:2])
+    return ".".join(installed_version().split(".")[:2])
+
+
+def installed_version() -> str:
+    """The installed transformers' version ("5.24.0"), or "none"."""
+    return _versions()["transformers"]
 
 
 def _versions() -> dict[str, str]:

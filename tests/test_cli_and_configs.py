@@ -21,6 +21,22 @@ def test_env_json(capsys, monkeypatch):
     assert info["upipe_settings"]["heads_per_chunk"] == 2
 
 
+def test_env_prints_only_the_settings_fields(capsys, monkeypatch):
+    """The table and the JSON list UPipeConfig's fields, not its bookkeeping (the `_origin` of each setting)."""
+    import dataclasses
+
+    from hf_upipe.config import UPipeConfig
+
+    monkeypatch.setenv("UPIPE_HEADS_PER_CHUNK", "2")
+    assert main(["env"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("UPipe settings"))
+    assert "_origin" not in line and "_flags" not in line, line
+    assert "heads_per_chunk=2" in line
+    assert main(["env", "--json"]) == 0
+    names = [f.name for f in dataclasses.fields(UPipeConfig)]
+    assert list(json.loads(capsys.readouterr().out)["upipe_settings"]) == names
+
+
 def test_env_reports_a_bad_setting(capsys, monkeypatch):
     monkeypatch.setenv("UPIPE_OFFLOAD", "tape")
     assert main(["env"]) == 1

@@ -10,6 +10,9 @@ Entry points:
 - `fused_verdict(arch)`: verified by the fingerprint of a verified release, else by `fused_check(arch)`: the block
   against the module's own forward and backward on a tiny model (`hf_upipe.verification`).
 - `fused_forward`: the forward installed on those modules.
+- `fused_unavailable(config)`: why `install_fused_attention` would not install the block on a model of this config
+  (no adapter for its architecture, or the version gate refuses the installed transformers), or None.
+- `count_fused(model)`: how many of the model's attention modules run the fused block.
 - `attention_weights(module, arch)`: the module's tensors as `hf_upipe.ops.fused_attention.AttentionWeights`,
   reading PEFT LoRA layers (active adapters, scaling, dropout) on q_proj/k_proj/v_proj (or qkv_proj)/o_proj.
 
@@ -33,7 +36,13 @@ import types
 import torch
 from torch import nn
 
-from hf_upipe.architectures import fused_attention_classes, keeps_documents_apart, source_fingerprint
+from hf_upipe.architectures import (
+    ARCHITECTURES,
+    fused_attention_classes,
+    keeps_documents_apart,
+    model_geometry,
+    source_fingerprint,
+)
 from hf_upipe.distributed import without_sequence_parallel
 from hf_upipe.integrations.layout import validate_layout, with_model_documents, without_documents
 from hf_upipe.integrations.probe import case_config, compare, model_pair, with_lora
@@ -57,12 +66,12 @@ from hf_upipe.ops.fused_attention import (
     RopeStyle,
     fused_upipe_attention,
 )
-from hf_upipe.verification import Verdict, verify
+from hf_upipe.verification import TESTED_RANGE, VERIFIED_RELEASES, Verdict, installed_version, verify
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CACHE_NAMES", "attention_weights", "fused_check", "fused_forward", "fused_verdict",
-           "install_fused_attention", "remove_fused_attention"]
+__all__ = ["CACHE_NAMES", "attention_weights", "count_fused", "fused_check", "fused_forward", "fused_unavailable",
+           "fused_verdict", "install_fused_attention", "remove_fused_attention"]
 
 
 def _projection(layer: nn.Module, training: bool) -> Projection:
@@ -293,4 +302,25 @@ def fused_check(arch) -> str | None:
             detail = compare(ref, model, ids)
             if detail is not None:
                 return f"{detail}{' (with LoRA)' if lora else ''}"
+
+
+def count_fused(model: nn.Module) -> int:
+    """How many of `model`'s attention modules run the fused block (the others keep the registered path)."""
+    return sum(_is_fused(module) for module in model.modules())
+
+
+def fused_unavailable(config) -> str | None:
+    """Why `install_fused_attention` would keep a model of `config` on the registered "upipe" path, or None where
+    it installs the fused block: the registry has no fused adapter for the architecture, or the block is not
+    verified on the installed transformers (`fused_verdict`; this runs its check once on a source not seen before).
+    """
+    model_type = model_geometry(config)["model_type"]
+    arch = ARCHITECTURES.get(model_type)
+    if arch is None or not arch.fused:
+        return f"{model_type} has no fused attention adapter"
+    verdict = fused_verdict(arch)
+    if not verdict.ok:
+        return (f"the fused block is not verified for {arch.attention} on transformers {installed_version()} "
+                f"({verdict.detail}; it is verified on {', '.join(VERIFIED_RELEASES)}: pip install '{TESTED_RANGE}'), "
+                "so a run keeps the registered 'upipe' path")
     return None

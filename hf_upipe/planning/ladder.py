@@ -5,7 +5,7 @@ Entry points:
   `hf_upipe.planning.planner`).
 - `candidates(config, sp_size, impl=None)`: the ladder with the fused block's faster variants, each paired with the
   rung whose memory it needs at least.
-- `default_impl(config)`: "fused" where the registry has the fused adapter, "upipe" otherwise.
+- `default_impl(config)`: "fused" where `prepare_model` would install the fused block, "upipe" otherwise.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hf_upipe.architectures import ARCHITECTURES, model_geometry
+from hf_upipe.architectures import model_geometry
+from hf_upipe.integrations.fused import fused_unavailable
 from hf_upipe.ops.head_layout import valid_heads_per_chunk
 from hf_upipe.planning.train_step import StepSettings
 
@@ -21,16 +22,15 @@ __all__ = ["candidates", "default_impl", "ladder"]
 
 
 def default_impl(config) -> str:
-    """"fused" for the architectures with the fused adapter (`hf_upipe.architectures`), "upipe" (registered)
-    otherwise."""
-    arch = ARCHITECTURES.get(model_geometry(config)["model_type"])
-    return "fused" if arch is not None and arch.fused else "upipe"
+    """"fused" where a run would install the fused block (`hf_upipe.integrations.fused.fused_unavailable` is
+    None), "upipe" (registered) otherwise: the planner plans what `prepare_model` will run."""
+    return "fused" if fused_unavailable(config) is None else "upipe"
 
 
 def ladder(config, sp_size: int, impl: str | None = None) -> list[StepSettings]:
     """The candidate settings for this model and SP degree, cheapest first (`hf_upipe.planning.planner`'s docstring).
 
-    `impl`: None picks `default_impl(config)` (fused where the registry has the adapter); "ulysses" or "deepspeed"
+    `impl`: None picks `default_impl(config)` (fused where a run installs the fused block); "ulysses" or "deepspeed"
     keep all heads in one chunk (their ladder has the tiled MLP and offload rungs only).
     """
     g = model_geometry(config)

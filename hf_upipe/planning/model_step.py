@@ -170,11 +170,20 @@ def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_ml
             torch.set_default_dtype(previous)
     if impl != "deepspeed":  # as a run prepares it: the fused block (impl "fused"), global RoPE, mixers, the checks
         from hf_upipe.config import UPipeConfig
+        from hf_upipe.integrations.fused import count_fused, fused_unavailable
         from hf_upipe.integrations.prepare import prepare_model
 
+        # impl "fused" must measure the fused block, or its figures would be the registered path's under its name
+        if impl == "fused" and (why := fused_unavailable(config)) is not None:
+            raise ValueError(f"the fused attention block cannot be planned for this model: {why}. Plan the "
+                             "registered path instead (impl 'upipe').")
         # (explicit values: the planner's settings, not the environment's UPIPE_*; tiling is applied below)
         prepare_model(model, UPipeConfig(fused_attention=impl == "fused", fused_backward=fused_backward,
                                          overlap_comm=overlap, tiled_mlp=False, auto=False))
+        if impl == "fused" and not count_fused(model):
+            raise ValueError("the fused attention block cannot be planned for this model: prepare_model installed "
+                             "it on none of its attention modules (they keep the registered 'upipe' path). Plan "
+                             "that path instead (impl 'upipe').")
     if tiled_mlp:
         from hf_upipe.memory.tiled_mlp import apply_tiled_mlp
 

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from hf_upipe.integrations.fused import fused_unavailable
 from hf_upipe.models import model_names
 from hf_upipe.planning.plan_report import LORA_TARGETS
 from hf_upipe.planning.planner import DEFAULT_HEADROOM, DEFAULT_HOST_MEMORY, Margin, default_impl, plan, resolve_model
@@ -97,9 +98,28 @@ def _fixed_settings(args, config, sp_size):
                         fused_backward=args.fused_backward or "recompute", overlap=bool(args.overlap))
 
 
+def _fused_flags_error(args, config) -> str | None:
+    """The flags that ask for the fused block where this plan cannot use it, with why and the fix; else None.
+    Only flags the user typed are named: the planner's own default (fused where a run installs it) never is."""
+    why = fused_unavailable(config)
+    if args.impl == "fused" and why is not None:
+        return f"--impl fused: {why}. Plan the registered path: --impl upipe (or leave --impl out)."
+    impl = args.impl or default_impl(config)
+    flags = (["--overlap"] if args.overlap else []) + \
+        ([f"--fused-backward {args.fused_backward}"] if args.fused_backward is not None else [])
+    if impl == "fused" or not flags:
+        return None
+    cause = f"--impl {impl} plans another attention" if args.impl else \
+        f"without --impl the planner plans the registered 'upipe' path here, as a run would use it: {why}"
+    return f"{' and '.join(flags)} {'is a setting' if len(flags) == 1 else 'are settings'} of the fused attention " \
+           f"block, which this plan does not use ({cause}). Leave {' and '.join(f.split()[0] for f in flags)} out."
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         _, config = resolve_model(args.model)
+        if (error := _fused_flags_error(args, config)) is not None:
+            raise ValueError(error)
         result = plan(args.model, gpus=args.gpus,
                       gpu_memory=args.gpu_memory, nodes=args.nodes, seq_len=args.seq_len, max_context=args.max,
                       settings=_fixed_settings(args, config, args.sp_size or args.gpus), impl=args.impl,

@@ -65,8 +65,8 @@ def format_plan(plan) -> str:
                      if plan.max_seq_len else "nothing fits, not even the shortest step: see the table below")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines += [f"sequence {plan.seq_len:,} tokens ({format_tokens(plan.seq_len)}), {plan.seq_len // plan.sp_size:,} per "
-              f"GPU: {verdict}", f"settings: {describe(plan.settings)}", "",
-              f"{'per-GPU peak':<14}{'GiB':>9}", ]
+              f"GPU: {verdict}", f"settings: {describe(plan.settings)}"]
+    lines += [f"note: {note}" for note in plan.notes] + ["", f"{'per-GPU peak':<14}{'GiB':>9}"]
     for name, what in _ROWS:
         if plan.by_category.get(name, 0) >= 2**20:  # rows of a few bytes (bookkeeping) would read 0.00
             lines.append(f"  {name:<12}{_gib(plan.by_category[name]):>9}   {what}")

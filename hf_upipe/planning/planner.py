@@ -39,7 +39,8 @@ import time
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
-from hf_upipe.architectures import model_geometry
+from hf_upipe.architectures import ARCHITECTURES, model_geometry
+from hf_upipe.integrations.fused import fused_unavailable
 from hf_upipe.models import resolve
 from hf_upipe.ops.head_layout import valid_sp_sizes
 from hf_upipe.planning.ladder import candidates, default_impl, ladder
@@ -124,6 +125,7 @@ class Plan:
     headroom: float = 0.0  # share of each GPU kept free: required must stay within `usable`
     step_time: StepTime | None = None  # predicted step time of `settings` (a model: `hf_upipe.planning.step_time`)
     gpu: GPU = H100_SXM  # whose figures the step time uses
+    notes: list = dataclasses.field(default_factory=list)  # what the reader should know about the choice
 
     @property
     def usable(self) -> int:
@@ -171,7 +173,7 @@ class Plan:
                 "host_bytes_per_gpu": self.host_bytes_per_gpu, "exact": self.exact, "seconds": self.seconds,
                 "max_seq_len": self.max_seq_len, "dtype": str(self.dtype).replace("torch.", ""),
                 "host_memory": self.host_memory, "host_fits": self.host_fits, "headroom": self.headroom,
-                "usable": self.usable,
+                "usable": self.usable, "notes": list(self.notes),
                 "lora": None if self.lora is None else {"rank": self.lora[0], "targets": list(self.lora[1])},
                 "predicted_step_seconds": None if self.step_time is None else self.step_time.seconds,
                 "predicted_tokens_per_s_per_gpu": None if self.step_time is None else
@@ -372,8 +374,11 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
         if fits_of[cand]:
             chosen = cand
             break
+    arch, why = ARCHITECTURES.get(g["model_type"]), fused_unavailable(config)
+    notes = [f"the fused attention block is not planned: {why}"] if (
+        chosen.impl == "upipe" and arch is not None and arch.fused and why is not None) else []
     return Plan(model=name, config=config, seq_len=seq_len, gpus=gpus, nodes=nodes, sp_size=sp, gpu_memory=gpu_bytes,
                 settings=chosen, by_category=estimate(chosen, seq_len), margin=margin, dtype=dtype, exact=exact,
                 seconds=time.perf_counter() - started, max_seq_len=longest,
                 tried=tried if settings is None else [], host_memory=host, lora=estimate.lora, headroom=headroom,
-                step_time=seconds(chosen, seq_len), gpu=gpu)
+                step_time=seconds(chosen, seq_len), gpu=gpu, notes=notes)
