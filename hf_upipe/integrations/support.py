@@ -90,6 +90,9 @@ _LAYER_MECHANISMS = {
 _MEASURED = {
     "doge": "its own masking code computes with attention_mask as a tensor (attention_mask.dtype), but under sequence "
             "parallelism 'upipe' hands the layers a description of the mask, not an [S, S] tensor",
+    "dory": "its lm_head is a DoryLMHead, not a plain nn.Linear, whose weight hf_upipe's tiled loss cannot read, so "
+            "the architecture matrix could not compare it under sequence parallelism (with tiled_loss=False it is "
+            "unmeasured: check it with `hf-upipe selftest` before opting in)",
 }
 _UNVERIFIED = "hf_upipe has not verified model_type"
 _SLICED_KV_SHARING = ("gemma4_text", "gemma4_unified_text")  # `_maybe_slice_kv_shared_inputs` slices the masks
