@@ -146,6 +146,15 @@ VERIFIED_REGISTERED = (
     "ctrl",
     # Emu3's language model (Emu3ForCausalLM; the multimodal "emu3" is in TEXT_ONLY)
     "emu3_text_model",
+    # DBRX (a fused qkv projection clamped by clip_qkv); Gemma 3n's language model (AltUp, per-layer inputs, KV
+    # sharing); Gemma 4's (per-layer inputs; its KV sharing is refused by the support gate)
+    "dbrx", "gemma3n_text", "gemma4_text",
+    # LFM2-MoE: its short convolutions run across shards as LFM2's do
+    "lfm2_moe",
+    # types that transformers 5.23 does not have, verified on 5.24 alone
+    "apertus1p5_text", "exaone", "sarvam_mla", "sarvam_moe",
+    # on 5.24 through transformers' attention interface; 5.23's attention bypasses it (`model_refusal` refuses them)
+    "codegen", "gptj",
 )
 # the Llama-shaped families with the fused block (each also exact on the registered path); MoE blocks stay untiled
 # (their norms are tiled), and Cohere's LayerNorm is tiled as its norm
@@ -188,7 +197,7 @@ FUSED = (
 # Each one's text config is a verified type too (the mask function's gate sees that config). Mllama's language
 # model (MllamaForCausalLM) is text-only itself: its cross-attention layers are skipped without
 # `cross_attention_states`, which the pre-hook refuses under SP.
-TEXT_ONLY = ("emu3", "fuyu", "gemma3", "gemma4_unified", "got_ocr2", "llama4", "mllama", "mllama_text_model",
+TEXT_ONLY = ("emu3", "fuyu", "gemma3", "gemma4", "gemma4_unified", "got_ocr2", "llama4", "mllama", "mllama_text_model",
              "qwen3_5", "qwen3_5_moe")
 # verified types whose mask is built without position_ids: a packed row is one sequence on one device, and under SP
 ACROSS_DOCUMENTS = ("afmoe", "gpt_oss", "opt")

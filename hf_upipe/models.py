@@ -120,6 +120,26 @@ _TYPE_SIZES = {"bamba": dict(mamba_d_head=32), "granitemoehybrid": dict(mamba_d_
                "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=None), "mamba2": dict(num_heads=4, head_dim=32),
                "zamba2": dict(n_mamba_heads=4, mamba_headdim=32, layer_types=["linear_attention", "hybrid"],
                              hybrid_layer_ids=[1])}
+# types whose defaults do not build at SMALL's sizes: per-layer-input embeddings of a 262k vocabulary and 512-wide
+# global heads (Gemma 4: none of its layers share keys and values, as by default; the support gate refuses its KV
+# sharing), KV sharing over more layers than there are (Gemma 3n: 4 layers, the last 2 sharing), no
+# default layer_types (LFM2-MoE: a convolution, then attention), and DBRX, whose attention reads
+# attn_config.rope_theta (absent from its config class; real checkpoints carry it) and clamps with clip_qkv, and
+# whose ffn_config takes d_model before SMALL's hidden_size is applied
+_PER_LAYER = dict(vocab_size_per_layer_input=128, hidden_size_per_layer_input=8)
+_TYPE_SIZES.update({
+    **{t: dict(_PER_LAYER, global_head_dim=16) for t in ("gemma4", "gemma4_text")},
+    "gemma3n_text": dict(_PER_LAYER, num_hidden_layers=4, num_kv_shared_layers=2,
+                         layer_types=["sliding_attention", "full_attention"] * 2),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # a gated-DeltaNet layer and an attention layer (its default pattern, 3 + 1, has none in 2 layers), whose
+    # attention is always "indexed_attention" (the QSA indexer, which needs its sizes)
+    **{t: dict(layer_types=["linear_attention", "full_attention"], indexer_n_heads=2, indexer_kv_heads=1,
+               indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4)
+       for t in ("qwen4_exp", "qwen4_exp_text")},
+    "dbrx": dict(d_model=64, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2)),
+})
 
 
 def tiny_config(model_type: str):
