@@ -89,6 +89,13 @@ CASES = {2: [("qwen3_next", False, False), ("olmo_hybrid", True, True), ("bamba"
              ("mamba2", False, True), ("zamba2", True, False)]}
 
 
+# Qwen3-Next's tiny gated DeltaNet (large random init) amplifies fp32 rounding in its chunked triangular solve, whose
+# chunks are cut where the shards start: on one 2-core Xeon its SP 2 gradients differ by up to 2.9e-4 (relative to
+# their largest value), in parallel and sequential state passing alike (so not the passing's arithmetic), while
+# shards run alone are off by over 1e-2 (test_shards_alone_would_be_wrong)
+TOLERANCE = {"qwen3_next": 5e-4}
+
+
 @pytest.mark.slow
 def test_hybrids_are_exact():
     for world, cases in CASES.items():
@@ -97,7 +104,7 @@ def test_hybrids_are_exact():
                 assert installed == 2, (case, installed)  # both linear-attention layers run across shards
                 assert trained == ref_trained
                 worst = max(errors, key=errors.get)
-                assert errors[worst] < 1e-4, (world, rank, case, worst, errors[worst])
+                assert errors[worst] < TOLERANCE.get(case[0], 1e-4), (world, rank, case, worst, errors[worst])
                 # unprepared, every type is refused at the call, Mamba2 alone too (hf_upipe.integrations.guard)
                 assert "prepare_model" in unprepared and "mix their rank's shard alone" in unprepared, unprepared
 
