@@ -206,7 +206,15 @@ def _announce(adapter: str, subject: str, verdict: Verdict) -> None:
     if (adapter, subject) in _WARNED:
         return
     _WARNED.add((adapter, subject))
-    logger.warning("hf_upipe: the %s adapter of %s is not used with transformers %s (%s): it keeps transformers' own "
-                   "path, exact but without this adapter's savings. The adapter is verified on transformers %s: "
-                   "pip install '%s'.", adapter, subject, version, verdict.detail, ", ".join(VERIFIED_RELEASES),
-                   TESTED_RANGE)
+    fallback = _FALLBACK.get(adapter, "it is not used")
+    logger.warning("hf_upipe: the %s adapter of %s is not used with transformers %s (%s): %s. The adapter is verified "
+                   "on transformers %s: pip install '%s'.", adapter, subject, version, verdict.detail, fallback,
+                   ", ".join(VERIFIED_RELEASES), TESTED_RANGE)
+
+
+# what a model gets when an adapter fails its check
+_FALLBACK = {"fused": "the model keeps transformers' own path, exact but without this adapter's savings",
+             "tiled": "the model keeps transformers' own path, exact but without this adapter's savings",
+             "mixer": "models with this mixer are refused under sequence parallelism (without it they run as before)",
+             "rope": "models with length-dependent RoPE are refused under sequence parallelism (without it they run "
+                     "as before)"}

@@ -211,3 +211,20 @@ def test_the_checks_run_whole_on_real_tensors_inside_a_simulation_under_sp(unsee
     finally:
         set_sequence_parallel_state(previous)
     assert all(v.ok and v.how == "behaviour" for v in verdicts), verdicts
+
+
+def test_a_mixer_that_fails_its_check_is_refused_naming_the_version(unseen, monkeypatch, caplog):
+    from transformers import AutoModelForCausalLM
+
+    from hf_upipe.integrations import support
+    from hf_upipe.models import tiny_config
+
+    monkeypatch.setitem(mixer_sources.MIXERS, "BambaMixer", ("0" * 16,))
+    monkeypatch.setattr(mixer_sources.ShardCache, "get_recurrent_state", lambda self, *a, **k: None)
+    model = AutoModelForCausalLM.from_config(tiny_config("bamba"))
+    with caplog.at_level(logging.WARNING):
+        reason = support.model_refusal(model)
+    assert reason.startswith("BambaMixer: ") and "hf_upipe runs BambaMixer across shards, but it is not verified on " \
+        f"transformers {verification.installed_version()} (its output on two shards differs" in reason
+    assert f"pip install '{verification.TESTED_RANGE}'" in reason
+    assert "models with this mixer are refused under sequence parallelism" in caplog.text

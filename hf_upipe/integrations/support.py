@@ -33,9 +33,12 @@ import functools
 from torch import nn
 
 from hf_upipe.architectures import ARCHITECTURES
+from hf_upipe.integrations.delta_rule import DELTA_KERNELS
+from hf_upipe.integrations.mixer_sources import HALO_MIXERS, MIXERS, mixer_verdict
 from hf_upipe.integrations.mixers import MIXER_LAYER_TYPES, mixers_ready, supported
 from hf_upipe.integrations.peft import base_model
-from hf_upipe.integrations.rope import global_rope_ready, installable
+from hf_upipe.integrations.rope import global_rope_ready, installable, rope_verdict
+from hf_upipe.verification import TESTED_RANGE, VERIFIED_RELEASES, installed_version
 
 __all__ = ["config_refusal", "model_refusal", "refusal_error", "sdpa_refusal"]
 
@@ -200,6 +203,24 @@ def _hybrid_on_interface(base: nn.Module) -> bool:
         return False
 
 
+def _version_note(verdict) -> str:
+    return (f": it is not verified on transformers {installed_version()} ({verdict.detail}); it is verified on "
+            f"{', '.join(VERIFIED_RELEASES)}: pip install '{TESTED_RANGE}'")
+
+
+def _unverified_mixer(module: nn.Module) -> str:
+    """Why a mixer of a class hf_upipe runs across shards is not run here: the installed transformers, or its
+    kernel; "" for a class hf_upipe does not run."""
+    name = type(module).__name__
+    if name not in MIXERS and name not in HALO_MIXERS:
+        return ""
+    verdict = mixer_verdict(type(module))
+    if not verdict.ok:
+        return f". hf_upipe runs {name} across shards, but{_version_note(verdict)[1:]}"
+    return (f". hf_upipe runs {name} across shards, but its forward no longer calls the kernel it wraps "
+            f"({DELTA_KERNELS.get(name)}): load the model with transformers' own kernels")
+
+
 def model_refusal(model: nn.Module, *, allow_unverified: bool = False) -> str | None:
     """See the module docstring."""
     base = base_model(model)
@@ -213,7 +234,7 @@ def model_refusal(model: nn.Module, *, allow_unverified: bool = False) -> str | 
         name = type(module).__name__
         for fragment, why in _MIXERS:
             if fragment in name and not name.endswith(("Attention", "Norm", "RMSNorm")):
-                return f"{name}: {why}"
+                return f"{name}: {why}{_unverified_mixer(module)}"
     config = getattr(base, "config", None)
     if config is None:
         return None
@@ -230,9 +251,10 @@ def model_refusal(model: nn.Module, *, allow_unverified: bool = False) -> str | 
                 "shard alone")
     rope = _rope_type(text)
     if rope in _LENGTH_ROPE and not installable(base):
+        verdict = rope_verdict()
         return (f"RoPE of type {rope!r} derives its frequencies from the sequence length, which each rank would take "
                 "from its own shard, and hf_upipe cannot make this model's rotary modules take the global length "
-                "(hf_upipe/integrations/rope.py)")
+                f"(hf_upipe/integrations/rope.py){'' if verdict.ok else _version_note(verdict)}")
     return _config_refusal(config, allow_unverified, prepared=True, scanned=True)
 
 
