@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests._dist import run_distributed
+from tests.integrations._models import tiny_config
 from tests.training._runs import train_runs
 
 LOAD_SCRIPT = textwrap.dedent("""
@@ -28,9 +29,10 @@ LOAD_SCRIPT = textwrap.dedent("""
     kind, path, expected = sys.argv[1], sys.argv[2], np.load(sys.argv[3])
     if kind == "lora":
         from peft import PeftModel
-        from tests.integrations._models import tiny_config
-        torch.manual_seed(11)  # the base model: same seed as the training run
-        base = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+        from transformers import AutoConfig
+        torch.manual_seed(11)  # the base model: same seed and config as the training run
+        config = AutoConfig.from_pretrained(sys.argv[4])
+        base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         model = PeftModel.from_pretrained(base, path)
     else:
         model = AutoModelForCausalLM.from_pretrained(path)
@@ -107,8 +109,9 @@ def test_saved_model_loads_without_hf_upipe(runs, kind, tmp_path):
     root, outs, _ = runs
     trained = outs[0 if kind == "lora" else 2]["params"]
     np.savez(tmp_path / "expected.npz", **trained)
+    tiny_config("llama").save_pretrained(tmp_path)  # the base model's config, read without hf_upipe
     proc = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, kind, str(root / f"{kind}_final"),
-                           str(tmp_path / "expected.npz")], capture_output=True, text=True, timeout=300,
+                           str(tmp_path / "expected.npz"), str(tmp_path)], capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "max abs diff 0.0" in proc.stdout
