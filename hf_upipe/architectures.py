@@ -239,18 +239,21 @@ def tiled_norm_classes() -> dict[str, Architecture]:
     return {a.norm: a for a in ARCHITECTURES.values() if a.tiled and a.norm}
 
 
-def source_fingerprint(arch: Architecture, adapter: str) -> str:
-    """The installed transformers' fingerprint of what `adapter` ("fused" or "tiled") replaces or relies on.
-    Raises ImportError / AttributeError when a class or function is gone."""
+def source_fingerprint(arch: Architecture, adapter: str) -> str | None:
+    """The installed transformers' fingerprint of what `adapter` ("fused" or "tiled") replaces or relies on; None
+    when a class or function is gone (renamed, removed) or has no source to read."""
     name = arch.module or arch.model_type
-    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    objects = []
-    for name in arch.fused_sources() if adapter == "fused" else arch.tiled_sources():
-        obj = module
-        for part in name.split("."):
-            obj = getattr(obj, part)
-        objects.append(obj)
-    return fingerprint(*objects)
+    try:
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        objects = []
+        for name in arch.fused_sources() if adapter == "fused" else arch.tiled_sources():
+            obj = module
+            for part in name.split("."):
+                obj = getattr(obj, part)
+            objects.append(obj)
+        return fingerprint(*objects)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return None
 
 
 # model_type -> (config key, +1: logits * value, -1: logits / value), as each ForCausalLM.forward applies it

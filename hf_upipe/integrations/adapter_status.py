@@ -59,7 +59,7 @@ def adapter_status(check: bool = True) -> list[dict]:
     for arch in FUSED:
         for adapter, known, verdict in (("fused", arch.fused_fingerprints, fused_verdict),
                                         ("tiled", arch.tiled_fingerprints, tiled_verdict)):
-            source = _source(lambda: source_fingerprint(arch, adapter))
+            source = source_fingerprint(arch, adapter)
             rows.append(_row(adapter, arch.model_type, source, known, verdict(arch) if check else None))
     for name in (*MIXERS, *HALO_MIXERS):
         cls = _mixer_class(name)

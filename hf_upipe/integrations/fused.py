@@ -11,7 +11,7 @@ Entry points:
   against the module's own forward and backward on a tiny model (`hf_upipe.verification`).
 - `fused_forward`: the forward installed on those modules.
 - `fused_unavailable(config)`: why `install_fused_attention` would not install the block on a model of this config
-  (no adapter for its architecture, or the version gate refuses the installed transformers), or None.
+  (no adapter for its architecture, or the block is not verified on the installed transformers), or None.
 - `count_fused(model)`: how many of the model's attention modules run the fused block.
 - `attention_weights(module, arch)`: the module's tensors as `hf_upipe.ops.fused_attention.AttentionWeights`,
   reading PEFT LoRA layers (active adapters, scaling, dropout) on q_proj/k_proj/v_proj (or qkv_proj)/o_proj.
@@ -272,10 +272,7 @@ def remove_fused_attention(model: nn.Module) -> int:
 def fused_verdict(arch) -> Verdict:
     """Whether the fused block computes what `arch`'s attention computes on the installed transformers: by the
     fingerprint of a verified release, else by `fused_check` (`hf_upipe.verification`)."""
-    try:
-        source = source_fingerprint(arch, "fused")
-    except (ImportError, AttributeError, OSError, TypeError):  # renamed, removed, or no source to read
-        source = None
+    source = source_fingerprint(arch, "fused")
     return verify("fused", arch.model_type, source, arch.fused_fingerprints, lambda: fused_check(arch))
 
 

@@ -2,8 +2,8 @@
 
 Entry points:
 - `install_mixers(model, state_passing)` / `remove_mixers(model)`: on every mixer module of a class in `MIXERS` or
-  `HALO_MIXERS` (behind the fingerprint of its forward's source), install (and remove, exactly)
-  `sharded_mixer_forward`.
+  `HALO_MIXERS` (`hf_upipe.integrations.mixer_sources`: once verified on the installed transformers), install (and
+  remove, exactly) `sharded_mixer_forward`.
 - `reentrant_refusal(model)`: why its checkpointing cannot run a state mixer (use_reentrant=True, or
   preserve_rng_state=False), or None; `ring_refusal(model, ring_size)`: why its mixers cannot run under a ring.
 - `mixers_ready(config)`: whether a prepared model of this config has them installed (the support gate admits
@@ -66,6 +66,7 @@ __all__ = ["HALO_MIXERS", "MIXERS", "MIXER_LAYER_TYPES", "install_mixers", "is_i
 # the `layer_types` these mixers fill ("hybrid": Falcon-H1's layers, attention and a Mamba2 mixer side by side)
 MIXER_LAYER_TYPES = ("linear_attention", "conv", "hybrid")
 _READY: dict[int, weakref.ref] = {}
+_SAID: set[str] = set()  # delta-rule mixer classes whose fallback to sequential passing was logged
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
@@ -302,8 +303,10 @@ def _delta_passing(cls, state_passing: str) -> str:
     """The state passing a delta-rule mixer runs: the parallel prefix only on a verified release's source (what it
     relies on beyond the cache, the kernel's call, is not in the behaviour check); else the rank chain."""
     if state_passing == "parallel" and mixer_verdict(cls).how != "fingerprint":
-        logger.info("hf_upipe: %s passes its state in sequence (verified by behaviour on this transformers; the "
-                    "parallel prefix is verified on transformers %s)", cls.__name__, ", ".join(VERIFIED_RELEASES))
+        if cls.__name__ not in _SAID:
+            _SAID.add(cls.__name__)
+            logger.info("hf_upipe: %s passes its state in sequence (verified by behaviour on this transformers; the "
+                        "parallel prefix is verified on transformers %s)", cls.__name__, ", ".join(VERIFIED_RELEASES))
         return "sequential"
     return state_passing
 

@@ -4,8 +4,9 @@ Entry points:
 - `prepare_model(model, upipe_config=None)`: switch the model to `attn_implementation="upipe"`, make
   length-dependent RoPE take the global length (`hf_upipe.integrations.rope`), install the fused
   attention block (`hf_upipe.integrations.fused`) and, with `upipe_config.tiled_mlp`, the tiled MLP/RMSNorm
-  (`hf_upipe.memory.tiled_mlp`) on the modules of the architectures in `hf_upipe.architectures`, behind their
-  version gate. Idempotent; a plain transformers model, a PEFT model, or any module tree.
+  (`hf_upipe.memory.tiled_mlp`) on the modules of the architectures in `hf_upipe.architectures`, each once
+  verified on the installed transformers (`hf_upipe.verification`). Idempotent; a plain transformers model, a PEFT
+  model, or any module tree.
 - `unprepare_model(model)`: remove every adapter and restore the attention implementation the model had: its
   outputs and state_dict are those of the model before `prepare_model`.
 

@@ -208,10 +208,7 @@ def remove_tiled_mlp(model: nn.Module) -> int:
 def tiled_verdict(arch) -> Verdict:
     """Whether the tiled MLP/norm compute what `arch`'s own do on the installed transformers: by the fingerprint
     of a verified release, else by `tiled_check` (`hf_upipe.verification`)."""
-    try:
-        source = source_fingerprint(arch, "tiled")
-    except (ImportError, AttributeError, OSError, TypeError):  # renamed, removed, or no source to read
-        source = None
+    source = source_fingerprint(arch, "tiled")
     return verify("tiled", arch.model_type, source, arch.tiled_fingerprints, lambda: tiled_check(arch))
 
 
