@@ -44,6 +44,7 @@ from hf_upipe.architectures import (
     source_fingerprint,
 )
 from hf_upipe.distributed import without_sequence_parallel
+from hf_upipe.integrations.call_checks import CACHE_NAMES
 from hf_upipe.integrations.layout import validate_layout, with_model_documents, without_documents
 from hf_upipe.integrations.probe import case_config, compare, model_pair, with_lora
 from hf_upipe.integrations.ring_seam import ring_kernel
@@ -70,7 +71,7 @@ from hf_upipe.verification import TESTED_RANGE, VERIFIED_RELEASES, Verdict, inst
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CACHE_NAMES", "attention_weights", "count_fused", "fused_check", "fused_forward", "fused_unavailable",
+__all__ = ["attention_weights", "count_fused", "fused_check", "fused_forward", "fused_unavailable",
            "fused_verdict", "install_fused_attention", "remove_fused_attention"]
 
 
@@ -149,10 +150,6 @@ def unfused_reason(module: nn.Module) -> str | None:
     if getattr(module, "use_qk_norm", False):
         return "per-head LayerNorm q/k norms"
     return None
-
-
-# the names transformers gives an attention forward's cache: `past_key_values` (to 5.23), `cache` (5.24 on)
-CACHE_NAMES = ("cache", "past_key_values")
 
 
 def _call_arguments(args: tuple, kwargs: dict) -> tuple:

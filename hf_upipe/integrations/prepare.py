@@ -30,16 +30,16 @@ from __future__ import annotations
 
 import logging
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from hf_upipe.architectures import ARCHITECTURES
 from hf_upipe.config import differing_settings_error
 from hf_upipe.distributed import get_sequence_parallel_state, simulated, validation_failed
-from hf_upipe.integrations.fused import CACHE_NAMES, fused_verdict, install_fused_attention, remove_fused_attention
-from hf_upipe.integrations.layout import adopt_modules, note_model_positions, release_modules
-from hf_upipe.integrations.mixers import install_mixers, reentrant_refusal, remove_mixers, ring_refusal
+from hf_upipe.integrations.call_checks import install_call_checks, remove_call_checks
+from hf_upipe.integrations.fused import fused_verdict, install_fused_attention, remove_fused_attention
+from hf_upipe.integrations.layout import adopt_modules, release_modules
+from hf_upipe.integrations.mixers import install_mixers, remove_mixers
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.rope import install_global_rope, installable, remove_global_rope
 from hf_upipe.integrations.support import model_refusal, refusal_error
@@ -51,53 +51,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["prepare_model", "unprepare_model"]
 
 _PREVIOUS = "_upipe_previous_attn_implementation"
-_HOOK = "_upipe_call_checks"
-
-
-# the inputs of a text-only call (anything else of a multimodal model is refused under SP)
-_TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "shift_labels",
-                          "token_type_ids", "upipe_cu_seqlens", "upipe_max_seqlen", "cache_position",
-                          "num_items_in_batch", "logits_to_keep", "past_key_values", "cache"})
-
-
-def _has_tensor(value) -> bool:
-    return isinstance(value, torch.Tensor) or (isinstance(value, (list, tuple)) and any(
-        isinstance(v, torch.Tensor) for v in value))
-
-
-def _refuse_silent_misuse(module, args, kwargs):
-    """Forward pre-hook: under SP, refuse the call arguments the model would silently get wrong (module docstring),
-    and note the call's position_ids for attention layers that do not receive them."""
-    state = get_sequence_parallel_state()
-    if state is None or state.sp_size == 1:
-        return None
-    note_model_positions(kwargs.get("position_ids"), kwargs.get("upipe_cu_seqlens"), kwargs.get("upipe_max_seqlen"),
-                         module)
-    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
-        raise ValueError("labels= under sequence parallelism would be shifted inside each rank's shard (the last "
-                         "target of every shard lost, the shards misaligned): pass the shard's labels already shifted "
-                         "over the whole sequence, labels=shard['shift_labels'], shift_labels=shard['shift_labels'] "
-                         "(hf_upipe.shard_batch makes them), or compute the loss with hf_upipe's tiled loss.")
-    if kwargs.get("output_attentions"):
-        raise NotImplementedError("output_attentions=True under sequence parallelism: no [S, S] attention weights "
-                                  "are ever formed (the kernels return outputs and log-sum-exps only).")
-    arch = ARCHITECTURES.get(getattr(getattr(module, "config", None), "model_type", None))  # the whole model's type
-    if arch is not None and arch.text_only:
-        other = sorted(k for k, v in kwargs.items() if k not in _TEXT_INPUTS and _has_tensor(v))
-        if other or any(_has_tensor(a) for a in args[1:]):
-            raise NotImplementedError(
-                f"{arch.model_type} is verified under sequence parallelism for text input only, and this call passes "
-                f"{other or 'positional inputs after input_ids'}: image, video or audio inputs would be scattered "
-                "into each rank's shard of the tokens. Train on text, or without sequence parallelism.")
-    if module.training and torch.is_grad_enabled() and (why := reentrant_refusal(module)) is not None:
-        raise NotImplementedError(why)
-    if (why := ring_refusal(module, state.ring_size)) is not None:  # before any layer, on every rank
-        raise NotImplementedError(why)
-    if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in CACHE_NAMES):
-        raise NotImplementedError("use_cache=True / a KV cache (past_key_values, cache) under sequence parallelism: "
-                                  "the cache would hold one shard's keys and values. Call the model with "
-                                  "use_cache=False; generate without SP (one process).")
-    return None
 
 
 def _preparation(model: nn.Module, upipe_config) -> tuple:
@@ -190,8 +143,7 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
     if upipe_config is not None and upipe_config.tiled_mlp:
         apply_tiled_mlp(model, upipe_config.mlp_chunk_tokens)
     base = base_model(model)
-    if _HOOK not in base.__dict__:
-        base.__dict__[_HOOK] = base.register_forward_pre_hook(_refuse_silent_misuse, with_kwargs=True)
+    install_call_checks(base)
     adopt_modules(base)
     config = getattr(base, "config", None)
     current = getattr(config, "_attn_implementation", None)
@@ -226,8 +178,7 @@ def unprepare_model(model: nn.Module) -> nn.Module:
     remove_mixers(base_model(model))
     base = base_model(model)
     release_modules(base)
-    if _HOOK in base.__dict__:
-        base.__dict__.pop(_HOOK).remove()
+    remove_call_checks(base)
     if _PREVIOUS in base.__dict__:
         previous = base.__dict__.pop(_PREVIOUS)
         base.set_attn_implementation(previous)

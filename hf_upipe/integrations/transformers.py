@@ -52,6 +52,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from hf_upipe.architectures import keeps_documents_apart
 from hf_upipe.distributed import SequenceParallelState, get_sequence_parallel_state
+from hf_upipe.integrations.call_checks import refuse_collected_attentions, wrap_losses
 from hf_upipe.integrations.chunked import chunk_kernel, local_pattern
 from hf_upipe.integrations.layout import (
     TensorCache,
@@ -287,9 +288,11 @@ def check_model(config, state, seq_len: int | None = None) -> None:
 
 def check_call(module, dropout, kwargs, handled: tuple[str, ...] = ()) -> None:
     """Checks of one attention call that need no communication (identical on every rank: same model, same
-    arguments): causal attention, no dropout, no argument of `_UNIMPLEMENTED` other than the `handled` ones."""
+    arguments): causal attention, no attention weights requested, no dropout, no argument of `_UNIMPLEMENTED` other
+    than the `handled` ones."""
     if not getattr(module, "is_causal", True):
         raise NotImplementedError("attn_implementation='upipe' supports causal (decoder) attention only.")
+    refuse_collected_attentions()
     if dropout and dropout > 0.0:
         config = getattr(module, "config", None)
         keys = [k for k in _DROPOUT_KEYS if getattr(config, k, None) == dropout] or ["attention_dropout"]
@@ -416,9 +419,11 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
 
 
 def register() -> None:
-    """Make `attn_implementation="upipe"` available to every transformers model (idempotent)."""
+    """Make `attn_implementation="upipe"` available to every transformers model (idempotent), and the causal-LM
+    losses refuse unshifted labels under SP (`hf_upipe.integrations.call_checks`)."""
     AttentionInterface.register(NAME, upipe_attention_forward)
     AttentionMaskInterface.register(NAME, upipe_mask)
+    wrap_losses()
 
 
 register()  # importing this module registers "upipe" (hf_upipe.registration imports it once transformers loads)

@@ -1,0 +1,141 @@
+"""Call arguments that would be silently wrong on a shard, refused under SP for every model, prepared or not.
+
+`prepare_model`'s forward pre-hook refuses them on the models it prepares. A model loaded with
+`attn_implementation="upipe"` and called on shards without `prepare_model` must get the same refusals, on its first
+call too, where no pre-hook of ours sees its arguments. So they are also made where the argument takes effect:
+
+- `labels=` without `shift_labels=`: transformers' causal-LM losses (`LOSS_MAPPING["ForCausalLM"]` and
+  `["ForConditionalGeneration"]`) would shift the labels inside each rank's shard. `wrap_losses()` wraps them once
+  (when "upipe" is registered); the wrapper raises `LABELS_UNDER_SP` under SP and is the original otherwise.
+- `output_attentions=True`: transformers collects the attention weights the attention modules return, and under SP
+  none exist. `refuse_collected_attentions()` raises `ATTENTIONS_UNDER_SP` when transformers is collecting them
+  (its output collector holds "attentions"); the "upipe" attention and the fused block call it.
+
+Both raise on every rank alike (the same model, the same arguments), before any collective of the call.
+
+- `install_call_checks(model)` / `remove_call_checks(model)`: the forward pre-hook `refuse_silent_misuse`, which
+  refuses all of them from the call's arguments under SP, with the rest that a call can get wrong on shards:
+  `use_cache=True` or a cache (`CACHE_NAMES`), non-text inputs to a multimodal model verified for text only, a
+  reentrant checkpoint around a state mixer, mixers under a ring. `prepare_model` installs it; the guard installs
+  it on a "upipe" model called on shards without `prepare_model`, from its second call on.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from hf_upipe.architectures import ARCHITECTURES
+from hf_upipe.distributed import get_sequence_parallel_state
+from hf_upipe.integrations.layout import note_model_positions
+from hf_upipe.integrations.mixers import reentrant_refusal, ring_refusal
+
+__all__ = ["ATTENTIONS_UNDER_SP", "CACHE_NAMES", "LABELS_UNDER_SP", "install_call_checks",
+           "refuse_collected_attentions", "refuse_silent_misuse", "remove_call_checks", "wrap_losses"]
+
+LABELS_UNDER_SP = (
+    "labels= under sequence parallelism would be shifted inside each rank's shard (the last target of every shard "
+    "lost, the shards misaligned): pass the shard's labels already shifted over the whole sequence, "
+    "labels=shard['shift_labels'], shift_labels=shard['shift_labels'] (hf_upipe.shard_batch makes them), or compute "
+    "the loss with hf_upipe's tiled loss.")
+ATTENTIONS_UNDER_SP = ("output_attentions=True under sequence parallelism: no [S, S] attention weights are ever "
+                       "formed (the kernels return outputs and log-sum-exps only).")
+_LOSSES = ("ForCausalLM", "ForConditionalGeneration")  # the losses that shift their labels
+# the names transformers gives a forward's cache: `past_key_values` (to 5.23), `cache` (5.24 on)
+CACHE_NAMES = ("cache", "past_key_values")
+_HOOK = "_upipe_call_checks"  # the model's attribute holding the pre-hook's handle
+
+
+def _sp_on() -> bool:
+    state = get_sequence_parallel_state()
+    return state is not None and state.sp_size > 1
+
+
+def _refusing(loss):
+    @functools.wraps(loss)
+    def sp_checked_loss(*args, **kwargs):
+        labels = kwargs.get("labels", args[1] if len(args) > 1 else None)
+        if labels is not None and kwargs.get("shift_labels") is None and _sp_on():
+            raise ValueError(LABELS_UNDER_SP)
+        return loss(*args, **kwargs)
+
+    sp_checked_loss.upipe_original = loss
+    return sp_checked_loss
+
+
+def wrap_losses() -> None:
+    """Wrap transformers' shifting causal-LM losses (idempotent)."""
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    for name in _LOSSES:
+        loss = LOSS_MAPPING.get(name)
+        if loss is not None and not hasattr(loss, "upipe_original"):
+            LOSS_MAPPING[name] = _refusing(loss)
+
+
+def refuse_collected_attentions() -> None:
+    """Raise `ATTENTIONS_UNDER_SP` when transformers is collecting attention weights (its private output collector;
+    without it, only `prepare_model`'s pre-hook sees the argument)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return
+    collected = _active_collector.get()
+    if isinstance(collected, dict) and "attentions" in collected:
+        raise NotImplementedError(ATTENTIONS_UNDER_SP)
+
+
+# the inputs of a text-only call (anything else of a multimodal model is refused under SP)
+_TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "shift_labels",
+                          "token_type_ids", "upipe_cu_seqlens", "upipe_max_seqlen", "cache_position",
+                          "num_items_in_batch", "logits_to_keep", "past_key_values", "cache"})
+
+
+def _has_tensor(value) -> bool:
+    return isinstance(value, torch.Tensor) or (isinstance(value, (list, tuple)) and any(
+        isinstance(v, torch.Tensor) for v in value))
+
+
+def refuse_silent_misuse(module, args, kwargs):
+    """The forward pre-hook of `install_call_checks`: under SP, refuse the call arguments the model would silently
+    get wrong (module docstring), and note the call's position_ids for attention layers that do not receive them."""
+    state = get_sequence_parallel_state()
+    if state is None or state.sp_size == 1:
+        return None
+    note_model_positions(kwargs.get("position_ids"), kwargs.get("upipe_cu_seqlens"), kwargs.get("upipe_max_seqlen"),
+                         module)
+    if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        raise ValueError(LABELS_UNDER_SP)
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError(ATTENTIONS_UNDER_SP)
+    arch = ARCHITECTURES.get(getattr(getattr(module, "config", None), "model_type", None))  # the whole model's type
+    if arch is not None and arch.text_only:
+        other = sorted(k for k, v in kwargs.items() if k not in _TEXT_INPUTS and _has_tensor(v))
+        if other or any(_has_tensor(a) for a in args[1:]):
+            raise NotImplementedError(
+                f"{arch.model_type} is verified under sequence parallelism for text input only, and this call passes "
+                f"{other or 'positional inputs after input_ids'}: image, video or audio inputs would be scattered "
+                "into each rank's shard of the tokens. Train on text, or without sequence parallelism.")
+    if module.training and torch.is_grad_enabled() and (why := reentrant_refusal(module)) is not None:
+        raise NotImplementedError(why)
+    if (why := ring_refusal(module, state.ring_size)) is not None:  # before any layer, on every rank
+        raise NotImplementedError(why)
+    if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in CACHE_NAMES):
+        raise NotImplementedError("use_cache=True / a KV cache (past_key_values, cache) under sequence parallelism: "
+                                  "the cache would hold one shard's keys and values. Call the model with "
+                                  "use_cache=False; generate without SP (one process).")
+    return None
+
+
+def install_call_checks(model: nn.Module) -> None:
+    """`refuse_silent_misuse` as `model`'s forward pre-hook (idempotent): `prepare_model` installs it, and the
+    guard (`hf_upipe.integrations.guard`) on a "upipe" model called on shards without it."""
+    if _HOOK not in model.__dict__:
+        model.__dict__[_HOOK] = model.register_forward_pre_hook(refuse_silent_misuse, with_kwargs=True)
+
+
+def remove_call_checks(model: nn.Module) -> None:
+    if _HOOK in model.__dict__:
+        model.__dict__.pop(_HOOK).remove()

@@ -1,0 +1,96 @@
+"""Call arguments that would be silently wrong on a shard (`hf_upipe.integrations.call_checks`), refused for a model
+loaded with `attn_implementation="upipe"` and called on shards without `prepare_model`, from its first call on:
+`labels=` without `shift_labels=` (refused in transformers' causal-LM loss), `output_attentions=True` (refused where
+transformers collects the weights), `use_cache=True` (from the second call: the guard installs the pre-hook). With
+`shift_labels=` the shard losses add up to the one-process loss. Every case on both ranks of a gloo group; the loss
+and collector checks also in one process with an SP state installed, and off without one.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from hf_upipe.distributed import SequenceParallelState, set_sequence_parallel_state
+from hf_upipe.integrations.call_checks import ATTENTIONS_UNDER_SP, LABELS_UNDER_SP, refuse_collected_attentions
+from tests._dist import run_distributed
+from tests.integrations._models import build_pair, tiny_config
+
+
+@pytest.fixture
+def sp2():
+    previous = set_sequence_parallel_state(SequenceParallelState(None, 2, 0, None, 1, 0))
+    try:
+        yield
+    finally:
+        set_sequence_parallel_state(previous)
+
+
+def test_the_causal_lm_loss_refuses_unshifted_labels_under_sp_only(sp2):
+    import transformers.modeling_utils  # noqa: F401 - loading it registers "upipe", which wraps the losses
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    logits = torch.randn(1, 6, 10)
+    labels = torch.randint(0, 10, (1, 6))
+    for name in ("ForCausalLM", "ForConditionalGeneration"):
+        with pytest.raises(ValueError, match="labels= under sequence parallelism"):
+            LOSS_MAPPING[name](logits, labels, 10)
+        assert torch.isfinite(LOSS_MAPPING[name](logits, None, 10, shift_labels=labels))
+    set_sequence_parallel_state(None)
+    assert torch.isfinite(LOSS_MAPPING["ForCausalLM"](logits, labels, 10))
+
+
+def test_collected_attentions_are_refused(sp2):
+    from transformers.utils.output_capturing import _active_collector
+
+    refuse_collected_attentions()  # nothing collected: fine
+    token = _active_collector.set({"attentions": []})
+    try:
+        with pytest.raises(NotImplementedError, match="output_attentions=True"):
+            refuse_collected_attentions()
+    finally:
+        _active_collector.reset(token)
+
+
+def _attempt(model, **kwargs) -> str:
+    try:
+        model(**kwargs)
+    except (ValueError, NotImplementedError) as err:
+        return str(err)
+    return "ran"
+
+
+def _worker(rank, world):
+    import hf_upipe
+    from hf_upipe.data import shard_batch
+
+    hf_upipe.init_sequence_parallel(heads_per_chunk=1)
+    ref, model = build_pair(tiny_config("llama"), "upipe", seed=3)
+    ids = torch.randint(3, 96, (1, 8 * world), generator=torch.Generator().manual_seed(1))
+    shard = shard_batch({"input_ids": ids, "labels": ids}, rank, world)
+    inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
+    out = {"labels": _attempt(copy.deepcopy(model), **inputs, labels=shard["input_ids"]),
+           "output_attentions": _attempt(copy.deepcopy(model), **inputs, output_attentions=True)}
+    second = copy.deepcopy(model)
+    out["first call"] = _attempt(second, **inputs)
+    out["use_cache"] = _attempt(second, **inputs, use_cache=True)
+    count = int((shard["shift_labels"] != -100).sum())
+    total = torch.tensor(float(count))
+    torch.distributed.all_reduce(total)
+    loss = model(**inputs, labels=shard["shift_labels"], shift_labels=shard["shift_labels"],
+                 num_items_in_batch=total).loss.detach()
+    torch.distributed.all_reduce(loss)
+    with hf_upipe.without_sequence_parallel():
+        want = ref(input_ids=ids, labels=ids).loss.detach()
+    hf_upipe.reset_sequence_parallel()
+    return out, float(loss), float(want)
+
+
+@pytest.mark.slow
+def test_an_unprepared_upipe_model_gets_the_call_checks_on_every_rank():
+    for out, loss, want in run_distributed(_worker, 2):
+        assert out["labels"] == LABELS_UNDER_SP
+        assert out["output_attentions"] == ATTENTIONS_UNDER_SP
+        assert out["first call"] == "ran"
+        assert out["use_cache"].startswith("use_cache=True / a KV cache"), out["use_cache"]
+        assert abs(loss - want) <= 1e-5 * abs(want), (loss, want)
