@@ -188,11 +188,27 @@ def _agree(settings: tuple) -> None:
 
 
 def _check_heads_per_chunk(heads_per_chunk: int | None) -> None:
-    if heads_per_chunk is not None and (not isinstance(heads_per_chunk, int) or heads_per_chunk < 1):
+    _check_type("heads_per_chunk", heads_per_chunk, "a positive integer (1 = least memory), or None for all local "
+                "heads in one chunk (plain Ulysses)")
+    if heads_per_chunk is not None and heads_per_chunk < 1:
         raise ValueError(
             f"heads_per_chunk={heads_per_chunk!r} is invalid: use a positive integer (1 = least memory), "
             "or None for all local heads in one chunk (plain Ulysses)."
         )
+
+
+def _check_type(name: str, value, want: str, kind: type = int, none: bool = True) -> None:
+    """A ValueError naming `name`, the type it got and what to pass, for a value not of `kind` (bool is not an int
+    here), or None where `none` allows it."""
+    if (value is None and none) or (isinstance(value, kind) and not (kind is int and isinstance(value, bool))):
+        return
+    hint = ""
+    if kind is int and isinstance(value, str) and value.strip().isdigit():
+        hint = f" ({name}={int(value)}, not the string {value!r})"
+    elif kind is int and isinstance(value, float) and value.is_integer():
+        hint = f" ({name}={int(value)})"
+    got = type(value).__name__
+    raise ValueError(f"{name}={value!r} is {'an' if got[0] in 'aeiou' else 'a'} {got}: pass {want}{hint}.")
 
 
 def init_sequence_parallel(
@@ -232,6 +248,10 @@ def init_sequence_parallel(
     """
     from hf_upipe.ops.kernels import check_kernel_name  # local: keeps distributed.py importable alone
 
+    _check_type("sp_size", sp_size, "an int that divides the world size, or None for all ranks")
+    _check_type("ring_size", ring_size, "a positive int (1: no ring)", none=False)
+    _check_type("kernel", kernel, "a kernel name such as 'auto' or 'sdpa'", kind=str, none=False)
+    _check_type("allow_unverified", allow_unverified, "True or False", kind=bool, none=False)
     _check_heads_per_chunk(heads_per_chunk)
     check_kernel_name(kernel)
     if not dist.is_available() or not dist.is_initialized():
