@@ -161,22 +161,18 @@ def parallelism_errors(config: UPipeConfig, sizes: ParallelismSizes | None, worl
 
 
 def accelerate_view(sizes: ParallelismSizes | None, sp: int, world: int, *, fsdp: bool = False):
-    """The `accelerate.ParallelismConfig` accelerate and transformers get: sp_size 1, cp/tp 1, and the sp ranks
-    folded into dp_shard (FSDP, or dp_shard_size > 1: parameters sharded over the SP ranks too) or dp_replicate.
-    None when the user gave no parallelism config."""
+    """The `accelerate.ParallelismConfig` accelerate and transformers get: sp_size, cp_size and tp_size 1, and
+    data parallelism over all `world` processes (the gradients are averaged over every rank): under FSDP the SP
+    ranks are folded into dp_shard (parameters sharded over them too, replicated over dp_replicate); otherwise all
+    sizes 1, which accelerate reads as DDP over every process (it accepts nothing else on CPU). None when the user
+    gave no parallelism config."""
     if sizes is None:
         return None
     from accelerate.parallelism_config import ParallelismConfig
 
-    if sizes.total == 1:
-        return ParallelismConfig(dp_replicate_size=1, dp_shard_size=1, tp_size=1, cp_size=1, sp_size=1,
-                                 cp_backend="torch", sp_backend="deepspeed")
-    replicate, shard = sizes.dp_replicate, sizes.dp_shard
-    if replicate * shard * sp != world:  # refused before (parallelism_errors); keep accelerate's view whole
-        replicate, shard = 1, world // max(sp, 1)
-    if shard > 1 or fsdp:
-        shard *= sp
-    else:
-        replicate *= sp
+    replicate, shard = 1, 1
+    if fsdp and sizes.total > 1:
+        replicate = sizes.dp_replicate if world % (sizes.dp_replicate * sp) == 0 else 1
+        shard = world // replicate
     return ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=1, cp_size=1, sp_size=1,
                              cp_backend="torch", sp_backend="deepspeed")

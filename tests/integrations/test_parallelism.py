@@ -131,11 +131,13 @@ def test_sizes_that_do_not_make_the_world_are_refused():
 
 
 def test_accelerate_gets_no_sp():
-    view = accelerate_view(_sizes(sp=2, dp_replicate=2), 2, 4)
-    assert (view.sp_size, view.cp_size, view.tp_size, view.dp_replicate_size, view.dp_shard_size) == (1, 1, 1, 4, 1)
-    assert not view.sp_enabled and view.total_size == 4
-    view = accelerate_view(_sizes(sp=2, dp_shard=2), 2, 4)  # FSDP sharding spans the SP ranks too
-    assert (view.dp_replicate_size, view.dp_shard_size) == (1, 4)
+    view = accelerate_view(_sizes(sp=2, dp_replicate=2), 2, 4)  # DDP: all 1, accelerate's DP over every process
+    assert (view.sp_size, view.cp_size, view.tp_size, view.dp_replicate_size, view.dp_shard_size) == (1, 1, 1, 1, 1)
+    assert not view.sp_enabled and view.total_size == 1
+    view = accelerate_view(_sizes(sp=2, dp_shard=2), 2, 4, fsdp=True)  # FSDP sharding spans the SP ranks too
+    assert (view.dp_replicate_size, view.dp_shard_size, view.sp_size) == (1, 4, 1)
+    view = accelerate_view(_sizes(sp=2, dp_replicate=2, dp_shard=2), 2, 8, fsdp=True)  # HSDP
+    assert (view.dp_replicate_size, view.dp_shard_size, view.sp_size) == (2, 4, 1)
     view = accelerate_view(_sizes(sp=2), 2, 2, fsdp=True)
     assert (view.dp_replicate_size, view.dp_shard_size, view.sp_size) == (1, 2, 1)
-    assert accelerate_view(_sizes(), 2, 2).total_size == 1  # accelerate's "data parallel over every process"
+    assert accelerate_view(_sizes(), 2, 2, fsdp=True).total_size == 1
