@@ -141,3 +141,28 @@ def test_accelerate_gets_no_sp():
     view = accelerate_view(_sizes(sp=2), 2, 2, fsdp=True)
     assert (view.dp_replicate_size, view.dp_shard_size, view.sp_size) == (1, 2, 1)
     assert accelerate_view(_sizes(), 2, 2, fsdp=True).total_size == 1
+
+
+class _Accelerator:
+    """What UPipePlugin.prepare reads of an accelerate.Accelerator before its checks (they raise before prepare)."""
+
+    def __init__(self, parallelism_config, distributed_type="DistributedType.MULTI_GPU"):
+        import torch
+
+        self.parallelism_config, self.distributed_type = parallelism_config, distributed_type
+        self.num_processes, self.device = 2, torch.device("cpu")
+
+
+def test_plugin_reads_the_accelerators_parallelism_config():
+    from transformers import AutoModelForCausalLM
+
+    from hf_upipe.integrations.accelerate import UPipePlugin
+    from tests.integrations._models import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    with pytest.raises(ValueError, match=r"UPipePlugin\(sp_size=1\) and ParallelismConfig\(sp_size=2\) disagree"):
+        UPipePlugin(sp_size=1).prepare(_Accelerator(ParallelismConfig(sp_size=2)), model)
+    with pytest.raises(ValueError, match=r"ParallelismConfig\(sp_size=2\) with DeepSpeed"):
+        UPipePlugin().prepare(_Accelerator(ParallelismConfig(sp_size=2), "DistributedType.DEEPSPEED"), model)
+    with pytest.raises(ValueError, match=r"sp_size 2 \(ParallelismConfig\(sp_size=2\)\) x dp_replicate_size 2"):
+        UPipePlugin().prepare(_Accelerator(ParallelismConfig(sp_size=2, dp_replicate_size=2)), model)
