@@ -241,6 +241,8 @@ class UPipeConfig:
             return f"{type(self).__name__}({name}={raw!r})"
         if origin == "env":
             return f"UPIPE_{name.upper()}={raw}"
+        if origin == "source":
+            return raw
         value = getattr(self, name)
         return f"{name}={value!r} ({'chosen by auto=True' if origin == 'auto' else 'the default'})"
 
@@ -266,6 +268,16 @@ class UPipeConfig:
         for name, value in chosen.items():
             setattr(new, name, value)
             new._origin[name] = ("auto", value)
+        return new
+
+    def with_source(self, source: str, **values) -> "UPipeConfig":
+        """A copy with `values` taken from another setting (`source`, how the user wrote it, e.g.
+        `ParallelismConfig(sp_size=2)`), which `describe` then names; this config is left unchanged."""
+        new = copy.copy(self)
+        object.__setattr__(new, "_origin", dict(self._origin))
+        for name, value in values.items():
+            setattr(new, name, value)
+            new._origin[name] = ("source", source)
         return new
 
     def resolve_sp_size(self, world_size: int, local_world_size: int | None = None) -> int:

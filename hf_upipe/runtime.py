@@ -59,6 +59,7 @@ from hf_upipe.distributed import (
 )
 from hf_upipe.integrations.loaders import eval_rounds, share_batches_within_sp
 from hf_upipe.integrations.loss import shard_loss_sum
+from hf_upipe.integrations.parallelism import ParallelismSizes, parallelism_errors, with_parallelism_sp
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.prepare import prepare_model
 from hf_upipe.integrations.support import model_refusal, refusal_error
@@ -219,7 +220,8 @@ class UPipeRuntime:
 
     @classmethod
     def setup(cls, config: UPipeConfig, model, *, world_size: int, device, checkpointing: bool,
-              checkpointing_fix: str, output_dir: str | None = None, pad_token_id: int = 0) -> UPipeRuntime:
+              checkpointing_fix: str, output_dir: str | None = None, pad_token_id: int = 0,
+              parallelism: ParallelismSizes | None = None, deepspeed: bool = False) -> UPipeRuntime:
         """Check, plan (auto), build the SP groups and prepare `model` (module docstring).
 
         Args:
@@ -230,11 +232,15 @@ class UPipeRuntime:
                 it on (named in errors).
             output_dir: a folder checkpoints will be written to (checked writable), or None.
             pad_token_id: the pad id `shard` pads the sequence with.
+            parallelism: the sizes of accelerate's `ParallelismConfig` in this run, if any
+                (`hf_upipe.integrations.parallelism`): its sp_size is the SP degree when `config` gives none, and
+                what hf_upipe cannot honour in it is refused; `deepspeed`: whether the DeepSpeed engine runs.
 
         Raises:
             ValueError / NotImplementedError on every rank before any collective but the one that shares them.
         """
-        errors: list[Exception] = []
+        errors = parallelism_errors(config, parallelism, world_size, deepspeed=deepspeed)
+        config = with_parallelism_sp(config, parallelism)
         for name in ("auto", "offload"):
             value = getattr(config, name)
             if value not in (False, "none") and not checkpointing:

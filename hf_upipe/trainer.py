@@ -36,6 +36,7 @@ What it does, with W processes and `sp_size` P (W = P x dp_size):
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import resource
@@ -51,6 +52,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, ge
 from hf_upipe.checkpoint import verify_checkpoint, write_manifest
 from hf_upipe.config import UPipeConfig
 from hf_upipe.integrations.loaders import share_batches_within_sp
+from hf_upipe.integrations.parallelism import (
+    accelerate_view,
+    find_parallelism,
+    parallelism_errors,
+    uses_deepspeed,
+    with_parallelism_sp,
+)
 from hf_upipe.integrations.prepare import prepare_model
 from hf_upipe.runtime import UPipeRuntime, agree_on_errors, output_dir_errors
 
@@ -115,10 +123,12 @@ class UPipeTrainer(Trainer):
 
     def __init__(self, model=None, args=None, *pargs, upipe_config: UPipeConfig | None = None, **kwargs):
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if args is not None and args.save_strategy != "no":  # before transformers creates it on the main rank only
-            agree_on_errors(output_dir_errors(args.output_dir), world)
-        super().__init__(model, args, *pargs, **kwargs)
         config = upipe_config if upipe_config is not None else UPipeConfig()
+        parallelism = find_parallelism(getattr(args, "parallelism_config", None))
+        deepspeed = uses_deepspeed(args)
+        # before transformers creates the output folder (main rank only) and accelerate its groups or DeepSpeed SP
+        args = self._early_checks(args, config, parallelism, world, deepspeed)
+        super().__init__(model, args, *pargs, **kwargs)
         if self.args.label_smoothing_factor:
             raise NotImplementedError("UPipeTrainer computes the causal-LM loss itself; label_smoothing_factor="
                                       f"{self.args.label_smoothing_factor} is not supported (set it to 0).")
@@ -135,12 +145,37 @@ class UPipeTrainer(Trainer):
                                or self.args.gradient_checkpointing),
             checkpointing_fix="set TrainingArguments(activation_checkpointing=True) (older transformers: "
                               "gradient_checkpointing=True)",
-            pad_token_id=0 if pad is None else pad)
+            pad_token_id=0 if pad is None else pad, parallelism=parallelism, deepspeed=deepspeed)
         if self.compute_metrics is not None and self.upipe.state.sp_size > 1:  # the same on every rank
             raise NotImplementedError("compute_metrics needs full-sequence logits, which UPipeTrainer never "
                                       "materialises under sequence parallelism (sp_size > 1); drop compute_metrics "
                                       "(eval_loss is still reported).")
         self._stats = {"tokens": 0, "since": None}
+
+    @staticmethod
+    def _early_checks(args, config: UPipeConfig, parallelism, world: int, deepspeed: bool):
+        """The checks that must pass before `Trainer.__init__`, on every rank (one all_gather_object): a writable
+        output_dir, and accelerate's `ParallelismConfig` (`hf_upipe.integrations.parallelism`). Returns the
+        arguments transformers gets: with a parallelism config, a copy whose `parallelism_config` has no SP (the
+        SP ranks folded into data parallelism), so neither transformers nor accelerate applies its own SP."""
+        errors = output_dir_errors(args.output_dir) if args is not None and args.save_strategy != "no" else []
+        errors += parallelism_errors(config, parallelism, world, deepspeed=deepspeed)
+        sp = None
+        try:
+            sp = with_parallelism_sp(config, parallelism).resolve_sp_size(world)
+        except ValueError as err:
+            errors.append(err)
+        agree_on_errors(errors, world)
+        if parallelism is None:
+            return args
+        if args is None:  # what transformers' Trainer uses by default
+            from transformers import TrainingArguments
+
+            args = TrainingArguments(output_dir="trainer_output")
+        fsdp = bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        args = copy.copy(args)
+        args.parallelism_config = accelerate_view(parallelism, sp, world, fsdp=fsdp)
+        return args
 
     @property
     def upipe_config(self) -> UPipeConfig:

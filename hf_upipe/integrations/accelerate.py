@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader
 from hf_upipe.config import UPipeConfig
 from hf_upipe.data import ShardedDataLoader
 from hf_upipe.integrations.loaders import share_batches_within_sp
+from hf_upipe.integrations.parallelism import find_parallelism
 from hf_upipe.runtime import UPipeRuntime, activation_checkpointing
 
 __all__ = ["UPipePlugin"]
@@ -66,9 +67,12 @@ class UPipePlugin(UPipeConfig):
 
         Raises:
             ValueError / NotImplementedError on every rank before any collective: sp_size not dividing the number
-            of processes, offload or auto without activation checkpointing (call
-            `model.activation_checkpointing_enable()` first), a kernel that cannot run here, heads that do not split,
-            an output_dir that cannot be written, an FSDP config accelerate cannot honour.
+            of processes, an accelerate `ParallelismConfig` hf_upipe cannot honour (its sp_size is the SP degree
+            when the plugin gives none; refused: DeepSpeed with its sp_size, cp_size or tp_size > 1, sizes that
+            disagree with sp_size or do not make the number of processes; `hf_upipe.integrations.parallelism`),
+            offload or auto without activation checkpointing (call `model.activation_checkpointing_enable()`
+            first), a kernel that cannot run here, heads that do not split, an output_dir that cannot be written,
+            an FSDP config accelerate cannot honour.
         """
         wants_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
         if wants_fsdp and str(accelerator.distributed_type) != "DistributedType.FSDP":
@@ -76,12 +80,13 @@ class UPipePlugin(UPipeConfig):
                              f"{accelerator.distributed_type} (accelerate runs FSDP on accelerators only): on CPU "
                              "use a DDP config such as accelerate_configs/cpu_2proc.yaml.")
         checkpointing = activation_checkpointing(model)
+        parallelism = find_parallelism(getattr(accelerator, "parallelism_config", None))
         upipe = UPipeRuntime.setup(
             self, model, world_size=accelerator.num_processes, device=accelerator.device,
             checkpointing=checkpointing, checkpointing_fix=checkpointing_fix or "call "
             "model.activation_checkpointing_enable() (older transformers: gradient_checkpointing_enable()) before "
-            "UPipePlugin.prepare", output_dir=output_dir,
-            pad_token_id=pad_token_id)
+            "UPipePlugin.prepare", output_dir=output_dir, pad_token_id=pad_token_id, parallelism=parallelism,
+            deepspeed=str(accelerator.distributed_type) == "DistributedType.DEEPSPEED")
         given = [x for x in (model, optimizer, dataloader, *others) if x is not None]
         prepared = list(accelerator.prepare(*given)) if len(given) > 1 else [accelerator.prepare(*given)]
         out = [prepared.pop(0) if x is not None else None for x in (model, optimizer, dataloader, *others)]

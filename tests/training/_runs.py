@@ -76,6 +76,15 @@ def _corrupt(rank: int, src: str, dst: str, flip: str | None = None, delete: str
         torch.distributed.barrier()
 
 
+def _parallelism(sizes: dict | None):
+    """accelerate's ParallelismConfig with these sizes (`{"sp": 2}` -> sp_size=2), or None."""
+    if sizes is None:
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+
+    return ParallelismConfig(**{f"{d}_size": v for d, v in sizes.items()})
+
+
 def train_run(rank: int, world: int, spec: dict) -> dict:
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
@@ -95,6 +104,7 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
         activation_checkpointing=spec.get("checkpointing", False),
         train_sampling_strategy="sequential" if spec.get("unlabeled") else "random",
         accelerator_config={"dispatch_batches": False} if spec.get("iterable_eval") else None,
+        parallelism_config=_parallelism(spec.get("parallelism")),
     )
     train = _dataset(32, spec.get("seq_len", 29), 96, seed=1, unlabeled=spec.get("unlabeled") or 0)
     evals = _dataset(spec.get("eval_rows", 9), spec.get("seq_len", 29), 96, seed=2)
@@ -135,7 +145,10 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
     if spec.get("save_to") and trainer.args.should_save:
         trainer.save_model(spec["save_to"])
     grad_norms = {h["step"]: h["grad_norm"] for h in history if "grad_norm" in h}
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
     return {"losses": losses, "evals": evals_, "again": again, "grad_norms": grad_norms, "keys": extra,
+            "sp_size": trainer.upipe.state.sp_size if spec["trainer"] == "upipe" else None,
+            "accelerate_sp": None if pc is None else (pc.sp_size, pc.total_size),
             "params": params if rank == 0 else None,
             "stats": [(h.get("tokens_per_second"), h.get("peak_memory_gib")) for h in history if "loss" in h]}
 

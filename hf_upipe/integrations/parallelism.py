@@ -1,0 +1,178 @@
+"""accelerate's `ParallelismConfig` under hf_upipe: its SP degree is honoured or the run is refused, never ignored.
+
+Entry points:
+- `find_parallelism(explicit, source)`: the sizes of a `ParallelismConfig` given in Python (`TrainingArguments(
+  parallelism_config=...)`, `Accelerator(parallelism_config=...)`), or else those of the accelerate config file's
+  `parallelism_config_*` keys, which `accelerate launch` exports as `PARALLELISM_CONFIG_*` variables with
+  `ACCELERATE_USE_PARALLELISM_CONFIG=true` (read as accelerate's `ParallelismConfig.__post_init__` reads them);
+  None when there is neither.
+- `with_parallelism_sp(config, sizes)`: the UPipe settings with sp_size taken from the parallelism config when
+  neither `UPipeConfig.sp_size` nor `UPIPE_SP_SIZE` gives it (a copy; errors then name the parallelism config).
+- `parallelism_errors(config, sizes, world, deepspeed=...)`: what hf_upipe refuses, each error naming the numbers
+  and the fix: DeepSpeed together with an SP degree (accelerate would stack DeepSpeed's Ulysses SP, its only
+  `sp_backend`, on hf_upipe's), `cp_size > 1` (context parallelism: another SP system), `tp_size > 1`, an
+  sp_size that disagrees with `UPipeConfig.sp_size`, and sp x dp sizes that do not make the world size.
+- `accelerate_view(sizes, sp, world, fsdp)`: the `ParallelismConfig` accelerate and transformers get instead of the
+  user's: no SP (hf_upipe runs it), the SP ranks folded into the data-parallel sizes (the gradients are averaged
+  over all ranks), so neither sets up DeepSpeed SP, counts batches per SP size or computes a DeepSpeed SP loss.
+
+Nothing here runs a collective: the callers share the errors with `runtime.agree_on_errors`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from hf_upipe.config import UPipeConfig
+
+__all__ = ["ENV_SWITCH", "ParallelismSizes", "accelerate_view", "find_parallelism", "parallelism_errors",
+           "uses_deepspeed", "with_parallelism_sp"]
+
+ENV_SWITCH = "ACCELERATE_USE_PARALLELISM_CONFIG"
+_ENV = "PARALLELISM_CONFIG_"
+_DIMS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+_FROM_ENV = "the accelerate config"
+
+
+@dataclass(frozen=True)
+class ParallelismSizes:
+    """The sizes of one `ParallelismConfig` and where they came from (`source`: the Python call, or
+    `_FROM_ENV` for the accelerate config's `parallelism_config_*` keys)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+    sp: int = 1
+    source: str = "ParallelismConfig"
+
+    @property
+    def total(self) -> int:
+        return math.prod(getattr(self, d) for d in _DIMS)
+
+    def describe(self, dim: str) -> str:
+        """`ParallelismConfig(sp_size=2)`, or `parallelism_config_sp_size: 2 (PARALLELISM_CONFIG_SP_SIZE=2)`."""
+        value = getattr(self, dim)
+        if self.source == _FROM_ENV:
+            return f"parallelism_config_{dim}_size: {value} ({_ENV}{dim.upper()}_SIZE={value})"
+        return f"{self.source}({dim}_size={value})"
+
+    def spell(self, **sizes: int) -> str:
+        """The fix written the way these sizes were given."""
+        if self.source == _FROM_ENV:
+            return ", ".join(f"parallelism_config_{d}_size: {v}" for d, v in sizes.items())
+        return f"{self.source}({', '.join(f'{d}_size={v}' for d, v in sizes.items())})"
+
+
+def _int(value, name: str) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if number < 1:
+        raise ValueError(f"{name}={value!r}: a parallelism size is a positive integer.")
+    return number
+
+
+def find_parallelism(explicit=None, *, environ: dict | None = None) -> ParallelismSizes | None:
+    """The sizes of `explicit` (a `ParallelismConfig`), else of the accelerate config's variables, else None.
+    An `explicit` one built by accelerate from those variables (`Accelerator().parallelism_config` under
+    `accelerate launch`) is named as the accelerate config's keys."""
+    env = os.environ if environ is None else environ
+    from_file = env.get(ENV_SWITCH, "false").lower() == "true"
+    if explicit is not None:
+        return ParallelismSizes(**{d: _int(getattr(explicit, f"{d}_size", None) or 1, f"{d}_size") for d in _DIMS},
+                                source=_FROM_ENV if from_file and _matches_env(explicit, env) else "ParallelismConfig")
+    if not from_file:
+        return None
+    return ParallelismSizes(**{d: _int(env.get(f"{_ENV}{d.upper()}_SIZE", "1"), f"{_ENV}{d.upper()}_SIZE")
+                               for d in _DIMS}, source=_FROM_ENV)
+
+
+def _matches_env(explicit, env) -> bool:
+    return all(str(getattr(explicit, f"{d}_size", None) or 1) == env.get(f"{_ENV}{d.upper()}_SIZE", "1")
+               for d in _DIMS)
+
+
+def uses_deepspeed(args=None, environ: dict | None = None) -> bool:
+    """Whether the run uses the DeepSpeed engine: `TrainingArguments(deepspeed=...)` or an accelerate DeepSpeed
+    config (`ACCELERATE_USE_DEEPSPEED=true`)."""
+    env = os.environ if environ is None else environ
+    return bool(getattr(args, "deepspeed", None)) or env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def with_parallelism_sp(config: UPipeConfig, sizes: ParallelismSizes | None) -> UPipeConfig:
+    """`config`, or a copy with sp_size from `sizes` when only the parallelism config gives an SP degree."""
+    if sizes is None or sizes.sp == 1 or config.sp_size is not None:
+        return config
+    return config.with_source(sizes.describe("sp"), sp_size=sizes.sp)
+
+
+def _stacking_errors(config: UPipeConfig, sizes: ParallelismSizes, deepspeed: bool) -> list[Exception]:
+    errors: list[Exception] = []
+    if deepspeed and sizes.sp > 1:
+        errors.append(ValueError(
+            f"{sizes.describe('sp')} with DeepSpeed: accelerate would set up DeepSpeed's own sequence parallelism "
+            f"(sp_backend='deepspeed', Ulysses) over {sizes.sp} ranks on top "
+            "of hf_upipe's, two sequence-parallel systems stacked. Use hf_upipe with an FSDP2 or DDP accelerate config "
+            "(not DeepSpeed), or drop hf_upipe (transformers.Trainer) to use DeepSpeed's sequence parallelism."))
+    if sizes.cp > 1:
+        errors.append(ValueError(
+            f"{sizes.describe('cp')} asks for context parallelism, another sequence-parallel system, which hf_upipe "
+            f"would run under its own: set {sizes.spell(cp=1, sp=sizes.cp * sizes.sp)} to let hf_upipe split each "
+            "sequence over those ranks instead."))
+    if sizes.tp > 1:
+        errors.append(ValueError(
+            f"{sizes.describe('tp')}: tensor parallelism is not supported together with hf_upipe's sequence "
+            f"parallelism; set {sizes.spell(tp=1)}."))
+    if config.sp_size is not None and sizes.sp > 1 and config.sp_size != sizes.sp:
+        errors.append(ValueError(
+            f"{config.describe('sp_size')} and {sizes.describe('sp')} disagree on the sequence-parallel degree "
+            f"({config.sp_size} vs {sizes.sp}): give it once (drop one of them) or make them equal."))
+    return errors
+
+
+def parallelism_errors(config: UPipeConfig, sizes: ParallelismSizes | None, world: int, *,
+                       deepspeed: bool = False) -> list[Exception]:
+    """What hf_upipe refuses in `sizes` (module docstring), each error naming the numbers and the fix."""
+    if sizes is None:
+        return []
+    errors = _stacking_errors(config, sizes, deepspeed)
+    if errors or sizes.total == 1:  # all sizes 1: accelerate's "data parallel over every process", nothing to check
+        return errors
+    config = with_parallelism_sp(config, sizes)
+    try:
+        sp = config.resolve_sp_size(world)
+    except ValueError:
+        return errors  # the runtime's own check says it, naming the setting
+    dp = sizes.dp_replicate * sizes.dp_shard
+    if sp * dp != world:
+        fix = (f"set dp_replicate_size x dp_shard_size to {world // sp} (for example "
+               f"{sizes.spell(dp_shard=world // sp) if sizes.dp_shard > 1 else sizes.spell(dp_replicate=world // sp)}"
+               f"{', dp_replicate_size: 1' if sizes.dp_shard > 1 and sizes.dp_replicate > 1 else ''})")
+        origin = config.describe("sp_size") if config.sp_size is not None else "hf_upipe's default: one node"
+        errors.append(ValueError(
+            f"sp_size {sp} ({origin}) x dp_replicate_size {sizes.dp_replicate} x dp_shard_size "
+            f"{sizes.dp_shard} ({sizes.describe('dp_replicate')}, {sizes.describe('dp_shard')}) = {sp * dp} "
+            f"processes, but this launch has {world}: {fix}, or choose an sp_size that makes {world}."))
+    return errors
+
+
+def accelerate_view(sizes: ParallelismSizes | None, sp: int, world: int, *, fsdp: bool = False):
+    """The `accelerate.ParallelismConfig` accelerate and transformers get: sp_size, cp_size and tp_size 1, and
+    data parallelism over all `world` processes (the gradients are averaged over every rank): under FSDP the SP
+    ranks are folded into dp_shard (parameters sharded over them too, replicated over dp_replicate); otherwise all
+    sizes 1, which accelerate reads as DDP over every process (it accepts nothing else on CPU). None when the user
+    gave no parallelism config."""
+    if sizes is None:
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+
+    replicate, shard = 1, 1
+    if fsdp and sizes.total > 1:
+        replicate = sizes.dp_replicate if world % (sizes.dp_replicate * sp) == 0 else 1
+        shard = world // replicate
+    return ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=1, cp_size=1, sp_size=1,
+                             cp_backend="torch", sp_backend="deepspeed")
