@@ -108,12 +108,15 @@ def _dtype_code(dtype) -> int:
 
 
 def _layout_summary(state, position_ids, mask, batch, local_len, device, documents, dtype=None) -> torch.Tensor:
-    """This rank's facts as int64 [14]: s, B, mask ok, positions ok, padding ok locally, any pad, all pads
-    (every row all padding), positions restarting locally, documents given, two checksums of them, the dtype, and
+    """This rank's facts as int64 [15]: s, B, mask ok, positions ok, padding ok locally, any pad, all pads
+    (every row all padding), positions restarting locally, documents given, two checksums of them, the dtype,
     whether the model's mask here ignores / keeps the documents (positions restart locally and the mask is plain
-    causal / is not)."""
+    causal / is not), and the 2-D attention_mask's length (s without one)."""
     r, s = state.sp_rank, local_len
     pad = None if mask is None else mask.padding
+    mask_len = s if pad is None else int(pad.shape[-1])
+    if mask_len != s:  # a mask of another length (the whole sequence's?): named after the gather, not used here
+        pad = None
     pos = None  # [B, s] when usable; anything else fails the position check on every rank (no local raise)
     if position_ids is not None and position_ids.dim() in (1, 2) and position_ids.shape[-1] == s \
             and position_ids.reshape(-1, s).shape[0] in (1, batch):
@@ -146,7 +149,7 @@ def _layout_summary(state, position_ids, mask, batch, local_len, device, documen
         form_ok = not left_padded_rows(pad)
         any_pad, all_pad = bool((~pad).any()), bool((~pad).all())
     return torch.tensor([s, batch, mask_ok, pos_ok, form_ok, any_pad, all_pad, restart, given, *sums,
-                         _dtype_code(dtype), across, apart],
+                         _dtype_code(dtype), across, apart, mask_len],
                         dtype=torch.long, device=device)
 
 
@@ -159,9 +162,15 @@ def _check_layout(state, position_ids, mask, batch, local_len, device, documents
     Returns whether attention keeps the documents apart (see `validate_layout`).
     """
     mine = _layout_summary(state, position_ids, mask, batch, local_len, device, documents, dtype)
-    every = _gather_checked(mine, state)  # [P, 14]
+    every = _gather_checked(mine, state)  # [P, 15]
     (s, B, mask_ok, pos_ok, form_ok, any_pad, all_pad, restart, given, n_cu, sum_cu, dtypes, across,
-     apart) = every.t().tolist()
+     apart, mask_len) = every.t().tolist()
+    if any(length != local for length, local in zip(mask_len, s)):
+        bad = [i for i, (length, local) in enumerate(zip(mask_len, s)) if length != local]
+        raise ValueError(
+            f"attention_mask has {[mask_len[i] for i in bad]} tokens per row on SP ranks {bad}, but their input_ids "
+            f"hold a shard of {s[bad[0]]} tokens: pass each rank its shard of the attention_mask too "
+            "(hf_upipe.shard_batch({'input_ids': ..., 'attention_mask': ...}, rank, sp_size) cuts both).")
     if len(set(dtypes)) > 1:
         names = [str(_DTYPES[c]).replace("torch.", "") if c < len(_DTYPES) else "other" for c in dtypes]
         raise ValueError(f"Sequence-parallel ranks compute attention in different dtypes ({names} by SP rank): "

@@ -2,7 +2,8 @@
 loaded with `attn_implementation="upipe"` and called on shards without `prepare_model`, from its first call on:
 `labels=` without `shift_labels=` (refused in transformers' causal-LM loss), `output_attentions=True` (refused where
 transformers collects the weights), `use_cache=True` (from the second call: the guard installs the pre-hook). With
-`shift_labels=` the shard losses add up to the one-process loss. Every case on both ranks of a gloo group; the loss
+`shift_labels=` the shard losses add up to the one-process loss. A whole row's attention_mask passed with a shard's
+input_ids is named as such. Every case on both ranks of a gloo group; the loss
 and collector checks also in one process with an SP state installed, and off without one.
 """
 
@@ -69,8 +70,11 @@ def _worker(rank, world):
     ids = torch.randint(3, 96, (1, 8 * world), generator=torch.Generator().manual_seed(1))
     shard = shard_batch({"input_ids": ids, "labels": ids}, rank, world)
     inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
+    full_mask = torch.ones(1, 8 * world, dtype=torch.long)
+    full_mask[:, -3:] = 0  # right padding of the whole row, passed whole with a shard's input_ids
     out = {"labels": _attempt(copy.deepcopy(model), **inputs, labels=shard["input_ids"]),
-           "output_attentions": _attempt(copy.deepcopy(model), **inputs, output_attentions=True)}
+           "output_attentions": _attempt(copy.deepcopy(model), **inputs, output_attentions=True),
+           "full mask": _attempt(copy.deepcopy(model), **inputs, attention_mask=full_mask)}
     second = copy.deepcopy(model)
     out["first call"] = _attempt(second, **inputs)
     out["use_cache"] = _attempt(second, **inputs, use_cache=True)
@@ -91,6 +95,9 @@ def test_an_unprepared_upipe_model_gets_the_call_checks_on_every_rank():
     for out, loss, want in run_distributed(_worker, 2):
         assert out["labels"] == LABELS_UNDER_SP
         assert out["output_attentions"] == ATTENTIONS_UNDER_SP
+        assert out["full mask"].startswith("attention_mask has [16, 16] tokens per row on SP ranks [0, 1], but their "
+                                           "input_ids hold a shard of 8 tokens: pass each rank its shard"), \
+            out["full mask"]
         assert out["first call"] == "ran"
         assert out["use_cache"].startswith("use_cache=True / a KV cache"), out["use_cache"]
         assert abs(loss - want) <= 1e-5 * abs(want), (loss, want)
