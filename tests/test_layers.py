@@ -4,7 +4,7 @@ Layers, bottom to top (a module may import its own layer and the layers below):
   0 ops, architectures, verification, registration helpers: pure torch (ops import nothing of transformers etc.)
   1 data, distributed, config, memory, integrations
   2 runtime, checkpoint, auto_settings
-  3 trainer, integrations.accelerate (UPipeTrainer and UPipePlugin, both on the runtime)
+  3 trainer, trl, integrations.accelerate (UPipeTrainer, UPipeSFTTrainer and UPipePlugin, all on the runtime)
   4 planning, selftest, testing, cli (on top: they may import anything)
 Every import statement counts, also those inside functions (a lazy import is still a dependency).
 """
@@ -22,7 +22,7 @@ LAYERS = [
     ("hf_upipe.data", "hf_upipe.distributed", "hf_upipe.config", "hf_upipe.memory", "hf_upipe.integrations",
      "hf_upipe.registration", "hf_upipe.models"),
     ("hf_upipe.runtime", "hf_upipe.checkpoint", "hf_upipe.auto_settings"),
-    ("hf_upipe.trainer", "hf_upipe.integrations.accelerate"),
+    ("hf_upipe.trainer", "hf_upipe.trl", "hf_upipe.integrations.accelerate"),
     ("hf_upipe.planning", "hf_upipe.selftest", "hf_upipe.matrix", "hf_upipe.testing", "hf_upipe.cli",
      "hf_upipe.__init__"),
 ]

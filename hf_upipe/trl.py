@@ -1,0 +1,150 @@
+"""`UPipeSFTTrainer`: TRL's `SFTTrainer` with hf_upipe's sequence parallelism, on the runtime `UPipeTrainer` uses.
+
+A TRL user changes one import (`from hf_upipe.trl import UPipeSFTTrainer as SFTTrainer`) and keeps their
+`SFTConfig`; the sequence-parallel settings come as `upipe_config=UPipeConfig(...)` (default: every process of a
+node shares a sequence; `UPIPE_*` environment variables apply).
+
+Composition: `class UPipeSFTTrainer(UPipeTrainer, SFTTrainer)`. The method resolution order is UPipeSFTTrainer ->
+UPipeTrainer -> SFTTrainer -> transformers.Trainer, so:
+- TRL builds everything that is data: model loading from a name, `peft_config`, the pad/eos tokens, tokenization,
+  prompt-completion `completion_mask` -> `labels` (`completion_only_loss`), packing (`bfd`: documents of one row
+  told apart by restarting `position_ids`, which `hf_upipe.shard_batch` turns into `upipe_cu_seqlens`), its
+  collator (padding-free rows with `position_ids`/`cu_seq_lens_*`/`seq_idx`, or right-padded rows);
+- UPipeTrainer does everything that is SP: one `UPipeRuntime.setup`, the loaders' sharding re-pointed to the SP
+  groups, every micro-batch cut by `shard_batch`, the token-weighted loss over the whole optimizer step through the
+  tiled lm_head + cross-entropy (TRL's fused LM head / chunked log-probs is not called in training; one log line
+  says so), the exact eval loss, the atomic checkpoints;
+- TRL's `log` still merges its metrics: `num_tokens` is counted on the full batches (the same count as TRL's: the
+  attention mask's ones, or the padding-free row's length) and summed over the data-parallel replicas, so it equals
+  one process. `mean_token_accuracy` and `entropy` need the [tokens, vocab] logits, which the tiled loss never
+  builds: they are not logged in training (one log line says so), never logged as shard-local values.
+
+Refused at construction, on every rank, before any collective (`sft_config_errors`): `loss_type='dft'`,
+`assistant_only_loss` (not verified under SP yet), `use_liger_kernel`, `activation_offloading` (use
+`UPipeConfig(offload='cpu')`), selective activation checkpointing, `label_smoothing_factor`, `compute_loss_func`,
+accelerate/DeepSpeed sequence or context parallelism; after TRL's setup: vision datasets and an MoE router
+auxiliary loss (the runtime's loss has no aux term).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from trl import SFTConfig, SFTTrainer
+
+from hf_upipe.config import UPipeConfig
+from hf_upipe.trainer import UPipeTrainer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SFT_TRAINER_INTERNALS", "UPipeSFTTrainer", "sft_config_errors"]
+
+# trl.SFTTrainer methods UPipeSFTTrainer's composition runs through (UPipeTrainer's overrides call them via super()),
+# with the parameters they were written against (trl 1.16); tests/test_trl.py fails when trl changes one.
+SFT_TRAINER_INTERNALS = {
+    "compute_loss": ("self", "model", "inputs", "return_outputs", "num_items_in_batch"),
+    "prediction_step": ("self", "model", "inputs", "prediction_loss_only", "ignore_keys"),
+    "log": ("self", "logs", "start_time"),
+    "_save_checkpoint": ("self", "model", "trial"),
+    "evaluate": ("self", "eval_dataset", "ignore_keys", "metric_key_prefix"),
+}
+
+
+def _parallelism_error(pc) -> str | None:
+    """Why accelerate's `ParallelismConfig` `pc` cannot run with hf_upipe (None when it can)."""
+    if pc is not None and (getattr(pc, "sp_enabled", False) or getattr(pc, "cp_enabled", False)):
+        return ("SFTConfig(parallelism_config=...) turns on accelerate's sequence/context parallelism, which would "
+                "shard the sequence a second time: hf_upipe does the sequence parallelism; drop parallelism_config "
+                "(or its sp_size/cp_size).")
+    return None
+
+
+def sft_config_errors(args: SFTConfig, compute_loss_func=None) -> list[Exception]:
+    """The SFTConfig settings UPipeSFTTrainer does not handle, each with the reason and the fix (empty when none).
+
+    Depends only on the arguments, so every rank finds the same errors without communicating."""
+    errors: list[Exception] = []
+    if args.loss_type != "nll":
+        errors.append(NotImplementedError(
+            f"SFTConfig(loss_type={args.loss_type!r}): UPipeSFTTrainer computes the token-mean negative log-likelihood "
+            "with hf_upipe's tiled loss; the DFT weighting is not implemented under sequence parallelism. Use "
+            "loss_type='nll'."))
+    if args.assistant_only_loss:
+        errors.append(NotImplementedError(
+            "SFTConfig(assistant_only_loss=True) is not verified under hf_upipe's sequence parallelism yet; set "
+            "assistant_only_loss=False (completion_only_loss with prompt-completion data is supported)."))
+    if args.use_liger_kernel:
+        errors.append(NotImplementedError(
+            "SFTConfig(use_liger_kernel=True): Liger's kernels replace the modules hf_upipe's fused attention and "
+            "tiled MLP adapt; set use_liger_kernel=False (hf_upipe's tiled loss and tiled MLP save the memory)."))
+    if args.activation_offloading:
+        errors.append(NotImplementedError(
+            "SFTConfig(activation_offloading=True): TRL's offload would run beside hf_upipe's own; set it to False "
+            "and use UPipeConfig(offload='cpu') (with activation_checkpointing=True)."))
+    if (args.gradient_checkpointing_kwargs or {}).get("selective"):
+        errors.append(NotImplementedError(
+            "gradient_checkpointing_kwargs={'selective': True} (TRL's selective checkpointing) is not verified with "
+            "hf_upipe's fused attention; drop 'selective' (full activation checkpointing works)."))
+    if args.label_smoothing_factor:
+        errors.append(NotImplementedError(
+            f"label_smoothing_factor={args.label_smoothing_factor}: UPipeSFTTrainer computes the causal-LM loss with "
+            "hf_upipe's tiled loss, which has no label smoothing; set it to 0."))
+    if compute_loss_func is not None:
+        errors.append(NotImplementedError(
+            "compute_loss_func needs the full logits, which hf_upipe never builds under sequence parallelism; drop "
+            "it (the loss is the token-mean negative log-likelihood)."))
+    if (why := _parallelism_error(getattr(args, "parallelism_config", None))) is not None:
+        errors.append(NotImplementedError(why))
+    return errors
+
+
+class UPipeSFTTrainer(UPipeTrainer, SFTTrainer):
+    """`trl.SFTTrainer` with UPipe sequence parallelism, an exact token-weighted loss and the tiled loss.
+
+    Args:
+        model, args, ...: as for `trl.SFTTrainer` (an `SFTConfig`, `peft_config`, `formatting_func`...).
+        upipe_config: the sequence-parallel settings (see `UPipeTrainer`); default `UPipeConfig()`.
+
+    Raises:
+        NotImplementedError at construction, on every rank, for the settings `sft_config_errors` names (and, after
+            TRL's setup, vision datasets and an MoE router auxiliary loss); the errors of `UPipeTrainer`.
+    """
+
+    def __init__(self, model, args: SFTConfig | None = None, *pargs, upipe_config: UPipeConfig | None = None,
+                 **kwargs):
+        if args is not None:
+            if not isinstance(args, SFTConfig):
+                raise TypeError(f"UPipeSFTTrainer takes an SFTConfig, got {type(args).__name__}.")
+            errors = sft_config_errors(args, kwargs.get("compute_loss_func"))
+            if errors:  # the same on every rank: raised before TRL or hf_upipe run any collective
+                raise errors[0]
+        super().__init__(model, args, *pargs, upipe_config=upipe_config, **kwargs)
+        self._refuse_after_setup()
+        logger.info("UPipeSFTTrainer: the training loss is hf_upipe's %s loss (token mean over the optimizer step); "
+                    "TRL's fused LM head is not used in training.",
+                    "tiled" if self.upipe.config.tiled_loss else "untiled")
+        logger.warning("UPipeSFTTrainer: mean_token_accuracy and entropy are not logged in training (they need the "
+                       "full [tokens, vocab] logits, which the tiled loss never builds); num_tokens is.")
+
+    def _refuse_after_setup(self) -> None:
+        """What only TRL's setup reveals; the same on every rank (same model, data and settings)."""
+        if self._is_vision_dataset:
+            raise NotImplementedError("UPipeSFTTrainer trains causal language models on text; vision datasets are "
+                                      "not supported under hf_upipe's sequence parallelism.")
+        if self.aux_loss_enabled:
+            raise NotImplementedError(
+                f"The model returns router logits and the MoE auxiliary loss is weighted by "
+                f"{self.router_aux_loss_coef}: hf_upipe's loss has no auxiliary term; set "
+                "SFTConfig(router_aux_loss_coef=0.0).")
+        why = _parallelism_error(self.accelerator.parallelism_config)  # also set through an accelerate config file
+        if why is not None:
+            raise NotImplementedError(why)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """UPipeTrainer's (shards, label tokens of the step); also TRL's `num_tokens`, counted on the full batches
+        and summed over the data-parallel replicas (SP rank 0 of each group counts)."""
+        before = self._stats["tokens"]
+        shards, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._total_train_tokens += int(self._stats["tokens"] - before)
+        self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return shards, count

@@ -1,0 +1,70 @@
+"""UPipeSFTTrainer refuses the SFTConfig settings it does not handle, at construction, with the reason and the fix;
+and the trl.SFTTrainer methods its composition runs through keep the parameters it was written against."""
+
+import inspect
+
+import pytest
+
+trl = pytest.importorskip("trl")
+
+from hf_upipe.trl import SFT_TRAINER_INTERNALS, UPipeSFTTrainer, sft_config_errors  # noqa: E402
+
+REFUSED = {
+    # setting -> words the error must contain
+    "loss_type": (dict(loss_type="dft"), "loss_type='dft'"),
+    "assistant_only_loss": (dict(assistant_only_loss=True), "assistant_only_loss=True"),
+    "use_liger_kernel": (dict(use_liger_kernel=True), "use_liger_kernel=True"),
+    "activation_offloading": (dict(activation_offloading=True), "UPipeConfig(offload='cpu')"),
+    "selective_checkpointing": (dict(gradient_checkpointing_kwargs={"selective": True}), "'selective'"),
+    "label_smoothing": (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0.1"),
+}
+
+
+def _config(tmp_path, **overrides):
+    return trl.SFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, save_strategy="no",
+                         **overrides)
+
+
+def test_supported_settings_raise_nothing(tmp_path):
+    assert sft_config_errors(_config(tmp_path, packing=True, completion_only_loss=True, padding_free=True)) == []
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_unsupported_setting_is_refused_with_its_reason(tmp_path, name):
+    overrides, words = REFUSED[name]
+    errors = sft_config_errors(_config(tmp_path, **overrides))
+    assert len(errors) == 1 and isinstance(errors[0], NotImplementedError)
+    assert words in str(errors[0]), str(errors[0])
+
+
+def test_compute_loss_func_is_refused(tmp_path):
+    (err,) = sft_config_errors(_config(tmp_path), compute_loss_func=lambda *a, **k: 0)
+    assert "compute_loss_func needs the full logits" in str(err)
+
+
+def test_refused_before_trl_or_hf_upipe_run(tmp_path):
+    """The trainer raises before it looks at the model or the data (no collective, no dataset preparation)."""
+    with pytest.raises(NotImplementedError, match="loss_type='dft'"):
+        UPipeSFTTrainer(model=None, args=_config(tmp_path, loss_type="dft"), train_dataset=None)
+    with pytest.raises(TypeError, match="takes an SFTConfig"):
+        from transformers import TrainingArguments
+
+        UPipeSFTTrainer(model=None, args=TrainingArguments(output_dir=str(tmp_path)), train_dataset=None)
+
+
+def test_composition_order():
+    from transformers import Trainer
+
+    from hf_upipe.trainer import UPipeTrainer
+
+    mro = UPipeSFTTrainer.__mro__
+    assert mro.index(UPipeTrainer) < mro.index(trl.SFTTrainer) < mro.index(Trainer)
+
+
+@pytest.mark.parametrize("name", sorted(SFT_TRAINER_INTERNALS))
+def test_sft_trainer_method_keeps_its_parameters(name):
+    sig = inspect.signature(getattr(trl.SFTTrainer, name)).parameters
+    params = tuple(p for p in sig if sig[p].kind not in (inspect.Parameter.VAR_KEYWORD,
+                                                         inspect.Parameter.VAR_POSITIONAL))
+    assert params == SFT_TRAINER_INTERNALS[name], f"trl.SFTTrainer.{name} now takes {params}"
+    assert name in vars(trl.SFTTrainer), f"trl.SFTTrainer no longer overrides {name}"

@@ -1,0 +1,103 @@
+"""Worker bodies for the TRL tests: one SFT run per call, in a spawned gloo process group.
+
+`sft_runs(rank, world, specs)` trains a tiny random Llama (fp32) on a fixed prompt-completion dataset (text over a
+word-level tokenizer built in memory: no download) with `trl.SFTTrainer` ("trl", the one-process reference) or
+`hf_upipe.trl.UPipeSFTTrainer` ("upipe"), and returns the logged losses, grad norms, TRL's metrics and the final
+trainable parameters.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB = 96
+
+
+def tokenizer():
+    """A word-level tokenizer over "w0".."w91" plus 4 special tokens (96 ids: the tiny Llama's vocabulary)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 4)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def dataset(n_rows: int, seed: int, kind: str = "prompt_completion"):
+    """Rows of random words: prompts of 3-11 words and completions of 2-13 (prompt-completion), or their
+    concatenation as plain text ("text")."""
+    from datasets import Dataset
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def words(lo, hi):
+        n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 4, (n,), generator=gen))
+
+    rows = [(words(3, 11), words(2, 13)) for _ in range(n_rows)]
+    if kind == "text":
+        return Dataset.from_dict({"text": [f"{p} {c}" for p, c in rows]})
+    return Dataset.from_dict({"prompt": [p for p, _ in rows], "completion": [f" {c}" for _, c in rows]})
+
+
+def _model(seed: int):
+    from transformers import AutoModelForCausalLM
+
+    from tests.integrations._models import tiny_config
+
+    torch.manual_seed(seed)
+    config = tiny_config("llama")
+    assert config.vocab_size == VOCAB, config.vocab_size
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+
+
+def sft_run(rank: int, world: int, spec: dict) -> dict:
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
+    from trl import SFTConfig, SFTTrainer
+
+    import hf_upipe
+
+    args = SFTConfig(
+        output_dir=spec["output_dir"], per_device_train_batch_size=spec.get("batch", 2),
+        gradient_accumulation_steps=spec.get("ga", 2), max_steps=spec.get("steps", 4), learning_rate=2e-3,
+        lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.01, max_grad_norm=1.0, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, seed=3, data_seed=5, disable_tqdm=True,
+        dataloader_num_workers=0, max_length=spec.get("max_length", 40), packing=spec.get("packing", True),
+        completion_only_loss=spec.get("completion_only_loss", True), gradient_checkpointing=False, bf16=False,
+        model_init_kwargs=None, dataset_num_proc=None,
+    )
+    peft_config = None
+    if spec.get("lora"):
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
+    kwargs = dict(model=_model(seed=11), args=args, train_dataset=dataset(40, seed=1, kind=spec.get("kind",
+                  "prompt_completion")), processing_class=tokenizer(), peft_config=peft_config)
+    if spec["trainer"] == "upipe":
+        cfg = hf_upipe.UPipeConfig(sp_size=spec["sp"], heads_per_chunk=1, loss_chunk_tokens=7)
+        hf_upipe.reset_sequence_parallel()  # one job runs several specs
+        from hf_upipe.trl import UPipeSFTTrainer
+
+        trainer = UPipeSFTTrainer(**kwargs, upipe_config=cfg)
+    else:
+        trainer = SFTTrainer(**kwargs)
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    return {
+        "losses": {h["step"]: h["loss"] for h in history},
+        "grad_norms": {h["step"]: h["grad_norm"] for h in history},
+        "num_tokens": {h["step"]: h.get("num_tokens") for h in history},
+        "keys": sorted({k for h in history for k in h}),
+        "params": ({n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters() if p.requires_grad}
+                   if rank == 0 else None),
+    }
+
+
+def sft_runs(rank: int, world: int, specs: list[dict]) -> list[dict]:
+    return [sft_run(rank, world, spec) for spec in specs]
