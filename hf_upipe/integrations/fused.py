@@ -169,8 +169,8 @@ def _call_arguments(args: tuple, kwargs: dict) -> tuple:
 def fused_forward(self, hidden_states, *args, **kwargs):
     """Forward installed on known attention modules: the fused UPipe block under SP, the original otherwise."""
     state = active_state()
-    if state is None:
-        return type(self).forward(self, hidden_states, *args, **kwargs)
+    if state is None or _autocast_other_dtype(self, hidden_states):
+        return type(self).forward(self, hidden_states, *args, **kwargs)  # without SP: "sdpa"; else registered
     position_embeddings, attention_mask, cache, kwargs = _call_arguments(args, kwargs)
     if cache is not None and cache.get_seq_length(self.layer_idx) > 0:
         raise NotImplementedError("A KV cache with past tokens is not supported under sequence parallelism; "
@@ -212,6 +212,28 @@ def fused_forward(self, hidden_states, *args, **kwargs):
         kernel=kernel, scale=self.scaling, **self.__dict__.get(_OPTIONS, {}),
     )
     return y, None
+
+
+def _autocast_other_dtype(module: nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Autocast to a dtype other than the module's weights' (bf16 autocast over an fp32 model, as the Trainer's
+    `bf16=True` runs one): the fused block computes in its inputs' dtype and does not autocast its own products, so
+    the call takes the registered "upipe" path, where transformers' projections autocast as they do on one device.
+    Logged once."""
+    device = hidden_states.device.type
+    if not torch.is_autocast_enabled(device):
+        return False
+    weight = next(module.parameters(), None)
+    if weight is None or weight.dtype == torch.get_autocast_dtype(device):
+        return False
+    if not _AUTOCAST_SAID:
+        _AUTOCAST_SAID.append(True)
+        logger.info("hf_upipe: under %s autocast over %s weights the attention takes the registered 'upipe' path, "
+                    "not the fused block (load the model in %s to use it)", torch.get_autocast_dtype(device),
+                    weight.dtype, torch.get_autocast_dtype(device))
+    return True
+
+
+_AUTOCAST_SAID: list[bool] = []
 
 
 def _is_fused(module: nn.Module) -> bool:

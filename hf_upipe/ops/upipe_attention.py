@@ -265,6 +265,8 @@ def upipe_attention(
         causal: must be True (the only mask this op implements).
         sinks: [H] per-head attention-sink logits (GPT-OSS's `sinks`), or None; gradients flow to them.
 
+    Under autocast, q, k and v are cast to the autocast dtype first, as `scaled_dot_product_attention` casts them.
+
     Returns:
         out [B, s, H, D] contiguous.
 
@@ -281,6 +283,9 @@ def upipe_attention(
             f"upipe_attention expects q [B, s, H, D] and k, v [B, s, Hk, D]; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}."
         )
+    if torch.is_autocast_enabled(q.device.type):  # as SDPA under autocast: q, k, v in the autocast dtype
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # (differentiable: their gradients come back in theirs)
     layout = HeadLayout(q.shape[2], k.shape[2], group_size(group), heads_per_chunk)
     kern = get_kernel(kernel, q.device, q.dtype) if isinstance(kernel, str) else kernel
     scale = q.shape[-1] ** -0.5 if scale is None else scale
