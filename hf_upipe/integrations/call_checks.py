@@ -4,9 +4,9 @@
 `attn_implementation="upipe"` and called on shards without `prepare_model` must get the same refusals, on its first
 call too, where no pre-hook of ours sees its arguments. So they are also made where the argument takes effect:
 
-- `labels=` without `shift_labels=`: transformers' causal-LM losses (`LOSS_MAPPING["ForCausalLM"]` and
-  `["ForConditionalGeneration"]`) would shift the labels inside each rank's shard. `wrap_losses()` wraps them once
-  (when "upipe" is registered); the wrapper raises `LABELS_UNDER_SP` under SP and is the original otherwise.
+- `labels=` without `shift_labels=`: the model's loss would shift the labels inside each rank's shard.
+  `check_loss_labels(model)` wraps the model's own `loss_function` (the guard does, as it admits the model, before
+  its first forward runs); the wrapper raises `LABELS_UNDER_SP` under SP and is the original otherwise.
 - `output_attentions=True`: transformers collects the attention weights the attention modules return, and under SP
   none exist. `refuse_collected_attentions()` raises `ATTENTIONS_UNDER_SP` when transformers is collecting them
   (its output collector holds "attentions"); the "upipe" attention and the fused block call it.
@@ -32,8 +32,8 @@ from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.layout import note_model_positions
 from hf_upipe.integrations.mixers import reentrant_refusal, ring_refusal
 
-__all__ = ["ATTENTIONS_UNDER_SP", "CACHE_NAMES", "LABELS_UNDER_SP", "install_call_checks",
-           "refuse_collected_attentions", "refuse_silent_misuse", "remove_call_checks", "wrap_losses"]
+__all__ = ["ATTENTIONS_UNDER_SP", "CACHE_NAMES", "LABELS_UNDER_SP", "check_loss_labels", "install_call_checks",
+           "refuse_collected_attentions", "refuse_silent_misuse", "remove_call_checks"]
 
 LABELS_UNDER_SP = (
     "labels= under sequence parallelism would be shifted inside each rank's shard (the last target of every shard "
@@ -42,7 +42,6 @@ LABELS_UNDER_SP = (
     "the loss with hf_upipe's tiled loss.")
 ATTENTIONS_UNDER_SP = ("output_attentions=True under sequence parallelism: no [S, S] attention weights are ever "
                        "formed (the kernels return outputs and log-sum-exps only).")
-_LOSSES = ("ForCausalLM", "ForConditionalGeneration")  # the losses that shift their labels
 # the names transformers gives a forward's cache: `past_key_values` (to 5.23), `cache` (5.24 on)
 CACHE_NAMES = ("cache", "past_key_values")
 _HOOK = "_upipe_call_checks"  # the model's attribute holding the pre-hook's handle
@@ -61,18 +60,20 @@ def _refusing(loss):
             raise ValueError(LABELS_UNDER_SP)
         return loss(*args, **kwargs)
 
-    sp_checked_loss.upipe_original = loss
     return sp_checked_loss
 
 
-def wrap_losses() -> None:
-    """Wrap transformers' shifting causal-LM losses (idempotent)."""
-    from transformers.loss.loss_utils import LOSS_MAPPING
-
-    for name in _LOSSES:
-        loss = LOSS_MAPPING.get(name)
-        if loss is not None and not hasattr(loss, "upipe_original"):
-            LOSS_MAPPING[name] = _refusing(loss)
+def check_loss_labels(model: nn.Module) -> None:
+    """Make `model`'s own loss refuse unshifted labels under SP (idempotent): its `loss_function` (transformers'
+    `LOSS_MAPPING` entry for its loss type), wrapped on this instance only. transformers' own tables stay as they
+    are (the Trainer compares its entries by identity)."""
+    if "_loss_function" in model.__dict__ or not hasattr(type(model), "loss_function"):
+        return
+    try:
+        loss = model.loss_function
+    except (AttributeError, KeyError):
+        return
+    model.__dict__["_loss_function"] = _refusing(loss)
 
 
 def refuse_collected_attentions() -> None:
@@ -100,12 +101,10 @@ def _has_tensor(value) -> bool:
 
 def refuse_silent_misuse(module, args, kwargs):
     """The forward pre-hook of `install_call_checks`: under SP, refuse the call arguments the model would silently
-    get wrong (module docstring), and note the call's position_ids for attention layers that do not receive them."""
+    get wrong (module docstring)."""
     state = get_sequence_parallel_state()
     if state is None or state.sp_size == 1:
         return None
-    note_model_positions(kwargs.get("position_ids"), kwargs.get("upipe_cu_seqlens"), kwargs.get("upipe_max_seqlen"),
-                         module)
     if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
         raise ValueError(LABELS_UNDER_SP)
     if kwargs.get("output_attentions"):
@@ -129,11 +128,24 @@ def refuse_silent_misuse(module, args, kwargs):
     return None
 
 
-def install_call_checks(model: nn.Module) -> None:
-    """`refuse_silent_misuse` as `model`'s forward pre-hook (idempotent): `prepare_model` installs it, and the
-    guard (`hf_upipe.integrations.guard`) on a "upipe" model called on shards without it."""
+def _prepared_call(module, args, kwargs):
+    """`refuse_silent_misuse`, after noting the call's position_ids and documents for the attention layers of a
+    prepared model that do not receive them (`hf_upipe.integrations.layout.note_model_positions`)."""
+    state = get_sequence_parallel_state()
+    if state is not None and state.sp_size > 1:
+        note_model_positions(kwargs.get("position_ids"), kwargs.get("upipe_cu_seqlens"),
+                             kwargs.get("upipe_max_seqlen"), module)
+    return refuse_silent_misuse(module, args, kwargs)
+
+
+def install_call_checks(model: nn.Module, prepared: bool = True) -> None:
+    """`refuse_silent_misuse` as `model`'s forward pre-hook (idempotent). `prepare_model` installs it on the model
+    it prepares (`prepared`: the hook also notes the call's positions for its attention layers); the guard
+    (`hf_upipe.integrations.guard`) on a transformers model it admits on shards without `prepare_model` (refusals
+    only: it may be a model inside another, whose positions are not its own)."""
     if _HOOK not in model.__dict__:
-        model.__dict__[_HOOK] = model.register_forward_pre_hook(refuse_silent_misuse, with_kwargs=True)
+        hook = _prepared_call if prepared else refuse_silent_misuse
+        model.__dict__[_HOOK] = model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def remove_call_checks(model: nn.Module) -> None:

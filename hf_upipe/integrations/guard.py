@@ -11,8 +11,8 @@ Entry points:
   on every rank, before the model computes anything. Importing this module (`import hf_upipe` does) has
   `hf_upipe.distributed` call it whenever the SP state changes: active while sp_size > 1.
 - An unprepared model it admits (attention "upipe", no token mixer) gets `prepare_model`'s call checks
-  (`hf_upipe.integrations.call_checks`) for its later calls; its first call's `labels=` and `output_attentions`
-  are refused where they take effect.
+  (`hf_upipe.integrations.call_checks`) for its later calls, and a loss that refuses unshifted labels for this one;
+  `output_attentions` is refused where the weights would be collected.
 - `unprepared_refusal(model, allow_unverified)`: why `model`, not prepared by `prepare_model`, cannot run on
   shards (its token mixers, what the support gate refuses, its attention); None if it can (no token mixer, a type
   the gate admits, its attention modules, if any, "upipe").
@@ -28,7 +28,7 @@ import weakref
 from torch import nn
 
 from hf_upipe.distributed import get_sequence_parallel_state, on_state_change
-from hf_upipe.integrations.call_checks import install_call_checks
+from hf_upipe.integrations.call_checks import check_loss_labels, install_call_checks
 from hf_upipe.integrations.layout import is_adopted
 from hf_upipe.integrations.mixers import is_installed, supported
 from hf_upipe.integrations.support import config_refusal, model_refusal, refusal_error
@@ -90,7 +90,8 @@ def _refuse_unprepared(module: nn.Module, args) -> None:
         reason = unprepared_refusal(module, state.allow_unverified)
         if reason is not None:
             raise NotImplementedError(reason)
-        install_call_checks(module)  # its later calls' arguments are checked as a prepared model's are
+        check_loss_labels(module)  # this call's labels too: its loss runs after this hook
+        install_call_checks(module, prepared=False)  # its later calls' arguments are refused as a prepared one's
     _ADMITTED[module] = key
     return None
 

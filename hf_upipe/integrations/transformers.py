@@ -52,7 +52,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from hf_upipe.architectures import keeps_documents_apart
 from hf_upipe.distributed import SequenceParallelState, get_sequence_parallel_state
-from hf_upipe.integrations.call_checks import refuse_collected_attentions, wrap_losses
+from hf_upipe.integrations.call_checks import refuse_collected_attentions
 from hf_upipe.integrations.chunked import chunk_kernel, local_pattern
 from hf_upipe.integrations.layout import (
     TensorCache,
@@ -419,11 +419,9 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
 
 
 def register() -> None:
-    """Make `attn_implementation="upipe"` available to every transformers model (idempotent), and the causal-LM
-    losses refuse unshifted labels under SP (`hf_upipe.integrations.call_checks`)."""
+    """Make `attn_implementation="upipe"` available to every transformers model (idempotent)."""
     AttentionInterface.register(NAME, upipe_attention_forward)
     AttentionMaskInterface.register(NAME, upipe_mask)
-    wrap_losses()
 
 
 register()  # importing this module registers "upipe" (hf_upipe.registration imports it once transformers loads)

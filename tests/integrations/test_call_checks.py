@@ -1,7 +1,8 @@
 """Call arguments that would be silently wrong on a shard (`hf_upipe.integrations.call_checks`), refused for a model
 loaded with `attn_implementation="upipe"` and called on shards without `prepare_model`, from its first call on:
-`labels=` without `shift_labels=` (refused in transformers' causal-LM loss), `output_attentions=True` (refused where
-transformers collects the weights), `use_cache=True` (from the second call: the guard installs the pre-hook). With
+`labels=` without `shift_labels=` (refused in the model's own loss, wrapped on the instance), `output_attentions=True`
+(refused where transformers collects the weights), `use_cache=True` (from the second call: the guard installs the
+pre-hook). With
 `shift_labels=` the shard losses add up to the one-process loss. A whole row's attention_mask passed with a shard's
 input_ids is named as such. Every case on both ranks of a gloo group; the loss
 and collector checks also in one process with an SP state installed, and off without one.
@@ -27,18 +28,21 @@ def sp2():
         set_sequence_parallel_state(previous)
 
 
-def test_the_causal_lm_loss_refuses_unshifted_labels_under_sp_only(sp2):
-    import transformers.modeling_utils  # noqa: F401 - loading it registers "upipe", which wraps the losses
-    from transformers.loss.loss_utils import LOSS_MAPPING
+def test_the_models_loss_refuses_unshifted_labels_under_sp_only(sp2):
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
-    logits = torch.randn(1, 6, 10)
-    labels = torch.randint(0, 10, (1, 6))
-    for name in ("ForCausalLM", "ForConditionalGeneration"):
-        with pytest.raises(ValueError, match="labels= under sequence parallelism"):
-            LOSS_MAPPING[name](logits, labels, 10)
-        assert torch.isfinite(LOSS_MAPPING[name](logits, None, 10, shift_labels=labels))
+    from hf_upipe.integrations.call_checks import check_loss_labels
+
+    _, model = build_pair(tiny_config("llama"), "upipe", seed=2)
+    check_loss_labels(model)
+    logits, labels = torch.randn(1, 6, 10), torch.randint(0, 10, (1, 6))
+    with pytest.raises(ValueError, match="labels= under sequence parallelism"):
+        model.loss_function(logits, labels, 10)
+    assert torch.isfinite(model.loss_function(logits, None, 10, shift_labels=labels))
     set_sequence_parallel_state(None)
-    assert torch.isfinite(LOSS_MAPPING["ForCausalLM"](logits, labels, 10))
+    assert torch.isfinite(model.loss_function(logits, labels, 10))
+    # transformers' own table is untouched: its Trainer compares entries by identity (the num_items_in_batch count)
+    assert LOSS_MAPPING["ForCausalLM"] is ForCausalLMLoss
 
 
 def test_collected_attentions_are_refused(sp2):
