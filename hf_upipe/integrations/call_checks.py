@@ -60,6 +60,7 @@ def _refusing(loss):
             raise ValueError(LABELS_UNDER_SP)
         return loss(*args, **kwargs)
 
+    sp_checked_loss.upipe_checked = True
     return sp_checked_loss
 
 
@@ -140,14 +141,22 @@ def _prepared_call(module, args, kwargs):
 
 def install_call_checks(model: nn.Module, prepared: bool = True) -> None:
     """`refuse_silent_misuse` as `model`'s forward pre-hook (idempotent). `prepare_model` installs it on the model
-    it prepares (`prepared`: the hook also notes the call's positions for its attention layers); the guard
-    (`hf_upipe.integrations.guard`) on a transformers model it admits on shards without `prepare_model` (refusals
-    only: it may be a model inside another, whose positions are not its own)."""
-    if _HOOK not in model.__dict__:
-        hook = _prepared_call if prepared else refuse_silent_misuse
-        model.__dict__[_HOOK] = model.register_forward_pre_hook(hook, with_kwargs=True)
+    it prepares (`prepared`: the hook also notes the call's positions for its attention layers, and replaces a hook
+    the guard installed before); the guard (`hf_upipe.integrations.guard`) on a transformers model it admits on
+    shards without `prepare_model` (refusals only: it may be a model inside another, whose positions are not its
+    own)."""
+    kind = model.__dict__.get(_HOOK, (None, None))[1]
+    if kind == "prepared" or (kind == "guard" and not prepared):
+        return
+    remove_call_checks(model, loss=False)
+    hook = _prepared_call if prepared else refuse_silent_misuse
+    model.__dict__[_HOOK] = (model.register_forward_pre_hook(hook, with_kwargs=True),
+                             "prepared" if prepared else "guard")
 
 
-def remove_call_checks(model: nn.Module) -> None:
+def remove_call_checks(model: nn.Module, loss: bool = True) -> None:
+    """Remove the pre-hook (and, with `loss`, the loss wrapper of `check_loss_labels`): nothing of them is left."""
     if _HOOK in model.__dict__:
-        model.__dict__.pop(_HOOK).remove()
+        model.__dict__.pop(_HOOK)[0].remove()
+    if loss and getattr(model.__dict__.get("_loss_function"), "upipe_checked", False):
+        del model.__dict__["_loss_function"]
