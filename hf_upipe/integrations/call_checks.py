@@ -13,6 +13,8 @@ call too, where no pre-hook of ours sees its arguments. So they are also made wh
 
 Both raise on every rank alike (the same model, the same arguments), before any collective of the call.
 
+- `generate()` on shards: `refuse_generation()` raises `GENERATE_UNDER_SP` (the alternative named) when a model call
+  runs inside transformers' `generate`; the guard and the pre-hook below call it first.
 - `install_call_checks(model)` / `remove_call_checks(model)`: the forward pre-hook `refuse_silent_misuse`, which
   refuses all of them from the call's arguments under SP, with the rest that a call can get wrong on shards:
   `use_cache=True` or a cache (`CACHE_NAMES`), non-text inputs to a multimodal model verified for text only, a
@@ -23,6 +25,8 @@ Both raise on every rank alike (the same model, the same arguments), before any 
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
 import torch
 from torch import nn
@@ -32,14 +36,19 @@ from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.layout import note_model_positions
 from hf_upipe.integrations.mixers import reentrant_refusal, ring_refusal
 
-__all__ = ["ATTENTIONS_UNDER_SP", "CACHE_NAMES", "LABELS_UNDER_SP", "check_loss_labels", "install_call_checks",
-           "refuse_collected_attentions", "refuse_silent_misuse", "remove_call_checks"]
+__all__ = ["ATTENTIONS_UNDER_SP", "CACHE_NAMES", "GENERATE_UNDER_SP", "LABELS_UNDER_SP", "check_loss_labels",
+           "install_call_checks", "refuse_collected_attentions", "refuse_generation", "refuse_silent_misuse",
+           "remove_call_checks"]
 
 LABELS_UNDER_SP = (
     "labels= under sequence parallelism would be shifted inside each rank's shard (the last target of every shard "
     "lost, the shards misaligned): pass the shard's labels already shifted over the whole sequence, "
     "labels=shard['shift_labels'], shift_labels=shard['shift_labels'] (hf_upipe.shard_batch makes them), or compute "
     "the loss with hf_upipe's tiled loss.")
+GENERATE_UNDER_SP = (
+    "generate() under sequence parallelism is not offered: each rank holds a shard of the prompt, and the KV cache "
+    "would hold one shard's keys and values. Generate in one process on the whole prompt: `with "
+    "hf_upipe.without_sequence_parallel(): model.generate(input_ids)` (input_ids the whole prompt, on one rank).")
 ATTENTIONS_UNDER_SP = ("output_attentions=True under sequence parallelism: no [S, S] attention weights are ever "
                        "formed (the kernels return outputs and log-sum-exps only).")
 # the names transformers gives a forward's cache: `past_key_values` (to 5.23), `cache` (5.24 on)
@@ -77,6 +86,19 @@ def check_loss_labels(model: nn.Module) -> None:
     model.__dict__["_loss_function"] = _refusing(loss)
 
 
+def refuse_generation() -> None:
+    """Raise `GENERATE_UNDER_SP` when this model call runs inside transformers' `generate` (a frame of
+    transformers/generation/utils.py on the stack): its own errors (a cache, per-shard positions) would not say so."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "generate" and frame.f_code.co_filename.endswith(_GENERATION):
+            raise NotImplementedError(GENERATE_UNDER_SP)
+        frame = frame.f_back
+
+
+_GENERATION = os.path.join("generation", "utils.py")
+
+
 def refuse_collected_attentions() -> None:
     """Raise `ATTENTIONS_UNDER_SP` when transformers is collecting attention weights (its private output collector;
     without it, only `prepare_model`'s pre-hook sees the argument)."""
@@ -106,6 +128,7 @@ def refuse_silent_misuse(module, args, kwargs):
     state = get_sequence_parallel_state()
     if state is None or state.sp_size == 1:
         return None
+    refuse_generation()
     if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
         raise ValueError(LABELS_UNDER_SP)
     if kwargs.get("output_attentions"):

@@ -28,7 +28,7 @@ import weakref
 from torch import nn
 
 from hf_upipe.distributed import get_sequence_parallel_state, on_state_change
-from hf_upipe.integrations.call_checks import check_loss_labels, install_call_checks
+from hf_upipe.integrations.call_checks import check_loss_labels, install_call_checks, refuse_generation
 from hf_upipe.integrations.layout import is_adopted
 from hf_upipe.integrations.mixers import is_installed, supported
 from hf_upipe.integrations.support import config_refusal, model_refusal, refusal_error
@@ -86,6 +86,7 @@ def _refuse_unprepared(module: nn.Module, args) -> None:
     key = (getattr(getattr(module, "config", None), "_attn_implementation", None), is_adopted(module))
     if _ADMITTED.get(module) == key:
         return None
+    refuse_generation()
     if not key[1]:
         reason = unprepared_refusal(module, state.allow_unverified)
         if reason is not None:

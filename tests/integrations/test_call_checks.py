@@ -2,10 +2,10 @@
 loaded with `attn_implementation="upipe"` and called on shards without `prepare_model`, from its first call on:
 `labels=` without `shift_labels=` (refused in the model's own loss, wrapped on the instance), `output_attentions=True`
 (refused where transformers collects the weights), `use_cache=True` (from the second call: the guard installs the
-pre-hook). With
-`shift_labels=` the shard losses add up to the one-process loss. A whole row's attention_mask passed with a shard's
-input_ids is named as such. Every case on both ranks of a gloo group; the loss
-and collector checks also in one process with an SP state installed, and off without one.
+pre-hook). With `shift_labels=` the shard losses add up to the one-process loss. A whole row's attention_mask passed
+with a shard's input_ids is named as such, and so is `generate()` on shards (prepared or not), with the alternative.
+Every case on both ranks of a gloo group; the loss and collector checks also in one process with an SP state
+installed, and off without one.
 """
 
 import copy
@@ -14,7 +14,12 @@ import pytest
 import torch
 
 from hf_upipe.distributed import SequenceParallelState, set_sequence_parallel_state
-from hf_upipe.integrations.call_checks import ATTENTIONS_UNDER_SP, LABELS_UNDER_SP, refuse_collected_attentions
+from hf_upipe.integrations.call_checks import (
+    ATTENTIONS_UNDER_SP,
+    GENERATE_UNDER_SP,
+    LABELS_UNDER_SP,
+    refuse_collected_attentions,
+)
 from tests._dist import run_distributed
 from tests.integrations._models import build_pair, tiny_config
 
@@ -57,9 +62,9 @@ def test_collected_attentions_are_refused(sp2):
         _active_collector.reset(token)
 
 
-def _attempt(model, **kwargs) -> str:
+def _attempt(call, **kwargs) -> str:
     try:
-        model(**kwargs)
+        call(**kwargs)
     except (ValueError, NotImplementedError) as err:
         return str(err)
     return "ran"
@@ -79,6 +84,9 @@ def _worker(rank, world):
     out = {"labels": _attempt(copy.deepcopy(model), **inputs, labels=shard["input_ids"]),
            "output_attentions": _attempt(copy.deepcopy(model), **inputs, output_attentions=True),
            "full mask": _attempt(copy.deepcopy(model), **inputs, attention_mask=full_mask)}
+    for name, candidate in (("generate", copy.deepcopy(model)),
+                            ("generate, prepared", hf_upipe.prepare_model(copy.deepcopy(model)))):
+        out[name] = _attempt(candidate.generate, input_ids=shard["input_ids"], max_new_tokens=2, do_sample=False)
     second = copy.deepcopy(model)
     out["first call"] = _attempt(second, **inputs)
     out["use_cache"] = _attempt(second, **inputs, use_cache=True)
@@ -102,6 +110,7 @@ def test_an_unprepared_upipe_model_gets_the_call_checks_on_every_rank():
         assert out["full mask"].startswith("attention_mask has [16, 16] tokens per row on SP ranks [0, 1], but their "
                                            "input_ids hold a shard of 8 tokens: pass each rank its shard"), \
             out["full mask"]
+        assert out["generate"] == out["generate, prepared"] == GENERATE_UNDER_SP, out
         assert out["first call"] == "ran"
         assert out["use_cache"].startswith("use_cache=True / a KV cache"), out["use_cache"]
         assert abs(loss - want) <= 1e-5 * abs(want), (loss, want)
