@@ -75,6 +75,14 @@ NO_SP = SequenceParallelState(sp_group=None, sp_size=1, sp_rank=0, dp_group=None
 _NOT_INPUTS = ("shift_labels", "num_label_tokens")
 
 
+def _check_shard(shard: dict, what: str) -> None:
+    """A shard without what `UPipeRuntime.shard` adds for the loss: named on every rank alike, before a collective."""
+    missing = [k for k in _NOT_INPUTS if k not in shard]
+    if missing:
+        raise ValueError(f"UPipeRuntime.{what}() got a shard without {missing} (its keys: {sorted(shard)}): pass the "
+                         "shards UPipeRuntime.shard(batch) returns, from batches with 'labels' (or 'shift_labels').")
+
+
 def _heads(model) -> tuple[int, int] | None:
     """(query heads, key-value heads) from the model's (text) config, or None when it does not say."""
     base = base_model(model)
@@ -299,14 +307,18 @@ class UPipeRuntime:
 
     def own_count(self, shard: dict) -> float:
         """The batch's label tokens, contributed by SP rank 0 only, so a world sum counts each once."""
+        _check_shard(shard, "count")
         return float(shard["num_label_tokens"]) if self.state.sp_rank == 0 else 0.0
 
     def count(self, shards: list[dict]) -> float:
         """Label tokens of these shards' batches over all ranks, each counted once (one all_reduce)."""
+        for shard in shards:  # every rank, before the collective
+            _check_shard(shard, "count")
         return self.world_sum(sum(self.own_count(s) for s in shards))[0]
 
     def loss_sum(self, model, shard: dict):
         """(summed token loss of the shard, fp32 scalar; the model's outputs)."""
+        _check_shard(shard, "loss")
         inputs = {k: v for k, v in shard.items() if k not in _NOT_INPUTS}
         return shard_loss_sum(model, inputs, shard["shift_labels"], tiled=self.config.tiled_loss,
                               chunk_tokens=self.config.loss_chunk_tokens)

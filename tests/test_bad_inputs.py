@@ -2,7 +2,8 @@
 
 `init_sequence_parallel`: every argument of the wrong type (a string, a float, a bool where an int is meant, ...) is
 named with the type it got and the value to pass instead, before torch.distributed is even asked (so on every rank
-alike, before any collective).
+alike, before any collective). The runtime's `count` and `loss` on a shard without labels name what is missing
+before their collective.
 """
 
 import pytest
@@ -35,3 +36,19 @@ def test_init_sequence_parallel_names_the_bad_argument(kwargs, message):
 def test_good_arguments_reach_the_distributed_check():
     with pytest.raises(RuntimeError, match="needs torch.distributed"):
         hf_upipe.init_sequence_parallel(2, ring_size=1, heads_per_chunk=None, kernel="sdpa", allow_unverified=True)
+
+
+@pytest.mark.parametrize("method", ["count", "loss"])
+def test_the_runtime_names_a_shard_without_labels_before_any_collective(method):
+    """A batch without labels, or one not cut by `UPipeRuntime.shard`: every rank raises the same error before the
+    all_reduce (rank 0 alone raised a bare KeyError and the other ranks died waiting)."""
+    import torch
+
+    from hf_upipe.runtime import UPipeRuntime
+
+    shard = {"input_ids": torch.ones(1, 4, dtype=torch.long)}
+    call = (lambda: UPipeRuntime.count(object(), [shard])) if method == "count" else \
+        (lambda: UPipeRuntime.loss_sum(object(), None, shard))
+    with pytest.raises(ValueError, match=r"got a shard without \['shift_labels', 'num_label_tokens'\] \(its keys: "
+                                         r"\['input_ids'\]\): pass the shards UPipeRuntime.shard\(batch\) returns"):
+        call()
