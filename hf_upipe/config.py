@@ -263,21 +263,20 @@ class UPipeConfig:
 
     def with_auto(self, **chosen) -> "UPipeConfig":
         """A copy with the planner's `chosen` values, marked as chosen by auto (this config is left unchanged)."""
-        new = copy.copy(self)
-        object.__setattr__(new, "_origin", dict(self._origin))
-        for name, value in chosen.items():
-            setattr(new, name, value)
-            new._origin[name] = ("auto", value)
-        return new
+        return self._with({name: ("auto", value) for name, value in chosen.items()}, chosen)
 
     def with_source(self, source: str, **values) -> "UPipeConfig":
         """A copy with `values` taken from another setting (`source`, how the user wrote it, e.g.
         `ParallelismConfig(sp_size=2)`), which `describe` then names; this config is left unchanged."""
+        return self._with({name: ("source", source) for name in values}, values)
+
+    def _with(self, origins: dict, values: dict) -> "UPipeConfig":
+        """A copy with `values` set and their `origins` recorded."""
         new = copy.copy(self)
         object.__setattr__(new, "_origin", dict(self._origin))
         for name, value in values.items():
             setattr(new, name, value)
-            new._origin[name] = ("source", source)
+        new._origin.update(origins)
         return new
 
     def resolve_sp_size(self, world_size: int, local_world_size: int | None = None) -> int:
