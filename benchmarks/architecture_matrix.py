@@ -6,7 +6,7 @@ with a clear error, or (what must never happen) wrong, crashed or hung? (`hf_upi
 Type by type, each in its own processes (a model that builds too large, or a run that hangs, is that type's verdict
 only): the single-process checks (builds tiny, is a causal decoder, "upipe" without SP against its reference), then
 `hf-upipe selftest`'s comparison on --sp gloo ranks. Writes benchmarks/results/architecture_matrix.json and prints
-the support table of README.
+the support table of docs/support.md.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Entry points:
 - `verdict(model_type, checks)`: the checks are run opted in (`allow_unverified=True`, as the self-test runs); the
   row keeps that outcome ("opt_in") and what a user gets by default ("sp2": an unverified type is refused by the
   support gate). "wrong" by default must never happen; "wrong" opted in is what the self-test shows as FAIL.
-- `summary(results)`, `table(results)`: the counts and README's support table.
+- `summary(results)`, `table(results)`: the counts and the support table of docs/support.md.
 
 `benchmarks/architecture_matrix.py` runs it type by type in isolated processes (a hang is then one type's
 "hung"), writes `benchmarks/results/architecture_matrix.json` and prints the table.

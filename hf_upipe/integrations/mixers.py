@@ -21,8 +21,8 @@ Three ways, by what the mixer carries across the sequence:
   convolution's state is the last k-1 convolution inputs of the previous rank's shard (a halo), the recurrence's
   initial state is the previous rank's final state. The ranks run one after the other inside each such layer
   (rank r waits for rank r-1; the backward runs the chain the other way): the sequential fallback, measured and
-  documented in README. Attention layers in between stay parallel. Bytes sent per mixer layer and rank: the halo
-  [B, conv channels, k-1] and the state (gated DeltaNet [B, heads, d_k, d_v]; Mamba2 [B, heads, head_dim,
+  documented in docs/support.md. Attention layers in between stay parallel. Bytes sent per mixer layer and rank:
+  the halo [B, conv channels, k-1] and the state (gated DeltaNet [B, heads, d_k, d_v]; Mamba2 [B, heads, head_dim,
   d_state]), fp32, forward and backward.
 - Halo only (`HALO_MIXERS`: LFM2's short convolutions, whose only reach is the k-1 previous tokens). All ranks at
   once send their last k-1 input tokens [B, k-1, Dm] to the next rank (`Halo`), run the mixer's own forward on
