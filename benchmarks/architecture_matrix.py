@@ -18,12 +18,16 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # run from a checkout
 
 from hf_upipe.matrix import causal_lm_types, single_process, summary, table, verdict  # noqa: E402
 from hf_upipe.testing import DistributedFailure, run_distributed  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "architecture_matrix.json")
+RESULTS = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "results", "architecture_matrix.json"
+)
 
 
 def _single(rank: int, world: int, model_type: str) -> dict:
@@ -41,10 +45,19 @@ def isolated(model_type: str, sp: int, timeout: float) -> dict:
         return row
     started = time.perf_counter()
     try:
-        checks = run_selftest([model_type], sp=sp, seq_len=29, timeout=timeout, tolerant=True,
-                              start_method="forkserver", allow_unverified=True)
+        checks = run_selftest(
+            [model_type],
+            sp=sp,
+            seq_len=29,
+            timeout=timeout,
+            tolerant=True,
+            start_method="forkserver",
+            allow_unverified=True,
+        )
         row.update(verdict(model_type, checks))
-    except ValueError as err:  # its inputs cannot work (e.g. heads that do not split): a clear refusal
+    except (
+        ValueError
+    ) as err:  # its inputs cannot work (e.g. heads that do not split): a clear refusal
         row.update(sp2="refused", sp2_why=f"ValueError: {err}", opt_in="refused")
     except RuntimeError as err:
         outcome = "hung" if "timed out" in str(err) else "crashed"
@@ -54,23 +67,43 @@ def isolated(model_type: str, sp: int, timeout: float) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--types", default=None, help="comma-separated model types (default: every causal LM type)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--types", default=None, help="comma-separated model types (default: every causal LM type)"
+    )
     ap.add_argument("--sp", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=60, help="seconds before a run counts as hung")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
-    multiprocessing.set_forkserver_preload(["torch", "transformers", "transformers.modeling_utils", "hf_upipe",
-                                            "hf_upipe.selftest", "hf_upipe.matrix"])
+    multiprocessing.set_forkserver_preload(
+        [
+            "torch",
+            "transformers",
+            "transformers.modeling_utils",
+            "hf_upipe",
+            "hf_upipe.selftest",
+            "hf_upipe.matrix",
+        ]
+    )
     started = time.perf_counter()
     results = {}
     for model_type in args.types.split(",") if args.types else causal_lm_types():
         results[model_type] = isolated(model_type, args.sp, args.timeout)
-        print(model_type, {k: v for k, v in results[model_type].items() if not k.endswith("why")}, flush=True)
+        print(
+            model_type,
+            {k: v for k, v in results[model_type].items() if not k.endswith("why")},
+            flush=True,
+        )
     import transformers
 
-    report = {"transformers": transformers.__version__, "summary": summary(results), "results": results,
-              "wall_s": round(time.perf_counter() - started, 1)}
+    report = {
+        "transformers": transformers.__version__,
+        "summary": summary(results),
+        "results": results,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(table(results))

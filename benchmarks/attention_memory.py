@@ -25,7 +25,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # run from a checkout
 
 import transformers  # noqa: E402
 
@@ -54,11 +56,21 @@ def fmt_len(n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq-lens", default=DEFAULT_SEQ, help="comma list; K = 1000, M = 10**6 (default: %(default)s)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--seq-lens",
+        default=DEFAULT_SEQ,
+        help="comma list; K = 1000, M = 10**6 (default: %(default)s)",
+    )
     ap.add_argument("--sp-size", type=int, default=8)
-    ap.add_argument("--geometry", default="llama3-8b,qwen3-32b", help=f"comma list of {sorted(GEOMETRIES)}")
-    ap.add_argument("--arch", default="llama", help="the attention module's model_type (a fused family)")
+    ap.add_argument(
+        "--geometry", default="llama3-8b,qwen3-32b", help=f"comma list of {sorted(GEOMETRIES)}"
+    )
+    ap.add_argument(
+        "--arch", default="llama", help="the attention module's model_type (a fused family)"
+    )
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     start = time.perf_counter()
@@ -78,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
         ds_version = deepspeed.__version__
     else:
-        print("note: deepspeed is not installed, the DeepSpeed column is skipped (pip install 'hf_upipe[bench]')")
+        print(
+            "note: deepspeed is not installed, the DeepSpeed column is skipped (pip install 'hf_upipe[bench]')"
+        )
 
     records, tables = [], []
     for name in geometries:
@@ -89,48 +103,86 @@ def main(argv: list[str] | None = None) -> int:
             if impl == "deepspeed" and not have_ds:
                 continue
             if c is not None and c not in valid:
-                print(f"note: {name}: heads_per_chunk={c} is not valid on sp_size={args.sp_size} (valid: {valid})")
+                print(
+                    f"note: {name}: heads_per_chunk={c} is not valid on sp_size={args.sp_size} (valid: {valid})"
+                )
                 continue
             impls.append((label, impl, c))
         rows = {}
         for S in seq_lens:
             for label, impl, c in impls:
-                r = simulate_attention_block(impl, **geo, seq_len=S, sp_size=args.sp_size, dtype=torch.bfloat16,
-                                             heads_per_chunk=c, arch=args.arch)
+                r = simulate_attention_block(
+                    impl,
+                    **geo,
+                    seq_len=S,
+                    sp_size=args.sp_size,
+                    dtype=torch.bfloat16,
+                    heads_per_chunk=c,
+                    arch=args.arch,
+                )
                 rows[S, label] = r
-                records.append(dict(geometry=name, **geo, seq_len=S, sp_size=args.sp_size, impl=impl, label=label,
-                                    heads_per_chunk=c, forward_peak_bytes=r["forward_peak"], peak_bytes=r["peak"],
-                                    peak_with_grad_in_bytes=r["peak_with_grad_in"], unit_bytes=r["unit"]))
+                records.append(
+                    dict(
+                        geometry=name,
+                        **geo,
+                        seq_len=S,
+                        sp_size=args.sp_size,
+                        impl=impl,
+                        label=label,
+                        heads_per_chunk=c,
+                        forward_peak_bytes=r["forward_peak"],
+                        peak_bytes=r["peak"],
+                        peak_with_grad_in_bytes=r["peak_with_grad_in"],
+                        unit_bytes=r["unit"],
+                    )
+                )
         tables.append((name, geo, impls, rows))
 
     for name, geo, impls, rows in tables:
-        print(f"\n### {name} ({args.arch} attention): "
-              f"hidden {geo['hidden']}, {geo['heads']} q / {geo['kv_heads']} kv heads, head dim "
-              f"{geo['head_dim']}, bf16, P = {args.sp_size}; per-rank peaks (u = s*hidden*2 B)\n")
-        print("| S | implementation | fwd GiB (u) | fwd+bwd GiB (u) | fwd / DS | fwd+bwd / DS "
-              "| fwd+bwd / DS, grad-in counted | fwd+bwd / ours-Ulysses |")
+        print(
+            f"\n### {name} ({args.arch} attention): "
+            f"hidden {geo['hidden']}, {geo['heads']} q / {geo['kv_heads']} kv heads, head dim "
+            f"{geo['head_dim']}, bf16, P = {args.sp_size}; per-rank peaks (u = s*hidden*2 B)\n"
+        )
+        print(
+            "| S | implementation | fwd GiB (u) | fwd+bwd GiB (u) | fwd / DS | fwd+bwd / DS "
+            "| fwd+bwd / DS, grad-in counted | fwd+bwd / ours-Ulysses |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for S in seq_lens:
             ds, uly = rows.get((S, "DeepSpeed Ulysses")), rows[S, "ours Ulysses"]
             for label, _, _ in impls:
                 r = rows[S, label]
+
                 def ratio(key, ref, r=r):
                     return f"{r[key] / ref[key]:.2f}" if ref else "n/a"
 
                 def gib(key, r=r):
                     return f"{r[key] / GiB:.2f} ({r[key] / r['unit']:.2f})"
 
-                print(f"| {fmt_len(S)} | {label} | {gib('forward_peak')} | {gib('peak')} | {ratio('forward_peak', ds)} "
-                      f"| {ratio('peak', ds)} | {ratio('peak_with_grad_in', ds)} | {ratio('peak', uly)} |")
+                print(
+                    f"| {fmt_len(S)} | {label} | {gib('forward_peak')} | {gib('peak')} | {ratio('forward_peak', ds)} "
+                    f"| {ratio('peak', ds)} | {ratio('peak_with_grad_in', ds)} | {ratio('peak', uly)} |"
+                )
 
     os.makedirs(args.out, exist_ok=True)
     wall = time.perf_counter() - start
-    meta = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), sp_size=args.sp_size, arch=args.arch,
-                dtype="bfloat16", seq_lens=seq_lens,
-                versions=dict(torch=torch.__version__, transformers=transformers.__version__, deepspeed=ds_version,
-                              hf_upipe=hf_upipe.__version__),
-                method="fake tensors + fake process group, MemoryTracker (tensor storages; rank 0)",
-                results=records, wall_time_s=round(wall, 2))
+    meta = dict(
+        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+        sp_size=args.sp_size,
+        arch=args.arch,
+        dtype="bfloat16",
+        seq_lens=seq_lens,
+        versions=dict(
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            deepspeed=ds_version,
+            hf_upipe=hf_upipe.__version__,
+        ),
+        method="fake tensors + fake process group, MemoryTracker (tensor storages; rank 0)",
+        results=records,
+        wall_time_s=round(wall, 2),
+    )
     stem = "attention_memory" if args.arch == "llama" else f"attention_memory_{args.arch}"
     json_path = os.path.join(args.out, f"{stem}.json")
     with open(json_path, "w") as f:
@@ -153,16 +205,31 @@ def plot(tables, seq_lens, sp_size, path) -> None:
     for ax, (name, geo, impls, rows) in zip(axes[0], tables):
         for i, (label, _, _) in enumerate(impls):
             color = f"C{i}"
-            ax.plot(xs, [rows[S, label]["peak"] / GiB for S in seq_lens], "-o", color=color, ms=3,
-                    label=f"{label} fwd+bwd")
-            ax.plot(xs, [rows[S, label]["forward_peak"] / GiB for S in seq_lens], "--", color=color,
-                    label=f"{label} fwd")
-        ax.set_title(f"{name} ({geo['heads']}q/{geo['kv_heads']}kv, d={geo['head_dim']}), P={sp_size}")
+            ax.plot(
+                xs,
+                [rows[S, label]["peak"] / GiB for S in seq_lens],
+                "-o",
+                color=color,
+                ms=3,
+                label=f"{label} fwd+bwd",
+            )
+            ax.plot(
+                xs,
+                [rows[S, label]["forward_peak"] / GiB for S in seq_lens],
+                "--",
+                color=color,
+                label=f"{label} fwd",
+            )
+        ax.set_title(
+            f"{name} ({geo['heads']}q/{geo['kv_heads']}kv, d={geo['head_dim']}), P={sp_size}"
+        )
         ax.set_xlabel("sequence length S (M tokens)")
         ax.set_ylabel("per-rank peak, attention block (GiB)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("Attention block fwd+bwd (solid) and forward (dashed) peak per rank, bf16, simulated")
+    fig.suptitle(
+        "Attention block fwd+bwd (solid) and forward (dashed) peak per rank, bf16, simulated"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

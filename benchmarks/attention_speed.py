@@ -44,13 +44,17 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # run from a checkout
 
 from hf_upipe.planning.attention_block import BENCHMARK_ROWS  # noqa: E402
 
 MiB = 2**20
-CPU_NOTE = ("CPU (gloo, fp32, 1 thread per rank) timings say nothing about H100/NCCL: compute dominates here, "
-            "and overlap, latency of small chunks and NCCL/flash-attention behaviour must be measured on the GPU.")
+CPU_NOTE = (
+    "CPU (gloo, fp32, 1 thread per rank) timings say nothing about H100/NCCL: compute dominates here, "
+    "and overlap, latency of small chunks and NCCL/flash-attention behaviour must be measured on the GPU."
+)
 
 
 def _worker(rank: int, world: int, cfg: dict) -> dict:
@@ -61,7 +65,12 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     import torch.distributed as dist
 
     import hf_upipe  # noqa: F401  (registers "upipe")
-    from hf_upipe.planning.attention_block import UPIPE_IMPLS, build_attention_block, deepspeed_comm, upipe_state
+    from hf_upipe.planning.attention_block import (
+        UPIPE_IMPLS,
+        build_attention_block,
+        deepspeed_comm,
+        upipe_state,
+    )
 
     torch.set_num_threads(1)
     dtype = getattr(torch, cfg["dtype"])
@@ -78,7 +87,11 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         return original_a2a(output, input, *args, **kwargs)
 
     dist.all_to_all_single = counted_a2a
-    ds_ctx = deepspeed_comm() if any(impl == "deepspeed" for _, impl, _ in impls) else contextlib.nullcontext()
+    ds_ctx = (
+        deepspeed_comm()
+        if any(impl == "deepspeed" for _, impl, _ in impls)
+        else contextlib.nullcontext()
+    )
     timings, checks = [], []
     try:
         with ds_ctx:
@@ -87,10 +100,20 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                 blocks = {}
                 for label, impl, c in impls:
                     torch.manual_seed(0)  # identical weights for every implementation
-                    state = upipe_state(group, c) if impl in UPIPE_IMPLS else contextlib.nullcontext()
+                    state = (
+                        upipe_state(group, c) if impl in UPIPE_IMPLS else contextlib.nullcontext()
+                    )
                     with state:
-                        blocks[label] = build_attention_block(impl, cfg["hidden"], cfg["heads"], cfg["kv_heads"],
-                                                              cfg["head_dim"], S, dtype, group)
+                        blocks[label] = build_attention_block(
+                            impl,
+                            cfg["hidden"],
+                            cfg["heads"],
+                            cfg["kv_heads"],
+                            cfg["head_dim"],
+                            S,
+                            dtype,
+                            group,
+                        )
                 torch.manual_seed(1234 + rank)
                 x = torch.randn(1, s, cfg["hidden"], dtype=dtype, requires_grad=True)
                 position_ids = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)
@@ -102,13 +125,19 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                     block = blocks[label][0]
                     block.zero_grad(set_to_none=True)
                     x.grad = None
-                    state = upipe_state(group, c) if impl in UPIPE_IMPLS else contextlib.nullcontext()
+                    state = (
+                        upipe_state(group, c) if impl in UPIPE_IMPLS else contextlib.nullcontext()
+                    )
                     with state:
                         counter["bytes"] = counter["calls"] = 0
                         dist.barrier()
                         t0 = time.perf_counter()
-                        y = block(x, position_embeddings=(cos, sin), attention_mask=None,
-                                  position_ids=position_ids)[0]
+                        y = block(
+                            x,
+                            position_embeddings=(cos, sin),
+                            attention_mask=None,
+                            position_ids=position_ids,
+                        )[0]
                         y.backward(grad_y)
                         t1 = time.perf_counter()
                         dist.barrier()
@@ -122,9 +151,14 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                         if w == 0:  # outputs and input gradients must agree across implementations
                             reference.setdefault("y", y)
                             reference.setdefault("dx", x.grad.clone())
-                            checks.append(dict(seq_len=S, label=label,
-                                               max_abs_diff_y=float((y - reference["y"]).abs().max()),
-                                               max_abs_diff_dx=float((x.grad - reference["dx"]).abs().max())))
+                            checks.append(
+                                dict(
+                                    seq_len=S,
+                                    label=label,
+                                    max_abs_diff_y=float((y - reference["y"]).abs().max()),
+                                    max_abs_diff_dx=float((x.grad - reference["dx"]).abs().max()),
+                                )
+                            )
                         del y
                 for r in range(cfg["reps"]):
                     for k in range(n):
@@ -132,8 +166,19 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                         label, impl, c = impls[pos]
                         t, y, nbytes, calls = step(label, impl, c)
                         del y
-                        timings.append(dict(seq_len=S, label=label, impl=impl, heads_per_chunk=c, round=r,
-                                            position=k, seconds=t, a2a_bytes=nbytes, a2a_calls=calls))
+                        timings.append(
+                            dict(
+                                seq_len=S,
+                                label=label,
+                                impl=impl,
+                                heads_per_chunk=c,
+                                round=r,
+                                position=k,
+                                seconds=t,
+                                a2a_bytes=nbytes,
+                                a2a_calls=calls,
+                            )
+                        )
                 blocks.clear()  # this length's blocks go before the next length's are built
                 reference.clear()
     finally:
@@ -145,11 +190,18 @@ def _host_info() -> dict:
     cpu_model = None
     try:
         with open("/proc/cpuinfo") as f:
-            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+            cpu_model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None
+            )
     except OSError:
         pass
-    return dict(nproc=os.cpu_count(), usable_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                else None, cpu_model=cpu_model, platform=platform.platform(), python=platform.python_version())
+    return dict(
+        nproc=os.cpu_count(),
+        usable_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        cpu_model=cpu_model,
+        platform=platform.platform(),
+        python=platform.python_version(),
+    )
 
 
 def _loadavg():
@@ -162,7 +214,9 @@ def _loadavg():
 def summarize(summary: dict, labels: list[str], seq_lens: list[int]) -> list[dict]:
     """Print the table (median (min-max) per implementation, ratios of medians) and return its rows.
     summary: {(S, label): {"times": [...], "a2a_bytes": {...}, "a2a_calls": {...}}}."""
-    print("| S | implementation | median s (min-max) | vs DeepSpeed | vs ours Ulysses | all-to-all MiB sent per rank |")
+    print(
+        "| S | implementation | median s (min-max) | vs DeepSpeed | vs ours Ulysses | all-to-all MiB sent per rank |"
+    )
     print("|---|---|---|---|---|---|")
     rows = []
     for S in seq_lens:
@@ -171,19 +225,36 @@ def summarize(summary: dict, labels: list[str], seq_lens: list[int]) -> list[dic
             e = summary[S, label]
             times = e["times"]
             vs_ds = med[label] / med["DeepSpeed Ulysses"] if "DeepSpeed Ulysses" in med else None
-            vs_uly = med[label] / med["ours Ulysses"] if "ours Ulysses" in med else None  # None: not run (--only)
+            vs_uly = (
+                med[label] / med["ours Ulysses"] if "ours Ulysses" in med else None
+            )  # None: not run (--only)
             mib = max(e["a2a_bytes"]) / MiB
             calls = max(e["a2a_calls"])
-            rows.append(dict(seq_len=S, label=label, median_s=med[label], min_s=min(times), max_s=max(times),
-                             vs_deepspeed=vs_ds, vs_ours_ulysses=vs_uly, a2a_mib_per_rank=mib,
-                             a2a_calls_per_rank=calls, a2a_consistent=len(e["a2a_bytes"]) == 1))
+            rows.append(
+                dict(
+                    seq_len=S,
+                    label=label,
+                    median_s=med[label],
+                    min_s=min(times),
+                    max_s=max(times),
+                    vs_deepspeed=vs_ds,
+                    vs_ours_ulysses=vs_uly,
+                    a2a_mib_per_rank=mib,
+                    a2a_calls_per_rank=calls,
+                    a2a_consistent=len(e["a2a_bytes"]) == 1,
+                )
+            )
             ds_txt, uly_txt = (f"{v:.2f}" if v is not None else "n/a" for v in (vs_ds, vs_uly))
-            print(f"| {S} | {label} | {med[label]:.3f} ({min(times):.3f}-{max(times):.3f}) | {ds_txt} "
-                  f"| {uly_txt} | {mib:.1f} ({calls} calls) |")
+            print(
+                f"| {S} | {label} | {med[label]:.3f} ({min(times):.3f}-{max(times):.3f}) | {ds_txt} "
+                f"| {uly_txt} | {mib:.1f} ({calls} calls) |"
+            )
     return rows
 
 
-def print_paired(raw: list[dict], labels: list[str], seq_lens: list[int], base: str = "DeepSpeed Ulysses") -> None:
+def print_paired(
+    raw: list[dict], labels: list[str], seq_lens: list[int], base: str = "DeepSpeed Ulysses"
+) -> None:
     """Per round, each implementation's time over `base`'s in the same round (a paired ratio: both ran back to back
     under the same load); printed: the median over rounds with a 95% bootstrap interval (2000 resamples, seed 0)."""
     t = {(r["seq_len"], r["label"], r["round"]): r["seconds_max_over_ranks"] for r in raw}
@@ -198,8 +269,12 @@ def print_paired(raw: list[dict], labels: list[str], seq_lens: list[int], base: 
             if label == base or not ratios:
                 continue
             rng = random.Random(0)
-            boot = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
-            cells.append(f"{label} {statistics.median(ratios):.2f} [{boot[49]:.2f}-{boot[1949]:.2f}]")
+            boot = sorted(
+                statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000)
+            )
+            cells.append(
+                f"{label} {statistics.median(ratios):.2f} [{boot[49]:.2f}-{boot[1949]:.2f}]"
+            )
         print(f"  S={S}: " + "; ".join(cells))
 
 
@@ -208,7 +283,9 @@ def _per_implementation(raw: list[dict]) -> dict:
     calls}."""
     summary = {}
     for r in raw:
-        e = summary.setdefault((r["seq_len"], r["label"]), dict(times=[], a2a_bytes=set(), a2a_calls=set()))
+        e = summary.setdefault(
+            (r["seq_len"], r["label"]), dict(times=[], a2a_bytes=set(), a2a_calls=set())
+        )
         e["times"].append(r["seconds_max_over_ranks"])
         e["a2a_bytes"].update(r["a2a_bytes_per_rank"])
         e["a2a_calls"].update(r["a2a_calls_per_rank"])
@@ -227,20 +304,33 @@ def _summarize_file(path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq-lens", default="4096,8192,16384", help="comma list of full sequence lengths S")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--seq-lens", default="4096,8192,16384", help="comma list of full sequence lengths S"
+    )
     ap.add_argument("--reps", type=int, default=5, help="timed rounds per S (default: %(default)s)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds per S (default: %(default)s)")
+    ap.add_argument(
+        "--warmup", type=int, default=1, help="untimed rounds per S (default: %(default)s)"
+    )
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are given up on")
+    ap.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds before the ranks are given up on"
+    )
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--summarize", metavar="JSON", help="re-print the table and paired ratios of a run's JSON")
-    ap.add_argument("--only", help="comma list of row labels to run (default: all), e.g. "
-                    "'DeepSpeed Ulysses,ours Ulysses,UPipe fused save c=1'")
+    ap.add_argument(
+        "--summarize", metavar="JSON", help="re-print the table and paired ratios of a run's JSON"
+    )
+    ap.add_argument(
+        "--only",
+        help="comma list of row labels to run (default: all), e.g. "
+        "'DeepSpeed Ulysses,ours Ulysses,UPipe fused save c=1'",
+    )
     args = ap.parse_args(argv)
     if args.summarize:
         return _summarize_file(args.summarize)
@@ -269,12 +359,16 @@ def main(argv: list[str] | None = None) -> int:
 
         ds_version = deepspeed.__version__
     else:
-        print("note: deepspeed is not installed, DeepSpeed Ulysses is skipped (pip install 'hf_upipe[bench]')")
+        print(
+            "note: deepspeed is not installed, DeepSpeed Ulysses is skipped (pip install 'hf_upipe[bench]')"
+        )
     valid = valid_heads_per_chunk(args.heads, args.kv_heads, world)
     only = None if args.only is None else [x.strip() for x in args.only.split(",") if x.strip()]
     unknown = sorted(set(only or ()) - {label for label, _, _ in BENCHMARK_ROWS})
     if unknown:
-        ap.error(f"--only: unknown rows {unknown}; the rows are {[label for label, _, _ in BENCHMARK_ROWS]}")
+        ap.error(
+            f"--only: unknown rows {unknown}; the rows are {[label for label, _, _ in BENCHMARK_ROWS]}"
+        )
     impls = []
     for label, impl, c in BENCHMARK_ROWS:
         if only is not None and label not in only:
@@ -282,13 +376,24 @@ def main(argv: list[str] | None = None) -> int:
         if impl == "deepspeed" and ds_version is None:
             continue
         if c is not None and c not in valid:
-            print(f"note: heads_per_chunk={c} is not valid for {args.heads}/{args.kv_heads} heads on {world} ranks "
-                  f"(valid: {valid}); skipped")
+            print(
+                f"note: heads_per_chunk={c} is not valid for {args.heads}/{args.kv_heads} heads on {world} ranks "
+                f"(valid: {valid}); skipped"
+            )
             continue
         impls.append((label, impl, c))
 
-    cfg = dict(seq_lens=seq_lens, reps=args.reps, warmup=args.warmup, hidden=args.hidden, heads=args.heads,
-               kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype, impls=impls)
+    cfg = dict(
+        seq_lens=seq_lens,
+        reps=args.reps,
+        warmup=args.warmup,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        impls=impls,
+    )
     load_before = _loadavg()
     per_rank = run_distributed(_worker, world, cfg, timeout=args.timeout)
     load_after = _loadavg()
@@ -300,23 +405,37 @@ def main(argv: list[str] | None = None) -> int:
             by_key.setdefault((t["seq_len"], t["label"], t["round"]), []).append(t)
     raw = []
     for (S, label, r), ts in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][2])):
-        raw.append(dict(seq_len=S, label=label, impl=ts[0]["impl"], heads_per_chunk=ts[0]["heads_per_chunk"],
-                        round=r, position=ts[0]["position"], seconds_max_over_ranks=max(t["seconds"] for t in ts),
-                        seconds_per_rank=[t["seconds"] for t in ts], a2a_bytes_per_rank=[t["a2a_bytes"] for t in ts],
-                        a2a_calls_per_rank=[t["a2a_calls"] for t in ts]))
+        raw.append(
+            dict(
+                seq_len=S,
+                label=label,
+                impl=ts[0]["impl"],
+                heads_per_chunk=ts[0]["heads_per_chunk"],
+                round=r,
+                position=ts[0]["position"],
+                seconds_max_over_ranks=max(t["seconds"] for t in ts),
+                seconds_per_rank=[t["seconds"] for t in ts],
+                a2a_bytes_per_rank=[t["a2a_bytes"] for t in ts],
+                a2a_calls_per_rank=[t["a2a_calls"] for t in ts],
+            )
+        )
 
     labels = [label for label, _, _ in impls]
-    print(f"\n### attention block fwd+bwd, 2 gloo ranks x 1 thread: hidden {args.hidden}, {args.heads} q / "
-          f"{args.kv_heads} kv heads, head dim {args.head_dim}, {args.dtype}, {args.reps} interleaved rounds "
-          f"(+{args.warmup} warm-up); time = max over ranks\n")
+    print(
+        f"\n### attention block fwd+bwd, 2 gloo ranks x 1 thread: hidden {args.hidden}, {args.heads} q / "
+        f"{args.kv_heads} kv heads, head dim {args.head_dim}, {args.dtype}, {args.reps} interleaved rounds "
+        f"(+{args.warmup} warm-up); time = max over ranks\n"
+    )
     rows = summarize(_per_implementation(raw), labels, seq_lens)
     print_paired(raw, labels, seq_lens)
 
     checks = per_rank[0]["checks"] + per_rank[1]["checks"]
     worst_y = max(c["max_abs_diff_y"] for c in checks)
     worst_dx = max(c["max_abs_diff_dx"] for c in checks)
-    print(f"\noutput check (warm-up, vs {labels[0]}, all S and ranks): max |dy| = {worst_y:.2e}, "
-          f"max |ddx| = {worst_dx:.2e}")
+    print(
+        f"\noutput check (warm-up, vs {labels[0]}, all S and ranks): max |dy| = {worst_y:.2e}, "
+        f"max |ddx| = {worst_dx:.2e}"
+    )
     print(f"load average before / after: {load_before} / {load_after} on {os.cpu_count()} CPUs")
     print(f"note: {CPU_NOTE}")
 
@@ -324,18 +443,38 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     meta = dict(
         command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-        geometry=dict(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                      dtype=args.dtype), world_size=world, threads_per_rank=1, seq_lens=seq_lens, reps=args.reps,
-        warmup=args.warmup, implementations=[dict(label=lb, impl=i, heads_per_chunk=c) for lb, i, c in impls],
-        method=("per S: warm-up rounds, then reps rounds, implementations round-robin with the order rotated each "
-                "round; each timing = barrier, perf_counter around fwd+bwd, barrier; reported per timing: max over "
-                "ranks; summary: median (min-max) over rounds, ratios of medians. all-to-all bytes: sum of "
-                "input.numel()*element_size() over torch.distributed.all_to_all_single calls per rank per fwd+bwd "
-                "(includes the slice kept locally)."),
-        versions=dict(torch=torch.__version__, transformers=transformers.__version__, deepspeed=ds_version,
-                      hf_upipe=hf_upipe.__version__),
+        geometry=dict(
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            dtype=args.dtype,
+        ),
+        world_size=world,
+        threads_per_rank=1,
+        seq_lens=seq_lens,
+        reps=args.reps,
+        warmup=args.warmup,
+        implementations=[dict(label=lb, impl=i, heads_per_chunk=c) for lb, i, c in impls],
+        method=(
+            "per S: warm-up rounds, then reps rounds, implementations round-robin with the order rotated each "
+            "round; each timing = barrier, perf_counter around fwd+bwd, barrier; reported per timing: max over "
+            "ranks; summary: median (min-max) over rounds, ratios of medians. all-to-all bytes: sum of "
+            "input.numel()*element_size() over torch.distributed.all_to_all_single calls per rank per fwd+bwd "
+            "(includes the slice kept locally)."
+        ),
+        versions=dict(
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            deepspeed=ds_version,
+            hf_upipe=hf_upipe.__version__,
+        ),
         host=dict(**_host_info(), loadavg_before=load_before, loadavg_after=load_after),
-        note=CPU_NOTE, summary=rows, output_checks=checks, raw_timings=raw, wall_time_s=round(wall, 2),
+        note=CPU_NOTE,
+        summary=rows,
+        output_checks=checks,
+        raw_timings=raw,
+        wall_time_s=round(wall, 2),
     )
     path = os.path.join(args.out, "attention_speed.json")
     with open(path, "w") as f:

@@ -30,7 +30,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # run from a checkout
 
 import transformers  # noqa: E402
 
@@ -38,11 +40,17 @@ import hf_upipe  # noqa: E402,F401
 from hf_upipe.planning.model_step import llama_config, simulate_layer_step, simulate_model_step  # noqa: E402
 
 GiB = 2**30
-IMPLS = (("DeepSpeed Ulysses", "deepspeed"), ("ours Ulysses", "ulysses"), ("UPipe c=1", "upipe"),
-         ("UPipe fused c=1", "fused"))
-STACKS = (("checkpointing", dict(tiled_mlp=False, offload="none")),
-          ("+ tiled MLP", dict(tiled_mlp=True, offload="none")),
-          ("+ tiled MLP + offload", dict(tiled_mlp=True, offload="cpu")))
+IMPLS = (
+    ("DeepSpeed Ulysses", "deepspeed"),
+    ("ours Ulysses", "ulysses"),
+    ("UPipe c=1", "upipe"),
+    ("UPipe fused c=1", "fused"),
+)
+STACKS = (
+    ("checkpointing", dict(tiled_mlp=False, offload="none")),
+    ("+ tiled MLP", dict(tiled_mlp=True, offload="none")),
+    ("+ tiled MLP + offload", dict(tiled_mlp=True, offload="cpu")),
+)
 
 
 def parse_len(text: str) -> int:
@@ -56,8 +64,12 @@ def fmt_len(n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seq-lens", default="128K,512K,1M,2M,3M,4M,5M", help="layer table lengths (K=1e3, M=1e6)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--seq-lens", default="128K,512K,1M,2M,3M,4M,5M", help="layer table lengths (K=1e3, M=1e6)"
+    )
     ap.add_argument("--model-seq-lens", default="3M", help="model table lengths")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--sp-size", type=int, default=8)
@@ -65,9 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     start = time.perf_counter()
     cfg = llama_config("llama3-8b")
-    impls = [(label, impl) for label, impl in IMPLS if impl != "deepspeed" or importlib.util.find_spec("deepspeed")]
+    impls = [
+        (label, impl)
+        for label, impl in IMPLS
+        if impl != "deepspeed" or importlib.util.find_spec("deepspeed")
+    ]
     if len(impls) < len(IMPLS):
-        print("note: deepspeed is not installed; its rows are skipped (pip install 'hf_upipe[bench]')")
+        print(
+            "note: deepspeed is not installed; its rows are skipped (pip install 'hf_upipe[bench]')"
+        )
     layer_lens = [parse_len(x) for x in args.seq_lens.split(",") if x.strip()]
     model_lens = [parse_len(x) for x in args.model_seq_lens.split(",") if x.strip()]
     records = []
@@ -80,30 +98,66 @@ def main(argv: list[str] | None = None) -> int:
         for tiled in (False, True):
             cells = []
             for S in layer_lens:
-                r = simulate_layer_step(impl, model_config=cfg, seq_len=S, sp_size=args.sp_size, tiled_mlp=tiled)
+                r = simulate_layer_step(
+                    impl, model_config=cfg, seq_len=S, sp_size=args.sp_size, tiled_mlp=tiled
+                )
                 layer[label, tiled, S] = r
-                records.append(dict(table="layer", label=label, impl=impl, tiled_mlp=tiled, offload="none", seq_len=S,
-                                    layers=1, forward_peak_bytes=r["forward_peak"], peak_bytes=r["peak"],
-                                    unit_bytes=r["unit"]))
+                records.append(
+                    dict(
+                        table="layer",
+                        label=label,
+                        impl=impl,
+                        tiled_mlp=tiled,
+                        offload="none",
+                        seq_len=S,
+                        layers=1,
+                        forward_peak_bytes=r["forward_peak"],
+                        peak_bytes=r["peak"],
+                        unit_bytes=r["unit"],
+                    )
+                )
                 cells.append(f"{r['peak'] / GiB:.1f}")
-            print(f"| {label} | {'tiled' if tiled else 'plain'} | " + " | ".join(cells) + " |", flush=True)
+            print(
+                f"| {label} | {'tiled' if tiled else 'plain'} | " + " | ".join(cells) + " |",
+                flush=True,
+            )
 
     model = {}
     for S in model_lens:
-        print(f"\n### Whole {args.layers}-layer Llama3-8B step at {fmt_len(S)} tokens: per-rank activation peak GiB "
-              f"(ratio to DeepSpeed with the same stack)\n")
+        print(
+            f"\n### Whole {args.layers}-layer Llama3-8B step at {fmt_len(S)} tokens: per-rank activation peak GiB "
+            f"(ratio to DeepSpeed with the same stack)\n"
+        )
         print("| implementation | " + " | ".join(name for name, _ in STACKS) + " |")
         print("|---|" + "---|" * len(STACKS))
         for label, impl in impls:
             cells = []
             for name, stack in STACKS:
                 t0 = time.perf_counter()
-                r = simulate_model_step(impl, model_config=cfg, seq_len=S, sp_size=args.sp_size, layers=args.layers,
-                                        **stack)
+                r = simulate_model_step(
+                    impl,
+                    model_config=cfg,
+                    seq_len=S,
+                    sp_size=args.sp_size,
+                    layers=args.layers,
+                    **stack,
+                )
                 model[label, name, S] = r
-                records.append(dict(table="model", label=label, impl=impl, stack=name, seq_len=S, layers=args.layers,
-                                    forward_peak_bytes=r["forward_peak"], peak_bytes=r["peak"], unit_bytes=r["unit"],
-                                    sim_seconds=round(time.perf_counter() - t0, 1), **stack))
+                records.append(
+                    dict(
+                        table="model",
+                        label=label,
+                        impl=impl,
+                        stack=name,
+                        seq_len=S,
+                        layers=args.layers,
+                        forward_peak_bytes=r["forward_peak"],
+                        peak_bytes=r["peak"],
+                        unit_bytes=r["unit"],
+                        sim_seconds=round(time.perf_counter() - t0, 1),
+                        **stack,
+                    )
+                )
                 ds = model.get(("DeepSpeed Ulysses", name, S))
                 ratio = f" ({r['peak'] / ds['peak']:.2f}x)" if ds and impl != "deepspeed" else ""
                 cells.append(f"{r['peak'] / GiB:.1f}{ratio}")
@@ -115,16 +169,36 @@ def main(argv: list[str] | None = None) -> int:
         import deepspeed
 
         ds_version = deepspeed.__version__
-    meta = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), sp_size=args.sp_size,
-                model="llama3-8b", config=cfg, dtype="bfloat16", results=records,
-                versions=dict(torch=torch.__version__, transformers=transformers.__version__, deepspeed=ds_version,
-                              hf_upipe=hf_upipe.__version__),
-                method="fake tensors + fake process group, MemoryTracker (tensor storages; rank 0)",
-                wall_time_s=round(time.perf_counter() - start, 1))
+    meta = dict(
+        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+        sp_size=args.sp_size,
+        model="llama3-8b",
+        config=cfg,
+        dtype="bfloat16",
+        results=records,
+        versions=dict(
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            deepspeed=ds_version,
+            hf_upipe=hf_upipe.__version__,
+        ),
+        method="fake tensors + fake process group, MemoryTracker (tensor storages; rank 0)",
+        wall_time_s=round(time.perf_counter() - start, 1),
+    )
     with open(os.path.join(args.out, "layer_memory.json"), "w") as f:
         json.dump(meta, f, indent=1)
-    plot(layer, model, impls, layer_lens, model_lens, args, os.path.join(args.out, "layer_memory.png"))
-    print(f"\nwrote {args.out}/layer_memory.json and layer_memory.png; total {time.perf_counter() - start:.0f} s")
+    plot(
+        layer,
+        model,
+        impls,
+        layer_lens,
+        model_lens,
+        args,
+        os.path.join(args.out, "layer_memory.png"),
+    )
+    print(
+        f"\nwrote {args.out}/layer_memory.json and layer_memory.png; total {time.perf_counter() - start:.0f} s"
+    )
     return 0
 
 
@@ -137,10 +211,21 @@ def plot(layer, model, impls, layer_lens, model_lens, args, path) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
     xs = [S / 10**6 for S in layer_lens]
     for i, (label, _) in enumerate(impls):
-        ax.plot(xs, [layer[label, True, S]["peak"] / GiB for S in layer_lens], "-o", ms=3, color=f"C{i}",
-                label=f"{label}, tiled MLP")
-        ax.plot(xs, [layer[label, False, S]["peak"] / GiB for S in layer_lens], ":", color=f"C{i}",
-                label=f"{label}, plain MLP")
+        ax.plot(
+            xs,
+            [layer[label, True, S]["peak"] / GiB for S in layer_lens],
+            "-o",
+            ms=3,
+            color=f"C{i}",
+            label=f"{label}, tiled MLP",
+        )
+        ax.plot(
+            xs,
+            [layer[label, False, S]["peak"] / GiB for S in layer_lens],
+            ":",
+            color=f"C{i}",
+            label=f"{label}, plain MLP",
+        )
     ax.set_yscale("log")
     ax.set_xlabel("sequence length S (M tokens)")
     ax.set_ylabel("per-rank peak, one decoder layer fwd+bwd (GiB)")
@@ -152,7 +237,9 @@ def plot(layer, model, impls, layer_lens, model_lens, args, path) -> None:
     for i, (label, _) in enumerate(impls):
         vals = [model[label, name, S]["peak"] / GiB for name, _ in STACKS]
         bx.bar([j + i * width for j in range(len(STACKS))], vals, width, color=f"C{i}", label=label)
-    bx.set_xticks([j + width * (len(impls) - 1) / 2 for j in range(len(STACKS))], [n for n, _ in STACKS])
+    bx.set_xticks(
+        [j + width * (len(impls) - 1) / 2 for j in range(len(STACKS))], [n for n, _ in STACKS]
+    )
     bx.set_ylabel("per-rank activation peak, whole step (GiB)")
     bx.set_title(f"{args.layers}-layer Llama3-8B step at {fmt_len(S)} tokens, P={args.sp_size}")
     bx.grid(alpha=0.3, axis="y")

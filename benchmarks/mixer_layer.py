@@ -30,11 +30,15 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # run from a checkout
 
-KINDS = (("Mamba2 (bamba)", "bamba", "linear_attention"),
-         ("gated DeltaNet (qwen3_next)", "qwen3_next", "linear_attention"),
-         ("short conv (lfm2)", "lfm2", "conv"))
+KINDS = (
+    ("Mamba2 (bamba)", "bamba", "linear_attention"),
+    ("gated DeltaNet (qwen3_next)", "qwen3_next", "linear_attention"),
+    ("short conv (lfm2)", "lfm2", "conv"),
+)
 
 
 def _mixer(model_type: str, layer_type: str, hidden: int):
@@ -55,7 +59,12 @@ def _mixer(model_type: str, layer_type: str, hidden: int):
         config.attn_layer_indices = [1]
     scale = hidden // config.hidden_size
     config.hidden_size = hidden
-    for name in ("intermediate_size", "linear_num_value_heads", "linear_num_key_heads", "mamba_n_heads"):
+    for name in (
+        "intermediate_size",
+        "linear_num_value_heads",
+        "linear_num_key_heads",
+        "mamba_n_heads",
+    ):
         if getattr(config, name, None):
             setattr(config, name, getattr(config, name) * scale)
     torch.manual_seed(0)
@@ -64,8 +73,15 @@ def _mixer(model_type: str, layer_type: str, hidden: int):
     return model, next(m for m in model.modules() if mixers.is_installed(m)), config
 
 
-def _worker(rank: int, world: int, model_type: str, layer_type: str, hidden: int, lengths: list[int],
-            reps: int) -> dict:
+def _worker(
+    rank: int,
+    world: int,
+    model_type: str,
+    layer_type: str,
+    hidden: int,
+    lengths: list[int],
+    reps: int,
+) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -81,7 +97,9 @@ def _worker(rank: int, world: int, model_type: str, layer_type: str, hidden: int
 
     def set_passing(mode):  # outside the timed call
         if mode in sp_modes:
-            mixers.install_mixers(model, state_passing="sequential" if mode == "sp_seq" else "parallel")
+            mixers.install_mixers(
+                model, state_passing="sequential" if mode == "sp_seq" else "parallel"
+            )
 
     def run(mode, x, dy):
         own = type(mixer).forward
@@ -89,20 +107,36 @@ def _worker(rank: int, world: int, model_type: str, layer_type: str, hidden: int
         out = out[0] if isinstance(out, tuple) else out
         out.backward(dy)
 
-    result = {"config": {k: getattr(config, k, None) for k in ("hidden_size", "mamba_n_heads", "mamba_d_head",
-                                                                "mamba_d_state", "linear_num_value_heads",
-                                                                "linear_key_head_dim", "linear_value_head_dim",
-                                                                "conv_L_cache", "mamba_d_conv",
-                                                                "linear_conv_kernel_dim")}}
+    result = {
+        "config": {
+            k: getattr(config, k, None)
+            for k in (
+                "hidden_size",
+                "mamba_n_heads",
+                "mamba_d_head",
+                "mamba_d_state",
+                "linear_num_value_heads",
+                "linear_key_head_dim",
+                "linear_value_head_dim",
+                "conv_L_cache",
+                "mamba_d_conv",
+                "linear_conv_kernel_dim",
+            )
+        }
+    }
     for S in lengths:
         s = S // world
         gen = torch.Generator().manual_seed(11)
         full = torch.randn(1, S, hidden, generator=gen)
         dfull = torch.randn(1, S, hidden, generator=gen)
-        shard = full[:, rank * s:(rank + 1) * s].clone().requires_grad_()
-        dshard = dfull[:, rank * s:(rank + 1) * s].clone()
+        shard = full[:, rank * s : (rank + 1) * s].clone().requires_grad_()
+        dshard = dfull[:, rank * s : (rank + 1) * s].clone()
         full.requires_grad_()
-        inputs = {**{m: (shard, dshard) for m in sp_modes}, "alone": (shard, dshard), "one": (full, dfull)}
+        inputs = {
+            **{m: (shard, dshard) for m in sp_modes},
+            "alone": (shard, dshard),
+            "one": (full, dfull),
+        }
         peaks = {}
         for mode in (*sp_modes, "alone"):
             set_passing(mode)
@@ -134,7 +168,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--kinds", default=",".join(k[1] for k in KINDS), help="model types of the mixers to run")
+    ap.add_argument(
+        "--kinds", default=",".join(k[1] for k in KINDS), help="model types of the mixers to run"
+    )
     args = ap.parse_args()
     from hf_upipe.testing import run_distributed
 
@@ -144,31 +180,69 @@ def main() -> None:
     for label, model_type, layer_type in KINDS:
         if model_type not in args.kinds.split(","):
             continue
-        ranks = run_distributed(_worker, 2, model_type, layer_type, args.hidden, lengths, args.reps, timeout=3000)
+        ranks = run_distributed(
+            _worker, 2, model_type, layer_type, args.hidden, lengths, args.reps, timeout=3000
+        )
         raw[model_type] = ranks
         for S in lengths:
             times = ranks[0][S]["times"]
-            med = {m: statistics.median(max(a, b) for a, b in zip(times[m], ranks[1][S]["times"][m])) for m in times}
-            for mode, how in (("sp", "parallel" if "sp_seq" in times else None), ("sp_seq", "sequential")):
+            med = {
+                m: statistics.median(max(a, b) for a, b in zip(times[m], ranks[1][S]["times"][m]))
+                for m in times
+            }
+            for mode, how in (
+                ("sp", "parallel" if "sp_seq" in times else None),
+                ("sp_seq", "sequential"),
+            ):
                 if mode in times:
-                    peaks = [(ranks[r][S]["peaks"][mode], ranks[r][S]["peaks"]["alone"]) for r in (0, 1)]
-                    rows.append((f"{label}{f', {how}' if how else ''}", S, med[mode], med["alone"], med["one"],
-                                 peaks))
-    print("| mixer | S | SP 2 fwd+bwd s | shard alone s | one process s | SP 2 / shard alone | SP 2 / one process "
-          "| peak MiB, shard alone | SP 2 extra MiB: rank 0, rank 1 |")
+                    peaks = [
+                        (ranks[r][S]["peaks"][mode], ranks[r][S]["peaks"]["alone"]) for r in (0, 1)
+                    ]
+                    rows.append(
+                        (
+                            f"{label}{f', {how}' if how else ''}",
+                            S,
+                            med[mode],
+                            med["alone"],
+                            med["one"],
+                            peaks,
+                        )
+                    )
+    print(
+        "| mixer | S | SP 2 fwd+bwd s | shard alone s | one process s | SP 2 / shard alone | SP 2 / one process "
+        "| peak MiB, shard alone | SP 2 extra MiB: rank 0, rank 1 |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for label, S, sp, alone, one, peaks in rows:
         extra = ", ".join(f"{(a - b) / 2**20:+.2f} ({(a - b) / b:+.0%})" for a, b in peaks)
-        print(f"| {label} | {S} | {sp:.3f} | {alone:.3f} | {one:.3f} | {sp / alone:.2f} | {sp / one:.2f} | "
-              f"{peaks[0][1] / 2**20:.2f} | {extra} |")
+        print(
+            f"| {label} | {S} | {sp:.3f} | {alone:.3f} | {one:.3f} | {sp / alone:.2f} | {sp / one:.2f} | "
+            f"{peaks[0][1] / 2**20:.2f} | {extra} |"
+        )
     print(f"({time.time() - start:.0f} s)")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "mixer_layer.json"), "w") as f:
-        json.dump({"command": " ".join(sys.argv), "hidden": args.hidden, "reps": args.reps,
-                   "rows": [dict(zip(("mixer", "S", "sp_s", "alone_s", "one_s", "peaks_sp_alone_per_rank"), r))
-                            for r in rows],
-                   "raw": {k: [{str(kk): vv for kk, vv in rank.items()} for rank in v] for k, v in raw.items()}},
-                  f, indent=1)
+        json.dump(
+            {
+                "command": " ".join(sys.argv),
+                "hidden": args.hidden,
+                "reps": args.reps,
+                "rows": [
+                    dict(
+                        zip(
+                            ("mixer", "S", "sp_s", "alone_s", "one_s", "peaks_sp_alone_per_rank"), r
+                        )
+                    )
+                    for r in rows
+                ],
+                "raw": {
+                    k: [{str(kk): vv for kk, vv in rank.items()} for rank in v]
+                    for k, v in raw.items()
+                },
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -25,15 +25,19 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # run from a checkout
 
 from hf_upipe.planning.planner import plan  # noqa: E402
 from hf_upipe.units import format_tokens  # noqa: E402
 
 GiB, M = 2**30, 2**20
 # the paper's 16 x H100 maxima (../shared/reference/upipe-method.md section 3)
-PAPER = {"llama3-8b": {"UPipe 8u2r": 8 * M, "USP-Hybrid 8u2r": 6 * M},
-         "qwen3-32b-shape": {"UPipe 8u2r": 4 * M, "Ulysses 8u2r": 2 * M, "Ring 1u16r": 2 * M}}
+PAPER = {
+    "llama3-8b": {"UPipe 8u2r": 8 * M, "USP-Hybrid 8u2r": 6 * M},
+    "qwen3-32b-shape": {"UPipe 8u2r": 4 * M, "Ulysses 8u2r": 2 * M, "Ring 1u16r": 2 * M},
+}
 LAYOUTS = (("SP 8 x DP 2", 1), ("SP 16 = UPipe 8 x ring 2", 2))
 
 
@@ -41,15 +45,26 @@ def _row(model, label, ring, paper_len):
     t0 = time.perf_counter()
     best = plan(model, gpus=8, nodes=2, max_context=True, ring_size=ring)
     at_paper = plan(model, gpus=8, nodes=2, seq_len=paper_len, ring_size=ring)
-    return {"model": model, "layout": label, "ring_size": ring, "sp_size": best.sp_size,
-            "max_seq_len": best.max_seq_len, "settings": best.to_dict()["settings"],
-            "required_gib": best.required / GiB, "predicted_tokens_per_s_per_gpu": best.step_time.tokens_per_s_per_gpu,
-            "paper_len": paper_len, "required_at_paper_len_gib": at_paper.required / GiB,
-            "fits_at_paper_len": at_paper.fits, "seconds": time.perf_counter() - t0}
+    return {
+        "model": model,
+        "layout": label,
+        "ring_size": ring,
+        "sp_size": best.sp_size,
+        "max_seq_len": best.max_seq_len,
+        "settings": best.to_dict()["settings"],
+        "required_gib": best.required / GiB,
+        "predicted_tokens_per_s_per_gpu": best.step_time.tokens_per_s_per_gpu,
+        "paper_len": paper_len,
+        "required_at_paper_len_gib": at_paper.required / GiB,
+        "fits_at_paper_len": at_paper.fits,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--models", default="llama3-8b,qwen3-32b-shape")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
@@ -58,26 +73,44 @@ def main(argv=None) -> int:
         paper_len = PAPER[model]["UPipe 8u2r"]
         for label, ring in LAYOUTS:
             rows.append(_row(model, label, ring, paper_len))
-            print(f"{model} {label}: {format_tokens(rows[-1]['max_seq_len'])} ({rows[-1]['seconds']:.0f} s)",
-                  flush=True)
-    print("\n| model | layout | longest that fits | planner's settings there | predicted tokens/s/GPU | "
-          "required GiB at the paper's UPipe max | paper (16 x H100) |")
+            print(
+                f"{model} {label}: {format_tokens(rows[-1]['max_seq_len'])} ({rows[-1]['seconds']:.0f} s)",
+                flush=True,
+            )
+    print(
+        "\n| model | layout | longest that fits | planner's settings there | predicted tokens/s/GPU | "
+        "required GiB at the paper's UPipe max | paper (16 x H100) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         s = r["settings"]
-        chosen = (f"c={s['heads_per_chunk'] or 'all'}, {s['fused_backward']}"
-                  + (", overlap" if s["overlap"] else "") + (", tiled MLP" if s["tiled_mlp"] else "")
-                  + (", offload" if s["offload"] == "cpu" else ""))
+        chosen = (
+            f"c={s['heads_per_chunk'] or 'all'}, {s['fused_backward']}"
+            + (", overlap" if s["overlap"] else "")
+            + (", tiled MLP" if s["tiled_mlp"] else "")
+            + (", offload" if s["offload"] == "cpu" else "")
+        )
         paper = ", ".join(f"{k} {format_tokens(v)}" for k, v in PAPER[r["model"]].items())
-        print(f"| {r['model']} | {r['layout']} | {format_tokens(r['max_seq_len'])} | {chosen} | "
-              f"{r['predicted_tokens_per_s_per_gpu']:.1f} | {r['required_at_paper_len_gib']:.1f} at "
-              f"{format_tokens(r['paper_len'])} ({'fits' if r['fits_at_paper_len'] else 'does not fit'}) | "
-              f"{paper} |")
+        print(
+            f"| {r['model']} | {r['layout']} | {format_tokens(r['max_seq_len'])} | {chosen} | "
+            f"{r['predicted_tokens_per_s_per_gpu']:.1f} | {r['required_at_paper_len_gib']:.1f} at "
+            f"{format_tokens(r['paper_len'])} ({'fits' if r['fits_at_paper_len'] else 'does not fit'}) | "
+            f"{paper} |"
+        )
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "multinode_context.json")
     with open(path, "w") as f:
-        json.dump({"command": "python benchmarks/multinode_context.py " + " ".join(argv or sys.argv[1:]),
-                   "rows": rows, "paper": PAPER, "wall_time_s": time.perf_counter() - started}, f, indent=1)
+        json.dump(
+            {
+                "command": "python benchmarks/multinode_context.py "
+                + " ".join(argv or sys.argv[1:]),
+                "rows": rows,
+                "paper": PAPER,
+                "wall_time_s": time.perf_counter() - started,
+            },
+            f,
+            indent=1,
+        )
     print(f"\nwrote {path}; total wall time {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -15,14 +15,20 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # run from a checkout
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=16384)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    )
     args = ap.parse_args()
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -32,8 +38,13 @@ def main() -> int:
     from hf_upipe.planning.planner import plan
 
     # every verified causal-LM type (multimodal ones planned for text; their text configs are built inside them)
-    types = sorted(t for t in set(model_names()) | {t for t, a in ARCHITECTURES.items() if a.text_only}
-                   if t in ARCHITECTURES and ARCHITECTURES[t].verified and t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    types = sorted(
+        t
+        for t in set(model_names()) | {t for t, a in ARCHITECTURES.items() if a.text_only}
+        if t in ARCHITECTURES
+        and ARCHITECTURES[t].verified
+        and t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    )
     start, results = time.time(), {}
     for model_type in types:
         t0 = time.time()
@@ -46,12 +57,18 @@ def main() -> int:
         results[model_type] = row
         print(model_type, row, flush=True)
     planned = sum(r["planned"] for r in results.values())
-    summary = {"types": len(results), "planned": planned, "refused": len(results) - planned,
-               "wall_s": round(time.time() - start, 1)}
+    summary = {
+        "types": len(results),
+        "planned": planned,
+        "refused": len(results) - planned,
+        "wall_s": round(time.time() - start, 1),
+    }
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "planner_reach.json")
     with open(path, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "summary": summary, "results": results}, f, indent=1)
+        json.dump(
+            {"command": " ".join(sys.argv), "summary": summary, "results": results}, f, indent=1
+        )
     print(json.dumps(summary))
     for model_type, row in results.items():
         if not row["planned"]:

@@ -24,7 +24,9 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # run from a checkout
 
 from hf_upipe.models import resolve  # noqa: E402
 from hf_upipe.planning.step_time import (  # noqa: E402
@@ -39,11 +41,16 @@ from hf_upipe.units import format_tokens  # noqa: E402
 
 STACK = dict(tiled_mlp=True, offload="cpu")
 PAPERS = "UPipe save c=1 (the paper's UPipe)"
-ROWS = (("ours Ulysses", StepSettings("ulysses", None, **STACK)),
-        (PAPERS, StepSettings("fused", 1, fused_backward="save", **STACK)),
-        ("UPipe save c=1 overlap", StepSettings("fused", 1, fused_backward="save", overlap=True, **STACK)),
-        ("UPipe recompute c=1", StepSettings("fused", 1, **STACK)),
-        ("DeepSpeed Ulysses", StepSettings("deepspeed", None, **STACK)))
+ROWS = (
+    ("ours Ulysses", StepSettings("ulysses", None, **STACK)),
+    (PAPERS, StepSettings("fused", 1, fused_backward="save", **STACK)),
+    (
+        "UPipe save c=1 overlap",
+        StepSettings("fused", 1, fused_backward="save", overlap=True, **STACK),
+    ),
+    ("UPipe recompute c=1", StepSettings("fused", 1, **STACK)),
+    ("DeepSpeed Ulysses", StepSettings("deepspeed", None, **STACK)),
+)
 
 
 def main() -> int:
@@ -53,30 +60,53 @@ def main() -> int:
     _, config = resolve("llama3-8b")
     rows = []
     for S in sorted(PAPER_ULYSSES_TOKENS_PER_S):
-        t = {label: step_time(config, s, seq_len=S, sp_size=8, world=8, gpus_per_node=8) for label, s in ROWS}
+        t = {
+            label: step_time(config, s, seq_len=S, sp_size=8, world=8, gpus_per_node=8)
+            for label, s in ROWS
+        }
         base = t["ours Ulysses"].tokens_per_s_per_gpu
         paper = PAPER_UPIPE_TOKENS_PER_S[S] / PAPER_ULYSSES_TOKENS_PER_S[S]
-        rows.append({"seq_len": S, "paper_ulysses": PAPER_ULYSSES_TOKENS_PER_S[S],
-                     "paper_upipe": PAPER_UPIPE_TOKENS_PER_S[S], "paper_ratio": paper,
-                     "predicted": {k: v.tokens_per_s_per_gpu for k, v in t.items()},
-                     "ratios": {k: v.tokens_per_s_per_gpu / base for k, v in t.items()},
-                     "parts": {k: v.parts for k, v in t.items()}})
-    print(f"Llama3-8B, 8 x {H100_SXM.name}, SP 8; tokens/s per GPU (predicted by the model; paper measured)\n")
-    print("| S | Ulysses: paper | Ulysses: model | UPipe/Ulysses: paper | model: save c=1 | save c=1 overlap | "
-          "recompute c=1 | DeepSpeed/ours Ulysses | save c=1 - paper (points) |")
+        rows.append(
+            {
+                "seq_len": S,
+                "paper_ulysses": PAPER_ULYSSES_TOKENS_PER_S[S],
+                "paper_upipe": PAPER_UPIPE_TOKENS_PER_S[S],
+                "paper_ratio": paper,
+                "predicted": {k: v.tokens_per_s_per_gpu for k, v in t.items()},
+                "ratios": {k: v.tokens_per_s_per_gpu / base for k, v in t.items()},
+                "parts": {k: v.parts for k, v in t.items()},
+            }
+        )
+    print(
+        f"Llama3-8B, 8 x {H100_SXM.name}, SP 8; tokens/s per GPU (predicted by the model; paper measured)\n"
+    )
+    print(
+        "| S | Ulysses: paper | Ulysses: model | UPipe/Ulysses: paper | model: save c=1 | save c=1 overlap | "
+        "recompute c=1 | DeepSpeed/ours Ulysses | save c=1 - paper (points) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         q = r["ratios"]
         diff = 100 * (q[PAPERS] - r["paper_ratio"])
-        print(f"| {format_tokens(r['seq_len'])} | {r['paper_ulysses']:,.0f} | {r['predicted']['ours Ulysses']:,.0f} | "
-              f"{r['paper_ratio']:.3f} | {q[PAPERS]:.3f} | "
-              f"{q['UPipe save c=1 overlap']:.3f} | {q['UPipe recompute c=1']:.3f} | {q['DeepSpeed Ulysses']:.3f} | "
-              f"{diff:+.1f} |")
+        print(
+            f"| {format_tokens(r['seq_len'])} | {r['paper_ulysses']:,.0f} | {r['predicted']['ours Ulysses']:,.0f} | "
+            f"{r['paper_ratio']:.3f} | {q[PAPERS]:.3f} | "
+            f"{q['UPipe save c=1 overlap']:.3f} | {q['UPipe recompute c=1']:.3f} | {q['DeepSpeed Ulysses']:.3f} | "
+            f"{diff:+.1f} |"
+        )
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "step_time_model.json")
     with open(path, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "gpu": H100_SXM.__dict__, "efficiency": EFFICIENCY.__dict__,
-                   "rows": rows}, f, indent=1)
+        json.dump(
+            {
+                "command": " ".join(sys.argv),
+                "gpu": H100_SXM.__dict__,
+                "efficiency": EFFICIENCY.__dict__,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
     print(f"\nwrote {path}")
     return 0
 

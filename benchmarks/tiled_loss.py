@@ -32,7 +32,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # run from a checkout
 
 from hf_upipe.ops.tiled_loss import default_chunk_tokens, tiled_cross_entropy  # noqa: E402
 from hf_upipe.planning import GiB, MemoryTracker, fake_tensors  # noqa: E402
@@ -57,7 +59,9 @@ def plain_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor)
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
 
-def tiled_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+def tiled_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int
+) -> torch.Tensor:
     return tiled_cross_entropy(hidden, weight, labels, chunk_tokens=chunk)[0]
 
 
@@ -84,33 +88,48 @@ def peak_bytes(path: str, tokens: int, vocab: int, hidden: int, chunk: int, fake
         return tracker.peak_bytes
 
 
-def time_paths(tokens: int, vocab: int, hidden: int, chunk: int, reps: int, warmup: int) -> dict[str, list[float]]:
+def time_paths(
+    tokens: int, vocab: int, hidden: int, chunk: int, reps: int, warmup: int
+) -> dict[str, list[float]]:
     h, w, labels = make_inputs(tokens, vocab, hidden)
     times: dict[str, list[float]] = {"plain": [], "tiled": []}
     for i in range(warmup + reps):
-        for path in (("plain", "tiled") if i % 2 == 0 else ("tiled", "plain")):
+        for path in ("plain", "tiled") if i % 2 == 0 else ("tiled", "plain"):
             h.grad = w.grad = None
             start = time.perf_counter()
             run_path(path, h, w, labels, chunk)
             elapsed = time.perf_counter() - start
             if i >= warmup:
                 times[path].append(elapsed)
-            print(f"  time T={fmt_len(tokens)} hidden={hidden} {path}: {elapsed:.2f} s"
-                  + (" (warm-up)" if i < warmup else ""), flush=True)
+            print(
+                f"  time T={fmt_len(tokens)} hidden={hidden} {path}: {elapsed:.2f} s"
+                + (" (warm-up)" if i < warmup else ""),
+                flush=True,
+            )
     return times
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", default="4K,16K,64K", help="memory rows: local tokens (K = 1024)")
-    ap.add_argument("--time-tokens", default="1K,4K,8K", help="timing rows (real tensors); empty to skip")
+    ap.add_argument(
+        "--time-tokens", default="1K,4K,8K", help="timing rows (real tensors); empty to skip"
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--vocab", type=int, default=128256, help="Llama 3 vocabulary")
     ap.add_argument("--hidden", type=int, default=4096, help="model width for the memory rows")
     ap.add_argument("--time-hidden", type=int, default=4096, help="model width for the timing rows")
-    ap.add_argument("--chunk-tokens", type=int, default=None, help="default: ~256 MiB of fp32 logits per chunk")
-    ap.add_argument("--real-memory-max", default="4K", help="memory rows up to this size also run with real tensors")
+    ap.add_argument(
+        "--chunk-tokens", type=int, default=None, help="default: ~256 MiB of fp32 logits per chunk"
+    )
+    ap.add_argument(
+        "--real-memory-max",
+        default="4K",
+        help="memory rows up to this size also run with real tensors",
+    )
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     if args.reps < 1 or args.warmup < 0:
@@ -125,63 +144,111 @@ def main(argv: list[str] | None = None) -> int:
     for T in mem_tokens:
         row = dict(tokens=T, vocab=args.vocab, hidden=args.hidden, chunk_tokens=chunk)
         for path in ("plain", "tiled"):
-            row[f"{path}_peak_bytes"] = peak_bytes(path, T, args.vocab, args.hidden, chunk, fake=True)
+            row[f"{path}_peak_bytes"] = peak_bytes(
+                path, T, args.vocab, args.hidden, chunk, fake=True
+            )
             if T <= real_max:
                 real = peak_bytes(path, T, args.vocab, args.hidden, chunk, fake=False)
                 row[f"{path}_real_peak_bytes"] = real
                 if real != row[f"{path}_peak_bytes"]:
-                    print(f"WARNING: {path} at T={T}: real peak {real} != simulated {row[f'{path}_peak_bytes']}")
+                    print(
+                        f"WARNING: {path} at T={T}: real peak {real} != simulated {row[f'{path}_peak_bytes']}"
+                    )
         row["how"] = "real = simulated" if T <= real_max else "simulated"
         row["ratio"] = row["tiled_peak_bytes"] / row["plain_peak_bytes"]
         memory.append(row)
-        print(f"  memory T={fmt_len(T)}: plain {row['plain_peak_bytes'] / GiB:.2f} GiB, tiled "
-              f"{row['tiled_peak_bytes'] / GiB:.2f} GiB ({row['how']})", flush=True)
+        print(
+            f"  memory T={fmt_len(T)}: plain {row['plain_peak_bytes'] / GiB:.2f} GiB, tiled "
+            f"{row['tiled_peak_bytes'] / GiB:.2f} GiB ({row['how']})",
+            flush=True,
+        )
 
     timing = []
     for T in time_tokens:
         times = time_paths(T, args.vocab, args.time_hidden, chunk, args.reps, args.warmup)
         med = {k: statistics.median(v) for k, v in times.items()}
-        timing.append(dict(tokens=T, vocab=args.vocab, hidden=args.time_hidden, chunk_tokens=chunk, reps=args.reps,
-                           plain_s=times["plain"], tiled_s=times["tiled"], plain_median_s=med["plain"],
-                           tiled_median_s=med["tiled"], ratio=med["tiled"] / med["plain"]))
+        timing.append(
+            dict(
+                tokens=T,
+                vocab=args.vocab,
+                hidden=args.time_hidden,
+                chunk_tokens=chunk,
+                reps=args.reps,
+                plain_s=times["plain"],
+                tiled_s=times["tiled"],
+                plain_median_s=med["plain"],
+                tiled_median_s=med["tiled"],
+                ratio=med["tiled"] / med["plain"],
+            )
+        )
 
-    print(f"\n### Peak tensor memory, forward + backward: vocab {args.vocab}, hidden {args.hidden}, bf16, chunk "
-          f"{chunk} tokens (MemoryTracker)\n")
+    print(
+        f"\n### Peak tensor memory, forward + backward: vocab {args.vocab}, hidden {args.hidden}, bf16, chunk "
+        f"{chunk} tokens (MemoryTracker)\n"
+    )
     print("| local tokens | how | plain GiB | tiled GiB | tiled / plain |")
     print("|---|---|---|---|---|")
     for r in memory:
-        print(f"| {fmt_len(r['tokens'])} | {r['how']} | {r['plain_peak_bytes'] / GiB:.2f} | "
-              f"{r['tiled_peak_bytes'] / GiB:.2f} | {r['ratio']:.3f} (1/{1 / r['ratio']:.1f}) |")
+        print(
+            f"| {fmt_len(r['tokens'])} | {r['how']} | {r['plain_peak_bytes'] / GiB:.2f} | "
+            f"{r['tiled_peak_bytes'] / GiB:.2f} | {r['ratio']:.3f} (1/{1 / r['ratio']:.1f}) |"
+        )
     if timing:
-        print(f"\n### Wall time, forward + backward, real tensors on {os.cpu_count()} CPU cores "
-              f"({torch.get_num_threads()} threads): vocab {args.vocab}, bf16, median of {args.reps}\n")
+        print(
+            f"\n### Wall time, forward + backward, real tensors on {os.cpu_count()} CPU cores "
+            f"({torch.get_num_threads()} threads): vocab {args.vocab}, bf16, median of {args.reps}\n"
+        )
         print("| local tokens | hidden | plain s (min-max) | tiled s (min-max) | tiled / plain |")
         print("|---|---|---|---|---|")
         for r in timing:
-            print(f"| {fmt_len(r['tokens'])} | {r['hidden']} | {r['plain_median_s']:.2f} ({min(r['plain_s']):.2f}-"
-                  f"{max(r['plain_s']):.2f}) | {r['tiled_median_s']:.2f} ({min(r['tiled_s']):.2f}-"
-                  f"{max(r['tiled_s']):.2f}) | {r['ratio']:.2f} |")
+            print(
+                f"| {fmt_len(r['tokens'])} | {r['hidden']} | {r['plain_median_s']:.2f} ({min(r['plain_s']):.2f}-"
+                f"{max(r['plain_s']):.2f}) | {r['tiled_median_s']:.2f} ({min(r['tiled_s']):.2f}-"
+                f"{max(r['tiled_s']):.2f}) | {r['ratio']:.2f} |"
+            )
 
     checks = {}
     big = [r for r in memory if r["tokens"] == 64 * 1024 and r["vocab"] >= 128000]
     if big:
-        checks["memory_64K"] = dict(ratio=big[0]["ratio"], target=TARGET_MEMORY, ok=big[0]["ratio"] <= TARGET_MEMORY)
+        checks["memory_64K"] = dict(
+            ratio=big[0]["ratio"], target=TARGET_MEMORY, ok=big[0]["ratio"] <= TARGET_MEMORY
+        )
     if timing:  # the target is at 64K local tokens: the closest measured point is the largest one
         big_t = max(timing, key=lambda r: r["tokens"])
-        checks["time_largest_measured"] = dict(tokens=big_t["tokens"], hidden=big_t["hidden"], ratio=big_t["ratio"],
-                                               target=TARGET_TIME, ok=big_t["ratio"] <= TARGET_TIME,
-                                               note=f"CPU wall time at {fmt_len(big_t['tokens'])} tokens, not 64K")
+        checks["time_largest_measured"] = dict(
+            tokens=big_t["tokens"],
+            hidden=big_t["hidden"],
+            ratio=big_t["ratio"],
+            target=TARGET_TIME,
+            ok=big_t["ratio"] <= TARGET_TIME,
+            note=f"CPU wall time at {fmt_len(big_t['tokens'])} tokens, not 64K",
+        )
     for name, c in checks.items():
-        print(f"target {name}: {c['ratio']:.3f} vs {c['target']:.3f} -> {'met' if c['ok'] else 'NOT met'}"
-              + (f" ({c['note']})" if "note" in c else ""))
+        print(
+            f"target {name}: {c['ratio']:.3f} vs {c['target']:.3f} -> {'met' if c['ok'] else 'NOT met'}"
+            + (f" ({c['note']})" if "note" in c else "")
+        )
 
     os.makedirs(args.out, exist_ok=True)
-    meta = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), dtype="bfloat16",
-                versions=dict(torch=torch.__version__, python=platform.python_version()),
-                host=dict(cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(), machine=platform.machine()),
-                method=dict(memory="MemoryTracker, tensor storages created by forward+backward; fake tensors above "
-                                   f"{real_max} tokens", time="wall clock, real tensors, interleaved, median"),
-                memory=memory, timing=timing, targets=checks, wall_time_s=round(time.perf_counter() - start, 1))
+    meta = dict(
+        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+        dtype="bfloat16",
+        versions=dict(torch=torch.__version__, python=platform.python_version()),
+        host=dict(
+            cpu_count=os.cpu_count(),
+            torch_threads=torch.get_num_threads(),
+            machine=platform.machine(),
+        ),
+        method=dict(
+            memory="MemoryTracker, tensor storages created by forward+backward; fake tensors above "
+            f"{real_max} tokens",
+            time="wall clock, real tensors, interleaved, median",
+        ),
+        memory=memory,
+        timing=timing,
+        targets=checks,
+        wall_time_s=round(time.perf_counter() - start, 1),
+    )
     path = os.path.join(args.out, "tiled_loss.json")
     with open(path, "w") as f:
         json.dump(meta, f, indent=1)

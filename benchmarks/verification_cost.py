@@ -26,7 +26,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # run from a checkout
 
 HYBRIDS = ("bamba", "qwen3_next", "lfm2")
 
@@ -39,7 +41,8 @@ def _hide_fingerprints() -> None:
     none = ("0" * 16,)
     for key, arch in list(architectures.ARCHITECTURES.items()):
         architectures.ARCHITECTURES[key] = architectures.Architecture(
-            **{**arch.__dict__, "fused_fingerprints": none, "tiled_fingerprints": none})
+            **{**arch.__dict__, "fused_fingerprints": none, "tiled_fingerprints": none}
+        )
     for table in (mixer_sources.MIXERS, mixer_sources.HALO_MIXERS):
         for name in table:
             table[name] = none
@@ -85,8 +88,13 @@ def child(model_type: str, hidden: bool) -> dict:
 
 def _spawn(model_type: str, hidden: bool, cache: str) -> dict:
     env = dict(os.environ, HF_UPIPE_CACHE_DIR=cache, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, __file__, "--child", model_type, "--hidden" if hidden else "--recorded"],
-                         env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", model_type, "--hidden" if hidden else "--recorded"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -101,8 +109,14 @@ def measure(model_type: str, reps: int) -> dict:
             verdicts = cold["verdicts"]
             rows["warm"].append(_spawn(model_type, True, cache)["seconds"])
     med = {k: statistics.median(v) for k, v in rows.items()}
-    return {"model_type": model_type, "seconds": rows, "median": med, "verdicts_cold": verdicts,
-            "check_cost_s": med["cold"] - med["recorded"], "warm_cost_s": med["warm"] - med["recorded"]}
+    return {
+        "model_type": model_type,
+        "seconds": rows,
+        "median": med,
+        "verdicts_cold": verdicts,
+        "check_cost_s": med["cold"] - med["recorded"],
+        "warm_cost_s": med["warm"] - med["recorded"],
+    }
 
 
 def main() -> None:
@@ -111,25 +125,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", default=",".join([a.model_type for a in FUSED] + list(HYBRIDS)))
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    )
     args = parser.parse_args()
     import torch
     import transformers
 
     results = [measure(t, args.reps) for t in args.types.split(",")]
-    report = {"transformers": transformers.__version__, "torch": torch.__version__, "reps": args.reps,
-              "results": results}
+    report = {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "reps": args.reps,
+        "results": results,
+    }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "verification_cost.json"), "w") as f:
         json.dump(report, f, indent=1)
-    print(f"transformers {transformers.__version__}, medians of {args.reps} process pairs, seconds of prepare_model")
-    print("| model type | adapters checked | recorded source | unseen, cold cache | unseen, warm cache | check cost |")
+    print(
+        f"transformers {transformers.__version__}, medians of {args.reps} process pairs, seconds of prepare_model"
+    )
+    print(
+        "| model type | adapters checked | recorded source | unseen, cold cache | unseen, warm cache | check cost |"
+    )
     print("|---|---|---|---|---|---|")
     for r in results:
         m = r["median"]
-        checked = ", ".join(sorted(k for k, how in r["verdicts_cold"].items() if how in ("behaviour", "failed")))
-        print(f"| {r['model_type']} | {checked} | {m['recorded']:.3f} | {m['cold']:.3f} | {m['warm']:.3f} | "
-              f"{r['check_cost_s']:+.3f} |")
+        checked = ", ".join(
+            sorted(k for k, how in r["verdicts_cold"].items() if how in ("behaviour", "failed"))
+        )
+        print(
+            f"| {r['model_type']} | {checked} | {m['recorded']:.3f} | {m['cold']:.3f} | {m['warm']:.3f} | "
+            f"{r['check_cost_s']:+.3f} |"
+        )
 
 
 if __name__ == "__main__":

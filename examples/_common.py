@@ -58,10 +58,10 @@ def passkey_dataset(n: int, seq_len: int, tokenizer: ByteTokenizer, seed: int) -
         text = bytearray(rng.choice(HAYSTACK) for _ in range(seq_len))
         key = rng.choice(DIGITS)
         at = rng.randrange(1, max(2, seq_len // 8))
-        text[at:at + 3] = b"#" + bytes([key]) + b";"
+        text[at : at + 3] = b"#" + bytes([key]) + b";"
         answers = list(range(seq_len // 2, seq_len - 1, 6))
         for a in answers:
-            text[a:a + 2] = b"?" + bytes([key])
+            text[a : a + 2] = b"?" + bytes([key])
         ids = tokenizer.encode(bytes(text))
         labels = [-100] * seq_len
         for a in answers:
@@ -82,76 +82,162 @@ def text_dataset(path: str, tokenizer, seq_len: int) -> Dataset:
     kind = "text" if path.endswith(".txt") else "json"
     raw = load_dataset(kind, data_files=path, split="train")
     if "text" not in raw.column_names:
-        raise ValueError(f"--data {path}: the records have no 'text' field (they have {raw.column_names}); each line "
-                         'of a .jsonl file must be like {"text": "..."} (see examples/sample.jsonl), or pass a .txt '
-                         "file")
+        raise ValueError(
+            f"--data {path}: the records have no 'text' field (they have {raw.column_names}); each line "
+            'of a .jsonl file must be like {"text": "..."} (see examples/sample.jsonl), or pass a .txt '
+            "file"
+        )
     ids: list[int] = []
     for text in raw["text"]:
         ids.extend(tokenizer.encode(text) + [tokenizer.eos_token_id])
-    rows = [ids[i:i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
+    rows = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
     if not rows:
-        raise ValueError(f"--data {path}: {len(ids)} tokens, fewer than one row of --seq-len {seq_len}")
+        raise ValueError(
+            f"--data {path}: {len(ids)} tokens, fewer than one row of --seq-len {seq_len}"
+        )
     return Dataset.from_dict({"input_ids": rows, "labels": rows})
 
 
-def build_model(path: str | None, vocab_size: int, lora: bool, lora_rank: int, seed: int, layers: int = 1):
+def build_model(
+    path: str | None, vocab_size: int, lora: bool, lora_rank: int, seed: int, layers: int = 1
+):
     """The model to fine-tune, in fp32 (bf16 on CUDA), with attn_implementation="upipe"; LoRA if asked."""
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     if path is None:
-        config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1 << 20,
-                             rope_theta=1e6, use_cache=False, tie_word_embeddings=False)
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=layers,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            max_position_embeddings=1 << 20,
+            rope_theta=1e6,
+            use_cache=False,
+            tie_word_embeddings=False,
+        )
         model = AutoModelForCausalLM.from_config(config, attn_implementation="upipe", dtype=dtype)
-    elif os.path.isdir(path) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
+    elif os.path.isdir(path) and any(
+        f.endswith((".safetensors", ".bin")) for f in os.listdir(path)
+    ):
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="upipe", dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), attn_implementation="upipe",
-                                                 dtype=dtype)
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(path), attn_implementation="upipe", dtype=dtype
+        )
     if lora:
         from peft import LoraConfig
 
         from hf_upipe.integrations.peft import get_peft_model
 
-        model = get_peft_model(model, LoraConfig(
-            r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, task_type="CAUSAL_LM",
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-            modules_to_save=["embed_tokens", "lm_head"] if path is None else None))  # random ones must learn the bytes
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lora_rank,
+                lora_alpha=2 * lora_rank,
+                lora_dropout=0.0,
+                task_type="CAUSAL_LM",
+                target_modules=[
+                    "q_proj",
+                    "k_proj",
+                    "v_proj",
+                    "o_proj",
+                    "gate_proj",
+                    "up_proj",
+                    "down_proj",
+                ],
+                modules_to_save=["embed_tokens", "lm_head"] if path is None else None,
+            ),
+        )  # random ones must learn the bytes
     return model
 
 
 def add_common_flags(ap) -> None:
     flag = argparse.BooleanOptionalAction
-    ap.add_argument("--model", default=None, help="config.json or local model dir (default: a tiny 1-layer Llama)")
-    ap.add_argument("--data", default=None, help="local .txt, or .json/.jsonl whose records have a 'text' field "
-                                                 "(examples/sample.jsonl); default: the built-in passkey task")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="config.json or local model dir (default: a tiny 1-layer Llama)",
+    )
+    ap.add_argument(
+        "--data",
+        default=None,
+        help="local .txt, or .json/.jsonl whose records have a 'text' field "
+        "(examples/sample.jsonl); default: the built-in passkey task",
+    )
     ap.add_argument("--seq-len", type=int, default=1024, help="tokens per row (default 1024)")
-    ap.add_argument("--rows", type=int, default=512, help="training rows of the built-in passkey task")
-    ap.add_argument("--eval-rows", type=int, default=32, help="held-out passkey rows the accuracy is measured on")
+    ap.add_argument(
+        "--rows", type=int, default=512, help="training rows of the built-in passkey task"
+    )
+    ap.add_argument(
+        "--eval-rows",
+        type=int,
+        default=32,
+        help="held-out passkey rows the accuracy is measured on",
+    )
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lr", type=float, default=1.5e-3, help="peak learning rate (default 1.5e-3)")
-    ap.add_argument("--warmup", type=int, default=30, help="linear warmup steps, then cosine decay to 10%% of --lr")
-    ap.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (default 1.0)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=30,
+        help="linear warmup steps, then cosine decay to 10%% of --lr",
+    )
+    ap.add_argument(
+        "--max-grad-norm", type=float, default=1.0, help="gradient clipping (default 1.0)"
+    )
     ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--full", action=flag, default=False, help="full fine-tune instead of LoRA through PEFT")
+    ap.add_argument(
+        "--full", action=flag, default=False, help="full fine-tune instead of LoRA through PEFT"
+    )
     ap.add_argument("--lora-rank", type=int, default=32)
-    ap.add_argument("--checkpointing", action=flag, default=False, help="activation checkpointing (non-reentrant)")
+    ap.add_argument(
+        "--checkpointing",
+        action=flag,
+        default=False,
+        help="activation checkpointing (non-reentrant)",
+    )
     ap.add_argument("--output-dir", default="runs/long_context")
-    ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    ap.add_argument(
+        "--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)"
+    )
     ap.add_argument("--resume", default=None, help="a checkpoint folder, or 'latest'")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--log-json", default=None, help="write the per-step losses and the accuracy here (rank 0)")
+    ap.add_argument(
+        "--log-json", default=None, help="write the per-step losses and the accuracy here (rank 0)"
+    )
     defaults = " (default: UPIPE_{} or the built-in default)"
-    ap.add_argument("--sp-size", type=int, default=None,
-                    help=_help("sp_size") + defaults.format("SP_SIZE"))
-    ap.add_argument("--heads-per-chunk", type=_heads_per_chunk, default=None,
-                    help=_help("heads_per_chunk") + " A number or 'all'." + defaults.format("HEADS_PER_CHUNK"))
-    ap.add_argument("--kernel", choices=["auto", *available_kernels()], default=None,
-                    help=_help("kernel") + defaults.format("KERNEL"))
-    ap.add_argument("--tiled-mlp", action=flag, default=None, help=_help("tiled_mlp") + defaults.format("TILED_MLP"))
-    ap.add_argument("--offload", choices=["none", "cpu", "disk"], default=None,
-                    help=_help("offload") + " Needs --checkpointing." + defaults.format("OFFLOAD"))
-    ap.add_argument("--offload-path", default=None, help=_help("offload_path") + defaults.format("OFFLOAD_PATH"))
+    ap.add_argument(
+        "--sp-size", type=int, default=None, help=_help("sp_size") + defaults.format("SP_SIZE")
+    )
+    ap.add_argument(
+        "--heads-per-chunk",
+        type=_heads_per_chunk,
+        default=None,
+        help=_help("heads_per_chunk") + " A number or 'all'." + defaults.format("HEADS_PER_CHUNK"),
+    )
+    ap.add_argument(
+        "--kernel",
+        choices=["auto", *available_kernels()],
+        default=None,
+        help=_help("kernel") + defaults.format("KERNEL"),
+    )
+    ap.add_argument(
+        "--tiled-mlp",
+        action=flag,
+        default=None,
+        help=_help("tiled_mlp") + defaults.format("TILED_MLP"),
+    )
+    ap.add_argument(
+        "--offload",
+        choices=["none", "cpu", "disk"],
+        default=None,
+        help=_help("offload") + " Needs --checkpointing." + defaults.format("OFFLOAD"),
+    )
+    ap.add_argument(
+        "--offload-path", default=None, help=_help("offload_path") + defaults.format("OFFLOAD_PATH")
+    )
 
 
 def _help(name: str) -> str:
@@ -173,8 +259,10 @@ def upipe_settings(args) -> dict:
         ValueError: --offload cpu/disk without --checkpointing (it offloads what checkpointing keeps).
     """
     if args.offload not in (None, "none") and not args.checkpointing:
-        raise ValueError(f"--offload {args.offload} offloads what activation checkpointing keeps: add --checkpointing "
-                         "(or --offload none)")
+        raise ValueError(
+            f"--offload {args.offload} offloads what activation checkpointing keeps: add --checkpointing "
+            "(or --offload none)"
+        )
     names = ("sp_size", "heads_per_chunk", "kernel", "tiled_mlp", "offload", "offload_path")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
@@ -197,13 +285,17 @@ def passkey_accuracy(model, rows, upipe) -> dict:
         for row in rows:
             batch = {k: v.to(upipe.device) for k, v in default_data_collator([row]).items()}
             shard = upipe.shard(batch)
-            logits = model(**{k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}).logits
+            logits = model(
+                **{k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}
+            ).logits
             labels = shard["shift_labels"][0]  # [s]: the next token of every local position
             hits = logits[0].argmax(-1) == labels
             answers = torch.nonzero(labels != -100).flatten()
             every += int(hits[answers].sum())
             total += len(answers)
-            start = upipe.state.sp_rank * labels.shape[0]  # the first answer of the row, on whichever rank holds it
+            start = (
+                upipe.state.sp_rank * labels.shape[0]
+            )  # the first answer of the row, on whichever rank holds it
             first_at = min(i for i, v in enumerate(row["labels"][1:]) if v != -100) - start
             if 0 <= first_at < labels.shape[0]:
                 first += int(hits[first_at])

@@ -65,13 +65,17 @@ def save_checkpoint(accelerator, model, path: str, step: int) -> None:
     accelerator.wait_for_everyone()
     state_dict = accelerator.get_state_dict(model)  # full state dict (a collective under FSDP2)
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(os.path.join(staging, "model"), state_dict=state_dict)
+        accelerator.unwrap_model(model).save_pretrained(
+            os.path.join(staging, "model"), state_dict=state_dict
+        )
     accelerator.save_state(os.path.join(staging, "accelerate_state"))
     if accelerator.is_main_process:
         with open(os.path.join(staging, "step.json"), "w") as f:
             json.dump({"step": step}, f)
     accelerator.wait_for_everyone()  # every rank has written its part (its RNG state) before the manifest
-    write_manifest(staging)  # size and SHA-256 of every file; returns on every rank once it is written
+    write_manifest(
+        staging
+    )  # size and SHA-256 of every file; returns on every rank once it is written
     if accelerator.is_main_process:
         if os.path.exists(path):
             shutil.rmtree(path)
@@ -80,13 +84,18 @@ def save_checkpoint(accelerator, model, path: str, step: int) -> None:
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
-    steps = [int(d.split("-")[1]) for d in os.listdir(output_dir) if d.startswith("step-")] if \
-        os.path.isdir(output_dir) else []
+    steps = (
+        [int(d.split("-")[1]) for d in os.listdir(output_dir) if d.startswith("step-")]
+        if os.path.isdir(output_dir)
+        else []
+    )
     return os.path.join(output_dir, f"step-{max(steps)}") if steps else None
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_common_flags(ap)
     args = ap.parse_args(argv)
     settings = upipe_settings(args)  # flag combinations first: an error costs no process group
@@ -96,20 +105,42 @@ def main(argv=None) -> int:
     else:
         data = passkey_dataset(args.rows, args.seq_len, tokenizer, seed=args.seed)
     # CPU: MULTI_CPU over gloo; a seedable sampler gives the same order whatever the number of processes
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
     set_seed(args.seed)
-    plugin = UPipePlugin.from_flags(**settings)  # validated here, on every rank; errors name the flags
+    plugin = UPipePlugin.from_flags(
+        **settings
+    )  # validated here, on every rank; errors name the flags
 
-    model = build_model(args.model, tokenizer.vocab_size, lora=not args.full, lora_rank=args.lora_rank, seed=args.seed)
+    model = build_model(
+        args.model,
+        tokenizer.vocab_size,
+        lora=not args.full,
+        lora_rank=args.lora_rank,
+        seed=args.seed,
+    )
     if args.checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
     model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
-    loader = DataLoader(data, batch_size=1, shuffle=True, collate_fn=default_data_collator, drop_last=True)
-    model, optimizer, loader, upipe = plugin.prepare(accelerator, model, optimizer, loader,
-                                                     pad_token_id=tokenizer.pad_token_id, output_dir=args.output_dir,
-                                                     checkpointing_fix="add --checkpointing")
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0
+    )
+    loader = DataLoader(
+        data, batch_size=1, shuffle=True, collate_fn=default_data_collator, drop_last=True
+    )
+    model, optimizer, loader, upipe = plugin.prepare(
+        accelerator,
+        model,
+        optimizer,
+        loader,
+        pad_token_id=tokenizer.pad_token_id,
+        output_dir=args.output_dir,
+        checkpointing_fix="add --checkpointing",
+    )
 
     step, epoch, skip, losses = 0, 0, 0, {}
     resume = latest_checkpoint(args.output_dir) if args.resume == "latest" else args.resume
@@ -122,42 +153,63 @@ def main(argv=None) -> int:
         accelerator.print(f"resumed from {resume} at step {step}")
     plain_loader = loader.dataloader
     state = upipe.state
-    accelerator.print(f"{accelerator.num_processes} processes: SP {state.sp_size} x DP {state.dp_size}, "
-                      f"heads_per_chunk={upipe.config.heads_per_chunk}, {'full' if args.full else 'LoRA'} fine-tune, "
-                      f"{args.seq_len} tokens per row")
+    accelerator.print(
+        f"{accelerator.num_processes} processes: SP {state.sp_size} x DP {state.dp_size}, "
+        f"heads_per_chunk={upipe.config.heads_per_chunk}, {'full' if args.full else 'LoRA'} fine-tune, "
+        f"{args.seq_len} tokens per row"
+    )
 
-    bar = tqdm(total=args.steps, initial=step, disable=not accelerator.is_main_process, desc="train")
+    bar = tqdm(
+        total=args.steps, initial=step, disable=not accelerator.is_main_process, desc="train"
+    )
     tokens, t0 = 0, time.perf_counter()
     while step < args.steps:
-        loader.dataloader = accelerator.skip_first_batches(plain_loader, skip) if skip else plain_loader
+        loader.dataloader = (
+            accelerator.skip_first_batches(plain_loader, skip) if skip else plain_loader
+        )
         loader.set_epoch(epoch)
         for window in upipe.windows(loader, args.grad_accum):
             n = upipe.count(window)
             total = 0.0
             for i, shard in enumerate(window):
-                sync = contextlib.nullcontext() if i == len(window) - 1 else accelerator.no_sync(model)
+                sync = (
+                    contextlib.nullcontext() if i == len(window) - 1 else accelerator.no_sync(model)
+                )
                 with sync, upipe.step(model):
                     loss = upipe.loss(model, shard, n)
                     accelerator.backward(loss)
                 total += loss.item() / accelerator.num_processes
                 tokens += shard["input_ids"].numel()
-            for group in optimizer.param_groups:  # set here, not by a scheduler: resuming at any step is exact
+            for group in (
+                optimizer.param_groups
+            ):  # set here, not by a scheduler: resuming at any step is exact
                 group["lr"] = learning_rate(args, step)
             if args.max_grad_norm:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad()
             step += 1
-            summed = accelerator.reduce(torch.tensor(total, device=accelerator.device), "sum").item()
+            summed = accelerator.reduce(
+                torch.tensor(total, device=accelerator.device), "sum"
+            ).item()
             losses[step] = summed
             elapsed = time.perf_counter() - t0
-            peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else \
-                __import__("resource").getrusage(__import__("resource").RUSAGE_SELF).ru_maxrss / 2**20
-            bar.set_postfix(loss=f"{summed:.3f}", tok_s=f"{tokens * accelerator.num_processes / elapsed:.0f}",
-                            peak_gib=f"{peak:.2f}")
+            peak = (
+                torch.cuda.max_memory_allocated() / 2**30
+                if torch.cuda.is_available()
+                else __import__("resource").getrusage(__import__("resource").RUSAGE_SELF).ru_maxrss
+                / 2**20
+            )
+            bar.set_postfix(
+                loss=f"{summed:.3f}",
+                tok_s=f"{tokens * accelerator.num_processes / elapsed:.0f}",
+                peak_gib=f"{peak:.2f}",
+            )
             bar.update(1)
             if args.save_every and step % args.save_every == 0 and step < args.steps:
-                save_checkpoint(accelerator, model, os.path.join(args.output_dir, f"step-{step}"), step)
+                save_checkpoint(
+                    accelerator, model, os.path.join(args.output_dir, f"step-{step}"), step
+                )
             if step >= args.steps:
                 break
         epoch, skip = epoch + 1, 0
@@ -171,16 +223,27 @@ def main(argv=None) -> int:
         first = [losses[s] for s in sorted(losses)[:10]]
         last = [losses[s] for s in sorted(losses)[-10:]]
         guess = "" if args.data else " (guessing the digit: ln 10 = 2.303)"
-        print(f"loss: first {len(first)} steps {sum(first) / len(first):.3f}, last {len(last)} steps "
-              f"{sum(last) / len(last):.3f}{guess}; saved {args.output_dir}/step-{step}/model (plain "
-              f"{'transformers' if args.full else 'PEFT'} files)")
+        print(
+            f"loss: first {len(first)} steps {sum(first) / len(first):.3f}, last {len(last)} steps "
+            f"{sum(last) / len(last):.3f}{guess}; saved {args.output_dir}/step-{step}/model (plain "
+            f"{'transformers' if args.full else 'PEFT'} files)"
+        )
         if accuracy is not None:
-            print(f"passkey retrieval on {args.eval_rows} held-out rows: first answer {accuracy['first_answer']:.0%} "
-                  f"(read from the first rank's shard; chance 10%), all answers {accuracy['all_answers']:.0%}")
+            print(
+                f"passkey retrieval on {args.eval_rows} held-out rows: first answer {accuracy['first_answer']:.0%} "
+                f"(read from the first rank's shard; chance 10%), all answers {accuracy['all_answers']:.0%}"
+            )
         if args.log_json:
             with open(args.log_json, "w") as f:
-                json.dump({"losses": losses, "sp_size": state.sp_size, "dp_size": state.dp_size,
-                           "accuracy": accuracy}, f)
+                json.dump(
+                    {
+                        "losses": losses,
+                        "sp_size": state.sp_size,
+                        "dp_size": state.dp_size,
+                        "accuracy": accuracy,
+                    },
+                    f,
+                )
     accelerator.wait_for_everyone()  # rank 0 may still be writing: tear the group down together
     accelerator.end_training()
     return 0

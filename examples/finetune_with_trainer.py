@@ -37,26 +37,55 @@ from hf_upipe import UPipeConfig, UPipeTrainer  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_common_flags(ap)
     args = ap.parse_args(argv)
     config = UPipeConfig.from_flags(**upipe_settings(args))  # errors name the flags
     tokenizer = ByteTokenizer()
-    data = text_dataset(args.data, tokenizer, args.seq_len) if args.data else \
-        passkey_dataset(args.rows, args.seq_len, tokenizer, seed=args.seed)
-    model = build_model(args.model, tokenizer.vocab_size, lora=not args.full, lora_rank=args.lora_rank, seed=args.seed)
-    training = TrainingArguments(
-        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=1,
-        gradient_accumulation_steps=args.grad_accum, learning_rate=args.lr, warmup_steps=args.warmup,
-        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1},
-        max_grad_norm=args.max_grad_norm, weight_decay=0.0, logging_steps=1 if args.log_json else 10,
-        save_strategy="steps" if args.save_every else "no", save_steps=args.save_every or None, seed=args.seed,
-        report_to=[], use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
-        activation_checkpointing=args.checkpointing, activation_checkpointing_kwargs={"use_reentrant": False},
-        dataloader_num_workers=0, ddp_find_unused_parameters=False,  # every parameter is used in every step
+    data = (
+        text_dataset(args.data, tokenizer, args.seq_len)
+        if args.data
+        else passkey_dataset(args.rows, args.seq_len, tokenizer, seed=args.seed)
     )
-    trainer = UPipeTrainer(model=model, args=training, train_dataset=data, data_collator=default_data_collator,
-                           upipe_config=config)
+    model = build_model(
+        args.model,
+        tokenizer.vocab_size,
+        lora=not args.full,
+        lora_rank=args.lora_rank,
+        seed=args.seed,
+    )
+    training = TrainingArguments(
+        output_dir=args.output_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": 0.1},
+        max_grad_norm=args.max_grad_norm,
+        weight_decay=0.0,
+        logging_steps=1 if args.log_json else 10,
+        save_strategy="steps" if args.save_every else "no",
+        save_steps=args.save_every or None,
+        seed=args.seed,
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        bf16=torch.cuda.is_available(),
+        activation_checkpointing=args.checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False},
+        dataloader_num_workers=0,
+        ddp_find_unused_parameters=False,  # every parameter is used in every step
+    )
+    trainer = UPipeTrainer(
+        model=model,
+        args=training,
+        train_dataset=data,
+        data_collator=default_data_collator,
+        upipe_config=config,
+    )
     resume = True if args.resume == "latest" else args.resume
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(os.path.join(args.output_dir, "final"))
@@ -66,14 +95,20 @@ def main(argv=None) -> int:
         accuracy = passkey_accuracy(trainer.model, held_out, trainer.upipe)
     history = [h for h in trainer.state.log_history if "loss" in h]
     if trainer.is_world_process_zero():
-        print(f"loss: first log {history[0]['loss']:.3f}, last log {history[-1]['loss']:.3f}; saved "
-              f"{args.output_dir}/final ({'transformers' if args.full else 'PEFT'} files)")
+        print(
+            f"loss: first log {history[0]['loss']:.3f}, last log {history[-1]['loss']:.3f}; saved "
+            f"{args.output_dir}/final ({'transformers' if args.full else 'PEFT'} files)"
+        )
         if accuracy is not None:
-            print(f"passkey retrieval on {args.eval_rows} held-out rows: first answer {accuracy['first_answer']:.0%} "
-                  f"(chance 10%), all answers {accuracy['all_answers']:.0%}")
+            print(
+                f"passkey retrieval on {args.eval_rows} held-out rows: first answer {accuracy['first_answer']:.0%} "
+                f"(chance 10%), all answers {accuracy['all_answers']:.0%}"
+            )
         if args.log_json:
             with open(args.log_json, "w") as f:
-                json.dump({"losses": {h["step"]: h["loss"] for h in history}, "accuracy": accuracy}, f)
+                json.dump(
+                    {"losses": {h["step"]: h["loss"] for h in history}, "accuracy": accuracy}, f
+                )
     trainer.accelerator.wait_for_everyone()  # rank 0 may still be writing: tear the group down together
     trainer.accelerator.end_training()
     return 0

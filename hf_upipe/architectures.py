@@ -39,10 +39,23 @@ from dataclasses import dataclass
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.verification import fingerprint
 
-__all__ = ["ACROSS_DOCUMENTS", "ARCHITECTURES", "FUSED", "LOGIT_SCALES", "TEXT_ONLY", "VERIFIED_REGISTERED",
-           "Architecture", "architecture_of", "fused_attention_classes", "keeps_documents_apart",
-           "logit_multiplier", "model_geometry", "source_fingerprint", "tiled_mlp_classes", "tiled_norm_classes"]
-
+__all__ = [
+    "ACROSS_DOCUMENTS",
+    "ARCHITECTURES",
+    "FUSED",
+    "LOGIT_SCALES",
+    "TEXT_ONLY",
+    "VERIFIED_REGISTERED",
+    "Architecture",
+    "architecture_of",
+    "fused_attention_classes",
+    "keeps_documents_apart",
+    "logit_multiplier",
+    "model_geometry",
+    "source_fingerprint",
+    "tiled_mlp_classes",
+    "tiled_norm_classes",
+]
 
 
 @dataclass(frozen=True)
@@ -102,44 +115,119 @@ class Architecture:
         return f"{self.prefix}{self.norm_suffix}" if self.norm_suffix else None
 
     def fused_sources(self) -> tuple[str, ...]:
-        extra = (f"{self.prefix}RMSNorm.forward",) if self.projection_norm else ()  # its math is re-implemented
-        return (f"{self.attention}.__init__", f"{self.attention}.forward", "apply_rotary_pos_emb", "rotate_half",
-                *extra)
+        extra = (
+            (f"{self.prefix}RMSNorm.forward",) if self.projection_norm else ()
+        )  # its math is re-implemented
+        return (
+            f"{self.attention}.__init__",
+            f"{self.attention}.forward",
+            "apply_rotary_pos_emb",
+            "rotate_half",
+            *extra,
+        )
 
     def tiled_sources(self) -> tuple[str, ...]:
         return tuple(f"{name}.forward" for name in (self.mlp, self.norm) if name)
 
 
 # the tiled MLP/norms' sources (the same in 5.23 and 5.24)
-_TILED = ("9dbbf389e9bdd646",)  # LlamaMLP/RMSNorm-shaped forwards (identical source in several families)
-_MOE_NORM = ("790fa612e4fa57ac",)  # a Llama RMSNorm alone (the MoE families, whose MoE blocks are not tiled)
+_TILED = (
+    "9dbbf389e9bdd646",
+)  # LlamaMLP/RMSNorm-shaped forwards (identical source in several families)
+_MOE_NORM = (
+    "790fa612e4fa57ac",
+)  # a Llama RMSNorm alone (the MoE families, whose MoE blocks are not tiled)
 # exact at SP 2 against one process on the registered "upipe" path in the architecture matrix
 # (benchmarks/architecture_matrix.py, transformers 5.23; text-only causal LMs: a multimodal type stays unverified
 # even where its text model is exact): verified, without the fused or tiled adapters
 VERIFIED_REGISTERED = (
-    "apertus", "arcee", "aria_text", "beam", "bitnet", "cohere2", "cohere2_moe", "cwm", "diffllama",
-    "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "flex_olmo", "gemma4_unified_text", "glm", "glm4",
-    "glm4_moe", "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neox", "granitemoeshared", "helium", "hrm_text",
-    "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe",
-    "kolibri1", "laguna", "lfm2", "mellum", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
-    "modernbert-decoder", "moshi", "nanochat", "olmo", "olmo3", "olmoe", "persimmon", "phi", "phimoe", "seed_oss",
-    "solar_open", "starcoder2",
+    "apertus",
+    "arcee",
+    "aria_text",
+    "beam",
+    "bitnet",
+    "cohere2",
+    "cohere2_moe",
+    "cwm",
+    "diffllama",
+    "dots1",
+    "ernie4_5",
+    "ernie4_5_moe",
+    "exaone4",
+    "exaone_moe",
+    "flex_olmo",
+    "gemma4_unified_text",
+    "glm",
+    "glm4",
+    "glm4_moe",
+    "gpt-sw3",
+    "gpt2",
+    "gpt_bigcode",
+    "gpt_neox",
+    "granitemoeshared",
+    "helium",
+    "hrm_text",
+    "hunyuan_v1_dense",
+    "hunyuan_v1_moe",
+    "hy_v3",
+    "hyperclovax",
+    "internlm3",
+    "iquestcoder",
+    "jais2",
+    "jetmoe",
+    "kolibri1",
+    "laguna",
+    "lfm2",
+    "mellum",
+    "minimax_m2",
+    "minimax_m3_vl_text",
+    "ministral",
+    "ministral3",
+    "modernbert-decoder",
+    "moshi",
+    "nanochat",
+    "olmo",
+    "olmo3",
+    "olmoe",
+    "persimmon",
+    "phi",
+    "phimoe",
+    "seed_oss",
+    "solar_open",
+    "starcoder2",
     # multi-head latent attention (value heads of another width, padded in `upipe_attention_forward`)
-    "axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "minicpm3", "youtu",
+    "axk1",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe_lite",
+    "longcat_flash",
+    "minicpm3",
+    "youtu",
     # attention sinks (`s_aux`, from the log-sum-exp in `upipe_attention`; gpt_oss in ACROSS_DOCUMENTS)
-    "flint", "mimo_v2_flash",
+    "flint",
+    "mimo_v2_flash",
     # attention-logit soft-capping (`hf_upipe.ops.softcap`)
-    "gemma2", "vaultgemma",
+    "gemma2",
+    "vaultgemma",
     # its decoder layers drop the attention kwargs: packed rows' documents come from the model call
     "nemotron",
     # Granite with sliding windows
-    "granite_swa", "granitemoe_swa",
+    "granite_swa",
+    "granitemoe_swa",
     # chunked attention (`hf_upipe.integrations.chunked`)
     "llama4_text",
     # hybrids whose gated-DeltaNet, Mamba2 or short-convolution layers run across shards
     # (`hf_upipe.integrations.mixers`; lfm2 above)
-    "bailing_hybrid", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next",
-    "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2",
+    "bailing_hybrid",
+    "olmo_hybrid",
+    "qwen3_5_moe_text",
+    "qwen3_5_text",
+    "qwen3_next",
+    "bamba",
+    "falcon_h1",
+    "granitemoehybrid",
+    "nemotron_h",
+    "zamba2",
     # Mamba2 alone (no attention layers): its mixers run across shards as the hybrids' do
     "mamba2",
     # a key bias (its gradient is zero in exact arithmetic: see `hf_upipe.selftest.GRADIENT_FLOOR`)
@@ -148,32 +236,50 @@ VERIFIED_REGISTERED = (
     "emu3_text_model",
     # DBRX (a fused qkv projection clamped by clip_qkv); Gemma 3n's language model (AltUp, per-layer inputs, KV
     # sharing); Gemma 4's (per-layer inputs; its KV sharing is refused by the support gate)
-    "dbrx", "gemma3n_text", "gemma4_text",
+    "dbrx",
+    "gemma3n_text",
+    "gemma4_text",
     # LFM2-MoE: its short convolutions run across shards as LFM2's do
     "lfm2_moe",
     # types that transformers 5.23 does not have, verified on 5.24 alone
-    "apertus1p5_text", "exaone", "sarvam_mla", "sarvam_moe",
+    "apertus1p5_text",
+    "exaone",
+    "sarvam_mla",
+    "sarvam_moe",
     # on 5.24 through transformers' attention interface; 5.23's attention bypasses it (`model_refusal` refuses them)
-    "codegen", "gptj",
+    "codegen",
+    "gptj",
 )
 # the Llama-shaped families with the fused block (each also exact on the registered path); MoE blocks stay untiled
 # (their norms are tiled), and Cohere's LayerNorm is tiled as its norm
 # the fused attention's sources, per release verified (transformers 5.23, 5.24): model_type -> fingerprints
 _FUSED_SOURCES = {
-    "llama": ("a0d395fa0cfcaa0f", "e406be0e59883e41"), "mistral": ("c3b3be99e77bcec1", "7432c7942a55b5ba"),
-    "qwen2": ("216c98ededbca3e0", "185b09d011ac802e"), "qwen3": ("643897dbf1d482cc", "99d7bba274ac9eee"),
-    "mixtral": ("cb82e38bed550d12", "4544bcbc67f076ef"), "qwen2_moe": ("37b9e77e49266ba0", "0352bcd5506560a0"),
-    "qwen3_moe": ("f33c3236244793f8", "482c10611ff6bccb"), "granite": ("ff085b6eb9e7e7ef", "72de6fadb3856231"),
-    "granitemoe": ("fc6bc1fb65339952", "534b92efeee132cf"), "olmo2": ("11921dce07f14631", "47d18e679604ff43"),
-    "phi3": ("fdb27daee609b944", "cbdaa4bca0f9a4d8"), "gemma": ("915c1d81e23d9cdc", "3b2dc74f2a118b57"),
-    "gemma3_text": ("ae094d89156cbb5c", "744d4fc6eefde09a"), "smollm3": ("9464eeefa2833c5a", "ef344d37c146d4d9"),
+    "llama": ("a0d395fa0cfcaa0f", "e406be0e59883e41"),
+    "mistral": ("c3b3be99e77bcec1", "7432c7942a55b5ba"),
+    "qwen2": ("216c98ededbca3e0", "185b09d011ac802e"),
+    "qwen3": ("643897dbf1d482cc", "99d7bba274ac9eee"),
+    "mixtral": ("cb82e38bed550d12", "4544bcbc67f076ef"),
+    "qwen2_moe": ("37b9e77e49266ba0", "0352bcd5506560a0"),
+    "qwen3_moe": ("f33c3236244793f8", "482c10611ff6bccb"),
+    "granite": ("ff085b6eb9e7e7ef", "72de6fadb3856231"),
+    "granitemoe": ("fc6bc1fb65339952", "534b92efeee132cf"),
+    "olmo2": ("11921dce07f14631", "47d18e679604ff43"),
+    "phi3": ("fdb27daee609b944", "cbdaa4bca0f9a4d8"),
+    "gemma": ("915c1d81e23d9cdc", "3b2dc74f2a118b57"),
+    "gemma3_text": ("ae094d89156cbb5c", "744d4fc6eefde09a"),
+    "smollm3": ("9464eeefa2833c5a", "ef344d37c146d4d9"),
     "cohere": ("e861038c284bdaa7", "ce7aa900fc92e443"),
 }
 
 
 def _fused(model_type: str, prefix: str, tiled: tuple[str, ...] = _TILED, **kw) -> Architecture:
-    return Architecture(model_type, prefix, fused_fingerprints=_FUSED_SOURCES[model_type], tiled_fingerprints=tiled,
-                        **kw)
+    return Architecture(
+        model_type,
+        prefix,
+        fused_fingerprints=_FUSED_SOURCES[model_type],
+        tiled_fingerprints=tiled,
+        **kw,
+    )
 
 
 FUSED = (
@@ -191,21 +297,49 @@ FUSED = (
     _fused("gemma", "Gemma", ("905bb4e12a414935",)),
     _fused("gemma3_text", "Gemma3", ("6e5a6611dff1b85d",), module="gemma3"),
     _fused("smollm3", "SmolLM3"),
-    _fused("cohere", "Cohere", ("360e241039e06907",), rope_interleaved=True, rope_fp32=True, norm_suffix="LayerNorm"),
+    _fused(
+        "cohere",
+        "Cohere",
+        ("360e241039e06907",),
+        rope_interleaved=True,
+        rope_fp32=True,
+        norm_suffix="LayerNorm",
+    ),
 )
 # multimodal types whose language model is exact at SP 2 on text (the matrix's checks): verified for text input only.
 # Each one's text config is a verified type too (the mask function's gate sees that config). Mllama's language
 # model (MllamaForCausalLM) is text-only itself: its cross-attention layers are skipped without
 # `cross_attention_states`, which the pre-hook refuses under SP.
-TEXT_ONLY = ("emu3", "fuyu", "gemma3", "gemma4", "gemma4_unified", "got_ocr2", "llama4", "mllama", "mllama_text_model",
-             "qwen3_5", "qwen3_5_moe")
+TEXT_ONLY = (
+    "emu3",
+    "fuyu",
+    "gemma3",
+    "gemma4",
+    "gemma4_unified",
+    "got_ocr2",
+    "llama4",
+    "mllama",
+    "mllama_text_model",
+    "qwen3_5",
+    "qwen3_5_moe",
+)
 # verified types whose mask is built without position_ids: a packed row is one sequence on one device, and under SP
 ACROSS_DOCUMENTS = ("afmoe", "gpt_oss", "opt")
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
-    *FUSED, *(Architecture(model_type, fused=False, tiled=False) for model_type in VERIFIED_REGISTERED),
-    *(Architecture(model_type, fused=False, tiled=False, text_only=True) for model_type in TEXT_ONLY),
-    *(Architecture(model_type, fused=False, tiled=False, packed_documents=False) for model_type in ACROSS_DOCUMENTS),
-)}
+ARCHITECTURES: dict[str, Architecture] = {
+    a.model_type: a
+    for a in (
+        *FUSED,
+        *(Architecture(model_type, fused=False, tiled=False) for model_type in VERIFIED_REGISTERED),
+        *(
+            Architecture(model_type, fused=False, tiled=False, text_only=True)
+            for model_type in TEXT_ONLY
+        ),
+        *(
+            Architecture(model_type, fused=False, tiled=False, packed_documents=False)
+            for model_type in ACROSS_DOCUMENTS
+        ),
+    )
+}
 
 
 def keeps_documents_apart(config) -> bool:
@@ -258,8 +392,17 @@ def source_fingerprint(arch: Architecture, adapter: str) -> str | None:
 
 # model_type -> (config key, +1: logits * value, -1: logits / value), as each ForCausalLM.forward applies it
 LOGIT_SCALES = {
-    **{t: ("logits_scaling", -1) for t in ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid",
-                                           "granite_swa", "granitemoe_swa")},
+    **{
+        t: ("logits_scaling", -1)
+        for t in (
+            "granite",
+            "granitemoe",
+            "granitemoeshared",
+            "granitemoehybrid",
+            "granite_swa",
+            "granitemoe_swa",
+        )
+    },
     "hyperclovax": ("logits_scaling", 1),
     **{t: ("logit_scale", 1) for t in ("cohere", "cohere2", "cohere2_moe", "cohere_compass")},
 }
@@ -280,5 +423,11 @@ def model_geometry(config) -> dict:
         config = config.get_text_config()
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     hidden, heads = get("hidden_size"), get("num_attention_heads")
-    return {"hidden": hidden, "heads": heads, "kv_heads": get("num_key_value_heads") or heads,
-            "layers": get("num_hidden_layers"), "vocab": get("vocab_size"), "model_type": get("model_type", "llama")}
+    return {
+        "hidden": hidden,
+        "heads": heads,
+        "kv_heads": get("num_key_value_heads") or heads,
+        "layers": get("num_hidden_layers"),
+        "vocab": get("vocab_size"),
+        "model_type": get("model_type", "llama"),
+    }

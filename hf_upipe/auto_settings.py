@@ -38,7 +38,9 @@ def _model_config(model):
     base = base_model(model)
     config = getattr(base, "config", None)
     if config is None:
-        raise ValueError(f"auto settings need a transformers model with a .config; got {type(model).__name__}")
+        raise ValueError(
+            f"auto settings need a transformers model with a .config; got {type(model).__name__}"
+        )
     return config
 
 
@@ -51,8 +53,10 @@ def _lora_of(model):
     adapter = peft_config.get(active if isinstance(active, str) else next(iter(peft_config)))
     targets = getattr(adapter, "target_modules", None)
     if getattr(adapter, "r", None) is None or not targets or isinstance(targets, str):
-        raise ValueError(f"auto settings plan LoRA adapters with explicit target_modules; got {adapter!r}: pass "
-                         "target_modules as a list, or plan by hand with `hf-upipe plan`")
+        raise ValueError(
+            f"auto settings plan LoRA adapters with explicit target_modules; got {adapter!r}: pass "
+            "target_modules as a list, or plan by hand with `hf-upipe plan`"
+        )
     return int(adapter.r), sorted(targets)
 
 
@@ -61,8 +65,10 @@ def _gpu_memory(config) -> str:
         return config.gpu_memory
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory}B"
-    raise ValueError("auto settings need the memory of one GPU and none is visible: set gpu_memory (e.g. '80GiB', "
-                     "UPIPE_GPU_MEMORY) to plan for the GPUs you will train on.")
+    raise ValueError(
+        "auto settings need the memory of one GPU and none is visible: set gpu_memory (e.g. '80GiB', "
+        "UPIPE_GPU_MEMORY) to plan for the GPUs you will train on."
+    )
 
 
 def _run_planner(model, config, world_size: int, local_world_size: int) -> dict:
@@ -70,15 +76,31 @@ def _run_planner(model, config, world_size: int, local_world_size: int) -> dict:
     nodes = world_size // local_world_size
     with tempfile.TemporaryDirectory(prefix="upipe-plan-") as folder:
         _model_config(model).to_json_file(os.path.join(folder, "config.json"))
-        command = [sys.executable, "-m", "hf_upipe.cli", "plan", "--model", folder, "--gpus", str(local_world_size),
-                   "--nodes", str(nodes), "--gpu-memory", _gpu_memory(config), "--seq-len", str(config.plan_seq_len),
-                   "--json"]
+        command = [
+            sys.executable,
+            "-m",
+            "hf_upipe.cli",
+            "plan",
+            "--model",
+            folder,
+            "--gpus",
+            str(local_world_size),
+            "--nodes",
+            str(nodes),
+            "--gpu-memory",
+            _gpu_memory(config),
+            "--seq-len",
+            str(config.plan_seq_len),
+            "--json",
+        ]
         if config.sp_size:
             command += ["--sp-size", str(config.sp_size)]
         lora = _lora_of(model)
         if lora is not None:
             command += ["--lora-rank", str(lora[0]), "--lora-targets", ",".join(lora[1])]
-        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "UPIPE_AUTO": "0"})
+        done = subprocess.run(
+            command, capture_output=True, text=True, env={**os.environ, "UPIPE_AUTO": "0"}
+        )
     if done.returncode in (0, 1) and done.stdout.strip().startswith("{"):
         return json.loads(done.stdout)
     return {"error": (done.stdout + done.stderr).strip()[-2000:] or f"exit {done.returncode}"}
@@ -107,18 +129,34 @@ def apply_auto_settings(config, model, *, world_size: int, local_world_size: int
         raise ValueError(f"auto settings: the planner failed: {result['error']}")
     if not result["fits"]:
         gib = 2**30
-        raise ValueError(f"auto settings: {config.plan_seq_len} tokens do not fit on {world_size} GPU(s) of "
-                         f"{result['gpu_memory'] / gib:.1f} GiB even with the most memory-saving settings (needs "
-                         f"{result['required'] / gib:.1f} GiB per GPU). Shorten plan_seq_len, add GPUs, or run "
-                         "`hf-upipe plan ... --max` to see the longest that fits.")
+        raise ValueError(
+            f"auto settings: {config.plan_seq_len} tokens do not fit on {world_size} GPU(s) of "
+            f"{result['gpu_memory'] / gib:.1f} GiB even with the most memory-saving settings (needs "
+            f"{result['required'] / gib:.1f} GiB per GPU). Shorten plan_seq_len, add GPUs, or run "
+            "`hf-upipe plan ... --max` to see the longest that fits."
+        )
     s = result["settings"]
     config = config.with_auto(
         heads_per_chunk="all" if s["heads_per_chunk"] is None else s["heads_per_chunk"],
-        fused_attention=s["impl"] == "fused", tiled_mlp=s["tiled_mlp"], mlp_chunk_tokens=s["mlp_chunk_tokens"],
-        tiled_loss=s["tiled_loss"], loss_chunk_tokens=s["loss_chunk_tokens"], offload=s["offload"],
-        fused_backward=s["fused_backward"], overlap_comm=s["overlap"])
-    logger.info("hf_upipe auto settings for %d tokens: heads_per_chunk=%s, tiled_mlp=%s, offload=%s, "
-                "fused_backward=%s, overlap_comm=%s (planned peak %.1f GiB of %.1f GiB per GPU)", config.plan_seq_len,
-                config.heads_per_chunk, config.tiled_mlp, config.offload, config.fused_backward, config.overlap_comm,
-                result["required"] / 2**30, result["gpu_memory"] / 2**30)
+        fused_attention=s["impl"] == "fused",
+        tiled_mlp=s["tiled_mlp"],
+        mlp_chunk_tokens=s["mlp_chunk_tokens"],
+        tiled_loss=s["tiled_loss"],
+        loss_chunk_tokens=s["loss_chunk_tokens"],
+        offload=s["offload"],
+        fused_backward=s["fused_backward"],
+        overlap_comm=s["overlap"],
+    )
+    logger.info(
+        "hf_upipe auto settings for %d tokens: heads_per_chunk=%s, tiled_mlp=%s, offload=%s, "
+        "fused_backward=%s, overlap_comm=%s (planned peak %.1f GiB of %.1f GiB per GPU)",
+        config.plan_seq_len,
+        config.heads_per_chunk,
+        config.tiled_mlp,
+        config.offload,
+        config.fused_backward,
+        config.overlap_comm,
+        result["required"] / 2**30,
+        result["gpu_memory"] / 2**30,
+    )
     return config, result

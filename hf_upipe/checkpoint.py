@@ -73,9 +73,16 @@ def _files(folder: str) -> list[str]:
 def write_manifest(folder: str, *, group=None) -> dict:
     """Hash every file of `folder` and write its manifest (see the module docstring). Returns the manifest."""
     rank, size = _world(group)
-    names = _files(folder)  # every rank lists the same files: they were all written before this call
-    mine = {n: {"size": os.path.getsize(os.path.join(folder, n)), "sha256": _sha256(os.path.join(folder, n))}
-            for n in names[rank::size]}
+    names = _files(
+        folder
+    )  # every rank lists the same files: they were all written before this call
+    mine = {
+        n: {
+            "size": os.path.getsize(os.path.join(folder, n)),
+            "sha256": _sha256(os.path.join(folder, n)),
+        }
+        for n in names[rank::size]
+    }
     entries = {}
     for part in _gather(mine, group):
         entries.update(part)
@@ -97,16 +104,21 @@ def _read_manifest(folder: str) -> tuple[dict | None, str | None]:
     if not os.path.isdir(folder):
         return None, f"{folder} is not a folder"
     if not os.path.exists(path):
-        return None, (f"{folder} has no {MANIFEST}: it was not written by hf_upipe, or its save did not finish, so "
-                      "it cannot be verified. Resume from a checkpoint hf_upipe wrote, or set "
-                      "UPipeConfig(verify_checkpoints=False) / UPIPE_VERIFY_CHECKPOINTS=0 to resume from it unchecked")
+        return None, (
+            f"{folder} has no {MANIFEST}: it was not written by hf_upipe, or its save did not finish, so "
+            "it cannot be verified. Resume from a checkpoint hf_upipe wrote, or set "
+            "UPipeConfig(verify_checkpoints=False) / UPIPE_VERIFY_CHECKPOINTS=0 to resume from it unchecked"
+        )
     try:
         with open(path) as f:
             manifest = json.load(f)
     except (OSError, ValueError):
         manifest = None
-    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT or not isinstance(manifest.get("files"),
-                                                                                            dict):
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != _FORMAT
+        or not isinstance(manifest.get("files"), dict)
+    ):
         return None, f"{path} is unreadable or malformed (the checkpoint is corrupted)"
     return manifest, None
 
@@ -136,6 +148,8 @@ def verify_checkpoint(folder: str, *, group=None) -> dict:
         raise CheckpointError(f"Cannot resume from {folder}: {errors[0]}.")
     if found:
         shown = "; ".join(found[:8]) + (f"; and {len(found) - 8} more" if len(found) > 8 else "")
-        raise CheckpointError(f"Cannot resume from {folder}: the checkpoint is incomplete or corrupted ({shown}). "
-                              "Resume from an earlier checkpoint.")
+        raise CheckpointError(
+            f"Cannot resume from {folder}: the checkpoint is incomplete or corrupted ({shown}). "
+            "Resume from an earlier checkpoint."
+        )
     return manifest

@@ -29,8 +29,12 @@ __all__ = ["collect_env", "main", "register_command"]
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
 
 
-def register_command(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
-                     run: Callable[[argparse.Namespace], int]) -> None:
+def register_command(
+    name: str,
+    help: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+) -> None:
     """Add `hf-upipe <name>`: `add_arguments(parser)` declares its flags, `run(args)` returns the exit code."""
     _COMMANDS[name] = (help, add_arguments, run)
 
@@ -54,12 +58,16 @@ def collect_env(checked: bool = True) -> dict:
     from hf_upipe.ops.kernels import available_kernels
 
     cuda = torch.cuda.is_available()
-    devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
+    devices = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
+    )
     kernels = {"cpu": available_kernels("cpu", torch.bfloat16)}
     if cuda:
         kernels["cuda"] = available_kernels("cuda", torch.bfloat16)
     try:
-        settings = dataclasses.asdict(UPipeConfig())  # the fields only: not the config's bookkeeping (_origin)
+        settings = dataclasses.asdict(
+            UPipeConfig()
+        )  # the fields only: not the config's bookkeeping (_origin)
         settings_error = None
     except ValueError as err:  # a bad UPIPE_* variable: report it instead of failing
         settings, settings_error = None, str(err)
@@ -67,13 +75,25 @@ def collect_env(checked: bool = True) -> dict:
         "hf_upipe": hf_upipe.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "packages": {p: _version(p) for p in ("torch", "transformers", "accelerate", "peft", "datasets", "deepspeed",
-                                              "flash-attn")},
+        "packages": {
+            p: _version(p)
+            for p in (
+                "torch",
+                "transformers",
+                "accelerate",
+                "peft",
+                "datasets",
+                "deepspeed",
+                "flash-attn",
+            )
+        },
         "flash_attn_found": importlib.util.find_spec("flash_attn") is not None,
         "cuda_available": cuda,
         "cuda_version": torch.version.cuda,
         "devices": devices,
-        "distributed_backends": {b: getattr(dist, f"is_{b}_available", lambda: False)() for b in ("nccl", "gloo")},
+        "distributed_backends": {
+            b: getattr(dist, f"is_{b}_available", lambda: False)() for b in ("nccl", "gloo")
+        },
         "attention_kernels_bf16": kernels,
         "upipe_settings": settings,
         "upipe_settings_error": settings_error,
@@ -83,8 +103,12 @@ def collect_env(checked: bool = True) -> dict:
 
 def _env_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--no-check", dest="check", action="store_false",
-                        help="do not run the adapters' behaviour checks on a transformers source not seen before")
+    parser.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="do not run the adapters' behaviour checks on a transformers source not seen before",
+    )
 
 
 def _env_run(args: argparse.Namespace) -> int:
@@ -99,24 +123,36 @@ def _env_run(args: argparse.Namespace) -> int:
         print(f"  {name:<13} {version or 'not installed'}")
     flash = info["packages"]["flash-attn"] or "found" if info["flash_attn_found"] else None
     print(f"  flash-attn    {flash or 'not found (optional: pip install hf_upipe[flash])'}")
-    print(f"CUDA: {'yes, ' + str(info['cuda_version']) if info['cuda_available'] else 'no'}; devices: "
-          f"{', '.join(info['devices']) or 'none'}")
-    print("distributed backends: " + ", ".join(f"{b} {'yes' if ok else 'no'}"
-                                                for b, ok in info["distributed_backends"].items()))
+    print(
+        f"CUDA: {'yes, ' + str(info['cuda_version']) if info['cuda_available'] else 'no'}; devices: "
+        f"{', '.join(info['devices']) or 'none'}"
+    )
+    print(
+        "distributed backends: "
+        + ", ".join(
+            f"{b} {'yes' if ok else 'no'}" for b, ok in info["distributed_backends"].items()
+        )
+    )
     for device, names in info["attention_kernels_bf16"].items():
         print(f"attention kernels on {device} (bf16, first = 'auto'): {', '.join(names) or 'none'}")
-    print(f"adapters on transformers {info['packages']['transformers']} (adapter, subject, source fingerprint, "
-          "status):")
+    print(
+        f"adapters on transformers {info['packages']['transformers']} (adapter, subject, source fingerprint, "
+        "status):"
+    )
     print("\n".join(format_status(info["adapters"])))
     if info["upipe_settings_error"]:
         print(f"UPIPE_* settings: ERROR: {info['upipe_settings_error']}")
         return 1
-    print("UPipe settings (UPIPE_* variables, else defaults): " +
-          ", ".join(f"{k}={v}" for k, v in info["upipe_settings"].items()))
+    print(
+        "UPipe settings (UPIPE_* variables, else defaults): "
+        + ", ".join(f"{k}={v}" for k, v in info["upipe_settings"].items())
+    )
     return 0
 
 
-register_command("env", "versions, devices, kernels and the UPIPE_* settings in effect", _env_arguments, _env_run)
+register_command(
+    "env", "versions, devices, kernels and the UPIPE_* settings in effect", _env_arguments, _env_run
+)
 
 
 def _selftest_arguments(parser):
@@ -131,8 +167,12 @@ def _selftest_run(args):
     return run(args)
 
 
-register_command("selftest", "prove that sequence-parallel training equals one device on your model",
-                 _selftest_arguments, _selftest_run)
+register_command(
+    "selftest",
+    "prove that sequence-parallel training equals one device on your model",
+    _selftest_arguments,
+    _selftest_run,
+)
 
 
 def _plan_arguments(parser):
@@ -147,12 +187,18 @@ def _plan_run(args):
     return run(args)
 
 
-register_command("plan", "before launch: does a length fit, with which settings, and what is the longest that fits",
-                 _plan_arguments, _plan_run)
+register_command(
+    "plan",
+    "before launch: does a length fit, with which settings, and what is the longest that fits",
+    _plan_arguments,
+    _plan_run,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hf-upipe", description="UPipe sequence parallelism for Hugging Face models")
+    parser = argparse.ArgumentParser(
+        prog="hf-upipe", description="UPipe sequence parallelism for Hugging Face models"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_arguments, _) in _COMMANDS.items():
         add_arguments(sub.add_parser(name, help=help_text, description=help_text))

@@ -81,8 +81,13 @@ def settings_that_differ(every: list[tuple]) -> list[str]:
         for rank, settings in enumerate(every):
             by_value.setdefault(repr(settings[i][1]), (settings[i][2], []))[1].append(rank)
         if len(by_value) > 1:
-            lines.append(f"{name}: " + ", ".join(f"{shown} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
-                                                 for shown, r in by_value.values()))
+            lines.append(
+                f"{name}: "
+                + ", ".join(
+                    f"{shown} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+                    for shown, r in by_value.values()
+                )
+            )
     return lines
 
 
@@ -97,69 +102,196 @@ class UPipeConfig:
     """Sequence-parallel training settings. Every field falls back to the environment variable `UPIPE_<FIELD>`
     (for example `UPIPE_SP_SIZE=8`, `UPIPE_HEADS_PER_CHUNK=all`) when not given."""
 
-    sp_size: int | None = field(default=None, metadata={"help": (
-        "Ranks that share one sequence (sequence-parallel degree). Default: all processes of a node "
-        "(LOCAL_WORLD_SIZE when it divides the world size), else all processes. Must divide the world size; the "
-        "remaining factor is data parallelism.")})
-    ring_size: int | None = field(default=None, metadata={"help": (
-        "Ring attention across the SP group: sp_size = U x ring_size ranks, UPipe's all-to-alls over U contiguous "
-        "ranks (a node) and a ring over ring_size (across nodes), for more ranks than the heads allow. Default 1 "
-        "(no ring). With a ring, sp_size defaults to the processes of one node times ring_size.")})
-    heads_per_chunk: int | str | None = field(default=None, metadata={"help": (
-        "Query heads each rank processes per UPipe stage: 1 (default) uses the least attention memory; 'all' "
-        "processes all local heads at once, which is DeepSpeed-Ulysses done by the same code.")})
-    kernel: str | None = field(default=None, metadata={"help": (
-        "Inner attention kernel: 'auto' (default), 'sdpa', or 'flash_attn' (see hf_upipe.ops.kernels).")})
-    fused_attention: bool | None = field(default=None, metadata={"help": (
-        "Install the fused UPipe attention block (q/k/v/o projections inside the head-chunk loop) on Llama, "
-        "Mistral, Qwen2 and Qwen3 attention modules (hf_upipe.prepare_model). Default True.")})
-    fused_backward: str | None = field(default=None, metadata={"help": (
-        "How the fused block's backward gets each stage's attention output: 'recompute' (default: the least "
-        "memory) or 'save' (kept from the forward, about one local attention output more per layer: no attention "
-        "recompute, and dk/dv sent once per key-value chunk).")})
-    overlap_comm: bool | None = field(default=None, metadata={"help": (
-        "Issue the fused block's backward all-to-alls one stage ahead, asynchronously, so they run while the "
-        "neighbouring stage's attention kernel computes (NCCL: on its own stream; gloo: its worker thread), as its "
-        "forward always does in training (that costs no peak memory). The same result, for one more stage of "
-        "q/k/v and gradient buffers in the backward. Needs fused_attention. Default False.")})
-    mixer_state_passing: str | None = field(default=None, metadata={"help": (
-        "How a hybrid's delta-rule mixers (gated DeltaNet, Kimi delta attention) pass state across shards: "
-        "'parallel' (default: every rank at once, from the states all ranks gather; its kernel carries d_k more "
-        "value columns) or 'sequential' (rank after rank inside each such layer: the least memory, P times the "
-        "time). Mamba2 mixers always pass it in sequence.")})
-    tiled_loss: bool | None = field(default=None, metadata={"help": (
-        "Compute lm_head + cross-entropy in token chunks so the [tokens, vocab] logits never exist. Default True.")})
-    loss_chunk_tokens: int | None = field(default=None, metadata={"help": (
-        "Tokens per tiled-loss chunk. Default: about 256 MiB of fp32 logits per chunk (65536 // (vocab / 1024)).")})
-    tiled_mlp: bool | None = field(default=None, metadata={"help": (
-        "Run the MLPs and norms of the fused families (Llama, Mistral, Qwen, Granite, OLMo 2, Phi-3, Gemma, ...; "
-        "not MoE blocks) over sequence chunks, recomputed in backward (hf_upipe.memory.tiled_mlp). Default False.")})
-    mlp_chunk_tokens: int | None = field(default=None, metadata={"help": (
-        "Tokens per tiled-MLP chunk. Default: the model's hidden size.")})
-    offload: str | None = field(default=None, metadata={"help": (
-        "Where activation checkpointing keeps the layer inputs: 'none' (default), 'cpu' (pinned host memory, CUDA) "
-        "or 'disk' (files under offload_path). Needs activation checkpointing.")})
-    offload_path: str | None = field(default=None, metadata={"help": (
-        "Folder for offload='disk' (a per-step subfolder is created and removed). Default: the temp folder.")})
-    offload_min_bytes: int | None = field(default=None, metadata={"help": (
-        "Layer inputs smaller than this stay on the device. Default 1 MiB.")})
-    auto: bool | None = field(default=None, metadata={"help": (
-        "Let the planner (hf_upipe.plan) choose heads_per_chunk, fused_attention, fused_backward, overlap_comm, "
-        "tiled_mlp, the MLP and loss tiles and offload for plan_seq_len tokens on this launch's GPUs: the settings "
-        "with the shortest predicted step that fit. The explicit "
-        "values of those fields are then replaced. Default False.")})
-    plan_seq_len: int | None = field(default=None, metadata={"help": (
-        "Tokens per sequence the auto settings must fit (the longest sequence of your data), e.g. 1048576, 1024K or "
-        "1M (K = 1024, M = 1048576 tokens). Needed with auto.")})
-    gpu_memory: str | None = field(default=None, metadata={"help": (
-        "Memory of one GPU for the auto settings, with its unit: '80GiB', '80GB'. Default: the CUDA device's total "
-        "memory.")})
-    allow_unverified: bool | None = field(default=None, metadata={"help": (
-        "Run a model architecture hf_upipe has not verified under sequence parallelism (after checking it with "
-        "`hf-upipe selftest --model <yours>`). Default False: unverified architectures are refused.")})
-    verify_checkpoints: bool | None = field(default=None, metadata={"help": (
-        "Check a checkpoint's manifest (size and SHA-256 of every file) before resuming from it, and refuse a "
-        "corrupted, incomplete or unmanifested one. Default True; False resumes from any checkpoint unchecked.")})
+    sp_size: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Ranks that share one sequence (sequence-parallel degree). Default: all processes of a node "
+                "(LOCAL_WORLD_SIZE when it divides the world size), else all processes. Must "
+                "divide the world size; the "
+                "remaining factor is data parallelism."
+            )
+        },
+    )
+    ring_size: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Ring attention across the SP group: sp_size = U x ring_size ranks, UPipe's "
+                "all-to-alls over U contiguous "
+                "ranks (a node) and a ring over ring_size (across nodes), for more ranks than "
+                "the heads allow. Default 1 "
+                "(no ring). With a ring, sp_size defaults to the processes of one node times ring_size."
+            )
+        },
+    )
+    heads_per_chunk: int | str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Query heads each rank processes per UPipe stage: 1 (default) uses the least attention memory; 'all' "
+                "processes all local heads at once, which is DeepSpeed-Ulysses done by the same code."
+            )
+        },
+    )
+    kernel: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Inner attention kernel: 'auto' (default), 'sdpa', or 'flash_attn' (see hf_upipe.ops.kernels)."
+            )
+        },
+    )
+    fused_attention: bool | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Install the fused UPipe attention block (q/k/v/o projections inside the head-chunk loop) on Llama, "
+                "Mistral, Qwen2 and Qwen3 attention modules (hf_upipe.prepare_model). Default True."
+            )
+        },
+    )
+    fused_backward: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "How the fused block's backward gets each stage's attention output: 'recompute' (default: the least "
+                "memory) or 'save' (kept from the forward, about one local attention output more "
+                "per layer: no attention "
+                "recompute, and dk/dv sent once per key-value chunk)."
+            )
+        },
+    )
+    overlap_comm: bool | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Issue the fused block's backward all-to-alls one stage ahead, asynchronously, so they run while the "
+                "neighbouring stage's attention kernel computes (NCCL: on its own stream; gloo: "
+                "its worker thread), as its "
+                "forward always does in training (that costs no peak memory). The same result, for one more stage of "
+                "q/k/v and gradient buffers in the backward. Needs fused_attention. Default False."
+            )
+        },
+    )
+    mixer_state_passing: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "How a hybrid's delta-rule mixers (gated DeltaNet, Kimi delta attention) pass state across shards: "
+                "'parallel' (default: every rank at once, from the states all ranks gather; its "
+                "kernel carries d_k more "
+                "value columns) or 'sequential' (rank after rank inside each such layer: the least memory, P times the "
+                "time). Mamba2 mixers always pass it in sequence."
+            )
+        },
+    )
+    tiled_loss: bool | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Compute lm_head + cross-entropy in token chunks so the [tokens, vocab] logits "
+                "never exist. Default True."
+            )
+        },
+    )
+    loss_chunk_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Tokens per tiled-loss chunk. Default: about 256 MiB of fp32 logits per chunk "
+                "(65536 // (vocab / 1024))."
+            )
+        },
+    )
+    tiled_mlp: bool | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Run the MLPs and norms of the fused families (Llama, Mistral, Qwen, Granite, "
+                "OLMo 2, Phi-3, Gemma, ...; "
+                "not MoE blocks) over sequence chunks, recomputed in backward "
+                "(hf_upipe.memory.tiled_mlp). Default False."
+            )
+        },
+    )
+    mlp_chunk_tokens: int | None = field(
+        default=None,
+        metadata={"help": ("Tokens per tiled-MLP chunk. Default: the model's hidden size.")},
+    )
+    offload: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Where activation checkpointing keeps the layer inputs: 'none' (default), 'cpu' "
+                "(pinned host memory, CUDA) "
+                "or 'disk' (files under offload_path). Needs activation checkpointing."
+            )
+        },
+    )
+    offload_path: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Folder for offload='disk' (a per-step subfolder is created and removed). Default: the temp folder."
+            )
+        },
+    )
+    offload_min_bytes: int | None = field(
+        default=None,
+        metadata={"help": ("Layer inputs smaller than this stay on the device. Default 1 MiB.")},
+    )
+    auto: bool | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Let the planner (hf_upipe.plan) choose heads_per_chunk, fused_attention, "
+                "fused_backward, overlap_comm, "
+                "tiled_mlp, the MLP and loss tiles and offload for plan_seq_len tokens on this "
+                "launch's GPUs: the settings "
+                "with the shortest predicted step that fit. The explicit "
+                "values of those fields are then replaced. Default False."
+            )
+        },
+    )
+    plan_seq_len: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Tokens per sequence the auto settings must fit (the longest sequence of your "
+                "data), e.g. 1048576, 1024K or "
+                "1M (K = 1024, M = 1048576 tokens). Needed with auto."
+            )
+        },
+    )
+    gpu_memory: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Memory of one GPU for the auto settings, with its unit: '80GiB', '80GB'. "
+                "Default: the CUDA device's total "
+                "memory."
+            )
+        },
+    )
+    allow_unverified: bool | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Run a model architecture hf_upipe has not verified under sequence parallelism (after checking it with "
+                "`hf-upipe selftest --model <yours>`). Default False: unverified architectures are refused."
+            )
+        },
+    )
+    verify_checkpoints: bool | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Check a checkpoint's manifest (size and SHA-256 of every file) before resuming from it, and refuse a "
+                "corrupted, incomplete or unmanifested one. Default True; False resumes from any checkpoint unchecked."
+            )
+        },
+    )
 
     # Where each setting came from, for messages that name it as the user wrote it (see `describe`): the name of
     # the dataclass, "env" or "default". Not a field: no runtime state, excluded from repr and equality.
@@ -168,9 +300,18 @@ class UPipeConfig:
     def __post_init__(self):
         env = {f.name: _env(f.name) for f in fields(self)}
         given = {f.name: getattr(self, f.name) for f in fields(self)}
-        object.__setattr__(self, "_origin", {
-            name: ("arg", given[name]) if given[name] is not None else ("env", env[name]) if env[name] is not None
-            else ("default", None) for name in given})
+        object.__setattr__(
+            self,
+            "_origin",
+            {
+                name: ("arg", given[name])
+                if given[name] is not None
+                else ("env", env[name])
+                if env[name] is not None
+                else ("default", None)
+                for name in given
+            },
+        )
         if self.sp_size is None and env["sp_size"] is not None:
             self.sp_size = env["sp_size"]
         self.sp_size = _parse_positive_int("sp_size", self.sp_size, allow_none=True)
@@ -188,16 +329,29 @@ class UPipeConfig:
 
         self.kernel = self.kernel or env["kernel"] or "auto"
         check_kernel_name(self.kernel)
-        self.fused_backward = str(self.fused_backward or env["fused_backward"] or "recompute").lower()
+        self.fused_backward = str(
+            self.fused_backward or env["fused_backward"] or "recompute"
+        ).lower()
         if self.fused_backward not in ("recompute", "save"):
-            raise ValueError(f"fused_backward={self.fused_backward!r}: use 'recompute' (the least memory) or 'save' "
-                             "(no attention recompute in the backward; more memory).")
-        self.mixer_state_passing = str(self.mixer_state_passing or env["mixer_state_passing"] or "parallel").lower()
+            raise ValueError(
+                f"fused_backward={self.fused_backward!r}: use 'recompute' (the least memory) or 'save' "
+                "(no attention recompute in the backward; more memory)."
+            )
+        self.mixer_state_passing = str(
+            self.mixer_state_passing or env["mixer_state_passing"] or "parallel"
+        ).lower()
         if self.mixer_state_passing not in ("parallel", "sequential"):
-            raise ValueError(f"mixer_state_passing={self.mixer_state_passing!r}: use 'parallel' (every rank at once) "
-                             "or 'sequential' (the least memory).")
-        for name, default in (("fused_attention", True), ("tiled_loss", True), ("tiled_mlp", False),
-                              ("allow_unverified", False), ("overlap_comm", False)):
+            raise ValueError(
+                f"mixer_state_passing={self.mixer_state_passing!r}: use 'parallel' (every rank at once) "
+                "or 'sequential' (the least memory)."
+            )
+        for name, default in (
+            ("fused_attention", True),
+            ("tiled_loss", True),
+            ("tiled_mlp", False),
+            ("allow_unverified", False),
+            ("overlap_comm", False),
+        ):
             value = getattr(self, name)
             value = env[name] if value is None else value
             setattr(self, name, default if value is None else _parse_bool(name, value))
@@ -206,26 +360,43 @@ class UPipeConfig:
             setattr(self, name, _parse_positive_int(name, value, allow_none=True))
         self.offload = (self.offload or env["offload"] or "none").lower()
         if self.offload not in ("none", "cpu", "disk"):
-            raise ValueError(f"offload={self.offload!r}: use 'none', 'cpu' (pinned host memory, CUDA) or 'disk'.")
+            raise ValueError(
+                f"offload={self.offload!r}: use 'none', 'cpu' (pinned host memory, CUDA) or 'disk'."
+            )
         self.offload_path = self.offload_path or env["offload_path"]
-        floor = self.offload_min_bytes if self.offload_min_bytes is not None else env["offload_min_bytes"]
-        self.offload_min_bytes = 2**20 if floor is None else _parse_positive_int("offload_min_bytes", floor, minimum=0)
+        floor = (
+            self.offload_min_bytes
+            if self.offload_min_bytes is not None
+            else env["offload_min_bytes"]
+        )
+        self.offload_min_bytes = (
+            2**20 if floor is None else _parse_positive_int("offload_min_bytes", floor, minimum=0)
+        )
         auto = self.auto if self.auto is not None else env["auto"]
         self.auto = False if auto is None else _parse_bool("auto", auto)
         length = self.plan_seq_len if self.plan_seq_len is not None else env["plan_seq_len"]
-        self.plan_seq_len = None if length is None else _parse_with(parse_tokens, "plan_seq_len", length)
+        self.plan_seq_len = (
+            None if length is None else _parse_with(parse_tokens, "plan_seq_len", length)
+        )
         self.gpu_memory = self.gpu_memory or env["gpu_memory"]
         if self.gpu_memory is not None:
             _parse_with(parse_size, "gpu_memory", self.gpu_memory)
-        self.verify_checkpoints = _parse_bool("verify_checkpoints", self.verify_checkpoints
-                                              if self.verify_checkpoints is not None else
-                                              (env["verify_checkpoints"] or True))
+        self.verify_checkpoints = _parse_bool(
+            "verify_checkpoints",
+            self.verify_checkpoints
+            if self.verify_checkpoints is not None
+            else (env["verify_checkpoints"] or True),
+        )
         if self.overlap_comm and not self.fused_attention:
-            raise ValueError(f"{self.describe('overlap_comm')} overlaps the fused block's all-to-alls, but "
-                             f"{self.describe('fused_attention')}: turn fused_attention on or overlap_comm off.")
+            raise ValueError(
+                f"{self.describe('overlap_comm')} overlaps the fused block's all-to-alls, but "
+                f"{self.describe('fused_attention')}: turn fused_attention on or overlap_comm off."
+            )
         if self.auto and self.plan_seq_len is None:
-            raise ValueError("auto=True chooses settings for a sequence length: set plan_seq_len (UPIPE_PLAN_SEQ_LEN) "
-                             "to the longest sequence of your data.")
+            raise ValueError(
+                "auto=True chooses settings for a sequence length: set plan_seq_len (UPIPE_PLAN_SEQ_LEN) "
+                "to the longest sequence of your data."
+            )
 
     def describe(self, name: str) -> str:
         """How the user set `name`, for error messages: `UPipeConfig(heads_per_chunk='all')`,
@@ -250,7 +421,11 @@ class UPipeConfig:
         """How the user would write `name=value` in the way they wrote these settings (for the fix in a message)."""
         if getattr(self, "_flags", False):
             flag = "--" + name.replace("_", "-")
-            return (flag if value else "--no-" + flag[2:]) if isinstance(value, bool) else f"{flag} {value}"
+            return (
+                (flag if value else "--no-" + flag[2:])
+                if isinstance(value, bool)
+                else f"{flag} {value}"
+            )
         return f"{type(self).__name__}({name}={value!r}) / UPIPE_{name.upper()}={value}"
 
     @classmethod
@@ -293,15 +468,23 @@ class UPipeConfig:
             sp = node if node and world_size % node == 0 else world_size
         if world_size % sp != 0:
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ValueError(f"{self.describe('sp_size')}: sp_size={sp} does not divide the {world_size} processes "
-                             f"of this launch; use one of {divisors}.")
+            raise ValueError(
+                f"{self.describe('sp_size')}: sp_size={sp} does not divide the {world_size} processes "
+                f"of this launch; use one of {divisors}."
+            )
         if sp % self.ring_size:
-            raise ValueError(f"{self.describe('ring_size')} does not divide sp_size={sp} (sp_size = ranks per ring "
-                             f"shard x ring_size); use one of {[d for d in range(1, sp + 1) if sp % d == 0]}.")
+            raise ValueError(
+                f"{self.describe('ring_size')} does not divide sp_size={sp} (sp_size = ranks per ring "
+                f"shard x ring_size); use one of {[d for d in range(1, sp + 1) if sp % d == 0]}."
+            )
         return sp
 
     def init_kwargs(self) -> dict:
         """`ring_size`, `heads_per_chunk`, `kernel` and `allow_unverified` as `init_sequence_parallel` takes them
         ('all' -> None)."""
-        return {"ring_size": self.ring_size, "heads_per_chunk": None if self.heads_per_chunk == "all" else
-                self.heads_per_chunk, "kernel": self.kernel, "allow_unverified": self.allow_unverified}
+        return {
+            "ring_size": self.ring_size,
+            "heads_per_chunk": None if self.heads_per_chunk == "all" else self.heads_per_chunk,
+            "kernel": self.kernel,
+            "allow_unverified": self.allow_unverified,
+        }

@@ -72,12 +72,16 @@ def _document_starts(batch: dict, pos, real: torch.Tensor) -> torch.Tensor:
     first[:, 0] = True
     found = {}
     if pos is not None:
-        found["position_ids"] = torch.cat([first[:, :1], pos[:, 1:] != pos[:, :-1] + 1], dim=1)  # [B, S]
+        found["position_ids"] = torch.cat(
+            [first[:, :1], pos[:, 1:] != pos[:, :-1] + 1], dim=1
+        )  # [B, S]
     seq_idx = batch.get("seq_idx")
     if torch.is_tensor(seq_idx) and tuple(seq_idx.shape) == (B, S):
         found["seq_idx"] = torch.cat([first[:, :1], seq_idx[:, 1:] != seq_idx[:, :-1]], dim=1)
     for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
-        if torch.is_tensor(batch.get(key)) and batch[key].numel() > 2:  # one document: nothing to describe
+        if (
+            torch.is_tensor(batch.get(key)) and batch[key].numel() > 2
+        ):  # one document: nothing to describe
             found[key] = _starts_from_cu(batch[key].to(real.device), key, B, S)
     starts = {k: (v.to(real.device) & real) | first for k, v in found.items()}
     if not starts:
@@ -85,9 +89,11 @@ def _document_starts(batch: dict, pos, real: torch.Tensor) -> torch.Tensor:
     names = list(starts)
     for other in names[1:]:
         if not torch.equal(starts[other], starts[names[0]]):
-            raise ValueError(f"{names[0]} and {other} describe different documents (a document starts where "
-                             "position_ids do not continue, seq_idx changes, or cu_seq_lens has a boundary); "
-                             "collate them consistently, e.g. with DataCollatorWithFlattening.")
+            raise ValueError(
+                f"{names[0]} and {other} describe different documents (a document starts where "
+                "position_ids do not continue, seq_idx changes, or cu_seq_lens has a boundary); "
+                "collate them consistently, e.g. with DataCollatorWithFlattening."
+            )
     return starts[names[0]]
 
 
@@ -104,9 +110,11 @@ def _check_positions(pos, real: torch.Tensor, starts: torch.Tensor, packed: bool
     expected = _document_positions(starts)  # [B, S]; without packing: 0..S-1
     if not bool(((pos == expected) | ~real).all()):
         if packed:
-            raise ValueError("position_ids of a packed batch must count 0, 1, 2, ... inside every document (as "
-                             "DataCollatorWithFlattening produces): hf_upipe keeps them, and checks them against the "
-                             "document boundaries under sequence parallelism.")
+            raise ValueError(
+                "position_ids of a packed batch must count 0, 1, 2, ... inside every document (as "
+                "DataCollatorWithFlattening produces): hf_upipe keeps them, and checks them against the "
+                "document boundaries under sequence parallelism."
+            )
         raise ValueError(
             "position_ids are not 0, 1, ..., S-1 on the real tokens of every row: sequence-parallel attention "
             "needs global positions. Omit position_ids (shard_batch builds them) or pass torch.arange(S)."
@@ -115,19 +123,30 @@ def _check_positions(pos, real: torch.Tensor, starts: torch.Tensor, packed: bool
 
 def _cu_seqlens(starts: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Document starts [B, S_padded] -> (int32 [N+1] boundaries over the flattened [B*S_padded] batch, longest)."""
-    flat = torch.nonzero(starts.reshape(-1)).flatten()  # [N] start indices (every row start included)
+    flat = torch.nonzero(
+        starts.reshape(-1)
+    ).flatten()  # [N] start indices (every row start included)
     cu = torch.cat([flat, flat.new_tensor([starts.numel()])])  # [N+1]
     return cu.to(torch.int32), int((cu[1:] - cu[:-1]).max())
 
 
 def _is_sequence(value, batch_size: int, seq_len: int) -> bool:
-    return torch.is_tensor(value) and value.dim() >= 2 and value.shape[0] in (batch_size, 1) and \
-        value.shape[1] == seq_len
+    return (
+        torch.is_tensor(value)
+        and value.dim() >= 2
+        and value.shape[0] in (batch_size, 1)
+        and value.shape[1] == seq_len
+    )
 
 
 def shard_batch(
-    batch: dict, sp_rank: int, sp_size: int, *, ring_size: int | None = None, pad_token_id: int = 0,
-    ignore_index: int = -100
+    batch: dict,
+    sp_rank: int,
+    sp_size: int,
+    *,
+    ring_size: int | None = None,
+    pad_token_id: int = 0,
+    ignore_index: int = -100,
 ) -> dict:
     """This rank's sequence shard of a full collated batch (pure, no communication): contiguous, or with a ring
     its tokens in ring order (`hf_upipe.ops.ring.ring_positions`).
@@ -169,44 +188,69 @@ def shard_batch(
             position_ids that are not global (or, packed, not 0.. per document), or document descriptions
             (position_ids, seq_idx, cu_seq_lens_q/k) that disagree.
     """
-    if not (isinstance(sp_size, int) and sp_size >= 1 and isinstance(sp_rank, int) and 0 <= sp_rank < sp_size):
-        raise ValueError(f"sp_rank={sp_rank}, sp_size={sp_size}: need an integer sp_size >= 1 and 0 <= sp_rank < "
-                         "sp_size (pass state.sp_rank and state.sp_size from init_sequence_parallel).")
+    if not (
+        isinstance(sp_size, int)
+        and sp_size >= 1
+        and isinstance(sp_rank, int)
+        and 0 <= sp_rank < sp_size
+    ):
+        raise ValueError(
+            f"sp_rank={sp_rank}, sp_size={sp_size}: need an integer sp_size >= 1 and 0 <= sp_rank < "
+            "sp_size (pass state.sp_rank and state.sp_size from init_sequence_parallel)."
+        )
     state = get_sequence_parallel_state()
     if state is not None and sp_size > 1 and (state.sp_size, state.sp_rank) != (sp_size, sp_rank):
-        raise ValueError(f"shard_batch(sp_rank={sp_rank}, sp_size={sp_size}) but this rank is SP rank {state.sp_rank} "
-                         f"of {state.sp_size} (init_sequence_parallel): the shards would not cover the sequence. Pass "
-                         "state.sp_rank and state.sp_size.")
+        raise ValueError(
+            f"shard_batch(sp_rank={sp_rank}, sp_size={sp_size}) but this rank is SP rank {state.sp_rank} "
+            f"of {state.sp_size} (init_sequence_parallel): the shards would not cover the sequence. Pass "
+            "state.sp_rank and state.sp_size."
+        )
     if ring_size is None:
         ring_size = state.ring_size if state is not None and state.sp_size == sp_size else 1
     if not isinstance(ring_size, int) or ring_size < 1 or sp_size % ring_size:
-        raise ValueError(f"ring_size={ring_size!r} must be a positive integer dividing sp_size={sp_size}.")
+        raise ValueError(
+            f"ring_size={ring_size!r} must be a positive integer dividing sp_size={sp_size}."
+        )
     ids = batch.get("input_ids")
     if not torch.is_tensor(ids) or ids.dim() != 2:
-        raise ValueError("shard_batch needs batch['input_ids'] as a [B, S] tensor (collate and pad the batch first), "
-                         f"got {type(ids).__name__}{'' if ids is None else tuple(getattr(ids, 'shape', ()))}.")
+        raise ValueError(
+            "shard_batch needs batch['input_ids'] as a [B, S] tensor (collate and pad the batch first), "
+            f"got {type(ids).__name__}{'' if ids is None else tuple(getattr(ids, 'shape', ()))}."
+        )
     B, S = ids.shape
     for key in ("labels", "shift_labels", "attention_mask"):
         if batch.get(key) is not None and tuple(batch[key].shape) != (B, S):
-            raise ValueError(f"batch['{key}'] has shape {tuple(batch[key].shape)}, input_ids has {(B, S)}: "
-                             "collate them to the same [B, S].")
+            raise ValueError(
+                f"batch['{key}'] has shape {tuple(batch[key].shape)}, input_ids has {(B, S)}: "
+                "collate them to the same [B, S]."
+            )
     pos = batch.get("position_ids")
     if pos is not None and (pos.dim() != 2 or pos.shape[0] not in (B, 1) or pos.shape[1] != S):
-        raise ValueError(f"position_ids has shape {tuple(pos.shape)}; expected [B, S] or [1, S] with B={B}, S={S} "
-                         "(3-D multimodal RoPE positions are not supported under sequence parallelism).")
+        raise ValueError(
+            f"position_ids has shape {tuple(pos.shape)}; expected [B, S] or [1, S] with B={B}, S={S} "
+            "(3-D multimodal RoPE positions are not supported under sequence parallelism)."
+        )
     mask = batch.get("attention_mask")
     if mask is not None:
         _check_right_padding(mask)
-    real = torch.ones(B, S, dtype=torch.bool, device=ids.device) if mask is None else mask.bool()  # [B, S]
+    real = (
+        torch.ones(B, S, dtype=torch.bool, device=ids.device) if mask is None else mask.bool()
+    )  # [B, S]
     pos = None if pos is None else pos.expand(B, S)  # [B, S]
     starts = _document_starts(batch, pos, real)  # [B, S]
     packed = bool(starts[:, 1:].any())
     _check_positions(pos, real, starts, packed)
     if packed and ring_size > 1:
-        raise ValueError(f"Packed rows (several documents per row) are not implemented with ring attention "
-                         f"(ring_size={ring_size}): pad each document to its own row, or use ring_size=1.")
+        raise ValueError(
+            f"Packed rows (several documents per row) are not implemented with ring attention "
+            f"(ring_size={ring_size}): pad each document to its own row, or use ring_size=1."
+        )
 
-    out = {k: v for k, v in batch.items() if k not in _FLASH_KEYS and k not in ("labels", "position_ids")}
+    out = {
+        k: v
+        for k, v in batch.items()
+        if k not in _FLASH_KEYS and k not in ("labels", "position_ids")
+    }
     # (1) targets shifted over the WHOLE sequence: position t predicts token t+1
     shift = batch.get("shift_labels")
     if shift is None and batch.get("labels") is not None:
@@ -216,31 +260,44 @@ def shard_batch(
             target_real = torch.cat([real[:, 1:], real.new_zeros(B, 1)], dim=1)  # [B, S]
             shift = shift.masked_fill(~target_real, ignore_index)
     if shift is not None and packed:  # the last token of a document predicts nothing
-        shift = shift.masked_fill(torch.cat([starts[:, 1:], starts.new_zeros(B, 1)], dim=1), ignore_index)
+        shift = shift.masked_fill(
+            torch.cat([starts[:, 1:], starts.new_zeros(B, 1)], dim=1), ignore_index
+        )
     if shift is not None:
         out["shift_labels"] = shift
         out["num_label_tokens"] = (shift != ignore_index).sum().to(torch.long)  # 0-dim, whole batch
 
     # (2) right-pad to a multiple of sp_size; (3) global positions, or per-document ones continuing the last
     # document of each row over the padding (also replacing any given ones on padding)
-    step = sp_size * (2 if ring_size > 1 else 1)  # a ring cuts the sequence into 2R chunks of U*s/2 tokens
+    step = sp_size * (
+        2 if ring_size > 1 else 1
+    )  # a ring cuts the sequence into 2R chunks of U*s/2 tokens
     s = -(-S // step) * step // sp_size
     pad = s * sp_size - S
     fill = {"input_ids": pad_token_id, "shift_labels": ignore_index, "attention_mask": 0}
     if packed:
         starts = torch.cat([starts, starts.new_zeros(B, pad)], dim=1)  # [B, S_padded]
         out["position_ids"] = _document_positions(starts)  # [B, S_padded]
-        out["upipe_cu_seqlens"], out["upipe_max_seqlen"] = _cu_seqlens(starts)  # global: the same on every rank
+        out["upipe_cu_seqlens"], out["upipe_max_seqlen"] = _cu_seqlens(
+            starts
+        )  # global: the same on every rank
     else:
-        out["position_ids"] = torch.arange(S + pad, device=ids.device).expand(B, S + pad)  # [B, S_padded]
+        out["position_ids"] = torch.arange(S + pad, device=ids.device).expand(
+            B, S + pad
+        )  # [B, S_padded]
     # (4) this rank's shard of every sequence tensor: contiguous, or its tokens in ring order
-    take = slice(sp_rank * s, (sp_rank + 1) * s) if ring_size == 1 else \
-        ring_positions(sp_rank, s, sp_size, ring_size, ids.device)
+    take = (
+        slice(sp_rank * s, (sp_rank + 1) * s)
+        if ring_size == 1
+        else ring_positions(sp_rank, s, sp_size, ring_size, ids.device)
+    )
     for key, value in out.items():
         if not _is_sequence(value, B, S + pad if key == "position_ids" else S):
             continue
         if pad and key != "position_ids":
-            tail = value.new_full((value.shape[0], pad, *value.shape[2:]), fill.get(key, 0))  # [B|1, pad, ...]
+            tail = value.new_full(
+                (value.shape[0], pad, *value.shape[2:]), fill.get(key, 0)
+            )  # [B|1, pad, ...]
             value = torch.cat([value, tail], dim=1)  # [B|1, S_padded, ...]
         out[key] = value[:, take].contiguous()  # [B|1, s, ...]
     return out
@@ -272,10 +329,14 @@ def _checksum(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     flat = ids.reshape(-1).to(device=device, dtype=torch.long)  # [B*S]
     prime = 2_147_483_647
     weights = (torch.arange(flat.numel(), device=device) * 1_000_003 + 12_345) % prime + 1  # [B*S]
-    return torch.stack([
-        torch.tensor(ids.shape[0], device=device), torch.tensor(ids.shape[1], device=device),
-        ((flat % prime) * weights % prime).sum(), flat.sum(),
-    ])
+    return torch.stack(
+        [
+            torch.tensor(ids.shape[0], device=device),
+            torch.tensor(ids.shape[1], device=device),
+            ((flat % prime) * weights % prime).sum(),
+            flat.sum(),
+        ]
+    )
 
 
 class ShardedDataLoader:
@@ -298,8 +359,15 @@ class ShardedDataLoader:
 
     sampler_kwargs = staticmethod(sampler_kwargs)
 
-    def __init__(self, dataloader, state: SequenceParallelState, *, pad_token_id: int = 0,
-                 ignore_index: int = -100, check_same_batch: bool = True):
+    def __init__(
+        self,
+        dataloader,
+        state: SequenceParallelState,
+        *,
+        pad_token_id: int = 0,
+        ignore_index: int = -100,
+        check_same_batch: bool = True,
+    ):
         self.dataloader = dataloader
         self.state = state
         self.pad_token_id = pad_token_id
@@ -321,8 +389,13 @@ class ShardedDataLoader:
         for i, batch in enumerate(self.dataloader):
             if i == 0 and self.check_same_batch and state.sp_size > 1:
                 self._verify_same_batch(batch["input_ids"])
-            yield shard_batch(batch, state.sp_rank, state.sp_size, pad_token_id=self.pad_token_id,
-                              ignore_index=self.ignore_index)
+            yield shard_batch(
+                batch,
+                state.sp_rank,
+                state.sp_size,
+                pad_token_id=self.pad_token_id,
+                ignore_index=self.ignore_index,
+            )
 
     def _verify_same_batch(self, ids: torch.Tensor) -> None:
         group = self.state.sp_group

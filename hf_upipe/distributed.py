@@ -101,7 +101,13 @@ class SequenceParallelState:
     ring_group: dist.ProcessGroup | None = None
 
     def settings(self) -> tuple:
-        return (self.sp_size, self.heads_per_chunk, self.kernel, self.allow_unverified, self.ring_size)
+        return (
+            self.sp_size,
+            self.heads_per_chunk,
+            self.kernel,
+            self.allow_unverified,
+            self.ring_size,
+        )
 
     @property
     def attention_group(self) -> dist.ProcessGroup | None:
@@ -136,7 +142,9 @@ def validation_group():
     """The world's validation group (module docstring); every rank must reach its first use at the same point."""
     key = (dist.get_world_size(), validation_timeout())
     if key not in _VALIDATION:
-        _VALIDATION[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=key[1]))
+        _VALIDATION[key] = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=key[1])
+        )
     return _VALIDATION[key]
 
 
@@ -146,7 +154,8 @@ def validation_failed(err: Exception, what: str) -> RuntimeError:
         f"hf_upipe: the other ranks did not reach {what} within {validation_timeout():.0f} s "
         f"({type(err).__name__}: {str(err)[:200]}). Every rank must run the same code up to there: did a rank skip "
         "init_sequence_parallel or the model call, use other settings, or fail earlier? (UPIPE_VALIDATION_TIMEOUT "
-        "sets the wait.)")
+        "sets the wait.)"
+    )
 
 
 def _upipe_environment() -> tuple:
@@ -154,9 +163,14 @@ def _upipe_environment() -> tuple:
     (those of every `UPipeConfig` field but the per-rank ones), which `prepare_model` and the Trainer read."""
     from dataclasses import fields
 
-    from hf_upipe.config import PER_RANK_SETTINGS, UPipeConfig  # local: keeps this module importable alone
+    from hf_upipe.config import (
+        PER_RANK_SETTINGS,
+        UPipeConfig,
+    )  # local: keeps this module importable alone
 
-    names = [f"UPIPE_{f.name.upper()}" for f in fields(UPipeConfig) if f.name not in PER_RANK_SETTINGS]
+    names = [
+        f"UPIPE_{f.name.upper()}" for f in fields(UPipeConfig) if f.name not in PER_RANK_SETTINGS
+    ]
     values = [os.environ.get(name) for name in names]
     return tuple((name, v, "unset" if v is None else repr(v)) for name, v in zip(names, values))
 
@@ -176,20 +190,30 @@ def _agree(settings: tuple) -> None:
     differ = settings_that_differ([env for _, env in every])
     every = [s for s, _ in every]
     if differ:
-        raise ValueError(f"The ranks have different UPIPE_* settings in their environment ({'; '.join(differ)}): "
-                         "export the same ones on every node (different settings pair different collectives, "
-                         "which hangs or corrupts the run).")
+        raise ValueError(
+            f"The ranks have different UPIPE_* settings in their environment ({'; '.join(differ)}): "
+            "export the same ones on every node (different settings pair different collectives, "
+            "which hangs or corrupts the run)."
+        )
     if len(set(every)) > 1:
         names = ("sp_size", "heads_per_chunk", "kernel", "allow_unverified", "ring_size")
-        lines = "; ".join(f"rank {r}: " + ", ".join(f"{n}={v!r}" for n, v in zip(names, s)) for r, s in
-                          enumerate(every))
-        raise ValueError(f"The ranks asked init_sequence_parallel for different settings ({lines}): every rank must "
-                         "use the same ones (the same UPIPE_* variables, the same script).")
+        lines = "; ".join(
+            f"rank {r}: " + ", ".join(f"{n}={v!r}" for n, v in zip(names, s))
+            for r, s in enumerate(every)
+        )
+        raise ValueError(
+            f"The ranks asked init_sequence_parallel for different settings ({lines}): every rank must "
+            "use the same ones (the same UPIPE_* variables, the same script)."
+        )
 
 
 def _check_heads_per_chunk(heads_per_chunk: int | None) -> None:
-    _check_type("heads_per_chunk", heads_per_chunk, "a positive integer (1 = least memory), or None for all local "
-                "heads in one chunk (plain Ulysses)")
+    _check_type(
+        "heads_per_chunk",
+        heads_per_chunk,
+        "a positive integer (1 = least memory), or None for all local "
+        "heads in one chunk (plain Ulysses)",
+    )
     if heads_per_chunk is not None and heads_per_chunk < 1:
         raise ValueError(
             f"heads_per_chunk={heads_per_chunk!r} is invalid: use a positive integer (1 = least memory), "
@@ -200,7 +224,9 @@ def _check_heads_per_chunk(heads_per_chunk: int | None) -> None:
 def _check_type(name: str, value, want: str, kind: type = int, none: bool = True) -> None:
     """A ValueError naming `name`, the type it got and what to pass, for a value not of `kind` (bool is not an int
     here), or None where `none` allows it."""
-    if (value is None and none) or (isinstance(value, kind) and not (kind is int and isinstance(value, bool))):
+    if (value is None and none) or (
+        isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    ):
         return
     hint = ""
     if kind is int and isinstance(value, str) and value.strip().isdigit():
@@ -208,7 +234,9 @@ def _check_type(name: str, value, want: str, kind: type = int, none: bool = True
     elif kind is int and isinstance(value, float) and value.is_integer():
         hint = f" ({name}={int(value)})"
     got = type(value).__name__
-    raise ValueError(f"{name}={value!r} is {'an' if got[0] in 'aeiou' else 'a'} {got}: pass {want}{hint}.")
+    raise ValueError(
+        f"{name}={value!r} is {'an' if got[0] in 'aeiou' else 'a'} {got}: pass {want}{hint}."
+    )
 
 
 def init_sequence_parallel(
@@ -246,7 +274,9 @@ def init_sequence_parallel(
             rank.
         RuntimeError: another rank did not reach this call within the validation timeout.
     """
-    from hf_upipe.ops.kernels import check_kernel_name  # local: keeps distributed.py importable alone
+    from hf_upipe.ops.kernels import (
+        check_kernel_name,
+    )  # local: keeps distributed.py importable alone
 
     _check_type("sp_size", sp_size, "an int that divides the world size, or None for all ranks")
     _check_type("ring_size", ring_size, "a positive int (1: no ring)", none=False)
@@ -265,7 +295,9 @@ def init_sequence_parallel(
     if not isinstance(ring_size, int) or ring_size < 1:
         raise ValueError(f"ring_size={ring_size!r} must be a positive integer (1: no ring).")
     if group is not None and ring_size > 1:
-        raise ValueError("ring_size > 1 builds its own Ulysses and ring groups: pass sp_size, not group.")
+        raise ValueError(
+            "ring_size > 1 builds its own Ulysses and ring groups: pass sp_size, not group."
+        )
     if group is not None:
         if dist.get_rank(group) < 0:
             raise ValueError(
@@ -274,11 +306,22 @@ def init_sequence_parallel(
             )
         size = dist.get_world_size(group)
         if sp_size is not None and sp_size != size:
-            raise ValueError(f"sp_size={sp_size} but the given group has {size} ranks: pass one of them, not both.")
-        return _install(SequenceParallelState(
-            sp_group=group, sp_size=size, sp_rank=dist.get_rank(group), dp_group=None, dp_size=1, dp_rank=0,
-            heads_per_chunk=heads_per_chunk, kernel=kernel, allow_unverified=allow_unverified,
-        ))
+            raise ValueError(
+                f"sp_size={sp_size} but the given group has {size} ranks: pass one of them, not both."
+            )
+        return _install(
+            SequenceParallelState(
+                sp_group=group,
+                sp_size=size,
+                sp_rank=dist.get_rank(group),
+                dp_group=None,
+                dp_size=1,
+                dp_rank=0,
+                heads_per_chunk=heads_per_chunk,
+                kernel=kernel,
+                allow_unverified=allow_unverified,
+            )
+        )
 
     sp_size = world if sp_size is None else sp_size
     if not isinstance(sp_size, int) or sp_size < 1 or world % sp_size != 0:
@@ -287,17 +330,21 @@ def init_sequence_parallel(
             f"sp_size={sp_size} does not divide the world size {world}; use one of {divisors}."
         )
     if sp_size % ring_size:
-        raise ValueError(f"ring_size={ring_size} does not divide sp_size={sp_size}; use one of "
-                         f"{[d for d in range(1, sp_size + 1) if sp_size % d == 0]}.")
+        raise ValueError(
+            f"ring_size={ring_size} does not divide sp_size={sp_size}; use one of "
+            f"{[d for d in range(1, sp_size + 1) if sp_size % d == 0]}."
+        )
     dp_size = world // sp_size
     settings = (sp_size, heads_per_chunk, kernel, allow_unverified, ring_size)
     _agree(settings)
     if _STATE is not None and _STATE.check_group is not None:
         if _STATE.settings() == settings:
             return _STATE  # the same settings again: nothing to build
-        raise ValueError(f"init_sequence_parallel was already called with sp_size={_STATE.sp_size}, ring_size="
-                         f"{_STATE.ring_size}, heads_per_chunk={_STATE.heads_per_chunk!r}, kernel={_STATE.kernel!r}: "
-                         "call reset_sequence_parallel() first to change them.")
+        raise ValueError(
+            f"init_sequence_parallel was already called with sp_size={_STATE.sp_size}, ring_size="
+            f"{_STATE.ring_size}, heads_per_chunk={_STATE.heads_per_chunk!r}, kernel={_STATE.kernel!r}: "
+            "call reset_sequence_parallel() first to change them."
+        )
 
     # new_group must be called by every rank for every group, in the same order.
     sp_group = dp_group = check_group = None
@@ -328,16 +375,31 @@ def init_sequence_parallel(
             if rank in ranks:
                 dp_group = pg
 
-    _install(SequenceParallelState(
-        sp_group=sp_group, sp_size=sp_size, sp_rank=rank % sp_size,
-        dp_group=dp_group, dp_size=dp_size, dp_rank=rank // sp_size,
-        heads_per_chunk=heads_per_chunk, kernel=kernel, allow_unverified=allow_unverified, check_group=check_group,
-        ring_size=ring_size, ulysses_group=ulysses_group, ring_group=ring_group,
-    ))
+    _install(
+        SequenceParallelState(
+            sp_group=sp_group,
+            sp_size=sp_size,
+            sp_rank=rank % sp_size,
+            dp_group=dp_group,
+            dp_size=dp_size,
+            dp_rank=rank // sp_size,
+            heads_per_chunk=heads_per_chunk,
+            kernel=kernel,
+            allow_unverified=allow_unverified,
+            check_group=check_group,
+            ring_size=ring_size,
+            ulysses_group=ulysses_group,
+            ring_group=ring_group,
+        )
+    )
     if rank == 0:
         logger.info(
-            "hf_upipe: %d SP group(s) of %d ranks (ring of %d), heads_per_chunk=%s, kernel=%s", dp_size, sp_size,
-            ring_size, heads_per_chunk, kernel,
+            "hf_upipe: %d SP group(s) of %d ranks (ring of %d), heads_per_chunk=%s, kernel=%s",
+            dp_size,
+            sp_size,
+            ring_size,
+            heads_per_chunk,
+            kernel,
         )
     return _STATE
 
@@ -352,7 +414,9 @@ def reset_sequence_parallel() -> None:
     _install(None)
 
 
-def set_sequence_parallel_state(state: SequenceParallelState | None) -> SequenceParallelState | None:
+def set_sequence_parallel_state(
+    state: SequenceParallelState | None,
+) -> SequenceParallelState | None:
     """Install `state` (None: no SP) as the "upipe" defaults; return the previous state."""
     previous = _STATE
     _install(state)

@@ -24,7 +24,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["OUTCOMES", "causal_lm_types", "classify", "matrix_rank", "single_process", "summary", "table", "verdict"]
+__all__ = [
+    "OUTCOMES",
+    "causal_lm_types",
+    "classify",
+    "matrix_rank",
+    "single_process",
+    "summary",
+    "table",
+    "verdict",
+]
 
 OUTCOMES = ("exact", "refused", "wrong", "crashed", "hung")
 MAX_TINY_PARAMETERS = 100_000_000  # a type whose config ignores SMALL's sizes does not "build tiny"
@@ -47,16 +56,25 @@ def _build(model_type: str):
     from hf_upipe.models import tiny_config
 
     config = tiny_config(model_type)
-    with torch.device("meta"):  # count first: some types ignore the small sizes (blt: 4.6B parameters)
+    with torch.device(
+        "meta"
+    ):  # count first: some types ignore the small sizes (blt: 4.6B parameters)
         size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     if size > MAX_TINY_PARAMETERS:
-        raise ValueError(f"its tiny config still has {size / 1e6:.0f}M parameters (limit: "
-                         f"{MAX_TINY_PARAMETERS / 1e6:.0f}M)")
+        raise ValueError(
+            f"its tiny config still has {size / 1e6:.0f}M parameters (limit: "
+            f"{MAX_TINY_PARAMETERS / 1e6:.0f}M)"
+        )
     for reference in ("sdpa", "eager"):
         try:
             torch.manual_seed(0)
-            return config, AutoModelForCausalLM.from_config(config, attn_implementation=reference,
-                                                            dtype=torch.float32), reference
+            return (
+                config,
+                AutoModelForCausalLM.from_config(
+                    config, attn_implementation=reference, dtype=torch.float32
+                ),
+                reference,
+            )
         except ValueError:
             if reference == "eager":
                 raise
@@ -88,14 +106,22 @@ def single_process(model_type: str) -> dict:
         out = {"builds": True, "decoder": True, "reference": reference}
         try:
             try:
-                upipe = AutoModelForCausalLM.from_config(config, attn_implementation="upipe", dtype=torch.float32)
+                upipe = AutoModelForCausalLM.from_config(
+                    config, attn_implementation="upipe", dtype=torch.float32
+                )
             except KeyError as err:
                 if err.args != ("upipe",):
                     raise
-                return {**out, "sp1": "refused", "sp1_why": (
-                    f"KeyError: 'upipe' (transformers itself: {type(ref).__name__} picks its attention class from "
-                    "its own table, not transformers' attention interface, and cannot be built with 'upipe'; nothing "
-                    "runs)")}
+                return {
+                    **out,
+                    "sp1": "refused",
+                    "sp1_why": (
+                        f"KeyError: 'upipe' (transformers itself: {type(ref).__name__} picks its attention class from "
+                        "its own table, not transformers' attention interface, and cannot be "
+                        "built with 'upipe'; nothing "
+                        "runs)"
+                    ),
+                }
             upipe.load_state_dict(ref.state_dict())
             results = []
             for model in (ref, upipe):
@@ -103,10 +129,17 @@ def single_process(model_type: str) -> dict:
                 model.zero_grad()
                 output = model(input_ids=ids, labels=ids)
                 output.loss.backward()
-                results.append((output.logits.detach(), {n: p.grad for n, p in model.named_parameters()
-                                                         if p.grad is not None}))
+                results.append(
+                    (
+                        output.logits.detach(),
+                        {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                    )
+                )
             (want, want_grads), (got, got_grads) = results
-            error = max([_rel(got, want)] + [_rel(got_grads[n], g) for n, g in want_grads.items() if n in got_grads])
+            error = max(
+                [_rel(got, want)]
+                + [_rel(got_grads[n], g) for n, g in want_grads.items() if n in got_grads]
+            )
             exact = error <= 1e-5 and got_grads.keys() == want_grads.keys()
             out.update(sp1="exact" if exact else "wrong", sp1_error=error)
         except (ValueError, NotImplementedError) as err:
@@ -122,7 +155,11 @@ def classify(checks) -> dict:
     """One type's selftest checks -> {"sp2": outcome, "sp2_why" or "sp2_error": ...}."""
     refused = [c.refused for c in checks if c.refused]
     crashed = [c.crashed for c in checks if c.crashed]
-    failed = [f"{c.batch} {c.name}: {c.error:.1e}" for c in checks if not (c.refused or c.crashed or c.passed)]
+    failed = [
+        f"{c.batch} {c.name}: {c.error:.1e}"
+        for c in checks
+        if not (c.refused or c.crashed or c.passed)
+    ]
     if refused:
         return {"sp2": "refused", "sp2_why": refused[0]}
     if crashed:
@@ -151,11 +188,16 @@ def verdict(model_type: str, checks) -> dict:
     if reason is None:
         row.update(measured)
     else:
-        row.update(sp2="refused", sp2_why=f"{type(refusal_error(reason)).__name__}: {refusal_error(reason)}")
+        row.update(
+            sp2="refused",
+            sp2_why=f"{type(refusal_error(reason)).__name__}: {refusal_error(reason)}",
+        )
     return row
 
 
-def matrix_rank(rank: int, world: int, types: list[str], seq_len: int = 29, opt_in: bool = False) -> dict:
+def matrix_rank(
+    rank: int, world: int, types: list[str], seq_len: int = 29, opt_in: bool = False
+) -> dict:
     """One rank of a job over `types` (the ranks share the one-process checks, then every rank runs every type
     under SP; each rank returns its own rows).
 
@@ -166,7 +208,9 @@ def matrix_rank(rank: int, world: int, types: list[str], seq_len: int = 29, opt_
     from hf_upipe.selftest import Check, check_model, raised_by_hf_upipe
 
     hf_upipe.init_sequence_parallel(world, allow_unverified=opt_in)
-    mine = {t: single_process(t) for t in types[rank::world]}  # the one-process checks, split over the ranks
+    mine = {
+        t: single_process(t) for t in types[rank::world]
+    }  # the one-process checks, split over the ranks
     every = [None] * world
     torch.distributed.all_gather_object(every, mine)
     rows = {t: row for part in every for t, row in part.items()}
@@ -179,9 +223,19 @@ def matrix_rank(rank: int, world: int, types: list[str], seq_len: int = 29, opt_
                 checks = check_model(model_type, spec, rank, world)
             except Exception as err:  # noqa: BLE001  (classified, not raised: the job goes on)
                 said = f"{type(err).__name__}: {err}"
-                refused = isinstance(err, (ValueError, NotImplementedError)) and raised_by_hf_upipe(err)
-                checks = [Check(model_type, "-", "runs under SP", float("nan"), 0.0,
-                                **({"refused": said} if refused else {"crashed": said}))]
+                refused = isinstance(err, (ValueError, NotImplementedError)) and raised_by_hf_upipe(
+                    err
+                )
+                checks = [
+                    Check(
+                        model_type,
+                        "-",
+                        "runs under SP",
+                        float("nan"),
+                        0.0,
+                        **({"refused": said} if refused else {"crashed": said}),
+                    )
+                ]
             row.update(verdict(model_type, checks) if opt_in else classify(checks))
         results[model_type] = row
     return results
@@ -189,9 +243,14 @@ def matrix_rank(rank: int, world: int, types: list[str], seq_len: int = 29, opt_
 
 def summary(results: dict) -> dict:
     decoders = {t: r for t, r in results.items() if r.get("builds") and r.get("decoder")}
-    return {"types": len(results), "decoder_only_tiny": len(decoders),
-            **{key: {o: sum(r.get(key) == o for r in decoders.values()) for o in OUTCOMES}
-               for key in ("sp1", "sp2", "opt_in")}}
+    return {
+        "types": len(results),
+        "decoder_only_tiny": len(decoders),
+        **{
+            key: {o: sum(r.get(key) == o for r in decoders.values()) for o in OUTCOMES}
+            for key in ("sp1", "sp2", "opt_in")
+        },
+    }
 
 
 def _text_type(model_type: str) -> str | None:
@@ -208,7 +267,10 @@ def table(results: dict) -> str:
     """Markdown: one row per tiny-buildable decoder, with the first sentence of its refusal."""
     from hf_upipe.architectures import ARCHITECTURES
 
-    rows = ["| model_type | SP 1 | SP 2 | path | opted in (selftest) | why refused |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| model_type | SP 1 | SP 2 | path | opted in (selftest) | why refused |",
+        "|---|---|---|---|---|---|",
+    ]
     for model_type, r in sorted(results.items()):
         if not (r.get("builds") and r.get("decoder")):
             continue
@@ -218,11 +280,24 @@ def table(results: dict) -> str:
             prefix = "text only, "
         else:
             prefix = ""
-        path = "fused" if arch is not None and arch.fused else "registered" if r.get("sp2") == "exact" else ""
+        path = (
+            "fused"
+            if arch is not None and arch.fused
+            else "registered"
+            if r.get("sp2") == "exact"
+            else ""
+        )
         path = prefix + path if path else ""
         why = ""
         if r.get("sp2") != "exact":
-            why = (r.get("sp2_why") or "").split("hf_upipe: ", 1)[-1].split(". ")[0].replace("|", "/")[:150]
+            why = (
+                (r.get("sp2_why") or "")
+                .split("hf_upipe: ", 1)[-1]
+                .split(". ")[0]
+                .replace("|", "/")[:150]
+            )
         opt_in = r.get("opt_in") if r.get("opt_in") != r.get("sp2") else ""
-        rows.append(f"| {model_type} | {r.get('sp1')} | {r.get('sp2')} | {path} | {opt_in} | {why} |")
+        rows.append(
+            f"| {model_type} | {r.get('sp1')} | {r.get('sp2')} | {path} | {opt_in} | {why} |"
+        )
     return "\n".join(rows)

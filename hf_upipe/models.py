@@ -32,29 +32,91 @@ from hf_upipe.architectures import ARCHITECTURES
 __all__ = ["PRESETS", "SMALL", "TINY", "model_names", "resolve", "runnable_config", "tiny_config"]
 
 PRESETS = {  # hidden, intermediate, heads, kv_heads, head_dim, layers, vocab (keys of transformers.LlamaConfig)
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                      head_dim=128, num_hidden_layers=32, vocab_size=128256),
-    "qwen3-32b-shape": dict(hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,
-                            head_dim=128, num_hidden_layers=64, vocab_size=151936),
-    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
-                       head_dim=128, num_hidden_layers=80, vocab_size=128256),
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_hidden_layers=32,
+        vocab_size=128256,
+    ),
+    "qwen3-32b-shape": dict(
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_hidden_layers=64,
+        vocab_size=151936,
+    ),
+    "llama3-70b": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_hidden_layers=80,
+        vocab_size=128256,
+    ),
 }
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=4096, initializer_range=0.2,
-            tie_word_embeddings=False, use_cache=False)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=4096,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+    use_cache=False,
+)
 # every causal LM type at a tiny size: the common names of widths, depths and heads, and of the parts that MoE,
 # latent-attention, state-space and linear-attention layers add (a config ignores names it does not use)
 SMALL = dict(
-    TINY, max_position_embeddings=512,
-    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-    shared_expert_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, moe_num_experts=4,
-    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, qk_head_dim=16,
-    state_size=8, ssm_state_size=8, mamba_d_state=8, mamba_n_heads=4, mamba_head_dim=16, mamba_d_head=16,
-    mamba_d_conv=4, conv_kernel=4, mamba_expand=2, n_groups=1, mamba_n_groups=1, time_step_rank=8, n_group=1,
+    TINY,
+    max_position_embeddings=512,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    moe_num_experts=4,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    qk_head_dim=16,
+    state_size=8,
+    ssm_state_size=8,
+    mamba_d_state=8,
+    mamba_n_heads=4,
+    mamba_head_dim=16,
+    mamba_d_head=16,
+    mamba_d_conv=4,
+    conv_kernel=4,
+    mamba_expand=2,
+    n_groups=1,
+    mamba_n_groups=1,
+    time_step_rank=8,
+    n_group=1,
     topk_group=1,
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-    linear_conv_kernel_dim=4, attention_dropout=0.0, pad_token_id=0,  # windows: each type's default
-    rotary_dim=8, logits_scaling=4.0, logit_scale=0.5,  # not 1: a loss that forgot the model's logit scaling must show
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    attention_dropout=0.0,
+    pad_token_id=0,  # windows: each type's default
+    rotary_dim=8,
+    logits_scaling=4.0,
+    logit_scale=0.5,  # not 1: a loss that forgot the model's logit scaling must show
 )
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -63,12 +125,16 @@ def model_names() -> list[str]:
     """The presets and the registry's text models (multimodal types verified for text only are built by
     `runnable_config` like any other causal-LM type, not planned by name; nor are the text configs of multimodal
     types, e.g. emu3_text_model, which transformers builds only inside their multimodal type)."""
-    return sorted(PRESETS) + sorted(t for t, a in ARCHITECTURES.items() if not a.text_only and _is_causal_lm_type(t))
+    return sorted(PRESETS) + sorted(
+        t for t, a in ARCHITECTURES.items() if not a.text_only and _is_causal_lm_type(t)
+    )
 
 
 def _unknown(spec) -> ValueError:
-    return ValueError(f"model {spec!r} is not a name hf_upipe knows ({', '.join(model_names())}), a config.json or a "
-                      "model folder on this machine, or a Hugging Face Hub id of the form 'org/name'")
+    return ValueError(
+        f"model {spec!r} is not a name hf_upipe knows ({', '.join(model_names())}), a config.json or a "
+        "model folder on this machine, or a Hugging Face Hub id of the form 'org/name'"
+    )
 
 
 def _tiny(model_type: str, **overrides):
@@ -91,12 +157,17 @@ def _from_path_or_hub(spec: str):
         return AutoConfig.from_pretrained(spec)
     if not _HUB_ID.match(spec):
         raise _unknown(spec)
-    print(f"hf_upipe: {spec!r} is not a name hf_upipe knows or a local path; reading its config from the Hugging "
-          "Face Hub (set HF_HUB_OFFLINE=1 to stay offline)", file=sys.stderr)
+    print(
+        f"hf_upipe: {spec!r} is not a name hf_upipe knows or a local path; reading its config from the Hugging "
+        "Face Hub (set HF_HUB_OFFLINE=1 to stay offline)",
+        file=sys.stderr,
+    )
     try:
         return AutoConfig.from_pretrained(spec)
     except (OSError, ValueError) as err:
-        raise ValueError(f"model {spec!r}: not found locally and not readable from the Hub ({err})") from None
+        raise ValueError(
+            f"model {spec!r}: not found locally and not readable from the Hub ({err})"
+        ) from None
 
 
 def resolve(spec):
@@ -116,10 +187,18 @@ def resolve(spec):
 
 # Mamba2 hybrids that check mamba heads * head width == mamba_expand * hidden_size (2 * 64 = 4 * 32)
 # (Falcon-H1's mamba_d_ssm None: its mixer width from mamba_expand)
-_TYPE_SIZES = {"bamba": dict(mamba_d_head=32), "granitemoehybrid": dict(mamba_d_head=32),
-               "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=None), "mamba2": dict(num_heads=4, head_dim=32),
-               "zamba2": dict(n_mamba_heads=4, mamba_headdim=32, layer_types=["linear_attention", "hybrid"],
-                             hybrid_layer_ids=[1])}
+_TYPE_SIZES = {
+    "bamba": dict(mamba_d_head=32),
+    "granitemoehybrid": dict(mamba_d_head=32),
+    "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=None),
+    "mamba2": dict(num_heads=4, head_dim=32),
+    "zamba2": dict(
+        n_mamba_heads=4,
+        mamba_headdim=32,
+        layer_types=["linear_attention", "hybrid"],
+        hybrid_layer_ids=[1],
+    ),
+}
 # types whose defaults do not build at SMALL's sizes: per-layer-input embeddings of a 262k vocabulary and 512-wide
 # global heads (Gemma 4: none of its layers share keys and values, as by default; the support gate refuses its KV
 # sharing), KV sharing over more layers than there are (Gemma 3n: 4 layers, the last 2 sharing), no
@@ -127,19 +206,36 @@ _TYPE_SIZES = {"bamba": dict(mamba_d_head=32), "granitemoehybrid": dict(mamba_d_
 # attn_config.rope_theta (absent from its config class; real checkpoints carry it) and clamps with clip_qkv, and
 # whose ffn_config takes d_model before SMALL's hidden_size is applied
 _PER_LAYER = dict(vocab_size_per_layer_input=128, hidden_size_per_layer_input=8)
-_TYPE_SIZES.update({
-    **{t: dict(_PER_LAYER, global_head_dim=16) for t in ("gemma4", "gemma4_text")},
-    "gemma3n_text": dict(_PER_LAYER, num_hidden_layers=4, num_kv_shared_layers=2,
-                         layer_types=["sliding_attention", "full_attention"] * 2),
-    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
-    # a gated-DeltaNet layer and an attention layer (its default pattern, 3 + 1, has none in 2 layers), whose
-    # attention is always "indexed_attention" (the QSA indexer, which needs its sizes)
-    **{t: dict(layer_types=["linear_attention", "full_attention"], indexer_n_heads=2, indexer_kv_heads=1,
-               indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4)
-       for t in ("qwen4_exp", "qwen4_exp_text")},
-    "dbrx": dict(d_model=64, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
-                 ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2)),
-})
+_TYPE_SIZES.update(
+    {
+        **{t: dict(_PER_LAYER, global_head_dim=16) for t in ("gemma4", "gemma4_text")},
+        "gemma3n_text": dict(
+            _PER_LAYER,
+            num_hidden_layers=4,
+            num_kv_shared_layers=2,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
+        "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+        # a gated-DeltaNet layer and an attention layer (its default pattern, 3 + 1, has none in 2 layers), whose
+        # attention is always "indexed_attention" (the QSA indexer, which needs its sizes)
+        **{
+            t: dict(
+                layer_types=["linear_attention", "full_attention"],
+                indexer_n_heads=2,
+                indexer_kv_heads=1,
+                indexer_head_dim=16,
+                indexer_budget=8,
+                indexer_compress_ratio=4,
+            )
+            for t in ("qwen4_exp", "qwen4_exp_text")
+        },
+        "dbrx": dict(
+            d_model=64,
+            attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+            ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
+        ),
+    }
+)
 
 
 def tiny_config(model_type: str):
@@ -157,14 +253,18 @@ def tiny_config(model_type: str):
             else:
                 config = cls(text_config=text_cls(**small) if text_cls is not None else dict(small))
             break
-        except AttributeError as err:  # e.g. Falcon's head_dim, a read-only property: leave that name out
+        except (
+            AttributeError
+        ) as err:  # e.g. Falcon's head_dim, a read-only property: leave that name out
             name = next((k for k in small if f"'{k}'" in str(err)), None)
             if name is None:
                 raise
             del small[name]
     config.use_cache = False
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if hasattr(type(text), "kv_lora_rank"):  # latent attention (MLA): keys/values expand to every query head
+    if hasattr(
+        type(text), "kv_lora_rank"
+    ):  # latent attention (MLA): keys/values expand to every query head
         text.num_key_value_heads = text.num_attention_heads
     _no_dropout(config)
     return config
@@ -186,9 +286,12 @@ def runnable_config(spec: str):
     """(name, config) for a run on CPU: presets shrunk to `TINY`'s width and depth with their own head geometry."""
     if spec in PRESETS:
         g = PRESETS[spec]
-        return spec, _tiny("llama", num_attention_heads=g["num_attention_heads"],
-                           num_key_value_heads=g["num_key_value_heads"],
-                           hidden_size=TINY["head_dim"] * g["num_attention_heads"])
+        return spec, _tiny(
+            "llama",
+            num_attention_heads=g["num_attention_heads"],
+            num_key_value_heads=g["num_key_value_heads"],
+            hidden_size=TINY["head_dim"] * g["num_attention_heads"],
+        )
     name, config = resolve(spec)
     config.use_cache = False
     return name, config

@@ -59,7 +59,11 @@ from hf_upipe.distributed import (
 )
 from hf_upipe.integrations.loaders import eval_rounds, share_batches_within_sp
 from hf_upipe.integrations.loss import shard_loss_sum
-from hf_upipe.integrations.parallelism import ParallelismSizes, parallelism_errors, with_parallelism_sp
+from hf_upipe.integrations.parallelism import (
+    ParallelismSizes,
+    parallelism_errors,
+    with_parallelism_sp,
+)
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.prepare import prepare_model
 from hf_upipe.integrations.support import model_refusal, refusal_error
@@ -67,10 +71,19 @@ from hf_upipe.memory.offload import offload_checkpoints
 from hf_upipe.ops.head_layout import geometry_error, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.ops.kernels import get_kernel
 
-__all__ = ["EvalSums", "NO_SP", "UPipeRuntime", "activation_checkpointing", "agree_on_errors", "output_dir_errors",
-           "shared_settings"]
+__all__ = [
+    "EvalSums",
+    "NO_SP",
+    "UPipeRuntime",
+    "activation_checkpointing",
+    "agree_on_errors",
+    "output_dir_errors",
+    "shared_settings",
+]
 
-NO_SP = SequenceParallelState(sp_group=None, sp_size=1, sp_rank=0, dp_group=None, dp_size=1, dp_rank=0)
+NO_SP = SequenceParallelState(
+    sp_group=None, sp_size=1, sp_rank=0, dp_group=None, dp_size=1, dp_rank=0
+)
 
 _NOT_INPUTS = ("shift_labels", "num_label_tokens")
 
@@ -79,8 +92,10 @@ def _check_shard(shard: dict, what: str) -> None:
     """A shard without what `UPipeRuntime.shard` adds for the loss: named on every rank alike, before a collective."""
     missing = [k for k in _NOT_INPUTS if k not in shard]
     if missing:
-        raise ValueError(f"UPipeRuntime.{what}() got a shard without {missing} (its keys: {sorted(shard)}): pass the "
-                         "shards UPipeRuntime.shard(batch) returns, from batches with 'labels' (or 'shift_labels').")
+        raise ValueError(
+            f"UPipeRuntime.{what}() got a shard without {missing} (its keys: {sorted(shard)}): pass the "
+            "shards UPipeRuntime.shard(batch) returns, from batches with 'labels' (or 'shift_labels')."
+        )
 
 
 def _heads(model) -> tuple[int, int] | None:
@@ -116,8 +131,12 @@ def output_dir_errors(path: str) -> list[Exception]:
         os.close(fd)
         os.remove(probe)
     except OSError as err:
-        return [ValueError(f"output_dir={path!r} cannot be written ({type(err).__name__}: {err.strerror or err}): "
-                           "checkpoints would fail only after the training before them; choose a writable folder.")]
+        return [
+            ValueError(
+                f"output_dir={path!r} cannot be written ({type(err).__name__}: {err.strerror or err}): "
+                "checkpoints would fail only after the training before them; choose a writable folder."
+            )
+        ]
     return []
 
 
@@ -136,22 +155,34 @@ def _geometry_errors(config: UPipeConfig, heads, sp: int, world: int) -> list[Ex
     if ring > 1:  # the heads split over the U = sp / ring ranks of a ring shard
         why = geometry_error(H, Hk, sp // ring)
         if why is not None:
-            return [ValueError(f"sp_size={sp} with {config.describe('ring_size')} leaves {sp // ring} ranks per ring "
-                               f"shard, which cannot split this model's attention: {why}. Values of sp_size / "
-                               f"ring_size that work: {[p for p in valid_sp_sizes(H, Hk, upto=sp) if sp % p == 0]}.")]
+            return [
+                ValueError(
+                    f"sp_size={sp} with {config.describe('ring_size')} leaves {sp // ring} ranks per ring "
+                    f"shard, which cannot split this model's attention: {why}. Values of sp_size / "
+                    f"ring_size that work: {[p for p in valid_sp_sizes(H, Hk, upto=sp) if sp % p == 0]}."
+                )
+            ]
         sp = sp // ring
     why = geometry_error(H, Hk, sp)
     if why is not None:
         ok = [p for p in valid_sp_sizes(H, Hk, upto=world) if world % p == 0]
-        return [ValueError(f"{_sp_origin(config, sp)} cannot split this model's attention: {why}. sp_size values "
-                           f"that work for {H} query / {Hk} key-value heads and divide the {world} processes: {ok}.")]
+        return [
+            ValueError(
+                f"{_sp_origin(config, sp)} cannot split this model's attention: {why}. sp_size values "
+                f"that work for {H} query / {Hk} key-value heads and divide the {world} processes: {ok}."
+            )
+        ]
     hpc = config.heads_per_chunk
     valid = valid_heads_per_chunk(H, Hk, sp)
     if hpc != "all" and hpc not in valid:
-        return [ValueError(
-            f"{config.describe('heads_per_chunk')} does not fit {H} query / {Hk} key-value heads on sp_size={sp} "
-            f"({H // sp} query heads per rank, {H // max(Hk, sp)} per key-value head): use one of {valid}, or 'all' "
-            f"for all local heads in one chunk ({config.spell('heads_per_chunk', 'all')}).")]
+        return [
+            ValueError(
+                f"{config.describe('heads_per_chunk')} does not fit {H} query / {Hk} key-value heads on sp_size={sp} "
+                f"({H // sp} query heads per rank, {H // max(Hk, sp)} per key-value head): use "
+                f"one of {valid}, or 'all' "
+                f"for all local heads in one chunk ({config.spell('heads_per_chunk', 'all')})."
+            )
+        ]
     return []
 
 
@@ -159,15 +190,24 @@ def shared_settings(config: UPipeConfig) -> tuple:
     """((name, value, as the user wrote it), ...) of the settings every rank must share: the schedule of the
     collectives (fused backward mode, overlap, mixer state passing, heads per chunk...) and the numerics depend on
     them."""
-    return tuple((f.name, getattr(config, f.name), config.describe(f.name)) for f in fields(config)
-                 if f.name not in PER_RANK_SETTINGS)
+    return tuple(
+        (f.name, getattr(config, f.name), config.describe(f.name))
+        for f in fields(config)
+        if f.name not in PER_RANK_SETTINGS
+    )
 
 
 def _settings_error(every: list[tuple]) -> ValueError | None:
     """The error naming each setting whose value differs between ranks, or None when they all agree."""
-    return differing_settings_error(every, "The ranks were given different hf_upipe settings", (
-        ". Every rank must use the same ones (the same UPIPE_* variables, flags and script): different settings pair "
-        "different collectives, which hangs or corrupts the run."))
+    return differing_settings_error(
+        every,
+        "The ranks were given different hf_upipe settings",
+        (
+            ". Every rank must use the same ones (the same UPIPE_* variables, flags and script): "
+            "different settings pair "
+            "different collectives, which hangs or corrupts the run."
+        ),
+    )
 
 
 def agree_on_errors(errors: list[Exception], world: int, settings: tuple | None = None) -> None:
@@ -185,7 +225,9 @@ def agree_on_errors(errors: list[Exception], world: int, settings: tuple | None 
     if failed:
         not_implemented, message = every[failed[0]][0][0]
         if len(failed) < len(every):
-            message += f" (found on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))})"
+            message += (
+                f" (found on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))})"
+            )
         raise (NotImplementedError if not_implemented else ValueError)(message)
     if settings is not None and (err := _settings_error([s for _, s in every])) is not None:
         raise err
@@ -221,15 +263,38 @@ class EvalSums:
 class UPipeRuntime:
     """Sequence-parallel setup, sharding and loss of one run (see the module docstring); build it with `setup`."""
 
-    def __init__(self, config: UPipeConfig, state: SequenceParallelState, *, world_size: int, device, plan=None,
-                 pad_token_id: int = 0):
+    def __init__(
+        self,
+        config: UPipeConfig,
+        state: SequenceParallelState,
+        *,
+        world_size: int,
+        device,
+        plan=None,
+        pad_token_id: int = 0,
+    ):
         self.config, self.state, self.plan = config, state, plan
-        self.world_size, self.device, self.pad_token_id = world_size, torch.device(device), pad_token_id
+        self.world_size, self.device, self.pad_token_id = (
+            world_size,
+            torch.device(device),
+            pad_token_id,
+        )
 
     @classmethod
-    def setup(cls, config: UPipeConfig, model, *, world_size: int, device, checkpointing: bool,
-              checkpointing_fix: str, output_dir: str | None = None, pad_token_id: int = 0,
-              parallelism: ParallelismSizes | None = None, deepspeed: bool = False) -> UPipeRuntime:
+    def setup(
+        cls,
+        config: UPipeConfig,
+        model,
+        *,
+        world_size: int,
+        device,
+        checkpointing: bool,
+        checkpointing_fix: str,
+        output_dir: str | None = None,
+        pad_token_id: int = 0,
+        parallelism: ParallelismSizes | None = None,
+        deepspeed: bool = False,
+    ) -> UPipeRuntime:
         """Check, plan (auto), build the SP groups and prepare `model` (module docstring).
 
         Args:
@@ -252,11 +317,14 @@ class UPipeRuntime:
         for name in ("auto", "offload"):
             value = getattr(config, name)
             if value not in (False, "none") and not checkpointing:
-                errors.append(ValueError(
-                    f"{config.describe(name)} needs activation checkpointing on every layer ("
-                    f"{'it plans with it' if name == 'auto' else 'it offloads what checkpointing keeps'}): "
-                    f"{checkpointing_fix}" + (f", or {config.spell('offload', 'none')}." if name == "offload"
-                                              else ".")))
+                errors.append(
+                    ValueError(
+                        f"{config.describe(name)} needs activation checkpointing on every layer ("
+                        f"{'it plans with it' if name == 'auto' else 'it offloads what checkpointing keeps'}): "
+                        f"{checkpointing_fix}"
+                        + (f", or {config.spell('offload', 'none')}." if name == "offload" else ".")
+                    )
+                )
         sp = None
         try:
             sp = config.resolve_sp_size(world_size)
@@ -287,16 +355,27 @@ class UPipeRuntime:
             state = NO_SP
             set_sequence_parallel_state(None)
         prepare_model(model, config)
-        return cls(config, state, world_size=world_size, device=device, plan=plan, pad_token_id=pad_token_id)
+        return cls(
+            config,
+            state,
+            world_size=world_size,
+            device=device,
+            plan=plan,
+            pad_token_id=pad_token_id,
+        )
 
     # ---- data and loss -----------------------------------------------------------------------------------------
     def shard(self, batch: dict) -> dict:
         """A full collated batch (`labels` or `shift_labels` required) -> this rank's shard."""
         if batch.get("labels") is None and batch.get("shift_labels") is None:
-            raise ValueError("hf_upipe needs 'labels' (or 'shift_labels') in every batch: use a language-modeling "
-                             "collator, e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False); got "
-                             f"{sorted(batch)}.")
-        return shard_batch(batch, self.state.sp_rank, self.state.sp_size, pad_token_id=self.pad_token_id)
+            raise ValueError(
+                "hf_upipe needs 'labels' (or 'shift_labels') in every batch: use a language-modeling "
+                "collator, e.g. DataCollatorForLanguageModeling(tokenizer, mlm=False); got "
+                f"{sorted(batch)}."
+            )
+        return shard_batch(
+            batch, self.state.sp_rank, self.state.sp_size, pad_token_id=self.pad_token_id
+        )
 
     def world_sum(self, *values) -> list[float]:
         """Sum small numbers over all ranks in one all_reduce (float64: exact for token counts)."""
@@ -320,10 +399,17 @@ class UPipeRuntime:
         """(summed token loss of the shard, fp32 scalar; the model's outputs)."""
         _check_shard(shard, "loss")
         inputs = {k: v for k, v in shard.items() if k not in _NOT_INPUTS}
-        return shard_loss_sum(model, inputs, shard["shift_labels"], tiled=self.config.tiled_loss,
-                              chunk_tokens=self.config.loss_chunk_tokens)
+        return shard_loss_sum(
+            model,
+            inputs,
+            shard["shift_labels"],
+            tiled=self.config.tiled_loss,
+            chunk_tokens=self.config.loss_chunk_tokens,
+        )
 
-    def loss(self, model, shard: dict, num_items: float | None = None, *, return_outputs: bool = False):
+    def loss(
+        self, model, shard: dict, num_items: float | None = None, *, return_outputs: bool = False
+    ):
         """W x (this shard's summed token loss) / max(num_items, 1), ready for backward (module docstring).
 
         `num_items`: label tokens of the optimizer step over all ranks (`count`); default `count([shard])`.
@@ -339,7 +425,9 @@ class UPipeRuntime:
         cfg = self.config
         if cfg.offload == "none":
             return contextlib.nullcontext()
-        return offload_checkpoints(model, cfg.offload, path=cfg.offload_path, min_bytes=cfg.offload_min_bytes)
+        return offload_checkpoints(
+            model, cfg.offload, path=cfg.offload_path, min_bytes=cfg.offload_min_bytes
+        )
 
     @staticmethod
     def windows(loader, steps: int):
@@ -358,7 +446,9 @@ class UPipeRuntime:
         """A forward on a one-token shard, for a replica with no batch left in a round (FSDP needs every rank's)."""
         P = self.state.sp_size
         ids = torch.zeros(1, P, dtype=torch.long, device=self.device)
-        shard = shard_batch({"input_ids": ids, "labels": torch.full_like(ids, -100)}, self.state.sp_rank, P)
+        shard = shard_batch(
+            {"input_ids": ids, "labels": torch.full_like(ids, -100)}, self.state.sp_rank, P
+        )
         with torch.no_grad(), context():
             self.loss_sum(model, shard)
 
@@ -379,17 +469,28 @@ class UPipeRuntime:
         for shard in shards if shards is not None else (self.shard(b) for b in loader):
             with torch.no_grad(), context():
                 loss_sum, _ = self.loss_sum(model, shard)
-            rows.append(torch.stack([loss_sum.detach().to(torch.float64).reshape(()),
-                                     torch.tensor(self.own_count(shard), dtype=torch.float64,
-                                                  device=loss_sum.device)]))
+            rows.append(
+                torch.stack(
+                    [
+                        loss_sum.detach().to(torch.float64).reshape(()),
+                        torch.tensor(
+                            self.own_count(shard), dtype=torch.float64, device=loss_sum.device
+                        ),
+                    ]
+                )
+            )
         distributed = self.world_size > 1 and dist.is_initialized()
         examples = eval_rounds(loader, self.state.dp_size) if distributed else None
         rounds = len(examples) if examples is not None else len(rows)
         if len(rows) > rounds:
-            raise RuntimeError(f"evaluation: {len(rows)} batches on this rank but {rounds} rounds recorded")
+            raise RuntimeError(
+                f"evaluation: {len(rows)} batches on this rank but {rounds} rounds recorded"
+            )
         for _ in range(rounds - len(rows)):
             self._throwaway_forward(model, context)
-        sums = torch.zeros(rounds, 2, dtype=torch.float64, device=self.device)  # [G, (loss, tokens)]
+        sums = torch.zeros(
+            rounds, 2, dtype=torch.float64, device=self.device
+        )  # [G, (loss, tokens)]
         if rows:
             sums[: len(rows)] = torch.stack(rows).to(self.device)
         if distributed:

@@ -51,7 +51,9 @@ class Check:
     tolerance: float
     note: str = ""
     refused: str = ""  # the model cannot run under SP at all: hf_upipe's error, whole (not a numerical failure)
-    crashed: str = ""  # another exception (only recorded with `tolerant=True`: the architecture matrix)
+    crashed: str = (
+        ""  # another exception (only recorded with `tolerant=True`: the architecture matrix)
+    )
 
     @property
     def passed(self) -> bool:
@@ -62,14 +64,22 @@ def _build(model: str):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    if os.path.isdir(model) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(model)):
-        return AutoModelForCausalLM.from_pretrained(model, attn_implementation="sdpa", dtype=torch.float32)
+    if os.path.isdir(model) and any(
+        f.endswith((".safetensors", ".bin")) for f in os.listdir(model)
+    ):
+        return AutoModelForCausalLM.from_pretrained(
+            model, attn_implementation="sdpa", dtype=torch.float32
+        )
     _, config = runnable_config(model)
     try:
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(
+            config, attn_implementation="sdpa", dtype=torch.float32
+        )
     except ValueError:  # a model without an sdpa path: its own eager attention is the reference
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(
+            config, attn_implementation="eager", dtype=torch.float32
+        )
 
 
 def check_inputs(models, sp: int, heads_per_chunk: int | None, ring: int = 1) -> None:
@@ -80,8 +90,10 @@ def check_inputs(models, sp: int, heads_per_chunk: int | None, ring: int = 1) ->
         ValueError: the first input that cannot work, with the values that would.
     """
     if sp < 2:
-        raise ValueError(f"--sp {sp}: the self-test compares sequence parallelism over at least 2 ranks with one "
-                         "device.")
+        raise ValueError(
+            f"--sp {sp}: the self-test compares sequence parallelism over at least 2 ranks with one "
+            "device."
+        )
     if ring < 1 or sp % ring:
         raise ValueError(f"--ring {ring} must divide --sp {sp}: sp = ranks per ring shard x ring.")
     sp //= ring  # the heads split over the ranks of a ring shard
@@ -94,26 +106,39 @@ def check_inputs(models, sp: int, heads_per_chunk: int | None, ring: int = 1) ->
             continue
         why = geometry_error(heads, kv, sp)
         if why is not None:
-            raise ValueError(f"--sp {sp} cannot split {name}: {why}; --sp values that work: "
-                             f"{[p for p in valid_sp_sizes(heads, kv, upto=max(8, sp)) if p > 1]}")
+            raise ValueError(
+                f"--sp {sp} cannot split {name}: {why}; --sp values that work: "
+                f"{[p for p in valid_sp_sizes(heads, kv, upto=max(8, sp)) if p > 1]}"
+            )
         valid = valid_heads_per_chunk(heads, kv, sp)
         if heads_per_chunk is not None and heads_per_chunk not in valid:
-            raise ValueError(f"--heads-per-chunk {heads_per_chunk} does not fit {name} ({heads} query / {kv} key-value "
-                             f"heads) on --sp {sp}: use one of {valid} or 'all'")
+            raise ValueError(
+                f"--heads-per-chunk {heads_per_chunk} does not fit {name} ({heads} query / {kv} key-value "
+                f"heads) on --sp {sp}: use one of {valid} or 'all'"
+            )
 
 
 def _batches(vocab: int, seq_len: int) -> dict:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, (2, seq_len), generator=gen)
     mask = torch.ones(2, seq_len, dtype=torch.long)
-    mask[1, seq_len - seq_len // 4:] = 0  # right padding in the second row
-    padded = {"input_ids": ids * mask, "attention_mask": mask, "labels": (ids * mask).masked_fill(mask == 0, -100)}
+    mask[1, seq_len - seq_len // 4 :] = 0  # right padding in the second row
+    padded = {
+        "input_ids": ids * mask,
+        "attention_mask": mask,
+        "labels": (ids * mask).masked_fill(mask == 0, -100),
+    }
     lengths = [seq_len // 3, seq_len // 2, seq_len - seq_len // 3 - seq_len // 2]
     pos = torch.cat([torch.arange(n) for n in lengths])[None]  # [1, S] restarting at every document
     packed_ids = torch.randint(3, vocab, (1, seq_len), generator=gen)
     labels = packed_ids.clone()
-    labels[0, torch.cumsum(torch.tensor([0] + lengths[:-1]), 0)] = -100  # no target at a document start
-    return {"padded": padded, "packed": {"input_ids": packed_ids, "position_ids": pos, "labels": labels}}
+    labels[
+        0, torch.cumsum(torch.tensor([0] + lengths[:-1]), 0)
+    ] = -100  # no target at a document start
+    return {
+        "padded": padded,
+        "packed": {"input_ids": packed_ids, "position_ids": pos, "labels": labels},
+    }
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -125,7 +150,9 @@ def gradient_error(got: torch.Tensor, want: torch.Tensor, scale: float) -> float
     of `scale` (the largest gradient entry of the whole model). A gradient that is zero in exact arithmetic (a key
     bias: softmax ignores a shift shared by all keys) is rounding noise on both sides, and noise over noise says
     nothing; a real gradient that is wrong stays far above the tolerance."""
-    return float((got - want).abs().max()) / max(float(want.abs().max()), GRADIENT_FLOOR * scale, 1e-30)
+    return float((got - want).abs().max()) / max(
+        float(want.abs().max()), GRADIENT_FLOOR * scale, 1e-30
+    )
 
 
 def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
@@ -140,9 +167,14 @@ def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
     from hf_upipe.integrations.support import config_refusal, refusal_error
 
     state = get_sequence_parallel_state()
-    reason = config_refusal(runnable_config(name)[1], allow_unverified=state is not None and state.allow_unverified,
-                            prepared=True)
-    if reason is not None:  # what prepare_model would refuse, before building anything (same message)
+    reason = config_refusal(
+        runnable_config(name)[1],
+        allow_unverified=state is not None and state.allow_unverified,
+        prepared=True,
+    )
+    if (
+        reason is not None
+    ):  # what prepare_model would refuse, before building anything (same message)
         raise refusal_error(reason)
     ref = _build(name)
     if spec["lora"]:
@@ -151,7 +183,9 @@ def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
         from hf_upipe.integrations.peft import get_peft_model
 
         torch.manual_seed(2)
-        ref = get_peft_model(ref, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear"))
+        ref = get_peft_model(
+            ref, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear")
+        )
     sp_model = prepare_model(copy.deepcopy(ref), UPipeConfig(fused_attention=spec["fused"]))
     ref.train()
     sp_model.train()
@@ -162,20 +196,30 @@ def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
         sp_model.zero_grad()
         try:
             shard = shard_batch(full, rank, world)
-        except ValueError as err:  # a ring refuses packed rows: check that it says so (on every rank alike)
+        except (
+            ValueError
+        ) as err:  # a ring refuses packed rows: check that it says so (on every rank alike)
             if state.ring_size == 1:
                 raise
-            checks.append(Check(name, batch_name, "refused clearly", 0.0, 0.0, note=str(err).split(":")[0]))
+            checks.append(
+                Check(name, batch_name, "refused clearly", 0.0, 0.0, note=str(err).split(":")[0])
+            )
             continue
         with without_sequence_parallel():  # one process, the whole sequence
             out = ref(**full)  # transformers' loss: mean over the label tokens of the whole batch
         out.loss.backward()
         s, S = shard["input_ids"].shape[1], full["input_ids"].shape[1]
-        mine = ring_positions(rank, s, world, state.ring_size)  # this rank's tokens (contiguous without a ring)
-        if spec.get("breakage") == "shard-shift":  # the classic bug: shifting the labels inside each shard
+        mine = ring_positions(
+            rank, s, world, state.ring_size
+        )  # this rank's tokens (contiguous without a ring)
+        if (
+            spec.get("breakage") == "shard-shift"
+        ):  # the classic bug: shifting the labels inside each shard
             padded = torch.nn.functional.pad(full["labels"], (0, s * world - S), value=-100)
             local = padded[:, mine]
-            shard["shift_labels"] = torch.cat([local[:, 1:], torch.full_like(local[:, :1], -100)], dim=1)
+            shard["shift_labels"] = torch.cat(
+                [local[:, 1:], torch.full_like(local[:, :1], -100)], dim=1
+            )
         inputs = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}
         n = float(shard["num_label_tokens"])
         loss_sum, _ = shard_loss_sum(sp_model, inputs, shard["shift_labels"])
@@ -185,27 +229,51 @@ def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
         train_err = _rel(total / n, out.loss.detach())
         checks.append(Check(name, batch_name, "train loss", train_err, TOLERANCE["train loss"]))
         worst, where = 0.0, ""
-        pairs = [(pname, p.grad, q.grad) for (pname, p), (_, q) in zip(ref.named_parameters(),
-                                                                        sp_model.named_parameters())
-                 if p.grad is not None]
+        pairs = [
+            (pname, p.grad, q.grad)
+            for (pname, p), (_, q) in zip(ref.named_parameters(), sp_model.named_parameters())
+            if p.grad is not None
+        ]
         scale = max(float(want.abs().max()) for _, want, _ in pairs)
         for pname, want, got in pairs:
             g = got.clone() if got is not None else torch.zeros_like(want)
             dist.all_reduce(g)
             err = gradient_error(g, want, scale)
             worst, where = (err, pname) if err > worst else (worst, where)
-        checks.append(Check(name, batch_name, "gradients", worst, TOLERANCE["gradients"], f"worst: {where}"))
+        checks.append(
+            Check(name, batch_name, "gradients", worst, TOLERANCE["gradients"], f"worst: {where}")
+        )
         with torch.no_grad():
             logits = sp_model(**inputs).logits  # [B, s, V]
-            here = torch.nonzero(mine < S).flatten()  # local indices of this rank's tokens of the unpadded batch
-            mask = full.get("attention_mask", torch.ones_like(full["input_ids"]))[:, mine[here]].bool()
+            here = torch.nonzero(
+                mine < S
+            ).flatten()  # local indices of this rank's tokens of the unpadded batch
+            mask = full.get("attention_mask", torch.ones_like(full["input_ids"]))[
+                :, mine[here]
+            ].bool()
             want = out.logits.detach()[:, mine[here]][mask]
-            checks.append(Check(name, batch_name, "logits", _rel(logits[:, here][mask], want), TOLERANCE["logits"]))
+            checks.append(
+                Check(
+                    name,
+                    batch_name,
+                    "logits",
+                    _rel(logits[:, here][mask], want),
+                    TOLERANCE["logits"],
+                )
+            )
             eval_sum, _ = shard_loss_sum(sp_model, inputs, shard["shift_labels"])
             dist.all_reduce(eval_sum)
             with without_sequence_parallel():
                 ref_eval = ref(**full).loss
-            checks.append(Check(name, batch_name, "eval loss", _rel(eval_sum / n, ref_eval), TOLERANCE["eval loss"]))
+            checks.append(
+                Check(
+                    name,
+                    batch_name,
+                    "eval loss",
+                    _rel(eval_sum / n, ref_eval),
+                    TOLERANCE["eval loss"],
+                )
+            )
     return checks
 
 
@@ -213,8 +281,12 @@ def _rank(rank: int, world: int, spec: dict) -> list[dict]:
     """One rank of the self-test: every model's checks (a model that cannot run under SP: one failed check)."""
     import hf_upipe
 
-    hf_upipe.init_sequence_parallel(world, ring_size=spec.get("ring", 1), heads_per_chunk=spec["heads_per_chunk"],
-                                    allow_unverified=spec.get("allow_unverified", True))
+    hf_upipe.init_sequence_parallel(
+        world,
+        ring_size=spec.get("ring", 1),
+        heads_per_chunk=spec["heads_per_chunk"],
+        allow_unverified=spec.get("allow_unverified", True),
+    )
     checks = []
     for name in spec["models"]:
         try:
@@ -222,7 +294,9 @@ def _rank(rank: int, world: int, spec: dict) -> list[dict]:
         except Exception as err:
             said = f"{type(err).__name__}: {err}"
             if isinstance(err, (ValueError, NotImplementedError)) and raised_by_hf_upipe(err):
-                checks.append(Check(name, "-", "runs under SP", float("nan"), 0.0, refused=said))  # said whole
+                checks.append(
+                    Check(name, "-", "runs under SP", float("nan"), 0.0, refused=said)
+                )  # said whole
             elif spec.get("tolerant"):
                 checks.append(Check(name, "-", "runs under SP", float("nan"), 0.0, crashed=said))
             else:
@@ -238,9 +312,21 @@ def raised_by_hf_upipe(err: BaseException) -> bool:
     return tb is not None and f"{os.sep}hf_upipe{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
-def run_selftest(models, *, sp: int = 2, lora: bool = False, seq_len: int = 61, heads_per_chunk: int | None = 1,
-                 fused: bool = True, breakage: str | None = None, timeout: float = 600, tolerant: bool = False,
-                 start_method: str = "spawn", allow_unverified: bool = True, ring: int = 1) -> list[Check]:
+def run_selftest(
+    models,
+    *,
+    sp: int = 2,
+    lora: bool = False,
+    seq_len: int = 61,
+    heads_per_chunk: int | None = 1,
+    fused: bool = True,
+    breakage: str | None = None,
+    timeout: float = 600,
+    tolerant: bool = False,
+    start_method: str = "spawn",
+    allow_unverified: bool = True,
+    ring: int = 1,
+) -> list[Check]:
     """Spawn `sp` ranks and compare each model under SP with one device; returns rank 0's checks (the gradients,
     losses and eval losses are global; logits are rank 0's shard, and every rank asserts nothing on its own).
 
@@ -249,8 +335,17 @@ def run_selftest(models, *, sp: int = 2, lora: bool = False, seq_len: int = 61, 
     if breakage not in (None, "shard-shift"):
         raise ValueError(f"breakage={breakage!r}: the only deliberate breakage is 'shard-shift'.")
     check_inputs(models, sp, heads_per_chunk, ring)
-    spec = dict(models=list(models), lora=lora, seq_len=seq_len, heads_per_chunk=heads_per_chunk, fused=fused,
-                breakage=breakage, tolerant=tolerant, allow_unverified=allow_unverified, ring=ring)
+    spec = dict(
+        models=list(models),
+        lora=lora,
+        seq_len=seq_len,
+        heads_per_chunk=heads_per_chunk,
+        fused=fused,
+        breakage=breakage,
+        tolerant=tolerant,
+        allow_unverified=allow_unverified,
+        ring=ring,
+    )
     try:
         ranks = run_distributed(_rank, sp, spec, timeout=timeout, start_method=start_method)
     except DistributedFailure as err:
@@ -259,18 +354,33 @@ def run_selftest(models, *, sp: int = 2, lora: bool = False, seq_len: int = 61, 
 
 
 def format_table(checks: list[Check]) -> str:
-    rows = ["| model | batch | check | max rel. error | tolerance | result |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| model | batch | check | max rel. error | tolerance | result |",
+        "|---|---|---|---|---|---|",
+    ]
     for c in checks:
         if c.refused:
             continue
-        rows.append(f"| {c.model} | {c.batch} | {c.name} | {c.error:.2e} | {c.tolerance:.0e} | "
-                    f"{'PASS' if c.passed else 'FAIL'}{' (' + c.note + ')' if c.note and not c.passed else ''} |")
+        rows.append(
+            f"| {c.model} | {c.batch} | {c.name} | {c.error:.2e} | {c.tolerance:.0e} | "
+            f"{'PASS' if c.passed else 'FAIL'}{' (' + c.note + ')' if c.note and not c.passed else ''} |"
+        )
     failed = sum(not c.passed and not c.refused for c in checks)
-    rows.append(f"\n{len(checks) - failed - sum(bool(c.refused) for c in checks)} passed, {failed} failed")
-    rows += [f"{c.model}: cannot run under sequence parallelism: {c.refused}" for c in checks if c.refused]
-    rows += [f"{m}: not in hf_upipe's architecture registry; these checks verify it for this configuration: train "
-             "it with UPipeConfig(allow_unverified=True) or UPIPE_ALLOW_UNVERIFIED=1"
-             for m in _unverified({c.model for c in checks if c.passed} - {c.model for c in checks if not c.passed})]
+    rows.append(
+        f"\n{len(checks) - failed - sum(bool(c.refused) for c in checks)} passed, {failed} failed"
+    )
+    rows += [
+        f"{c.model}: cannot run under sequence parallelism: {c.refused}"
+        for c in checks
+        if c.refused
+    ]
+    rows += [
+        f"{m}: not in hf_upipe's architecture registry; these checks verify it for this configuration: train "
+        "it with UPipeConfig(allow_unverified=True) or UPIPE_ALLOW_UNVERIFIED=1"
+        for m in _unverified(
+            {c.model for c in checks if c.passed} - {c.model for c in checks if not c.passed}
+        )
+    ]
     return "\n".join(rows)
 
 
@@ -290,26 +400,54 @@ def _unverified(models) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
-                        help=f"comma-separated: {', '.join(model_names())} (presets run at a tiny width and depth "
-                             "with their own head geometry), a config.json, a model folder, or a Hub id 'org/name'")
-    parser.add_argument("--sp", type=int, default=2, help="sequence-parallel ranks to launch (default 2)")
-    parser.add_argument("--ring", type=int, default=1,
-                        help="ring attention over this many ring shards of the --sp ranks (default 1: none)")
-    parser.add_argument("--lora", action="store_true", help="check a LoRA (PEFT) model on all linear layers")
-    parser.add_argument("--seq-len", type=int, default=61, help="sequence length (default 61: odd, pads under SP)")
-    parser.add_argument("--heads-per-chunk", default="1", help="UPipe head chunk, or 'all' (Ulysses mode)")
-    parser.add_argument("--registered", action="store_true", help="check the registered attention, not the fused one")
-    parser.add_argument("--break", dest="breakage", choices=["shard-shift"], help="deliberately break the sharding")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help=f"comma-separated: {', '.join(model_names())} (presets run at a tiny width and depth "
+        "with their own head geometry), a config.json, a model folder, or a Hub id 'org/name'",
+    )
+    parser.add_argument(
+        "--sp", type=int, default=2, help="sequence-parallel ranks to launch (default 2)"
+    )
+    parser.add_argument(
+        "--ring",
+        type=int,
+        default=1,
+        help="ring attention over this many ring shards of the --sp ranks (default 1: none)",
+    )
+    parser.add_argument(
+        "--lora", action="store_true", help="check a LoRA (PEFT) model on all linear layers"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=61, help="sequence length (default 61: odd, pads under SP)"
+    )
+    parser.add_argument(
+        "--heads-per-chunk", default="1", help="UPipe head chunk, or 'all' (Ulysses mode)"
+    )
+    parser.add_argument(
+        "--registered",
+        action="store_true",
+        help="check the registered attention, not the fused one",
+    )
+    parser.add_argument(
+        "--break", dest="breakage", choices=["shard-shift"], help="deliberately break the sharding"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when every check passes, 1 on a numerical mismatch, 2 on bad input or a model refused under SP."""
     try:
         hpc = None if args.heads_per_chunk == "all" else int(args.heads_per_chunk)
-        checks = run_selftest(args.model.split(","), sp=args.sp, lora=args.lora, seq_len=args.seq_len,
-                              heads_per_chunk=hpc, fused=not args.registered, breakage=args.breakage,
-                              ring=args.ring)
+        checks = run_selftest(
+            args.model.split(","),
+            sp=args.sp,
+            lora=args.lora,
+            seq_len=args.seq_len,
+            heads_per_chunk=hpc,
+            fused=not args.registered,
+            breakage=args.breakage,
+            ring=args.ring,
+        )
     except ValueError as err:
         print(f"hf-upipe selftest: error: {err}", file=sys.stderr)
         return 2

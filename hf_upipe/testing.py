@@ -43,24 +43,38 @@ def _worker(rank, world_size, port, timeout, backend, results, fn, args, environ
     import torch.distributed as dist
 
     os.environ.clear()
-    os.environ.update(environ)  # the caller's, also where the process was forked from a server started earlier
+    os.environ.update(
+        environ
+    )  # the caller's, also where the process was forked from a server started earlier
     os.chdir(cwd)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      OMP_NUM_THREADS="1")  # what accelerate sets on CPU, saying so in a warning when it has to
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )  # what accelerate sets on CPU, saying so in a warning when it has to
     torch.set_num_threads(1)
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+        backend = (
+            "nccl"
+            if torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+            else "gloo"
+        )
     if backend == "nccl":
         torch.cuda.set_device(rank)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+        )
         result = fn(rank, world_size, *args)
         try:  # the queue pickles in a background thread, where a failure would be silent (the parent would wait)
             ForkingPickler.dumps(result)
         except Exception as err:  # noqa: BLE001
-            raise TypeError(f"rank {rank}'s result cannot be sent to the parent ({err}); return plain values "
-                            "(detached tensors, numbers)") from None
+            raise TypeError(
+                f"rank {rank}'s result cannot be sent to the parent ({err}); return plain values "
+                "(detached tensors, numbers)"
+            ) from None
         results.put((rank, True, result))
     except BaseException:  # report everything, including assertion errors, to the parent
         results.put((rank, False, traceback.format_exc()))
@@ -69,8 +83,14 @@ def _worker(rank, world_size, port, timeout, backend, results, fn, args, environ
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend: str | None = None,
-                    start_method: str = "spawn") -> list:
+def run_distributed(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 120.0,
+    backend: str | None = None,
+    start_method: str = "spawn",
+) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` new ranks; return the results ordered by rank.
 
     `fn` must be importable by the workers (a module-level function). Raises `DistributedFailure`.
@@ -79,8 +99,12 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, backend:
     results = ctx.Queue()
     port = _free_port()
     call = (results, fn, args, dict(os.environ), os.getcwd())
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout, backend, *call), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, timeout, backend, *call), daemon=True
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     out, errors = {}, []

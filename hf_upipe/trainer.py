@@ -47,7 +47,12 @@ import time
 import torch
 import torch.distributed as dist
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    EvalLoopOutput,
+    get_last_checkpoint,
+    rotate_checkpoints,
+)
 
 from hf_upipe.checkpoint import verify_checkpoint, write_manifest
 from hf_upipe.config import UPipeConfig
@@ -70,14 +75,27 @@ __all__ = ["TRAINER_INTERNALS", "UPipeTrainer"]
 # Also relied on: `_save_checkpoint` writes through `_get_output_dir` (tested by the atomic checkpoint test), and
 # `training_step` honours the documented class attribute `loss_is_scaled_for_ga`.
 TRAINER_INTERNALS = {
-    "_get_dataloader": ("self", "dataset", "description", "batch_size", "sampler_fn", "is_training",
-                        "dataloader_key"),
+    "_get_dataloader": (
+        "self",
+        "dataset",
+        "description",
+        "batch_size",
+        "sampler_fn",
+        "is_training",
+        "dataloader_key",
+    ),
     "get_batch_samples": ("self", "epoch_iterator", "num_batches", "device"),
     "training_step": ("self", "model", "inputs", "num_items_in_batch"),
     "compute_loss": ("self", "model", "inputs", "return_outputs", "num_items_in_batch"),
     "prediction_step": ("self", "model", "inputs", "prediction_loss_only", "ignore_keys"),
-    "evaluation_loop": ("self", "dataloader", "description", "prediction_loss_only", "ignore_keys",
-                        "metric_key_prefix"),
+    "evaluation_loop": (
+        "self",
+        "dataloader",
+        "description",
+        "prediction_loss_only",
+        "ignore_keys",
+        "metric_key_prefix",
+    ),
     "_get_output_dir": ("self", "trial"),
     "_save_checkpoint": ("self", "model", "trial"),
     "call_model_init": ("self", "trial"),
@@ -119,9 +137,13 @@ class UPipeTrainer(Trainer):
             `compute_metrics` under SP.
     """
 
-    loss_is_scaled_for_ga = True  # compute_loss normalises by the label tokens of the whole optimizer step
+    loss_is_scaled_for_ga = (
+        True  # compute_loss normalises by the label tokens of the whole optimizer step
+    )
 
-    def __init__(self, model=None, args=None, *pargs, upipe_config: UPipeConfig | None = None, **kwargs):
+    def __init__(
+        self, model=None, args=None, *pargs, upipe_config: UPipeConfig | None = None, **kwargs
+    ):
         world = dist.get_world_size() if dist.is_initialized() else 1
         config = upipe_config if upipe_config is not None else UPipeConfig()
         parallelism = find_parallelism(getattr(args, "parallelism_config", None))
@@ -130,26 +152,44 @@ class UPipeTrainer(Trainer):
         args = self._early_checks(args, config, parallelism, world, deepspeed)
         super().__init__(model, args, *pargs, **kwargs)
         if self.args.label_smoothing_factor:
-            raise NotImplementedError("UPipeTrainer computes the causal-LM loss itself; label_smoothing_factor="
-                                      f"{self.args.label_smoothing_factor} is not supported (set it to 0).")
+            raise NotImplementedError(
+                "UPipeTrainer computes the causal-LM loss itself; label_smoothing_factor="
+                f"{self.args.label_smoothing_factor} is not supported (set it to 0)."
+            )
         if self.compute_loss_func is not None:
-            raise NotImplementedError("UPipeTrainer computes the token-weighted causal-LM loss itself; drop "
-                                      "compute_loss_func (or use transformers.Trainer without sequence parallelism).")
+            raise NotImplementedError(
+                "UPipeTrainer computes the token-weighted causal-LM loss itself; drop "
+                "compute_loss_func (or use transformers.Trainer without sequence parallelism)."
+            )
         if not self.args.average_tokens_across_devices:
-            logger.warning("UPipeTrainer normalises the loss by the label tokens of all ranks "
-                           "(average_tokens_across_devices=True semantics); the False setting is not used.")
+            logger.warning(
+                "UPipeTrainer normalises the loss by the label tokens of all ranks "
+                "(average_tokens_across_devices=True semantics); the False setting is not used."
+            )
         pad = getattr(self.processing_class, "pad_token_id", None)
         self.upipe = UPipeRuntime.setup(
-            config, self.model, world_size=world, device=self.args.device,
-            checkpointing=bool(getattr(self.args, "activation_checkpointing", None)
-                               or self.args.gradient_checkpointing),
+            config,
+            self.model,
+            world_size=world,
+            device=self.args.device,
+            checkpointing=bool(
+                getattr(self.args, "activation_checkpointing", None)
+                or self.args.gradient_checkpointing
+            ),
             checkpointing_fix="set TrainingArguments(activation_checkpointing=True) (older transformers: "
-                              "gradient_checkpointing=True)",
-            pad_token_id=0 if pad is None else pad, parallelism=parallelism, deepspeed=deepspeed)
-        if self.compute_metrics is not None and self.upipe.state.sp_size > 1:  # the same on every rank
-            raise NotImplementedError("compute_metrics needs full-sequence logits, which UPipeTrainer never "
-                                      "materialises under sequence parallelism (sp_size > 1); drop compute_metrics "
-                                      "(eval_loss is still reported).")
+            "gradient_checkpointing=True)",
+            pad_token_id=0 if pad is None else pad,
+            parallelism=parallelism,
+            deepspeed=deepspeed,
+        )
+        if (
+            self.compute_metrics is not None and self.upipe.state.sp_size > 1
+        ):  # the same on every rank
+            raise NotImplementedError(
+                "compute_metrics needs full-sequence logits, which UPipeTrainer never "
+                "materialises under sequence parallelism (sp_size > 1); drop compute_metrics "
+                "(eval_loss is still reported)."
+            )
         self._stats = {"tokens": 0, "since": None}
 
     @staticmethod
@@ -158,7 +198,11 @@ class UPipeTrainer(Trainer):
         output_dir, and accelerate's `ParallelismConfig` (`hf_upipe.integrations.parallelism`). Returns the
         arguments transformers gets: with a parallelism config, a copy whose `parallelism_config` has no SP (the
         SP ranks folded into data parallelism), so neither transformers nor accelerate applies its own SP."""
-        errors = output_dir_errors(args.output_dir) if args is not None and args.save_strategy != "no" else []
+        errors = (
+            output_dir_errors(args.output_dir)
+            if args is not None and args.save_strategy != "no"
+            else []
+        )
         errors += parallelism_errors(config, parallelism, world, deepspeed=deepspeed)
         sp = None
         try:
@@ -192,11 +236,17 @@ class UPipeTrainer(Trainer):
         rank (`hf_upipe.checkpoint.verify_checkpoint`; `UPipeConfig(verify_checkpoints=False)` skips it)."""
         path = resume_from_checkpoint
         if path is True:
-            path = get_last_checkpoint(self.args.output_dir)  # None: the Trainer raises its own error
+            path = get_last_checkpoint(
+                self.args.output_dir
+            )  # None: the Trainer raises its own error
         if isinstance(path, (str, os.PathLike)) and self.upipe.config.verify_checkpoints:
             verify_checkpoint(os.fspath(path))
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
-                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+        return super().train(
+            resume_from_checkpoint=resume_from_checkpoint,
+            trial=trial,
+            ignore_keys_for_eval=ignore_keys_for_eval,
+            **kwargs,
+        )
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """The Trainer's step, with checkpointed layer inputs offloaded for its forward and backward."""
@@ -207,11 +257,26 @@ class UPipeTrainer(Trainer):
         """Whether evaluation runs this class's loop: more than one process (one process: the Trainer's own)."""
         return self.upipe.world_size > 1
 
-    def _get_dataloader(self, dataset, description, batch_size, sampler_fn=None, is_training=False,
-                        dataloader_key=None):
-        loader = super()._get_dataloader(dataset, description, batch_size, sampler_fn=sampler_fn,
-                                         is_training=is_training, dataloader_key=dataloader_key)
-        loss_only = self.args.prediction_loss_only or (description == "Evaluation" and self.compute_metrics is None)
+    def _get_dataloader(
+        self,
+        dataset,
+        description,
+        batch_size,
+        sampler_fn=None,
+        is_training=False,
+        dataloader_key=None,
+    ):
+        loader = super()._get_dataloader(
+            dataset,
+            description,
+            batch_size,
+            sampler_fn=sampler_fn,
+            is_training=is_training,
+            dataloader_key=dataloader_key,
+        )
+        loss_only = self.args.prediction_loss_only or (
+            description == "Evaluation" and self.compute_metrics is None
+        )
         exact = not is_training and self._exact_eval() and loss_only
         return share_batches_within_sp(loader, self.upipe.state, evaluation=exact)
 
@@ -229,8 +294,9 @@ class UPipeTrainer(Trainer):
         if not batches:
             return [], None
         shards = [self.upipe.shard(b) for b in batches]
-        labels, tokens = self.upipe.world_sum(sum(self.upipe.own_count(s) for s in shards),
-                                              sum(self._real_tokens(b) for b in batches))
+        labels, tokens = self.upipe.world_sum(
+            sum(self.upipe.own_count(s) for s in shards), sum(self._real_tokens(b) for b in batches)
+        )
         self._stats["tokens"] += tokens
         return shards, torch.tensor(labels, dtype=torch.float64, device=device)
 
@@ -244,16 +310,19 @@ class UPipeTrainer(Trainer):
         """Training loss of this rank's shard: W x (its token-loss sum) / (label tokens of the whole step).
         Unsharded inputs (the Trainer's own evaluation, one process or sp_size 1) take the Trainer's loss."""
         if "shift_labels" not in inputs or "num_label_tokens" not in inputs:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         return self.upipe.loss(model, inputs, num_items_in_batch, return_outputs=return_outputs)
 
     # ---- evaluation --------------------------------------------------------------------------------------------
     def _refuse_predictions(self) -> None:
         if self.upipe.state.sp_size > 1:
-            raise NotImplementedError("UPipeTrainer evaluates the loss only under sequence parallelism: full-sequence "
-                                      "logits are never materialised (use evaluate() without compute_metrics, not "
-                                      "predict()).")
+            raise NotImplementedError(
+                "UPipeTrainer evaluates the loss only under sequence parallelism: full-sequence "
+                "logits are never materialised (use evaluate() without compute_metrics, not "
+                "predict())."
+            )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The Trainer's (one process, or sp_size 1 with metrics); refused under SP unless loss only."""
@@ -261,15 +330,30 @@ class UPipeTrainer(Trainer):
             self._refuse_predictions()
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
+    def evaluation_loop(
+        self,
+        dataloader,
+        description,
+        prediction_loss_only=None,
+        ignore_keys=None,
+        metric_key_prefix="eval",
+    ):
         """Exact eval loss over every rank (module docstring, item 4); the Trainer's own loop with one process."""
-        loss_only = prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
+        loss_only = (
+            prediction_loss_only
+            if prediction_loss_only is not None
+            else self.args.prediction_loss_only
+        )
         if not loss_only:
             self._refuse_predictions()
         if not (self._exact_eval() and loss_only):
-            return super().evaluation_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
-                                           ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+            return super().evaluation_loop(
+                dataloader,
+                description,
+                prediction_loss_only=prediction_loss_only,
+                ignore_keys=ignore_keys,
+                metric_key_prefix=metric_key_prefix,
+            )
         model = self.model
         model.eval()
         if hasattr(self.optimizer, "eval") and callable(self.optimizer.eval):
@@ -279,12 +363,20 @@ class UPipeTrainer(Trainer):
         def shards():
             for batch in dataloader:
                 yield self._prepare_inputs(self.upipe.shard(batch))
-                self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+                self.control = self.callback_handler.on_prediction_step(
+                    self.args, self.state, self.control
+                )
 
-        sums = self.upipe.eval_sums(model, dataloader, shards=shards(), context=self.compute_loss_context_manager)
+        sums = self.upipe.eval_sums(
+            model, dataloader, shards=shards(), context=self.compute_loss_context_manager
+        )
         loss = sums.batch_mean(nan_filter=self.args.logging_nan_inf_filter)
-        return EvalLoopOutput(predictions=None, label_ids=None, metrics={f"{metric_key_prefix}_loss": loss},
-                              num_samples=sum(sums.examples or []))
+        return EvalLoopOutput(
+            predictions=None,
+            label_ids=None,
+            metrics={f"{metric_key_prefix}_loss": loss},
+            num_samples=sum(sums.examples or []),
+        )
 
     # ---- checkpoints -------------------------------------------------------------------------------------------
     def _get_output_dir(self, trial) -> str:
@@ -312,7 +404,9 @@ class UPipeTrainer(Trainer):
         staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
         best = self.state.best_model_checkpoint
         if best and best.startswith(staging_root):
-            self.state.best_model_checkpoint = os.path.join(run_dir, os.path.relpath(best, staging_root))
+            self.state.best_model_checkpoint = os.path.join(
+                run_dir, os.path.relpath(best, staging_root)
+            )
             if self.args.should_save:
                 self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
         self._barrier()
@@ -322,20 +416,33 @@ class UPipeTrainer(Trainer):
                 shutil.rmtree(final)
             os.replace(staged, final)
             shutil.rmtree(staging_root)
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
         self._barrier()
 
     # ---- logging -----------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add `tokens_per_second` and `peak_memory_gib` to training log lines (one all_reduce per log)."""
-        if "loss" in logs and not any(k.startswith("eval_") for k in logs) and self._stats["since"] is not None:
-            peak = torch.tensor([float(_peak_memory_bytes(self.args.device))], device=self.args.device)
+        if (
+            "loss" in logs
+            and not any(k.startswith("eval_") for k in logs)
+            and self._stats["since"] is not None
+        ):
+            peak = torch.tensor(
+                [float(_peak_memory_bytes(self.args.device))], device=self.args.device
+            )
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             now = time.perf_counter()
             rate = self._stats["tokens"] / max(now - self._stats["since"], 1e-9)
-            logs = {**logs, "tokens_per_second": round(rate, 1),
-                    "peak_memory_gib": round(peak.item() / 2**30, 3)}
+            logs = {
+                **logs,
+                "tokens_per_second": round(rate, 1),
+                "peak_memory_gib": round(peak.item() / 2**30, 3),
+            }
             self._stats = {"tokens": 0, "since": now}
         super().log(logs, start_time)

@@ -53,9 +53,11 @@ SFT_TRAINER_INTERNALS = {
 def _parallelism_error(pc) -> str | None:
     """Why accelerate's `ParallelismConfig` `pc` cannot run with hf_upipe (None when it can)."""
     if pc is not None and (getattr(pc, "sp_enabled", False) or getattr(pc, "cp_enabled", False)):
-        return ("SFTConfig(parallelism_config=...) turns on accelerate's sequence/context parallelism, which would "
-                "shard the sequence a second time: hf_upipe does the sequence parallelism; drop parallelism_config "
-                "(or its sp_size/cp_size).")
+        return (
+            "SFTConfig(parallelism_config=...) turns on accelerate's sequence/context parallelism, which would "
+            "shard the sequence a second time: hf_upipe does the sequence parallelism; drop parallelism_config "
+            "(or its sp_size/cp_size)."
+        )
     return None
 
 
@@ -65,34 +67,58 @@ def sft_config_errors(args: SFTConfig, compute_loss_func=None) -> list[Exception
     Depends only on the arguments, so every rank finds the same errors without communicating."""
     errors: list[Exception] = []
     if args.loss_type != "nll":
-        errors.append(NotImplementedError(
-            f"SFTConfig(loss_type={args.loss_type!r}): UPipeSFTTrainer computes the token-mean negative log-likelihood "
-            "with hf_upipe's tiled loss; the DFT weighting is not implemented under sequence parallelism. Use "
-            "loss_type='nll'."))
+        errors.append(
+            NotImplementedError(
+                f"SFTConfig(loss_type={args.loss_type!r}): UPipeSFTTrainer computes the "
+                "token-mean negative log-likelihood "
+                "with hf_upipe's tiled loss; the DFT weighting is not implemented under sequence parallelism. Use "
+                "loss_type='nll'."
+            )
+        )
     if args.assistant_only_loss:
-        errors.append(NotImplementedError(
-            "SFTConfig(assistant_only_loss=True) is not verified under hf_upipe's sequence parallelism yet; set "
-            "assistant_only_loss=False (completion_only_loss with prompt-completion data is supported)."))
+        errors.append(
+            NotImplementedError(
+                "SFTConfig(assistant_only_loss=True) is not verified under hf_upipe's sequence parallelism yet; set "
+                "assistant_only_loss=False (completion_only_loss with prompt-completion data is supported)."
+            )
+        )
     if args.use_liger_kernel:
-        errors.append(NotImplementedError(
-            "SFTConfig(use_liger_kernel=True): Liger's kernels replace the modules hf_upipe's fused attention and "
-            "tiled MLP adapt; set use_liger_kernel=False (hf_upipe's tiled loss and tiled MLP save the memory)."))
+        errors.append(
+            NotImplementedError(
+                "SFTConfig(use_liger_kernel=True): Liger's kernels replace the modules hf_upipe's fused attention and "
+                "tiled MLP adapt; set use_liger_kernel=False (hf_upipe's tiled loss and tiled MLP save the memory)."
+            )
+        )
     if args.activation_offloading:
-        errors.append(NotImplementedError(
-            "SFTConfig(activation_offloading=True): TRL's offload would run beside hf_upipe's own; set it to False "
-            "and use UPipeConfig(offload='cpu') (with activation_checkpointing=True)."))
+        errors.append(
+            NotImplementedError(
+                "SFTConfig(activation_offloading=True): TRL's offload would run beside hf_upipe's own; set it to False "
+                "and use UPipeConfig(offload='cpu') (with activation_checkpointing=True)."
+            )
+        )
     if (args.gradient_checkpointing_kwargs or {}).get("selective"):
-        errors.append(NotImplementedError(
-            "gradient_checkpointing_kwargs={'selective': True} (TRL's selective checkpointing) is not verified with "
-            "hf_upipe's fused attention; drop 'selective' (full activation checkpointing works)."))
+        errors.append(
+            NotImplementedError(
+                "gradient_checkpointing_kwargs={'selective': True} (TRL's selective "
+                "checkpointing) is not verified with "
+                "hf_upipe's fused attention; drop 'selective' (full activation checkpointing works)."
+            )
+        )
     if args.label_smoothing_factor:
-        errors.append(NotImplementedError(
-            f"label_smoothing_factor={args.label_smoothing_factor}: UPipeSFTTrainer computes the causal-LM loss with "
-            "hf_upipe's tiled loss, which has no label smoothing; set it to 0."))
+        errors.append(
+            NotImplementedError(
+                f"label_smoothing_factor={args.label_smoothing_factor}: UPipeSFTTrainer computes "
+                "the causal-LM loss with "
+                "hf_upipe's tiled loss, which has no label smoothing; set it to 0."
+            )
+        )
     if compute_loss_func is not None:
-        errors.append(NotImplementedError(
-            "compute_loss_func needs the full logits, which hf_upipe never builds under sequence parallelism; drop "
-            "it (the loss is the token-mean negative log-likelihood)."))
+        errors.append(
+            NotImplementedError(
+                "compute_loss_func needs the full logits, which hf_upipe never builds under sequence parallelism; drop "
+                "it (the loss is the token-mean negative log-likelihood)."
+            )
+        )
     if (why := _parallelism_error(getattr(args, "parallelism_config", None))) is not None:
         errors.append(NotImplementedError(why))
     return errors
@@ -110,8 +136,14 @@ class UPipeSFTTrainer(UPipeTrainer, SFTTrainer):
             TRL's setup, vision datasets and an MoE router auxiliary loss); the errors of `UPipeTrainer`.
     """
 
-    def __init__(self, model, args: SFTConfig | None = None, *pargs, upipe_config: UPipeConfig | None = None,
-                 **kwargs):
+    def __init__(
+        self,
+        model,
+        args: SFTConfig | None = None,
+        *pargs,
+        upipe_config: UPipeConfig | None = None,
+        **kwargs,
+    ):
         if args is not None:
             if not isinstance(args, SFTConfig):
                 raise TypeError(f"UPipeSFTTrainer takes an SFTConfig, got {type(args).__name__}.")
@@ -120,23 +152,32 @@ class UPipeSFTTrainer(UPipeTrainer, SFTTrainer):
                 raise errors[0]
         super().__init__(model, args, *pargs, upipe_config=upipe_config, **kwargs)
         self._refuse_after_setup()
-        logger.info("UPipeSFTTrainer: the training loss is hf_upipe's %s loss (token mean over the optimizer step); "
-                    "TRL's fused LM head is not used in training.",
-                    "tiled" if self.upipe.config.tiled_loss else "untiled")
-        logger.warning("UPipeSFTTrainer: mean_token_accuracy and entropy are not logged in training (they need the "
-                       "full [tokens, vocab] logits, which the tiled loss never builds); num_tokens is.")
+        logger.info(
+            "UPipeSFTTrainer: the training loss is hf_upipe's %s loss (token mean over the optimizer step); "
+            "TRL's fused LM head is not used in training.",
+            "tiled" if self.upipe.config.tiled_loss else "untiled",
+        )
+        logger.warning(
+            "UPipeSFTTrainer: mean_token_accuracy and entropy are not logged in training (they need the "
+            "full [tokens, vocab] logits, which the tiled loss never builds); num_tokens is."
+        )
 
     def _refuse_after_setup(self) -> None:
         """What only TRL's setup reveals; the same on every rank (same model, data and settings)."""
         if self._is_vision_dataset:
-            raise NotImplementedError("UPipeSFTTrainer trains causal language models on text; vision datasets are "
-                                      "not supported under hf_upipe's sequence parallelism.")
+            raise NotImplementedError(
+                "UPipeSFTTrainer trains causal language models on text; vision datasets are "
+                "not supported under hf_upipe's sequence parallelism."
+            )
         if self.aux_loss_enabled:
             raise NotImplementedError(
                 f"The model returns router logits and the MoE auxiliary loss is weighted by "
                 f"{self.router_aux_loss_coef}: hf_upipe's loss has no auxiliary term; set "
-                "SFTConfig(router_aux_loss_coef=0.0).")
-        why = _parallelism_error(self.accelerator.parallelism_config)  # also set through an accelerate config file
+                "SFTConfig(router_aux_loss_coef=0.0)."
+            )
+        why = _parallelism_error(
+            self.accelerator.parallelism_config
+        )  # also set through an accelerate config file
         if why is not None:
             raise NotImplementedError(why)
 

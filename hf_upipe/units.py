@@ -15,15 +15,24 @@ from __future__ import annotations
 
 __all__ = ["format_tokens", "parse_size", "parse_tokens"]
 
-_SIZE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20}
 
 
 def _split(text: str) -> tuple[str, str]:
     text = text.strip().lower().replace(" ", "").replace("_", "").replace(",", "")
     number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    return number, text[len(number):]
+    return number, text[len(number) :]
 
 
 def parse_size(value) -> int:
@@ -40,10 +49,14 @@ def parse_size(value) -> int:
     if amount is None or amount < 0:
         raise ValueError(f"cannot read {value!r} as a size: write e.g. 80GiB, 80GB or 512MiB")
     if unit == "":
-        raise ValueError(f"{value!r} has no unit: write 80GiB (2**30 bytes each) or 80GB (10**9), or {value}B for "
-                         "bytes")
+        raise ValueError(
+            f"{value!r} has no unit: write 80GiB (2**30 bytes each) or 80GB (10**9), or {value}B for "
+            "bytes"
+        )
     if unit not in _SIZE_UNITS:
-        raise ValueError(f"{value!r}: unknown unit {unit!r}; use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+        raise ValueError(
+            f"{value!r}: unknown unit {unit!r}; use one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+        )
     return int(amount * _SIZE_UNITS[unit])
 
 
@@ -60,8 +73,10 @@ def parse_tokens(value) -> int:
         except ValueError:
             amount = None
         if amount is None or unit not in _TOKEN_UNITS:
-            raise ValueError(f"cannot read {value!r} as a number of tokens: write e.g. 1048576, 1024K or 1M "
-                             "(K = 1024 tokens, M = 1048576)")
+            raise ValueError(
+                f"cannot read {value!r} as a number of tokens: write e.g. 1048576, 1024K or 1M "
+                "(K = 1024 tokens, M = 1048576)"
+            )
         tokens = amount * _TOKEN_UNITS[unit]
         if tokens != int(tokens):
             raise ValueError(f"{value!r} is {tokens} tokens, not a whole number")

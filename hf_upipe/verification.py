@@ -36,13 +36,27 @@ from typing import Callable
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-__all__ = ["TESTED_RANGE", "VERIFIED_RELEASES", "Verdict", "cache_file", "fingerprint", "installed_release",
-           "installed_version", "verdicts", "verify"]
+__all__ = [
+    "TESTED_RANGE",
+    "VERIFIED_RELEASES",
+    "Verdict",
+    "cache_file",
+    "fingerprint",
+    "installed_release",
+    "installed_version",
+    "verdicts",
+    "verify",
+]
 
 logger = logging.getLogger(__name__)
 
-VERIFIED_RELEASES = ("5.23", "5.24")  # transformers releases whose fingerprints the registry records
-TESTED_RANGE = "transformers>=5.23,<5.25"  # what CI tests (pyproject.toml), the pin a failed check names
+VERIFIED_RELEASES = (
+    "5.23",
+    "5.24",
+)  # transformers releases whose fingerprints the registry records
+TESTED_RANGE = (
+    "transformers>=5.23,<5.25"  # what CI tests (pyproject.toml), the pin a failed check names
+)
 
 
 @dataclass(frozen=True)
@@ -82,7 +96,9 @@ def verdicts() -> dict[tuple[str, str], Verdict]:
 
 
 def cache_file() -> str:
-    folder = os.environ.get("HF_UPIPE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hf_upipe")
+    folder = os.environ.get("HF_UPIPE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "hf_upipe"
+    )
     return os.path.join(folder, "verified.json")
 
 
@@ -105,7 +121,11 @@ def _versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             return "none"
 
-    return {"transformers": version("transformers"), "torch": torch.__version__, "hf_upipe": version("hf_upipe")}
+    return {
+        "transformers": version("transformers"),
+        "torch": torch.__version__,
+        "hf_upipe": version("hf_upipe"),
+    }
 
 
 def _disk_key(adapter: str, subject: str, source: str) -> str:
@@ -141,14 +161,23 @@ def _write_disk(key: str, verdict: Verdict) -> None:
 def _deterministic():
     """One thread, real fp32 CPU tensors, fixed seeds, grad on, transformers' warnings off, the caller's random state
     restored: the same result on every rank."""
-    threads, quiet, dtype = torch.get_num_threads(), logging.getLogger("transformers"), torch.get_default_dtype()
+    threads, quiet, dtype = (
+        torch.get_num_threads(),
+        logging.getLogger("transformers"),
+        torch.get_default_dtype(),
+    )
     level = quiet.level
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float32)
     quiet.setLevel(logging.ERROR)  # the tiny configs' own warnings are not the user's
     try:
         # real tensors on CPU, also when the caller simulates (the planner's fake tensors) or sets a default device
-        with unset_fake_temporarily(), torch.device("cpu"), torch.random.fork_rng(devices=[]), torch.enable_grad():
+        with (
+            unset_fake_temporarily(),
+            torch.device("cpu"),
+            torch.random.fork_rng(devices=[]),
+            torch.enable_grad(),
+        ):
             torch.manual_seed(0)
             yield
     finally:
@@ -162,12 +191,20 @@ def _run_check(check: Callable[[], str | None]) -> tuple[bool, str]:
         with _deterministic():
             detail = check()
     except Exception as err:  # noqa: BLE001 - any failure of the adapter on the new source is a failed check
-        return False, f"raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+        return (
+            False,
+            f"raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300],
+        )
     return detail is None, detail or ""
 
 
-def verify(adapter: str, subject: str, source: str | None, known: tuple[str, ...],
-           check: Callable[[], str | None]) -> Verdict:
+def verify(
+    adapter: str,
+    subject: str,
+    source: str | None,
+    known: tuple[str, ...],
+    check: Callable[[], str | None],
+) -> Verdict:
     """The verdict on `adapter` ("fused", "tiled", "mixer", "rope") for `subject` (module docstring).
 
     Args:
@@ -182,15 +219,21 @@ def verify(adapter: str, subject: str, source: str | None, known: tuple[str, ...
     if key in _PROCESS:
         return _PROCESS[key]
     if source is None:
-        verdict = Verdict(False, "unavailable", "the installed transformers has no such class or function")
+        verdict = Verdict(
+            False, "unavailable", "the installed transformers has no such class or function"
+        )
     else:
         disk = _read_disk().get(_disk_key(adapter, subject, source))
         if isinstance(disk, dict) and isinstance(disk.get("ok"), bool):
-            verdict = Verdict(disk["ok"], "behaviour" if disk["ok"] else "failed", str(disk.get("detail", "")))
+            verdict = Verdict(
+                disk["ok"], "behaviour" if disk["ok"] else "failed", str(disk.get("detail", ""))
+            )
         else:
             start = time.perf_counter()
             ok, detail = _run_check(check)
-            verdict = Verdict(ok, "behaviour" if ok else "failed", detail, time.perf_counter() - start)
+            verdict = Verdict(
+                ok, "behaviour" if ok else "failed", detail, time.perf_counter() - start
+            )
             _write_disk(_disk_key(adapter, subject, source), verdict)
     _PROCESS[key] = verdict
     _announce(adapter, subject, verdict)
@@ -200,21 +243,37 @@ def verify(adapter: str, subject: str, source: str | None, known: tuple[str, ...
 def _announce(adapter: str, subject: str, verdict: Verdict) -> None:
     version = _versions()["transformers"]
     if verdict.ok:
-        logger.info("hf_upipe: the %s adapter of %s verified by behaviour on transformers %s (a source not seen "
-                    "before; %.2f s, cached)", adapter, subject, version, verdict.seconds)
+        logger.info(
+            "hf_upipe: the %s adapter of %s verified by behaviour on transformers %s (a source not seen "
+            "before; %.2f s, cached)",
+            adapter,
+            subject,
+            version,
+            verdict.seconds,
+        )
         return
     if (adapter, subject) in _WARNED:
         return
     _WARNED.add((adapter, subject))
     fallback = _FALLBACK.get(adapter, "it is not used")
-    logger.warning("hf_upipe: the %s adapter of %s is not used with transformers %s (%s): %s. The adapter is verified "
-                   "on transformers %s: pip install '%s'.", adapter, subject, version, verdict.detail, fallback,
-                   ", ".join(VERIFIED_RELEASES), TESTED_RANGE)
+    logger.warning(
+        "hf_upipe: the %s adapter of %s is not used with transformers %s (%s): %s. The adapter is verified "
+        "on transformers %s: pip install '%s'.",
+        adapter,
+        subject,
+        version,
+        verdict.detail,
+        fallback,
+        ", ".join(VERIFIED_RELEASES),
+        TESTED_RANGE,
+    )
 
 
 # what a model gets when an adapter fails its check
-_FALLBACK = {"fused": "the model keeps transformers' own path, exact but without this adapter's savings",
-             "tiled": "the model keeps transformers' own path, exact but without this adapter's savings",
-             "mixer": "models with this mixer are refused under sequence parallelism (without it they run as before)",
-             "rope": "models with length-dependent RoPE are refused under sequence parallelism (without it they run "
-                     "as before)"}
+_FALLBACK = {
+    "fused": "the model keeps transformers' own path, exact but without this adapter's savings",
+    "tiled": "the model keeps transformers' own path, exact but without this adapter's savings",
+    "mixer": "models with this mixer are refused under sequence parallelism (without it they run as before)",
+    "rope": "models with length-dependent RoPE are refused under sequence parallelism (without it they run "
+    "as before)",
+}

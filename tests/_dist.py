@@ -11,12 +11,23 @@ import multiprocessing
 
 from hf_upipe import testing
 
-_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils", "peft", "accelerate",
-            "hf_upipe", "hf_upipe.integrations.transformers", "tests.integrations._models"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "transformers.modeling_utils",
+    "peft",
+    "accelerate",
+    "hf_upipe",
+    "hf_upipe.integrations.transformers",
+    "tests.integrations._models",
+]
 multiprocessing.set_forkserver_preload(_PRELOAD)
 
 __all__ = ["run_distributed"]
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 120.0):
-    return testing.run_distributed(fn, world_size, *args, timeout=timeout, start_method="forkserver")
+    return testing.run_distributed(
+        fn, world_size, *args, timeout=timeout, start_method="forkserver"
+    )

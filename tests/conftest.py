@@ -25,4 +25,6 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: files and tests keep their order otherwise
+    items.sort(
+        key=lambda item: item.path not in slow_files
+    )  # stable: files and tests keep their order otherwise

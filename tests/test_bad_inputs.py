@@ -11,22 +11,37 @@ import pytest
 import hf_upipe
 
 CASES = [
-    (dict(sp_size="2"), "sp_size='2' is a str: pass an int that divides the world size, or None for all ranks "
-                        "(sp_size=2, not the string '2')."),
-    (dict(sp_size=2.0), "sp_size=2.0 is a float: pass an int that divides the world size, or None for all ranks "
-                        "(sp_size=2)."),
+    (
+        dict(sp_size="2"),
+        "sp_size='2' is a str: pass an int that divides the world size, or None for all ranks "
+        "(sp_size=2, not the string '2').",
+    ),
+    (
+        dict(sp_size=2.0),
+        "sp_size=2.0 is a float: pass an int that divides the world size, or None for all ranks "
+        "(sp_size=2).",
+    ),
     (dict(sp_size=True), "sp_size=True is a bool: pass an int"),
-    (dict(ring_size="2"), "ring_size='2' is a str: pass a positive int (1: no ring) (ring_size=2, not the string"),
+    (
+        dict(ring_size="2"),
+        "ring_size='2' is a str: pass a positive int (1: no ring) (ring_size=2, not the string",
+    ),
     (dict(ring_size=None), "ring_size=None is a NoneType: pass a positive int (1: no ring)."),
-    (dict(heads_per_chunk="1"), "heads_per_chunk='1' is a str: pass a positive integer (1 = least memory), or None"),
+    (
+        dict(heads_per_chunk="1"),
+        "heads_per_chunk='1' is a str: pass a positive integer (1 = least memory), or None",
+    ),
     (dict(heads_per_chunk=0), "heads_per_chunk=0 is invalid: use a positive integer"),
     (dict(kernel=3), "kernel=3 is an int: pass a kernel name such as 'auto' or 'sdpa'."),
     (dict(allow_unverified="yes"), "allow_unverified='yes' is a str: pass True or False."),
 ]
 
 
-@pytest.mark.parametrize("kwargs, message", CASES, ids=[next(iter(c[0])) + "=" + repr(next(iter(c[0].values())))
-                                                        for c in CASES])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    CASES,
+    ids=[next(iter(c[0])) + "=" + repr(next(iter(c[0].values()))) for c in CASES],
+)
 def test_init_sequence_parallel_names_the_bad_argument(kwargs, message):
     with pytest.raises(ValueError) as err:
         hf_upipe.init_sequence_parallel(**kwargs)
@@ -35,7 +50,9 @@ def test_init_sequence_parallel_names_the_bad_argument(kwargs, message):
 
 def test_good_arguments_reach_the_distributed_check():
     with pytest.raises(RuntimeError, match="needs torch.distributed"):
-        hf_upipe.init_sequence_parallel(2, ring_size=1, heads_per_chunk=None, kernel="sdpa", allow_unverified=True)
+        hf_upipe.init_sequence_parallel(
+            2, ring_size=1, heads_per_chunk=None, kernel="sdpa", allow_unverified=True
+        )
 
 
 @pytest.mark.parametrize("method", ["count", "loss"])
@@ -47,8 +64,14 @@ def test_the_runtime_names_a_shard_without_labels_before_any_collective(method):
     from hf_upipe.runtime import UPipeRuntime
 
     shard = {"input_ids": torch.ones(1, 4, dtype=torch.long)}
-    call = (lambda: UPipeRuntime.count(object(), [shard])) if method == "count" else \
-        (lambda: UPipeRuntime.loss_sum(object(), None, shard))
-    with pytest.raises(ValueError, match=r"got a shard without \['shift_labels', 'num_label_tokens'\] \(its keys: "
-                                         r"\['input_ids'\]\): pass the shards UPipeRuntime.shard\(batch\) returns"):
+    call = (
+        (lambda: UPipeRuntime.count(object(), [shard]))
+        if method == "count"
+        else (lambda: UPipeRuntime.loss_sum(object(), None, shard))
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"got a shard without \['shift_labels', 'num_label_tokens'\] \(its keys: "
+        r"\['input_ids'\]\): pass the shards UPipeRuntime.shard\(batch\) returns",
+    ):
         call()

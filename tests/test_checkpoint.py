@@ -22,19 +22,28 @@ def checkpoint(tmp_path):
 
 def test_manifest_lists_every_file_and_verifies(checkpoint):
     files = json.loads((checkpoint / MANIFEST).read_text())["files"]
-    assert sorted(files) == ["model/adapter_model.safetensors", "rng_state_1.pth", "trainer_state.json"]
+    assert sorted(files) == [
+        "model/adapter_model.safetensors",
+        "rng_state_1.pth",
+        "trainer_state.json",
+    ]
     assert files["rng_state_1.pth"]["size"] == 3 and len(files["rng_state_1.pth"]["sha256"]) == 64
     assert verify_checkpoint(str(checkpoint))["files"] == files
-    assert not [n for n in os.listdir(checkpoint) if n.startswith(f".{MANIFEST}")]  # no temporary left
+    assert not [
+        n for n in os.listdir(checkpoint) if n.startswith(f".{MANIFEST}")
+    ]  # no temporary left
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("flip", "model/adapter_model.safetensors does not match its SHA-256"),
-    ("truncate", "model/adapter_model.safetensors has 10239 bytes, not 10240"),
-    ("delete", "rng_state_1.pth is missing"),
-    ("no manifest", "has no upipe_manifest.json"),
-    ("bad manifest", "unreadable or malformed"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("flip", "model/adapter_model.safetensors does not match its SHA-256"),
+        ("truncate", "model/adapter_model.safetensors has 10239 bytes, not 10240"),
+        ("delete", "rng_state_1.pth is missing"),
+        ("no manifest", "has no upipe_manifest.json"),
+        ("bad manifest", "unreadable or malformed"),
+    ],
+)
 def test_damage_is_refused_naming_the_file(checkpoint, damage, message):
     weights = checkpoint / "model" / "adapter_model.safetensors"
     if damage == "flip":

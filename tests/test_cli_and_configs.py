@@ -49,9 +49,15 @@ def test_accelerate_configs_load():
     seen = {}
     for path in files:
         config = load_config_from_file(path)
-        seen[os.path.basename(path)] = (str(config.distributed_type), config.num_processes, config.num_machines)
+        seen[os.path.basename(path)] = (
+            str(config.distributed_type),
+            config.num_processes,
+            config.num_machines,
+        )
         with open(path) as f:
-            assert f.readline().startswith("#"), f"{path}: the UPipe settings comment must open the file"
+            assert f.readline().startswith("#"), (
+                f"{path}: the UPipe settings comment must open the file"
+            )
     assert seen["fsdp2_1node_8gpu.yaml"] == ("DistributedType.FSDP", 8, 1)
     assert seen["fsdp2_2nodes_8gpu.yaml"] == ("DistributedType.FSDP", 16, 2)
     assert seen["ddp_1node_8gpu.yaml"] == ("DistributedType.MULTI_GPU", 8, 1)

@@ -39,8 +39,15 @@ def test_help_lists_the_choices_and_the_switches(script, capsys):
     with pytest.raises(SystemExit):
         script.main(["--help"])
     out = capsys.readouterr().out
-    for text in ("--tiled-mlp, --no-tiled-mlp", "--checkpointing, --no-checkpointing", "--full, --no-full",
-                 "{none,cpu,disk}", "{auto,", "'text' field", "examples/sample.jsonl"):
+    for text in (
+        "--tiled-mlp, --no-tiled-mlp",
+        "--checkpointing, --no-checkpointing",
+        "--full, --no-full",
+        "{none,cpu,disk}",
+        "{auto,",
+        "'text' field",
+        "examples/sample.jsonl",
+    ):
         assert text in out, text
 
 
@@ -50,8 +57,14 @@ def test_switches_parse_with_and_without_no(script):
 
     parser = argparse.ArgumentParser()
     common.add_common_flags(parser)
-    on = parser.parse_args(["--tiled-mlp", "--checkpointing", "--offload", "cpu", "--heads-per-chunk", "all"])
-    assert common.upipe_settings(on) == {"tiled_mlp": True, "offload": "cpu", "heads_per_chunk": "all"}
+    on = parser.parse_args(
+        ["--tiled-mlp", "--checkpointing", "--offload", "cpu", "--heads-per-chunk", "all"]
+    )
+    assert common.upipe_settings(on) == {
+        "tiled_mlp": True,
+        "offload": "cpu",
+        "heads_per_chunk": "all",
+    }
     off = parser.parse_args(["--no-tiled-mlp", "--heads-per-chunk", "2"])
     assert common.upipe_settings(off) == {"tiled_mlp": False, "heads_per_chunk": 2}
     with pytest.raises(SystemExit):
@@ -61,8 +74,10 @@ def test_switches_parse_with_and_without_no(script):
 def test_offload_without_checkpointing_names_the_flags(script, capsys):
     code, out = _exit_code(script, ["--offload", "cpu", "--steps", "1"], capsys)
     assert code == 2
-    assert out.err.strip() == ("error: --offload cpu offloads what activation checkpointing keeps: add --checkpointing "
-                               "(or --offload none)")
+    assert out.err.strip() == (
+        "error: --offload cpu offloads what activation checkpointing keeps: add --checkpointing "
+        "(or --offload none)"
+    )
 
 
 def test_data_without_a_text_field_is_one_line(script, capsys, tmp_path):

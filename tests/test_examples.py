@@ -26,8 +26,17 @@ def _run(script, args, tmp_path, processes=2, fails=False):
     if processes == 1:
         cmd = [sys.executable, path, *args]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               os.path.join(ROOT, "accelerate_configs", "cpu_2proc.yaml"), "--main_process_port", "0", path, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            os.path.join(ROOT, "accelerate_configs", "cpu_2proc.yaml"),
+            "--main_process_port",
+            "0",
+            path,
+            *args,
+        ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert (proc.returncode != 0) == fails, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -42,14 +51,32 @@ def _losses(path):
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_custom_loop_two_processes_equal_one(tmp_path, mode):
     flags = COMMON + (["--full"] if mode == "full" else [])
-    out = _run("finetune_long_context.py", flags + ["--output-dir", str(tmp_path / "sp2"), "--save-every", "2",
-                                                     "--log-json", str(tmp_path / "sp2.json")], tmp_path)
+    out = _run(
+        "finetune_long_context.py",
+        flags
+        + [
+            "--output-dir",
+            str(tmp_path / "sp2"),
+            "--save-every",
+            "2",
+            "--log-json",
+            str(tmp_path / "sp2.json"),
+        ],
+        tmp_path,
+    )
     assert "2 processes: SP 2 x DP 1" in out and "loss: first 4 steps" in out
     sp2 = _losses(tmp_path / "sp2.json")
     assert sorted(sp2) == [1, 2, 3, 4]
-    if mode == "full":  # (LoRA under SP against one process: tests/training/test_plugin.py and test_trainer.py)
-        _run("finetune_long_context.py", flags + ["--output-dir", str(tmp_path / "one"),
-                                                  "--log-json", str(tmp_path / "one.json")], tmp_path, processes=1)
+    if (
+        mode == "full"
+    ):  # (LoRA under SP against one process: tests/training/test_plugin.py and test_trainer.py)
+        _run(
+            "finetune_long_context.py",
+            flags
+            + ["--output-dir", str(tmp_path / "one"), "--log-json", str(tmp_path / "one.json")],
+            tmp_path,
+            processes=1,
+        )
         one = _losses(tmp_path / "one.json")
         assert sorted(one) == [1, 2, 3, 4]
         for step in one:
@@ -62,9 +89,19 @@ def test_custom_loop_two_processes_equal_one(tmp_path, mode):
 
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "sp2" / "step-4" / "model")
         assert model.config.num_hidden_layers == 1
-        _run("finetune_long_context.py", flags + ["--output-dir", str(tmp_path / "resumed"), "--resume",
-                                                  str(tmp_path / "sp2" / "step-2"), "--log-json",
-                                                  str(tmp_path / "resumed.json")], tmp_path)
+        _run(
+            "finetune_long_context.py",
+            flags
+            + [
+                "--output-dir",
+                str(tmp_path / "resumed"),
+                "--resume",
+                str(tmp_path / "sp2" / "step-2"),
+                "--log-json",
+                str(tmp_path / "resumed.json"),
+            ],
+            tmp_path,
+        )
         resumed = _losses(tmp_path / "resumed.json")
         assert sorted(resumed) == [3, 4]
         for step in (3, 4):
@@ -75,15 +112,20 @@ def test_custom_loop_two_processes_equal_one(tmp_path, mode):
 
         shutil.copytree(tmp_path / "sp2" / "step-2", tmp_path / "broken" / "step-2")
         os.remove(tmp_path / "broken" / "step-2" / "accelerate_state" / "random_states_1.pkl")
-        with pytest.raises(CheckpointError, match="accelerate_state/random_states_1.pkl is missing"):
+        with pytest.raises(
+            CheckpointError, match="accelerate_state/random_states_1.pkl is missing"
+        ):
             verify_checkpoint(str(tmp_path / "broken" / "step-2"))
     else:
         assert os.path.exists(tmp_path / "sp2" / "step-4" / "model" / "adapter_model.safetensors")
 
 
 def test_trainer_example(tmp_path):
-    out = _run("finetune_with_trainer.py", COMMON + ["--output-dir", str(tmp_path / "t"), "--log-json",
-                                                     str(tmp_path / "t.json")], tmp_path)
+    out = _run(
+        "finetune_with_trainer.py",
+        COMMON + ["--output-dir", str(tmp_path / "t"), "--log-json", str(tmp_path / "t.json")],
+        tmp_path,
+    )
     assert "loss: first log" in out
     assert sorted(_losses(tmp_path / "t.json")) == [1, 2, 3, 4]
     assert os.path.exists(tmp_path / "t" / "final" / "adapter_model.safetensors")
@@ -92,11 +134,21 @@ def test_trainer_example(tmp_path):
 def test_a_bad_setting_is_one_line_from_one_rank(tmp_path):
     """Both ranks raise the same error (agreed before any other collective); only the first prints it, and both exit
     with status 2."""
-    out = _run("finetune_long_context.py", COMMON + ["--sp-size", "3", "--output-dir", str(tmp_path / "x")],
-               tmp_path, fails=True)
+    out = _run(
+        "finetune_long_context.py",
+        COMMON + ["--sp-size", "3", "--output-dir", str(tmp_path / "x")],
+        tmp_path,
+        fails=True,
+    )
     lines = [line for line in out.splitlines() if line.startswith("error:")]
-    assert lines == ["error: --sp-size 3: sp_size=3 does not divide the 2 processes of this launch; use one of "
-                     "[1, 2]."], out[-2000:]
+    assert lines == [
+        "error: --sp-size 3: sp_size=3 does not divide the 2 processes of this launch; use one of "
+        "[1, 2]."
+    ], out[-2000:]
     # no traceback from the ranks (the launcher still reports, in its own words, that the processes exited with 2)
-    assert not [line for line in out.splitlines() if line.strip().startswith("File") and "/examples/" in line]
+    assert not [
+        line
+        for line in out.splitlines()
+        if line.strip().startswith("File") and "/examples/" in line
+    ]
     assert "exitcode  : 2" in out

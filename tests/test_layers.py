@@ -18,17 +18,47 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "hf_upipe")
 
 LAYERS = [
-    ("hf_upipe.ops", "hf_upipe.architectures", "hf_upipe.verification", "hf_upipe.integrations.peft", "hf_upipe.units"),
-    ("hf_upipe.data", "hf_upipe.distributed", "hf_upipe.config", "hf_upipe.memory", "hf_upipe.integrations",
-     "hf_upipe.registration", "hf_upipe.models"),
+    (
+        "hf_upipe.ops",
+        "hf_upipe.architectures",
+        "hf_upipe.verification",
+        "hf_upipe.integrations.peft",
+        "hf_upipe.units",
+    ),
+    (
+        "hf_upipe.data",
+        "hf_upipe.distributed",
+        "hf_upipe.config",
+        "hf_upipe.memory",
+        "hf_upipe.integrations",
+        "hf_upipe.registration",
+        "hf_upipe.models",
+    ),
     ("hf_upipe.runtime", "hf_upipe.checkpoint", "hf_upipe.auto_settings"),
     ("hf_upipe.trainer", "hf_upipe.trl", "hf_upipe.integrations.accelerate"),
-    ("hf_upipe.planning", "hf_upipe.selftest", "hf_upipe.matrix", "hf_upipe.testing", "hf_upipe.cli",
-     "hf_upipe.__init__"),
+    (
+        "hf_upipe.planning",
+        "hf_upipe.selftest",
+        "hf_upipe.matrix",
+        "hf_upipe.testing",
+        "hf_upipe.cli",
+        "hf_upipe.__init__",
+    ),
 ]
-RUNTIME = ("hf_upipe.ops", "hf_upipe.memory", "hf_upipe.integrations", "hf_upipe.data", "hf_upipe.distributed",
-           "hf_upipe.config", "hf_upipe.trainer", "hf_upipe.runtime", "hf_upipe.checkpoint",
-           "hf_upipe.auto_settings", "hf_upipe.architectures", "hf_upipe.registration")
+RUNTIME = (
+    "hf_upipe.ops",
+    "hf_upipe.memory",
+    "hf_upipe.integrations",
+    "hf_upipe.data",
+    "hf_upipe.distributed",
+    "hf_upipe.config",
+    "hf_upipe.trainer",
+    "hf_upipe.runtime",
+    "hf_upipe.checkpoint",
+    "hf_upipe.auto_settings",
+    "hf_upipe.architectures",
+    "hf_upipe.registration",
+)
 
 
 def _modules() -> dict[str, set[str]]:
@@ -40,14 +70,22 @@ def _modules() -> dict[str, set[str]]:
                 continue
             path = os.path.join(folder, name)
             rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-            module = rel[: -len(".__init__")] if rel.endswith(".__init__") and rel != "hf_upipe.__init__" else rel
+            module = (
+                rel[: -len(".__init__")]
+                if rel.endswith(".__init__") and rel != "hf_upipe.__init__"
+                else rel
+            )
             deps = set()
             with open(path) as f:
                 tree = ast.parse(f.read())
             for node in ast.walk(tree):
                 if isinstance(node, ast.Import):
                     deps |= {a.name for a in node.names if a.name.startswith("hf_upipe")}
-                elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hf_upipe"):
+                elif (
+                    isinstance(node, ast.ImportFrom)
+                    and node.module
+                    and node.module.startswith("hf_upipe")
+                ):
                     deps.add(node.module)
                     deps |= {f"{node.module}.{a.name}" for a in node.names}
             graph[module] = deps
@@ -57,23 +95,36 @@ def _modules() -> dict[str, set[str]]:
 
 def _layer(module: str) -> int:
     """The layer of the longest prefix in LAYERS that names `module` (or a package containing it)."""
-    matches = [(len(p), i) for i, prefixes in enumerate(LAYERS) for p in prefixes
-               if module == p or module.startswith(p + ".")]
+    matches = [
+        (len(p), i)
+        for i, prefixes in enumerate(LAYERS)
+        for p in prefixes
+        if module == p or module.startswith(p + ".")
+    ]
     assert matches, f"{module} is in no layer: add it to LAYERS"
     return max(matches)[1]
 
 
 def test_every_import_goes_down_or_sideways():
     graph = _modules()
-    bad = [f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})" for m, deps in graph.items() for d in deps
-           if _layer(d) > _layer(m)]
+    bad = [
+        f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})"
+        for m, deps in graph.items()
+        for d in deps
+        if _layer(d) > _layer(m)
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_no_runtime_module_imports_the_planner():
     graph = _modules()
-    bad = [f"{m} imports {d}" for m, deps in graph.items() if m.startswith(RUNTIME) for d in deps
-           if d.startswith(("hf_upipe.planning", "hf_upipe.selftest", "hf_upipe.cli"))]
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in graph.items()
+        if m.startswith(RUNTIME)
+        for d in deps
+        if d.startswith(("hf_upipe.planning", "hf_upipe.selftest", "hf_upipe.cli"))
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -86,7 +137,7 @@ def test_no_import_circles():
         stack.append(m)
         for d in sorted(graph[m]):
             if state.get(d) == "open":
-                cycles.append(stack[stack.index(d):] + [d])
+                cycles.append(stack[stack.index(d) :] + [d])
             elif d not in state:
                 visit(d)
         stack.pop()
@@ -108,14 +159,23 @@ def test_no_private_names_imported_across_modules():
             with open(path) as f:
                 tree = ast.parse(f.read())
             for node in ast.walk(tree):
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hf_upipe"):
-                    bad += [f"{os.path.relpath(path, ROOT)}: {node.module}.{a.name}" for a in node.names
-                            if a.name.startswith("_")]
+                if (
+                    isinstance(node, ast.ImportFrom)
+                    and node.module
+                    and node.module.startswith("hf_upipe")
+                ):
+                    bad += [
+                        f"{os.path.relpath(path, ROOT)}: {node.module}.{a.name}"
+                        for a in node.names
+                        if a.name.startswith("_")
+                    ]
     assert not bad, "\n".join(bad)
 
 
 def _python(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.strip()
 
@@ -125,21 +185,35 @@ HEAVY = ("transformers", "accelerate", "peft", "datasets", "hf_upipe.planning")
 
 def test_imports_stay_light_and_upipe_is_registered_when_transformers_loads():
     """One fresh process: the light imports first, each checked, then transformers, which registers "upipe"."""
-    code = "; ".join([
-        "import sys",
-        "loaded = lambda: sorted(m for m in %r if m in sys.modules)" % (HEAVY,),
-        "import hf_upipe.ops", "print('ops', loaded())",
-        "import hf_upipe", "print('hf_upipe', loaded())",
-        "import hf_upipe.memory, hf_upipe.data, hf_upipe.config, hf_upipe.distributed, hf_upipe.architectures",
-        "print('memory', loaded())",
-        "from transformers import AutoModelForCausalLM", "import transformers.modeling_utils as m",
-        "print('registered', 'upipe' in m.AttentionInterface._global_mapping)",
-        "from hf_upipe import UPipeTrainer", "print('trainer', 'hf_upipe.planning' in sys.modules)",
-    ])
-    assert _python(code).splitlines() == ["ops []", "hf_upipe []", "memory []", "registered True", "trainer False"]
+    code = "; ".join(
+        [
+            "import sys",
+            "loaded = lambda: sorted(m for m in %r if m in sys.modules)" % (HEAVY,),
+            "import hf_upipe.ops",
+            "print('ops', loaded())",
+            "import hf_upipe",
+            "print('hf_upipe', loaded())",
+            "import hf_upipe.memory, hf_upipe.data, hf_upipe.config, hf_upipe.distributed, hf_upipe.architectures",
+            "print('memory', loaded())",
+            "from transformers import AutoModelForCausalLM",
+            "import transformers.modeling_utils as m",
+            "print('registered', 'upipe' in m.AttentionInterface._global_mapping)",
+            "from hf_upipe import UPipeTrainer",
+            "print('trainer', 'hf_upipe.planning' in sys.modules)",
+        ]
+    )
+    assert _python(code).splitlines() == [
+        "ops []",
+        "hf_upipe []",
+        "memory []",
+        "registered True",
+        "trainer False",
+    ]
 
 
 def test_upipe_is_registered_when_transformers_was_loaded_first():
-    code = ("import transformers.modeling_utils as m; import hf_upipe; "
-            "print('upipe' in m.AttentionInterface._global_mapping)")
+    code = (
+        "import transformers.modeling_utils as m; import hf_upipe; "
+        "print('upipe' in m.AttentionInterface._global_mapping)"
+    )
     assert _python(code) == "True"

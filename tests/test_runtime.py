@@ -17,7 +17,10 @@ from hf_upipe.runtime import NO_SP, EvalSums, UPipeRuntime, _settings_error, sha
 
 def test_settings_are_named_as_the_user_wrote_them(monkeypatch):
     monkeypatch.delenv("UPIPE_HEADS_PER_CHUNK", raising=False)
-    assert UPipeConfig(heads_per_chunk="all").describe("heads_per_chunk") == "UPipeConfig(heads_per_chunk='all')"
+    assert (
+        UPipeConfig(heads_per_chunk="all").describe("heads_per_chunk")
+        == "UPipeConfig(heads_per_chunk='all')"
+    )
     assert UPipeConfig().describe("heads_per_chunk") == "heads_per_chunk=1 (the default)"
     monkeypatch.setenv("UPIPE_HEADS_PER_CHUNK", "ulysses")
     assert UPipeConfig().describe("heads_per_chunk") == "UPIPE_HEADS_PER_CHUNK=ulysses"
@@ -30,7 +33,10 @@ def test_every_shared_setting_that_differs_between_ranks_is_named():
     """Every field but the offload folder and the planner's GPU memory must agree across ranks; a difference in
     any one is named with each rank's value as written (the 2-rank refusal: tests/training/test_plugin.py)."""
     base = shared_settings(UPipeConfig())
-    assert {n for n, _, _ in base} == {f.name for f in fields(UPipeConfig)} - {"offload_path", "gpu_memory"}
+    assert {n for n, _, _ in base} == {f.name for f in fields(UPipeConfig)} - {
+        "offload_path",
+        "gpu_memory",
+    }
     assert _settings_error([base, base, base]) is None
     for i, (name, value, described) in enumerate(base):
         other = list(base)
@@ -57,19 +63,32 @@ def test_a_shard_without_label_tokens_gives_zero_loss_and_zero_gradients():
     shard = runtime.shard({"input_ids": ids, "labels": torch.full_like(ids, -100)})
     loss = runtime.loss(model, shard)  # used to divide by zero
     loss.backward()
-    assert loss.item() == 0.0 and all(p.grad is None or not p.grad.any() for p in model.parameters())
+    assert loss.item() == 0.0 and all(
+        p.grad is None or not p.grad.any() for p in model.parameters()
+    )
     labelled = runtime.shard({"input_ids": ids, "labels": ids})
-    assert runtime.loss(model, labelled).item() == pytest.approx(model(input_ids=ids, labels=ids).loss.item(),
-                                                                  rel=1e-5)
+    assert runtime.loss(model, labelled).item() == pytest.approx(
+        model(input_ids=ids, labels=ids).loss.item(), rel=1e-5
+    )
 
 
-@pytest.mark.parametrize("rows, batch, replicas, drop_last, rounds", [
-    (9, 2, 2, False, [4, 4, 1]), (9, 2, 3, False, [6, 3]), (8, 2, 2, False, [4, 4]), (9, 2, 2, True, [4, 4]),
-])
-def test_evaluation_loaders_repeat_nothing_and_record_rounds(rows, batch, replicas, drop_last, rounds):
+@pytest.mark.parametrize(
+    "rows, batch, replicas, drop_last, rounds",
+    [
+        (9, 2, 2, False, [4, 4, 1]),
+        (9, 2, 3, False, [6, 3]),
+        (8, 2, 2, False, [4, 4]),
+        (9, 2, 2, True, [4, 4]),
+    ],
+)
+def test_evaluation_loaders_repeat_nothing_and_record_rounds(
+    rows, batch, replicas, drop_last, rounds
+):
     seen = []
     for replica in range(replicas):
-        shard = BatchSamplerShard(BatchSampler(SequentialSampler(range(rows)), batch, drop_last), replicas, replica)
+        shard = BatchSamplerShard(
+            BatchSampler(SequentialSampler(range(rows)), batch, drop_last), replicas, replica
+        )
         shard.even_batches = False
         shard.batch_sampler = _RecordingBatchSampler(shard.batch_sampler)
         got = list(shard)

@@ -10,8 +10,12 @@ from hf_upipe.selftest import run_selftest
 
 @pytest.mark.slow
 def test_selftest_passes_on_the_supported_architectures():
-    checks = run_selftest(["llama", "qwen3"], sp=2)  # (every architecture: tests/integrations/test_architecture_matrix)
-    assert len(checks) == 2 * 2 * 4  # models x batches (padded, packed) x (loss, gradients, logits, eval loss)
+    checks = run_selftest(
+        ["llama", "qwen3"], sp=2
+    )  # (every architecture: tests/integrations/test_architecture_matrix)
+    assert (
+        len(checks) == 2 * 2 * 4
+    )  # models x batches (padded, packed) x (loss, gradients, logits, eval loss)
     failed = [c for c in checks if not c.passed]
     assert not failed, failed
     assert {c.batch for c in checks} == {"padded", "packed"}
@@ -23,9 +27,16 @@ def test_selftest_with_a_ring(capsys):
     ranks is refused before any spawn."""
     checks = run_selftest(["llama"], sp=2, ring=2)
     assert all(c.passed for c in checks), [c for c in checks if not c.passed]
-    assert [(c.batch, c.name) for c in checks if c.batch == "packed"] == [("packed", "refused clearly")]
+    assert [(c.batch, c.name) for c in checks if c.batch == "packed"] == [
+        ("packed", "refused clearly")
+    ]
     assert "Packed rows" in next(c.note for c in checks if c.batch == "packed")
-    assert {c.name for c in checks if c.batch == "padded"} == {"train loss", "gradients", "logits", "eval loss"}
+    assert {c.name for c in checks if c.batch == "padded"} == {
+        "train loss",
+        "gradients",
+        "logits",
+        "eval loss",
+    }
     assert main(["selftest", "--model", "llama", "--sp", "4", "--ring", "3"]) == 2
     assert "--ring 3 must divide --sp 4" in capsys.readouterr().err
 
@@ -46,10 +57,16 @@ def test_gradient_error_floors_noise_but_not_a_wrong_gradient():
     gen = torch.Generator().manual_seed(0)
     scale = 0.3  # the model's largest gradient entry
     noise = torch.randn(16, generator=gen) * 1e-8  # a key bias' gradient: zero up to fp32 noise
-    assert gradient_error(noise + 5e-8, noise, scale) < TOLERANCE["gradients"]  # noise over noise: not a failure
+    assert (
+        gradient_error(noise + 5e-8, noise, scale) < TOLERANCE["gradients"]
+    )  # noise over noise: not a failure
     real = torch.randn(16, generator=gen) * 1e-3  # a small but real gradient, below the floor
     assert float(real.abs().max()) < GRADIENT_FLOOR * scale
-    assert gradient_error(real * (1 + 1e-3), real, scale) > TOLERANCE["gradients"]  # 0.1% off: fails all the same
+    assert (
+        gradient_error(real * (1 + 1e-3), real, scale) > TOLERANCE["gradients"]
+    )  # 0.1% off: fails all the same
     assert gradient_error(-real, real, scale) > 0.1  # the sign flipped: fails by far
     big = torch.randn(16, generator=gen) * scale
-    assert gradient_error(big * (1 + 2e-4), big, scale) > TOLERANCE["gradients"]  # relative to itself above the floor
+    assert (
+        gradient_error(big * (1 + 2e-4), big, scale) > TOLERANCE["gradients"]
+    )  # relative to itself above the floor

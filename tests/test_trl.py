@@ -15,18 +15,32 @@ REFUSED = {
     "assistant_only_loss": (dict(assistant_only_loss=True), "assistant_only_loss=True"),
     "use_liger_kernel": (dict(use_liger_kernel=True), "use_liger_kernel=True"),
     "activation_offloading": (dict(activation_offloading=True), "UPipeConfig(offload='cpu')"),
-    "selective_checkpointing": (dict(gradient_checkpointing_kwargs={"selective": True}), "'selective'"),
+    "selective_checkpointing": (
+        dict(gradient_checkpointing_kwargs={"selective": True}),
+        "'selective'",
+    ),
     "label_smoothing": (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0.1"),
 }
 
 
 def _config(tmp_path, **overrides):
-    return trl.SFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, save_strategy="no",
-                         **overrides)
+    return trl.SFTConfig(
+        output_dir=str(tmp_path),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        **overrides,
+    )
 
 
 def test_supported_settings_raise_nothing(tmp_path):
-    assert sft_config_errors(_config(tmp_path, packing=True, completion_only_loss=True, padding_free=True)) == []
+    assert (
+        sft_config_errors(
+            _config(tmp_path, packing=True, completion_only_loss=True, padding_free=True)
+        )
+        == []
+    )
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
@@ -49,7 +63,9 @@ def test_refused_before_trl_or_hf_upipe_run(tmp_path):
     with pytest.raises(TypeError, match="takes an SFTConfig"):
         from transformers import TrainingArguments
 
-        UPipeSFTTrainer(model=None, args=TrainingArguments(output_dir=str(tmp_path)), train_dataset=None)
+        UPipeSFTTrainer(
+            model=None, args=TrainingArguments(output_dir=str(tmp_path)), train_dataset=None
+        )
 
 
 def test_composition_order():
@@ -64,7 +80,10 @@ def test_composition_order():
 @pytest.mark.parametrize("name", sorted(SFT_TRAINER_INTERNALS))
 def test_sft_trainer_method_keeps_its_parameters(name):
     sig = inspect.signature(getattr(trl.SFTTrainer, name)).parameters
-    params = tuple(p for p in sig if sig[p].kind not in (inspect.Parameter.VAR_KEYWORD,
-                                                         inspect.Parameter.VAR_POSITIONAL))
+    params = tuple(
+        p
+        for p in sig
+        if sig[p].kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    )
     assert params == SFT_TRAINER_INTERNALS[name], f"trl.SFTTrainer.{name} now takes {params}"
     assert name in vars(trl.SFTTrainer), f"trl.SFTTrainer no longer overrides {name}"

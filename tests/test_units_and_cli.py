@@ -12,27 +12,50 @@ from hf_upipe.models import model_names, resolve, runnable_config
 from hf_upipe.units import format_tokens, parse_size, parse_tokens
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("80 gib", 80 * 2**30), ("75.5GiB", int(75.5 * 2**30)),
-    ("512MiB", 512 * 2**20), ("2TiB", 2 * 2**40), ("85899345920B", 85899345920), (1024, 1024),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("80GiB", 80 * 2**30),
+        ("80GB", 80 * 10**9),
+        ("80 gib", 80 * 2**30),
+        ("75.5GiB", int(75.5 * 2**30)),
+        ("512MiB", 512 * 2**20),
+        ("2TiB", 2 * 2**40),
+        ("85899345920B", 85899345920),
+        (1024, 1024),
+    ],
+)
 def test_sizes(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text, message", [
-    ("80", "'80' has no unit: write 80GiB"), ("85899345920", "has no unit"), ("eighty", "write e.g. 80GiB"),
-    ("80XB", "unknown unit 'xb'"), ("-1GiB", "cannot read"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("80", "'80' has no unit: write 80GiB"),
+        ("85899345920", "has no unit"),
+        ("eighty", "write e.g. 80GiB"),
+        ("80XB", "unknown unit 'xb'"),
+        ("-1GiB", "cannot read"),
+    ],
+)
 def test_sizes_without_a_unit_or_unreadable_are_refused(text, message):
     with pytest.raises(ValueError, match=message):
         parse_size(text)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("1M", 2**20), ("512K", 512 * 2**10), ("1048576", 2**20), ("1.5M", 3 * 2**19), ("7m", 7 * 2**20),
-    ("1_048_576", 2**20), (4096, 4096),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("1M", 2**20),
+        ("512K", 512 * 2**10),
+        ("1048576", 2**20),
+        ("1.5M", 3 * 2**19),
+        ("7m", 7 * 2**20),
+        ("1_048_576", 2**20),
+        (4096, 4096),
+    ],
+)
 def test_lengths(text, expected):
     assert parse_tokens(text) == expected
     assert parse_tokens(format_tokens(expected)) == expected
@@ -53,10 +76,20 @@ def test_config_reads_lengths_and_sizes_the_same_way():
 
 def test_plan_and_selftest_share_the_model_names():
     names = model_names()
-    assert {"llama3-8b", "qwen3-32b-shape", "llama3-70b", "llama", "mistral", "qwen2", "qwen3"} <= set(names)
+    assert {
+        "llama3-8b",
+        "qwen3-32b-shape",
+        "llama3-70b",
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+    } <= set(names)
     for name in names:
         assert resolve(name)[0] == name
-        _, config = runnable_config(name)  # what the self-test builds: small, with the preset's head geometry
+        _, config = runnable_config(
+            name
+        )  # what the self-test builds: small, with the preset's head geometry
         assert config.hidden_size <= 512
     _, small = runnable_config("llama3-8b")
     assert (small.num_attention_heads, small.num_key_value_heads) == (32, 8)
@@ -74,9 +107,16 @@ def test_unknown_names_are_refused_without_the_network(monkeypatch):
 
 
 def test_plan_input_errors_exit_2_with_the_whole_message(capsys):
-    assert _exit(["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu-memory", "80", "--seq-len", "1M"]) == 2
+    assert (
+        _exit(
+            ["plan", "--model", "llama3-8b", "--gpus", "8", "--gpu-memory", "80", "--seq-len", "1M"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert "'80' has no unit: write 80GiB (2**30 bytes each) or 80GB (10**9), or 80B for bytes" in err
+    assert (
+        "'80' has no unit: write 80GiB (2**30 bytes each) or 80GB (10**9), or 80B for bytes" in err
+    )
     assert main(["plan", "--model", "no-such-model", "--gpus", "8", "--seq-len", "1M"]) == 2
     assert "is not a name hf_upipe knows" in capsys.readouterr().err
     assert _exit(["plan", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "1.3K"]) == 2
@@ -84,8 +124,24 @@ def test_plan_input_errors_exit_2_with_the_whole_message(capsys):
 
 
 def test_plan_reads_lengths_and_states_its_assumptions(capsys):
-    assert main(["plan", "--model", "llama", "--gpus", "2", "--seq-len", "4K", "--gpu-memory", "8GiB",
-                 "--host-memory", "64GiB"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "llama",
+                "--gpus",
+                "2",
+                "--seq-len",
+                "4K",
+                "--gpu-memory",
+                "8GiB",
+                "--host-memory",
+                "64GiB",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "sequence 4,096 tokens (4K)" in out
     assert "assumed: 5% of each GPU kept free, usable 7.60 of 8.00 GiB (--headroom)" in out
@@ -95,7 +151,9 @@ def test_plan_reads_lengths_and_states_its_assumptions(capsys):
 def test_selftest_input_errors_exit_2_before_starting_anything(capsys):
     assert main(["selftest", "--model", "llama3-8b", "--sp", "3"]) == 2
     err = capsys.readouterr().err
-    assert "--sp 3 cannot split llama3-8b: num_attention_heads=32 is not divisible by sp_size=3" in err
+    assert (
+        "--sp 3 cannot split llama3-8b: num_attention_heads=32 is not divisible by sp_size=3" in err
+    )
     assert "[2, 4, 8]" in err
     assert main(["selftest", "--model", "llama", "--sp", "2", "--heads-per-chunk", "3"]) == 2
     assert "--heads-per-chunk 3 does not fit llama" in capsys.readouterr().err
@@ -107,7 +165,9 @@ def test_dropout_advice_names_the_models_own_key():
     gpt2_like = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace(attn_pdrop=0.1))
     with pytest.raises(NotImplementedError, match=r"attn_pdrop=0.0"):
         check_call(gpt2_like, 0.1, {})
-    llama_like = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace(attention_dropout=0.1))
+    llama_like = types.SimpleNamespace(
+        is_causal=True, config=types.SimpleNamespace(attention_dropout=0.1)
+    )
     with pytest.raises(NotImplementedError, match=r"attention_dropout=0.0"):
         check_call(llama_like, 0.1, {})
 

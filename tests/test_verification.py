@@ -22,7 +22,9 @@ from hf_upipe.integrations import mixer_sources, rope
 from hf_upipe.integrations.probe import case_config, model_pair
 from hf_upipe.verification import VERIFIED_RELEASES, Verdict, verify
 
-tiled_module = importlib.import_module("hf_upipe.memory.tiled_mlp")  # (hf_upipe.memory.tiled_mlp is also a function)
+tiled_module = importlib.import_module(
+    "hf_upipe.memory.tiled_mlp"
+)  # (hf_upipe.memory.tiled_mlp is also a function)
 
 
 @pytest.fixture
@@ -33,8 +35,17 @@ def unseen(monkeypatch, tmp_path):
     monkeypatch.setattr(verification, "_WARNED", set())
     for model_type in ("llama", "qwen3"):
         entry = architectures.ARCHITECTURES[model_type]
-        monkeypatch.setitem(architectures.ARCHITECTURES, model_type, architectures.Architecture(
-            **{**entry.__dict__, "fused_fingerprints": ("0" * 16,), "tiled_fingerprints": ("0" * 16,)}))
+        monkeypatch.setitem(
+            architectures.ARCHITECTURES,
+            model_type,
+            architectures.Architecture(
+                **{
+                    **entry.__dict__,
+                    "fused_fingerprints": ("0" * 16,),
+                    "tiled_fingerprints": ("0" * 16,),
+                }
+            ),
+        )
     return tmp_path
 
 
@@ -47,7 +58,9 @@ def test_a_changed_source_text_is_verified_by_behaviour(unseen, monkeypatch, cap
 
     original = modeling_llama.LlamaAttention.forward
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs
+    ):
         # the same arithmetic under a renamed argument, as 5.24 renamed past_key_values (and this comment): another
         # source, another fingerprint
         cache = kwargs.pop("past_key_values", cache)
@@ -65,7 +78,9 @@ def test_a_changed_source_text_is_verified_by_behaviour(unseen, monkeypatch, cap
     assert "WARNING" not in caplog.text
 
 
-def test_changed_attention_arithmetic_fails_and_keeps_the_registered_path(unseen, monkeypatch, caplog):
+def test_changed_attention_arithmetic_fails_and_keeps_the_registered_path(
+    unseen, monkeypatch, caplog
+):
     real = fused_module.fused_upipe_attention
 
     def scaled(*args, **kwargs):  # the fused block's attention scale 1% off
@@ -79,8 +94,11 @@ def test_changed_attention_arithmetic_fails_and_keeps_the_registered_path(unseen
     assert _fused_modules(model) == 0 and model.config._attn_implementation == "upipe"
     verdict = verification.verdicts()[("fused", "qwen3")]
     assert not verdict.ok and verdict.how == "failed"
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "adapter of" in
-                r.getMessage()]
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "adapter of" in r.getMessage()
+    ]
     assert len(warnings) == 1
     assert "the fused adapter of qwen3 is not used" in warnings[0]
     assert "the logits differ by" in warnings[0] and "(relative)" in warnings[0]
@@ -91,13 +109,20 @@ def test_changed_mlp_arithmetic_fails_the_tiled_check(unseen, monkeypatch):
     from transformers.models.llama import modeling_llama
 
     original = modeling_llama.LlamaMLP.forward
-    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: original(self, x) * 1.0)  # same
+    monkeypatch.setattr(
+        modeling_llama.LlamaMLP, "forward", lambda self, x: original(self, x) * 1.0
+    )  # same
     assert tiled_module.tiled_verdict(architectures.ARCHITECTURES["llama"]).ok
     monkeypatch.setattr(verification, "_PROCESS", {})
     monkeypatch.setenv("HF_UPIPE_CACHE_DIR", str(unseen / "again"))
     real = tiled_module.tiled_mlp
-    monkeypatch.setattr(tiled_module, "tiled_mlp", lambda x, fn, params, chunk_tokens: real(
-        x[:, :, :] * 1.001, fn, params, chunk_tokens=chunk_tokens))  # the tiles see a changed input
+    monkeypatch.setattr(
+        tiled_module,
+        "tiled_mlp",
+        lambda x, fn, params, chunk_tokens: real(
+            x[:, :, :] * 1.001, fn, params, chunk_tokens=chunk_tokens
+        ),
+    )  # the tiles see a changed input
     verdict = tiled_module.tiled_verdict(architectures.ARCHITECTURES["llama"])
     assert not verdict.ok and "differ" in verdict.detail
 
@@ -112,7 +137,9 @@ def test_the_verdict_is_cached_in_the_process_and_on_disk(unseen, monkeypatch):
     again = verify("fused", "x", "abc", (), check)
     assert again.ok and again.how == "behaviour" and calls == [1]
     assert (unseen / "verified.json").exists()
-    assert verify("fused", "x", "def", (), lambda: "it differs").how == "failed"  # another source: checked again
+    assert (
+        verify("fused", "x", "def", (), lambda: "it differs").how == "failed"
+    )  # another source: checked again
     assert verify("fused", "x", "abc", ("abc",), check).how == "fingerprint"
 
 
@@ -135,7 +162,11 @@ def test_the_check_leaves_the_callers_random_state_and_threads(unseen):
 
 
 def _mixer_class(name: str):
-    module = {"BambaMixer": "bamba", "Lfm2ShortConv": "lfm2", "Qwen3NextGatedDeltaNet": "qwen3_next"}[name]
+    module = {
+        "BambaMixer": "bamba",
+        "Lfm2ShortConv": "lfm2",
+        "Qwen3NextGatedDeltaNet": "qwen3_next",
+    }[name]
     return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
 
 
@@ -143,7 +174,9 @@ def _mixer_class(name: str):
 def test_the_mixer_check_passes_and_fails_on_a_lost_state(name, monkeypatch):
     cls = _mixer_class(name)
     assert mixer_sources.mixer_check(cls) is None
-    if name == "Lfm2ShortConv":  # no state: a module whose reach the adapter cannot read gets no halo, and shows
+    if (
+        name == "Lfm2ShortConv"
+    ):  # no state: a module whose reach the adapter cannot read gets no halo, and shows
         init = cls.__init__
 
         def without_reach(self, *args, **kwargs):
@@ -152,15 +185,20 @@ def test_the_mixer_check_passes_and_fails_on_a_lost_state(name, monkeypatch):
 
         monkeypatch.setattr(cls, "__init__", without_reach)
     else:
-        monkeypatch.setattr(mixer_sources.ShardCache, "get_recurrent_state", lambda self, *a, **k: None)
+        monkeypatch.setattr(
+            mixer_sources.ShardCache, "get_recurrent_state", lambda self, *a, **k: None
+        )
     assert "differs" in (mixer_sources.mixer_check(cls) or "")
 
 
 def test_the_rope_check_fails_when_a_shard_takes_its_own_length(monkeypatch):
     assert rope.rope_check() is None
     real = rope._shard_rope
-    monkeypatch.setattr(rope, "_shard_rope", lambda self, x, pos, longest, *a, **k: real(self, x, pos, pos.max()
-                                                                                          .reshape(1, 1), *a, **k))
+    monkeypatch.setattr(
+        rope,
+        "_shard_rope",
+        lambda self, x, pos, longest, *a, **k: real(self, x, pos, pos.max().reshape(1, 1), *a, **k),
+    )
     assert "differs" in (rope.rope_check() or "")
 
 
@@ -169,7 +207,9 @@ def test_an_unseen_mixer_source_runs_its_state_in_sequence(unseen, monkeypatch):
 
     cls = _mixer_class("Qwen3NextGatedDeltaNet")
     monkeypatch.setitem(mixer_sources.MIXERS, cls.__name__, ("0" * 16,))
-    monkeypatch.setattr(mixer_sources, "mixer_check", lambda cls: None)  # checked (here: taken as passed)
+    monkeypatch.setattr(
+        mixer_sources, "mixer_check", lambda cls: None
+    )  # checked (here: taken as passed)
     assert mixers.mixer_verdict(cls).how == "behaviour"
     assert mixers._delta_passing(cls, "parallel") == "sequential"
     assert mixers._delta_passing(cls, "sequential") == "sequential"
@@ -183,14 +223,20 @@ def test_the_agreement_names_verdicts_that_differ():
     mine = _preparation(model, None)
     row = next(r for r in mine if r[0] == "adapters verified")
     assert row[1] == (("fused", "llama", True),)
-    other = tuple(r if r[0] != "adapters verified" else (r[0], (("fused", "llama", False),), "x") for r in mine)
+    other = tuple(
+        r if r[0] != "adapters verified" else (r[0], (("fused", "llama", False),), "x")
+        for r in mine
+    )
     assert any("adapters verified" in line for line in settings_that_differ([mine, other]))
 
 
 def test_verdict_describes_itself():
     assert "5.23" in Verdict(True, "fingerprint").describe()
     assert "verified by behaviour on transformers" in Verdict(True, "behaviour").describe()
-    assert Verdict(False, "failed", "the logits differ").describe() == "not verified: the logits differ"
+    assert (
+        Verdict(False, "failed", "the logits differ").describe()
+        == "not verified: the logits differ"
+    )
 
 
 def test_the_checks_run_whole_on_real_tensors_inside_a_simulation_under_sp(unseen, monkeypatch):
@@ -201,12 +247,18 @@ def test_the_checks_run_whole_on_real_tensors_inside_a_simulation_under_sp(unsee
 
     monkeypatch.setitem(mixer_sources.MIXERS, "BambaMixer", ("0" * 16,))
     monkeypatch.setattr(rope, "ROPE_FINGERPRINTS", ("0" * 16,))
-    state = SequenceParallelState(sp_group=None, sp_size=2, sp_rank=0, dp_group=None, dp_size=1, dp_rank=0)
+    state = SequenceParallelState(
+        sp_group=None, sp_size=2, sp_rank=0, dp_group=None, dp_size=1, dp_rank=0
+    )
     previous = set_sequence_parallel_state(state)
     try:
         with fake_tensors(torch.bfloat16):
             llama = architectures.ARCHITECTURES["llama"]
-            verdicts = [fused_module.fused_verdict(llama), tiled_module.tiled_verdict(llama), rope.rope_verdict()]
+            verdicts = [
+                fused_module.fused_verdict(llama),
+                tiled_module.tiled_verdict(llama),
+                rope.rope_verdict(),
+            ]
             verdicts.append(mixer_sources.mixer_verdict(_mixer_class("BambaMixer")))
     finally:
         set_sequence_parallel_state(previous)
@@ -224,7 +276,11 @@ def test_a_mixer_that_fails_its_check_is_refused_naming_the_version(unseen, monk
     model = AutoModelForCausalLM.from_config(tiny_config("bamba"))
     with caplog.at_level(logging.WARNING):
         reason = support.model_refusal(model)
-    assert reason.startswith("BambaMixer: ") and "hf_upipe runs BambaMixer across shards, but it is not verified on " \
-        f"transformers {verification.installed_version()} (its output on two shards differs" in reason
+    assert (
+        reason.startswith("BambaMixer: ")
+        and "hf_upipe runs BambaMixer across shards, but it is not verified on "
+        f"transformers {verification.installed_version()} (its output on two shards differs"
+        in reason
+    )
     assert f"pip install '{verification.TESTED_RANGE}'" in reason
     assert "models with this mixer are refused under sequence parallelism" in caplog.text

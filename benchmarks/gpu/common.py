@@ -37,10 +37,15 @@ GiB = 2**30
 
 
 def parser(description: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu"))
-    ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="run the script's code on CPU at toy sizes (checks the script; no numbers to report)")
+    ap.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="run the script's code on CPU at toy sizes (checks the script; no numbers to report)",
+    )
     ap.add_argument("--quick", action="store_true", help="fewer lengths and repetitions")
     return ap
 
@@ -50,9 +55,12 @@ def parse(ap: argparse.ArgumentParser, argv=None) -> tuple[argparse.Namespace, t
     if torch.cuda.is_available():
         return args, torch.device("cuda")
     if not args.cpu_dry_run:
-        print(f"{os.path.basename(sys.argv[0])}: no CUDA device here (torch {torch.__version__}, "
-              f"cuda available: False). These benchmarks measure a GPU; run them on a CUDA machine, or pass "
-              "--cpu-dry-run to check the script on CPU at toy sizes.", file=sys.stderr)
+        print(
+            f"{os.path.basename(sys.argv[0])}: no CUDA device here (torch {torch.__version__}, "
+            f"cuda available: False). These benchmarks measure a GPU; run them on a CUDA machine, or pass "
+            "--cpu-dry-run to check the script on CPU at toy sizes.",
+            file=sys.stderr,
+        )
         raise SystemExit(2)
     args.out = os.path.join(args.out, "cpu-dry-run")
     return args, torch.device("cpu")
@@ -63,10 +71,16 @@ def environment(device: torch.device) -> dict:
 
     import hf_upipe
 
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "device": str(device), "python": platform.python_version(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "transformers": transformers.__version__, "hf_upipe": hf_upipe.__version__,
-           "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(device),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "hf_upipe": hf_upipe.__version__,
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+    }
     for name in ("peft", "accelerate", "deepspeed", "flash_attn"):
         try:
             env[name] = __import__(name).__version__
@@ -74,8 +88,12 @@ def environment(device: torch.device) -> dict:
             env[name] = f"unavailable ({type(err).__name__})"
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
-        env.update(gpu=p.name, capability=f"{p.major}.{p.minor}", gpu_memory_bytes=p.total_memory,
-                   multiprocessors=p.multi_processor_count)
+        env.update(
+            gpu=p.name,
+            capability=f"{p.major}.{p.minor}",
+            gpu_memory_bytes=p.total_memory,
+            multiprocessors=p.multi_processor_count,
+        )
     return env
 
 
@@ -119,7 +137,9 @@ class PeakMemory:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.allocated = self.reserved = self.reserved_total = self.device_used = self.base_allocated = 0
+        self.allocated = self.reserved = self.reserved_total = self.device_used = (
+            self.base_allocated
+        ) = 0
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -141,9 +161,13 @@ class PeakMemory:
         return False
 
     def to_dict(self) -> dict:
-        return {"max_allocated_bytes": self.allocated, "max_reserved_bytes": self.reserved,
-                "max_reserved_total_bytes": self.reserved_total, "device_used_bytes": self.device_used,
-                "allocated_on_entry_bytes": self.base_allocated}
+        return {
+            "max_allocated_bytes": self.allocated,
+            "max_reserved_bytes": self.reserved,
+            "max_reserved_total_bytes": self.reserved_total,
+            "device_used_bytes": self.device_used,
+            "allocated_on_entry_bytes": self.base_allocated,
+        }
 
 
 @contextlib.contextmanager
@@ -158,9 +182,12 @@ def loopback_all_to_all():
 
     original = dist.all_to_all_single
 
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
-                          async_op=False):
-        work = original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+    def all_to_all_single(
+        output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False
+    ):
+        work = original(
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+        )
         if "fake" in str(dist.get_backend(group)) and output.shape == input.shape:
             if work is not None:
                 work.wait()
@@ -203,8 +230,11 @@ class Results:
         self.write()
 
     def error(self, where: str, err: BaseException) -> dict:
-        entry = {"where": where, "error": f"{type(err).__name__}: {err}"[:2000],
-                 "traceback": traceback.format_exc()[-4000:]}
+        entry = {
+            "where": where,
+            "error": f"{type(err).__name__}: {err}"[:2000],
+            "traceback": traceback.format_exc()[-4000:],
+        }
         self.doc["errors"].append(entry)
         print(f"ERROR in {where}: {entry['error'][:500]}", flush=True)
         self.write()
@@ -228,8 +258,15 @@ def llama3_8b(dry: bool) -> dict:
     from hf_upipe.models import PRESETS
 
     if dry:
-        return dict(hidden_size=512, intermediate_size=1792, num_attention_heads=32, num_key_value_heads=8,
-                    head_dim=16, num_hidden_layers=32, vocab_size=4096)
+        return dict(
+            hidden_size=512,
+            intermediate_size=1792,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=16,
+            num_hidden_layers=32,
+            vocab_size=4096,
+        )
     return dict(PRESETS["llama3-8b"])
 
 

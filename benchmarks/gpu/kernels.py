@@ -47,8 +47,13 @@ def fake_pg(res: Results, device) -> None:
         gathered = torch.full((32,), -1.0)
         dist.all_gather_into_tensor(gathered, x)
         sync(device)
-        res.put("fake_pg", {"all_to_all_copies_input": bool(torch.equal(out, x)),
-                            "all_gather_copies_input": bool(torch.equal(gathered, x.repeat(4)))})
+        res.put(
+            "fake_pg",
+            {
+                "all_to_all_copies_input": bool(torch.equal(out, x)),
+                "all_gather_copies_input": bool(torch.equal(gathered, x.repeat(4))),
+            },
+        )
 
 
 def kernel_cases(quick: bool, dry: bool):
@@ -71,25 +76,42 @@ def kernel_parity(res: Results, device, quick: bool, dry: bool) -> None:
         g = torch.Generator().manual_seed(S + h + D)
         q, k, v = (torch.randn(B, S, n, D, generator=g) for n in (h, hk, hk))
         dout = torch.randn(B, S, h, D, generator=g)
-        scale = D ** -0.5
+        scale = D**-0.5
         # reference: fp32 on the CPU, from the same (rounded to dtype) inputs
         q32, k32, v32, do32 = (t.to(dtype).float() for t in (q, k, v, dout))
         out_r, lse_r = ref_kernel.forward(q32, k32, v32, scale=scale, causal=causal)
         grads_r = ref_kernel.backward(do32, q32, k32, v32, out_r, lse_r, scale=scale, causal=causal)
         for name in available_kernels(device, dtype):
-            row = dict(kernel=name, dtype=str(dtype).replace("torch.", ""), B=B, S=S, h=h, hk=hk, D=D, causal=causal)
+            row = dict(
+                kernel=name,
+                dtype=str(dtype).replace("torch.", ""),
+                B=B,
+                S=S,
+                h=h,
+                hk=hk,
+                D=D,
+                causal=causal,
+            )
             try:
                 kern = get_kernel(name, device, dtype)
                 qd, kd, vd, dod = (t.to(device, dtype) for t in (q, k, v, dout))
                 out, lse = kern.forward(qd, kd, vd, scale=scale, causal=causal)
                 dq, dk, dv = kern.backward(dod, qd, kd, vd, out, lse, scale=scale, causal=causal)
                 sync(device)
-                row.update(out=rel_error(out, out_r), lse_max_abs=float((lse.float().cpu() - lse_r).abs().max()),
-                           dq=rel_error(dq, grads_r[0]), dk=rel_error(dk, grads_r[1]), dv=rel_error(dv, grads_r[2]),
-                           shapes_ok=tuple(out.shape) == (B, S, h, D) and tuple(lse.shape) == (B, h, S)
-                           and tuple(dk.shape) == (B, S, hk, D))
+                row.update(
+                    out=rel_error(out, out_r),
+                    lse_max_abs=float((lse.float().cpu() - lse_r).abs().max()),
+                    dq=rel_error(dq, grads_r[0]),
+                    dk=rel_error(dk, grads_r[1]),
+                    dv=rel_error(dv, grads_r[2]),
+                    shapes_ok=tuple(out.shape) == (B, S, h, D)
+                    and tuple(lse.shape) == (B, h, S)
+                    and tuple(dk.shape) == (B, S, hk, D),
+                )
                 worst = max(row[key] for key in ("out", "dq", "dk", "dv"))
-                row["passed"] = bool(row["shapes_ok"] and worst <= TOL[dtype] and row["lse_max_abs"] <= 2e-2)
+                row["passed"] = bool(
+                    row["shapes_ok"] and worst <= TOL[dtype] and row["lse_max_abs"] <= 2e-2
+                )
             except Exception as err:  # noqa: BLE001
                 row.update(res.error(f"kernel_parity {row}", err), passed=False)
             rows.append(row)
@@ -122,8 +144,13 @@ def upipe_op(res: Results, device, dry: bool) -> None:
                         outs[dev.type] = [out.detach().cpu()] + [t.grad.cpu() for t in leaves]
                 ref, got = outs["cpu"], outs[device.type]
                 errors = [rel_error(a, b) for a, b in zip(got, ref)]
-                row.update(out=errors[0], dq=errors[1], dk=errors[2], dv=errors[3],
-                           passed=bool(max(errors) <= TOL[torch.bfloat16]))
+                row.update(
+                    out=errors[0],
+                    dq=errors[1],
+                    dk=errors[2],
+                    dv=errors[3],
+                    passed=bool(max(errors) <= TOL[torch.bfloat16]),
+                )
             except Exception as err:  # noqa: BLE001
                 row.update(res.error(f"upipe_op {row}", err), passed=False)
             rows.append(row)
@@ -134,10 +161,20 @@ def upipe_op(res: Results, device, dry: bool) -> None:
 def _tiny_llama(dry: bool):
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=256 if dry else 512, intermediate_size=512 if dry else 1408,
-                       num_attention_heads=16, num_key_value_heads=4, head_dim=32 if dry else 64,
-                       num_hidden_layers=2, vocab_size=1000, max_position_embeddings=65536, rms_norm_eps=1e-5,
-                       tie_word_embeddings=False, use_cache=False, attention_dropout=0.0)
+    return LlamaConfig(
+        hidden_size=256 if dry else 512,
+        intermediate_size=512 if dry else 1408,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=32 if dry else 64,
+        num_hidden_layers=2,
+        vocab_size=1000,
+        max_position_embeddings=65536,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attention_dropout=0.0,
+    )
 
 
 MODEL_VARIANTS = (  # (label, attn_implementation, heads_per_chunk, fused, fused_backward)
@@ -169,18 +206,31 @@ def _model_run(config, state, attn, c, fused, mode, world, s, dev, dtype, ids, l
             sp.init_sequence_parallel(group=group, heads_per_chunk=c)
         try:
             if attn == "upipe":
-                prepare_model(model, UPipeConfig(fused_attention=fused, fused_backward=mode or "recompute",
-                                                 tiled_mlp=False, auto=False))
+                prepare_model(
+                    model,
+                    UPipeConfig(
+                        fused_attention=fused,
+                        fused_backward=mode or "recompute",
+                        tiled_mlp=False,
+                        auto=False,
+                    ),
+                )
             elif world > 1:
                 raise ValueError("the sdpa control runs without SP")
             model.train()
-            inputs = {"input_ids": ids.to(dev), "position_ids": torch.arange(s, device=dev).unsqueeze(0),
-                      "attention_mask": torch.ones(1, s, dtype=torch.long, device=dev)}
+            inputs = {
+                "input_ids": ids.to(dev),
+                "position_ids": torch.arange(s, device=dev).unsqueeze(0),
+                "attention_mask": torch.ones(1, s, dtype=torch.long, device=dev),
+            }
             if attn == "upipe":
                 loss, _ = shard_loss_sum(model, inputs, labels.to(dev))
             else:
-                loss = torch.nn.functional.cross_entropy(model(**inputs).logits.float().flatten(0, 1),
-                                                         labels.to(dev).flatten(), reduction="sum")
+                loss = torch.nn.functional.cross_entropy(
+                    model(**inputs).logits.float().flatten(0, 1),
+                    labels.to(dev).flatten(),
+                    reduction="sum",
+                )
             loss.backward()
             sync(dev)
             return float(loss), {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
@@ -207,17 +257,48 @@ def model_parity(res: Results, device, dry: bool) -> None:
                 continue
             row = dict(world=world, s=s, variant=label)
             try:
-                ref = _model_run(config, state, attn, c, fused, mode, world, s, torch.device("cpu"), torch.float32,
-                                 ids, labels)
-                got = _model_run(config, state, attn, c, fused, mode, world, s, device, torch.bfloat16, ids, labels)
+                ref = _model_run(
+                    config,
+                    state,
+                    attn,
+                    c,
+                    fused,
+                    mode,
+                    world,
+                    s,
+                    torch.device("cpu"),
+                    torch.float32,
+                    ids,
+                    labels,
+                )
+                got = _model_run(
+                    config,
+                    state,
+                    attn,
+                    c,
+                    fused,
+                    mode,
+                    world,
+                    s,
+                    device,
+                    torch.bfloat16,
+                    ids,
+                    labels,
+                )
                 grad_errors = {n: rel_error(got[1][n], ref[1][n]) for n in ref[1]}
-                row.update(loss_rel=abs(got[0] - ref[0]) / abs(ref[0]), grad_max=max(grad_errors.values()),
-                           grad_worst=max(grad_errors, key=grad_errors.get), grads_compared=len(grad_errors))
+                row.update(
+                    loss_rel=abs(got[0] - ref[0]) / abs(ref[0]),
+                    grad_max=max(grad_errors.values()),
+                    grad_worst=max(grad_errors, key=grad_errors.get),
+                    grads_compared=len(grad_errors),
+                )
                 if attn == "sdpa":
                     control = row
                 base = control or row
-                row["passed"] = bool(row["loss_rel"] <= max(3 * base["loss_rel"], 1e-3)
-                                     and row["grad_max"] <= max(3 * base["grad_max"], 1e-3))
+                row["passed"] = bool(
+                    row["loss_rel"] <= max(3 * base["loss_rel"], 1e-3)
+                    and row["grad_max"] <= max(3 * base["grad_max"], 1e-3)
+                )
             except Exception as err:  # noqa: BLE001
                 row.update(res.error(f"model_parity {row}", err), passed=False)
             rows.append(row)
@@ -233,13 +314,18 @@ def _offload_step(model, target, ids, labels):
     model.zero_grad(set_to_none=True)
     s = ids.shape[1]
     inputs = {"input_ids": ids, "position_ids": torch.arange(s, device=ids.device).unsqueeze(0)}
-    with PeakMemory(ids.device) as peak, MemoryTracker() as tracker, \
-            offload_checkpoints(model, target, min_bytes=0) as store:
+    with (
+        PeakMemory(ids.device) as peak,
+        MemoryTracker() as tracker,
+        offload_checkpoints(model, target, min_bytes=0) as store,
+    ):
         loss, _ = shard_loss_sum(model, inputs, labels)
         loss.backward()
         del loss
     offloaded = store.bytes_offloaded if store is not None else 0
-    peak.tracked = tracker.peak_bytes  # the tensor peak the planner counts (offloaded copies as freed)
+    peak.tracked = (
+        tracker.peak_bytes
+    )  # the tensor peak the planner counts (offloaded copies as freed)
     return {n: p.grad.detach().cpu() for n, p in model.named_parameters()}, peak, offloaded
 
 
@@ -247,9 +333,17 @@ def offload(res: Results, device, dry: bool) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     layers, s, hidden = 4, (1024 if dry else 32768), (256 if dry else 1024)
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=16,
-                         num_key_value_heads=4, num_hidden_layers=layers, vocab_size=32000,
-                         max_position_embeddings=s, tie_word_embeddings=False, use_cache=False)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        num_hidden_layers=layers,
+        vocab_size=32000,
+        max_position_embeddings=s,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
     config._attn_implementation = "upipe"  # sp=1: the "auto" kernel of this device
     previous = torch.are_deterministic_algorithms_enabled()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -258,7 +352,9 @@ def offload(res: Results, device, dry: bool) -> None:
         torch.manual_seed(0)
         with torch.device(device):
             model = LlamaForCausalLM(config).to(torch.bfloat16)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
         model.train()
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, 32000, (1, s), generator=g).to(device)
@@ -268,19 +364,36 @@ def offload(res: Results, device, dry: bool) -> None:
         none_a, peak_a, _ = _offload_step(model, "none", ids, labels)
         none_b, _, _ = _offload_step(model, "none", ids, labels)
         cpu_g, peak_c, offloaded = _offload_step(model, "cpu", ids, labels)
-        expected = peak_a.tracked - peak_c.tracked  # what tensor accounting says offloading saves at the peak
-        row = dict(layers=layers, s=s, hidden=hidden, deterministic_baseline=all(
-                       torch.equal(none_a[n], none_b[n]) for n in none_a),
-                   offload_bit_identical=all(torch.equal(none_a[n], cpu_g[n]) for n in none_a),
-                   offload_max_rel=max(rel_error(cpu_g[n], none_a[n]) for n in none_a),
-                   bytes_offloaded=offloaded, offloadable_bytes=(layers - 1) * s * hidden * 2,
-                   tracked_peak_none=peak_a.tracked, tracked_peak_cpu=peak_c.tracked,
-                   expected_saving_bytes=expected,
-                   peak_none=peak_a.to_dict(), peak_cpu=peak_c.to_dict(),
-                   measured_saving_bytes=peak_a.allocated - peak_c.allocated)
+        expected = (
+            peak_a.tracked - peak_c.tracked
+        )  # what tensor accounting says offloading saves at the peak
+        row = dict(
+            layers=layers,
+            s=s,
+            hidden=hidden,
+            deterministic_baseline=all(torch.equal(none_a[n], none_b[n]) for n in none_a),
+            offload_bit_identical=all(torch.equal(none_a[n], cpu_g[n]) for n in none_a),
+            offload_max_rel=max(rel_error(cpu_g[n], none_a[n]) for n in none_a),
+            bytes_offloaded=offloaded,
+            offloadable_bytes=(layers - 1) * s * hidden * 2,
+            tracked_peak_none=peak_a.tracked,
+            tracked_peak_cpu=peak_c.tracked,
+            expected_saving_bytes=expected,
+            peak_none=peak_a.to_dict(),
+            peak_cpu=peak_c.to_dict(),
+            measured_saving_bytes=peak_a.allocated - peak_c.allocated,
+        )
         # (on the CPU "cpu" offload is a no-op: tensors already in host memory stay)
-        row["passed"] = bool(row["offload_bit_identical"] and (device.type != "cuda" or (
-            offloaded == row["offloadable_bytes"] and row["measured_saving_bytes"] >= 0.9 * expected)))
+        row["passed"] = bool(
+            row["offload_bit_identical"]
+            and (
+                device.type != "cuda"
+                or (
+                    offloaded == row["offloadable_bytes"]
+                    and row["measured_saving_bytes"] >= 0.9 * expected
+                )
+            )
+        )
     except Exception as err:  # noqa: BLE001
         row = dict(res.error("offload", err), passed=False)
     finally:
@@ -292,21 +405,30 @@ def offload(res: Results, device, dry: bool) -> None:
 def main(argv=None) -> int:
     args, device = parse(parser(__doc__), argv)
     res = Results(os.path.join(args.out, "kernels.json"), device)
-    for name, fn in (("fake_pg", lambda: fake_pg(res, device)),
-                     ("kernel_parity", lambda: kernel_parity(res, device, args.quick, args.cpu_dry_run)),
-                     ("upipe_op", lambda: upipe_op(res, device, args.cpu_dry_run)),
-                     ("model_parity", lambda: model_parity(res, device, args.cpu_dry_run)),
-                     ("offload", lambda: offload(res, device, args.cpu_dry_run))):
+    for name, fn in (
+        ("fake_pg", lambda: fake_pg(res, device)),
+        ("kernel_parity", lambda: kernel_parity(res, device, args.quick, args.cpu_dry_run)),
+        ("upipe_op", lambda: upipe_op(res, device, args.cpu_dry_run)),
+        ("model_parity", lambda: model_parity(res, device, args.cpu_dry_run)),
+        ("offload", lambda: offload(res, device, args.cpu_dry_run)),
+    ):
         try:
             fn()
         except Exception as err:  # noqa: BLE001
             res.put(name, res.error(name, err))
     sections = res.doc["sections"]
-    failed = [(name, row) for name, rows in sections.items() if isinstance(rows, list)
-              for row in rows if not row.get("passed", True)]
+    failed = [
+        (name, row)
+        for name, rows in sections.items()
+        if isinstance(rows, list)
+        for row in rows
+        if not row.get("passed", True)
+    ]
     if isinstance(sections.get("offload"), dict) and not sections["offload"].get("passed", False):
         failed.append(("offload", sections["offload"]))
-    print(f"\nkernels: {len(failed)} failed case(s); errors: {len(res.doc['errors'])}; wrote {res.path}")
+    print(
+        f"\nkernels: {len(failed)} failed case(s); errors: {len(res.doc['errors'])}; wrote {res.path}"
+    )
     for name, row in failed:
         print("FAILED", name, row)
     return 1 if failed or res.doc["errors"] else 0

@@ -60,14 +60,14 @@ P = 8
 SETTINGS = StepSettings("fused", 1, tiled_mlp=True, offload="cpu")
 
 
-
-
-
-
 def block(res: Results, device, lengths: list[int], dry: bool) -> None:
     cfg = llama3_8b(dry)
-    geo = dict(hidden=cfg["hidden_size"], heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"],
-               head_dim=cfg["head_dim"])
+    geo = dict(
+        hidden=cfg["hidden_size"],
+        heads=cfg["num_attention_heads"],
+        kv_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"],
+    )
     have_ds = deepspeed_importable()
     rows = []
     for S in lengths:
@@ -82,18 +82,36 @@ def block(res: Results, device, lengths: list[int], dry: bool) -> None:
                         hf_upipe.init_sequence_parallel(group=world, heads_per_chunk=c)
                     try:
                         with PeakMemory(device) as peak:
-                            real = measure_attention_block(impl, **geo, seq_len=S, sp_size=P, dtype=torch.bfloat16,
-                                                           group=world, heads_per_chunk=c)
+                            real = measure_attention_block(
+                                impl,
+                                **geo,
+                                seq_len=S,
+                                sp_size=P,
+                                dtype=torch.bfloat16,
+                                group=world,
+                                heads_per_chunk=c,
+                            )
                     finally:
                         hf_upipe.reset_sequence_parallel()
-                row.update(simulated_peak=sim["peak"], tracked_peak=real["peak"], tracked_forward=real["forward_peak"],
-                           unit=real["unit"], **peak.to_dict())
+                row.update(
+                    simulated_peak=sim["peak"],
+                    tracked_peak=real["peak"],
+                    tracked_forward=real["forward_peak"],
+                    unit=real["unit"],
+                    **peak.to_dict(),
+                )
                 row["tracked_equals_simulated"] = real["peak"] == sim["peak"]
             except Exception as err:  # noqa: BLE001
                 row.update(res.error(f"block {label} {S}", err))
             rows.append(row)
-            print("block", {k: (round(v / GiB, 3) if isinstance(v, int) and v > 2**20 else v)
-                            for k, v in row.items()}, flush=True)
+            print(
+                "block",
+                {
+                    k: (round(v / GiB, 3) if isinstance(v, int) and v > 2**20 else v)
+                    for k, v in row.items()
+                },
+                flush=True,
+            )
             res.put("block", rows)
 
 
@@ -104,17 +122,22 @@ def _mesh(device):
 
 
 def step_row(res: Results, device, cfg: dict, S: int, layers: int, predicted: dict) -> dict:
-    row = dict(seq_len=S, layers=layers, sp_size=P, world=P, settings=SETTINGS.__dict__.copy(), **predicted)
+    row = dict(
+        seq_len=S, layers=layers, sp_size=P, world=P, settings=SETTINGS.__dict__.copy(), **predicted
+    )
     try:
         with fake_rank(P, device):
             mesh = _mesh(device)
             peak = PeakMemory(device)
             t0 = time.perf_counter()
-            real = measure_train_step(cfg, SETTINGS, seq_len=S, sp_size=P, layers=layers, mesh=mesh,
-                                      around_step=peak)
+            real = measure_train_step(
+                cfg, SETTINGS, seq_len=S, sp_size=P, layers=layers, mesh=mesh, around_step=peak
+            )
             sync(device)
             row["step_wall_s"] = round(time.perf_counter() - t0, 2)
-        row.update(tracked_peak=real["peak"], tracked_by_category=real["by_category"], **peak.to_dict())
+        row.update(
+            tracked_peak=real["peak"], tracked_by_category=real["by_category"], **peak.to_dict()
+        )
         row["max_allocated_total_bytes"] = peak.base_allocated + peak.allocated
     except Exception as err:  # noqa: BLE001
         row.update(res.error(f"step {layers} layers {S}", err))
@@ -132,17 +155,36 @@ def step(res: Results, device, lengths: list[int], full_length: int | None, dry:
 
     def four_layers(S):
         sim = simulate_train_step(cfg, SETTINGS, seq_len=S, world_size=P, sp_size=P, layers=4)
-        rows.append(step_row(res, device, cfg, S, 4, {"simulated_peak": sim["peak"],
-                                                      "simulated_by_category": sim["by_category"]}))
+        rows.append(
+            step_row(
+                res,
+                device,
+                cfg,
+                S,
+                4,
+                {"simulated_peak": sim["peak"], "simulated_by_category": sim["by_category"]},
+            )
+        )
         print("step", rows[-1], flush=True)
         res.put("step", rows)
 
     four_layers(lengths[0])
     if full_length:  # before the longer 4-layer steps, which take the most time
         p = plan(cfg, gpus=P, gpu_memory="80GiB", seq_len=full_length, settings=SETTINGS)
-        rows.append(step_row(res, device, cfg, full_length, cfg["num_hidden_layers"], {
-            "simulated_peak": p.tensor_peak, "simulated_by_category": dict(p.by_category),
-            "planner_required_default_margin": p.required}))
+        rows.append(
+            step_row(
+                res,
+                device,
+                cfg,
+                full_length,
+                cfg["num_hidden_layers"],
+                {
+                    "simulated_peak": p.tensor_peak,
+                    "simulated_by_category": dict(p.by_category),
+                    "planner_required_default_margin": p.required,
+                },
+            )
+        )
         print("step", rows[-1], flush=True)
         res.put("step", rows)
     for S in lengths[1:]:
@@ -170,25 +212,42 @@ def calibration(res: Results, device) -> None:
         return
     # a step's tensor peak counts its parameters and optimizer states (allocated before the step), a block's does
     # not count its weights and input: add what was allocated on entry
-    counted = {id(r): r["simulated_peak"] + (0 if r in steps else r["allocated_on_entry_bytes"])
-               for r in steps + blocks}
+    counted = {
+        id(r): r["simulated_peak"] + (0 if r in steps else r["allocated_on_entry_bytes"])
+        for r in steps + blocks
+    }
     fraction = max(r["max_reserved_total_bytes"] / counted[id(r)] - 1 for r in steps)
     fraction = math.ceil(max(fraction, 0.0) * 200) / 200  # up to the next 0.5%
     default = Margin()
     table = []
     for r in steps + blocks:
         c, reserved = counted[id(r)], r["max_reserved_total_bytes"]
-        table.append(dict(what=f"step {r['layers']} layers" if r in steps else f"block {r['label']}",
-                          seq_len=r["seq_len"], counted=c,
-                          max_allocated=r["max_allocated_bytes"] + r["allocated_on_entry_bytes"],
-                          max_reserved=reserved, predicted_calibrated=int(c * (1 + fraction)),
-                          error_calibrated=(c * (1 + fraction) - reserved) / reserved,
-                          predicted_default=int(c * (1 + default.fraction)),
-                          error_default=(c * (1 + default.fraction) - reserved) / reserved))
-    res.put("calibration", {"fraction": fraction, "context_bytes": context_bytes(device),
-                            "default_fraction": default.fraction, "default_reserved_bytes": default.reserved,
-                            "rows": table, "steps_within_5_percent": all(
-                                abs(t["error_calibrated"]) <= 0.05 for t in table if t["what"].startswith("step"))})
+        table.append(
+            dict(
+                what=f"step {r['layers']} layers" if r in steps else f"block {r['label']}",
+                seq_len=r["seq_len"],
+                counted=c,
+                max_allocated=r["max_allocated_bytes"] + r["allocated_on_entry_bytes"],
+                max_reserved=reserved,
+                predicted_calibrated=int(c * (1 + fraction)),
+                error_calibrated=(c * (1 + fraction) - reserved) / reserved,
+                predicted_default=int(c * (1 + default.fraction)),
+                error_default=(c * (1 + default.fraction) - reserved) / reserved,
+            )
+        )
+    res.put(
+        "calibration",
+        {
+            "fraction": fraction,
+            "context_bytes": context_bytes(device),
+            "default_fraction": default.fraction,
+            "default_reserved_bytes": default.reserved,
+            "rows": table,
+            "steps_within_5_percent": all(
+                abs(t["error_calibrated"]) <= 0.05 for t in table if t["what"].startswith("step")
+            ),
+        },
+    )
     for t in table:
         print("calibration", t, flush=True)
 
@@ -209,7 +268,9 @@ def main(argv=None) -> int:
     elif args.quick:
         lengths, block_lengths = lengths[:2], block_lengths[:1]
     res = Results(os.path.join(args.out, "memory.json"), device)
-    res.doc["environment"]["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    res.doc["environment"]["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get(
+        "PYTORCH_CUDA_ALLOC_CONF", ""
+    )
     sections = args.sections.split(",")
     start = time.perf_counter()
     if "block" in sections:
@@ -220,7 +281,9 @@ def main(argv=None) -> int:
         calibration(res, device)
     res.doc["wall_time_s"] = round(time.perf_counter() - start, 1)
     res.write()
-    print(f"\nmemory: errors: {len(res.doc['errors'])}; wrote {res.path} ({res.doc['wall_time_s']} s)")
+    print(
+        f"\nmemory: errors: {len(res.doc['errors'])}; wrote {res.path} ({res.doc['wall_time_s']} s)"
+    )
     return 1 if res.doc["errors"] else 0
 
 

@@ -89,26 +89,39 @@ def backends(res: Results, device, lengths: list[int], dry: bool) -> None:
     rows = []
     h, D = 4, (16 if dry else 128)
     for S in lengths:
-        q, k, v = (torch.randn(1, h, S, D, dtype=torch.bfloat16, device=device, requires_grad=True) for _ in range(3))
+        q, k, v = (
+            torch.randn(1, h, S, D, dtype=torch.bfloat16, device=device, requires_grad=True)
+            for _ in range(3)
+        )
         grad = torch.randn(1, h, S, D, dtype=torch.bfloat16, device=device)
 
         def sdpa_run(backend):
             def run():
                 with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
                     F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
             return run
 
         cases = [("torch sdpa (default choice)", sdpa_run(None))]
         if device.type == "cuda":
-            cases += [(f"torch sdpa {b.name}", sdpa_run(b)) for b in
-                      (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION)]
+            cases += [
+                (f"torch sdpa {b.name}", sdpa_run(b))
+                for b in (
+                    SDPBackend.FLASH_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.CUDNN_ATTENTION,
+                )
+            ]
         for name in available_kernels(device, torch.bfloat16):
             kern = get_kernel(name, device, torch.bfloat16)
-            qs, ks, vs, gs = (t.detach().transpose(1, 2) for t in (q, k, v, grad))  # [1, S, h, D] views
+            qs, ks, vs, gs = (
+                t.detach().transpose(1, 2) for t in (q, k, v, grad)
+            )  # [1, S, h, D] views
 
             def kernel_run(kern=kern, qs=qs, ks=ks, vs=vs, gs=gs):
-                out, lse = kern.forward(qs, ks, vs, scale=D ** -0.5)
-                kern.backward(gs, qs, ks, vs, out, lse, scale=D ** -0.5)
+                out, lse = kern.forward(qs, ks, vs, scale=D**-0.5)
+                kern.backward(gs, qs, ks, vs, out, lse, scale=D**-0.5)
+
             cases.append((f"hf_upipe kernel {name}", kernel_run))
         for label, run in cases:
             row = dict(seq_len=S, heads=h, head_dim=D, case=label)
@@ -122,14 +135,20 @@ def backends(res: Results, device, lengths: list[int], dry: bool) -> None:
             res.put("backends", rows)
 
 
-
-
-
 def _layer_run(impl, c, mode, cfg, S, world, device):
     """A callable running forward + backward of one decoder layer of `impl` on this rank's shard."""
     s = S // P
-    model = build_step_model(impl, cfg, 1, S, torch.bfloat16, world, tiled_mlp=False, checkpointing=False,
-                             fused_backward=mode)
+    model = build_step_model(
+        impl,
+        cfg,
+        1,
+        S,
+        torch.bfloat16,
+        world,
+        tiled_mlp=False,
+        checkpointing=False,
+        fused_backward=mode,
+    )
     layer = model.model.layers[0]
     x = (torch.randn(1, s, cfg["hidden_size"], dtype=torch.bfloat16) * 0.5).requires_grad_()
     positions = torch.arange(s).unsqueeze(0)  # rank 0: global positions 0 .. s-1
@@ -152,19 +171,26 @@ def layer(res: Results, device, lengths: list[int], reps: int, dry: bool) -> Non
     from hf_upipe.ops.kernels import available_kernels
 
     usable = available_kernels(device, torch.bfloat16)
-    variants = [v for v in VARIANTS if (v[1] != "deepspeed" or deepspeed_importable())
-                and (v[4] is None or v[4] in usable)]
+    variants = [
+        v
+        for v in VARIANTS
+        if (v[1] != "deepspeed" or deepspeed_importable()) and (v[4] is None or v[4] in usable)
+    ]
     rows = []
     for S in lengths:
         times = {label: [] for label, *_ in variants}
         errors = {}
         for r in range(reps + 1):  # round 0: warm-up
-            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            order = variants[r % len(variants) :] + variants[: r % len(variants)]
             for label, impl, c, mode, kernel in order:
                 if label in errors:
                     continue
                 try:
-                    with fake_rank(P, device) as world, prefer_kernel(kernel), impl_context(impl, world, S, P, c):
+                    with (
+                        fake_rank(P, device) as world,
+                        prefer_kernel(kernel),
+                        impl_context(impl, world, S, P, c),
+                    ):
                         run = _layer_run(impl, c, mode, cfg, S, world, device)
                         t = cuda_times(run, device, warmup=0, reps=1)[0]
                         del run
@@ -184,7 +210,11 @@ def layer(res: Results, device, lengths: list[int], reps: int, dry: bool) -> Non
                 row["error"] = errors[label]
             elif times[label]:
                 m = median(times[label])
-                row.update(median_s=m, vs_ours_ulysses=m / ref if ref else None, vs_deepspeed=m / ds if ds else None)
+                row.update(
+                    median_s=m,
+                    vs_ours_ulysses=m / ref if ref else None,
+                    vs_deepspeed=m / ds if ds else None,
+                )
             rows.append(row)
             print("layer", row, flush=True)
         res.put("layer", rows)
@@ -201,14 +231,20 @@ def loss(res: Results, device, tokens: list[int], reps: int, dry: bool) -> None:
         times = {"plain": [], "tiled": []}
         peaks = {}
         for i in range(reps + 1):
-            for path in (("plain", "tiled") if i % 2 == 0 else ("tiled", "plain")):
+            for path in ("plain", "tiled") if i % 2 == 0 else ("tiled", "plain"):
                 if f"{path}_error" in row:
                     continue
                 h.grad = w.grad = None
                 try:
                     with PeakMemory(device) as peak:
-                        t = cuda_times(lambda p=path, h=h, w=w, y=labels: loss_bench.run_path(p, h, w, y, chunk),
-                                       device, warmup=0, reps=1)[0]
+                        t = cuda_times(
+                            lambda p=path, h=h, w=w, y=labels: loss_bench.run_path(
+                                p, h, w, y, chunk
+                            ),
+                            device,
+                            warmup=0,
+                            reps=1,
+                        )[0]
                     peaks[path] = peak.allocated
                     if i > 0:
                         times[path].append(t)
@@ -234,9 +270,13 @@ def loss(res: Results, device, tokens: list[int], reps: int, dry: bool) -> None:
 
 def main(argv=None) -> int:
     ap = parser(__doc__)
-    ap.add_argument("--lengths", default="128K,256K,512K", help="layer rows: full sequence S (K = 1024)")
+    ap.add_argument(
+        "--lengths", default="128K,256K,512K", help="layer rows: full sequence S (K = 1024)"
+    )
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--loss-tokens", default="16K,32K,64K", help="loss rows: local tokens (K = 1024)")
+    ap.add_argument(
+        "--loss-tokens", default="16K,32K,64K", help="loss rows: local tokens (K = 1024)"
+    )
     ap.add_argument("--backend-lengths", default="128K,512K", help="backends rows: S (K = 1024)")
     ap.add_argument("--sections", default="backends,layer,loss")
     args, device = parse(ap, argv)
@@ -258,11 +298,15 @@ def main(argv=None) -> int:
     sync(device)
     res.doc["wall_time_s"] = round(time.perf_counter() - start, 1)
     res.write()
-    print(f"\nspeed: errors: {len(res.doc['errors'])}; wrote {res.path} ({res.doc['wall_time_s']} s)")
+    print(
+        f"\nspeed: errors: {len(res.doc['errors'])}; wrote {res.path} ({res.doc['wall_time_s']} s)"
+    )
     for row in res.doc["sections"].get("layer", []):
         if "median_s" in row:
-            print(f"| {row['seq_len'] // 1024}K | {row['label']} | {row['median_s'] * 1e3:.1f} ms | "
-                  f"{row['vs_ours_ulysses'] or float('nan'):.2f} | {row['vs_deepspeed'] or float('nan'):.2f} |")
+            print(
+                f"| {row['seq_len'] // 1024}K | {row['label']} | {row['median_s'] * 1e3:.1f} ms | "
+                f"{row['vs_ours_ulysses'] or float('nan'):.2f} | {row['vs_deepspeed'] or float('nan'):.2f} |"
+            )
     return 1 if res.doc["errors"] else 0
 
 

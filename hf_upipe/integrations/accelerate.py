@@ -47,8 +47,17 @@ __all__ = ["UPipePlugin"]
 class UPipePlugin(UPipeConfig):
     """UPipe settings for `accelerate launch` scripts (all fields of `hf_upipe.UPipeConfig`), and `prepare`."""
 
-    def prepare(self, accelerator, model, optimizer=None, dataloader=None, *others, pad_token_id: int = 0,
-                output_dir: str | None = None, checkpointing_fix: str | None = None):
+    def prepare(
+        self,
+        accelerator,
+        model,
+        optimizer=None,
+        dataloader=None,
+        *others,
+        pad_token_id: int = 0,
+        output_dir: str | None = None,
+        checkpointing_fix: str | None = None,
+    ):
         """Set up SP and hand everything to `accelerator.prepare` (see the module docstring).
 
         Args:
@@ -76,24 +85,42 @@ class UPipePlugin(UPipeConfig):
         """
         wants_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
         if wants_fsdp and str(accelerator.distributed_type) != "DistributedType.FSDP":
-            raise ValueError(f"The accelerate config asks for FSDP but accelerate set up "
-                             f"{accelerator.distributed_type} (accelerate runs FSDP on accelerators only): on CPU "
-                             "use a DDP config such as accelerate_configs/cpu_2proc.yaml.")
+            raise ValueError(
+                f"The accelerate config asks for FSDP but accelerate set up "
+                f"{accelerator.distributed_type} (accelerate runs FSDP on accelerators only): on CPU "
+                "use a DDP config such as accelerate_configs/cpu_2proc.yaml."
+            )
         checkpointing = activation_checkpointing(model)
         parallelism = find_parallelism(getattr(accelerator, "parallelism_config", None))
         upipe = UPipeRuntime.setup(
-            self, model, world_size=accelerator.num_processes, device=accelerator.device,
-            checkpointing=checkpointing, checkpointing_fix=checkpointing_fix or "call "
+            self,
+            model,
+            world_size=accelerator.num_processes,
+            device=accelerator.device,
+            checkpointing=checkpointing,
+            checkpointing_fix=checkpointing_fix
+            or "call "
             "model.activation_checkpointing_enable() (older transformers: gradient_checkpointing_enable()) before "
-            "UPipePlugin.prepare", output_dir=output_dir, pad_token_id=pad_token_id, parallelism=parallelism,
-            deepspeed=str(accelerator.distributed_type) == "DistributedType.DEEPSPEED")
+            "UPipePlugin.prepare",
+            output_dir=output_dir,
+            pad_token_id=pad_token_id,
+            parallelism=parallelism,
+            deepspeed=str(accelerator.distributed_type) == "DistributedType.DEEPSPEED",
+        )
         given = [x for x in (model, optimizer, dataloader, *others) if x is not None]
-        prepared = list(accelerator.prepare(*given)) if len(given) > 1 else [accelerator.prepare(*given)]
-        out = [prepared.pop(0) if x is not None else None for x in (model, optimizer, dataloader, *others)]
+        prepared = (
+            list(accelerator.prepare(*given)) if len(given) > 1 else [accelerator.prepare(*given)]
+        )
+        out = [
+            prepared.pop(0) if x is not None else None
+            for x in (model, optimizer, dataloader, *others)
+        ]
         for i in range(3, len(out)):
             if isinstance(out[i], DataLoader):
                 out[i] = share_batches_within_sp(out[i], upipe.state)
         if dataloader is not None:
             loader = share_batches_within_sp(out[2], upipe.state)
-            out[2] = ShardedDataLoader(loader, upipe.state, pad_token_id=pad_token_id, check_same_batch=True)
+            out[2] = ShardedDataLoader(
+                loader, upipe.state, pad_token_id=pad_token_id, check_same_batch=True
+            )
         return (*out, upipe)

@@ -15,7 +15,12 @@ import importlib
 
 from hf_upipe.architectures import FUSED, source_fingerprint
 from hf_upipe.integrations.fused import fused_verdict
-from hf_upipe.integrations.mixer_sources import HALO_MIXERS, MIXER_MODEL_TYPES, MIXERS, mixer_verdict
+from hf_upipe.integrations.mixer_sources import (
+    HALO_MIXERS,
+    MIXER_MODEL_TYPES,
+    MIXERS,
+    mixer_verdict,
+)
 from hf_upipe.integrations.rope import ROPE_FINGERPRINTS, rope_update_fingerprint, rope_verdict
 from hf_upipe.memory.tiled_mlp import tiled_verdict
 from hf_upipe.verification import fingerprint
@@ -23,14 +28,20 @@ from hf_upipe.verification import fingerprint
 __all__ = ["adapter_status", "format_status"]
 
 # model types whose classes live in another modeling module
-_MODULES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "qwen4_exp_text": "qwen4_exp"}
+_MODULES = {
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen4_exp_text": "qwen4_exp",
+}
 
 
 def _mixer_class(name: str):
     model_type = MIXER_MODEL_TYPES[name]
     module = _MODULES.get(model_type, model_type)
     try:
-        return getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name, None)
+        return getattr(
+            importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name, None
+        )
     except ImportError:
         return None
 
@@ -48,19 +59,32 @@ def _row(adapter: str, subject: str, source: str | None, known: tuple, verdict) 
     elif source is None:
         status = "not verified: the installed transformers has no such class or function"
     else:
-        status = "verified by fingerprint" if source in known else "not checked yet (a source not seen before)"
-    return {"adapter": adapter, "subject": subject, "fingerprint": source, "status": status,
-            "ok": verdict.ok if verdict is not None else source in known}
+        status = (
+            "verified by fingerprint"
+            if source in known
+            else "not checked yet (a source not seen before)"
+        )
+    return {
+        "adapter": adapter,
+        "subject": subject,
+        "fingerprint": source,
+        "status": status,
+        "ok": verdict.ok if verdict is not None else source in known,
+    }
 
 
 def adapter_status(check: bool = True) -> list[dict]:
     """See the module docstring."""
     rows = []
     for arch in FUSED:
-        for adapter, known, verdict in (("fused", arch.fused_fingerprints, fused_verdict),
-                                        ("tiled", arch.tiled_fingerprints, tiled_verdict)):
+        for adapter, known, verdict in (
+            ("fused", arch.fused_fingerprints, fused_verdict),
+            ("tiled", arch.tiled_fingerprints, tiled_verdict),
+        ):
             source = source_fingerprint(arch, adapter)
-            rows.append(_row(adapter, arch.model_type, source, known, verdict(arch) if check else None))
+            rows.append(
+                _row(adapter, arch.model_type, source, known, verdict(arch) if check else None)
+            )
     for name in (*MIXERS, *HALO_MIXERS):
         cls = _mixer_class(name)
         if cls is None:
@@ -69,10 +93,21 @@ def adapter_status(check: bool = True) -> list[dict]:
         source = _source(lambda: fingerprint(cls.forward))
         rows.append(_row("mixer", name, source, known, mixer_verdict(cls) if check else None))
     source = _source(rope_update_fingerprint)
-    rows.append(_row("rope", "dynamic_rope_update", source, ROPE_FINGERPRINTS, rope_verdict() if check else None))
+    rows.append(
+        _row(
+            "rope",
+            "dynamic_rope_update",
+            source,
+            ROPE_FINGERPRINTS,
+            rope_verdict() if check else None,
+        )
+    )
     return rows
 
 
 def format_status(rows: list[dict]) -> list[str]:
     """`  fused    llama                  a0d395fa0cfcaa0f  verified by fingerprint (...)`, one line a row."""
-    return [f"  {r['adapter']:<6} {r['subject']:<28} {r['fingerprint'] or '-':<16}  {r['status']}" for r in rows]
+    return [
+        f"  {r['adapter']:<6} {r['subject']:<28} {r['fingerprint'] or '-':<16}  {r['status']}"
+        for r in rows
+    ]

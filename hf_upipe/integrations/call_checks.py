@@ -36,21 +36,34 @@ from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.layout import note_model_positions
 from hf_upipe.integrations.mixers import reentrant_refusal, ring_refusal
 
-__all__ = ["ATTENTIONS_UNDER_SP", "CACHE_NAMES", "GENERATE_UNDER_SP", "LABELS_UNDER_SP", "check_loss_labels",
-           "install_call_checks", "refuse_collected_attentions", "refuse_generation", "refuse_silent_misuse",
-           "remove_call_checks"]
+__all__ = [
+    "ATTENTIONS_UNDER_SP",
+    "CACHE_NAMES",
+    "GENERATE_UNDER_SP",
+    "LABELS_UNDER_SP",
+    "check_loss_labels",
+    "install_call_checks",
+    "refuse_collected_attentions",
+    "refuse_generation",
+    "refuse_silent_misuse",
+    "remove_call_checks",
+]
 
 LABELS_UNDER_SP = (
     "labels= under sequence parallelism would be shifted inside each rank's shard (the last target of every shard "
     "lost, the shards misaligned): pass the shard's labels already shifted over the whole sequence, "
     "labels=shard['shift_labels'], shift_labels=shard['shift_labels'] (hf_upipe.shard_batch makes them), or compute "
-    "the loss with hf_upipe's tiled loss.")
+    "the loss with hf_upipe's tiled loss."
+)
 GENERATE_UNDER_SP = (
     "generate() under sequence parallelism is not offered: each rank holds a shard of the prompt, and the KV cache "
     "would hold one shard's keys and values. Generate in one process on the whole prompt: `with "
-    "hf_upipe.without_sequence_parallel(): model.generate(input_ids)` (input_ids the whole prompt, on one rank).")
-ATTENTIONS_UNDER_SP = ("output_attentions=True under sequence parallelism: no [S, S] attention weights are ever "
-                       "formed (the kernels return outputs and log-sum-exps only).")
+    "hf_upipe.without_sequence_parallel(): model.generate(input_ids)` (input_ids the whole prompt, on one rank)."
+)
+ATTENTIONS_UNDER_SP = (
+    "output_attentions=True under sequence parallelism: no [S, S] attention weights are ever "
+    "formed (the kernels return outputs and log-sum-exps only)."
+)
 # the names transformers gives a forward's cache: `past_key_values` (to 5.23), `cache` (5.24 on)
 CACHE_NAMES = ("cache", "past_key_values")
 _HOOK = "_upipe_call_checks"  # the model's attribute holding the pre-hook's handle
@@ -112,14 +125,30 @@ def refuse_collected_attentions() -> None:
 
 
 # the inputs of a text-only call (anything else of a multimodal model is refused under SP)
-_TEXT_INPUTS = frozenset({"input_ids", "attention_mask", "position_ids", "inputs_embeds", "labels", "shift_labels",
-                          "token_type_ids", "upipe_cu_seqlens", "upipe_max_seqlen", "cache_position",
-                          "num_items_in_batch", "logits_to_keep", "past_key_values", "cache"})
+_TEXT_INPUTS = frozenset(
+    {
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "inputs_embeds",
+        "labels",
+        "shift_labels",
+        "token_type_ids",
+        "upipe_cu_seqlens",
+        "upipe_max_seqlen",
+        "cache_position",
+        "num_items_in_batch",
+        "logits_to_keep",
+        "past_key_values",
+        "cache",
+    }
+)
 
 
 def _has_tensor(value) -> bool:
-    return isinstance(value, torch.Tensor) or (isinstance(value, (list, tuple)) and any(
-        isinstance(v, torch.Tensor) for v in value))
+    return isinstance(value, torch.Tensor) or (
+        isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value)
+    )
 
 
 def refuse_silent_misuse(module, args, kwargs):
@@ -133,22 +162,33 @@ def refuse_silent_misuse(module, args, kwargs):
         raise ValueError(LABELS_UNDER_SP)
     if kwargs.get("output_attentions"):
         raise NotImplementedError(ATTENTIONS_UNDER_SP)
-    arch = ARCHITECTURES.get(getattr(getattr(module, "config", None), "model_type", None))  # the whole model's type
+    arch = ARCHITECTURES.get(
+        getattr(getattr(module, "config", None), "model_type", None)
+    )  # the whole model's type
     if arch is not None and arch.text_only:
         other = sorted(k for k, v in kwargs.items() if k not in _TEXT_INPUTS and _has_tensor(v))
         if other or any(_has_tensor(a) for a in args[1:]):
             raise NotImplementedError(
                 f"{arch.model_type} is verified under sequence parallelism for text input only, and this call passes "
                 f"{other or 'positional inputs after input_ids'}: image, video or audio inputs would be scattered "
-                "into each rank's shard of the tokens. Train on text, or without sequence parallelism.")
-    if module.training and torch.is_grad_enabled() and (why := reentrant_refusal(module)) is not None:
+                "into each rank's shard of the tokens. Train on text, or without sequence parallelism."
+            )
+    if (
+        module.training
+        and torch.is_grad_enabled()
+        and (why := reentrant_refusal(module)) is not None
+    ):
         raise NotImplementedError(why)
-    if (why := ring_refusal(module, state.ring_size)) is not None:  # before any layer, on every rank
+    if (
+        why := ring_refusal(module, state.ring_size)
+    ) is not None:  # before any layer, on every rank
         raise NotImplementedError(why)
     if kwargs.get("use_cache") or any(kwargs.get(name) is not None for name in CACHE_NAMES):
-        raise NotImplementedError("use_cache=True / a KV cache (past_key_values, cache) under sequence parallelism: "
-                                  "the cache would hold one shard's keys and values. Call the model with "
-                                  "use_cache=False; generate without SP (one process).")
+        raise NotImplementedError(
+            "use_cache=True / a KV cache (past_key_values, cache) under sequence parallelism: "
+            "the cache would hold one shard's keys and values. Call the model with "
+            "use_cache=False; generate without SP (one process)."
+        )
     return None
 
 
@@ -157,8 +197,12 @@ def _prepared_call(module, args, kwargs):
     prepared model that do not receive them (`hf_upipe.integrations.layout.note_model_positions`)."""
     state = get_sequence_parallel_state()
     if state is not None and state.sp_size > 1:
-        note_model_positions(kwargs.get("position_ids"), kwargs.get("upipe_cu_seqlens"),
-                             kwargs.get("upipe_max_seqlen"), module)
+        note_model_positions(
+            kwargs.get("position_ids"),
+            kwargs.get("upipe_cu_seqlens"),
+            kwargs.get("upipe_max_seqlen"),
+            module,
+        )
     return refuse_silent_misuse(module, args, kwargs)
 
 
@@ -173,8 +217,10 @@ def install_call_checks(model: nn.Module, prepared: bool = True) -> None:
         return
     remove_call_checks(model, loss=False)
     hook = _prepared_call if prepared else refuse_silent_misuse
-    model.__dict__[_HOOK] = (model.register_forward_pre_hook(hook, with_kwargs=True),
-                             "prepared" if prepared else "guard")
+    model.__dict__[_HOOK] = (
+        model.register_forward_pre_hook(hook, with_kwargs=True),
+        "prepared" if prepared else "guard",
+    )
 
 
 def remove_call_checks(model: nn.Module, loss: bool = True) -> None:

@@ -44,12 +44,14 @@ from hf_upipe.integrations.shard_exchange import Halo
 __all__ = ["DELTA_KERNELS", "parallel_delta_forward"]
 
 # mixer class -> the kernel its forward calls for a prefill (transformers 5.23; its forward is fingerprinted)
-DELTA_KERNELS = {"Qwen3NextGatedDeltaNet": "torch_chunk_gated_delta_rule",
-                 "Qwen3_5GatedDeltaNet": "torch_chunk_gated_delta_rule",
-                 "Qwen3_5MoeGatedDeltaNet": "torch_chunk_gated_delta_rule",
-                 "Qwen4ExpTextGatedDeltaNet": "torch_chunk_gated_delta_rule",
-                 "OlmoHybridGatedDeltaNet": "torch_chunk_gated_delta_rule",
-                 "BailingHybridDeltaAttention": "chunk_kimi_delta_attention"}
+DELTA_KERNELS = {
+    "Qwen3NextGatedDeltaNet": "torch_chunk_gated_delta_rule",
+    "Qwen3_5GatedDeltaNet": "torch_chunk_gated_delta_rule",
+    "Qwen3_5MoeGatedDeltaNet": "torch_chunk_gated_delta_rule",
+    "Qwen4ExpTextGatedDeltaNet": "torch_chunk_gated_delta_rule",
+    "OlmoHybridGatedDeltaNet": "torch_chunk_gated_delta_rule",
+    "BailingHybridDeltaAttention": "chunk_kimi_delta_attention",
+}
 
 
 class _GatherStates(torch.autograd.Function):
@@ -79,7 +81,13 @@ class _DeltaCache:
     corrects for the latter); the convolution's input gets the previous rank's halo in front."""
 
     def __init__(self, group, rank, ranks, kept, recompute):
-        self.group, self.rank, self.ranks, self.kept, self.recompute = group, rank, ranks, kept, recompute
+        self.group, self.rank, self.ranks, self.kept, self.recompute = (
+            group,
+            rank,
+            ranks,
+            kept,
+            recompute,
+        )
 
     def get_conv_state(self, layer_idx, state_idx=0):
         return None
@@ -109,26 +117,46 @@ class _DeltaCache:
         return _GatherStates.apply(final, self.group, self.rank, self.kept)
 
 
-def _across_shards(kernel, cache: _DeltaCache, query, key, value, g=None, beta=None, initial_state=None,
-                   output_final_state=False, **kwargs):
+def _across_shards(
+    kernel,
+    cache: _DeltaCache,
+    query,
+    key,
+    value,
+    g=None,
+    beta=None,
+    initial_state=None,
+    output_final_state=False,
+    **kwargs,
+):
     """The kernel's call on this shard, exact across shards (module docstring). query/key [B, s, Hk, d_k], value
     [B, s, H, d_v] -> (output [B, s, H, d_v], this shard's final state [B, H, d_k, d_v] or None)."""
     if initial_state is not None or kwargs.get("cu_seqlens") is not None:
-        raise NotImplementedError("a delta-rule mixer across shards got an initial state or packed documents "
-                                  "(cu_seqlens): train on unpacked rows, or without sequence parallelism.")
+        raise NotImplementedError(
+            "a delta-rule mixer across shards got an initial state or packed documents "
+            "(cu_seqlens): train on unpacked rows, or without sequence parallelism."
+        )
     B, s, H, dv = value.shape
     dk = key.shape[-1]
     wide = torch.cat([value, value.new_zeros(B, s, H, dk)], dim=-1)  # [B, s, H, d_v + d_k]
     start = torch.zeros(B, H, dk, dv + dk, dtype=torch.float32, device=value.device)
     start[..., dv:] = torch.eye(dk, dtype=torch.float32, device=value.device)  # [0 | I]
-    out, final = kernel(query, key, wide, g=g, beta=beta, initial_state=start, output_final_state=True, **kwargs)
+    out, final = kernel(
+        query, key, wide, g=g, beta=beta, initial_state=start, output_final_state=True, **kwargs
+    )
     gathered = cache.gathered(final.float())  # [P, B, H, d_k, d_v + d_k]: each rank's [F | M]
-    state = gathered[0, ..., :dv] * 0  # [B, H, d_k, d_v]; a function of the gathered states on every rank
+    state = (
+        gathered[0, ..., :dv] * 0
+    )  # [B, H, d_k, d_v]; a function of the gathered states on every rank
     for j in range(cache.rank):  # the prefix over the ranks before this one
         state = gathered[j, ..., dv:] @ state + gathered[j, ..., :dv]
     reads = torch.einsum("bshk,bhkv->bshv", out[..., dv:].float(), state)  # [B, s, H, d_v]
     # this shard's true final state [B, H, d_k, d_v] (some forwards hand it to the cache, which drops it)
-    final = (final[..., dv:].float() @ state + final[..., :dv].float()).detach() if output_final_state else None
+    final = (
+        (final[..., dv:].float() @ state + final[..., :dv].float()).detach()
+        if output_final_state
+        else None
+    )
     return (out[..., :dv].float() + reads).to(out.dtype), final
 
 
@@ -136,7 +164,10 @@ def _across_shards(kernel, cache: _DeltaCache, query, key, value, g=None, beta=N
 def _kernel_swapped(module, cache: _DeltaCache):
     """The kernel the module's modeling file calls, replaced by `_across_shards` around it for one call, restored
     after."""
-    space, name = sys.modules[type(module).__module__].__dict__, DELTA_KERNELS[type(module).__name__]
+    space, name = (
+        sys.modules[type(module).__module__].__dict__,
+        DELTA_KERNELS[type(module).__name__],
+    )
     original = space[name]
     space[name] = functools.partial(_across_shards, original, cache)
     try:
@@ -152,7 +183,9 @@ def kernel_present(module) -> bool:
     return name is not None and callable(space.get(name))
 
 
-def parallel_delta_forward(module, hidden_states, attention_mask, kwargs, group, rank, ranks, recompute, kept):
+def parallel_delta_forward(
+    module, hidden_states, attention_mask, kwargs, group, rank, ranks, recompute, kept
+):
     """The module's own forward on this shard with a `_DeltaCache` and its kernel corrected across shards.
     `recompute`: activation checkpointing's rerun inside the backward, with `kept` what the forward received;
     otherwise `kept` is a `Kept` to fill for such a rerun, or None."""

@@ -67,12 +67,26 @@ from hf_upipe.ops.fused_attention import (
     RopeStyle,
     fused_upipe_attention,
 )
-from hf_upipe.verification import TESTED_RANGE, VERIFIED_RELEASES, Verdict, installed_version, verify
+from hf_upipe.verification import (
+    TESTED_RANGE,
+    VERIFIED_RELEASES,
+    Verdict,
+    installed_version,
+    verify,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["attention_weights", "count_fused", "fused_check", "fused_forward", "fused_unavailable",
-           "fused_verdict", "install_fused_attention", "remove_fused_attention"]
+__all__ = [
+    "attention_weights",
+    "count_fused",
+    "fused_check",
+    "fused_forward",
+    "fused_unavailable",
+    "fused_verdict",
+    "install_fused_attention",
+    "remove_fused_attention",
+]
 
 
 def _projection(layer: nn.Module, training: bool) -> Projection:
@@ -81,19 +95,31 @@ def _projection(layer: nn.Module, training: bool) -> Projection:
         base = layer.get_base_layer()
         adapters = []
         if layer.merged and layer.disable_adapters:
-            raise NotImplementedError("LoRA adapters are merged and disabled: unmerge them first (unmerge_adapter()).")
+            raise NotImplementedError(
+                "LoRA adapters are merged and disabled: unmerge them first (unmerge_adapter())."
+            )
         if not layer.merged and not layer.disable_adapters:
             for name in layer.active_adapters:
                 if name not in layer.lora_A:
                     continue
                 if layer.use_dora.get(name, False):
-                    raise NotImplementedError(f"DoRA (adapter {name!r}) is not supported by the fused UPipe path.")
+                    raise NotImplementedError(
+                        f"DoRA (adapter {name!r}) is not supported by the fused UPipe path."
+                    )
                 if getattr(layer, "lora_bias", {}).get(name, False):
-                    raise NotImplementedError(f"LoRA bias (adapter {name!r}) is not supported by the fused UPipe path.")
+                    raise NotImplementedError(
+                        f"LoRA bias (adapter {name!r}) is not supported by the fused UPipe path."
+                    )
                 drop = layer.lora_dropout[name]
                 p = drop.p if isinstance(drop, nn.Dropout) and training else 0.0
-                adapters.append(LoraAdapter(layer.lora_A[name].weight, layer.lora_B[name].weight,
-                                            float(layer.scaling[name]), p))
+                adapters.append(
+                    LoraAdapter(
+                        layer.lora_A[name].weight,
+                        layer.lora_B[name].weight,
+                        float(layer.scaling[name]),
+                        p,
+                    )
+                )
         layer = base
         extra = tuple(adapters)
     else:
@@ -112,8 +138,13 @@ def _split_rows(proj: Projection, sizes: list[int]) -> list[Projection]:
     out, start = [], 0
     for n in sizes:
         rows = slice(start, start + n)
-        out.append(Projection(proj.weight[rows], None if proj.bias is None else proj.bias[rows],
-                              tuple(LoraAdapter(a.A, a.B[rows], a.scaling, a.dropout) for a in proj.adapters)))
+        out.append(
+            Projection(
+                proj.weight[rows],
+                None if proj.bias is None else proj.bias[rows],
+                tuple(LoraAdapter(a.A, a.B[rows], a.scaling, a.dropout) for a in proj.adapters),
+            )
+        )
         start += n
     return out
 
@@ -123,9 +154,10 @@ def attention_weights(module: nn.Module, arch) -> AttentionWeights:
     training = module.training
     if arch.qkv_fused:
         D, cfg = module.head_dim, module.config
-        q, k, v = _split_rows(_projection(module.qkv_proj, training), [cfg.num_attention_heads * D,
-                                                                       cfg.num_key_value_heads * D,
-                                                                       cfg.num_key_value_heads * D])
+        q, k, v = _split_rows(
+            _projection(module.qkv_proj, training),
+            [cfg.num_attention_heads * D, cfg.num_key_value_heads * D, cfg.num_key_value_heads * D],
+        )
     else:
         q, k, v = (_projection(getattr(module, f"{n}_proj"), training) for n in "qkv")
     norms = {}
@@ -133,12 +165,16 @@ def attention_weights(module: nn.Module, arch) -> AttentionWeights:
         norm = getattr(module, name, None)
         if norm is None:
             continue
-        if arch.projection_norm:  # the registry's fingerprint covers this norm's forward, re-implemented here
+        if (
+            arch.projection_norm
+        ):  # the registry's fingerprint covers this norm's forward, re-implemented here
             norms[name] = ProjectionNorm(norm.weight, float(norm.variance_epsilon))
         else:
             norms[name] = HeadNorm(norm, tuple(norm.parameters()))
     rope = RopeStyle(arch.rope_interleaved, arch.rope_fp32, bool(getattr(module, "use_rope", True)))
-    return AttentionWeights(q=q, k=k, v=v, o=_projection(module.o_proj, training), **norms, rope=rope)
+    return AttentionWeights(
+        q=q, k=k, v=v, o=_projection(module.o_proj, training), **norms, rope=rope
+    )
 
 
 def unfused_reason(module: nn.Module) -> str | None:
@@ -161,55 +197,97 @@ def _call_arguments(args: tuple, kwargs: dict) -> tuple:
     for n in CACHE_NAMES:
         kwargs.pop(n, None)
     position_embeddings, attention_mask, positional_cache = (*args, None, None, None)[:3]
-    return (position_embeddings if position_embeddings is not None else named[0],
-            attention_mask if attention_mask is not None else named[1],
-            positional_cache if positional_cache is not None else cache, kwargs)
+    return (
+        position_embeddings if position_embeddings is not None else named[0],
+        attention_mask if attention_mask is not None else named[1],
+        positional_cache if positional_cache is not None else cache,
+        kwargs,
+    )
 
 
 def fused_forward(self, hidden_states, *args, **kwargs):
     """Forward installed on known attention modules: the fused UPipe block under SP, the original otherwise."""
     state = active_state()
     if state is None or _autocast_other_dtype(self, hidden_states):
-        return type(self).forward(self, hidden_states, *args, **kwargs)  # without SP: "sdpa"; else registered
+        return type(self).forward(
+            self, hidden_states, *args, **kwargs
+        )  # without SP: "sdpa"; else registered
     position_embeddings, attention_mask, cache, kwargs = _call_arguments(args, kwargs)
     if cache is not None and cache.get_seq_length(self.layer_idx) > 0:
-        raise NotImplementedError("A KV cache with past tokens is not supported under sequence parallelism; "
-                                  "generate without SP (one process), or call the model with use_cache=False.")
+        raise NotImplementedError(
+            "A KV cache with past tokens is not supported under sequence parallelism; "
+            "generate without SP (one process), or call the model with use_cache=False."
+        )
     dropout = self.attention_dropout if self.training else 0.0
     check_model(self.config, state, hidden_states.shape[1] * state.sp_size)
     check_call(self, dropout, kwargs)
     kwargs = with_model_documents(kwargs, self)
     if isinstance(attention_mask, torch.Tensor):
-        raise NotImplementedError("The fused UPipe path got a prepared attention mask tensor under sequence "
-                                  "parallelism; pass a 2-D padding mask (right padding) or none.")
+        raise NotImplementedError(
+            "The fused UPipe path got a prepared attention mask tensor under sequence "
+            "parallelism; pass a 2-D padding mask (right padding) or none."
+        )
     if getattr(attention_mask, "chunk", None) is not None:
-        raise NotImplementedError("chunked attention is not implemented by the fused UPipe block; prepare the model "
-                                  "with UPipeConfig(fused_attention=False).")
+        raise NotImplementedError(
+            "chunked attention is not implemented by the fused UPipe block; prepare the model "
+            "with UPipeConfig(fused_attention=False)."
+        )
     B, s, _ = hidden_states.shape
     kernel = state.kernel
     if not is_fake(hidden_states):
-        if not validate_layout(state, kwargs.get("position_ids"), attention_mask, B, s, hidden_states.device,
-                               kwargs.get("upipe_cu_seqlens"), hidden_states.dtype,
-                               not keeps_documents_apart(self.config)):
-            kwargs = without_documents(kwargs)  # the model's mask ignores them (see validate_layout)
+        if not validate_layout(
+            state,
+            kwargs.get("position_ids"),
+            attention_mask,
+            B,
+            s,
+            hidden_states.device,
+            kwargs.get("upipe_cu_seqlens"),
+            hidden_states.dtype,
+            not keeps_documents_apart(self.config),
+        ):
+            kwargs = without_documents(
+                kwargs
+            )  # the model's mask ignores them (see validate_layout)
         # packed rows: the kernel runs inside each document (DocumentKernel), like the registered path
-        kernel = sp_kernel(state, kwargs, hidden_states.device, hidden_states.dtype, s * state.sp_size)
+        kernel = sp_kernel(
+            state, kwargs, hidden_states.device, hidden_states.dtype, s * state.sp_size
+        )
     arch = fused_attention_classes()[type(self).__name__]
     call_window = getattr(self, "sliding_window", None)
     if call_window is None and arch.window_in_config:
         call_window = getattr(self.config, "sliding_window", None)
     window = sp_window(attention_mask, call_window, s * state.sp_size, self)
-    if state.ring_size > 1:  # ring attention: plain causal attention only (packed rows were refused above)
-        kernel = ring_kernel(state, kernel, hidden_states.device, hidden_states.dtype, window=window)
-    elif not is_fake(hidden_states):  # (a simulation runs the unwindowed kernel: see upipe_attention_forward)
-        kernel = window_kernel(kernel, window, kwargs.get("upipe_cu_seqlens"), hidden_states.device,
-                               hidden_states.dtype)
+    if (
+        state.ring_size > 1
+    ):  # ring attention: plain causal attention only (packed rows were refused above)
+        kernel = ring_kernel(
+            state, kernel, hidden_states.device, hidden_states.dtype, window=window
+        )
+    elif not is_fake(
+        hidden_states
+    ):  # (a simulation runs the unwindowed kernel: see upipe_attention_forward)
+        kernel = window_kernel(
+            kernel,
+            window,
+            kwargs.get("upipe_cu_seqlens"),
+            hidden_states.device,
+            hidden_states.dtype,
+        )
     cos, sin = position_embeddings
     y = fused_upipe_attention(
-        hidden_states, cos, sin, attention_weights(self, arch),
-        num_heads=self.config.num_attention_heads, num_kv_heads=self.config.num_key_value_heads,
-        head_dim=self.head_dim, group=state.attention_group, heads_per_chunk=state.heads_per_chunk,
-        kernel=kernel, scale=self.scaling, **self.__dict__.get(_OPTIONS, {}),
+        hidden_states,
+        cos,
+        sin,
+        attention_weights(self, arch),
+        num_heads=self.config.num_attention_heads,
+        num_kv_heads=self.config.num_key_value_heads,
+        head_dim=self.head_dim,
+        group=state.attention_group,
+        heads_per_chunk=state.heads_per_chunk,
+        kernel=kernel,
+        scale=self.scaling,
+        **self.__dict__.get(_OPTIONS, {}),
     )
     return y, None
 
@@ -227,9 +305,13 @@ def _autocast_other_dtype(module: nn.Module, hidden_states: torch.Tensor) -> boo
         return False
     if not _AUTOCAST_SAID:
         _AUTOCAST_SAID.append(True)
-        logger.info("hf_upipe: under %s autocast over %s weights the attention takes the registered 'upipe' path, "
-                    "not the fused block (load the model in %s to use it)", torch.get_autocast_dtype(device),
-                    weight.dtype, torch.get_autocast_dtype(device))
+        logger.info(
+            "hf_upipe: under %s autocast over %s weights the attention takes the registered 'upipe' path, "
+            "not the fused block (load the model in %s to use it)",
+            torch.get_autocast_dtype(device),
+            weight.dtype,
+            torch.get_autocast_dtype(device),
+        )
     return True
 
 
@@ -245,8 +327,9 @@ def _is_fused(module: nn.Module) -> bool:
 _OPTIONS = "_upipe_fused_options"
 
 
-def install_fused_attention(model: nn.Module, save: bool = False, overlap: bool = False
-                            ) -> tuple[int, set[str], set[str]]:
+def install_fused_attention(
+    model: nn.Module, save: bool = False, overlap: bool = False
+) -> tuple[int, set[str], set[str]]:
     """Install `fused_forward` on every attention module of the registry's fused architectures (idempotent), with
     its backward in save mode when `save` and its all-to-alls overlapped when `overlap`
     (`hf_upipe.ops.fused_attention`).
@@ -265,7 +348,9 @@ def install_fused_attention(model: nn.Module, save: bool = False, overlap: bool 
                 other.add(name)
             continue
         if not fused_verdict(arch).ok or ("forward" in module.__dict__ and not _is_fused(module)):
-            changed.add(name)  # a changed class, or an instance whose forward someone else replaced: not stacked
+            changed.add(
+                name
+            )  # a changed class, or an instance whose forward someone else replaced: not stacked
             continue
         if (reason := unfused_reason(module)) is not None:
             logger.info("hf_upipe: %s keeps the registered path (%s)", name, reason)
@@ -292,7 +377,9 @@ def fused_verdict(arch) -> Verdict:
     """Whether the fused block computes what `arch`'s attention computes on the installed transformers: by the
     fingerprint of a verified release, else by `fused_check` (`hf_upipe.verification`)."""
     source = source_fingerprint(arch, "fused")
-    return verify("fused", arch.model_type, source, arch.fused_fingerprints, lambda: fused_check(arch))
+    return verify(
+        "fused", arch.model_type, source, arch.fused_fingerprints, lambda: fused_check(arch)
+    )
 
 
 def fused_check(arch) -> str | None:
@@ -301,7 +388,9 @@ def fused_check(arch) -> str | None:
     LoRA, in fp32 on 13 tokens in 8 one-head stages: None when the logits and every gradient agree, else what
     differed."""
     ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(2))
-    config = case_config(arch.model_type, **({"sliding_window": 5} if arch.window_in_config else {}))
+    config = case_config(
+        arch.model_type, **({"sliding_window": 5} if arch.window_in_config else {})
+    )
     with without_sequence_parallel(), local_sequence_parallel(heads_per_chunk=1):
         for lora in (False, True):
             ref, model = model_pair(config, "upipe", seed=5)
@@ -310,7 +399,11 @@ def fused_check(arch) -> str | None:
                 if ref is None:  # no peft here: LoRA cannot be used, nor checked
                     break
                 model.load_state_dict(ref.state_dict())
-            modules = [m for m in model.modules() if type(m).__name__ == arch.attention and unfused_reason(m) is None]
+            modules = [
+                m
+                for m in model.modules()
+                if type(m).__name__ == arch.attention and unfused_reason(m) is None
+            ]
             if not modules:
                 return f"the tiny {arch.model_type} model has no {arch.attention} the fused block takes"
             for module in modules:
@@ -336,7 +429,9 @@ def fused_unavailable(config) -> str | None:
         return f"{model_type} has no fused attention adapter"
     verdict = fused_verdict(arch)
     if not verdict.ok:
-        return (f"the fused block is not verified for {arch.attention} on transformers {installed_version()} "
-                f"({verdict.detail}; it is verified on {', '.join(VERIFIED_RELEASES)}: pip install '{TESTED_RANGE}'), "
-                "so a run keeps the registered 'upipe' path")
+        return (
+            f"the fused block is not verified for {arch.attention} on transformers {installed_version()} "
+            f"({verdict.detail}; it is verified on {', '.join(VERIFIED_RELEASES)}: pip install '{TESTED_RANGE}'), "
+            "so a run keeps the registered 'upipe' path"
+        )
     return None

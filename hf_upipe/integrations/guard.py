@@ -28,7 +28,11 @@ import weakref
 from torch import nn
 
 from hf_upipe.distributed import get_sequence_parallel_state, on_state_change
-from hf_upipe.integrations.call_checks import check_loss_labels, install_call_checks, refuse_generation
+from hf_upipe.integrations.call_checks import (
+    check_loss_labels,
+    install_call_checks,
+    refuse_generation,
+)
 from hf_upipe.integrations.layout import is_adopted
 from hf_upipe.integrations.mixers import is_installed, supported
 from hf_upipe.integrations.support import config_refusal, model_refusal, refusal_error
@@ -37,36 +41,53 @@ __all__ = ["sync_guard", "unprepared_refusal"]
 
 _HANDLE: list = [None]  # the installed global hook's handle
 _IS_MODEL: dict[type, bool] = {}  # class -> whether it is a transformers PreTrainedModel
-_ADMITTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (attn implementation, prepared)
+_ADMITTED: weakref.WeakKeyDictionary = (
+    weakref.WeakKeyDictionary()
+)  # model -> (attn implementation, prepared)
 
 
 def _is_transformers_model(cls: type) -> bool:
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in cls.__mro__)
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+        for c in cls.__mro__
+    )
 
 
 def unprepared_refusal(model: nn.Module, allow_unverified: bool = False) -> str | None:
     """See the module docstring."""
     state = get_sequence_parallel_state()
-    where = (f"{type(model).__name__} was called under sequence parallelism (sp_size="
-             f"{state.sp_size if state is not None else '?'}) without hf_upipe.prepare_model")
-    mixers = sorted({type(m).__name__ for m in model.modules() if supported(m) and not is_installed(m)})
+    where = (
+        f"{type(model).__name__} was called under sequence parallelism (sp_size="
+        f"{state.sp_size if state is not None else '?'}) without hf_upipe.prepare_model"
+    )
+    mixers = sorted(
+        {type(m).__name__ for m in model.modules() if supported(m) and not is_installed(m)}
+    )
     if mixers:
-        return (f"{where}: its {mixers} layers would each mix their rank's shard alone, from a zero state (every "
-                "shard after the first silently wrong). Call model = hf_upipe.prepare_model(model) first "
-                "(UPipeTrainer and UPipePlugin do), which makes them run across the shards.")
+        return (
+            f"{where}: its {mixers} layers would each mix their rank's shard alone, from a zero state (every "
+            "shard after the first silently wrong). Call model = hf_upipe.prepare_model(model) first "
+            "(UPipeTrainer and UPipePlugin do), which makes them run across the shards."
+        )
     # what the support gate refuses whether prepared or not (an unverified type, a mixer hf_upipe does not run)
     config = getattr(model, "config", None)
-    reason = config_refusal(config, allow_unverified=allow_unverified) if config is not None else None
+    reason = (
+        config_refusal(config, allow_unverified=allow_unverified) if config is not None else None
+    )
     reason = reason or model_refusal(model, allow_unverified=allow_unverified)
     if reason is not None:
         return str(refusal_error(reason))
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    attention = any(type(m).__name__.endswith("Attention") and not supported(m) for m in model.modules())
+    attention = any(
+        type(m).__name__.endswith("Attention") and not supported(m) for m in model.modules()
+    )
     if attention and impl != "upipe":
-        return (f"{where}, and its attn_implementation is {impl!r}: each rank would attend within its own shard "
-                "only. Load it with attn_implementation='upipe', or call model = hf_upipe.prepare_model(model) "
-                "(UPipeTrainer and UPipePlugin do). To run a model on whole sequences in this process, call it "
-                "inside `with hf_upipe.without_sequence_parallel():`.")
+        return (
+            f"{where}, and its attn_implementation is {impl!r}: each rank would attend within its own shard "
+            "only. Load it with attn_implementation='upipe', or call model = hf_upipe.prepare_model(model) "
+            "(UPipeTrainer and UPipePlugin do). To run a model on whole sequences in this process, call it "
+            "inside `with hf_upipe.without_sequence_parallel():`."
+        )
     return None
 
 
@@ -83,7 +104,10 @@ def _refuse_unprepared(module: nn.Module, args) -> None:
         return None
     # what the verdict depends on: the attention implementation, and whether prepare_model prepared the model
     # (then its own checks ran) or unprepare_model released it since
-    key = (getattr(getattr(module, "config", None), "_attn_implementation", None), is_adopted(module))
+    key = (
+        getattr(getattr(module, "config", None), "_attn_implementation", None),
+        is_adopted(module),
+    )
     if _ADMITTED.get(module) == key:
         return None
     refuse_generation()
@@ -92,7 +116,9 @@ def _refuse_unprepared(module: nn.Module, args) -> None:
         if reason is not None:
             raise NotImplementedError(reason)
         check_loss_labels(module)  # this call's labels too: its loss runs after this hook
-        install_call_checks(module, prepared=False)  # its later calls' arguments are refused as a prepared one's
+        install_call_checks(
+            module, prepared=False
+        )  # its later calls' arguments are refused as a prepared one's
     _ADMITTED[module] = key
     return None
 

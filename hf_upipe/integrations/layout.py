@@ -32,17 +32,34 @@ from hf_upipe.distributed import validation_failed
 from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
 from hf_upipe.ops.ring import ring_positions
 
-__all__ = ["TensorCache", "adopt_modules", "mask_agrees", "model_positions", "note_model_positions",
-           "release_modules", "validate_layout", "with_model_documents", "without_documents"]
+__all__ = [
+    "TensorCache",
+    "adopt_modules",
+    "mask_agrees",
+    "model_positions",
+    "note_model_positions",
+    "release_modules",
+    "validate_layout",
+    "with_model_documents",
+    "without_documents",
+]
 
 
-def mask_agrees(mask_function, b: int, q_idx: torch.Tensor, kv_idx: torch.Tensor, expected: torch.Tensor) -> bool:
+def mask_agrees(
+    mask_function, b: int, q_idx: torch.Tensor, kv_idx: torch.Tensor, expected: torch.Tensor
+) -> bool:
     """Whether the vectorised mask function equals `expected` at the (q_idx, kv_idx) pairs [n] of row b."""
     try:
         got = mask_function(torch.full_like(q_idx, b), torch.zeros_like(q_idx), q_idx, kv_idx)
-    except (IndexError, RuntimeError, TypeError):  # a mask function that cannot be probed: no agreement
+    except (
+        IndexError,
+        RuntimeError,
+        TypeError,
+    ):  # a mask function that cannot be probed: no agreement
         return False
-    return torch.equal(torch.as_tensor(got, device=expected.device).bool().expand_as(expected), expected)
+    return torch.equal(
+        torch.as_tensor(got, device=expected.device).bool().expand_as(expected), expected
+    )
 
 
 def _agrees_with_documents(mask_function, doc: torch.Tensor, max_points: int = 24) -> bool:
@@ -56,10 +73,14 @@ def _agrees_with_documents(mask_function, doc: torch.Tensor, max_points: int = 2
     doc = doc.cpu()  # [B, s]
     for b in range(B):
         row = doc[b]
-        starts = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()  # local document starts
+        starts = (
+            torch.nonzero(row[1:] != row[:-1]).flatten() + 1
+        ).tolist()  # local document starts
         if len(starts) > max_points:
             starts = [starts[i * len(starts) // max_points] for i in range(max_points)]
-        points = torch.tensor(sorted(({0, 1, s // 2, s - 1} | set(starts) | {a - 1 for a in starts}) & set(range(s))))
+        points = torch.tensor(
+            sorted(({0, 1, s // 2, s - 1} | set(starts) | {a - 1 for a in starts}) & set(range(s)))
+        )
         q_idx, kv_idx = (t.flatten() for t in torch.meshgrid(points, points, indexing="ij"))
         expected = (q_idx >= kv_idx) & (row[q_idx] == row[kv_idx])  # [n]
         if not mask_agrees(mask_function, b, q_idx, kv_idx, expected):
@@ -71,7 +92,9 @@ def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
     """[n] on every rank -> [P, n] (a small int64 vector; gloo wants a flat output buffer)."""
     P = dist.get_world_size(group)
     out = torch.empty(P * t.numel(), dtype=t.dtype, device=t.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13 renames it
+    gather = (
+        getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    )  # torch >= 2.13 renames it
     gather(out, t.contiguous(), group=group)
     return out.view(P, t.numel())
 
@@ -79,23 +102,31 @@ def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
 def _gather_checked(t: torch.Tensor, state) -> torch.Tensor:
     """`_all_gather` of a small int64 summary over the SP group's validation twin (gloo, CPU, bounded wait)."""
     group = state.check_group if state.check_group is not None else state.sp_group
-    if group is None and state.sp_size == 1:  # a rank of its own (`local_sequence_parallel`): nothing to gather
+    if (
+        group is None and state.sp_size == 1
+    ):  # a rank of its own (`local_sequence_parallel`): nothing to gather
         return t.reshape(1, -1)
     try:
         out = _all_gather(t.cpu() if state.check_group is not None else t, group)
     except (RuntimeError, dist.DistError) as err:
-        raise validation_failed(err, "the layout check of the attention (one all-gather per forward)") from None
+        raise validation_failed(
+            err, "the layout check of the attention (one all-gather per forward)"
+        ) from None
     return out.to(t.device)
 
 
-def _local_documents(cu: torch.Tensor, r: int, s: int, P: int, B: int, device) -> torch.Tensor | None:
+def _local_documents(
+    cu: torch.Tensor, r: int, s: int, P: int, B: int, device
+) -> torch.Tensor | None:
     """Document ids [B, s] and their per-document positions [B, s] of rank r's tokens from the global
     `upipe_cu_seqlens` (boundaries over the flattened [B * P*s] batch); None when it is malformed."""
     cu = cu.to(device=device, dtype=torch.long).reshape(-1)  # [N+1]
     S = s * P
     if cu_seqlens_error(cu, B, S) is not None:
         return None
-    g = torch.arange(B, device=device)[:, None] * S + r * s + torch.arange(s, device=device)  # [B, s] flat index
+    g = (
+        torch.arange(B, device=device)[:, None] * S + r * s + torch.arange(s, device=device)
+    )  # [B, s] flat index
     doc = torch.searchsorted(cu, g, right=True) - 1  # [B, s]
     return torch.stack([doc, g - cu[doc]])  # [2, B, s]
 
@@ -104,10 +135,14 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _dtype_code(dtype) -> int:
-    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + sum(map(ord, str(dtype)))  # deterministic
+    return (
+        _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + sum(map(ord, str(dtype)))
+    )  # deterministic
 
 
-def _layout_summary(state, position_ids, mask, batch, local_len, device, documents, dtype=None) -> torch.Tensor:
+def _layout_summary(
+    state, position_ids, mask, batch, local_len, device, documents, dtype=None
+) -> torch.Tensor:
     """This rank's facts as int64 [15]: s, B, mask ok, positions ok, padding ok locally, any pad, all pads
     (every row all padding), positions restarting locally, documents given, two checksums of them, the dtype,
     whether the model's mask here ignores / keeps the documents (positions restart locally and the mask is plain
@@ -115,15 +150,25 @@ def _layout_summary(state, position_ids, mask, batch, local_len, device, documen
     r, s = state.sp_rank, local_len
     pad = None if mask is None else mask.padding
     mask_len = s if pad is None else int(pad.shape[-1])
-    if mask_len != s:  # a mask of another length (the whole sequence's?): named after the gather, not used here
+    if (
+        mask_len != s
+    ):  # a mask of another length (the whole sequence's?): named after the gather, not used here
         pad = None
     pos = None  # [B, s] when usable; anything else fails the position check on every rank (no local raise)
-    if position_ids is not None and position_ids.dim() in (1, 2) and position_ids.shape[-1] == s \
-            and position_ids.reshape(-1, s).shape[0] in (1, batch):
+    if (
+        position_ids is not None
+        and position_ids.dim() in (1, 2)
+        and position_ids.shape[-1] == s
+        and position_ids.reshape(-1, s).shape[0] in (1, batch)
+    ):
         pos = position_ids.reshape(-1, s).expand(batch, s)  # [B, s]
     restart = False
-    expected = ring_positions(r, s, state.sp_size, state.ring_size, pos.device if pos is not None else device)
-    if pos is not None:  # between two real tokens, a position that does not continue (in ring order): a new document
+    expected = ring_positions(
+        r, s, state.sp_size, state.ring_size, pos.device if pos is not None else device
+    )
+    if (
+        pos is not None
+    ):  # between two real tokens, a position that does not continue (in ring order): a new document
         jump = pos[:, 1:] - pos[:, :-1] != expected[1:] - expected[:-1]  # [B, s-1]
         restart = bool((jump if pad is None else jump & pad[:, 1:] & pad[:, :-1]).any())
     if documents is None:
@@ -131,15 +176,30 @@ def _layout_summary(state, position_ids, mask, batch, local_len, device, documen
         pos_ok = pos is not None and bool((pos == expected).all())
         given, sums = 0, (0, 0)
     else:
-        local = _local_documents(documents, r, s, state.sp_size, batch, pos.device if pos is not None else device)
+        local = _local_documents(
+            documents, r, s, state.sp_size, batch, pos.device if pos is not None else device
+        )
         pos_ok = local is not None and pos is not None and bool((pos == local[1]).all())
-        agrees = (mask is not None and not mask.plain_causal and local is not None
-                  and mask.mask_function is not None and _agrees_with_documents(mask.mask_function, local[0]))
+        agrees = (
+            mask is not None
+            and not mask.plain_causal
+            and local is not None
+            and mask.mask_function is not None
+            and _agrees_with_documents(mask.mask_function, local[0])
+        )
         mask_ok = mask is None or mask.plain_causal or agrees
         cu = documents.reshape(-1).to(torch.long)
-        given, sums = 1, (int(cu.numel()), int((cu * (torch.arange(cu.numel(), device=cu.device) % 7919 + 1)).sum()))
+        given, sums = (
+            1,
+            (
+                int(cu.numel()),
+                int((cu * (torch.arange(cu.numel(), device=cu.device) % 7919 + 1)).sum()),
+            ),
+        )
     across = apart = False
-    if documents is not None and restart and mask is not None:  # the model's mask met a document start here
+    if (
+        documents is not None and restart and mask is not None
+    ):  # the model's mask met a document start here
         # (given a 2-D attention_mask transformers never looks for documents, in any model: the mask tells nothing)
         across, apart = mask.plain_causal and not mask.mask_given, agrees
     if pad is None:
@@ -148,13 +208,39 @@ def _layout_summary(state, position_ids, mask, batch, local_len, device, documen
         # ones-then-zeros in every row: once a row has a zero, it stays zero
         form_ok = not left_padded_rows(pad)
         any_pad, all_pad = bool((~pad).any()), bool((~pad).all())
-    return torch.tensor([s, batch, mask_ok, pos_ok, form_ok, any_pad, all_pad, restart, given, *sums,
-                         _dtype_code(dtype), across, apart, mask_len],
-                        dtype=torch.long, device=device)
+    return torch.tensor(
+        [
+            s,
+            batch,
+            mask_ok,
+            pos_ok,
+            form_ok,
+            any_pad,
+            all_pad,
+            restart,
+            given,
+            *sums,
+            _dtype_code(dtype),
+            across,
+            apart,
+            mask_len,
+        ],
+        dtype=torch.long,
+        device=device,
+    )
 
 
-def _check_layout(state, position_ids, mask, batch, local_len, device, documents=None, dtype=None,
-                  across_documents: bool = False) -> bool:
+def _check_layout(
+    state,
+    position_ids,
+    mask,
+    batch,
+    local_len,
+    device,
+    documents=None,
+    dtype=None,
+    across_documents: bool = False,
+) -> bool:
     """Validate the global layout with one all-gather every rank enters; raise the same error on every rank.
 
     `documents`: `upipe_cu_seqlens` (int32 [N+1] over the flattened full batch) for packed rows, else None.
@@ -163,18 +249,38 @@ def _check_layout(state, position_ids, mask, batch, local_len, device, documents
     """
     mine = _layout_summary(state, position_ids, mask, batch, local_len, device, documents, dtype)
     every = _gather_checked(mine, state)  # [P, 15]
-    (s, B, mask_ok, pos_ok, form_ok, any_pad, all_pad, restart, given, n_cu, sum_cu, dtypes, across,
-     apart, mask_len) = every.t().tolist()
+    (
+        s,
+        B,
+        mask_ok,
+        pos_ok,
+        form_ok,
+        any_pad,
+        all_pad,
+        restart,
+        given,
+        n_cu,
+        sum_cu,
+        dtypes,
+        across,
+        apart,
+        mask_len,
+    ) = every.t().tolist()
     if any(length != local for length, local in zip(mask_len, s)):
         bad = [i for i, (length, local) in enumerate(zip(mask_len, s)) if length != local]
         raise ValueError(
             f"attention_mask has {[mask_len[i] for i in bad]} tokens per row on SP ranks {bad}, but their input_ids "
             f"hold a shard of {s[bad[0]]} tokens: pass each rank its shard of the attention_mask too "
-            "(hf_upipe.shard_batch({'input_ids': ..., 'attention_mask': ...}, rank, sp_size) cuts both).")
+            "(hf_upipe.shard_batch({'input_ids': ..., 'attention_mask': ...}, rank, sp_size) cuts both)."
+        )
     if len(set(dtypes)) > 1:
-        names = [str(_DTYPES[c]).replace("torch.", "") if c < len(_DTYPES) else "other" for c in dtypes]
-        raise ValueError(f"Sequence-parallel ranks compute attention in different dtypes ({names} by SP rank): "
-                         "load the model with the same dtype (and autocast) on every rank.")
+        names = [
+            str(_DTYPES[c]).replace("torch.", "") if c < len(_DTYPES) else "other" for c in dtypes
+        ]
+        raise ValueError(
+            f"Sequence-parallel ranks compute attention in different dtypes ({names} by SP rank): "
+            "load the model with the same dtype (and autocast) on every rank."
+        )
     if len(set(s)) > 1 or len(set(B)) > 1:
         raise ValueError(
             f"Sequence-parallel ranks got different shard shapes: local lengths {s}, batch sizes {B}. Every rank "
@@ -188,9 +294,11 @@ def _check_layout(state, position_ids, mask, batch, local_len, device, documents
             "as hf_upipe.shard_batch returns them for a packed batch."
         )
     if given[0] and state.ring_size > 1:
-        raise NotImplementedError(f"Packed rows (upipe_cu_seqlens) are not implemented with ring attention "
-                                  f"(ring_size={state.ring_size}): pad each document to its own row, or use "
-                                  "ring_size=1.")
+        raise NotImplementedError(
+            f"Packed rows (upipe_cu_seqlens) are not implemented with ring attention "
+            f"(ring_size={state.ring_size}): pad each document to its own row, or use "
+            "ring_size=1."
+        )
     if not given[0] and any(restart):
         raise ValueError(
             f"position_ids restart inside the shards of SP ranks {[i for i, x in enumerate(restart) if x]}: packed "
@@ -206,16 +314,23 @@ def _check_layout(state, position_ids, mask, batch, local_len, device, documents
                 f"... over the flattened batch of {B[0]} rows of {s[0] * state.sp_size} tokens), or upipe_cu_seqlens "
                 "is malformed: pass the shard of hf_upipe.shard_batch unchanged (position_ids, upipe_cu_seqlens)."
             )
-        where = (f"rank r must pass r*{s[0]} .. r*{s[0]}+{s[0] - 1}). Pass position_ids=torch.arange(S)[r*s:(r+1)*s]"
-                 " with each shard" if state.ring_size == 1 else
-                 f"with ring_size={state.ring_size} rank r must pass hf_upipe.ops.ring.ring_positions(r, {s[0]}, "
-                 f"{state.sp_size}, {state.ring_size}), as hf_upipe.shard_batch does)")
+        where = (
+            f"rank r must pass r*{s[0]} .. r*{s[0]}+{s[0] - 1}). Pass position_ids=torch.arange(S)[r*s:(r+1)*s]"
+            " with each shard"
+            if state.ring_size == 1
+            else f"with ring_size={state.ring_size} rank r must pass hf_upipe.ops.ring.ring_positions(r, {s[0]}, "
+            f"{state.sp_size}, {state.ring_size}), as hf_upipe.shard_batch does)"
+        )
         raise ValueError(
             f"position_ids on SP ranks {bad} are not the global positions of their shard ({where}; "
             "per-shard positions starting at 0 break RoPE and causality. Packed rows (positions restarting) need "
             "hf_upipe.shard_batch, which adds their document boundaries ('upipe_cu_seqlens')."
-            + ("" if position_ids is not None else " (This model's attention receives no position_ids: call "
-               "hf_upipe.prepare_model(model) so that they are checked where the model receives them.)")
+            + (
+                ""
+                if position_ids is not None
+                else " (This model's attention receives no position_ids: call "
+                "hf_upipe.prepare_model(model) so that they are checked where the model receives them.)"
+            )
         )
     if not all(mask_ok):
         raise NotImplementedError(
@@ -233,7 +348,7 @@ def _check_layout(state, position_ids, mask, batch, local_len, device, documents
     elif any(any_pad):
         # rows must be ones-then-zeros across ranks: after the first rank with padding, only full padding
         first = next(i for i, a in enumerate(any_pad) if a)
-        if not all(all_pad[first + 1:]):
+        if not all(all_pad[first + 1 :]):
             _check_rows_trailing(state, mask, batch, device)
     if not given[0]:
         return True
@@ -254,7 +369,9 @@ def _warn_across_documents() -> None:
             "This model builds its attention mask without position_ids, so on one device (sdpa, eager) the tokens "
             "of a packed row attend across its documents; under sequence parallelism hf_upipe does exactly the same "
             "(upipe_cu_seqlens only checks the position_ids). To keep documents apart, pad rows instead of "
-            "packing them.", stacklevel=3)
+            "packing them.",
+            stacklevel=3,
+        )
 
 
 class TensorCache:
@@ -270,7 +387,10 @@ class TensorCache:
 
     def set(self, tensor, value) -> None:
         key = id(tensor)
-        self._entries[key] = (weakref.ref(tensor, lambda _, key=key: self._entries.pop(key, None)), value)
+        self._entries[key] = (
+            weakref.ref(tensor, lambda _, key=key: self._entries.pop(key, None)),
+            value,
+        )
 
 
 # position_ids tensor -> (state, mask, documents, (B, s)) it was validated with: the layout is checked once per model
@@ -278,8 +398,17 @@ class TensorCache:
 _VALIDATED = TensorCache()
 
 
-def validate_layout(state, position_ids, mask, batch, local_len, device, documents=None, dtype=None,
-                    across_documents: bool = False) -> bool:
+def validate_layout(
+    state,
+    position_ids,
+    mask,
+    batch,
+    local_len,
+    device,
+    documents=None,
+    dtype=None,
+    across_documents: bool = False,
+) -> bool:
     """`_check_layout` once per model forward instead of once per layer (every rank raises the same error).
 
     The first attention layer of a forward checks, with one all-gather; later layers, and the recompute of
@@ -291,14 +420,22 @@ def validate_layout(state, position_ids, mask, batch, local_len, device, documen
     restart under a plain causal mask) attends across the documents of a packed row on one device; the caller then
     drops `upipe_cu_seqlens`, so that SP computes exactly that, and a warning says so once.
     """
-    if position_ids is None:  # an attention call without them (GPT-BigCode, Persimmon, CTRL...): the model's own
+    if (
+        position_ids is None
+    ):  # an attention call without them (GPT-BigCode, Persimmon, CTRL...): the model's own
         position_ids = model_positions()
     seen = _VALIDATED.get(position_ids) if isinstance(position_ids, torch.Tensor) else None
-    if seen is not None and seen[0] is state and seen[1] is mask and seen[2] is documents \
-            and seen[3] == (batch, local_len):
+    if (
+        seen is not None
+        and seen[0] is state
+        and seen[1] is mask
+        and seen[2] is documents
+        and seen[3] == (batch, local_len)
+    ):
         return seen[4]
-    keep_apart = _check_layout(state, position_ids, mask, batch, local_len, device, documents, dtype,
-                               across_documents)
+    keep_apart = _check_layout(
+        state, position_ids, mask, batch, local_len, device, documents, dtype, across_documents
+    )
     if isinstance(position_ids, torch.Tensor):
         _VALIDATED.set(position_ids, (state, mask, documents, (batch, local_len), keep_apart))
     return keep_apart
@@ -309,9 +446,17 @@ def without_documents(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k not in ("upipe_cu_seqlens", "upipe_max_seqlen")}
 
 
-_MODEL_POSITIONS: list = [None]  # a weak reference to the position_ids of the latest call of a prepared model
-_MODEL_DOCUMENTS: list = [None, None, None]  # and to its upipe_cu_seqlens, its upipe_max_seqlen, and the model
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module of a prepared model -> weakref(model)
+_MODEL_POSITIONS: list = [
+    None
+]  # a weak reference to the position_ids of the latest call of a prepared model
+_MODEL_DOCUMENTS: list = [
+    None,
+    None,
+    None,
+]  # and to its upipe_cu_seqlens, its upipe_max_seqlen, and the model
+_OWNERS: weakref.WeakKeyDictionary = (
+    weakref.WeakKeyDictionary()
+)  # module of a prepared model -> weakref(model)
 
 
 def adopt_modules(model) -> None:
@@ -336,9 +481,14 @@ def note_model_positions(position_ids, documents=None, max_seqlen=None, model=No
     """Record the position_ids (and `upipe_cu_seqlens` / `upipe_max_seqlen`) a prepared model was called with
     (`hf_upipe.prepare_model`'s pre-hook): the layout check uses them for attention calls that do not receive them
     themselves. Kept weakly, so the tensors die with the batch; a checkpoint recompute finds the same tensors."""
-    _MODEL_POSITIONS[0] = weakref.ref(position_ids) if isinstance(position_ids, torch.Tensor) else None
-    _MODEL_DOCUMENTS[:] = ([weakref.ref(documents), max_seqlen, None if model is None else weakref.ref(model)]
-                           if isinstance(documents, torch.Tensor) else [None, None, None])
+    _MODEL_POSITIONS[0] = (
+        weakref.ref(position_ids) if isinstance(position_ids, torch.Tensor) else None
+    )
+    _MODEL_DOCUMENTS[:] = (
+        [weakref.ref(documents), max_seqlen, None if model is None else weakref.ref(model)]
+        if isinstance(documents, torch.Tensor)
+        else [None, None, None]
+    )
 
 
 def with_model_documents(kwargs: dict, module=None) -> dict:
@@ -369,14 +519,21 @@ def _check_ring_rows_trailing(state, mask, batch, local_len, device) -> None:
     """With a ring: per row, every padded token comes after every real token in global positions (second, rare
     all-gather of each rank's last real and first padded position per row)."""
     pos = ring_positions(state.sp_rank, local_len, state.sp_size, state.ring_size, device)  # [s]
-    real = mask.padding if mask is not None and mask.padding is not None else \
-        torch.ones(batch, local_len, dtype=torch.bool, device=device)  # [B, s], True on real tokens
+    real = (
+        mask.padding
+        if mask is not None and mask.padding is not None
+        else torch.ones(batch, local_len, dtype=torch.bool, device=device)
+    )  # [B, s], True on real tokens
     last_real = torch.where(real, pos, -1).amax(-1)  # [B]
     first_pad = torch.where(real, local_len * state.sp_size, pos).amin(-1)  # [B]
-    every = _gather_checked(torch.cat([last_real, first_pad]).long(), state).view(-1, 2, batch)  # [P, 2, B]
+    every = _gather_checked(torch.cat([last_real, first_pad]).long(), state).view(
+        -1, 2, batch
+    )  # [P, 2, B]
     if bool((every[:, 0].amax(0) > every[:, 1].amin(0)).any()):
-        raise ValueError("attention_mask has interior padding across sequence shards (a padded stretch followed by "
-                         "real tokens): pad on the right (padding_side='right') with labels -100, or do not pad.")
+        raise ValueError(
+            "attention_mask has interior padding across sequence shards (a padded stretch followed by "
+            "real tokens): pad on the right (padding_side='right') with labels -100, or do not pad."
+        )
 
 
 def _check_rows_trailing(state, mask, batch, device) -> None:
@@ -384,7 +541,9 @@ def _check_rows_trailing(state, mask, batch, device) -> None:
     pad = mask.padding if mask is not None and mask.padding is not None else None
     ones = pad.sum(-1) if pad is not None else torch.full((batch,), -1, device=device)
     length = pad.shape[-1] if pad is not None else 0
-    mine = torch.where(ones == length, torch.full_like(ones, -1), ones).long()  # -1: row has no padding here
+    mine = torch.where(
+        ones == length, torch.full_like(ones, -1), ones
+    ).long()  # -1: row has no padding here
     every = _gather_checked(mine, state)  # [P, B]
     for row in every.t().tolist():
         started = False

@@ -63,11 +63,11 @@ class _ExactIterableShard(IterableDatasetShard):
             buffer.append(element)
             if len(buffer) == size * self.num_processes:
                 self.round_sizes.append(len(buffer))
-                yield from buffer[first:first + size]
+                yield from buffer[first : first + size]
                 buffer = []
         if buffer and not self.drop_last:
             self.round_sizes.append(len(buffer))
-            yield from buffer[first:first + size]
+            yield from buffer[first : first + size]
 
 
 def share_batches_within_sp(dataloader, state: SequenceParallelState, *, evaluation: bool = False):
@@ -83,29 +83,50 @@ def share_batches_within_sp(dataloader, state: SequenceParallelState, *, evaluat
             accelerate's sharding, one whose batches accelerate splits (`split_batches=True`), or one driven by a
             rank-aware batch sampler.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1 or (state.sp_size == 1 and not evaluation):
+    if (
+        not dist.is_initialized()
+        or dist.get_world_size() == 1
+        or (state.sp_size == 1 and not evaluation)
+    ):
         return dataloader  # nothing to re-point: accelerate's own sharding is right
     if isinstance(dataloader, DataLoaderDispatcher):
-        raise NotImplementedError("hf_upipe cannot shard batches dispatched from rank 0: set dispatch_batches=False "
-                                  "(DataLoaderConfiguration / TrainingArguments accelerator_config).")
+        raise NotImplementedError(
+            "hf_upipe cannot shard batches dispatched from rank 0: set dispatch_batches=False "
+            "(DataLoaderConfiguration / TrainingArguments accelerator_config)."
+        )
     batch_sampler = getattr(dataloader, "batch_sampler", None)
-    candidates = (batch_sampler, getattr(batch_sampler, "batch_sampler", None), getattr(dataloader, "dataset", None))
-    shard = next((c for c in candidates if isinstance(c, (BatchSamplerShard, IterableDatasetShard))), None)
+    candidates = (
+        batch_sampler,
+        getattr(batch_sampler, "batch_sampler", None),
+        getattr(dataloader, "dataset", None),
+    )
+    shard = next(
+        (c for c in candidates if isinstance(c, (BatchSamplerShard, IterableDatasetShard))), None
+    )
     if shard is None:
         raise NotImplementedError(
             f"hf_upipe could not find accelerate's batch sharding in a {type(dataloader).__name__}: pass the "
-            "dataloader through accelerator.prepare (UPipePlugin.prepare does).")
-    if getattr(shard, "upipe_replica", None) is None:  # not re-pointed yet (this function is idempotent)
+            "dataloader through accelerator.prepare (UPipePlugin.prepare does)."
+        )
+    if (
+        getattr(shard, "upipe_replica", None) is None
+    ):  # not re-pointed yet (this function is idempotent)
         if getattr(shard, "split_batches", False):
-            raise NotImplementedError("hf_upipe gives every rank of an SP group whole batches: set "
-                                      "split_batches=False (DataLoaderConfiguration / TrainingArguments "
-                                      "accelerator_config).")
-        if isinstance(shard, BatchSamplerShard) and shard.num_processes == 1:  # a rank-aware batch sampler
+            raise NotImplementedError(
+                "hf_upipe gives every rank of an SP group whole batches: set "
+                "split_batches=False (DataLoaderConfiguration / TrainingArguments "
+                "accelerator_config)."
+            )
+        if (
+            isinstance(shard, BatchSamplerShard) and shard.num_processes == 1
+        ):  # a rank-aware batch sampler
             if state.sp_size == 1 and not evaluation:
                 return dataloader
-            raise NotImplementedError(f"The batch sampler {type(shard.batch_sampler).__name__} is already "
-                                      "rank-aware (it shards batches itself): hf_upipe cannot re-point it to the SP "
-                                      "groups; use the default sampling strategy.")
+            raise NotImplementedError(
+                f"The batch sampler {type(shard.batch_sampler).__name__} is already "
+                "rank-aware (it shards batches itself): hf_upipe cannot re-point it to the SP "
+                "groups; use the default sampling strategy."
+            )
         shard.num_processes, shard.process_index = state.dp_size, state.dp_rank
         shard.upipe_replica = (state.dp_rank, state.dp_size)
     if evaluation:
@@ -120,8 +141,11 @@ def share_batches_within_sp(dataloader, state: SequenceParallelState, *, evaluat
 
 def _recorder(dataloader):
     batch_sampler = getattr(dataloader, "batch_sampler", None)
-    for candidate in (batch_sampler, getattr(batch_sampler, "batch_sampler", None),
-                      getattr(dataloader, "dataset", None)):
+    for candidate in (
+        batch_sampler,
+        getattr(batch_sampler, "batch_sampler", None),
+        getattr(dataloader, "dataset", None),
+    ):
         if isinstance(candidate, (_RecordingBatchSampler, _ExactIterableShard)):
             return candidate
     return None
@@ -140,5 +164,10 @@ def eval_rounds(dataloader, dp_size: int) -> list[int]:
         sizes = recorder.sizes
         if getattr(recorder, "drop_last", False):  # accelerate yields complete rounds only
             sizes = sizes[: len(sizes) // dp_size * dp_size]
-        return [sum(sizes[g * dp_size:(g + 1) * dp_size]) for g in range(math.ceil(len(sizes) / dp_size))]
-    raise RuntimeError("eval_rounds needs a loader prepared by share_batches_within_sp(..., evaluation=True).")
+        return [
+            sum(sizes[g * dp_size : (g + 1) * dp_size])
+            for g in range(math.ceil(len(sizes) / dp_size))
+        ]
+    raise RuntimeError(
+        "eval_rounds needs a loader prepared by share_batches_within_sp(..., evaluation=True)."
+    )

@@ -61,12 +61,19 @@ def output_head(model: nn.Module) -> tuple[nn.Linear, nn.Module]:
     base = base_model(base)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if head is None:
-        raise NotImplementedError(f"{type(base).__name__} has no output embeddings (lm_head): the tiled loss needs a "
-                                  "causal LM; set tiled_loss=False.")
-    if hasattr(head, "modules_to_save") and hasattr(head, "original_module"):  # PEFT modules_to_save=["lm_head"]
+        raise NotImplementedError(
+            f"{type(base).__name__} has no output embeddings (lm_head): the tiled loss needs a "
+            "causal LM; set tiled_loss=False."
+        )
+    if hasattr(head, "modules_to_save") and hasattr(
+        head, "original_module"
+    ):  # PEFT modules_to_save=["lm_head"]
         active = [a for a in getattr(head, "active_adapters", []) if a in head.modules_to_save]
-        inner = head.original_module if getattr(head, "disable_adapters", False) or not active \
+        inner = (
+            head.original_module
+            if getattr(head, "disable_adapters", False) or not active
             else head.modules_to_save[active[0]]
+        )
         if type(inner) is nn.Linear:
             return inner, head  # read the active copy's weight, hook the wrapper the model calls
         head = inner
@@ -126,8 +133,13 @@ def shard_loss_sum(
         model returned (its logits are [B, 0, V] on the tiled path).
     """
     if not tiled:
-        outputs = model(**inputs, labels=shift_labels, shift_labels=shift_labels, num_items_in_batch=1,
-                        ignore_index=ignore_index)
+        outputs = model(
+            **inputs,
+            labels=shift_labels,
+            shift_labels=shift_labels,
+            num_items_in_batch=1,
+            ignore_index=ignore_index,
+        )
         return outputs.loss.float(), outputs
     head, called = output_head(model)
     ids = inputs.get("input_ids")
@@ -136,29 +148,46 @@ def shard_loss_sum(
     with _record_head_input(called, probe) as recorded:
         outputs = model(**inputs)
     if len(recorded) != 1:
-        raise RuntimeError(f"The lm_head ran {len(recorded)} times in one forward; the tiled loss expects exactly "
-                           "once (set tiled_loss=False for this model).")
+        raise RuntimeError(
+            f"The lm_head ran {len(recorded)} times in one forward; the tiled loss expects exactly "
+            "once (set tiled_loss=False for this model)."
+        )
     hidden = recorded[0]  # [B, s, Dm] final-norm output
     config = getattr(base_model(_unwrap(model)), "config", None)
     softcap = getattr(config, "final_logit_softcapping", None)
     scale = logit_multiplier(config) if config is not None else 1.0
     if probe:
         _check_logits(outputs, hidden[..., :probe, :], head, scale, softcap, config)
-        outputs["logits"] = outputs.logits[..., :0, :].clone()  # [B, 0, V] as on every later call (no view)
+        outputs["logits"] = outputs.logits[
+            ..., :0, :
+        ].clone()  # [B, 0, V] as on every later call (no view)
     weight_dtype = head.weight.dtype
     bias = head.bias if scale == 1.0 or head.bias is None else head.bias * scale
     # scale * (h W^T + b) = (scale * h) W^T + scale * b: the model's logit scaling on the tiles' input
-    scaled = hidden.to(weight_dtype) if scale == 1.0 else hidden.to(weight_dtype) * scale  # [B, s, Dm]
-    loss_sum, _ = tiled_cross_entropy(scaled, head.weight, shift_labels, bias=bias, chunk_tokens=chunk_tokens,
-                                      ignore_index=ignore_index, logit_softcap=softcap)
+    scaled = (
+        hidden.to(weight_dtype) if scale == 1.0 else hidden.to(weight_dtype) * scale
+    )  # [B, s, Dm]
+    loss_sum, _ = tiled_cross_entropy(
+        scaled,
+        head.weight,
+        shift_labels,
+        bias=bias,
+        chunk_tokens=chunk_tokens,
+        ignore_index=ignore_index,
+        logit_softcap=softcap,
+    )
     return loss_sum, outputs
 
 
 _PROBE_TOKENS = 2
-_CHECKED_HEADS: weakref.WeakSet = weakref.WeakSet()  # lm_heads whose model's logits the tiled loss reproduces
+_CHECKED_HEADS: weakref.WeakSet = (
+    weakref.WeakSet()
+)  # lm_heads whose model's logits the tiled loss reproduces
 
 
-def _check_logits(outputs, probe_hidden: torch.Tensor, head: nn.Linear, scale: float, softcap, config) -> None:
+def _check_logits(
+    outputs, probe_hidden: torch.Tensor, head: nn.Linear, scale: float, softcap, config
+) -> None:
     """Once per lm_head: the model's own logits of the first tokens [B, p, V] must be what the tiled loss computes
     from the head's input (scaling, soft-capping); anything else the model does to its logits is refused. Fake
     tensors (the planner) have no values to compare: nothing is checked."""
@@ -166,13 +195,22 @@ def _check_logits(outputs, probe_hidden: torch.Tensor, head: nn.Linear, scale: f
         _CHECKED_HEADS.add(head)  # as a real run after its check
         return
     with torch.no_grad():
-        ours = torch.nn.functional.linear(probe_hidden.to(head.weight.dtype), head.weight, head.bias).float() * scale
+        ours = (
+            torch.nn.functional.linear(
+                probe_hidden.to(head.weight.dtype), head.weight, head.bias
+            ).float()
+            * scale
+        )
         if softcap:
             ours = softcap * torch.tanh(ours / softcap)
         got = outputs.logits.detach().float()
-        agree = got.shape == ours.shape and bool(((got - ours).abs().max() <= 1e-2 * ours.abs().max() + 1e-6))
+        agree = got.shape == ours.shape and bool(
+            ((got - ours).abs().max() <= 1e-2 * ours.abs().max() + 1e-6)
+        )
     state = get_sequence_parallel_state()
-    if state is not None and state.check_group is not None:  # the same verdict on every rank of the SP group
+    if (
+        state is not None and state.check_group is not None
+    ):  # the same verdict on every rank of the SP group
         flag = torch.tensor([int(agree)])
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=state.check_group)
@@ -186,5 +224,6 @@ def _check_logits(outputs, probe_hidden: torch.Tensor, head: nn.Linear, scale: f
             f"{'times ' + format(scale, 'g') + ' ' if scale != 1.0 else ''}"
             f"{'soft-capped ' if softcap else ''}(the model changes them in a way the tiled loss does not know), so "
             "the tiled loss would compute another loss. Set tiled_loss=False (UPipeConfig / UPIPE_TILED_LOSS=0): the "
-            "model's own loss is used then.")
+            "model's own loss is used then."
+        )
     _CHECKED_HEADS.add(head)

@@ -26,26 +26,48 @@ __all__ = ["HALO_MIXERS", "MIXERS", "MIXER_MODEL_TYPES", "mixer_check", "mixer_v
 
 # mixer class -> fingerprints of its forward in the verified releases (`hf_upipe.verification.VERIFIED_RELEASES`);
 # it reads the cache the way `ShardCache` serves it
-_MAMBA2 = ("691f3ca98636d473", "c215be341ddf22ff")  # the Mamba2 mixers of Bamba, Nemotron-H, Granite 4, ...
-_DELTA = ("8f31ae7d35daf534", "08cf65a63ca582a2")  # Qwen3.5's gated DeltaNet (and the types that copy it)
-MIXERS = {"Qwen3NextGatedDeltaNet": ("177c5d3df989a7b4", "d97f22719fb58479"), "Qwen3_5GatedDeltaNet": _DELTA,
-          "Qwen3_5MoeGatedDeltaNet": _DELTA, "Qwen4ExpTextGatedDeltaNet": _DELTA,
-          "OlmoHybridGatedDeltaNet": ("167004f14399b33e", "bc540b7a213f93d0"),
-          "BailingHybridDeltaAttention": ("cd86b9f6aaf59e3c", "aa638068a776c7df"),
-          "BambaMixer": _MAMBA2, "NemotronHMamba2Mixer": _MAMBA2, "GraniteMoeHybridMambaLayer": _MAMBA2,
-          "Mamba2Mixer": _MAMBA2, "Zamba2MambaMixer": _MAMBA2,
-          "FalconH1Mixer": ("8274bd4cb6961bb4", "d0ddba7970a9ddd1")}
+_MAMBA2 = (
+    "691f3ca98636d473",
+    "c215be341ddf22ff",
+)  # the Mamba2 mixers of Bamba, Nemotron-H, Granite 4, ...
+_DELTA = (
+    "8f31ae7d35daf534",
+    "08cf65a63ca582a2",
+)  # Qwen3.5's gated DeltaNet (and the types that copy it)
+MIXERS = {
+    "Qwen3NextGatedDeltaNet": ("177c5d3df989a7b4", "d97f22719fb58479"),
+    "Qwen3_5GatedDeltaNet": _DELTA,
+    "Qwen3_5MoeGatedDeltaNet": _DELTA,
+    "Qwen4ExpTextGatedDeltaNet": _DELTA,
+    "OlmoHybridGatedDeltaNet": ("167004f14399b33e", "bc540b7a213f93d0"),
+    "BailingHybridDeltaAttention": ("cd86b9f6aaf59e3c", "aa638068a776c7df"),
+    "BambaMixer": _MAMBA2,
+    "NemotronHMamba2Mixer": _MAMBA2,
+    "GraniteMoeHybridMambaLayer": _MAMBA2,
+    "Mamba2Mixer": _MAMBA2,
+    "Zamba2MambaMixer": _MAMBA2,
+    "FalconH1Mixer": ("8274bd4cb6961bb4", "d0ddba7970a9ddd1"),
+}
 # short convolutions: class -> fingerprints of its forward; they reach k-1 tokens back and carry nothing further
 _SHORT_CONV = ("dd9e0a8c046f3cb6", "1d07ca85b588af88")
 HALO_MIXERS = {"Lfm2ShortConv": _SHORT_CONV, "Lfm2MoeShortConv": _SHORT_CONV}
 # mixer class -> a model type holding one, which its behaviour check builds tiny (`mixer_check`)
-MIXER_MODEL_TYPES = {"Qwen3NextGatedDeltaNet": "qwen3_next", "Qwen3_5GatedDeltaNet": "qwen3_5_text",
-                     "Qwen3_5MoeGatedDeltaNet": "qwen3_5_moe_text", "Qwen4ExpTextGatedDeltaNet": "qwen4_exp_text",
-                     "OlmoHybridGatedDeltaNet": "olmo_hybrid", "BailingHybridDeltaAttention": "bailing_hybrid",
-                     "BambaMixer": "bamba", "NemotronHMamba2Mixer": "nemotron_h",
-                     "GraniteMoeHybridMambaLayer": "granitemoehybrid", "Mamba2Mixer": "mamba2",
-                     "Zamba2MambaMixer": "zamba2", "FalconH1Mixer": "falcon_h1", "Lfm2ShortConv": "lfm2",
-                     "Lfm2MoeShortConv": "lfm2_moe"}
+MIXER_MODEL_TYPES = {
+    "Qwen3NextGatedDeltaNet": "qwen3_next",
+    "Qwen3_5GatedDeltaNet": "qwen3_5_text",
+    "Qwen3_5MoeGatedDeltaNet": "qwen3_5_moe_text",
+    "Qwen4ExpTextGatedDeltaNet": "qwen4_exp_text",
+    "OlmoHybridGatedDeltaNet": "olmo_hybrid",
+    "BailingHybridDeltaAttention": "bailing_hybrid",
+    "BambaMixer": "bamba",
+    "NemotronHMamba2Mixer": "nemotron_h",
+    "GraniteMoeHybridMambaLayer": "granitemoehybrid",
+    "Mamba2Mixer": "mamba2",
+    "Zamba2MambaMixer": "zamba2",
+    "FalconH1Mixer": "falcon_h1",
+    "Lfm2ShortConv": "lfm2",
+    "Lfm2MoeShortConv": "lfm2_moe",
+}
 
 
 def mixer_verdict(cls) -> Verdict:
@@ -88,7 +110,7 @@ def _halves(module, x: torch.Tensor, s: int) -> torch.Tensor:
     if type(module).__name__ in HALO_MIXERS:
         reach = getattr(module, "conv_kernel_size", 1) - 1
         first = forward(module, x[:, :s], None, None)
-        second = forward(module, x[:, s - reach:], None, None)[:, reach:]
+        second = forward(module, x[:, s - reach :], None, None)[:, reach:]
         return torch.cat([first, second], dim=1)
     first_cache = ShardCache(None, None)
     first = forward(module, x[:, :s], first_cache, None)
@@ -111,16 +133,24 @@ def _mixer_check(cls) -> str | None:
     width = getattr(module, "hidden_size", None) or module.config.hidden_size
     x = torch.randn(2, 12, width, generator=gen)  # [B, S, Dm]; shards of 5 and 7 tokens
     results = []
-    for run in (lambda x: type(module).forward(module, x, None, None), lambda x: _halves(module, x, 5)):
+    for run in (
+        lambda x: type(module).forward(module, x, None, None),
+        lambda x: _halves(module, x, 5),
+    ):
         module.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
         out = run(xi)
         weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
         (out.double() * weight).sum().backward()
-        grads = {"input": xi.grad, **{n: p.grad for n, p in module.named_parameters() if p.grad is not None}}
+        grads = {
+            "input": xi.grad,
+            **{n: p.grad for n, p in module.named_parameters() if p.grad is not None},
+        }
         results.append((out.detach(), grads))
     (want, want_grads), (got, got_grads) = results
-    if _rel(got, want) > 1e-5:  # relative to the largest value: the chunked kernels' rounding is ~1e-7
+    if (
+        _rel(got, want) > 1e-5
+    ):  # relative to the largest value: the chunked kernels' rounding is ~1e-7
         return f"its output on two shards differs from the whole sequence's by {_rel(got, want):.2e} (relative)"
     for name, grad in want_grads.items():
         error = _rel(got_grads[name], grad) if name in got_grads else float("inf")

@@ -60,8 +60,19 @@ from hf_upipe.verification import VERIFIED_RELEASES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HALO_MIXERS", "MIXERS", "MIXER_LAYER_TYPES", "install_mixers", "is_installed", "mixers_ready",
-           "reentrant_refusal", "remove_mixers", "ring_refusal", "sharded_mixer_forward", "supported"]
+__all__ = [
+    "HALO_MIXERS",
+    "MIXERS",
+    "MIXER_LAYER_TYPES",
+    "install_mixers",
+    "is_installed",
+    "mixers_ready",
+    "reentrant_refusal",
+    "remove_mixers",
+    "ring_refusal",
+    "sharded_mixer_forward",
+    "supported",
+]
 
 # the `layer_types` these mixers fill ("hybrid": Falcon-H1's layers, attention and a Mamba2 mixer side by side)
 MIXER_LAYER_TYPES = ("linear_attention", "conv", "hybrid")
@@ -74,7 +85,11 @@ def _send(t: torch.Tensor, dst: int, group, header: bool) -> None:
     """Send t (after a small header with its shape and dtype when the receiver cannot know them), on t's device."""
     if header:
         code = [t.dim(), *t.shape, _DTYPES.index(t.dtype)]
-        dist.send(torch.tensor(code + [0] * (8 - len(code)), dtype=torch.int64, device=t.device), dst, group=group)
+        dist.send(
+            torch.tensor(code + [0] * (8 - len(code)), dtype=torch.int64, device=t.device),
+            dst,
+            group=group,
+        )
     dist.send(t.detach().contiguous(), dst, group=group)
 
 
@@ -85,7 +100,7 @@ def _recv(src: int, group, like: tuple | None = None, device=None) -> torch.Tens
         dist.recv(code, src, group=group)
         code = code.tolist()
         n = code[0]
-        like = (code[1:1 + n], _DTYPES[code[1 + n]])
+        like = (code[1 : 1 + n], _DTYPES[code[1 + n]])
     out = torch.empty(like[0], dtype=like[1], device=device)
     dist.recv(out, src, group=group)
     return out
@@ -100,7 +115,9 @@ class _Receive(torch.autograd.Function):
     def forward(ctx, anchor, group, src, device, kept):
         ctx.group, ctx.src, ctx.device = group, src, device
         halo, state = _recv(src, group, device=device), _recv(src, group, device=device)
-        ctx.like = [(t.shape, t.dtype) for t in (halo, state)]  # not the outputs: that would be a reference cycle
+        ctx.like = [
+            (t.shape, t.dtype) for t in (halo, state)
+        ]  # not the outputs: that would be a reference cycle
         if kept is not None:
             kept.tensors, ctx.kept = (halo.detach(), state.detach()), kept
         return halo, state
@@ -108,8 +125,12 @@ class _Receive(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_halo, d_state):
         for g, (shape, dtype) in zip((d_halo, d_state), ctx.like):
-            _send(g if g is not None else torch.zeros(shape, dtype=dtype, device=ctx.device), ctx.src, ctx.group,
-                  header=False)
+            _send(
+                g if g is not None else torch.zeros(shape, dtype=dtype, device=ctx.device),
+                ctx.src,
+                ctx.group,
+                header=False,
+            )
         return None, None, None, None, None
 
 
@@ -122,7 +143,9 @@ class _Give(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, group, dst, tail, final):
         ctx.group, ctx.dst, ctx.device = group, dst, tail.device
-        ctx.like = [(t.shape, t.dtype) for t in (tail, final)]  # not the tensors: they need not live until backward
+        ctx.like = [
+            (t.shape, t.dtype) for t in (tail, final)
+        ]  # not the tensors: they need not live until backward
         ctx.save_for_backward(anchor)
         _send(tail, dst, group, header=True)
         _send(final, dst, group, header=True)
@@ -166,45 +189,79 @@ def sharded_mixer_forward(self, hidden_states, *args, **kwargs):
     cache_params = args[0] if args else kwargs.pop(cache_name, None)
     attention_mask = args[1] if len(args) > 1 else kwargs.pop(mask_name, None)
     if cache_params is not None:
-        raise NotImplementedError("a cache under sequence parallelism: call the model with use_cache=False.")
+        raise NotImplementedError(
+            "a cache under sequence parallelism: call the model with use_cache=False."
+        )
     reach = getattr(self, "conv_kernel_size", 1) - 1
-    if hidden_states.shape[1] < max(reach, 2):  # every rank (equal shards), before any send or receive
-        raise NotImplementedError(f"a shard of {hidden_states.shape[1]} tokens is shorter than the convolution's "
-                                  f"reach ({reach} tokens) or than 2 tokens: use fewer ranks or longer sequences.")
+    if hidden_states.shape[1] < max(
+        reach, 2
+    ):  # every rank (equal shards), before any send or receive
+        raise NotImplementedError(
+            f"a shard of {hidden_states.shape[1]} tokens is shorter than the convolution's "
+            f"reach ({reach} tokens) or than 2 tokens: use fewer ranks or longer sequences."
+        )
     kwargs = {k: v for k, v in kwargs.items() if not k.startswith("upipe_")}
     group, rank, size = state.sp_group, state.sp_rank, state.sp_size
     ranks = dist.get_process_group_ranks(group)
-    if type(self).__name__ in HALO_MIXERS:  # parallel: [halo; shard] through the module, the shard's outputs kept
-        if attention_mask is not None:  # [B, s] padding mask (transformers gives one only where a row pads)
-            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != tuple(hidden_states.shape[:2]):
-                raise NotImplementedError(f"{type(self).__name__}: a mask of shape {tuple(attention_mask.shape)} "
-                                          f"for a shard of shape {tuple(hidden_states.shape[:2])}.")
+    if (
+        type(self).__name__ in HALO_MIXERS
+    ):  # parallel: [halo; shard] through the module, the shard's outputs kept
+        if (
+            attention_mask is not None
+        ):  # [B, s] padding mask (transformers gives one only where a row pads)
+            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != tuple(
+                hidden_states.shape[:2]
+            ):
+                raise NotImplementedError(
+                    f"{type(self).__name__}: a mask of shape {tuple(attention_mask.shape)} "
+                    f"for a shard of shape {tuple(hidden_states.shape[:2])}."
+                )
             # what the module does first, done before the exchange so the halo carries it too
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         if reach == 0:
             return type(self).forward(self, hidden_states, None, None, **kwargs)
-        out = type(self).forward(self, Halo.apply(hidden_states, group, rank, tuple(ranks), reach), None, None,
-                                 **kwargs)
+        out = type(self).forward(
+            self, Halo.apply(hidden_states, group, rank, tuple(ranks), reach), None, None, **kwargs
+        )
         return out[:, reach:] if rank > 0 else out
     parallel = _passing(self) == "parallel"
-    if torch._C._current_graph_task_id() != -1:  # activation checkpointing's recompute, inside the backward:
+    if (
+        torch._C._current_graph_task_id() != -1
+    ):  # activation checkpointing's recompute, inside the backward:
         if parallel:  # no communication: what the forward received
-            return parallel_delta_forward(self, hidden_states, attention_mask, kwargs, group, rank, ranks, True,
-                                          stashed(self, call_key()))
-        return _recompute(self, hidden_states, attention_mask, rank, kwargs)  # no communication (see there)
+            return parallel_delta_forward(
+                self,
+                hidden_states,
+                attention_mask,
+                kwargs,
+                group,
+                rank,
+                ranks,
+                True,
+                stashed(self, call_key()),
+            )
+        return _recompute(
+            self, hidden_states, attention_mask, rank, kwargs
+        )  # no communication (see there)
     key = call_key() if torch.is_grad_enabled() and may_recompute() else None  # every rank alike
     if parallel:
         kept = stash(self, key, Kept()) if key is not None else None
-        return parallel_delta_forward(self, hidden_states, attention_mask, kwargs, group, rank, ranks, False, kept)
+        return parallel_delta_forward(
+            self, hidden_states, attention_mask, kwargs, group, rank, ranks, False, kept
+        )
     anchor = torch.zeros((), device=hidden_states.device, requires_grad=torch.is_grad_enabled())
     halo = start = None
     if rank > 0:
-        kept = stash(self, key, Kept()) if key is not None else None  # what a recompute of this call will need
+        kept = (
+            stash(self, key, Kept()) if key is not None else None
+        )  # what a recompute of this call will need
         halo, start = _Receive.apply(anchor, group, ranks[rank - 1], hidden_states.device, kept)
     cache = ShardCache(halo, start)
     out = type(self).forward(self, hidden_states, cache, attention_mask, **kwargs)
     if rank < size - 1:
-        out = out + _Give.apply(anchor, group, ranks[rank + 1], cache.tail, cache.final).to(out.dtype)
+        out = out + _Give.apply(anchor, group, ranks[rank + 1], cache.tail, cache.final).to(
+            out.dtype
+        )
     return out
 
 
@@ -214,7 +271,9 @@ def _passing(module) -> str:
     name = type(module).__name__
     if name in HALO_MIXERS:
         return "halo"
-    return module.__dict__.get("_upipe_passing", "parallel") if name in DELTA_KERNELS else "sequential"
+    return (
+        module.__dict__.get("_upipe_passing", "parallel") if name in DELTA_KERNELS else "sequential"
+    )
 
 
 def _recompute(self, hidden_states, attention_mask, rank, kwargs):
@@ -227,9 +286,13 @@ def _recompute(self, hidden_states, attention_mask, rank, kwargs):
     halo = start = None
     if rank > 0:
         # requiring grad as the forward's did, so the recompute saves the tensors the forward saved
-        halo, start = (t.detach().requires_grad_(torch.is_grad_enabled()) for t in stashed(self, key).tensors)
+        halo, start = (
+            t.detach().requires_grad_(torch.is_grad_enabled()) for t in stashed(self, key).tensors
+        )
     out = type(self).forward(self, hidden_states, ShardCache(halo, start), attention_mask, **kwargs)
-    if rank < get_sequence_parallel_state().sp_size - 1:  # where the forward gave, the same saved tensor
+    if (
+        rank < get_sequence_parallel_state().sp_size - 1
+    ):  # where the forward gave, the same saved tensor
         anchor = torch.zeros((), device=hidden_states.device, requires_grad=torch.is_grad_enabled())
         out = out + _Mark.apply(anchor).to(out.dtype)
     return out
@@ -244,12 +307,19 @@ def reentrant_refusal(model: nn.Module) -> str | None:
         if not getattr(layer, "gradient_checkpointing", False) or fn is None:
             continue
         keywords = getattr(fn, "keywords", None) or {}
-        bad = ("use_reentrant=True" if keywords.get("use_reentrant", False) else
-               "preserve_rng_state=False" if not keywords.get("preserve_rng_state", True) else None)
+        bad = (
+            "use_reentrant=True"
+            if keywords.get("use_reentrant", False)
+            else "preserve_rng_state=False"
+            if not keywords.get("preserve_rng_state", True)
+            else None
+        )
         if bad and any(is_installed(m) and type(m).__name__ in MIXERS for m in layer.modules()):
-            return (f"{type(layer).__name__} is checkpointed with {bad} around a recurrent mixer run across shards; "
-                    "use transformers' default checkpointing (activation_checkpointing_kwargs={'use_reentrant': "
-                    "False}, random state preserved).")
+            return (
+                f"{type(layer).__name__} is checkpointed with {bad} around a recurrent mixer run across shards; "
+                "use transformers' default checkpointing (activation_checkpointing_kwargs={'use_reentrant': "
+                "False}, random state preserved)."
+            )
     return None
 
 
@@ -259,9 +329,11 @@ def ring_refusal(model: nn.Module, ring_size: int) -> str | None:
     if ring_size > 1:
         mixer = next((m for m in model.modules() if is_installed(m)), None)
         if mixer is not None:
-            return (f"{type(mixer).__name__} passes its state (or halo) from each shard to the next in sequence "
-                    f"order, which ring attention (ring_size={ring_size}) reorders: use ring_size=1 for this hybrid "
-                    "model.")
+            return (
+                f"{type(mixer).__name__} passes its state (or halo) from each shard to the next in sequence "
+                f"order, which ring attention (ring_size={ring_size}) reorders: use ring_size=1 for this hybrid "
+                "model."
+            )
     return None
 
 
@@ -272,8 +344,11 @@ def is_installed(module: nn.Module) -> bool:
 def supported(module: nn.Module) -> bool:
     """A mixer of a known class verified on the installed transformers (installed, or to be installed)."""
     name = type(module).__name__
-    return is_installed(module) or ((name in MIXERS or name in HALO_MIXERS) and mixer_verdict(type(module)).ok
-                                    and (name not in DELTA_KERNELS or kernel_present(module)))
+    return is_installed(module) or (
+        (name in MIXERS or name in HALO_MIXERS)
+        and mixer_verdict(type(module)).ok
+        and (name not in DELTA_KERNELS or kernel_present(module))
+    )
 
 
 def install_mixers(model: nn.Module, state_passing: str = "parallel") -> int:
@@ -305,8 +380,12 @@ def _delta_passing(cls, state_passing: str) -> str:
     if state_passing == "parallel" and mixer_verdict(cls).how != "fingerprint":
         if cls.__name__ not in _SAID:
             _SAID.add(cls.__name__)
-            logger.info("hf_upipe: %s passes its state in sequence (verified by behaviour on this transformers; the "
-                        "parallel prefix is verified on transformers %s)", cls.__name__, ", ".join(VERIFIED_RELEASES))
+            logger.info(
+                "hf_upipe: %s passes its state in sequence (verified by behaviour on this transformers; the "
+                "parallel prefix is verified on transformers %s)",
+                cls.__name__,
+                ", ".join(VERIFIED_RELEASES),
+            )
         return "sequential"
     return state_passing
 

@@ -27,8 +27,15 @@ from dataclasses import dataclass
 
 from hf_upipe.config import UPipeConfig
 
-__all__ = ["ENV_SWITCH", "ParallelismSizes", "accelerate_view", "find_parallelism", "parallelism_errors",
-           "uses_deepspeed", "with_parallelism_sp"]
+__all__ = [
+    "ENV_SWITCH",
+    "ParallelismSizes",
+    "accelerate_view",
+    "find_parallelism",
+    "parallelism_errors",
+    "uses_deepspeed",
+    "with_parallelism_sp",
+]
 
 ENV_SWITCH = "ACCELERATE_USE_PARALLELISM_CONFIG"
 _ENV = "PARALLELISM_CONFIG_"
@@ -83,24 +90,36 @@ def find_parallelism(explicit=None, *, environ: dict | None = None) -> Paralleli
     env = os.environ if environ is None else environ
     from_file = env.get(ENV_SWITCH, "false").lower() == "true"
     if explicit is not None:
-        return ParallelismSizes(**{d: _int(getattr(explicit, f"{d}_size", None) or 1, f"{d}_size") for d in _DIMS},
-                                source=_FROM_ENV if from_file and _matches_env(explicit, env) else "ParallelismConfig")
+        return ParallelismSizes(
+            **{d: _int(getattr(explicit, f"{d}_size", None) or 1, f"{d}_size") for d in _DIMS},
+            source=_FROM_ENV if from_file and _matches_env(explicit, env) else "ParallelismConfig",
+        )
     if not from_file:
         return None
-    return ParallelismSizes(**{d: _int(env.get(f"{_ENV}{d.upper()}_SIZE", "1"), f"{_ENV}{d.upper()}_SIZE")
-                               for d in _DIMS}, source=_FROM_ENV)
+    return ParallelismSizes(
+        **{
+            d: _int(env.get(f"{_ENV}{d.upper()}_SIZE", "1"), f"{_ENV}{d.upper()}_SIZE")
+            for d in _DIMS
+        },
+        source=_FROM_ENV,
+    )
 
 
 def _matches_env(explicit, env) -> bool:
-    return all(str(getattr(explicit, f"{d}_size", None) or 1) == env.get(f"{_ENV}{d.upper()}_SIZE", "1")
-               for d in _DIMS)
+    return all(
+        str(getattr(explicit, f"{d}_size", None) or 1) == env.get(f"{_ENV}{d.upper()}_SIZE", "1")
+        for d in _DIMS
+    )
 
 
 def uses_deepspeed(args=None, environ: dict | None = None) -> bool:
     """Whether the run uses the DeepSpeed engine: `TrainingArguments(deepspeed=...)` or an accelerate DeepSpeed
     config (`ACCELERATE_USE_DEEPSPEED=true`)."""
     env = os.environ if environ is None else environ
-    return bool(getattr(args, "deepspeed", None)) or env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    return (
+        bool(getattr(args, "deepspeed", None))
+        or env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    )
 
 
 def with_parallelism_sp(config: UPipeConfig, sizes: ParallelismSizes | None) -> UPipeConfig:
@@ -110,37 +129,56 @@ def with_parallelism_sp(config: UPipeConfig, sizes: ParallelismSizes | None) -> 
     return config.with_source(sizes.describe("sp"), sp_size=sizes.sp)
 
 
-def _stacking_errors(config: UPipeConfig, sizes: ParallelismSizes, deepspeed: bool) -> list[Exception]:
+def _stacking_errors(
+    config: UPipeConfig, sizes: ParallelismSizes, deepspeed: bool
+) -> list[Exception]:
     errors: list[Exception] = []
     if deepspeed and sizes.sp > 1:
-        errors.append(ValueError(
-            f"{sizes.describe('sp')} with DeepSpeed: accelerate would set up DeepSpeed's own sequence parallelism "
-            f"(sp_backend='deepspeed', Ulysses) over {sizes.sp} ranks on top "
-            "of hf_upipe's, two sequence-parallel systems stacked. Use hf_upipe with an FSDP2 or DDP accelerate config "
-            "(not DeepSpeed), or drop hf_upipe (transformers.Trainer) to use DeepSpeed's sequence parallelism."))
+        errors.append(
+            ValueError(
+                f"{sizes.describe('sp')} with DeepSpeed: accelerate would set up DeepSpeed's own sequence parallelism "
+                f"(sp_backend='deepspeed', Ulysses) over {sizes.sp} ranks on top "
+                "of hf_upipe's, two sequence-parallel systems stacked. Use hf_upipe with an "
+                "FSDP2 or DDP accelerate config "
+                "(not DeepSpeed), or drop hf_upipe (transformers.Trainer) to use DeepSpeed's sequence parallelism."
+            )
+        )
     if sizes.cp > 1:
-        errors.append(ValueError(
-            f"{sizes.describe('cp')} asks for context parallelism, another sequence-parallel system, which hf_upipe "
-            f"would run under its own: set {sizes.spell(cp=1, sp=sizes.cp * sizes.sp)} to let hf_upipe split each "
-            "sequence over those ranks instead."))
+        errors.append(
+            ValueError(
+                f"{sizes.describe('cp')} asks for context parallelism, another sequence-parallel "
+                "system, which hf_upipe "
+                f"would run under its own: set {sizes.spell(cp=1, sp=sizes.cp * sizes.sp)} to let hf_upipe split each "
+                "sequence over those ranks instead."
+            )
+        )
     if sizes.tp > 1:
-        errors.append(ValueError(
-            f"{sizes.describe('tp')}: tensor parallelism is not supported together with hf_upipe's sequence "
-            f"parallelism; set {sizes.spell(tp=1)}."))
+        errors.append(
+            ValueError(
+                f"{sizes.describe('tp')}: tensor parallelism is not supported together with hf_upipe's sequence "
+                f"parallelism; set {sizes.spell(tp=1)}."
+            )
+        )
     if config.sp_size is not None and sizes.sp > 1 and config.sp_size != sizes.sp:
-        errors.append(ValueError(
-            f"{config.describe('sp_size')} and {sizes.describe('sp')} disagree on the sequence-parallel degree "
-            f"({config.sp_size} vs {sizes.sp}): give it once (drop one of them) or make them equal."))
+        errors.append(
+            ValueError(
+                f"{config.describe('sp_size')} and {sizes.describe('sp')} disagree on the sequence-parallel degree "
+                f"({config.sp_size} vs {sizes.sp}): give it once (drop one of them) or make them equal."
+            )
+        )
     return errors
 
 
-def parallelism_errors(config: UPipeConfig, sizes: ParallelismSizes | None, world: int, *,
-                       deepspeed: bool = False) -> list[Exception]:
+def parallelism_errors(
+    config: UPipeConfig, sizes: ParallelismSizes | None, world: int, *, deepspeed: bool = False
+) -> list[Exception]:
     """What hf_upipe refuses in `sizes` (module docstring), each error naming the numbers and the fix."""
     if sizes is None:
         return []
     errors = _stacking_errors(config, sizes, deepspeed)
-    if errors or sizes.total == 1:  # all sizes 1: accelerate's "data parallel over every process", nothing to check
+    if (
+        errors or sizes.total == 1
+    ):  # all sizes 1: accelerate's "data parallel over every process", nothing to check
         return errors
     config = with_parallelism_sp(config, sizes)
     try:
@@ -149,14 +187,23 @@ def parallelism_errors(config: UPipeConfig, sizes: ParallelismSizes | None, worl
         return errors  # the runtime's own check says it, naming the setting
     dp = sizes.dp_replicate * sizes.dp_shard
     if sp * dp != world:
-        fix = (f"set dp_replicate_size x dp_shard_size to {world // sp} (for example "
-               f"{sizes.spell(dp_shard=world // sp) if sizes.dp_shard > 1 else sizes.spell(dp_replicate=world // sp)}"
-               f"{', dp_replicate_size: 1' if sizes.dp_shard > 1 and sizes.dp_replicate > 1 else ''})")
-        origin = config.describe("sp_size") if config.sp_size is not None else "hf_upipe's default: one node"
-        errors.append(ValueError(
-            f"sp_size {sp} ({origin}) x dp_replicate_size {sizes.dp_replicate} x dp_shard_size "
-            f"{sizes.dp_shard} ({sizes.describe('dp_replicate')}, {sizes.describe('dp_shard')}) = {sp * dp} "
-            f"processes, but this launch has {world}: {fix}, or choose an sp_size that makes {world}."))
+        fix = (
+            f"set dp_replicate_size x dp_shard_size to {world // sp} (for example "
+            f"{sizes.spell(dp_shard=world // sp) if sizes.dp_shard > 1 else sizes.spell(dp_replicate=world // sp)}"
+            f"{', dp_replicate_size: 1' if sizes.dp_shard > 1 and sizes.dp_replicate > 1 else ''})"
+        )
+        origin = (
+            config.describe("sp_size")
+            if config.sp_size is not None
+            else "hf_upipe's default: one node"
+        )
+        errors.append(
+            ValueError(
+                f"sp_size {sp} ({origin}) x dp_replicate_size {sizes.dp_replicate} x dp_shard_size "
+                f"{sizes.dp_shard} ({sizes.describe('dp_replicate')}, {sizes.describe('dp_shard')}) = {sp * dp} "
+                f"processes, but this launch has {world}: {fix}, or choose an sp_size that makes {world}."
+            )
+        )
     return errors
 
 
@@ -174,5 +221,12 @@ def accelerate_view(sizes: ParallelismSizes | None, sp: int, world: int, *, fsdp
     if fsdp and sizes.total > 1:
         replicate = sizes.dp_replicate if world % (sizes.dp_replicate * sp) == 0 else 1
         shard = world // replicate
-    return ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=1, cp_size=1, sp_size=1,
-                             cp_backend="torch", sp_backend="deepspeed")
+    return ParallelismConfig(
+        dp_replicate_size=replicate,
+        dp_shard_size=shard,
+        tp_size=1,
+        cp_size=1,
+        sp_size=1,
+        cp_backend="torch",
+        sp_backend="deepspeed",
+    )

@@ -28,5 +28,7 @@ def get_peft_model(model: nn.Module, config) -> nn.Module:
     import peft
 
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
         return peft.get_peft_model(model, config)

@@ -37,7 +37,11 @@ from hf_upipe.architectures import ARCHITECTURES
 from hf_upipe.config import differing_settings_error
 from hf_upipe.distributed import get_sequence_parallel_state, simulated, validation_failed
 from hf_upipe.integrations.call_checks import install_call_checks, remove_call_checks
-from hf_upipe.integrations.fused import fused_verdict, install_fused_attention, remove_fused_attention
+from hf_upipe.integrations.fused import (
+    fused_verdict,
+    install_fused_attention,
+    remove_fused_attention,
+)
 from hf_upipe.integrations.layout import adopt_modules, release_modules
 from hf_upipe.integrations.mixers import install_mixers, remove_mixers
 from hf_upipe.integrations.peft import base_model
@@ -58,22 +62,41 @@ def _preparation(model: nn.Module, upipe_config) -> tuple:
     base = base_model(model)
     total = sum(p.numel() for p in base.parameters())
     trained = sum(p.numel() for p in base.parameters() if p.requires_grad)
-    described = ((type(base).__name__, total, trained), f"{type(base).__name__} with {total:,} parameters "
-                 f"({trained:,} trainable)")
+    described = (
+        (type(base).__name__, total, trained),
+        f"{type(base).__name__} with {total:,} parameters ({trained:,} trainable)",
+    )
     if upipe_config is None:  # the values prepare_model uses without a UPipeConfig
-        values = dict(fused_attention=True, fused_backward="recompute", overlap_comm=False, tiled_mlp=False,
-                      mlp_chunk_tokens=None, mixer_state_passing="parallel")
+        values = dict(
+            fused_attention=True,
+            fused_backward="recompute",
+            overlap_comm=False,
+            tiled_mlp=False,
+            mlp_chunk_tokens=None,
+            mixer_state_passing="parallel",
+        )
         shown = {name: f"{name}={value!r} (no UPipeConfig)" for name, value in values.items()}
     else:
-        values = {name: getattr(upipe_config, name) for name in ("fused_attention", "fused_backward", "overlap_comm",
-                                                                 "tiled_mlp", "mlp_chunk_tokens",
-                                                                 "mixer_state_passing")}
+        values = {
+            name: getattr(upipe_config, name)
+            for name in (
+                "fused_attention",
+                "fused_backward",
+                "overlap_comm",
+                "tiled_mlp",
+                "mlp_chunk_tokens",
+                "mixer_state_passing",
+            )
+        }
         shown = {name: upipe_config.describe(name) for name in values}
     if not values["tiled_mlp"]:
         values["mlp_chunk_tokens"] = shown["mlp_chunk_tokens"] = None  # unused
     verdicts = _verdicts(base, values["fused_attention"], values["tiled_mlp"])
-    return (("model", *described),) + tuple((name, value, shown[name]) for name, value in values.items()) + (
-        ("adapters verified", verdicts, f"adapters verified on this transformers: {verdicts}"),)
+    return (
+        (("model", *described),)
+        + tuple((name, value, shown[name]) for name, value in values.items())
+        + (("adapters verified", verdicts, f"adapters verified on this transformers: {verdicts}"),)
+    )
 
 
 def _verdicts(base: nn.Module, fused: bool, tiled: bool) -> tuple:
@@ -86,8 +109,11 @@ def _verdicts(base: nn.Module, fused: bool, tiled: bool) -> tuple:
     if arch is not None and arch.tiled and tiled:
         found.append(("tiled", arch.model_type, tiled_verdict(arch).ok))
     classes = {type(m).__name__ for m in base.modules()}
-    found += [(adapter, subject, v.ok) for (adapter, subject), v in verdicts().items()
-              if (adapter == "mixer" and subject in classes) or (adapter == "rope" and installable(base))]
+    found += [
+        (adapter, subject, v.ok)
+        for (adapter, subject), v in verdicts().items()
+        if (adapter == "mixer" and subject in classes) or (adapter == "rope" and installable(base))
+    ]
     return tuple(sorted(set(found)))
 
 
@@ -104,9 +130,14 @@ def _preparations_differ(model: nn.Module, upipe_config, state) -> ValueError | 
         dist.all_gather_object(every, mine, group=group)
     except (RuntimeError, dist.DistError) as err:
         raise validation_failed(err, "prepare_model") from None
-    return differing_settings_error(every, "The ranks of one SP group called prepare_model differently", (
-        ": each rank would run other collectives (or other weights) on its shard of the same sequence, which hangs "
-        "or corrupts the run. Prepare the same model with the same settings on every rank."))
+    return differing_settings_error(
+        every,
+        "The ranks of one SP group called prepare_model differently",
+        (
+            ": each rank would run other collectives (or other weights) on its shard of the same sequence, which hangs "
+            "or corrupts the run. Prepare the same model with the same settings on every rank."
+        ),
+    )
 
 
 def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
@@ -131,10 +162,16 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
     state = get_sequence_parallel_state()
     # length-dependent RoPE from the global sequence, mixers across shards: before the gate, which needs them
     passing = upipe_config.mixer_state_passing if upipe_config is not None else "parallel"
-    installed = install_global_rope(model) + install_mixers(base_model(model), state_passing=passing)
+    installed = install_global_rope(model) + install_mixers(
+        base_model(model), state_passing=passing
+    )
     if state is not None and state.sp_size > 1:
         reason = model_refusal(model, allow_unverified=state.allow_unverified)
-        error = refusal_error(reason) if reason is not None else _preparations_differ(model, upipe_config, state)
+        error = (
+            refusal_error(reason)
+            if reason is not None
+            else _preparations_differ(model, upipe_config, state)
+        )
         if error is not None:
             if installed:
                 remove_global_rope(model)
@@ -154,19 +191,29 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
     if upipe_config is not None and not upipe_config.fused_attention:
         return model
     fused, changed, other = install_fused_attention(
-        model, save=upipe_config is not None and upipe_config.fused_backward == "save",
-        overlap=upipe_config is not None and upipe_config.overlap_comm)
+        model,
+        save=upipe_config is not None and upipe_config.fused_backward == "save",
+        overlap=upipe_config is not None and upipe_config.overlap_comm,
+    )
     if upipe_config is not None and upipe_config.overlap_comm and not fused:
         unprepare_model(model)  # nothing left installed
-        raise ValueError(f"{upipe_config.describe('overlap_comm')} overlaps the fused block's all-to-alls, but none "
-                         f"of this model's attention modules takes the fused block ({sorted(changed | other)} keep "
-                         "the registered 'upipe' path): turn overlap_comm off.")
+        raise ValueError(
+            f"{upipe_config.describe('overlap_comm')} overlaps the fused block's all-to-alls, but none "
+            f"of this model's attention modules takes the fused block ({sorted(changed | other)} keep "
+            "the registered 'upipe' path): turn overlap_comm off."
+        )
     if changed:
-        logger.warning("hf_upipe: %s keep the registered 'upipe' attention, not the fused block: not verified on the "
-                       "installed transformers (the warning above says why), or another library replaced their "
-                       "forward", sorted(changed))
-    logger.info("hf_upipe: fused UPipe attention on %d module(s)%s", fused,
-                f"; {sorted(other)} keep the registered 'upipe' path" if other else "")
+        logger.warning(
+            "hf_upipe: %s keep the registered 'upipe' attention, not the fused block: not verified on the "
+            "installed transformers (the warning above says why), or another library replaced their "
+            "forward",
+            sorted(changed),
+        )
+    logger.info(
+        "hf_upipe: fused UPipe attention on %d module(s)%s",
+        fused,
+        f"; {sorted(other)} keep the registered 'upipe' path" if other else "",
+    )
     return model
 
 

@@ -31,31 +31,64 @@ ADAPTER_CASES = {
     "qwen2": {},
     "qwen3": dict(attention_bias=True),
     "mixtral": dict(num_local_experts=4, **_EXPERTS),
-    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=40, **_EXPERTS),
+    "qwen2_moe": dict(
+        num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=40, **_EXPERTS
+    ),
     "qwen3_moe": dict(num_experts=4, moe_intermediate_size=32, attention_bias=True, **_EXPERTS),
-    "granite": dict(attention_multiplier=0.2, residual_multiplier=0.7, embedding_multiplier=2.0, logits_scaling=4.0,
-                    attention_bias=True),
-    "granitemoe": dict(num_local_experts=4, attention_multiplier=0.2, logits_scaling=4.0, **_EXPERTS),
+    "granite": dict(
+        attention_multiplier=0.2,
+        residual_multiplier=0.7,
+        embedding_multiplier=2.0,
+        logits_scaling=4.0,
+        attention_bias=True,
+    ),
+    "granitemoe": dict(
+        num_local_experts=4, attention_multiplier=0.2, logits_scaling=4.0, **_EXPERTS
+    ),
     "olmo2": dict(attention_bias=True),
     "phi3": dict(partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2),
     "gemma": dict(attention_bias=True),
-    "gemma3_text": dict(query_pre_attn_scalar=12, sliding_window=5,
-                        layer_types=["sliding_attention", "full_attention"]),
-    "smollm3": dict(no_rope_layers=[1, 0], pad_token_id=0),  # no biases: a NoPE layer's k bias has gradient 0
-    "cohere": dict(logit_scale=0.5, attention_bias=True, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "gemma3_text": dict(
+        query_pre_attn_scalar=12,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "smollm3": dict(
+        no_rope_layers=[1, 0], pad_token_id=0
+    ),  # no biases: a NoPE layer's k bias has gradient 0
+    "cohere": dict(
+        logit_scale=0.5, attention_bias=True, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    ),
 }
 
 
-def case_config(model_type: str, heads: int = 8, kv_heads: int = 2, head_dim: int = 8, layers: int = 2,
-                **overrides):
+def case_config(
+    model_type: str,
+    heads: int = 8,
+    kv_heads: int = 2,
+    head_dim: int = 8,
+    layers: int = 2,
+    **overrides,
+):
     """A `layers`-layer config of `model_type` (its `ADAPTER_CASES` entry applied), large random init (attention
     far from uniform), no dropout, no cache."""
     from transformers import AutoConfig
 
-    kw = dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=layers,
-              num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-              max_position_embeddings=1024, initializer_range=0.25, tie_word_embeddings=False, use_cache=False,
-              bos_token_id=1, eos_token_id=2)
+    kw = dict(
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=1024,
+        initializer_range=0.25,
+        tie_word_embeddings=False,
+        use_cache=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     kw.update(ADAPTER_CASES.get(model_type, {}))
     for key in ("layer_types", "no_rope_layers"):
         if key in kw:
@@ -69,8 +102,12 @@ def model_pair(config, impl: str, seed: int, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=dtype)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl, dtype=dtype)
+    ref = AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation="sdpa", dtype=dtype
+    )
+    model = AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation=impl, dtype=dtype
+    )
     model.load_state_dict(ref.state_dict())
     # make every bias and norm weight non-trivial so a wrong head or token order cannot hide
     with torch.no_grad():
@@ -83,7 +120,16 @@ def model_pair(config, impl: str, seed: int, dtype=torch.float32):
     return ref, model
 
 
-_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj"]
+_LORA_TARGETS = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "qkv_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "gate_up_proj",
+]
 
 
 def with_lora(model, seed: int):
@@ -93,8 +139,16 @@ def with_lora(model, seed: int):
     except ImportError:
         return None
     torch.manual_seed(seed)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                                            target_modules=_LORA_TARGETS))
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            init_lora_weights=False,
+            target_modules=_LORA_TARGETS,
+        ),
+    )
 
 
 def _outputs(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -102,7 +156,9 @@ def _outputs(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits
     (logits.double() ** 2).mean().backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return logits.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad
+    }
 
 
 def _worst(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> float | None:
@@ -112,10 +168,14 @@ def _worst(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> f
     bad = (got.double() - want.double()).abs() > atol + rtol * want.double().abs()
     if not bool(bad.any()):
         return None
-    return float((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30))
+    return float(
+        (got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)
+    )
 
 
-def compare(reference, model, ids: torch.Tensor, rtol: float = 1e-4, atol: float = 1e-5) -> str | None:
+def compare(
+    reference, model, ids: torch.Tensor, rtol: float = 1e-4, atol: float = 1e-5
+) -> str | None:
     """None when `model`'s logits and every gradient equal `reference`'s on `ids` (fp32), else the first that
     differs and by how much (relative to its largest value)."""
     (want, want_grads), (got, got_grads) = _outputs(reference, ids), _outputs(model, ids)

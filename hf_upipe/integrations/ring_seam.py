@@ -18,18 +18,24 @@ from hf_upipe.ops.ring import RingKernel
 __all__ = ["ring_kernel"]
 
 
-def ring_kernel(state, kernel: str | AttentionKernel, device, dtype, *, window=None, chunk=None,
-                softcap=None) -> AttentionKernel:
+def ring_kernel(
+    state, kernel: str | AttentionKernel, device, dtype, *, window=None, chunk=None, softcap=None
+) -> AttentionKernel:
     """`kernel` (a name or an `AttentionKernel`) as a `RingKernel` over `state.ring_group`.
 
     Raises:
         NotImplementedError: the call needs a sliding window, chunked attention or soft-capping (every rank).
     """
-    for what, value in (("a sliding window", window), ("chunked attention", chunk), ("attention soft-capping",
-                                                                                     softcap)):
+    for what, value in (
+        ("a sliding window", window),
+        ("chunked attention", chunk),
+        ("attention soft-capping", softcap),
+    ):
         if value is not None:
-            raise NotImplementedError(f"This model's attention uses {what} ({value}), which ring attention "
-                                      f"(ring_size={state.ring_size}) does not implement: use ring_size=1 (UPipe "
-                                      "over the whole SP group).")
+            raise NotImplementedError(
+                f"This model's attention uses {what} ({value}), which ring attention "
+                f"(ring_size={state.ring_size}) does not implement: use ring_size=1 (UPipe "
+                "over the whole SP group)."
+            )
     inner = get_kernel(kernel, device, dtype) if isinstance(kernel, str) else kernel
     return RingKernel(inner, state.ring_group)

@@ -35,12 +35,23 @@ from hf_upipe.distributed import get_sequence_parallel_state, without_sequence_p
 from hf_upipe.ops.fake import is_fake
 from hf_upipe.verification import Verdict, fingerprint, verify
 
-__all__ = ["ROPE_FINGERPRINTS", "global_rope_forward", "global_rope_ready", "install_global_rope", "installable",
-           "remove_global_rope", "rope_check", "rope_update_fingerprint", "rope_verdict"]
+__all__ = [
+    "ROPE_FINGERPRINTS",
+    "global_rope_forward",
+    "global_rope_ready",
+    "install_global_rope",
+    "installable",
+    "remove_global_rope",
+    "rope_check",
+    "rope_update_fingerprint",
+    "rope_verdict",
+]
 
 # transformers.modeling_rope_utils.dynamic_rope_update in the verified releases (5.23 and 5.24: the same source)
 ROPE_FINGERPRINTS = ("c0bc145a218270ce",)
-_READY: dict[int, weakref.ref] = {}  # id(config) -> config, for prepared models with the global RoPE installed
+_READY: dict[
+    int, weakref.ref
+] = {}  # id(config) -> config, for prepared models with the global RoPE installed
 
 
 def rope_update_fingerprint() -> str:
@@ -51,8 +62,11 @@ def rope_update_fingerprint() -> str:
 
 def _length_dependent(module: nn.Module) -> bool:
     """A rotary module whose forward goes through `dynamic_rope_update` and whose rope type reads the length."""
-    kinds = module.rope_type.values() if isinstance(getattr(module, "rope_type", None), dict) else \
-        [getattr(module, "rope_type", "")]
+    kinds = (
+        module.rope_type.values()
+        if isinstance(getattr(module, "rope_type", None), dict)
+        else [getattr(module, "rope_type", "")]
+    )
     if not any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds):
         return False
     fn = type(module).forward
@@ -78,7 +92,9 @@ def global_rope_forward(self, x, position_ids, *args, **kwargs):
 def _shard_rope(self, x, position_ids, longest, *args, **kwargs):
     """cos/sin of a shard's positions with the frequencies of a sequence whose largest position is `longest`."""
     decorated = type(self).forward
-    decorated(self, x, longest, *args, **kwargs)  # updates the frequencies for the whole sequence; output unused
+    decorated(
+        self, x, longest, *args, **kwargs
+    )  # updates the frequencies for the whole sequence; output unused
     with torch.no_grad():
         return inspect.unwrap(decorated)(self, x, position_ids, *args, **kwargs)
 
@@ -94,17 +110,28 @@ def rope_verdict() -> Verdict:
 
 
 def rope_check() -> str | None:
-    """"dynamic" (Llama) and "longrope" (Phi-3) rotary modules of tiny models, 40 positions past their original 16:
+    """ "dynamic" (Llama) and "longrope" (Phi-3) rotary modules of tiny models, 40 positions past their original 16:
     two shards' cos/sin as `global_rope_forward` computes them equal the whole sequence's; None, else what
     differed."""
 
     from hf_upipe.integrations.probe import case_config
 
-    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
-                "short_factor": [1.0], "long_factor": [7.0], "partial_rotary_factor": 0.5}
-    configs = (case_config("llama", max_position_embeddings=16, rope_parameters={
-                   "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
-               case_config("phi3", max_position_embeddings=64, rope_parameters=longrope))
+    longrope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 16,
+        "short_factor": [1.0],
+        "long_factor": [7.0],
+        "partial_rotary_factor": 0.5,
+    }
+    configs = (
+        case_config(
+            "llama",
+            max_position_embeddings=16,
+            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        ),
+        case_config("phi3", max_position_embeddings=64, rope_parameters=longrope),
+    )
     with without_sequence_parallel():  # the two shards run here in one process, as ranks would
         return _rope_check(configs)
 
@@ -120,8 +147,15 @@ def _rope_check(configs) -> str | None:
         x, positions = torch.zeros(1, 40, 8), torch.arange(40)[None]  # [1, S, D], [1, S]
         with torch.no_grad():
             want = copy.deepcopy(rotary)(x, positions)
-            shards = [_shard_rope(copy.deepcopy(rotary), x[:, r * 20:(r + 1) * 20], positions[:, r * 20:(r + 1) * 20],
-                                  positions.max().reshape(1, 1)) for r in range(2)]
+            shards = [
+                _shard_rope(
+                    copy.deepcopy(rotary),
+                    x[:, r * 20 : (r + 1) * 20],
+                    positions[:, r * 20 : (r + 1) * 20],
+                    positions.max().reshape(1, 1),
+                )
+                for r in range(2)
+            ]
         for name, w, *parts in zip(("cos", "sin"), want, *shards):
             got = torch.cat(parts, dim=1)
             if got.shape != w.shape or not torch.allclose(got, w, rtol=1e-6, atol=1e-6):
@@ -133,7 +167,8 @@ def installable(model: nn.Module) -> bool:
     """Whether `install_global_rope` handles this model's length-dependent rotary modules (at least one, and the
     verified `dynamic_rope_update`)."""
     return rope_verdict().ok and any(
-        _length_dependent(m) or _is_installed(m) for m in model.modules())
+        _length_dependent(m) or _is_installed(m) for m in model.modules()
+    )
 
 
 def _is_installed(module: nn.Module) -> bool:
@@ -146,7 +181,9 @@ def install_global_rope(model: nn.Module) -> int:
         return 0
     count = 0
     for module in model.modules():
-        if _length_dependent(module) and ("forward" not in module.__dict__ or _is_installed(module)):
+        if _length_dependent(module) and (
+            "forward" not in module.__dict__ or _is_installed(module)
+        ):
             module.forward = types.MethodType(global_rope_forward, module)
             config = getattr(module, "config", None)
             if config is not None:

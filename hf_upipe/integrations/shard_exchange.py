@@ -46,16 +46,21 @@ class Halo(torch.autograd.Function):
         dim = dim % x.dim()
         ctx.group, ctx.rank, ctx.ranks, ctx.reach, ctx.dim = group, rank, ranks, reach, dim
         s = x.shape[dim]
-        halo = x.new_empty(*x.shape[:dim], reach, *x.shape[dim + 1:]) if rank > 0 else None
-        works = [dist.isend(x.narrow(dim, s - reach, reach).contiguous(), ranks[rank + 1], group=group)] \
-            if rank + 1 < len(ranks) else []
+        halo = x.new_empty(*x.shape[:dim], reach, *x.shape[dim + 1 :]) if rank > 0 else None
+        works = (
+            [dist.isend(x.narrow(dim, s - reach, reach).contiguous(), ranks[rank + 1], group=group)]
+            if rank + 1 < len(ranks)
+            else []
+        )
         if halo is not None:
             works.append(dist.irecv(halo, ranks[rank - 1], group=group))
         for work in works:
             work.wait()
         if kept is not None:
             kept.halo = halo
-        return torch.cat([halo, x], dim=dim) if halo is not None else x.clone()  # k-1+s (rank 0: s) along dim
+        return (
+            torch.cat([halo, x], dim=dim) if halo is not None else x.clone()
+        )  # k-1+s (rank 0: s) along dim
 
     @staticmethod
     def backward(ctx, grad):
@@ -64,9 +69,11 @@ class Halo(torch.autograd.Function):
         dx = grad.narrow(dim, grad.shape[dim] - s, s).contiguous().clone()  # x's shape
         works, d_tail = [], None
         if rank > 0:
-            works.append(dist.isend(grad.narrow(dim, 0, reach).contiguous(), ranks[rank - 1], group=group))
+            works.append(
+                dist.isend(grad.narrow(dim, 0, reach).contiguous(), ranks[rank - 1], group=group)
+            )
         if rank + 1 < len(ranks):
-            d_tail = dx.new_empty(*dx.shape[:dim], reach, *dx.shape[dim + 1:])
+            d_tail = dx.new_empty(*dx.shape[:dim], reach, *dx.shape[dim + 1 :])
             works.append(dist.irecv(d_tail, ranks[rank + 1], group=group))
         for work in works:
             work.wait()
@@ -89,8 +96,10 @@ def stashed(module, key: int) -> Kept:
     ref = module.__dict__.get("_upipe_stash", {}).get(key)
     kept = ref() if ref is not None else None
     if kept is None:
-        raise RuntimeError(f"{type(module).__name__}: a recompute found no state received by its forward: the "
-                           "checkpoint does not restore the random state (keep preserve_rng_state=True, its default).")
+        raise RuntimeError(
+            f"{type(module).__name__}: a recompute found no state received by its forward: the "
+            "checkpoint does not restore the random state (keep preserve_rng_state=True, its default)."
+        )
     return kept
 
 
@@ -105,7 +114,9 @@ def call_key() -> int:
     """A number drawn from torch's CPU generator. Activation checkpointing restores that generator's state before
     it recomputes a forward (preserve_rng_state, its default), so the recompute draws the same number: an exact key
     from a checkpointed forward to its recompute, distinct between forwards, whatever their inputs."""
-    if simulating():  # a memory simulation: fake tensors have no values to read (and nothing is recomputed twice)
+    if (
+        simulating()
+    ):  # a memory simulation: fake tensors have no values to read (and nothing is recomputed twice)
         return 0
     return int(torch.randint(0, 2**62, (1,)).item())
 
@@ -129,7 +140,7 @@ class ShardCache:
         """x [B, C, s] the convolution's input -> [B, C, k-1+s] with the halo in front (rank 0: x, which the
         convolution pads itself); records this shard's tail [B, C, k-1], a copy, so x need not outlive the call."""
         k = conv_kernel_size
-        self.tail = x[..., x.shape[-1] - (k - 1):].clone()
+        self.tail = x[..., x.shape[-1] - (k - 1) :].clone()
         return torch.cat([self.halo.to(x.dtype), x], dim=-1) if self.halo is not None else x
 
     def update_recurrent_state(self, state, layer_idx, **kwargs):

@@ -71,8 +71,19 @@ from hf_upipe.ops.softcap import SoftcapKernel
 from hf_upipe.ops.upipe_attention import upipe_attention
 from hf_upipe.ops.windowed import WindowKernel
 
-__all__ = ["SequenceParallelMask", "active_state", "check_call", "check_model", "local_sequence_parallel", "register",
-           "sp_kernel", "sp_window", "upipe_attention_forward", "upipe_mask", "window_kernel"]
+__all__ = [
+    "SequenceParallelMask",
+    "active_state",
+    "check_call",
+    "check_model",
+    "local_sequence_parallel",
+    "register",
+    "sp_kernel",
+    "sp_window",
+    "upipe_attention_forward",
+    "upipe_mask",
+    "window_kernel",
+]
 
 NAME = "upipe"
 
@@ -112,7 +123,8 @@ class SequenceParallelMask:
         raise _MaskUsedAsTensor(
             f"the model reads attention_mask.{name}: it computes with the mask itself (its own masking code), but "
             "under sequence parallelism 'upipe' hands the layers a description of the mask, not an [S, S] tensor. "
-            "This model is not supported under sequence parallelism.")
+            "This model is not supported under sequence parallelism."
+        )
 
 
 class _MaskUsedAsTensor(AttributeError, NotImplementedError):
@@ -139,16 +151,34 @@ def local_sequence_parallel(heads_per_chunk: int = 1):
     """Inside, the SP paths run as on one rank of its own (no process group, no collective): a behaviour check of
     an adapter (`hf_upipe.verification`) compares them with transformers' own code in this process. Use it inside
     `hf_upipe.distributed.without_sequence_parallel()`, so that nothing else sees an SP state."""
-    _LOCAL.append(SequenceParallelState(sp_group=None, sp_size=1, sp_rank=0, dp_group=None, dp_size=1, dp_rank=0,
-                                        heads_per_chunk=heads_per_chunk, kernel="sdpa"))
+    _LOCAL.append(
+        SequenceParallelState(
+            sp_group=None,
+            sp_size=1,
+            sp_rank=0,
+            dp_group=None,
+            dp_size=1,
+            dp_rank=0,
+            heads_per_chunk=heads_per_chunk,
+            kernel="sdpa",
+        )
+    )
     try:
         yield
     finally:
         _LOCAL.pop()
 
 
-def upipe_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
-               attention_mask=None, **kwargs):
+def upipe_mask(
+    batch_size,
+    q_length,
+    kv_length,
+    q_offset=0,
+    kv_offset=0,
+    mask_function=causal_mask_function,
+    attention_mask=None,
+    **kwargs,
+):
     """Mask function registered for "upipe": `sdpa_mask` without SP, a `SequenceParallelMask` with SP.
 
     It runs once per forward, before any layer, with the model's config: the support gate checks it here (the same
@@ -156,35 +186,60 @@ def upipe_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     state = _active_state()
     if state is None:
         check_model(kwargs.get("config"), None)
-        return sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
-                         mask_function=mask_function, attention_mask=attention_mask, **kwargs)
+        return sdpa_mask(
+            batch_size,
+            q_length,
+            kv_length,
+            q_offset=q_offset,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            **kwargs,
+        )
     check_model(kwargs.get("config"), state, q_length * state.sp_size)
     padding = attention_mask
     # a fake mask (memory simulation) carries no values: simulations model unpadded batches
     if padding is not None and (is_fake(padding) or bool(padding.all())):
         padding = None
-    local_size = kwargs.get("local_size")  # the size of transformers' sliding-window and chunked masks
+    local_size = kwargs.get(
+        "local_size"
+    )  # the size of transformers' sliding-window and chunked masks
     window = chunk = None
-    if simulating():  # fake tensors (the planner): no values to probe; a window's and a chunk's kernels and the
+    if (
+        simulating()
+    ):  # fake tensors (the planner): no values to probe; a window's and a chunk's kernels and the
         # layout check are not run on fake tensors either, and neither changes the buffers of the attention
-        window = local_size if isinstance(local_size, int) and 0 < local_size < q_length * state.sp_size else None
-        return SequenceParallelMask(padding=padding, plain_causal=True, window=window,
-                                    mask_given=attention_mask is not None)
+        window = (
+            local_size
+            if isinstance(local_size, int) and 0 < local_size < q_length * state.sp_size
+            else None
+        )
+        return SequenceParallelMask(
+            padding=padding, plain_causal=True, window=window, mask_given=attention_mask is not None
+        )
     if isinstance(local_size, int) and 0 < local_size < q_length * state.sp_size:
         pattern = local_pattern(mask_function, batch_size, local_size, q_length * state.sp_size)
         chunk, window = (local_size, None) if pattern == "chunk" else (None, local_size)
-    plain = mask_function is causal_mask_function or _agrees_with_causal(mask_function, q_length, batch_size, window,
-                                                                         chunk)
+    plain = mask_function is causal_mask_function or _agrees_with_causal(
+        mask_function, q_length, batch_size, window, chunk
+    )
     if not plain and state.ring_size > 1 and window is None and chunk is None:
         # ring order jumps inside a shard, which transformers takes for packed documents: causal within those
         # segments is plain causal here (the layout check refuses positions other than the ring's)
         plain = _agrees_with_ring_segments(mask_function, state, q_length, batch_size)
-    return SequenceParallelMask(padding=padding, plain_causal=plain, mask_function=None if plain else mask_function,
-                                window=window, chunk=chunk, mask_given=attention_mask is not None)
+    return SequenceParallelMask(
+        padding=padding,
+        plain_causal=plain,
+        mask_function=None if plain else mask_function,
+        window=window,
+        chunk=chunk,
+        mask_given=attention_mask is not None,
+    )
 
 
-def _agrees_with_causal(mask_function, length: int, batch_size: int, window: int | None = None,
-                        chunk: int | None = None) -> bool:
+def _agrees_with_causal(
+    mask_function, length: int, batch_size: int, window: int | None = None, chunk: int | None = None
+) -> bool:
     """Probe a model's mask function on a grid of local (query, key) positions against plain causal masking (within
     `window` keys when given: 0 <= q - k < window; inside `chunk`-token chunks when given).
 
@@ -231,14 +286,26 @@ def sp_window(attention_mask, call_window: int | None, seq_len: int, module=None
         raise NotImplementedError(
             f"the model passes sliding_window={call_window} to its attention but its mask has "
             f"{'no window' if mask is None else f'window {mask}'} over the {seq_len} tokens: hf_upipe does not "
-            "know which applies.")
+            "know which applies."
+        )
     config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
-    types, configured = getattr(config, "layer_types", None), getattr(config, "sliding_window", None)
-    if mask is None and isinstance(layer, int) and isinstance(types, (list, tuple)) and layer < len(types) \
-            and types[layer] == "sliding_attention" and isinstance(configured, int) and 0 < configured < seq_len:
+    types, configured = (
+        getattr(config, "layer_types", None),
+        getattr(config, "sliding_window", None),
+    )
+    if (
+        mask is None
+        and isinstance(layer, int)
+        and isinstance(types, (list, tuple))
+        and layer < len(types)
+        and types[layer] == "sliding_attention"
+        and isinstance(configured, int)
+        and 0 < configured < seq_len
+    ):
         raise NotImplementedError(
             f"layer {layer} is a sliding-window layer (sliding_window={configured}, shorter than the {seq_len} "
-            "tokens), but neither its mask nor its attention call carries the window: hf_upipe cannot apply it.")
+            "tokens), but neither its mask nor its attention call carries the window: hf_upipe cannot apply it."
+        )
     return mask
 
 
@@ -247,27 +314,45 @@ def window_kernel(kernel, window: int | None, documents, device, dtype):
     if window is None:
         return kernel
     if documents is not None:
-        raise NotImplementedError(f"a sliding window ({window}) with packed documents (upipe_cu_seqlens) is not "
-                                  "implemented under sequence parallelism: do not pack, or use shorter sequences.")
+        raise NotImplementedError(
+            f"a sliding window ({window}) with packed documents (upipe_cu_seqlens) is not "
+            "implemented under sequence parallelism: do not pack, or use shorter sequences."
+        )
     inner = get_kernel(kernel, device, dtype) if isinstance(kernel, str) else kernel
     return WindowKernel(inner, window)
 
 
-def softcap_kernel(state, kwargs: dict | None, device, dtype, seq_len: int, softcap: float, window: int | None):
+def softcap_kernel(
+    state, kwargs: dict | None, device, dtype, seq_len: int, softcap: float, window: int | None
+):
     """The state's kernel with soft-capped scores (`hf_upipe.ops.softcap.SoftcapKernel`, any window inside it), run
     per document for packed rows (`upipe_cu_seqlens` in `kwargs`)."""
-    base = get_kernel(state.kernel, device, dtype) if isinstance(state.kernel, str) else state.kernel
+    base = (
+        get_kernel(state.kernel, device, dtype) if isinstance(state.kernel, str) else state.kernel
+    )
     kernel = SoftcapKernel(base, softcap, window)
     documents = None if kwargs is None else kwargs.get("upipe_cu_seqlens")
-    return kernel if documents is None else DocumentKernel(kernel, documents, seq_len, kwargs.get("upipe_max_seqlen"))
+    return (
+        kernel
+        if documents is None
+        else DocumentKernel(kernel, documents, seq_len, kwargs.get("upipe_max_seqlen"))
+    )
 
 
 # attention arguments "upipe" does not implement: refused with and without SP rather than dropped
 _UNIMPLEMENTED = ("softcap", "s_aux", "sinks", "position_bias", "alibi", "attention_bias")
-_SINKS = ("s_aux", "sinks")  # per-head attention-sink logits: implemented under SP (`upipe_attention(sinks=)`)
+_SINKS = (
+    "s_aux",
+    "sinks",
+)  # per-head attention-sink logits: implemented under SP (`upipe_attention(sinks=)`)
 # the names transformers configs give the attention dropout probability
-_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout",
-                 "attention_dropout_prob")
+_DROPOUT_KEYS = (
+    "attention_dropout",
+    "attn_pdrop",
+    "attention_probs_dropout_prob",
+    "attn_dropout",
+    "attention_dropout_prob",
+)
 
 
 def check_model(config, state, seq_len: int | None = None) -> None:
@@ -291,19 +376,25 @@ def check_call(module, dropout, kwargs, handled: tuple[str, ...] = ()) -> None:
     arguments): causal attention, no attention weights requested, no dropout, no argument of `_UNIMPLEMENTED` other
     than the `handled` ones."""
     if not getattr(module, "is_causal", True):
-        raise NotImplementedError("attn_implementation='upipe' supports causal (decoder) attention only.")
+        raise NotImplementedError(
+            "attn_implementation='upipe' supports causal (decoder) attention only."
+        )
     refuse_collected_attentions()
     if dropout and dropout > 0.0:
         config = getattr(module, "config", None)
-        keys = [k for k in _DROPOUT_KEYS if getattr(config, k, None) == dropout] or ["attention_dropout"]
+        keys = [k for k in _DROPOUT_KEYS if getattr(config, k, None) == dropout] or [
+            "attention_dropout"
+        ]
         raise NotImplementedError(
             f"attention dropout={dropout} is not supported by sequence-parallel 'upipe' attention: set the model "
             f"config's {keys[0]}=0.0 (e.g. from_pretrained(..., {keys[0]}=0.0)) or call model.eval()."
         )
     for name in _UNIMPLEMENTED:
         if kwargs.get(name) is not None and name not in handled:
-            raise NotImplementedError(f"the model passes '{name}' to its attention, which 'upipe' does not implement "
-                                      "(the result would silently drop it).")
+            raise NotImplementedError(
+                f"the model passes '{name}' to its attention, which 'upipe' does not implement "
+                "(the result would silently drop it)."
+            )
 
 
 def _check_kv_length(query, key) -> None:
@@ -323,7 +414,7 @@ def _equal_head_dims(query, key, value, scaling):
     Args: query/key [B, H|Hk, s, D], value [B, Hk, s, Dv]. Returns (query, key, value) padded to max(D, Dv), Dv,
     and the softmax scale (D^-0.5 of the unpadded D when the model passes none)."""
     D, Dv = query.shape[-1], value.shape[-1]
-    scaling = D ** -0.5 if scaling is None else scaling
+    scaling = D**-0.5 if scaling is None else scaling
     if Dv < D:
         value = torch.nn.functional.pad(value, (0, D - Dv))
     elif Dv > D:
@@ -344,15 +435,28 @@ def sp_kernel(state, kwargs: dict, device, dtype, seq_len: int) -> str | Attenti
     key = (state.kernel, device, dtype, seq_len)
     cached = _DOCUMENT_KERNELS.get(documents)
     if cached is not None and cached[0] == key:
-        return cached[1]  # one DocumentKernel per batch: its documents are read (one sync) once, not per layer
-    inner = get_kernel(state.kernel, device, dtype) if isinstance(state.kernel, str) else state.kernel
+        return cached[
+            1
+        ]  # one DocumentKernel per batch: its documents are read (one sync) once, not per layer
+    inner = (
+        get_kernel(state.kernel, device, dtype) if isinstance(state.kernel, str) else state.kernel
+    )
     kernel = DocumentKernel(inner, documents, seq_len, kwargs.get("upipe_max_seqlen"))
     _DOCUMENT_KERNELS.set(documents, (key, kernel))
     return kernel
 
 
-def upipe_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                            scaling: float | None = None, sliding_window: int | None = None, **kwargs):
+def upipe_attention_forward(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+):
     """Attention function registered as "upipe" (transformers' AttentionInterface signature).
 
     Args:
@@ -372,15 +476,28 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
         check_model(config, None)
         for name in _UNIMPLEMENTED:
             if kwargs.get(name) is not None:
-                raise NotImplementedError(f"the model passes '{name}' to its attention, which 'upipe' (here 'sdpa') "
-                                          "does not implement (the result would silently drop it).")
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      sliding_window=sliding_window, **kwargs)
+                raise NotImplementedError(
+                    f"the model passes '{name}' to its attention, which 'upipe' (here 'sdpa') "
+                    "does not implement (the result would silently drop it)."
+                )
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
     check_model(config, state, query.shape[2] * state.sp_size)
     check_call(module, dropout, kwargs, handled=_SINKS + ("softcap",))
     kwargs = with_model_documents(kwargs, module)
     _check_kv_length(query, key)
-    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")  # [H] sink logits
+    sinks = (
+        kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    )  # [H] sink logits
     query, key, value, v_dim, scaling = _equal_head_dims(query, key, value, scaling)
     if isinstance(attention_mask, torch.Tensor):
         raise NotImplementedError(
@@ -389,31 +506,76 @@ def upipe_attention_forward(module, query, key, value, attention_mask, dropout: 
         )
     B, _, s, _ = query.shape
     kernel = state.kernel
-    if not is_fake(query):  # fake tensors (memory simulation) carry no values to check (nor documents to split)
-        if not validate_layout(state, kwargs.get("position_ids"), attention_mask, B, s, query.device,
-                               kwargs.get("upipe_cu_seqlens"), query.dtype, not keeps_documents_apart(config)):
-            kwargs = without_documents(kwargs)  # the model's mask ignores them: attend across, as on one device
+    if not is_fake(
+        query
+    ):  # fake tensors (memory simulation) carry no values to check (nor documents to split)
+        if not validate_layout(
+            state,
+            kwargs.get("position_ids"),
+            attention_mask,
+            B,
+            s,
+            query.device,
+            kwargs.get("upipe_cu_seqlens"),
+            query.dtype,
+            not keeps_documents_apart(config),
+        ):
+            kwargs = without_documents(
+                kwargs
+            )  # the model's mask ignores them: attend across, as on one device
         kernel = sp_kernel(state, kwargs, query.device, query.dtype, s * state.sp_size)
     window = sp_window(attention_mask, sliding_window, s * state.sp_size, module)
     chunk = attention_mask.chunk if isinstance(attention_mask, SequenceParallelMask) else None
-    if state.ring_size > 1:  # ring attention: plain causal attention only (packed rows were refused above)
-        kernel = ring_kernel(state, kernel, query.device, query.dtype, window=window, chunk=chunk,
-                             softcap=kwargs.get("softcap"))
-    elif chunk is not None:  # chunked attention: the kernel inside each chunk, like packed documents
+    if (
+        state.ring_size > 1
+    ):  # ring attention: plain causal attention only (packed rows were refused above)
+        kernel = ring_kernel(
+            state,
+            kernel,
+            query.device,
+            query.dtype,
+            window=window,
+            chunk=chunk,
+            softcap=kwargs.get("softcap"),
+        )
+    elif (
+        chunk is not None
+    ):  # chunked attention: the kernel inside each chunk, like packed documents
         if kwargs.get("upipe_cu_seqlens") is not None or kwargs.get("softcap") is not None:
-            raise NotImplementedError(f"chunked attention (chunks of {chunk}) with packed documents or soft-capping is "
-                                      "not implemented under sequence parallelism: do not pack.")
+            raise NotImplementedError(
+                f"chunked attention (chunks of {chunk}) with packed documents or soft-capping is "
+                "not implemented under sequence parallelism: do not pack."
+            )
         if not is_fake(query):  # (a simulation runs the unchunked kernel: the same buffers)
             kernel = chunk_kernel(kernel, chunk, B, s * state.sp_size, query.device, query.dtype)
-    elif kwargs.get("softcap") is not None:  # blocked math kernel (the simulation runs it too: its memory counts)
-        kernel = softcap_kernel(state, None if is_fake(query) else kwargs, query.device, query.dtype,
-                                s * state.sp_size, kwargs["softcap"], window)
-    elif not is_fake(query):  # (a simulation runs the unwindowed kernel: the memory of a native-window kernel,
+    elif (
+        kwargs.get("softcap") is not None
+    ):  # blocked math kernel (the simulation runs it too: its memory counts)
+        kernel = softcap_kernel(
+            state,
+            None if is_fake(query) else kwargs,
+            query.device,
+            query.dtype,
+            s * state.sp_size,
+            kwargs["softcap"],
+            window,
+        )
+    elif not is_fake(
+        query
+    ):  # (a simulation runs the unwindowed kernel: the memory of a native-window kernel,
         # flash-attn's, whose buffers do not depend on the window; the CPU kernel's block masks are not modelled)
-        kernel = window_kernel(kernel, window, kwargs.get("upipe_cu_seqlens"), query.device, query.dtype)
+        kernel = window_kernel(
+            kernel, window, kwargs.get("upipe_cu_seqlens"), query.device, query.dtype
+        )
     out = upipe_attention(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [B, s, H|Hk, D] views
-        group=state.attention_group, heads_per_chunk=state.heads_per_chunk, kernel=kernel, scale=scaling, sinks=sinks,
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),  # [B, s, H|Hk, D] views
+        group=state.attention_group,
+        heads_per_chunk=state.heads_per_chunk,
+        kernel=kernel,
+        scale=scaling,
+        sinks=sinks,
     )
     return out[..., :v_dim], None  # [B, s, H, Dv]
 

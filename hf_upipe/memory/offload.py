@@ -46,7 +46,13 @@ from torch import nn
 
 from hf_upipe.ops.fake import is_fake
 
-__all__ = ["HOST_POOL", "HostBufferPool", "OffloadStore", "checkpointed_layers", "offload_checkpoints"]
+__all__ = [
+    "HOST_POOL",
+    "HostBufferPool",
+    "OffloadStore",
+    "checkpointed_layers",
+    "offload_checkpoints",
+]
 
 TARGETS = ("none", "cpu", "disk")
 
@@ -54,8 +60,18 @@ TARGETS = ("none", "cpu", "disk")
 class _Handle:
     """What the pack hook returns in place of an offloaded tensor."""
 
-    __slots__ = ("shape", "dtype", "device", "path", "future", "host", "event", "prefetched", "release",
-                 "__weakref__")
+    __slots__ = (
+        "shape",
+        "dtype",
+        "device",
+        "path",
+        "future",
+        "host",
+        "event",
+        "prefetched",
+        "release",
+        "__weakref__",
+    )
 
     def __init__(self, t: torch.Tensor):
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
@@ -78,7 +94,9 @@ class HostBufferPool:
         self._free: dict[tuple, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
         self.free_bytes = 0
-        self.allocated = 0  # buffers ever created (a pool that reuses them stops growing after one step)
+        self.allocated = (
+            0  # buffers ever created (a pool that reuses them stops growing after one step)
+        )
 
     def take(self, shape, dtype) -> torch.Tensor:
         with self._lock:
@@ -115,10 +133,19 @@ class OffloadStore:
             observer may want to see, e.g. the planner's memory label); default none.
     """
 
-    def __init__(self, target: str, path: str | None = None, *, min_bytes: int = 2**20, max_pending: int = 2,
-                 restore_context: Callable[[], ContextManager] | None = None):
+    def __init__(
+        self,
+        target: str,
+        path: str | None = None,
+        *,
+        min_bytes: int = 2**20,
+        max_pending: int = 2,
+        restore_context: Callable[[], ContextManager] | None = None,
+    ):
         if target not in ("cpu", "disk"):
-            raise ValueError(f"offload target {target!r}: use 'cpu' (pinned host memory, CUDA) or 'disk' (any device).")
+            raise ValueError(
+                f"offload target {target!r}: use 'cpu' (pinned host memory, CUDA) or 'disk' (any device)."
+            )
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.target, self.min_bytes = target, min_bytes
@@ -167,10 +194,17 @@ class OffloadStore:
     # ---- disk ----
     def _write(self, handle: _Handle, t: torch.Tensor) -> None:
         handle.path = os.path.join(self.folder, f"{next(self._ids)}.pt")
-        handle.release = weakref.finalize(handle, _remove, handle.path)  # once autograd frees the saved input
+        handle.release = weakref.finalize(
+            handle, _remove, handle.path
+        )  # once autograd frees the saved input
         data = t.detach()
-        if data.untyped_storage().nbytes() != data.numel() * data.element_size() or not data.is_contiguous():
-            data = data.contiguous().clone()  # torch.save writes whole storages: never write a view's base
+        if (
+            data.untyped_storage().nbytes() != data.numel() * data.element_size()
+            or not data.is_contiguous()
+        ):
+            data = (
+                data.contiguous().clone()
+            )  # torch.save writes whole storages: never write a view's base
         self._slots.acquire()  # bounded: at most max_pending tensors wait for the disk
         future = self._writer.submit(torch.save, data.to("cpu"), handle.path)
         future.add_done_callback(lambda _: self._slots.release())
@@ -201,7 +235,9 @@ class OffloadStore:
                 handle.event = torch.cuda.Event()
                 handle.event.record(stream)
         handle.host = host
-        handle.release = weakref.finalize(handle, HOST_POOL.give, host)  # once autograd frees the saved input
+        handle.release = weakref.finalize(
+            handle, HOST_POOL.give, host
+        )  # once autograd frees the saved input
 
     def _copy_back(self, handle: _Handle) -> torch.Tensor:
         with self.restore_context():
@@ -231,8 +267,11 @@ class OffloadStore:
                 return
 
     def _from_host(self, handle: _Handle) -> torch.Tensor:
-        out, handle.prefetched = (handle.prefetched, None) if handle.prefetched is not None else \
-            (self._copy_back(handle), None)
+        out, handle.prefetched = (
+            (handle.prefetched, None)
+            if handle.prefetched is not None
+            else (self._copy_back(handle), None)
+        )
         if handle.event is not None:
             torch.cuda.current_stream(handle.device).wait_event(handle.event)
             out.record_stream(torch.cuda.current_stream(handle.device))
@@ -260,14 +299,25 @@ class OffloadStore:
 
 def checkpointed_layers(model: nn.Module) -> list[nn.Module]:
     """The layers that run under transformers' activation checkpointing, in model order."""
-    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)
-            and callable(getattr(m, "_gradient_checkpointing_func", None))]
+    return [
+        m
+        for m in model.modules()
+        if getattr(m, "gradient_checkpointing", False)
+        and callable(getattr(m, "_gradient_checkpointing_func", None))
+    ]
 
 
 @contextmanager
-def offload_checkpoints(model: nn.Module, target: str = "disk", *, path: str | None = None, keep_last: bool = True,
-                        min_bytes: int = 2**20, max_pending: int = 2,
-                        restore_context: Callable[[], ContextManager] | None = None):
+def offload_checkpoints(
+    model: nn.Module,
+    target: str = "disk",
+    *,
+    path: str | None = None,
+    keep_last: bool = True,
+    min_bytes: int = 2**20,
+    max_pending: int = 2,
+    restore_context: Callable[[], ContextManager] | None = None,
+):
     """Offload the checkpointed layers' saved inputs for the forward and backward run inside this block.
 
     Args:
@@ -292,10 +342,14 @@ def offload_checkpoints(model: nn.Module, target: str = "disk", *, path: str | N
         return
     layers = checkpointed_layers(model)
     if not layers:
-        raise ValueError("offload_checkpoints needs activation checkpointing: call "
-                         "model.activation_checkpointing_enable() (or TrainingArguments("
-                         "activation_checkpointing=True)), or use offload target 'none'.")
-    store = OffloadStore(target, path, min_bytes=min_bytes, max_pending=max_pending, restore_context=restore_context)
+        raise ValueError(
+            "offload_checkpoints needs activation checkpointing: call "
+            "model.activation_checkpointing_enable() (or TrainingArguments("
+            "activation_checkpointing=True)), or use offload target 'none'."
+        )
+    store = OffloadStore(
+        target, path, min_bytes=min_bytes, max_pending=max_pending, restore_context=restore_context
+    )
     originals = [(layer, layer._gradient_checkpointing_func) for layer in layers]
     try:
         for layer, original in originals[:-1] if keep_last else originals:
@@ -311,8 +365,10 @@ def _offloading(checkpoint_fn, store: OffloadStore):
     """The layer's checkpoint function, called with the store's hooks around it (they see only its inputs)."""
     keywords = getattr(checkpoint_fn, "keywords", {}) or {}
     if keywords.get("use_reentrant", False):
-        raise ValueError("offload_checkpoints needs non-reentrant activation checkpointing (the transformers 5 "
-                         "default): drop use_reentrant=True from the checkpointing kwargs.")
+        raise ValueError(
+            "offload_checkpoints needs non-reentrant activation checkpointing (the transformers 5 "
+            "default): drop use_reentrant=True from the checkpointing kwargs."
+        )
 
     def run(*args, **kwargs):
         with torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack):

@@ -43,8 +43,15 @@ from hf_upipe.verification import Verdict, verify
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TiledMLPFunction", "apply_tiled_mlp", "default_chunk_tokens", "remove_tiled_mlp", "tiled_check",
-           "tiled_mlp", "tiled_verdict"]
+__all__ = [
+    "TiledMLPFunction",
+    "apply_tiled_mlp",
+    "default_chunk_tokens",
+    "remove_tiled_mlp",
+    "tiled_check",
+    "tiled_mlp",
+    "tiled_verdict",
+]
 
 _HEAD_NORMS = ("q_norm", "k_norm")  # per-head norms inside attention: [B, s, H, D], not tiled
 
@@ -80,10 +87,10 @@ class TiledMLPFunction(torch.autograd.Function):
         out = None
         with torch.no_grad():
             for a in chunk_starts(s, chunk_tokens, x):
-                y = forward_fn(x[:, a:a + chunk_tokens])  # [B, c, Dout]
+                y = forward_fn(x[:, a : a + chunk_tokens])  # [B, c, Dout]
                 if out is None:
                     out = y.new_empty(x.shape[0], s, *y.shape[2:])  # [B, s, Dout]
-                out[:, a:a + chunk_tokens].copy_(y)
+                out[:, a : a + chunk_tokens].copy_(y)
                 del y
         return out
 
@@ -93,22 +100,30 @@ class TiledMLPFunction(torch.autograd.Function):
         wanted = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + i]]
         want_x = ctx.needs_input_grad[0]
         dx = torch.empty_like(x) if want_x else None
-        acc = {i: torch.zeros_like(params[i], dtype=torch.float32 if params[i].dtype in (torch.float16,
-                                                                                             torch.bfloat16)
-                                   else params[i].dtype) for i in wanted}
+        acc = {
+            i: torch.zeros_like(
+                params[i],
+                dtype=torch.float32
+                if params[i].dtype in (torch.float16, torch.bfloat16)
+                else params[i].dtype,
+            )
+            for i in wanted
+        }
         s, c = x.shape[1], ctx.chunk_tokens
         grad_out = grad_out.contiguous()
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
             _set_rng_state(ctx.rng, x.device)
             for a in chunk_starts(s, c, x):
-                xc = x[:, a:a + c].detach().requires_grad_(want_x)  # [B, c, Dm]
+                xc = x[:, a : a + c].detach().requires_grad_(want_x)  # [B, c, Dm]
                 with torch.enable_grad():
                     y = ctx.forward_fn(xc)
                 inputs = ([xc] if want_x else []) + [params[i] for i in wanted]
-                grads = torch.autograd.grad(y, inputs, grad_out[:, a:a + c])  # unused: an error, not a silent zero
+                grads = torch.autograd.grad(
+                    y, inputs, grad_out[:, a : a + c]
+                )  # unused: an error, not a silent zero
                 del y
                 if want_x:
-                    dx[:, a:a + c].copy_(grads[0])
+                    dx[:, a : a + c].copy_(grads[0])
                 for i, g in zip(wanted, grads[1:] if want_x else grads):
                     acc[i].add_(g)
                 del grads
@@ -149,7 +164,9 @@ def _is_tiled(module: nn.Module) -> bool:
     return getattr(module.__dict__.get("forward"), "__func__", None) is _tiled_forward
 
 
-def apply_tiled_mlp(model: nn.Module, chunk_tokens: int | None = None, *, norms: bool = True) -> int:
+def apply_tiled_mlp(
+    model: nn.Module, chunk_tokens: int | None = None, *, norms: bool = True
+) -> int:
     """Run every known MLP module of `model` (plain or PEFT) tiled; returns how many MLPs were tiled.
 
     The known modules are the registry's (`hf_upipe.architectures`: gated MLPs and RMSNorms of the Llama-shaped
@@ -165,12 +182,16 @@ def apply_tiled_mlp(model: nn.Module, chunk_tokens: int | None = None, *, norms:
         ValueError: chunk_tokens < 1.
     """
     if chunk_tokens is not None and chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1 (or None for the hidden size), got {chunk_tokens}")
+        raise ValueError(
+            f"chunk_tokens must be >= 1 (or None for the hidden size), got {chunk_tokens}"
+        )
     mlps, norm_classes = tiled_mlp_classes(), tiled_norm_classes() if norms else {}
     count, other, changed = 0, set(), set()
     for path, module in model.named_modules():
         name = type(module).__name__
-        arch = mlps.get(name) or (norm_classes.get(name) if path.rsplit(".", 1)[-1] not in _HEAD_NORMS else None)
+        arch = mlps.get(name) or (
+            norm_classes.get(name) if path.rsplit(".", 1)[-1] not in _HEAD_NORMS else None
+        )
         if arch is None:
             if name.endswith("MLP"):
                 other.add(name)
@@ -179,18 +200,27 @@ def apply_tiled_mlp(model: nn.Module, chunk_tokens: int | None = None, *, norms:
             changed.add(name)
             continue
         if not _is_tiled(module):
-            if "forward" in module.__dict__:  # someone else replaced this instance's forward: do not stack on it
+            if (
+                "forward" in module.__dict__
+            ):  # someone else replaced this instance's forward: do not stack on it
                 other.add(name)
                 continue
             module.forward = types.MethodType(_tiled_forward, module)
         module._upipe_mlp_chunk = chunk_tokens
         count += name in mlps
     if changed:
-        logger.warning("hf_upipe: tiled MLP not applied to %s: not verified on the installed transformers (the "
-                       "warning above says why)", sorted(changed))
+        logger.warning(
+            "hf_upipe: tiled MLP not applied to %s: not verified on the installed transformers (the "
+            "warning above says why)",
+            sorted(changed),
+        )
     if other:
-        logger.warning("hf_upipe: tiled MLP not applied to %s (not a known gated MLP)", sorted(other))
-    logger.info("hf_upipe: tiled MLP on %d module(s), chunk %s tokens", count, chunk_tokens or "hidden_size")
+        logger.warning(
+            "hf_upipe: tiled MLP not applied to %s (not a known gated MLP)", sorted(other)
+        )
+    logger.info(
+        "hf_upipe: tiled MLP on %d module(s), chunk %s tokens", count, chunk_tokens or "hidden_size"
+    )
     return count
 
 
@@ -209,7 +239,9 @@ def tiled_verdict(arch) -> Verdict:
     """Whether the tiled MLP/norm compute what `arch`'s own do on the installed transformers: by the fingerprint
     of a verified release, else by `tiled_check` (`hf_upipe.verification`)."""
     source = source_fingerprint(arch, "tiled")
-    return verify("tiled", arch.model_type, source, arch.tiled_fingerprints, lambda: tiled_check(arch))
+    return verify(
+        "tiled", arch.model_type, source, arch.tiled_fingerprints, lambda: tiled_check(arch)
+    )
 
 
 def tiled_check(arch) -> str | None:
@@ -230,8 +262,11 @@ def _tiled_check(arch) -> str | None:
             if ref is None:  # no peft here: LoRA cannot be used, nor checked
                 break
             model.load_state_dict(ref.state_dict())
-        modules = [m for path, m in model.named_modules()
-                   if type(m).__name__ in names and path.rsplit(".", 1)[-1] not in _HEAD_NORMS]
+        modules = [
+            m
+            for path, m in model.named_modules()
+            if type(m).__name__ in names and path.rsplit(".", 1)[-1] not in _HEAD_NORMS
+        ]
         if not modules:
             return f"the tiny {arch.model_type} model has no {sorted(names)}"
         for module in modules:

@@ -71,7 +71,9 @@ def _exchange(send: torch.Tensor, group: dist.ProcessGroup | None, async_op: boo
     return recv, work
 
 
-def start_seq_to_head(x5: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> Pending:
+def start_seq_to_head(
+    x5: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
+) -> Pending:
     """`seq_to_head`, in flight until `Pending.wait()` when `async_op`."""
     B, s, P, h, D = x5.shape
     if P == 1:
@@ -81,14 +83,18 @@ def start_seq_to_head(x5: torch.Tensor, group: dist.ProcessGroup | None, async_o
     return Pending(recv.view(P * s, B, h, D).transpose(0, 1), work, send)  # [B, S, h, D]
 
 
-def start_head_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False) -> Pending:
+def start_head_to_seq(
+    y: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False
+) -> Pending:
     """`head_to_seq`, in flight until `Pending.wait()` when `async_op`."""
     B, S, h, D = y.shape
     P = group_size(group)
     if P == 1:
         return Pending(y.unsqueeze(2))
     s = S // P
-    send = y.transpose(0, 1).reshape(P, s, B, h, D).contiguous()  # [P(dst), s, B, h, D]; no copy if y is [S,B,h,D]
+    send = (
+        y.transpose(0, 1).reshape(P, s, B, h, D).contiguous()
+    )  # [P(dst), s, B, h, D]; no copy if y is [S,B,h,D]
     recv, work = _exchange(send, group, async_op)  # [P(src), s, B, h, D]
     return Pending(recv.permute(2, 1, 0, 3, 4), work, send)  # [B, s, P, h, D]
 
@@ -159,5 +165,7 @@ def all_to_all_seq_to_head(x: torch.Tensor, group: dist.ProcessGroup | None) -> 
 def all_to_all_head_to_seq(y: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Differentiable [B, S, H/P, D] -> [B, s, H, D], the inverse of `all_to_all_seq_to_head`."""
     if y.shape[1] % group_size(group):
-        raise ValueError(f"sequence length {y.shape[1]} cannot be split over {group_size(group)} ranks.")
+        raise ValueError(
+            f"sequence length {y.shape[1]} cannot be split over {group_size(group)} ranks."
+        )
     return HeadToSeq.apply(y, group)

@@ -17,7 +17,14 @@ from typing import Callable
 
 import torch
 
-__all__ = ["AttentionWeights", "HeadNorm", "LoraAdapter", "Projection", "ProjectionNorm", "RopeStyle"]
+__all__ = [
+    "AttentionWeights",
+    "HeadNorm",
+    "LoraAdapter",
+    "Projection",
+    "ProjectionNorm",
+    "RopeStyle",
+]
 
 
 @dataclass(frozen=True)
@@ -103,8 +110,13 @@ class AttentionWeights:
         """Dropout seed of each q/k/v adapter ({"q"|"k"|"v": [seed per adapter]}): one per distinct A (a fused qkv
         projection's three slices share their A, and so one dropout mask, as PEFT applies them)."""
         index: dict[int, int] = {}
-        return {name: [seed + 100 + index.setdefault(id(a.A), len(index)) for a in getattr(self, name).adapters]
-                for name in "qkv"}
+        return {
+            name: [
+                seed + 100 + index.setdefault(id(a.A), len(index))
+                for a in getattr(self, name).adapters
+            ]
+            for name in "qkv"
+        }
 
     def lora_inputs(self, x: torch.Tensor, seed: int, dropout_fn) -> dict[str, list[torch.Tensor]]:
         """xa = dropout_fn(x, p, seed) @ A^T [B, s, r] for each q/k/v adapter ({"q"|"k"|"v": [xa per adapter]}),

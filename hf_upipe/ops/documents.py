@@ -39,11 +39,15 @@ def cu_seqlens_error(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> str 
     total = batch * seq_len
     if int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] <= cu[:-1]).any()):
         shown = cu.tolist()[:8]
-        return (f"must increase strictly from 0 to B*S = {batch}*{seq_len} = {total}; got {shown}"
-                f"{' ...' if cu.numel() > 8 else ''} (ending at {int(cu[-1])})")
+        return (
+            f"must increase strictly from 0 to B*S = {batch}*{seq_len} = {total}; got {shown}"
+            f"{' ...' if cu.numel() > 8 else ''} (ending at {int(cu[-1])})"
+        )
     if not bool(torch.isin(torch.arange(batch, device=cu.device) * seq_len, cu).all()):
-        return (f"has a document crossing a row boundary (every multiple of S={seq_len} must be a boundary): "
-                "documents of a packed batch never span rows")
+        return (
+            f"has a document crossing a row boundary (every multiple of S={seq_len} must be a boundary): "
+            "documents of a packed batch never span rows"
+        )
     return None
 
 
@@ -54,7 +58,9 @@ def left_padded_rows(mask: torch.Tensor) -> list[int]:
     return torch.nonzero((m.cummin(dim=-1).values != m).any(dim=-1)).flatten().tolist()
 
 
-def document_segments(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> list[tuple[int, int, int]]:
+def document_segments(
+    cu_seqlens: torch.Tensor, batch: int, seq_len: int
+) -> list[tuple[int, int, int]]:
     """(b, a, e) per document: row b, tokens [a, e) of that row; rows in order, documents in order.
 
     Raises:
@@ -78,21 +84,30 @@ class DocumentKernel:
         max_seqlen: longest document, for the native path (computed from cu_seqlens when None).
     """
 
-    def __init__(self, inner: AttentionKernel, cu_seqlens: torch.Tensor, seq_len: int, max_seqlen: int | None = None):
+    def __init__(
+        self,
+        inner: AttentionKernel,
+        cu_seqlens: torch.Tensor,
+        seq_len: int,
+        max_seqlen: int | None = None,
+    ):
         self.inner = inner
         self.name = f"documents({getattr(inner, 'name', type(inner).__name__)})"
         self.cu_seqlens = cu_seqlens
         self.seq_len = int(seq_len)
         self.max_seqlen = None if max_seqlen is None else int(max_seqlen)
-        self.native = callable(getattr(inner, "forward_varlen", None)) and \
-            callable(getattr(inner, "backward_varlen", None))
+        self.native = callable(getattr(inner, "forward_varlen", None)) and callable(
+            getattr(inner, "backward_varlen", None)
+        )
         self._segments: list[tuple[int, int, int]] | None = None
         self._cu_on: dict[torch.device, torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------------- helpers
     def _check_shape(self, q: torch.Tensor) -> None:
         if q.shape[1] != self.seq_len:
-            raise ValueError(f"DocumentKernel built for sequences of {self.seq_len} tokens, called with {q.shape[1]}.")
+            raise ValueError(
+                f"DocumentKernel built for sequences of {self.seq_len} tokens, called with {q.shape[1]}."
+            )
 
     def segments(self, batch: int) -> list[tuple[int, int, int]]:
         """The documents as (b, a, e), computed once (one device sync) and validated."""
@@ -102,7 +117,9 @@ class DocumentKernel:
 
     def _cu(self, device: torch.device) -> torch.Tensor:
         if device not in self._cu_on:
-            self._cu_on[device] = self.cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True).contiguous()
+            self._cu_on[device] = self.cu_seqlens.to(
+                device=device, dtype=torch.int32, non_blocking=True
+            ).contiguous()
         return self._cu_on[device]
 
     def _max_seqlen(self) -> int:
@@ -118,21 +135,30 @@ class DocumentKernel:
         if self.native:
             T = B * S
             out, lse = self.inner.forward_varlen(
-                q.reshape(T, h, D), k.reshape(T, k.shape[2], D), v.reshape(T, v.shape[2], v.shape[3]),  # [T, *, D]
-                self._cu(q.device), self._max_seqlen(), scale=scale, causal=causal)  # [T, h, D], [h, T]
-            return out.view(B, S, h, -1), lse.view(h, B, S).transpose(0, 1)  # [B, S, h, D], [B, h, S] (a view)
+                q.reshape(T, h, D),
+                k.reshape(T, k.shape[2], D),
+                v.reshape(T, v.shape[2], v.shape[3]),  # [T, *, D]
+                self._cu(q.device),
+                self._max_seqlen(),
+                scale=scale,
+                causal=causal,
+            )  # [T, h, D], [h, T]
+            return out.view(B, S, h, -1), lse.view(h, B, S).transpose(
+                0, 1
+            )  # [B, S, h, D], [B, h, S] (a view)
         segs = self.segments(B)
         if len(segs) == B:  # one document per row: plain attention on the whole batch
             return self.inner.forward(q, k, v, scale=scale, causal=causal)
         out = q.new_empty(B, S, h, v.shape[-1])  # [B, S, h, D]
         lse = None
         for b, a, e in segs:
-            o, m = self.inner.forward(q[b:b + 1, a:e], k[b:b + 1, a:e], v[b:b + 1, a:e], scale=scale,
-                                      causal=causal)  # [1, e-a, h, D], [1, h, e-a]
+            o, m = self.inner.forward(
+                q[b : b + 1, a:e], k[b : b + 1, a:e], v[b : b + 1, a:e], scale=scale, causal=causal
+            )  # [1, e-a, h, D], [1, h, e-a]
             if lse is None:
                 lse = torch.empty(B, h, S, dtype=m.dtype, device=m.device)  # [B, h, S]
-            out[b:b + 1, a:e] = o
-            lse[b:b + 1, :, a:e] = m
+            out[b : b + 1, a:e] = o
+            lse[b : b + 1, :, a:e] = m
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, scale, causal=True):
@@ -144,17 +170,32 @@ class DocumentKernel:
             T = B * S
             hk = k.shape[2]
             dq, dk, dv = self.inner.backward_varlen(
-                dout.reshape(T, h, -1), q.reshape(T, h, D), k.reshape(T, hk, D), v.reshape(T, hk, v.shape[3]),
-                out.reshape(T, h, -1), lse.transpose(0, 1).reshape(h, T),  # [T, *, D] ..., lse [h, T]
-                self._cu(q.device), self._max_seqlen(), scale=scale, causal=causal)
+                dout.reshape(T, h, -1),
+                q.reshape(T, h, D),
+                k.reshape(T, hk, D),
+                v.reshape(T, hk, v.shape[3]),
+                out.reshape(T, h, -1),
+                lse.transpose(0, 1).reshape(h, T),  # [T, *, D] ..., lse [h, T]
+                self._cu(q.device),
+                self._max_seqlen(),
+                scale=scale,
+                causal=causal,
+            )
             return dq.view(B, S, h, D), dk.view(B, S, hk, D), dv.view(B, S, hk, -1)
         segs = self.segments(B)
         if len(segs) == B:
             return self.inner.backward(dout, q, k, v, out, lse, scale=scale, causal=causal)
         dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
         for b, a, e in segs:
-            g = self.inner.backward(dout[b:b + 1, a:e], q[b:b + 1, a:e], k[b:b + 1, a:e], v[b:b + 1, a:e],
-                                    out[b:b + 1, a:e], lse[b:b + 1, :, a:e].contiguous(), scale=scale,
-                                    causal=causal)  # [1, e-a, h|hk, D] each
-            dq[b:b + 1, a:e], dk[b:b + 1, a:e], dv[b:b + 1, a:e] = g
+            g = self.inner.backward(
+                dout[b : b + 1, a:e],
+                q[b : b + 1, a:e],
+                k[b : b + 1, a:e],
+                v[b : b + 1, a:e],
+                out[b : b + 1, a:e],
+                lse[b : b + 1, :, a:e].contiguous(),
+                scale=scale,
+                causal=causal,
+            )  # [1, e-a, h|hk, D] each
+            dq[b : b + 1, a:e], dk[b : b + 1, a:e], dv[b : b + 1, a:e] = g
         return dq, dk, dv

@@ -66,13 +66,27 @@ from hf_upipe.ops.block_weights import (
     RopeStyle,
 )
 from hf_upipe.ops.fused_backward import Grads, fused_backward
-from hf_upipe.ops.fused_stages import StagePlan, block_sides, head_rows, make_plan, project_rows, seeded_dropout
+from hf_upipe.ops.fused_stages import (
+    StagePlan,
+    block_sides,
+    head_rows,
+    make_plan,
+    project_rows,
+    seeded_dropout,
+)
 from hf_upipe.ops.head_layout import HeadLayout
 from hf_upipe.ops.head_transforms import post
 from hf_upipe.ops.kernels import AttentionKernel, get_kernel
 
-__all__ = ["AttentionWeights", "HeadNorm", "LoraAdapter", "Projection", "ProjectionNorm", "RopeStyle",
-           "fused_upipe_attention"]
+__all__ = [
+    "AttentionWeights",
+    "HeadNorm",
+    "LoraAdapter",
+    "Projection",
+    "ProjectionNorm",
+    "RopeStyle",
+    "fused_upipe_attention",
+]
 
 
 def _fused_forward(x, cos, sin, w: AttentionWeights, plan: StagePlan):
@@ -91,29 +105,42 @@ def _fused_forward(x, cos, sin, w: AttentionWeights, plan: StagePlan):
     za = [x.new_zeros(B, s, a.A.shape[0]) for a in w.o.adapters]
     saved = []
 
-    def send_inputs(i):  # stage i's q (and k/v at a chunk's first stage): projected, normed, rotated, sent
+    def send_inputs(
+        i,
+    ):  # stage i's q (and k/v at a chunk's first stage): projected, normed, rotated, sent
         kv = None
         if layout.starts_kv_group(i):
             rows = head_rows(plan.kv_heads[i], D)
-            k5 = post(sides["k"], project_rows(x, w.k, rows, xas["k"]), rows, cos, sin, D, style)  # [B, s, P*kc, D]
+            k5 = post(
+                sides["k"], project_rows(x, w.k, rows, xas["k"]), rows, cos, sin, D, style
+            )  # [B, s, P*kc, D]
             kp = start_seq_to_head(k5.view(B, s, P, -1, D), group, ov)  # -> [B, S, kc, D]
             v5 = post(sides["v"], project_rows(x, w.v, rows, xas["v"]), rows, cos, sin, D, style)
             kv = (kp, start_seq_to_head(v5.view(B, s, P, -1, D), group, ov))
             del k5, v5
         rows = head_rows(plan.q_heads[i], D)
-        q5 = post(sides["q"], project_rows(x, w.q, rows, xas["q"]), rows, cos, sin, D, style)  # [B, s, P*c, D]
+        q5 = post(
+            sides["q"], project_rows(x, w.q, rows, xas["q"]), rows, cos, sin, D, style
+        )  # [B, s, P*c, D]
         return start_seq_to_head(q5.view(B, s, P, -1, D), group, ov), kv  # -> [B, S, c, D]
 
-    def o_proj(i, pending):  # y += a_i @ Wo[:, R]^T (+ LoRA) once stage i's output is back in the local layout
+    def o_proj(
+        i, pending
+    ):  # y += a_i @ Wo[:, R]^T (+ LoRA) once stage i's output is back in the local layout
         rows = head_rows(plan.q_heads[i], D)
         a = pending.wait().reshape(B * s, -1)  # [B*s, P*c*D], model heads q_heads[i]
         y.view(B * s, -1).addmm_(a, w.o.weight.index_select(1, rows).t())
         for j, ad in enumerate(w.o.adapters):
-            za[j].view(B * s, -1).addmm_(seeded_dropout(a, ad.dropout, plan.seed + 1000 + 16 * i + j),
-                                         ad.A.index_select(1, rows).t())
+            za[j].view(B * s, -1).addmm_(
+                seeded_dropout(a, ad.dropout, plan.seed + 1000 + 16 * i + j),
+                ad.A.index_select(1, rows).t(),
+            )
 
     kh = vh = None
-    inputs, out = (send_inputs(0) if n else None), None  # in flight: the next stage's inputs, the last output
+    inputs, out = (
+        (send_inputs(0) if n else None),
+        None,
+    )  # in flight: the next stage's inputs, the last output
     for i in range(n):
         q_sent, kv_sent = inputs
         if kv_sent is not None:
@@ -155,7 +182,9 @@ class _FusedFunction(torch.autograd.Function):
         y, xas, za, inv_rms, saved = _fused_forward(x, cos, sin, w, plan)
         flat_xas = [t for name in "qkv" for t in xas[name]]
         ctx.has_rms = [t is not None for t in inv_rms]
-        ctx.save_for_backward(x, cos, sin, *[t for t in inv_rms if t is not None], *flat_xas, *za, *saved)
+        ctx.save_for_backward(
+            x, cos, sin, *[t for t in inv_rms if t is not None], *flat_xas, *za, *saved
+        )
         ctx.static, ctx.n_tensors = static, len(tensors)
         ctx.counts = [len(xas[name]) for name in "qkv"] + [len(za)]
         return y
@@ -170,8 +199,8 @@ class _FusedFunction(torch.autograd.Function):
             inv_rms.append(rest.pop(0) if has else None)
         xas, k = {}, 0
         for name, n in zip("qkv", ctx.counts):
-            xas[name], k = rest[k:k + n], k + n
-        za, saved = rest[k:k + ctx.counts[3]], rest[k + ctx.counts[3]:]
+            xas[name], k = rest[k : k + n], k + n
+        za, saved = rest[k : k + ctx.counts[3]], rest[k + ctx.counts[3] :]
         grads = Grads(w.tensors(), list(ctx.needs_input_grad[4:]))
         dx = fused_backward(dy.contiguous(), x, cos, sin, w, plan, xas, za, inv_rms, grads, saved)
         return (dx if ctx.needs_input_grad[0] else None, None, None, None, *grads.buf)
@@ -213,12 +242,25 @@ def fused_upipe_attention(
     """
     layout = HeadLayout(num_heads, num_kv_heads, group_size(group), heads_per_chunk)
     kern = get_kernel(kernel, x.device, x.dtype) if isinstance(kernel, str) else kernel
-    dropout = any(a.dropout > 0 for p in (weights.q, weights.k, weights.v, weights.o) for a in p.adapters)
+    dropout = any(
+        a.dropout > 0 for p in (weights.q, weights.k, weights.v, weights.o) for a in p.adapters
+    )
     tensors = weights.tensors()
-    backward = torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in tensors))
-    plan = make_plan(layout, group, kern, head_dim ** -0.5 if scale is None else scale, head_dim, x.device,
-                     dropout, save_attention and backward, overlap and backward,  # nothing kept without backward
-                     overlap_forward=backward)
+    backward = torch.is_grad_enabled() and (
+        x.requires_grad or any(t.requires_grad for t in tensors)
+    )
+    plan = make_plan(
+        layout,
+        group,
+        kern,
+        head_dim**-0.5 if scale is None else scale,
+        head_dim,
+        x.device,
+        dropout,
+        save_attention and backward,
+        overlap and backward,  # nothing kept without backward
+        overlap_forward=backward,
+    )
     if backward:
         return _FusedFunction.apply(x, cos, sin, (weights, plan), *tensors)
     return _fused_forward(x, cos, sin, weights, plan)[0]

@@ -33,7 +33,9 @@ class Grads:
 
     def __init__(self, tensors: list[torch.Tensor], needs: list[bool]):
         self._pos = {id(t): i for i, t in reversed(list(enumerate(tensors)))}
-        self.buf: list[torch.Tensor | None] = [torch.zeros_like(t) if n else None for t, n in zip(tensors, needs)]
+        self.buf: list[torch.Tensor | None] = [
+            torch.zeros_like(t) if n else None for t, n in zip(tensors, needs)
+        ]
 
     def get(self, t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else self.buf[self._pos[id(t)]]
@@ -53,8 +55,9 @@ def linear_backward(x2, proj, rows, d_pre2, xas, ts, grads: Grads, dx2) -> None:
         t.addmm_(d_pre2, a.B.index_select(0, rows), alpha=a.scaling)
 
 
-def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, za, inv_rms,
-                   grads: Grads, saved=()) -> torch.Tensor:
+def fused_backward(
+    dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, za, inv_rms, grads: Grads, saved=()
+) -> torch.Tensor:
     """The backward stage loop; returns dx and fills `grads`. `saved`: the forward's stage outputs (save mode)."""
     layout, D, group, style = plan.layout, plan.D, plan.group, w.rope
     B, s, Dm = x.shape
@@ -64,9 +67,16 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
     dx2 = dx.view(B * s, Dm)
     sides = block_sides(x, w, plan, xas, inv_rms)
     # per-token sums of a whole-projection norm's coupled term [B, s, 1] (None for other norms)
-    sigma = {n: x.new_zeros(B, s, 1, dtype=torch.float32) if isinstance(sides[n].norm, ProjectionNorm) else None
-             for n in "qk"}
-    ts = {name: [x.new_zeros(B * s, a.A.shape[0]) for a in getattr(w, name).adapters] for name in "qkv"}
+    sigma = {
+        n: x.new_zeros(B, s, 1, dtype=torch.float32)
+        if isinstance(sides[n].norm, ProjectionNorm)
+        else None
+        for n in "qk"
+    }
+    ts = {
+        name: [x.new_zeros(B * s, a.A.shape[0]) for a in getattr(w, name).adapters]
+        for name in "qkv"
+    }
     if (g := grads.get(w.o.bias)) is not None:
         g.add_(dy2.sum(0))
     us = []  # dy @ Bo * s for each o adapter: [N, r]
@@ -77,7 +87,9 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
     ov = plan.overlap
     # Wo's gradients need each stage's output in the local layout; without them (Wo frozen and no o_proj adapter,
     # e.g. PEFT's default LoRA targets q_proj, v_proj) the output is not sent back at all
-    needs_out = grads.get(w.o.weight) is not None or any(grads.get(ad.A) is not None for ad in w.o.adapters)
+    needs_out = grads.get(w.o.weight) is not None or any(
+        grads.get(ad.A) is not None for ad in w.o.adapters
+    )
 
     # save mode: per stage, (kh, vh) kept at a k/v chunk's first stage (else None), oh, lse (see `_fused_forward`)
     kept, rest = [], list(saved)
@@ -86,35 +98,56 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
         kept.append((kv, rest.pop(0), rest.pop(0)))
     del rest
 
-    def send_qkv(i):  # stage i's q (and k/v at a chunk's first stage, unless kept), recomputed and sent
+    def send_qkv(
+        i,
+    ):  # stage i's q (and k/v at a chunk's first stage, unless kept), recomputed and sent
         kv = None
         if layout.starts_kv_group(i) and not plan.save:
             kv_rows = head_rows(plan.kv_heads[i], D)
-            k5 = post(sides["k"], project_rows(x, w.k, kv_rows, xas["k"]), kv_rows, cos, sin, D,
-                      style)  # [B, s, P*kc, D]
-            kv = (start_seq_to_head(k5.view(B, s, P, -1, D), group, True),
-                  start_seq_to_head(project_rows(x, w.v, kv_rows, xas["v"]).view(B, s, P, -1, D), group, True))
+            k5 = post(
+                sides["k"], project_rows(x, w.k, kv_rows, xas["k"]), kv_rows, cos, sin, D, style
+            )  # [B, s, P*kc, D]
+            kv = (
+                start_seq_to_head(k5.view(B, s, P, -1, D), group, True),
+                start_seq_to_head(
+                    project_rows(x, w.v, kv_rows, xas["v"]).view(B, s, P, -1, D), group, True
+                ),
+            )
             del k5
         rows = head_rows(plan.q_heads[i], D)
-        q5 = post(sides["q"], project_rows(x, w.q, rows, xas["q"]), rows, cos, sin, D, style)  # [B, s, P*c, D]
+        q5 = post(
+            sides["q"], project_rows(x, w.q, rows, xas["q"]), rows, cos, sin, D, style
+        )  # [B, s, P*c, D]
         return start_seq_to_head(q5.view(B, s, P, -1, D), group, True), kv  # -> [B, S, c (kc), D]
 
-    def send_dout(i):  # d a_i = dy @ Wo[:, R] (+ LoRA) [N, P*c*D], sent to the head layout -> [B, S, c, D]
+    def send_dout(
+        i,
+    ):  # d a_i = dy @ Wo[:, R] (+ LoRA) [N, P*c*D], sent to the head layout -> [B, S, c, D]
         rows = head_rows(plan.q_heads[i], D)
         da = dy2 @ w.o.weight.index_select(1, rows)
         for j, (ad, u) in enumerate(zip(w.o.adapters, us)):
-            da.add_(seeded_dropout(u @ ad.A.index_select(1, rows), ad.dropout, plan.seed + 1000 + 16 * i + j))
+            da.add_(
+                seeded_dropout(
+                    u @ ad.A.index_select(1, rows), ad.dropout, plan.seed + 1000 + 16 * i + j
+                )
+            )
         return start_seq_to_head(da.view(B, s, P, -1, D), group, True)
 
-    def o_grads(i, a):  # Wo's column gradients (and its LoRA A's) from stage i's output a [N, P*c*D]
+    def o_grads(
+        i, a
+    ):  # Wo's column gradients (and its LoRA A's) from stage i's output a [N, P*c*D]
         rows = head_rows(plan.q_heads[i], D)
         if (g := grads.get(w.o.weight)) is not None:
             g.index_add_(1, rows, dy2.t() @ a)
         for j, (ad, u) in enumerate(zip(w.o.adapters, us)):
             if (g := grads.get(ad.A)) is not None:
-                g.index_add_(1, rows, u.t() @ seeded_dropout(a, ad.dropout, plan.seed + 1000 + 16 * i + j))
+                g.index_add_(
+                    1, rows, u.t() @ seeded_dropout(a, ad.dropout, plan.seed + 1000 + 16 * i + j)
+                )
 
-    def input_grads(items):  # [(name, rows, dh [B, S, h, D] or its Pending)], consumed in order: dx, weight rows
+    def input_grads(
+        items,
+    ):  # [(name, rows, dh [B, S, h, D] or its Pending)], consumed in order: dx, weight rows
         while items:
             # a tensor not yet sent: dq alone, or dk with dv, so that only one receive buffer of dq is live at once
             if not isinstance(items[0][2], Pending):
@@ -124,22 +157,47 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
             d5 = dh.wait().reshape(B, s, -1, D)
             del dh  # [B, s, P*c (or P*kc), D]
             proj = getattr(w, name)
-            d_pre = d5.reshape(B * s, -1) if name == "v" else post_backward(
-                sides[name], lambda: project_rows(x, proj, r, xas[name]), r, cos, sin, D, style, d5, grads, sigma[name])
+            d_pre = (
+                d5.reshape(B * s, -1)
+                if name == "v"
+                else post_backward(
+                    sides[name],
+                    lambda: project_rows(x, proj, r, xas[name]),
+                    r,
+                    cos,
+                    sin,
+                    D,
+                    style,
+                    d5,
+                    grads,
+                    sigma[name],
+                )
+            )
             del d5
             linear_backward(x2, proj, r, d_pre.reshape(B * s, -1), xas[name], ts[name], grads, dx2)
             del d_pre
 
-    def finish(i, out_sent, items):  # overlap: stage i's Wo gradients and input gradients, once they are back
+    def finish(
+        i, out_sent, items
+    ):  # overlap: stage i's Wo gradients and input gradients, once they are back
         if out_sent is not None:
             o_grads(i, out_sent.wait().reshape(B * s, -1))
         input_grads(items)
 
     def issue(i):  # stage i's inputs, in flight together: q (k/v), d a, and in save mode its output
-        if not (ov or plan.save):  # recompute mode, in order: d a is sent with the output, after the kernel forward
+        if not (
+            ov or plan.save
+        ):  # recompute mode, in order: d a is sent with the output, after the kernel forward
             return send_qkv(i), None, None
-        qkv, dout = send_qkv(i), send_dout(i)  # in this order: the output's buffers after q's projection's peak
-        return qkv, dout, start_head_to_seq(kept[i][1], group, True) if plan.save and needs_out else None
+        qkv, dout = (
+            send_qkv(i),
+            send_dout(i),
+        )  # in this order: the output's buffers after q's projection's peak
+        return (
+            qkv,
+            dout,
+            start_head_to_seq(kept[i][1], group, True) if plan.save and needs_out else None,
+        )
 
     # Every all-to-all is issued asynchronously, those a step needs together, so the ranks meet once per group (at
     # its first wait) rather than once per tensor; each group is what the memory peak allows (the simulation in
@@ -171,7 +229,9 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
             if out_sent is not None:
                 o_grads(i, out_sent.wait().reshape(B * s, -1))
             out_sent = None
-        dqh, dkh, dvh = plan.kernel.backward(doh, qh, kh, vh, oh, lse, scale=plan.scale, causal=True)
+        dqh, dkh, dvh = plan.kernel.backward(
+            doh, qh, kh, vh, oh, lse, scale=plan.scale, causal=True
+        )
         del qh, oh, doh
         if layout.ends_kv_group(i):
             kh = vh = None
@@ -185,8 +245,11 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
             if layout.ends_kv_group(i):
                 dkh, dvh, dk_sum, dv_sum = dk_sum, dv_sum, None, None
         rows, kv_rows = head_rows(plan.q_heads[i], D), head_rows(plan.kv_heads[i], D)
-        items = [(n, r, start_head_to_seq(t, group, True) if ov else t)
-                 for n, r, t in (("q", rows, dqh), ("k", kv_rows, dkh), ("v", kv_rows, dvh)) if t is not None]
+        items = [
+            (n, r, start_head_to_seq(t, group, True) if ov else t)
+            for n, r, t in (("q", rows, dqh), ("k", kv_rows, dkh), ("v", kv_rows, dvh))
+            if t is not None
+        ]
         del dqh, dkh, dvh
         if not ov:
             input_grads(items)
@@ -202,8 +265,12 @@ def fused_backward(dy, x, cos, sin, w: AttentionWeights, plan: StagePlan, xas, z
         if sigma[name] is not None:
             factor = correction(sides[name], sigma[name], projection_features(plan, name))
             proj, n = getattr(w, name), None
-            for r in torch.arange(projection_features(plan, name), device=x.device).split(plan.chunk_rows):
-                n = (factor * project_rows(x, proj, r, xas[name]).float()).to(x.dtype)  # [B, s, len(r)]
+            for r in torch.arange(projection_features(plan, name), device=x.device).split(
+                plan.chunk_rows
+            ):
+                n = (factor * project_rows(x, proj, r, xas[name]).float()).to(
+                    x.dtype
+                )  # [B, s, len(r)]
                 linear_backward(x2, proj, r, n.reshape(B * s, -1), xas[name], ts[name], grads, dx2)
             del n
     # LoRA A sides of q/k/v: one product with x (or dropout(x)) each, after the loop

@@ -22,8 +22,15 @@ from hf_upipe.ops.head_layout import HeadLayout
 from hf_upipe.ops.head_transforms import Side, projection_inv_rms
 from hf_upipe.ops.kernels import AttentionKernel
 
-__all__ = ["StagePlan", "block_sides", "head_rows", "make_plan", "project_rows", "projection_features",
-           "seeded_dropout"]
+__all__ = [
+    "StagePlan",
+    "block_sides",
+    "head_rows",
+    "make_plan",
+    "project_rows",
+    "projection_features",
+    "seeded_dropout",
+]
 
 
 def head_rows(heads: torch.Tensor, D: int) -> torch.Tensor:
@@ -43,8 +50,12 @@ class StagePlan:
     seed: int
     save: bool = False  # keep each stage's (oh, lse) for the backward instead of recomputing them
     overlap: bool = False  # backward: send the next stage's inputs (and this stage's outputs) during this kernel
-    overlap_forward: bool = False  # the same in the forward (on whenever a backward follows: it costs no peak)
-    q_heads: list[torch.Tensor] = field(default_factory=list)  # per stage, model q heads [P*c] (rank-major)
+    overlap_forward: bool = (
+        False  # the same in the forward (on whenever a backward follows: it costs no peak)
+    )
+    q_heads: list[torch.Tensor] = field(
+        default_factory=list
+    )  # per stage, model q heads [P*c] (rank-major)
     kv_heads: list[torch.Tensor] = field(default_factory=list)  # per stage, model k/v heads [P*kc]
 
     @property
@@ -53,20 +64,41 @@ class StagePlan:
         return self.layout.sp_size * self.layout.chunk * self.D
 
 
-def make_plan(layout, group, kernel, scale, D, device, dropout: bool, save: bool = False,
-               overlap: bool = False, overlap_forward: bool = False) -> StagePlan:
+def make_plan(
+    layout,
+    group,
+    kernel,
+    scale,
+    D,
+    device,
+    dropout: bool,
+    save: bool = False,
+    overlap: bool = False,
+    overlap_forward: bool = False,
+) -> StagePlan:
     """The per-call constants of one fused block call, with each stage's model heads (rank-major). `overlap`: the
     backward's all-to-alls one stage ahead (and the forward's); `overlap_forward`: the forward's."""
     # dropout masks are regenerated from this seed in backward; drawn from torch's RNG, so activation
     # checkpointing (which restores the RNG state before recomputing) draws the same one
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout else 0
-    plan = StagePlan(layout, group, kernel, scale, D, seed=seed, save=save, overlap=overlap,
-                     overlap_forward=overlap or overlap_forward)
+    plan = StagePlan(
+        layout,
+        group,
+        kernel,
+        scale,
+        D,
+        seed=seed,
+        save=save,
+        overlap=overlap,
+        overlap_forward=overlap or overlap_forward,
+    )
     P, qpr, kpr = layout.sp_size, layout.q_per_rank, layout.kv_per_rank
     ranks = torch.arange(P, device=device)[:, None]  # [P, 1]
     for i in range(layout.num_stages):
         sl = layout.q_heads(i)  # rank r: model heads r*qpr + sl -> [P*c], rank-major
-        plan.q_heads.append((ranks * qpr + torch.arange(sl.start, sl.stop, device=device)).flatten())
+        plan.q_heads.append(
+            (ranks * qpr + torch.arange(sl.start, sl.stop, device=device)).flatten()
+        )
         src = layout.kv_source_index(i, device)  # replicated k/v heads (Hk < P)
         if src is None:
             kvs = layout.kv_heads(i)
@@ -84,10 +116,15 @@ def seeded_dropout(t: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     return t * keep.to(t.dtype) / (1.0 - p)
 
 
-def project_rows(x: torch.Tensor, proj: Projection, rows: torch.Tensor, xas: list[torch.Tensor]) -> torch.Tensor:
+def project_rows(
+    x: torch.Tensor, proj: Projection, rows: torch.Tensor, xas: list[torch.Tensor]
+) -> torch.Tensor:
     """x [B, s, Dm] -> the projection's rows R before norm/RoPE: [B, s, len(R)]."""
-    out = torch.nn.functional.linear(x, proj.weight.index_select(0, rows),
-                                     None if proj.bias is None else proj.bias.index_select(0, rows))
+    out = torch.nn.functional.linear(
+        x,
+        proj.weight.index_select(0, rows),
+        None if proj.bias is None else proj.bias.index_select(0, rows),
+    )
     for a, xa in zip(proj.adapters, xas):
         out.add_(xa @ a.B.index_select(0, rows).t(), alpha=a.scaling)  # [B, s, r] @ [r, R]
     return out
@@ -95,13 +132,25 @@ def project_rows(x: torch.Tensor, proj: Projection, rows: torch.Tensor, xas: lis
 
 def block_sides(x, w: AttentionWeights, plan: StagePlan, xas, inv_rms=None) -> dict[str, Side]:
     """q/k/v of this call; a whole-projection norm's inverse RMS is computed here (forward) or given (backward)."""
-    sides = {"q": Side(w.q, w.q_norm, w.rope.rotate), "k": Side(w.k, w.k_norm, w.rope.rotate), "v": Side(w.v)}
+    sides = {
+        "q": Side(w.q, w.q_norm, w.rope.rotate),
+        "k": Side(w.k, w.k_norm, w.rope.rotate),
+        "v": Side(w.v),
+    }
     for n, name in enumerate("qk"):
         side = sides[name]
         if isinstance(side.norm, ProjectionNorm):
-            side.inv_rms = inv_rms[n] if inv_rms is not None else projection_inv_rms(
-                lambda rows: project_rows(x, side.proj, rows, xas[name]), projection_features(plan, name),
-                plan.chunk_rows, side.norm.eps, x.device)  # [B, s, 1]
+            side.inv_rms = (
+                inv_rms[n]
+                if inv_rms is not None
+                else projection_inv_rms(
+                    lambda rows: project_rows(x, side.proj, rows, xas[name]),
+                    projection_features(plan, name),
+                    plan.chunk_rows,
+                    side.norm.eps,
+                    x.device,
+                )
+            )  # [B, s, 1]
     return sides
 
 

@@ -97,8 +97,13 @@ class HeadLayout:
                 f"{valid_heads_per_chunk(H, Hk, P)}, or None for all local heads in one chunk."
             )
         for name, value in dict(
-            kv_rep=kv_rep, q_per_rank=q_per_rank, kv_per_rank=kv_per_rank, group=group, chunk=chunk,
-            num_stages=q_per_rank // chunk, kv_per_stage=max(1, chunk // group),
+            kv_rep=kv_rep,
+            q_per_rank=q_per_rank,
+            kv_per_rank=kv_per_rank,
+            group=group,
+            chunk=chunk,
+            num_stages=q_per_rank // chunk,
+            kv_per_stage=max(1, chunk // group),
         ).items():
             object.__setattr__(self, name, value)
 
@@ -116,18 +121,26 @@ class HeadLayout:
 
     def ends_kv_group(self, stage: int) -> bool:
         """True for the last stage of each k/v chunk (where dk/dv are sent back)."""
-        return stage == self.num_stages - 1 or self.kv_group_of(stage) != self.kv_group_of(stage + 1)
+        return stage == self.num_stages - 1 or self.kv_group_of(stage) != self.kv_group_of(
+            stage + 1
+        )
 
     def kv_heads(self, stage: int) -> slice:
         """Local (per-rank-block) effective k/v heads of `stage`."""
         first = self.kv_group_of(stage) * self.kv_per_stage
         return slice(first, first + self.kv_per_stage)
 
-    def kv_source_index(self, stage: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    def kv_source_index(
+        self, stage: int, device: torch.device | str = "cpu"
+    ) -> torch.Tensor | None:
         """Model k/v heads to send to each rank at `stage`, flattened [P * kv_per_stage], or None when it is the
         regular slice `kv_heads(stage)` of every rank's block (no replication), which needs no index."""
         if self.kv_rep == 1:
             return None
         first = self.kv_heads(stage).start
-        eff = [r * self.kv_per_rank + first + j for r in range(self.sp_size) for j in range(self.kv_per_stage)]
+        eff = [
+            r * self.kv_per_rank + first + j
+            for r in range(self.sp_size)
+            for j in range(self.kv_per_stage)
+        ]
         return torch.tensor([e // self.kv_rep for e in eff], dtype=torch.long, device=device)

@@ -25,7 +25,15 @@ import torch
 
 from hf_upipe.ops.block_weights import HeadNorm, Projection, ProjectionNorm, RopeStyle
 
-__all__ = ["Side", "correction", "post", "post_backward", "projection_inv_rms", "rope", "rope_adjoint"]
+__all__ = [
+    "Side",
+    "correction",
+    "post",
+    "post_backward",
+    "projection_inv_rms",
+    "rope",
+    "rope_adjoint",
+]
 
 
 def _rotate(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -51,13 +59,16 @@ def _apply(t: torch.Tensor, cos, sin, style: RopeStyle, transpose: bool) -> torc
     return torch.cat((out, t[..., Dr:]), dim=-1) if Dr < t.shape[-1] else out
 
 
-def rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle = RopeStyle()) -> torch.Tensor:
+def rope(
+    t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle = RopeStyle()
+) -> torch.Tensor:
     """Rotary embedding. t [B, s, h, D], cos/sin [B|1, s, Dr] (Dr <= D: the first Dr dims rotate)."""
     return _apply(t, cos, sin, style, transpose=False)
 
 
-def rope_adjoint(d: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 style: RopeStyle = RopeStyle()) -> torch.Tensor:
+def rope_adjoint(
+    d: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: RopeStyle = RopeStyle()
+) -> torch.Tensor:
     """Adjoint of `rope` (linear in t): d [B, s, h, D] -> d t."""
     return _apply(d, cos, sin, style, transpose=True)
 
@@ -81,7 +92,9 @@ def projection_inv_rms(pre_fn, n_rows: int, chunk_rows: int, eps: float, device)
     return torch.rsqrt(acc / n_rows + eps)
 
 
-def post(side: Side, pre: torch.Tensor, rows: torch.Tensor, cos, sin, D: int, style: RopeStyle) -> torch.Tensor:
+def post(
+    side: Side, pre: torch.Tensor, rows: torch.Tensor, cos, sin, D: int, style: RopeStyle
+) -> torch.Tensor:
     """[B, s, n*D] projection rows `rows` -> [B, s, n, D]: the norm, then RoPE (q/k) or nothing (v)."""
     t = pre
     if isinstance(side.norm, ProjectionNorm):
@@ -92,8 +105,18 @@ def post(side: Side, pre: torch.Tensor, rows: torch.Tensor, cos, sin, D: int, st
     return rope(t, cos, sin, style) if side.rotate else t
 
 
-def post_backward(side: Side, pre_fn, rows, cos, sin, D: int, style: RopeStyle, d_post: torch.Tensor, grads,
-                  sigma: torch.Tensor | None) -> torch.Tensor:
+def post_backward(
+    side: Side,
+    pre_fn,
+    rows,
+    cos,
+    sin,
+    D: int,
+    style: RopeStyle,
+    d_post: torch.Tensor,
+    grads,
+    sigma: torch.Tensor | None,
+) -> torch.Tensor:
     """Backward of `post` given d_post [B, s, n, D]; returns d_pre [B, s, n*D] (for a `ProjectionNorm`, its
     stage-local term; the coupled term is `correction`). `grads.get(t)` is t's gradient buffer or None.
 

@@ -39,7 +39,13 @@ class AttentionKernel(Protocol):
     name: str
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        causal: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B,S,h,D], k/v [B,S,hk,D] -> out [B,S,h,D], lse [B,h,S] (fp32)."""
         ...
@@ -74,15 +80,26 @@ class SdpaCpuKernel:
 
     def backward(self, dout, q, k, v, out, lse, *, scale, causal=True):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2),
-            lse, 0.0, causal, scale=scale,
+            dout.transpose(1, 2),
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            out.transpose(1, 2),
+            lse,
+            0.0,
+            causal,
+            scale=scale,
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 # name -> (factory(device) -> kernel, available(device, dtype) -> bool, priority for "auto": lower first)
-_REGISTRY: dict[str, tuple[Callable[[torch.device], AttentionKernel], Callable[[torch.device, torch.dtype], bool],
-                           int]] = {}
+_REGISTRY: dict[
+    str,
+    tuple[
+        Callable[[torch.device], AttentionKernel], Callable[[torch.device, torch.dtype], bool], int
+    ],
+] = {}
 
 
 def register_kernel(
@@ -95,18 +112,26 @@ def register_kernel(
     _REGISTRY[name] = (factory, available, priority)
 
 
-def available_kernels(device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> list[str]:
+def available_kernels(
+    device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> list[str]:
     """Names of registered kernels; with a device (and dtype), only those that can run there."""
     if device is None:
         return sorted(_REGISTRY)
     device = torch.device(device)
-    return [n for n, (_, ok, _) in sorted(_REGISTRY.items(), key=lambda kv: kv[1][2]) if ok(device, dtype)]
+    return [
+        n
+        for n, (_, ok, _) in sorted(_REGISTRY.items(), key=lambda kv: kv[1][2])
+        if ok(device, dtype)
+    ]
 
 
 def check_kernel_name(name: str) -> None:
     """Raise ValueError for a kernel name that is neither "auto" nor registered."""
     if name != "auto" and name not in _REGISTRY:
-        raise ValueError(f"Unknown attention kernel {name!r}; choose 'auto' or one of {available_kernels()}.")
+        raise ValueError(
+            f"Unknown attention kernel {name!r}; choose 'auto' or one of {available_kernels()}."
+        )
 
 
 def get_kernel(name: str, device: torch.device | str, dtype: torch.dtype) -> AttentionKernel:
@@ -120,7 +145,9 @@ def get_kernel(name: str, device: torch.device | str, dtype: torch.dtype) -> Att
     usable = available_kernels(device, dtype)
     if name == "auto":
         if not usable:
-            raise ValueError(f"No attention kernel can run on {device} with {dtype}; registered: {available_kernels()}")
+            raise ValueError(
+                f"No attention kernel can run on {device} with {dtype}; registered: {available_kernels()}"
+            )
         name = usable[0]
     elif name not in usable:
         raise ValueError(
@@ -142,8 +169,11 @@ def _cuda_sdpa(device: torch.device) -> AttentionKernel:
 
 def _cuda_sdpa_available(device: torch.device, dtype: torch.dtype | None) -> bool:
     # the aten flash / memory-efficient CUDA kernels take fp16, bf16 and fp32 (no fp64)
-    return device.type == "cuda" and dtype in (None, torch.float16, torch.bfloat16, torch.float32) \
+    return (
+        device.type == "cuda"
+        and dtype in (None, torch.float16, torch.bfloat16, torch.float32)
         and torch.cuda.is_available()
+    )
 
 
 def _flash_attn(device: torch.device) -> AttentionKernel:
@@ -174,7 +204,11 @@ def _cudnn_available(device: torch.device, dtype: torch.dtype | None) -> bool:
     return cudnn_available(device, dtype)
 
 
-register_kernel("sdpa", lambda device: _CPU_SDPA if device.type == "cpu" else _cuda_sdpa(device),
-                lambda device, dtype: device.type == "cpu" or _cuda_sdpa_available(device, dtype), priority=50)
+register_kernel(
+    "sdpa",
+    lambda device: _CPU_SDPA if device.type == "cpu" else _cuda_sdpa(device),
+    lambda device, dtype: device.type == "cpu" or _cuda_sdpa_available(device, dtype),
+    priority=50,
+)
 register_kernel("flash_attn", _flash_attn, _flash_attn_available, priority=10)
 register_kernel("cudnn", _cudnn, _cudnn_available, priority=40)

@@ -46,40 +46,125 @@ import sys
 
 import torch
 
-__all__ = ["CudnnKernel", "FlashAttnKernel", "SdpaCudaKernel", "cudnn_available", "flash_attn_available"]
+__all__ = [
+    "CudnnKernel",
+    "FlashAttnKernel",
+    "SdpaCudaKernel",
+    "cudnn_available",
+    "flash_attn_available",
+]
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
 # ----------------------------------------------------------------------------------------------- indirections
 def _aten_flash_fwd(q, k, v, dropout_p, is_causal, return_debug_mask, *, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, return_debug_mask,
-                                                              scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, dropout_p, is_causal, return_debug_mask, scale=scale
+    )
 
 
-def _aten_flash_bwd(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, *,
-                    scale):
+def _aten_flash_bwd(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cum_q,
+    cum_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    seed,
+    offset,
+    *,
+    scale,
+):
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, scale=scale)
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cum_q,
+        cum_k,
+        max_q,
+        max_k,
+        dropout_p,
+        is_causal,
+        seed,
+        offset,
+        scale=scale,
+    )
 
 
 def _aten_eff_fwd(q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, *, scale):
-    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, attn_bias, compute_log_sumexp, dropout_p,
-                                                                  is_causal, scale=scale)
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, scale=scale
+    )
 
 
-def _aten_eff_bwd(dout, q, k, v, attn_bias, out, lse, seed, offset, dropout_p, grad_input_mask, is_causal, *, scale):
+def _aten_eff_bwd(
+    dout,
+    q,
+    k,
+    v,
+    attn_bias,
+    out,
+    lse,
+    seed,
+    offset,
+    dropout_p,
+    grad_input_mask,
+    is_causal,
+    *,
+    scale,
+):
     return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, attn_bias, out, lse, seed, offset, dropout_p, grad_input_mask, is_causal, scale=scale)
+        dout,
+        q,
+        k,
+        v,
+        attn_bias,
+        out,
+        lse,
+        seed,
+        offset,
+        dropout_p,
+        grad_input_mask,
+        is_causal,
+        scale=scale,
+    )
 
 
 def _aten_cudnn_fwd(q, k, v, is_causal, *, scale):
-    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False, scale=scale)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, is_causal, False, scale=scale
+    )
 
 
 def _aten_cudnn_bwd(dout, q, k, v, out, lse, seed, offset, max_q, max_k, is_causal, *, scale):
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout, q, k, v, out, lse, seed, offset, None, None, None, max_q, max_k, 0.0, is_causal, scale=scale)
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        seed,
+        offset,
+        None,
+        None,
+        None,
+        max_q,
+        max_k,
+        0.0,
+        is_causal,
+        scale=scale,
+    )
 
 
 def _device_capability(device: torch.device) -> tuple[int, int]:
@@ -133,7 +218,11 @@ class SdpaCudaKernel:
 
     @staticmethod
     def _use_flash(q: torch.Tensor) -> bool:
-        return q.dtype in _HALF and _round8(q.shape[-1]) <= 256 and _device_capability(q.device) >= (8, 0)
+        return (
+            q.dtype in _HALF
+            and _round8(q.shape[-1]) <= 256
+            and _device_capability(q.device) >= (8, 0)
+        )
 
     def forward(self, q, k, v, *, scale, causal=True):
         b, s, h, d = q.shape
@@ -150,17 +239,47 @@ class SdpaCudaKernel:
     def backward(self, dout, q, k, v, out, lse, *, scale, causal=True):
         b, s, h, d = q.shape
         hk, dp = k.shape[2], _round8(d)
-        qp, kp, vp, op, dop = (_pad_d(x, dp) for x in (q, _expand_kv(k, h), _expand_kv(v, h), out, dout))
+        qp, kp, vp, op, dop = (
+            _pad_d(x, dp) for x in (q, _expand_kv(k, h), _expand_kv(v, h), out, dout)
+        )
         qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in (qp, kp, vp, op, dop))
         zero = _zero_scalar(q.device)
         if self._use_flash(q):
-            dq, dk, dv = _aten_flash_bwd(dot, qt, kt, vt, ot, lse.contiguous(), None, None, s, k.shape[1], 0.0,
-                                         causal, zero, zero, scale=scale)
+            dq, dk, dv = _aten_flash_bwd(
+                dot,
+                qt,
+                kt,
+                vt,
+                ot,
+                lse.contiguous(),
+                None,
+                None,
+                s,
+                k.shape[1],
+                0.0,
+                causal,
+                zero,
+                zero,
+                scale=scale,
+            )
         else:
             lse_p = lse.new_zeros(b, h, _eff_lse_len(s))
             lse_p[:, :, :s] = lse
-            dq, dk, dv, _ = _aten_eff_bwd(dot, qt, kt, vt, None, ot, lse_p, zero, zero, 0.0,
-                                          [True, True, True, False], causal, scale=scale)
+            dq, dk, dv, _ = _aten_eff_bwd(
+                dot,
+                qt,
+                kt,
+                vt,
+                None,
+                ot,
+                lse_p,
+                zero,
+                zero,
+                0.0,
+                [True, True, True, False],
+                causal,
+                scale=scale,
+            )
         dq, dk, dv = (x.transpose(1, 2)[..., :d] for x in (dq, dk, dv))
         return dq, _sum_groups(dk, hk), _sum_groups(dv, hk)
 
@@ -193,7 +312,9 @@ class CudnnKernel:
         if not self._measured(q):
             return self._fallback.forward(q, k, v, scale=scale, causal=causal)
         dp = _round8(d)
-        qt, kt, vt = (_pad_d(x, dp).transpose(1, 2) for x in (q, _expand_kv(k, h), _expand_kv(v, h)))  # [B,h,S,D]
+        qt, kt, vt = (
+            _pad_d(x, dp).transpose(1, 2) for x in (q, _expand_kv(k, h), _expand_kv(v, h))
+        )  # [B,h,S,D]
         res = _aten_cudnn_fwd(qt, kt, vt, causal, scale=scale)
         out, stats = res[0], res[1]
         self._stats_4d = stats.dim() == 4
@@ -204,22 +325,32 @@ class CudnnKernel:
         if not self._measured(q):
             return self._fallback.backward(dout, q, k, v, out, lse, scale=scale, causal=causal)
         hk, dp = k.shape[2], _round8(d)
-        qt, kt, vt, ot, dot = (_pad_d(x, dp).transpose(1, 2)
-                               for x in (q, _expand_kv(k, h), _expand_kv(v, h), out, dout))  # [B, h, S, D]
-        if dot.stride() != ot.stride():  # cuDNN wants dO laid out like O (torch would copy it with a warning)
+        qt, kt, vt, ot, dot = (
+            _pad_d(x, dp).transpose(1, 2)
+            for x in (q, _expand_kv(k, h), _expand_kv(v, h), out, dout)
+        )  # [B, h, S, D]
+        if (
+            dot.stride() != ot.stride()
+        ):  # cuDNN wants dO laid out like O (torch would copy it with a warning)
             dot = torch.empty_like(ot).copy_(dot)
         stats = lse.reshape(b, h, s, 1) if self._stats_4d else lse.reshape(b, h, s)
         zero = _zero_scalar(q.device)
-        dq, dk, dv = _aten_cudnn_bwd(dot, qt, kt, vt, ot, stats.contiguous(), zero, zero, s, k.shape[1], causal,
-                                     scale=scale)
+        dq, dk, dv = _aten_cudnn_bwd(
+            dot, qt, kt, vt, ot, stats.contiguous(), zero, zero, s, k.shape[1], causal, scale=scale
+        )
         dq, dk, dv = (x.transpose(1, 2)[..., :d] for x in (dq, dk, dv))
         return dq, _sum_groups(dk, hk), _sum_groups(dv, hk)
 
 
 def cudnn_available(device: torch.device, dtype: torch.dtype | None) -> bool:
     """Whether CudnnKernel can run: CUDA, fp16/bf16, sm90 (the Hopper GPUs it was measured on), cuDNN present."""
-    return (device.type == "cuda" and (dtype is None or dtype in _HALF) and torch.cuda.is_available()
-            and _cudnn_installed() and _device_capability(device) >= (9, 0))
+    return (
+        device.type == "cuda"
+        and (dtype is None or dtype in _HALF)
+        and torch.cuda.is_available()
+        and _cudnn_installed()
+        and _device_capability(device) >= (9, 0)
+    )
 
 
 def _cudnn_installed() -> bool:
@@ -246,11 +377,19 @@ def _flash_api():
     elif "window_size" in params:
         split = False
         if "softcap" not in params:
-            raise RuntimeError("flash-attn < 2.6 is not supported by hf_upipe; install flash-attn >= 2.6.")
+            raise RuntimeError(
+                "flash-attn < 2.6 is not supported by hf_upipe; install flash-attn >= 2.6."
+            )
     else:  # signature hidden: go by the version
-        ver = tuple(int(p) for p in str(getattr(flash_attn, "__version__", "0.0")).split(".")[:2] if p.isdigit())
+        ver = tuple(
+            int(p)
+            for p in str(getattr(flash_attn, "__version__", "0.0")).split(".")[:2]
+            if p.isdigit()
+        )
         if ver < (2, 6):
-            raise RuntimeError(f"flash-attn {ver} is not supported by hf_upipe; install flash-attn >= 2.6.")
+            raise RuntimeError(
+                f"flash-attn {ver} is not supported by hf_upipe; install flash-attn >= 2.6."
+            )
         split = ver >= (2, 7)
     return fai._flash_attn_forward, fai._flash_attn_backward, split
 
@@ -306,8 +445,25 @@ class FlashAttnKernel:
         dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
         sizes = _window_size(window, causal)
         window_args = sizes if split else (sizes,)
-        bwd(dop, qp, kp, vp, op, lse.contiguous(), dq, dk, dv, 0.0, scale, causal, *window_args, 0.0, None, False,
-            None)
+        bwd(
+            dop,
+            qp,
+            kp,
+            vp,
+            op,
+            lse.contiguous(),
+            dq,
+            dk,
+            dv,
+            0.0,
+            scale,
+            causal,
+            *window_args,
+            0.0,
+            None,
+            False,
+            None,
+        )
         return dq[..., :d], dk[..., :d], dv[..., :d]
 
     def forward_varlen(self, q, k, v, cu_seqlens, max_seqlen, *, scale, causal=True):
@@ -318,13 +474,46 @@ class FlashAttnKernel:
         # layout changes; an over-estimate is always allowed (it only sizes the grid)
         m = max(int(max_seqlen), 2)
         if split:
-            out, lse = fwd(qp, kp, vp, cu_seqlens, cu_seqlens, m, m, 0.0, scale, causal, -1, -1, 0.0, None, False)[:2]
+            out, lse = fwd(
+                qp,
+                kp,
+                vp,
+                cu_seqlens,
+                cu_seqlens,
+                m,
+                m,
+                0.0,
+                scale,
+                causal,
+                -1,
+                -1,
+                0.0,
+                None,
+                False,
+            )[:2]
         else:  # 2.6: (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state)
-            res = fwd(qp, kp, vp, cu_seqlens, cu_seqlens, m, m, 0.0, scale, causal, (-1, -1), 0.0, None, False)
+            res = fwd(
+                qp,
+                kp,
+                vp,
+                cu_seqlens,
+                cu_seqlens,
+                m,
+                m,
+                0.0,
+                scale,
+                causal,
+                (-1, -1),
+                0.0,
+                None,
+                False,
+            )
             out, lse = res[0], res[5]
         return out[..., :d], lse  # [T, h, D], [h, T] fp32
 
-    def backward_varlen(self, dout, q, k, v, out, lse, cu_seqlens, max_seqlen, *, scale, causal=True):
+    def backward_varlen(
+        self, dout, q, k, v, out, lse, cu_seqlens, max_seqlen, *, scale, causal=True
+    ):
         """Gradients of `forward_varlen`: dq [T, h, D], dk/dv [T, hk, D]; lse [h, T]."""
         _, bwd, split = _flash_varlen_api()
         d = q.shape[-1]
@@ -333,12 +522,37 @@ class FlashAttnKernel:
         dq, dk, dv = torch.empty_like(qp), torch.empty_like(kp), torch.empty_like(vp)
         window = (-1, -1) if split else ((-1, -1),)
         m = max(int(max_seqlen), 2)
-        bwd(dop, qp, kp, vp, op, lse.contiguous(), dq, dk, dv, cu_seqlens, cu_seqlens, m, m, 0.0, scale, causal,
-            *window, 0.0, None, False, None)
+        bwd(
+            dop,
+            qp,
+            kp,
+            vp,
+            op,
+            lse.contiguous(),
+            dq,
+            dk,
+            dv,
+            cu_seqlens,
+            cu_seqlens,
+            m,
+            m,
+            0.0,
+            scale,
+            causal,
+            *window,
+            0.0,
+            None,
+            False,
+            None,
+        )
         return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
 def flash_attn_available(device: torch.device, dtype: torch.dtype | None) -> bool:
     """Whether FlashAttnKernel can run on `device` with `dtype` (CUDA, fp16/bf16, flash-attn installed)."""
-    return (device.type == "cuda" and (dtype is None or dtype in _HALF) and torch.cuda.is_available()
-            and _flash_attn_installed())
+    return (
+        device.type == "cuda"
+        and (dtype is None or dtype in _HALF)
+        and torch.cuda.is_available()
+        and _flash_attn_installed()
+    )

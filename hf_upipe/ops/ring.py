@@ -47,12 +47,16 @@ def zigzag_order(seq_len: int, ring_size: int) -> torch.Tensor:
         return torch.arange(seq_len)
     if seq_len % (2 * R):
         low = seq_len // (2 * R) * 2 * R
-        raise ValueError(f"A ring of {R} ranks cuts the sequence into {2 * R} equal chunks: {seq_len} tokens is not "
-                         f"a multiple of {2 * R}; pad or trim to {low} or {low + 2 * R} tokens.")
+        raise ValueError(
+            f"A ring of {R} ranks cuts the sequence into {2 * R} equal chunks: {seq_len} tokens is not "
+            f"a multiple of {2 * R}; pad or trim to {low} or {low + 2 * R} tokens."
+        )
     return torch.cat([ring_positions(r, seq_len // R, R, R) for r in range(R)])
 
 
-def ring_positions(sp_rank: int, local_len: int, sp_size: int, ring_size: int, device=None) -> torch.Tensor:
+def ring_positions(
+    sp_rank: int, local_len: int, sp_size: int, ring_size: int, device=None
+) -> torch.Tensor:
     """Global token indices [s] that SP rank r holds: part u = r % U of ring shard j = r // U (U = sp_size / R),
     the shard being chunks j and 2R-1-j of m = U*s/2 tokens; without a ring, r*s .. r*s+s-1. Raises ValueError
     when U*s is odd."""
@@ -60,10 +64,14 @@ def ring_positions(sp_rank: int, local_len: int, sp_size: int, ring_size: int, d
     if R == 1:
         return torch.arange(sp_rank * s, (sp_rank + 1) * s, device=device)
     U = sp_size // R
-    if U * s % 2:  # every rank alike (equal shards), before any collective: the layout check computes this first
-        raise ValueError(f"A ring of {R} cuts the sequence into {2 * R} equal chunks, but {sp_size} shards of {s} "
-                         f"tokens ({sp_size * s}) are not a multiple of {2 * R}: pad the sequence to a multiple of "
-                         f"2 x sp_size = {2 * sp_size} (hf_upipe.shard_batch does).")
+    if (
+        U * s % 2
+    ):  # every rank alike (equal shards), before any collective: the layout check computes this first
+        raise ValueError(
+            f"A ring of {R} cuts the sequence into {2 * R} equal chunks, but {sp_size} shards of {s} "
+            f"tokens ({sp_size * s}) are not a multiple of {2 * R}: pad the sequence to a multiple of "
+            f"2 x sp_size = {2 * sp_size} (hf_upipe.shard_batch does)."
+        )
     j, u = divmod(sp_rank, U)
     m = U * s // 2
     o = u * s + torch.arange(s, device=device)  # offsets in the ring shard [s]
@@ -125,9 +133,13 @@ class RingKernel:
         for j in range(self.size):
             hop = _Pass(kv, self.group, self.rank, self.size) if j + 1 < self.size else None
             rows, cols, mask = self._blocks(j, m)
-            o, l_j = self.inner.forward(q[:, rows], kv[0][:, cols], kv[1][:, cols], scale=scale, causal=mask)
+            o, l_j = self.inner.forward(
+                q[:, rows], kv[0][:, cols], kv[1][:, cols], scale=scale, causal=mask
+            )
             if out is None:  # step 0 covers every row (each query sees its own key)
-                acc = torch.promote_types(q.dtype, torch.float32)  # float32, float64 for float64 inputs
+                acc = torch.promote_types(
+                    q.dtype, torch.float32
+                )  # float32, float64 for float64 inputs
                 out, lse = o.to(acc), l_j.to(acc).contiguous()
             else:
                 _merge(out[:, rows], lse[:, :, rows], o, l_j)
@@ -146,9 +158,16 @@ class RingKernel:
         for j in range(self.size):
             hop = _Pass(kv, self.group, self.rank, self.size) if j + 1 < self.size else None
             rows, cols, mask = self._blocks(j, m)
-            dq_j, dk_j, dv_j = self.inner.backward(dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols],
-                                                   out[:, rows], lse[:, :, rows].contiguous(), scale=scale,
-                                                   causal=mask)
+            dq_j, dk_j, dv_j = self.inner.backward(
+                dout[:, rows],
+                q[:, rows],
+                kv[0][:, cols],
+                kv[1][:, cols],
+                out[:, rows],
+                lse[:, :, rows].contiguous(),
+                scale=scale,
+                causal=mask,
+            )
             dq[:, rows] += dq_j
             dkv[0][:, cols] += dk_j
             dkv[1][:, cols] += dv_j

@@ -29,14 +29,22 @@ BLOCK_ELEMENTS = 2**24  # score values of one query block (fp32: 64 MiB)
 class SoftcapKernel:
     """Causal attention with soft-capped scores (module docstring)."""
 
-    def __init__(self, inner, softcap: float, window: int | None = None, block_elements: int = BLOCK_ELEMENTS):
+    def __init__(
+        self, inner, softcap: float, window: int | None = None, block_elements: int = BLOCK_ELEMENTS
+    ):
         if not isinstance(inner, SdpaCpuKernel):
             raise NotImplementedError(
                 f"attention-logit soft-capping (softcap={softcap}) under sequence parallelism is implemented for "
-                f"the CPU 'sdpa' kernel only, not for the {getattr(inner, 'name', type(inner).__name__)!r} kernel.")
+                f"the CPU 'sdpa' kernel only, not for the {getattr(inner, 'name', type(inner).__name__)!r} kernel."
+            )
         if not softcap > 0:
             raise ValueError(f"softcap={softcap!r}: need a positive number")
-        self.inner, self.softcap, self.window, self.block_elements = inner, float(softcap), window, block_elements
+        self.inner, self.softcap, self.window, self.block_elements = (
+            inner,
+            float(softcap),
+            window,
+            block_elements,
+        )
         self.name = f"softcap{softcap:g}" + (f"+window{window}" if window else "")
 
     def _blocks(self, B: int, S: int, heads: int):
@@ -90,8 +98,12 @@ class SoftcapKernel:
         for i0, i1, k0 in self._blocks(B, S, h):
             b = i1 - i0
             qb, kb, vb = q[:, i0:i1].float(), k[:, k0:i1].float(), v[:, k0:i1].float()
-            t, p = self._probs(qb, kb, i0, i1, k0, scale, lse[:, :, i0:i1].float())  # [B, hk, g, b, n]
-            do5 = dout[:, i0:i1].float().view(B, b, hk, g, -1).permute(0, 2, 3, 1, 4)  # [B, hk, g, b, Dv]
+            t, p = self._probs(
+                qb, kb, i0, i1, k0, scale, lse[:, :, i0:i1].float()
+            )  # [B, hk, g, b, n]
+            do5 = (
+                dout[:, i0:i1].float().view(B, b, hk, g, -1).permute(0, 2, 3, 1, 4)
+            )  # [B, hk, g, b, Dv]
             o5 = out[:, i0:i1].float().view(B, b, hk, g, -1).permute(0, 2, 3, 1, 4)
             v4 = vb.permute(0, 2, 1, 3).unsqueeze(2)  # [B, hk, 1, n, Dv]
             dp = do5 @ v4.transpose(-1, -2)  # [B, hk, g, b, n]
@@ -100,6 +112,8 @@ class SoftcapKernel:
             k4 = kb.permute(0, 2, 1, 3).unsqueeze(2)  # [B, hk, 1, n, D]
             dq[:, i0:i1] = (draw @ k4).permute(0, 3, 1, 2, 4).reshape(B, b, h, D).to(dq.dtype)
             q5 = qb.view(B, b, hk, g, D).permute(0, 2, 3, 1, 4)  # [B, hk, g, b, D]
-            dk[:, k0:i1] += (draw.transpose(-1, -2) @ q5).sum(2).permute(0, 2, 1, 3)  # [B, n, hk, D]
+            dk[:, k0:i1] += (
+                (draw.transpose(-1, -2) @ q5).sum(2).permute(0, 2, 1, 3)
+            )  # [B, n, hk, D]
             dv[:, k0:i1] += (p.transpose(-1, -2) @ do5).sum(2).permute(0, 2, 1, 3)
         return dq, dk.to(k.dtype), dv.to(v.dtype)

@@ -40,11 +40,18 @@ from torch.autograd.function import once_differentiable
 
 from hf_upipe.ops.fake import chunk_starts
 
-__all__ = ["TiledCrossEntropyFunction", "default_chunk_tokens", "sp_token_mean", "tiled_cross_entropy",
-           "tiled_cross_entropy_forward"]
+__all__ = [
+    "TiledCrossEntropyFunction",
+    "default_chunk_tokens",
+    "sp_token_mean",
+    "tiled_cross_entropy",
+    "tiled_cross_entropy_forward",
+]
 
 _CHUNK_LOGITS_BYTES = 256 * 2**20  # default budget for one chunk of fp32 logits
-_BLOCK_BYTES = 32 * 2**20  # row blocks for mixed-dtype elementwise passes over [V, Dm] / [T, Dm] tensors
+_BLOCK_BYTES = (
+    32 * 2**20
+)  # row blocks for mixed-dtype elementwise passes over [V, Dm] / [T, Dm] tensors
 
 
 def default_chunk_tokens(vocab_size: int, logits_bytes: int = _CHUNK_LOGITS_BYTES) -> int:
@@ -63,9 +70,13 @@ def _chunk_loss_and_grad(
     wide: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Summed CE of one chunk, x [c, Dm], labels [c]; with `want_grad`, also d loss / d logits [c, V] in `wide`."""
-    logits = F.linear(x, weight, bias).to(wide)  # [c, V] fp32 (no copy for fp32 inputs: fp64 stays fp64)
+    logits = F.linear(x, weight, bias).to(
+        wide
+    )  # [c, V] fp32 (no copy for fp32 inputs: fp64 stays fp64)
     valid = labels != ignore_index  # [c]
-    target = torch.where(valid, labels, 0).long().unsqueeze(1)  # [c, 1], ignored rows point at class 0
+    target = (
+        torch.where(valid, labels, 0).long().unsqueeze(1)
+    )  # [c, 1], ignored rows point at class 0
     tanh = None
     if softcap is not None:
         tanh = logits.div_(softcap).tanh_()  # [c, V], kept for the chain rule
@@ -80,7 +91,9 @@ def _chunk_loss_and_grad(
         return loss, None
     grad = probs.div_(denom)  # [c, V] softmax
     grad.mul_(valid.unsqueeze(1))  # ignored rows contribute nothing
-    grad.scatter_add_(1, target, valid.unsqueeze(1).to(grad.dtype).neg())  # - one_hot(label) on label rows
+    grad.scatter_add_(
+        1, target, valid.unsqueeze(1).to(grad.dtype).neg()
+    )  # - one_hot(label) on label rows
     if tanh is not None:
         grad.mul_(tanh.square_().neg_().add_(1.0))  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
     return loss, grad
@@ -95,8 +108,14 @@ def tiled_cross_entropy_forward(
     ignore_index: int,
     logit_softcap: float | None,
     needs_grad: tuple[bool, bool, bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
-           torch.Tensor | None]:
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+]:
     """Chunk loop: loss and gradients of the summed CE in one pass (no autograd).
 
     Args:
@@ -114,38 +133,67 @@ def tiled_cross_entropy_forward(
     labels = shift_labels.reshape(B * s)  # [T]
     need_x, need_w, need_b = needs_grad[0], needs_grad[1], needs_grad[2] and bias is not None
     want_grad = need_x or need_w or need_b
-    wide = torch.promote_types(hidden.dtype, torch.float32)  # loss math and accumulators: fp32 (fp64 for fp64)
+    wide = torch.promote_types(
+        hidden.dtype, torch.float32
+    )  # loss math and accumulators: fp32 (fp64 for fp64)
     grad_x = torch.empty_like(x) if need_x else None  # [T, Dm], every row written below
-    grad_w = torch.empty(weight.shape, dtype=wide, device=weight.device) if need_w else None  # [V, Dm], set by chunk 0
+    grad_w = (
+        torch.empty(weight.shape, dtype=wide, device=weight.device) if need_w else None
+    )  # [V, Dm], set by chunk 0
     grad_b = torch.zeros(bias.shape, dtype=wide, device=bias.device) if need_b else None  # [V]
-    partial = torch.empty_like(weight) if need_w and weight.dtype != wide else None  # [V, Dm], reused by chunks
+    partial = (
+        torch.empty_like(weight) if need_w and weight.dtype != wide else None
+    )  # [V, Dm], reused by chunks
     loss_sum = torch.zeros((), dtype=wide, device=hidden.device)
     for start in chunk_starts(B * s, chunk_tokens, x):
-        x_c = x[start:start + chunk_tokens]  # [c, Dm] view
-        loss_c, grad = _chunk_loss_and_grad(x_c, weight, bias, labels[start:start + chunk_tokens], ignore_index,
-                                            logit_softcap, want_grad, wide)
+        x_c = x[start : start + chunk_tokens]  # [c, Dm] view
+        loss_c, grad = _chunk_loss_and_grad(
+            x_c,
+            weight,
+            bias,
+            labels[start : start + chunk_tokens],
+            ignore_index,
+            logit_softcap,
+            want_grad,
+            wide,
+        )
         loss_sum += loss_c
         if grad is None:
             continue
         if grad_b is not None:
             grad_b += grad.sum(dim=0)  # [V]
-        grad_in = grad.to(weight.dtype)  # [c, V], 16-bit for bf16/fp16 GEMMs as in the plain path (else no copy)
+        grad_in = grad.to(
+            weight.dtype
+        )  # [c, V], 16-bit for bf16/fp16 GEMMs as in the plain path (else no copy)
         del grad
         if grad_x is not None:
-            torch.mm(grad_in, weight, out=grad_x[start:start + chunk_tokens])  # [c, V] @ [V, Dm]
+            torch.mm(grad_in, weight, out=grad_x[start : start + chunk_tokens])  # [c, V] @ [V, Dm]
         if partial is None and grad_w is not None:
-            grad_w.addmm_(grad_in.t(), x_c, beta=1 if start else 0)  # [V, c] @ [c, Dm]; chunk 0 overwrites
+            grad_w.addmm_(
+                grad_in.t(), x_c, beta=1 if start else 0
+            )  # [V, c] @ [c, Dm]; chunk 0 overwrites
         elif partial is not None:
-            torch.mm(grad_in.t(), x_c, out=partial)  # [V, Dm] chunk partial, rounded once, summed in fp32
+            torch.mm(
+                grad_in.t(), x_c, out=partial
+            )  # [V, Dm] chunk partial, rounded once, summed in fp32
             _blockwise(grad_w, partial, add=True) if start else grad_w.copy_(partial)
         del grad_in
     if grad_w is not None and B * s == 0:
         grad_w.zero_()  # no chunk ran
     n_tokens = (labels != ignore_index).sum()  # int64 scalar
-    return loss_sum, n_tokens, None if grad_x is None else grad_x.view(B, s, Dm), grad_w, grad_b, partial
+    return (
+        loss_sum,
+        n_tokens,
+        None if grad_x is None else grad_x.view(B, s, Dm),
+        grad_w,
+        grad_b,
+        partial,
+    )
 
 
-def _blockwise(dst: torch.Tensor, src: torch.Tensor, *, scale: torch.Tensor | None = None, add: bool = False) -> None:
+def _blockwise(
+    dst: torch.Tensor, src: torch.Tensor, *, scale: torch.Tensor | None = None, add: bool = False
+) -> None:
     """dst = src * scale, or dst += src, by ~32 MiB row blocks through one buffer in fp32 (or wider).
 
     Avoids a full-size fp32 temporary (2 x a bf16 weight) and mixed-dtype elementwise kernels (slow on CPU).
@@ -157,13 +205,18 @@ def _blockwise(dst: torch.Tensor, src: torch.Tensor, *, scale: torch.Tensor | No
     buf = torch.empty(rows, last, dtype=wide, device=dst.device)  # [rows, last]
     for start in chunk_starts(dst2.shape[0], rows, dst2):
         n = min(rows, dst2.shape[0] - start)
-        block = buf[:n].copy_(src2[start:start + n])  # [n, last]
+        block = buf[:n].copy_(src2[start : start + n])  # [n, last]
         if scale is not None:
             block.mul_(scale)
-        dst2[start:start + n].add_(block) if add else dst2[start:start + n].copy_(block)
+        dst2[start : start + n].add_(block) if add else dst2[start : start + n].copy_(block)
 
 
-def _scaled(saved: torch.Tensor | None, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None):
+def _scaled(
+    saved: torch.Tensor | None,
+    scale: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+):
     """saved * scale in `dtype`, multiplied in fp32 (or wider) and rounded once; into `out` if given."""
     if saved is None:
         return None
@@ -183,9 +236,27 @@ class TiledCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, shift_labels, chunk_tokens, ignore_index, logit_softcap, needs_grad):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        shift_labels,
+        chunk_tokens,
+        ignore_index,
+        logit_softcap,
+        needs_grad,
+    ):
         loss_sum, n_tokens, grad_x, grad_w, grad_b, spare = tiled_cross_entropy_forward(
-            hidden, weight, bias, shift_labels, chunk_tokens, ignore_index, logit_softcap, needs_grad)
+            hidden,
+            weight,
+            bias,
+            shift_labels,
+            chunk_tokens,
+            ignore_index,
+            logit_softcap,
+            needs_grad,
+        )
         ctx.save_for_backward(grad_x, grad_w, grad_b, spare)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(n_tokens)
@@ -196,8 +267,16 @@ class TiledCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_n):
         grad_x, grad_w, grad_b, spare = ctx.saved_tensors
         dx, dw, db = ctx.dtypes
-        return (_scaled(grad_x, grad_loss, dx), _scaled(grad_w, grad_loss, dw, out=spare),
-                _scaled(grad_b, grad_loss, db), None, None, None, None, None)
+        return (
+            _scaled(grad_x, grad_loss, dx),
+            _scaled(grad_w, grad_loss, dw, out=spare),
+            _scaled(grad_b, grad_loss, db),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def tiled_cross_entropy(
@@ -233,29 +312,52 @@ def tiled_cross_entropy(
         ValueError: on shapes, dtypes or options that do not fit, with the numbers and the fix.
     """
     if hidden.dim() != 3:
-        raise ValueError(f"hidden must be [B, s, Dm], got shape {tuple(hidden.shape)}; reshape it to 3 dims")
+        raise ValueError(
+            f"hidden must be [B, s, Dm], got shape {tuple(hidden.shape)}; reshape it to 3 dims"
+        )
     B, s, Dm = hidden.shape
     if weight.dim() != 2 or weight.shape[1] != Dm:
-        raise ValueError(f"weight must be [V, Dm={Dm}] (lm_head.weight), got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be [V, Dm={Dm}] (lm_head.weight), got shape {tuple(weight.shape)}"
+        )
     if weight.dtype != hidden.dtype:
-        raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast hidden to the lm_head dtype")
+        raise ValueError(
+            f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast hidden to the lm_head dtype"
+        )
     if tuple(shift_labels.shape) != (B, s):
-        raise ValueError(f"shift_labels must be [B, s] = [{B}, {s}] like hidden, got {tuple(shift_labels.shape)}")
+        raise ValueError(
+            f"shift_labels must be [B, s] = [{B}, {s}] like hidden, got {tuple(shift_labels.shape)}"
+        )
     if shift_labels.is_floating_point() or shift_labels.is_complex():
-        raise ValueError(f"shift_labels must be integer class ids, got {shift_labels.dtype}; use .long()")
+        raise ValueError(
+            f"shift_labels must be integer class ids, got {shift_labels.dtype}; use .long()"
+        )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(weight.shape[0])
     if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}; pass None for the default")
+        raise ValueError(
+            f"chunk_tokens must be >= 1, got {chunk_tokens}; pass None for the default"
+        )
     if logit_softcap is not None and not logit_softcap > 0:
         raise ValueError(f"logit_softcap must be > 0 or None, got {logit_softcap}")
     grad_on = torch.is_grad_enabled()
-    needs_grad = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
-                  grad_on and bias is not None and bias.requires_grad)
-    return TiledCrossEntropyFunction.apply(hidden, weight, bias, shift_labels, int(chunk_tokens), ignore_index,
-                                           logit_softcap, needs_grad)
+    needs_grad = (
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )
+    return TiledCrossEntropyFunction.apply(
+        hidden,
+        weight,
+        bias,
+        shift_labels,
+        int(chunk_tokens),
+        ignore_index,
+        logit_softcap,
+        needs_grad,
+    )
 
 
 class _SumOverRanks(torch.autograd.Function):

@@ -49,7 +49,12 @@ from hf_upipe.ops.all_to_all import group_size, head_to_seq, seq_to_head
 from hf_upipe.ops.head_layout import HeadLayout
 from hf_upipe.ops.kernels import AttentionKernel, get_kernel
 
-__all__ = ["UPipeAttentionFunction", "upipe_attention", "upipe_attention_backward", "upipe_attention_forward"]
+__all__ = [
+    "UPipeAttentionFunction",
+    "upipe_attention",
+    "upipe_attention_backward",
+    "upipe_attention_forward",
+]
 
 
 def _kv_stage(t: torch.Tensor, layout: HeadLayout, stage: int) -> torch.Tensor:
@@ -58,7 +63,9 @@ def _kv_stage(t: torch.Tensor, layout: HeadLayout, stage: int) -> torch.Tensor:
     index = layout.kv_source_index(stage, t.device)
     if index is None:
         return t.view(B, s, layout.sp_size, layout.kv_per_rank, D)[:, :, :, layout.kv_heads(stage)]
-    return t.index_select(2, index).view(B, s, layout.sp_size, layout.kv_per_stage, D)  # replicated heads
+    return t.index_select(2, index).view(
+        B, s, layout.sp_size, layout.kv_per_stage, D
+    )  # replicated heads
 
 
 def _q_stage(t: torch.Tensor, layout: HeadLayout, stage: int) -> torch.Tensor:
@@ -111,8 +118,12 @@ def upipe_attention_forward(
         oh, lse = kernel.forward(qh, kh, vh, scale=scale, causal=True)  # [B, S, c, D], [B, c, S]
         del qh
         if sinks is not None:  # lse' = logaddexp(lse, s_h): the sink is one more logit of every row
-            sunk = torch.logaddexp(lse.float(), _stage_sinks(sinks, layout, group, i)[None, :, None])  # [B, c, S]
-            oh = (oh.float() * (lse.float() - sunk).exp().transpose(1, 2).unsqueeze(-1)).to(oh.dtype)
+            sunk = torch.logaddexp(
+                lse.float(), _stage_sinks(sinks, layout, group, i)[None, :, None]
+            )  # [B, c, S]
+            oh = (oh.float() * (lse.float() - sunk).exp().transpose(1, 2).unsqueeze(-1)).to(
+                oh.dtype
+            )
             lse = sunk.to(lse.dtype)
         _q_stage(out, layout, i).copy_(head_to_seq(oh, group))  # [B, s, P, c, D] into the output
         del oh
@@ -125,7 +136,9 @@ def _scatter_kv(dst: torch.Tensor, grad5: torch.Tensor, layout: HeadLayout, stag
     B, s, _, D = dst.shape
     index = layout.kv_source_index(stage, dst.device)
     if index is None:
-        dst.view(B, s, layout.sp_size, layout.kv_per_rank, D)[:, :, :, layout.kv_heads(stage)].copy_(grad5)
+        dst.view(B, s, layout.sp_size, layout.kv_per_rank, D)[
+            :, :, :, layout.kv_heads(stage)
+        ].copy_(grad5)
     else:
         dst.index_add_(2, index, grad5.reshape(B, s, -1, D).to(dst.dtype))  # [B, s, P*kc, D]
 
@@ -167,13 +180,20 @@ def upipe_attention_backward(
     else:  # every slot is written exactly once, at the end of its chunk
         dk = dv = None
     dq_chunks = []
-    dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
+    dsinks = (
+        None
+        if sinks is None
+        else torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
+    )
     kh = vh = dkh = dvh = None
     for i in range(layout.num_stages):
         if layout.starts_kv_group(i):
             kh = vh = None
             if kv_chunks is not None:
-                kh, vh = kv_chunks[2 * layout.kv_group_of(i)], kv_chunks[2 * layout.kv_group_of(i) + 1]
+                kh, vh = (
+                    kv_chunks[2 * layout.kv_group_of(i)],
+                    kv_chunks[2 * layout.kv_group_of(i) + 1],
+                )
             else:
                 kh = seq_to_head(_kv_stage(kv_local[0], layout, i), group)  # [B, S, kc, D]
                 vh = seq_to_head(_kv_stage(kv_local[1], layout, i), group)
@@ -181,10 +201,14 @@ def upipe_attention_backward(
         oh = seq_to_head(_q_stage(out, layout, i), group)
         doh = seq_to_head(_q_stage(dout, layout, i), group)
         dqh, dkh_i, dvh_i = kernel.backward(doh, qh, kh, vh, oh, lses[i], scale=scale, causal=True)
-        if dsinks is not None:  # d s_h = -sum_i exp(s_h - lse'_i) * rowsum(dO * O)_i  (module docstring)
+        if (
+            dsinks is not None
+        ):  # d s_h = -sum_i exp(s_h - lse'_i) * rowsum(dO * O)_i  (module docstring)
             rows = (doh.float() * oh.float()).sum(-1).transpose(1, 2)  # [B, c, S]
             p_sink = (_stage_sinks(sinks, layout, group, i)[None, :, None] - lses[i].float()).exp()
-            dsinks.index_add_(0, _stage_heads(layout, group, i, dsinks.device), -(p_sink * rows).sum((0, 2)))
+            dsinks.index_add_(
+                0, _stage_heads(layout, group, i, dsinks.device), -(p_sink * rows).sum((0, 2))
+            )
         del qh, oh, doh
         dq_chunks.append(head_to_seq(dqh, group))  # [B, s, P, c, D]
         del dqh
@@ -216,10 +240,13 @@ class UPipeAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: HeadLayout, group, kernel: AttentionKernel, scale: float, sinks=None):
+    def forward(
+        ctx, q, k, v, layout: HeadLayout, group, kernel: AttentionKernel, scale: float, sinks=None
+    ):
         keep_kv = layout.kv_rep == 1
-        out, lses, kept = upipe_attention_forward(q, k, v, layout, group, kernel, scale, keep_kv=keep_kv,
-                                                  sinks=sinks)
+        out, lses, kept = upipe_attention_forward(
+            q, k, v, layout, group, kernel, scale, keep_kv=keep_kv, sinks=sinks
+        )
         kv = kept if keep_kv else [k, v]
         ctx.save_for_backward(q, out, *lses, *kv)
         ctx.sinks = sinks  # a parameter: not a saved tensor (FSDP2 frees and refills its storage in between)
@@ -233,10 +260,21 @@ class UPipeAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, out, *rest = ctx.saved_tensors
         sinks = ctx.sinks
-        lses, kv = rest[:ctx.n_lse], rest[ctx.n_lse:]
+        lses, kv = rest[: ctx.n_lse], rest[ctx.n_lse :]
         kv_args = dict(kv_chunks=kv) if ctx.keep_kv else dict(kv_local=tuple(kv))
-        dq, dk, dv, dsinks = upipe_attention_backward(dout, q, out, lses, ctx.layout, ctx.group, ctx.kernel,
-                                                      ctx.scale, kv_like=ctx.kv_like, sinks=sinks, **kv_args)
+        dq, dk, dv, dsinks = upipe_attention_backward(
+            dout,
+            q,
+            out,
+            lses,
+            ctx.layout,
+            ctx.group,
+            ctx.kernel,
+            ctx.scale,
+            kv_like=ctx.kv_like,
+            sinks=sinks,
+            **kv_args,
+        )
         dsinks = None if dsinks is None or not ctx.needs_input_grad[7] else dsinks.to(sinks.dtype)
         return dq, dk, dv, None, None, None, None, dsinks
 
@@ -276,21 +314,37 @@ def upipe_attention(
             raises, before any collective.
     """
     if not causal:
-        raise NotImplementedError("upipe_attention implements causal attention only (decoder language models).")
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] \
-            or q.shape[3] != k.shape[3]:
+        raise NotImplementedError(
+            "upipe_attention implements causal attention only (decoder language models)."
+        )
+    if (
+        q.dim() != 4
+        or k.shape != v.shape
+        or k.dim() != 4
+        or q.shape[0] != k.shape[0]
+        or q.shape[1] != k.shape[1]
+        or q.shape[3] != k.shape[3]
+    ):
         raise ValueError(
             f"upipe_attention expects q [B, s, H, D] and k, v [B, s, Hk, D]; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}."
         )
-    if torch.is_autocast_enabled(q.device.type):  # as SDPA under autocast: q, k, v in the autocast dtype
+    if torch.is_autocast_enabled(
+        q.device.type
+    ):  # as SDPA under autocast: q, k, v in the autocast dtype
         dtype = torch.get_autocast_dtype(q.device.type)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)  # (differentiable: their gradients come back in theirs)
+        q, k, v = (
+            q.to(dtype),
+            k.to(dtype),
+            v.to(dtype),
+        )  # (differentiable: their gradients come back in theirs)
     layout = HeadLayout(q.shape[2], k.shape[2], group_size(group), heads_per_chunk)
     kern = get_kernel(kernel, q.device, q.dtype) if isinstance(kernel, str) else kernel
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
-        raise ValueError(f"sinks must be one logit per query head, shape ({q.shape[2]},); got {tuple(sinks.shape)}")
+        raise ValueError(
+            f"sinks must be one logit per query head, shape ({q.shape[2]},); got {tuple(sinks.shape)}"
+        )
     grads = [q, k, v] + ([] if sinks is None else [sinks])
     if torch.is_grad_enabled() and any(t.requires_grad for t in grads):
         return UPipeAttentionFunction.apply(q, k, v, layout, group, kern, scale, sinks)

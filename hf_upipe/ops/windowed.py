@@ -35,7 +35,8 @@ class WindowKernel:
                 f"sliding-window attention (window={window}) under sequence parallelism is implemented for the CPU "
                 f"'sdpa' and the 'flash_attn' kernels, not for the {getattr(inner, 'name', type(inner).__name__)!r} "
                 "kernel: use one of those (UPipeConfig(kernel=...)), sequences no longer than the window, or a config "
-                "without the window.")
+                "without the window."
+            )
         if not (isinstance(window, int) and window >= 1):
             raise ValueError(f"window={window!r}: need an integer >= 1")
         self.inner, self.window = inner, window
@@ -52,7 +53,9 @@ class WindowKernel:
         i = torch.arange(i0, i1, device=device)[:, None]
         t = torch.arange(k0, i1, device=device)[None, :]
         seen = (t <= i) & (t > i - self.window)
-        return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill(~seen, float("-inf"))[None, None]
+        return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill(
+            ~seen, float("-inf")
+        )[None, None]
 
     def forward(self, q, k, v, *, scale, causal=True):
         """q [B, S, h, D], k/v [B, S, hk, D] -> out [B, S, h, D], lse [B, h, S]."""
@@ -61,11 +64,20 @@ class WindowKernel:
         if not isinstance(self.inner, SdpaCpuKernel):  # a kernel with a native window (flash-attn)
             return self.inner.forward(q, k, v, scale=scale, causal=True, window=self.window)
         B, S, h, _ = q.shape
-        out, lse = q.new_empty(B, S, h, v.shape[-1]), None  # written block by block: no list of blocks, no cat
+        out, lse = (
+            q.new_empty(B, S, h, v.shape[-1]),
+            None,
+        )  # written block by block: no list of blocks, no cat
         for i0, i1, k0 in self._blocks(S):
             o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q[:, i0:i1].transpose(1, 2), k[:, k0:i1].transpose(1, 2), v[:, k0:i1].transpose(1, 2), 0.0, False,
-                attn_mask=self._mask(i0, i1, k0, q.dtype, q.device), scale=scale)  # [B, h, c, D], [B, h, c]
+                q[:, i0:i1].transpose(1, 2),
+                k[:, k0:i1].transpose(1, 2),
+                v[:, k0:i1].transpose(1, 2),
+                0.0,
+                False,
+                attn_mask=self._mask(i0, i1, k0, q.dtype, q.device),
+                scale=scale,
+            )  # [B, h, c, D], [B, h, c]
             if lse is None:
                 lse = m.new_empty(B, h, S)
             out[:, i0:i1] = o.transpose(1, 2)
@@ -78,16 +90,26 @@ class WindowKernel:
         if not causal:
             raise NotImplementedError("WindowKernel is causal only")
         if not isinstance(self.inner, SdpaCpuKernel):
-            return self.inner.backward(dout, q, k, v, out, lse, scale=scale, causal=True, window=self.window)
+            return self.inner.backward(
+                dout, q, k, v, out, lse, scale=scale, causal=True, window=self.window
+            )
         S = q.shape[1]
         dq = torch.empty_like(q)
         dk = torch.zeros_like(k)
         dv = torch.zeros_like(v)
         for i0, i1, k0 in self._blocks(S):
             dqb, dkb, dvb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout[:, i0:i1].transpose(1, 2), q[:, i0:i1].transpose(1, 2), k[:, k0:i1].transpose(1, 2),
-                v[:, k0:i1].transpose(1, 2), out[:, i0:i1].transpose(1, 2), lse[:, :, i0:i1].contiguous(), 0.0,
-                False, attn_mask=self._mask(i0, i1, k0, q.dtype, q.device), scale=scale)
+                dout[:, i0:i1].transpose(1, 2),
+                q[:, i0:i1].transpose(1, 2),
+                k[:, k0:i1].transpose(1, 2),
+                v[:, k0:i1].transpose(1, 2),
+                out[:, i0:i1].transpose(1, 2),
+                lse[:, :, i0:i1].contiguous(),
+                0.0,
+                False,
+                attn_mask=self._mask(i0, i1, k0, q.dtype, q.device),
+                scale=scale,
+            )
             dq[:, i0:i1] = dqb.transpose(1, 2)
             dk[:, k0:i1] += dkb.transpose(1, 2)  # [B, i1-k0, hk, D]
             dv[:, k0:i1] += dvb.transpose(1, 2)

@@ -37,10 +37,22 @@ from hf_upipe import distributed as _sp
 from hf_upipe.planning.simulate import fake_tensors, simulated_world
 from hf_upipe.planning.tracker import MemoryTracker
 
-__all__ = ["BENCHMARK_ROWS", "IMPLEMENTATIONS", "build_attention_block", "measure_attention_block",
-           "simulate_attention_block"]
+__all__ = [
+    "BENCHMARK_ROWS",
+    "IMPLEMENTATIONS",
+    "build_attention_block",
+    "measure_attention_block",
+    "simulate_attention_block",
+]
 
-IMPLEMENTATIONS = ("upipe", "fused", "fused_save", "fused_overlap", "fused_save_overlap", "deepspeed")
+IMPLEMENTATIONS = (
+    "upipe",
+    "fused",
+    "fused_save",
+    "fused_overlap",
+    "fused_save_overlap",
+    "deepspeed",
+)
 # ours: registered attention function / fused block (`prepare_model`), its backward recomputing or saving attention
 UPIPE_IMPLS = ("upipe", "fused", "fused_save", "fused_overlap", "fused_save_overlap")
 # what the benchmarks compare side by side: (label, impl, heads_per_chunk)
@@ -81,14 +93,18 @@ def deepspeed_comm() -> Iterator[None]:
     """
     require_deepspeed()
     ds_comm = importlib.import_module("deepspeed.comm.comm")
-    ds_torch = importlib.import_module("deepspeed.comm.torch")  # `import ... as` would give the torch package
+    ds_torch = importlib.import_module(
+        "deepspeed.comm.torch"
+    )  # `import ... as` would give the torch package
 
     previous = ds_comm.cdb
     if previous is None or not previous.is_initialized():
         build = ds_torch.build_shm_op
         ds_torch.build_shm_op = lambda: None
         try:
-            ds_comm.cdb = ds_torch.TorchBackend(dist.get_backend(), datetime.timedelta(minutes=30), None)
+            ds_comm.cdb = ds_torch.TorchBackend(
+                dist.get_backend(), datetime.timedelta(minutes=30), None
+            )
         finally:
             ds_torch.build_shm_op = build
     try:
@@ -101,18 +117,27 @@ def deepspeed_comm() -> Iterator[None]:
 def upipe_state(group: dist.ProcessGroup, heads_per_chunk: int | None) -> Iterator[None]:
     """Install (group, heads_per_chunk) as the "upipe" defaults unless they already are; restore on exit."""
     previous = _sp.get_sequence_parallel_state()
-    if previous is not None and previous.sp_group is group and previous.heads_per_chunk == heads_per_chunk:
+    if (
+        previous is not None
+        and previous.sp_group is group
+        and previous.heads_per_chunk == heads_per_chunk
+    ):
         yield
         return
-    _sp.init_sequence_parallel(group=group, heads_per_chunk=heads_per_chunk,
-                               kernel=previous.kernel if previous is not None else "auto")
+    _sp.init_sequence_parallel(
+        group=group,
+        heads_per_chunk=heads_per_chunk,
+        kernel=previous.kernel if previous is not None else "auto",
+    )
     try:
         yield
     finally:
         _sp.set_sequence_parallel_state(previous)  # exactly what was installed before (None: reset)
 
 
-def build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group, arch="llama"):
+def build_attention_block(
+    impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group, arch="llama"
+):
     """The attention module of `arch` (a model_type of the registry's fused families; LlamaAttention by default) with
     this geometry, built in `dtype` (also under fake mode), and its rotary embedding."""
     import importlib
@@ -123,12 +148,23 @@ def build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtyp
 
     entry = ARCHITECTURES.get(arch)
     if entry is None or not entry.fused:
-        raise ValueError(f"arch={arch!r}: choose a fused architecture of hf_upipe.architectures.FUSED")
-    module = importlib.import_module(f"transformers.models.{entry.module or arch}.modeling_{entry.module or arch}")
+        raise ValueError(
+            f"arch={arch!r}: choose a fused architecture of hf_upipe.architectures.FUSED"
+        )
+    module = importlib.import_module(
+        f"transformers.models.{entry.module or arch}.modeling_{entry.module or arch}"
+    )
     name = "upipe" if impl in UPIPE_IMPLS else DS_ATTN_NAME
     config = AutoConfig.for_model(
-        arch, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=4 * hidden, num_hidden_layers=1, attention_dropout=0.0, attention_bias=False,
+        arch,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=1,
+        attention_dropout=0.0,
+        attention_bias=False,
         max_position_embeddings=seq_len,
     )
     config._attn_implementation = name
@@ -136,7 +172,9 @@ def build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtyp
     torch.set_default_dtype(dtype)  # module.to(dtype) fails under fake mode
     try:
         block = getattr(module, entry.attention)(config, layer_idx=0)
-        rotary = getattr(module, f"{entry.prefix}RotaryEmbedding")(config)  # inv_freq: float32 whatever the dtype
+        rotary = getattr(module, f"{entry.prefix}RotaryEmbedding")(
+            config
+        )  # inv_freq: float32 whatever the dtype
     finally:
         torch.set_default_dtype(previous)
     if impl.startswith("fused"):
@@ -144,16 +182,29 @@ def build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtyp
         from hf_upipe.integrations.prepare import prepare_model
 
         mode = "save" if impl.startswith("fused_save") else "recompute"
-        prepare_model(block, UPipeConfig(fused_backward=mode, overlap_comm=impl.endswith("_overlap"), tiled_mlp=False,
-                                         auto=False))  # not the env's UPIPE_*
+        prepare_model(
+            block,
+            UPipeConfig(
+                fused_backward=mode,
+                overlap_comm=impl.endswith("_overlap"),
+                tiled_mlp=False,
+                auto=False,
+            ),
+        )  # not the env's UPIPE_*
     if impl == "deepspeed":
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         ds_cls = require_deepspeed()
         AttentionInterface.register(DS_ATTN_NAME, deepspeed_attention)
         block.ds_ulysses = ds_cls(
-            attn=sdpa_attention_forward, batch_size=1, attn_head_count=heads, attn_head_size=head_dim,
-            kv_head_count=kv_heads, num_hidden_layers=1, process_group=group, seq_length_is_variable=True,
+            attn=sdpa_attention_forward,
+            batch_size=1,
+            attn_head_count=heads,
+            attn_head_size=head_dim,
+            kv_head_count=kv_heads,
+            num_hidden_layers=1,
+            process_group=group,
+            seq_length_is_variable=True,
         )
     return block, rotary
 
@@ -192,8 +243,10 @@ def measure_attention_block(
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl={impl!r}: choose one of {IMPLEMENTATIONS}")
     if not dist.is_initialized():
-        raise RuntimeError("measure_attention_block needs torch.distributed; use simulate_attention_block for a "
-                           "single-process simulation.")
+        raise RuntimeError(
+            "measure_attention_block needs torch.distributed; use simulate_attention_block for a "
+            "single-process simulation."
+        )
     group = dist.group.WORLD if group is None else group
     if dist.get_world_size(group) != sp_size:
         raise ValueError(f"sp_size={sp_size} but the group has {dist.get_world_size(group)} ranks")
@@ -204,13 +257,19 @@ def measure_attention_block(
     state = upipe_state(group, heads_per_chunk) if impl in UPIPE_IMPLS else deepspeed_comm()
     with state:
         # not counted: weights, x [1, s, hidden], position_ids [1, s] (global), cos/sin [1, s, D]
-        block, rotary = build_attention_block(impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group, arch)
+        block, rotary = build_attention_block(
+            impl, hidden, heads, kv_heads, head_dim, seq_len, dtype, group, arch
+        )
         x = torch.randn(1, s, hidden, dtype=dtype, requires_grad=True)
         position_ids = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)
         cos, sin = rotary(x, position_ids)
-        grad_y = torch.ones(1, s, hidden, dtype=dtype)  # from the layer above, like x from the layer below
+        grad_y = torch.ones(
+            1, s, hidden, dtype=dtype
+        )  # from the layer above, like x from the layer below
         with MemoryTracker(snapshot_at_peak=snapshot) as tracker:
-            y = block(x, position_embeddings=(cos, sin), attention_mask=None, position_ids=position_ids)[0]
+            y = block(
+                x, position_embeddings=(cos, sin), attention_mask=None, position_ids=position_ids
+            )[0]
             tracker.mark("forward")  # y [1, s, hidden]
             y.backward(grad_y)
             tracker.mark("backward")
@@ -219,7 +278,9 @@ def measure_attention_block(
     result = {
         "forward_peak": tracker.phase_peaks["forward"],
         "peak": tracker.peak_bytes,
-        "peak_with_grad_in": max(tracker.phase_peaks["forward"], tracker.phase_peaks["backward"] + unit),
+        "peak_with_grad_in": max(
+            tracker.phase_peaks["forward"], tracker.phase_peaks["backward"] + unit
+        ),
         "unit": unit,
     }
     if snapshot:
@@ -250,8 +311,17 @@ def simulate_attention_block(
             _sp.init_sequence_parallel(group=world, heads_per_chunk=heads_per_chunk)
         try:
             return measure_attention_block(
-                impl, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=seq_len,
-                sp_size=sp_size, dtype=dtype, group=world, heads_per_chunk=heads_per_chunk, snapshot=snapshot,
+                impl,
+                hidden=hidden,
+                heads=heads,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                seq_len=seq_len,
+                sp_size=sp_size,
+                dtype=dtype,
+                group=world,
+                heads_per_chunk=heads_per_chunk,
+                snapshot=snapshot,
                 arch=arch,
             )
         finally:

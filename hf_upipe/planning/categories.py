@@ -38,8 +38,19 @@ from hf_upipe.integrations.peft import base_model
 __all__ = ["CATEGORIES", "StepCategories", "decoder_layers", "layer_parts"]
 
 # a decoder layer's children by name: token mixers (attention, linear attention, convolutions, SSMs) and MLPs
-_MIXERS = ("self_attn", "attn", "attention", "self_attention", "linear_attn", "mixer", "conv", "mamba", "mamba_mixer",
-           "token_mixer", "temporal_block")
+_MIXERS = (
+    "self_attn",
+    "attn",
+    "attention",
+    "self_attention",
+    "linear_attn",
+    "mixer",
+    "conv",
+    "mamba",
+    "mamba_mixer",
+    "token_mixer",
+    "temporal_block",
+)
 _MLPS = ("mlp", "feed_forward", "block_sparse_moe", "moe", "ffn", "experts", "shared_mlp")
 
 
@@ -58,17 +69,26 @@ def decoder_layers(model) -> nn.ModuleList:
         for module in root.modules():
             if isinstance(module, nn.ModuleList) and len(module) == n and n:
                 return module
-    raise ValueError(f"{type(causal_lm).__name__} has no list of its {n} decoder layers; the memory categories need a "
-                     "decoder-only transformers model")
+    raise ValueError(
+        f"{type(causal_lm).__name__} has no list of its {n} decoder layers; the memory categories need a "
+        "decoder-only transformers model"
+    )
 
 
 def layer_parts(layer: nn.Module) -> list[tuple[nn.Module, str]]:
     """(module, "attention" | "mlp") for the token mixers and MLPs among a decoder layer's children."""
-    return [(child, "attention" if name in _MIXERS else "mlp") for name, child in layer.named_children()
-            if name in _MIXERS or name in _MLPS]
+    return [
+        (child, "attention" if name in _MIXERS else "mlp")
+        for name, child in layer.named_children()
+        if name in _MIXERS or name in _MLPS
+    ]
+
 
 CATEGORIES = ("checkpoints", "attention", "mlp", "residual", "loss", "other")
-_KEY, _STOP = "hf_upipe_category", "hf_upipe_stop"  # in each autograd node's own metadata dict: holding the nodes
+_KEY, _STOP = (
+    "hf_upipe_category",
+    "hf_upipe_stop",
+)  # in each autograd node's own metadata dict: holding the nodes
 # in a dict of ours would keep custom Functions' ctx attributes alive and change the memory being measured
 
 
@@ -111,7 +131,9 @@ class StepCategories:
     # ------------------------------------------------------------------ graph
     def _label_graph(self, outputs, category: str, stop=()) -> None:
         """Records `category` for the nodes reachable from `outputs`, up to nodes already labeled or in `stop`."""
-        stop_nodes = [t.grad_fn for t in stop if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        stop_nodes = [
+            t.grad_fn for t in stop if isinstance(t, torch.Tensor) and t.grad_fn is not None
+        ]
         for node in stop_nodes:
             node.metadata.setdefault(_STOP, True)
         todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
@@ -138,8 +160,10 @@ class StepCategories:
                 outputs = output if isinstance(output, tuple) else (output,)
                 self._label_graph(outputs, category, stop=[*args, *kwargs.values()])
 
-        return (module.register_forward_pre_hook(pre, with_kwargs=True),
-                module.register_forward_hook(post, with_kwargs=True, always_call=True))
+        return (
+            module.register_forward_pre_hook(pre, with_kwargs=True),
+            module.register_forward_hook(post, with_kwargs=True, always_call=True),
+        )
 
     def _labeled_recompute(self, checkpoint_fn):
         """The layer's checkpoint function, running the layer under "residual" (its recompute runs no layer hooks)."""
@@ -154,16 +178,25 @@ class StepCategories:
 
             return checkpoint_fn(labeled, *args, **kwargs)
 
-        run.keywords = getattr(checkpoint_fn, "keywords", {})  # offload_checkpoints checks use_reentrant there
+        run.keywords = getattr(
+            checkpoint_fn, "keywords", {}
+        )  # offload_checkpoints checks use_reentrant there
         return run
 
     # ------------------------------------------------------------------ context
     def __enter__(self) -> StepCategories:
         causal_lm = base_model(self.model)
-        base = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else getattr(causal_lm, "model", causal_lm)
+        base = (
+            causal_lm.get_decoder()
+            if hasattr(causal_lm, "get_decoder")
+            else getattr(causal_lm, "model", causal_lm)
+        )
         layers = decoder_layers(self.model)
-        self._checkpointed = [(layer, layer._gradient_checkpointing_func) for layer in layers
-                              if callable(getattr(layer, "_gradient_checkpointing_func", None))]
+        self._checkpointed = [
+            (layer, layer._gradient_checkpointing_func)
+            for layer in layers
+            if callable(getattr(layer, "_gradient_checkpointing_func", None))
+        ]
         for layer, checkpoint_fn in self._checkpointed:
             layer._gradient_checkpointing_func = self._labeled_recompute(checkpoint_fn)
         for layer in layers:
@@ -173,14 +206,20 @@ class StepCategories:
 
         def base_done(mod, args, kwargs, output):
             self._after_model = True
-            hidden = output[0] if isinstance(output, tuple) else getattr(output, "last_hidden_state", output)
+            hidden = (
+                output[0]
+                if isinstance(output, tuple)
+                else getattr(output, "last_hidden_state", output)
+            )
             self._base_out = [hidden] if isinstance(hidden, torch.Tensor) else []
 
         def base_start(mod, args, kwargs):
             self._after_model = False
 
-        self._handles += [base.register_forward_pre_hook(base_start, with_kwargs=True),
-                          base.register_forward_hook(base_done, with_kwargs=True)]
+        self._handles += [
+            base.register_forward_pre_hook(base_start, with_kwargs=True),
+            base.register_forward_hook(base_done, with_kwargs=True),
+        ]
         return self
 
     def __exit__(self, *exc) -> None:

@@ -22,7 +22,7 @@ __all__ = ["candidates", "default_impl", "ladder"]
 
 
 def default_impl(config) -> str:
-    """"fused" where a run would install the fused block (`hf_upipe.integrations.fused.fused_unavailable` is
+    """ "fused" where a run would install the fused block (`hf_upipe.integrations.fused.fused_unavailable` is
     None), "upipe" (registered) otherwise: the planner plans what `prepare_model` will run."""
     return "fused" if fused_unavailable(config) is None else "upipe"
 
@@ -35,20 +35,33 @@ def ladder(config, sp_size: int, impl: str | None = None) -> list[StepSettings]:
     """
     g = model_geometry(config)
     impl = impl or default_impl(config)
-    rungs = [StepSettings(impl, None, tiled_mlp=False, offload="none"),
-             StepSettings(impl, None, tiled_mlp=True, offload="none"),
-             StepSettings(impl, None, tiled_mlp=True, offload="cpu")]
+    rungs = [
+        StepSettings(impl, None, tiled_mlp=False, offload="none"),
+        StepSettings(impl, None, tiled_mlp=True, offload="none"),
+        StepSettings(impl, None, tiled_mlp=True, offload="cpu"),
+    ]
     if impl in ("ulysses", "deepspeed"):
         return rungs
-    chunks = sorted(c for c in valid_heads_per_chunk(g["heads"], g["kv_heads"], sp_size) if c < g["heads"] // sp_size)
+    chunks = sorted(
+        c
+        for c in valid_heads_per_chunk(g["heads"], g["kv_heads"], sp_size)
+        if c < g["heads"] // sp_size
+    )
     rungs += [StepSettings(impl, c, tiled_mlp=True, offload="cpu") for c in reversed(chunks)]
     smallest = rungs[-1]
-    rungs.append(dataclasses.replace(smallest, mlp_chunk_tokens=max(1, g["hidden"] // 4),
-                                     loss_chunk_tokens=max(1, math.ceil(2**24 / g["vocab"]))))  # 64 MiB fp32 logits
+    rungs.append(
+        dataclasses.replace(
+            smallest,
+            mlp_chunk_tokens=max(1, g["hidden"] // 4),
+            loss_chunk_tokens=max(1, math.ceil(2**24 / g["vocab"])),
+        )
+    )  # 64 MiB fp32 logits
     return rungs
 
 
-def candidates(config, sp_size: int, impl: str | None = None) -> list[tuple[StepSettings, StepSettings]]:
+def candidates(
+    config, sp_size: int, impl: str | None = None
+) -> list[tuple[StepSettings, StepSettings]]:
     """(candidate, its memory rung): the ladder's rungs (their own rung), and for the fused block each rung's faster
     variants, which need at least the rung's memory: the save-mode backward, and where a rung has several stages
     the overlapped all-to-alls, in both backward modes."""
@@ -61,6 +74,8 @@ def candidates(config, sp_size: int, impl: str | None = None) -> list[tuple[Step
         stages = g["heads"] // sp_size // (rung.heads_per_chunk or g["heads"] // sp_size)
         out.append((dataclasses.replace(rung, fused_backward="save"), rung))
         if stages > 1:
-            out += [(dataclasses.replace(rung, overlap=True), rung),
-                    (dataclasses.replace(rung, fused_backward="save", overlap=True), rung)]
+            out += [
+                (dataclasses.replace(rung, overlap=True), rung),
+                (dataclasses.replace(rung, fused_backward="save", overlap=True), rung),
+            ]
     return out

@@ -30,15 +30,26 @@ def mixer_module(config) -> torch.nn.Module:
     in the default dtype (inside `fake_tensors(dtype)` for a simulation)."""
     from hf_upipe.integrations.mixers import HALO_MIXERS, MIXERS
 
-    modeling = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    modeling = importlib.import_module(
+        f"transformers.models.{config.model_type}.modeling_{config.model_type}"
+    )
     names = [n for n in (*MIXERS, *HALO_MIXERS) if hasattr(modeling, n)]
     if not names:
-        raise ValueError(f"{config.model_type}: no mixer class hf_upipe runs across shards in its modeling file.")
+        raise ValueError(
+            f"{config.model_type}: no mixer class hf_upipe runs across shards in its modeling file."
+        )
     return getattr(modeling, names[0])(config, layer_idx=0)
 
 
-def mixer_peak(config, seq_len: int, sp_size: int, rank: int, mode: str, batch: int = 1,
-               dtype: torch.dtype = torch.bfloat16) -> int:
+def mixer_peak(
+    config,
+    seq_len: int,
+    sp_size: int,
+    rank: int,
+    mode: str,
+    batch: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+) -> int:
     """Peak bytes of one mixer forward + backward on `rank` of `sp_size` (module docstring)."""
     import hf_upipe
     from hf_upipe.integrations.mixers import install_mixers
@@ -55,7 +66,9 @@ def mixer_peak(config, seq_len: int, sp_size: int, rank: int, mode: str, batch: 
         try:
             with fake_tensors(dtype):
                 mixer = mixer_module(config)
-                install_mixers(mixer, state_passing="sequential" if mode == "sequential" else "parallel")
+                install_mixers(
+                    mixer, state_passing="sequential" if mode == "sequential" else "parallel"
+                )
                 x = torch.randn(batch, s, config.hidden_size, requires_grad=True)  # [B, s, Dm]
                 dy = torch.randn(batch, s, config.hidden_size)
                 with MemoryTracker() as tracker:

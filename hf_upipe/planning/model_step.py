@@ -36,14 +36,29 @@ from hf_upipe import distributed as _sp
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.models import PRESETS
 from hf_upipe.ops.fake import simulating
-from hf_upipe.planning.attention_block import DS_ATTN_NAME, deepspeed_attention, deepspeed_comm, require_deepspeed
+from hf_upipe.planning.attention_block import (
+    DS_ATTN_NAME,
+    deepspeed_attention,
+    deepspeed_comm,
+    require_deepspeed,
+)
 from hf_upipe.planning.simulate import fake_tensors, is_fake, simulated_world
 from hf_upipe.planning.tracker import MemoryTracker, checkpoint_label
 
-__all__ = ["MODEL_IMPLEMENTATIONS", "PRESETS", "build_step_model", "llama_config", "measure_layer_step",
-           "measure_model_step", "simulate_layer_step", "simulate_model_step", "step_config"]
+__all__ = [
+    "MODEL_IMPLEMENTATIONS",
+    "PRESETS",
+    "build_step_model",
+    "llama_config",
+    "measure_layer_step",
+    "measure_model_step",
+    "simulate_layer_step",
+    "simulate_model_step",
+    "step_config",
+]
 
 MODEL_IMPLEMENTATIONS = ("deepspeed", "ulysses", "upipe", "fused")
+
 
 def llama_config(name: str) -> dict:
     """A copy of a preset geometry (keys of `transformers.LlamaConfig`)."""
@@ -53,14 +68,18 @@ def llama_config(name: str) -> dict:
 
 
 @contextlib.contextmanager
-def impl_context(impl: str, group, seq_len: int, sp_size: int, heads_per_chunk: int | None, ring_size: int = 1):
+def impl_context(
+    impl: str, group, seq_len: int, sp_size: int, heads_per_chunk: int | None, ring_size: int = 1
+):
     """Validate, install the SP defaults for our impls (DeepSpeed's communicator for the peer), restore on exit.
     With `ring_size` > 1 the SP groups are built anew (`init_sequence_parallel(sp_size, ring_size=...)`)."""
     if impl not in MODEL_IMPLEMENTATIONS:
         raise ValueError(f"impl={impl!r}: choose one of {MODEL_IMPLEMENTATIONS}")
     if seq_len % (sp_size * (2 if ring_size > 1 else 1)):
-        raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp_size}" +
-                         (f" x 2 (a ring of {ring_size} cuts {2 * ring_size} chunks)" if ring_size > 1 else ""))
+        raise ValueError(
+            f"seq_len={seq_len} is not divisible by sp_size={sp_size}"
+            + (f" x 2 (a ring of {ring_size} cuts {2 * ring_size} chunks)" if ring_size > 1 else "")
+        )
     if ring_size > 1 and impl == "deepspeed":
         raise ValueError("ring_size > 1 is hf_upipe's ring attention: DeepSpeed's Ulysses has none")
     previous = _sp.get_sequence_parallel_state()
@@ -89,14 +108,22 @@ def step_config(model_config, layers: int, seq_len: int):
         config = copy.deepcopy(model_config)
         text = config.get_text_config()  # the language model's (itself for a text model)
         text.num_hidden_layers = layers
-        text.max_position_embeddings = max(seq_len, getattr(text, "max_position_embeddings", 0) or 0)
+        text.max_position_embeddings = max(
+            seq_len, getattr(text, "max_position_embeddings", 0) or 0
+        )
         config.use_cache = text.use_cache = False
         if getattr(text, "layer_types", None) is not None:
             text.layer_types = list(text.layer_types)[:layers] + [text.layer_types[-1]] * max(
-                0, layers - len(text.layer_types))
+                0, layers - len(text.layer_types)
+            )
         return config
-    return LlamaConfig(**{**model_config, "num_hidden_layers": layers}, max_position_embeddings=seq_len,
-                       attention_dropout=0.0, tie_word_embeddings=False, use_cache=False)
+    return LlamaConfig(
+        **{**model_config, "num_hidden_layers": layers},
+        max_position_embeddings=seq_len,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
 
 
 _MODULE_TO = torch.nn.Module.to
@@ -106,15 +133,30 @@ def _to_unless_unchanged(module, *args, **kwargs):
     """`nn.Module.to`, returning the module untouched when no tensor would change device or dtype."""
     device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
     tensors = [*module.parameters(), *module.buffers()]
-    if all((device is None or t.device == device) and (dtype is None or t.dtype == dtype or not t.is_floating_point())
-           for t in tensors):
+    if all(
+        (device is None or t.device == device)
+        and (dtype is None or t.dtype == dtype or not t.is_floating_point())
+        for t in tensors
+    ):
         return module
     return _MODULE_TO(module, *args, **kwargs)
 
 
-def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_mlp, checkpointing=True,
-                     mlp_chunk_tokens=None, drop_grads=True, lora=None, fused_backward="recompute",
-                     overlap=False):
+def build_step_model(
+    impl,
+    model_config,
+    layers,
+    seq_len,
+    dtype,
+    group,
+    tiled_mlp,
+    checkpointing=True,
+    mlp_chunk_tokens=None,
+    drop_grads=True,
+    lora=None,
+    fused_backward="recompute",
+    overlap=False,
+):
     """The model a simulated step runs: `impl`'s attention, optional tiled MLP, checkpointing; parameters in `dtype`.
 
     `model_config`: a Llama geometry dict or a transformers config (any supported architecture). `drop_grads`: each
@@ -131,7 +173,9 @@ def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_ml
     config._attn_implementation = DS_ATTN_NAME if impl == "deepspeed" else "upipe"
     if impl == "deepspeed":
         AttentionInterface.register(DS_ATTN_NAME, deepspeed_attention)
-        AttentionMaskInterface.register(DS_ATTN_NAME, _no_mask)  # DeepSpeed's sdpa runs is_causal=True
+        AttentionMaskInterface.register(
+            DS_ATTN_NAME, _no_mask
+        )  # DeepSpeed's sdpa runs is_causal=True
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # module.to(dtype) fails under fake mode
     try:
@@ -146,9 +190,15 @@ def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_ml
         ds_cls = require_deepspeed()
         for layer in model.model.layers:
             layer.self_attn.ds_ulysses = ds_cls(
-                attn=sdpa_attention_forward, batch_size=1, attn_head_count=config.num_attention_heads,
-                attn_head_size=config.head_dim, kv_head_count=config.num_key_value_heads, num_hidden_layers=layers,
-                process_group=group, seq_length_is_variable=True)
+                attn=sdpa_attention_forward,
+                batch_size=1,
+                attn_head_count=config.num_attention_heads,
+                attn_head_size=config.head_dim,
+                kv_head_count=config.num_key_value_heads,
+                num_hidden_layers=layers,
+                process_group=group,
+                seq_length_is_variable=True,
+            )
     if lora is not None:
         from peft import LoraConfig
 
@@ -163,40 +213,64 @@ def build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_ml
         if is_fake(next(model.parameters())):
             torch.nn.Module.to = _to_unless_unchanged
         try:
-            model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                                                     target_modules=list(targets)))
+            model = get_peft_model(
+                model,
+                LoraConfig(
+                    r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(targets)
+                ),
+            )
         finally:
             torch.nn.Module.to = _MODULE_TO
             torch.set_default_dtype(previous)
-    if impl != "deepspeed":  # as a run prepares it: the fused block (impl "fused"), global RoPE, mixers, the checks
+    if (
+        impl != "deepspeed"
+    ):  # as a run prepares it: the fused block (impl "fused"), global RoPE, mixers, the checks
         from hf_upipe.config import UPipeConfig
         from hf_upipe.integrations.fused import count_fused, fused_unavailable
         from hf_upipe.integrations.prepare import prepare_model
 
         # impl "fused" must measure the fused block, or its figures would be the registered path's under its name
         if impl == "fused" and (why := fused_unavailable(config)) is not None:
-            raise ValueError(f"the fused attention block cannot be planned for this model: {why}. Plan the "
-                             "registered path instead (impl 'upipe').")
+            raise ValueError(
+                f"the fused attention block cannot be planned for this model: {why}. Plan the "
+                "registered path instead (impl 'upipe')."
+            )
         # (explicit values: the planner's settings, not the environment's UPIPE_*; tiling is applied below)
-        prepare_model(model, UPipeConfig(fused_attention=impl == "fused", fused_backward=fused_backward,
-                                         overlap_comm=overlap, tiled_mlp=False, auto=False))
+        prepare_model(
+            model,
+            UPipeConfig(
+                fused_attention=impl == "fused",
+                fused_backward=fused_backward,
+                overlap_comm=overlap,
+                tiled_mlp=False,
+                auto=False,
+            ),
+        )
         if impl == "fused" and not count_fused(model):
-            raise ValueError("the fused attention block cannot be planned for this model: prepare_model installed "
-                             "it on none of its attention modules (they keep the registered 'upipe' path). Plan "
-                             "that path instead (impl 'upipe').")
+            raise ValueError(
+                "the fused attention block cannot be planned for this model: prepare_model installed "
+                "it on none of its attention modules (they keep the registered 'upipe' path). Plan "
+                "that path instead (impl 'upipe')."
+            )
     if tiled_mlp:
         from hf_upipe.memory.tiled_mlp import apply_tiled_mlp
 
         apply_tiled_mlp(model, mlp_chunk_tokens)
     if checkpointing:
         if not getattr(base_model(model), "supports_gradient_checkpointing", False):
-            raise ValueError(f"{type(base_model(model)).__name__} does not support activation checkpointing, which "
-                             "every step hf_upipe plans (and its Trainer runs) uses on every decoder layer: the "
-                             "planner cannot plan it.")
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            raise ValueError(
+                f"{type(base_model(model)).__name__} does not support activation checkpointing, which "
+                "every step hf_upipe plans (and its Trainer runs) uses on every decoder layer: the "
+                "planner cannot plan it."
+            )
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
     model.train()
     if drop_grads:
-        for p in model.parameters():  # persistent gradients are not activations: drop each one once accumulated
+        for p in (
+            model.parameters()
+        ):  # persistent gradients are not activations: drop each one once accumulated
             p.register_post_accumulate_grad_hook(lambda param: setattr(param, "grad", None))
     return model
 
@@ -234,8 +308,16 @@ def measure_model_step(
     group = dist.group.WORLD if group is None else group
     s, rank = seq_len // sp_size, dist.get_rank(group)
     with impl_context(impl, group, seq_len, sp_size, heads_per_chunk):
-        model = build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_mlp,
-                                 mlp_chunk_tokens=mlp_chunk_tokens)
+        model = build_step_model(
+            impl,
+            model_config,
+            layers,
+            seq_len,
+            dtype,
+            group,
+            tiled_mlp,
+            mlp_chunk_tokens=mlp_chunk_tokens,
+        )
         ids = torch.zeros(1, s, dtype=torch.long)  # not counted: token ids, positions, labels
         positions = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)  # [1, s] global
         labels = torch.zeros(1, s, dtype=torch.long)
@@ -243,19 +325,27 @@ def measure_model_step(
         mask = torch.ones(1, s, dtype=torch.long)
         inputs = {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
         labels_ctx = StepCategories(model) if categories else contextlib.nullcontext()
-        with labels_ctx as cats, MemoryTracker(snapshot_at_peak=snapshot, labeler=cats and cats.label) as tracker, \
-                offload_checkpoints(model, offload, min_bytes=0, restore_context=checkpoint_label):
+        with (
+            labels_ctx as cats,
+            MemoryTracker(snapshot_at_peak=snapshot, labeler=cats and cats.label) as tracker,
+            offload_checkpoints(model, offload, min_bytes=0, restore_context=checkpoint_label),
+        ):
             if cats:
                 cats.attach(tracker)
-            loss, _ = shard_loss_sum(model, inputs, labels, tiled=tiled_loss, chunk_tokens=loss_chunk_tokens)
+            loss, _ = shard_loss_sum(
+                model, inputs, labels, tiled=tiled_loss, chunk_tokens=loss_chunk_tokens
+            )
             if cats:
                 cats.label_loss(loss)
             tracker.mark("forward")
             loss.backward()
             tracker.mark("backward")
             del loss
-    result = {"forward_peak": tracker.phase_peaks["forward"], "peak": tracker.peak_bytes,
-              "unit": s * model_config["hidden_size"] * torch.finfo(dtype).bits // 8}
+    result = {
+        "forward_peak": tracker.phase_peaks["forward"],
+        "peak": tracker.peak_bytes,
+        "unit": s * model_config["hidden_size"] * torch.finfo(dtype).bits // 8,
+    }
     if snapshot:
         result["peak_snapshot"] = tracker.peak_snapshot
     if categories:
@@ -263,9 +353,17 @@ def measure_model_step(
     return result
 
 
-def measure_layer_step(impl: str, *, model_config: dict, seq_len: int, sp_size: int,
-                       group: dist.ProcessGroup | None = None, heads_per_chunk: int | None = 1,
-                       tiled_mlp: bool = False, dtype: torch.dtype = torch.bfloat16) -> dict:
+def measure_layer_step(
+    impl: str,
+    *,
+    model_config: dict,
+    seq_len: int,
+    sp_size: int,
+    group: dist.ProcessGroup | None = None,
+    heads_per_chunk: int | None = 1,
+    tiled_mlp: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict:
     """Tracked forward + backward of one decoder layer on this rank's shard.
 
     Returns:
@@ -274,34 +372,71 @@ def measure_layer_step(impl: str, *, model_config: dict, seq_len: int, sp_size: 
     group = dist.group.WORLD if group is None else group
     s, rank = seq_len // sp_size, dist.get_rank(group)
     with impl_context(impl, group, seq_len, sp_size, heads_per_chunk):
-        model = build_step_model(impl, model_config, 1, seq_len, dtype, group, tiled_mlp, checkpointing=False)
+        model = build_step_model(
+            impl, model_config, 1, seq_len, dtype, group, tiled_mlp, checkpointing=False
+        )
         layer = model.model.layers[0]
         x = torch.randn(1, s, model_config["hidden_size"], dtype=dtype, requires_grad=True)
         positions = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)  # [1, s] global
         cos, sin = model.model.rotary_emb(x, positions)
         grad_y = torch.ones_like(x)
         with MemoryTracker() as tracker:
-            y = layer(x, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin))
+            y = layer(
+                x, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin)
+            )
             y = y[0] if isinstance(y, tuple) else y  # [1, s, hidden]
             tracker.mark("forward")
             y.backward(grad_y)
             tracker.mark("backward")
             del y
-    return {"forward_peak": tracker.phase_peaks["forward"], "peak": tracker.peak_bytes,
-            "unit": s * model_config["hidden_size"] * torch.finfo(dtype).bits // 8}
+    return {
+        "forward_peak": tracker.phase_peaks["forward"],
+        "peak": tracker.peak_bytes,
+        "unit": s * model_config["hidden_size"] * torch.finfo(dtype).bits // 8,
+    }
 
 
-def simulate_layer_step(impl: str, *, model_config: dict, seq_len: int, sp_size: int,
-                        dtype: torch.dtype = torch.bfloat16, **kwargs) -> dict:
+def simulate_layer_step(
+    impl: str,
+    *,
+    model_config: dict,
+    seq_len: int,
+    sp_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    **kwargs,
+) -> dict:
     """`measure_layer_step` as rank 0 of a fake sp_size-rank world on fake tensors."""
     with simulated_world(sp_size) as world, fake_tensors(dtype):
-        return measure_layer_step(impl, model_config=model_config, seq_len=seq_len, sp_size=sp_size, group=world,
-                                  dtype=dtype, **kwargs)
+        return measure_layer_step(
+            impl,
+            model_config=model_config,
+            seq_len=seq_len,
+            sp_size=sp_size,
+            group=world,
+            dtype=dtype,
+            **kwargs,
+        )
 
 
-def simulate_model_step(impl: str, *, model_config: dict, seq_len: int, sp_size: int, layers: int,
-                        dtype: torch.dtype = torch.bfloat16, **kwargs) -> dict:
+def simulate_model_step(
+    impl: str,
+    *,
+    model_config: dict,
+    seq_len: int,
+    sp_size: int,
+    layers: int,
+    dtype: torch.dtype = torch.bfloat16,
+    **kwargs,
+) -> dict:
     """`measure_model_step` as rank 0 of a fake sp_size-rank world on fake tensors (one process, no data)."""
     with simulated_world(sp_size) as world, fake_tensors(dtype):
-        return measure_model_step(impl, model_config=model_config, seq_len=seq_len, sp_size=sp_size, layers=layers,
-                                  group=world, dtype=dtype, **kwargs)
+        return measure_model_step(
+            impl,
+            model_config=model_config,
+            seq_len=seq_len,
+            sp_size=sp_size,
+            layers=layers,
+            group=world,
+            dtype=dtype,
+            **kwargs,
+        )

@@ -15,7 +15,14 @@ import sys
 from hf_upipe.integrations.fused import fused_unavailable
 from hf_upipe.models import model_names
 from hf_upipe.planning.plan_report import LORA_TARGETS
-from hf_upipe.planning.planner import DEFAULT_HEADROOM, DEFAULT_HOST_MEMORY, Margin, default_impl, plan, resolve_model
+from hf_upipe.planning.planner import (
+    DEFAULT_HEADROOM,
+    DEFAULT_HOST_MEMORY,
+    Margin,
+    default_impl,
+    plan,
+    resolve_model,
+)
 from hf_upipe.planning.train_step import StepSettings
 from hf_upipe.units import parse_size, parse_tokens
 
@@ -24,11 +31,13 @@ __all__ = ["add_arguments", "run"]
 
 def _typed(parse):
     """An argparse type from a parser of `hf_upipe.units`: a bad value is a usage error (exit 2) with the reason."""
+
     def convert(text):
         try:
             return parse(text)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
+
     return convert
 
 
@@ -37,65 +46,145 @@ def _host(text):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
-                        help=f"one of {', '.join(model_names())}; a config.json or a local model folder; or a Hugging "
-                             "Face Hub id 'org/name' (its config is read from the Hub, which is said first)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help=f"one of {', '.join(model_names())}; a config.json or a local model folder; or a Hugging "
+        "Face Hub id 'org/name' (its config is read from the Hub, which is said first)",
+    )
     parser.add_argument("--gpus", type=int, required=True, help="GPUs per node")
-    parser.add_argument("--gpu-memory", default="80GiB", type=_typed(parse_size),
-                        help="memory of one GPU with its unit: 80GiB, 80GB, 141GB (default 80GiB; a bare number is "
-                             "refused)")
+    parser.add_argument(
+        "--gpu-memory",
+        default="80GiB",
+        type=_typed(parse_size),
+        help="memory of one GPU with its unit: 80GiB, 80GB, 141GB (default 80GiB; a bare number is "
+        "refused)",
+    )
     parser.add_argument("--nodes", type=int, default=1)
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--seq-len", type=_typed(parse_tokens),
-                      help="tokens per sequence, e.g. 1048576, 1024K or 1M (K = 1024, M = 1048576): does it fit, "
-                           "with which settings?")
-    what.add_argument("--max", action="store_true", help="the longest sequence that fits, and its settings")
-    parser.add_argument("--sp-size", type=int, help="sequence-parallel degree (default: --gpus, x --ring)")
-    parser.add_argument("--ring", type=int, default=1,
-                        help="ring attention across this many ring shards of the SP group, UPipe inside each (e.g. "
-                             "--nodes 2 --ring 2: UPipe over a node's GPUs, a ring across the nodes; default 1)")
-    parser.add_argument("--impl", choices=("fused", "upipe", "ulysses", "deepspeed"),
-                        help="attention implementation (default: fused where supported); 'ulysses' plans our Ulysses "
-                             "mode, 'deepspeed' the peer")
-    parser.add_argument("--heads-per-chunk", help="fix the head chunk (a number or 'all') instead of choosing it")
-    parser.add_argument("--tiled-mlp", action=argparse.BooleanOptionalAction, default=None,
-                        help="fix the tiled MLP on or off instead of choosing it")
-    parser.add_argument("--offload", choices=("none", "cpu"), help="fix the offload instead of choosing it")
-    parser.add_argument("--fused-backward", choices=("recompute", "save"),
-                        help="fix the fused block's backward mode instead of choosing it")
-    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                        help="fix whether the fused block's all-to-alls are overlapped instead of choosing it")
+    what.add_argument(
+        "--seq-len",
+        type=_typed(parse_tokens),
+        help="tokens per sequence, e.g. 1048576, 1024K or 1M (K = 1024, M = 1048576): does it fit, "
+        "with which settings?",
+    )
+    what.add_argument(
+        "--max", action="store_true", help="the longest sequence that fits, and its settings"
+    )
+    parser.add_argument(
+        "--sp-size", type=int, help="sequence-parallel degree (default: --gpus, x --ring)"
+    )
+    parser.add_argument(
+        "--ring",
+        type=int,
+        default=1,
+        help="ring attention across this many ring shards of the SP group, UPipe inside each (e.g. "
+        "--nodes 2 --ring 2: UPipe over a node's GPUs, a ring across the nodes; default 1)",
+    )
+    parser.add_argument(
+        "--impl",
+        choices=("fused", "upipe", "ulysses", "deepspeed"),
+        help="attention implementation (default: fused where supported); 'ulysses' plans our Ulysses "
+        "mode, 'deepspeed' the peer",
+    )
+    parser.add_argument(
+        "--heads-per-chunk", help="fix the head chunk (a number or 'all') instead of choosing it"
+    )
+    parser.add_argument(
+        "--tiled-mlp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fix the tiled MLP on or off instead of choosing it",
+    )
+    parser.add_argument(
+        "--offload", choices=("none", "cpu"), help="fix the offload instead of choosing it"
+    )
+    parser.add_argument(
+        "--fused-backward",
+        choices=("recompute", "save"),
+        help="fix the fused block's backward mode instead of choosing it",
+    )
+    parser.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fix whether the fused block's all-to-alls are overlapped instead of choosing it",
+    )
     parser.add_argument("--mlp-chunk-tokens", type=int)
     parser.add_argument("--loss-chunk-tokens", type=int)
-    parser.add_argument("--margin", type=float, default=0.10, help="allocator share of the tensor peak (default 0.10)")
-    parser.add_argument("--reserved", default="2GiB", type=_typed(parse_size),
-                        help="non-tensor GPU memory (default 2GiB)")
-    parser.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,
-                        help=f"share of each GPU kept free beyond the margin (default {DEFAULT_HEADROOM}: a length at "
-                             "the very edge of memory is not recommended)")
-    parser.add_argument("--host-memory", default=DEFAULT_HOST_MEMORY, type=_typed(_host),
-                        help=f"host memory of one node for offloaded checkpoints (default {DEFAULT_HOST_MEMORY}, a "
-                             "DGX H100's; 'none' to not check)")
-    parser.add_argument("--step", type=_typed(parse_tokens), default=2**17,
-                        help="granularity of --max, tokens (default 128K)")
-    parser.add_argument("--exact", action="store_true", help="simulate every layer instead of extrapolating")
-    parser.add_argument("--lora-rank", type=int, help="plan a LoRA fine-tune of this rank (default: full fine-tune)")
-    parser.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
-                        help="comma-separated module names that get adapters (default: every projection)")
+    parser.add_argument(
+        "--margin",
+        type=float,
+        default=0.10,
+        help="allocator share of the tensor peak (default 0.10)",
+    )
+    parser.add_argument(
+        "--reserved",
+        default="2GiB",
+        type=_typed(parse_size),
+        help="non-tensor GPU memory (default 2GiB)",
+    )
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        default=DEFAULT_HEADROOM,
+        help=f"share of each GPU kept free beyond the margin (default {DEFAULT_HEADROOM}: a length at "
+        "the very edge of memory is not recommended)",
+    )
+    parser.add_argument(
+        "--host-memory",
+        default=DEFAULT_HOST_MEMORY,
+        type=_typed(_host),
+        help=f"host memory of one node for offloaded checkpoints (default {DEFAULT_HOST_MEMORY}, a "
+        "DGX H100's; 'none' to not check)",
+    )
+    parser.add_argument(
+        "--step",
+        type=_typed(parse_tokens),
+        default=2**17,
+        help="granularity of --max, tokens (default 128K)",
+    )
+    parser.add_argument(
+        "--exact", action="store_true", help="simulate every layer instead of extrapolating"
+    )
+    parser.add_argument(
+        "--lora-rank", type=int, help="plan a LoRA fine-tune of this rank (default: full fine-tune)"
+    )
+    parser.add_argument(
+        "--lora-targets",
+        default=",".join(LORA_TARGETS),
+        help="comma-separated module names that get adapters (default: every projection)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _fixed_settings(args, config, sp_size):
     """StepSettings from the flags, or None to let the planner choose (no setting flag given)."""
-    if all(getattr(args, k) is None for k in ("heads_per_chunk", "tiled_mlp", "offload", "mlp_chunk_tokens",
-                                              "loss_chunk_tokens", "fused_backward", "overlap")):
+    if all(
+        getattr(args, k) is None
+        for k in (
+            "heads_per_chunk",
+            "tiled_mlp",
+            "offload",
+            "mlp_chunk_tokens",
+            "loss_chunk_tokens",
+            "fused_backward",
+            "overlap",
+        )
+    ):
         return None
     impl = args.impl or default_impl(config)
     hpc = args.heads_per_chunk or ("all" if impl in ("ulysses", "deepspeed") else "1")
-    return StepSettings(impl=impl, heads_per_chunk=None if hpc == "all" else int(hpc),
-                        tiled_mlp=args.tiled_mlp is not False, mlp_chunk_tokens=args.mlp_chunk_tokens,
-                        loss_chunk_tokens=args.loss_chunk_tokens, offload=args.offload or "cpu",
-                        fused_backward=args.fused_backward or "recompute", overlap=bool(args.overlap))
+    return StepSettings(
+        impl=impl,
+        heads_per_chunk=None if hpc == "all" else int(hpc),
+        tiled_mlp=args.tiled_mlp is not False,
+        mlp_chunk_tokens=args.mlp_chunk_tokens,
+        loss_chunk_tokens=args.loss_chunk_tokens,
+        offload=args.offload or "cpu",
+        fused_backward=args.fused_backward or "recompute",
+        overlap=bool(args.overlap),
+    )
 
 
 def _fused_flags_error(args, config) -> str | None:
@@ -105,14 +194,20 @@ def _fused_flags_error(args, config) -> str | None:
     if args.impl == "fused" and why is not None:
         return f"--impl fused: {why}. Plan the registered path: --impl upipe (or leave --impl out)."
     impl = args.impl or default_impl(config)
-    flags = (["--overlap"] if args.overlap else []) + \
-        ([f"--fused-backward {args.fused_backward}"] if args.fused_backward is not None else [])
+    flags = (["--overlap"] if args.overlap else []) + (
+        [f"--fused-backward {args.fused_backward}"] if args.fused_backward is not None else []
+    )
     if impl == "fused" or not flags:
         return None
-    cause = f"--impl {impl} plans another attention" if args.impl else \
-        f"without --impl the planner plans the registered 'upipe' path here, as a run would use it: {why}"
-    return f"{' and '.join(flags)} {'is a setting' if len(flags) == 1 else 'are settings'} of the fused attention " \
-           f"block, which this plan does not use ({cause}). Leave {' and '.join(f.split()[0] for f in flags)} out."
+    cause = (
+        f"--impl {impl} plans another attention"
+        if args.impl
+        else f"without --impl the planner plans the registered 'upipe' path here, as a run would use it: {why}"
+    )
+    return (
+        f"{' and '.join(flags)} {'is a setting' if len(flags) == 1 else 'are settings'} of the fused attention "
+        f"block, which this plan does not use ({cause}). Leave {' and '.join(f.split()[0] for f in flags)} out."
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,12 +215,24 @@ def run(args: argparse.Namespace) -> int:
         _, config = resolve_model(args.model)
         if (error := _fused_flags_error(args, config)) is not None:
             raise ValueError(error)
-        result = plan(args.model, gpus=args.gpus,
-                      gpu_memory=args.gpu_memory, nodes=args.nodes, seq_len=args.seq_len, max_context=args.max,
-                      settings=_fixed_settings(args, config, args.sp_size or args.gpus), impl=args.impl,
-                      sp_size=args.sp_size, margin=Margin(args.margin, args.reserved), step=args.step,
-                      exact=args.exact, host_memory=args.host_memory, headroom=args.headroom, ring_size=args.ring,
-                      lora=None if not args.lora_rank else (args.lora_rank, args.lora_targets.split(",")))
+        result = plan(
+            args.model,
+            gpus=args.gpus,
+            gpu_memory=args.gpu_memory,
+            nodes=args.nodes,
+            seq_len=args.seq_len,
+            max_context=args.max,
+            settings=_fixed_settings(args, config, args.sp_size or args.gpus),
+            impl=args.impl,
+            sp_size=args.sp_size,
+            margin=Margin(args.margin, args.reserved),
+            step=args.step,
+            exact=args.exact,
+            host_memory=args.host_memory,
+            headroom=args.headroom,
+            ring_size=args.ring,
+            lora=None if not args.lora_rank else (args.lora_rank, args.lora_targets.split(",")),
+        )
     except ValueError as err:
         print(f"hf-upipe plan: error: {err}", file=sys.stderr)
         return 2

@@ -18,15 +18,17 @@ __all__ = ["LORA_TARGETS", "assumptions", "describe", "format_plan", "launch_lin
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-_ROWS = (("parameters", "FSDP2 shards (fp32) + gathered layers and root (compute dtype)"),
-         ("gradients", "FSDP2 gradient shards (fp32) + reduce-scatter buffers"),
-         ("optimizer", "AdamW m and v shards (fp32) + foreach temporaries"),
-         ("checkpoints", "checkpointed layer inputs on the GPU"),
-         ("attention", "attention block (projections, all-to-alls, kernel, their gradients)"),
-         ("mlp", "MLP working set"),
-         ("residual", "norms, residual stream and its gradient"),
-         ("loss", "lm_head + loss (tiled: gradients of the head)"),
-         ("other", "embeddings, final norm, RoPE tables"))
+_ROWS = (
+    ("parameters", "FSDP2 shards (fp32) + gathered layers and root (compute dtype)"),
+    ("gradients", "FSDP2 gradient shards (fp32) + reduce-scatter buffers"),
+    ("optimizer", "AdamW m and v shards (fp32) + foreach temporaries"),
+    ("checkpoints", "checkpointed layer inputs on the GPU"),
+    ("attention", "attention block (projections, all-to-alls, kernel, their gradients)"),
+    ("mlp", "MLP working set"),
+    ("residual", "norms, residual stream and its gradient"),
+    ("loss", "lm_head + loss (tiled: gradients of the head)"),
+    ("other", "embeddings, final norm, RoPE tables"),
+)
 
 
 def _gib(n: int) -> str:
@@ -39,83 +41,154 @@ def _secs(t: float) -> str:
 
 def describe(settings) -> str:
     """One line naming the settings."""
-    impl = {"fused": "fused UPipe", "upipe": "UPipe (registered)", "ulysses": "Ulysses mode (our code)",
-            "deepspeed": "DeepSpeed Ulysses"}[settings.impl]
+    impl = {
+        "fused": "fused UPipe",
+        "upipe": "UPipe (registered)",
+        "ulysses": "Ulysses mode (our code)",
+        "deepspeed": "DeepSpeed Ulysses",
+    }[settings.impl]
     parts = [impl, f"heads_per_chunk={settings.heads_per_chunk or 'all'}"]
     if settings.impl == "fused":
-        parts.append(f"{settings.fused_backward} backward" + (", all-to-alls overlapped" if settings.overlap else ""))
+        parts.append(
+            f"{settings.fused_backward} backward"
+            + (", all-to-alls overlapped" if settings.overlap else "")
+        )
     if settings.tiled_mlp:
         parts.append(f"tiled MLP ({settings.mlp_chunk_tokens or 'hidden-size'} tokens)")
     if settings.tiled_loss:
         parts.append(f"tiled loss ({settings.loss_chunk_tokens or 'default'} tokens)")
-    parts.append("checkpoints offloaded to host" if settings.offload == "cpu" else "checkpoints kept on the GPU")
+    parts.append(
+        "checkpoints offloaded to host"
+        if settings.offload == "cpu"
+        else "checkpoints kept on the GPU"
+    )
     return ", ".join(parts)
 
 
 def format_plan(plan) -> str:
     g = model_geometry(plan.config)
-    lines = [f"model {plan.model}: {g['layers']} layers, hidden {g['hidden']}, {g['heads']}/{g['kv_heads']} heads, "
-             f"vocab {g['vocab']}; {plan.nodes} node(s) x {plan.gpus} GPUs of {_gib(plan.gpu_memory)} GiB; "
-             f"SP {plan.sp_size}" + (f" (UPipe over {plan.sp_size // plan.settings.ring_size} x a ring of "
-                                     f"{plan.settings.ring_size})" if plan.settings.ring_size > 1 else "")
-             + f", FSDP2 over {plan.gpus * plan.nodes}; {str(plan.dtype).replace('torch.', '')}; "
-             + ("full fine-tune" if plan.lora is None else f"LoRA rank {plan.lora[0]} on {','.join(plan.lora[1])}")]
+    lines = [
+        f"model {plan.model}: {g['layers']} layers, hidden {g['hidden']}, {g['heads']}/{g['kv_heads']} heads, "
+        f"vocab {g['vocab']}; {plan.nodes} node(s) x {plan.gpus} GPUs of {_gib(plan.gpu_memory)} GiB; "
+        f"SP {plan.sp_size}"
+        + (
+            f" (UPipe over {plan.sp_size // plan.settings.ring_size} x a ring of "
+            f"{plan.settings.ring_size})"
+            if plan.settings.ring_size > 1
+            else ""
+        )
+        + f", FSDP2 over {plan.gpus * plan.nodes}; {str(plan.dtype).replace('torch.', '')}; "
+        + (
+            "full fine-tune"
+            if plan.lora is None
+            else f"LoRA rank {plan.lora[0]} on {','.join(plan.lora[1])}"
+        )
+    ]
     if plan.max_seq_len is not None:
-        lines.append(f"longest sequence that fits: {plan.max_seq_len:,} tokens ({format_tokens(plan.max_seq_len)})"
-                     if plan.max_seq_len else "nothing fits, not even the shortest step: see the table below")
+        lines.append(
+            f"longest sequence that fits: {plan.max_seq_len:,} tokens ({format_tokens(plan.max_seq_len)})"
+            if plan.max_seq_len
+            else "nothing fits, not even the shortest step: see the table below"
+        )
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
-    lines += [f"sequence {plan.seq_len:,} tokens ({format_tokens(plan.seq_len)}), {plan.seq_len // plan.sp_size:,} per "
-              f"GPU: {verdict}", f"settings: {describe(plan.settings)}"]
+    lines += [
+        f"sequence {plan.seq_len:,} tokens ({format_tokens(plan.seq_len)}), {plan.seq_len // plan.sp_size:,} per "
+        f"GPU: {verdict}",
+        f"settings: {describe(plan.settings)}",
+    ]
     lines += [f"note: {note}" for note in plan.notes] + ["", f"{'per-GPU peak':<14}{'GiB':>9}"]
     for name, what in _ROWS:
-        if plan.by_category.get(name, 0) >= 2**20:  # rows of a few bytes (bookkeeping) would read 0.00
+        if (
+            plan.by_category.get(name, 0) >= 2**20
+        ):  # rows of a few bytes (bookkeeping) would read 0.00
             lines.append(f"  {name:<12}{_gib(plan.by_category[name]):>9}   {what}")
     m = plan.margin
-    lines += [f"  {'tensors':<12}{_gib(plan.tensor_peak):>9}",
-              f"  {'margin':<12}{_gib(m.bytes(plan.tensor_peak)):>9}   {m.fraction:.0%} of tensors (allocator) + "
-              f"{_gib(m.reserved)} GiB reserved (CUDA context, NCCL, workspaces): --margin, --reserved",
-              f"  {'required':<12}{_gib(plan.required):>9}   of {_gib(plan.usable)} GiB usable "
-              f"({'free' if plan.required <= plan.usable else 'short by'} "
-              f"{_gib(abs(plan.usable - plan.required))} GiB)"]
+    lines += [
+        f"  {'tensors':<12}{_gib(plan.tensor_peak):>9}",
+        f"  {'margin':<12}{_gib(m.bytes(plan.tensor_peak)):>9}   {m.fraction:.0%} of tensors (allocator) + "
+        f"{_gib(m.reserved)} GiB reserved (CUDA context, NCCL, workspaces): --margin, --reserved",
+        f"  {'required':<12}{_gib(plan.required):>9}   of {_gib(plan.usable)} GiB usable "
+        f"({'free' if plan.required <= plan.usable else 'short by'} "
+        f"{_gib(abs(plan.usable - plan.required))} GiB)",
+    ]
     if plan.host_bytes_per_gpu:
-        host = "" if plan.host_memory is None else (f" of {_gib(plan.host_memory)} GiB" +
-                                                    ("" if plan.host_fits else ": DOES NOT FIT"))
-        lines.append(f"host memory for offloaded checkpoints: {_gib(plan.host_bytes_per_gpu)} GiB per GPU, "
-                     f"{_gib(plan.host_bytes_per_gpu * plan.gpus)} GiB per node (pinned)"
-                     + (host or " (--host-memory checks it)"))
+        host = (
+            ""
+            if plan.host_memory is None
+            else (
+                f" of {_gib(plan.host_memory)} GiB" + ("" if plan.host_fits else ": DOES NOT FIT")
+            )
+        )
+        lines.append(
+            f"host memory for offloaded checkpoints: {_gib(plan.host_bytes_per_gpu)} GiB per GPU, "
+            f"{_gib(plan.host_bytes_per_gpu * plan.gpus)} GiB per node (pinned)"
+            + (host or " (--host-memory checks it)")
+        )
     if plan.step_time is not None:
         t = plan.step_time
-        lines.append(f"predicted step: {_secs(t.seconds)}, {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU on "
-                     f"{plan.gpu.name} (a model of FLOPs and bytes, not a measurement: hf_upipe.planning.step_time)")
+        lines.append(
+            f"predicted step: {_secs(t.seconds)}, {t.tokens_per_s_per_gpu:,.0f} tokens/s per GPU on "
+            f"{plan.gpu.name} (a model of FLOPs and bytes, not a measurement: hf_upipe.planning.step_time)"
+        )
     if plan.tried:
-        lines += ["", f"settings judged at {format_tokens(plan.seq_len)}, fastest first (predicted step, tokens/s per "
-                      "GPU, required GiB; '-': not simulated, it needs more memory than a setting that does not fit):"]
+        lines += [
+            "",
+            f"settings judged at {format_tokens(plan.seq_len)}, fastest first (predicted step, tokens/s per "
+            "GPU, required GiB; '-': not simulated, it needs more memory than a setting that does not fit):",
+        ]
         for s, need, host, secs in plan.tried:
-            verdict = "-   " if need is None else "fits" if need <= plan.usable and host else \
-                "host" if not host else "no  "
-            lines.append(f"  {_secs(secs):>9} {plan.seq_len / secs / plan.sp_size:>9,.0f} "
-                         f"{'-' if need is None else _gib(need):>9}  {verdict}  {describe(s)}")
-    lines += ["", "assumed: " + assumptions(plan), "", *launch_lines(plan), "",
-              f"planned in {plan.seconds:.1f} s: one FSDP2 training step of the model code on fake tensors, "
-              + (f"all {g['layers']} layers" if plan.exact or g["layers"] <= 4 else
-                 f"with 3 and 4 layers, extrapolated to {g['layers']} (--exact simulates all)")]
+            verdict = (
+                "-   "
+                if need is None
+                else "fits"
+                if need <= plan.usable and host
+                else "host"
+                if not host
+                else "no  "
+            )
+            lines.append(
+                f"  {_secs(secs):>9} {plan.seq_len / secs / plan.sp_size:>9,.0f} "
+                f"{'-' if need is None else _gib(need):>9}  {verdict}  {describe(s)}"
+            )
+    lines += [
+        "",
+        "assumed: " + assumptions(plan),
+        "",
+        *launch_lines(plan),
+        "",
+        f"planned in {plan.seconds:.1f} s: one FSDP2 training step of the model code on fake tensors, "
+        + (
+            f"all {g['layers']} layers"
+            if plan.exact or g["layers"] <= 4
+            else f"with 3 and 4 layers, extrapolated to {g['layers']} (--exact simulates all)"
+        ),
+    ]
     return "\n".join(lines)
 
 
 def assumptions(plan) -> str:
     """What the verdict assumed, with the flags that change it."""
-    host = "host memory not checked" if plan.host_memory is None else \
-        f"{_gib(plan.host_memory)} GiB of host memory per node for offloaded checkpoints (--host-memory)"
-    return (f"{plan.headroom:.0%} of each GPU kept free, usable {_gib(plan.usable)} of {_gib(plan.gpu_memory)} GiB "
-            f"(--headroom); margin {plan.margin.fraction:.0%} of tensors + {_gib(plan.margin.reserved)} GiB "
-            f"(--margin, --reserved); {host}")
+    host = (
+        "host memory not checked"
+        if plan.host_memory is None
+        else f"{_gib(plan.host_memory)} GiB of host memory per node for offloaded checkpoints (--host-memory)"
+    )
+    return (
+        f"{plan.headroom:.0%} of each GPU kept free, usable {_gib(plan.usable)} of {_gib(plan.gpu_memory)} GiB "
+        f"(--headroom); margin {plan.margin.fraction:.0%} of tensors + {_gib(plan.margin.reserved)} GiB "
+        f"(--margin, --reserved); {host}"
+    )
 
 
 def launch_lines(plan) -> list[str]:
     cfg = plan.upipe_config()
-    env = {"UPIPE_SP_SIZE": cfg.sp_size, "UPIPE_HEADS_PER_CHUNK": cfg.heads_per_chunk,
-           "UPIPE_FUSED_ATTENTION": str(cfg.fused_attention).lower(), "UPIPE_TILED_MLP": str(cfg.tiled_mlp).lower(),
-           "UPIPE_OFFLOAD": cfg.offload}
+    env = {
+        "UPIPE_SP_SIZE": cfg.sp_size,
+        "UPIPE_HEADS_PER_CHUNK": cfg.heads_per_chunk,
+        "UPIPE_FUSED_ATTENTION": str(cfg.fused_attention).lower(),
+        "UPIPE_TILED_MLP": str(cfg.tiled_mlp).lower(),
+        "UPIPE_OFFLOAD": cfg.offload,
+    }
     if cfg.fused_attention and cfg.fused_backward != "recompute":
         env["UPIPE_FUSED_BACKWARD"] = cfg.fused_backward
     if cfg.overlap_comm:
@@ -125,12 +198,28 @@ def launch_lines(plan) -> list[str]:
     for name in ("mlp_chunk_tokens", "loss_chunk_tokens"):
         if getattr(cfg, name):
             env[f"UPIPE_{name.upper()}"] = getattr(cfg, name)
-    config_file = {1: "fsdp2_1node_8gpu.yaml", 2: "fsdp2_2nodes_8gpu.yaml"}.get(plan.nodes, "<your FSDP2 config>")
-    names = ["sp_size", "heads_per_chunk", "fused_attention", "tiled_mlp", "offload", "mlp_chunk_tokens",
-             "loss_chunk_tokens"] + (["fused_backward"] if "UPIPE_FUSED_BACKWARD" in env else []) + \
-        (["overlap_comm"] if cfg.overlap_comm else []) + (["ring_size"] if cfg.ring_size > 1 else [])
+    config_file = {1: "fsdp2_1node_8gpu.yaml", 2: "fsdp2_2nodes_8gpu.yaml"}.get(
+        plan.nodes, "<your FSDP2 config>"
+    )
+    names = (
+        [
+            "sp_size",
+            "heads_per_chunk",
+            "fused_attention",
+            "tiled_mlp",
+            "offload",
+            "mlp_chunk_tokens",
+            "loss_chunk_tokens",
+        ]
+        + (["fused_backward"] if "UPIPE_FUSED_BACKWARD" in env else [])
+        + (["overlap_comm"] if cfg.overlap_comm else [])
+        + (["ring_size"] if cfg.ring_size > 1 else [])
+    )
     fields = ", ".join(f"{k}={getattr(cfg, k)!r}" for k in names if getattr(cfg, k) is not None)
-    return ["launch: " + " ".join(f"{k}={v}" for k, v in env.items()) +
-            f" accelerate launch --config_file accelerate_configs/{config_file} your_script.py"
-            + ("" if plan.settings.offload == "none" else "  (activation checkpointing on)"),
-            f"or in Python: hf_upipe.UPipeConfig({fields})"]
+    return [
+        "launch: "
+        + " ".join(f"{k}={v}" for k, v in env.items())
+        + f" accelerate launch --config_file accelerate_configs/{config_file} your_script.py"
+        + ("" if plan.settings.offload == "none" else "  (activation checkpointing on)"),
+        f"or in Python: hf_upipe.UPipeConfig({fields})",
+    ]

@@ -50,11 +50,23 @@ from hf_upipe.planning.tracker import GiB
 from hf_upipe.planning.train_step import CATEGORIES, StepSettings, simulate_train_step
 from hf_upipe.units import parse_size
 
-__all__ = ["DEFAULT_HEADROOM", "DEFAULT_HOST_MEMORY", "Margin", "Plan", "candidates", "default_impl", "ladder",
-           "parse_bytes", "plan", "resolve_model"]
+__all__ = [
+    "DEFAULT_HEADROOM",
+    "DEFAULT_HOST_MEMORY",
+    "Margin",
+    "Plan",
+    "candidates",
+    "default_impl",
+    "ladder",
+    "parse_bytes",
+    "plan",
+    "resolve_model",
+]
 
 DEFAULT_HEADROOM = 0.05  # share of each GPU a plan keeps free beyond its margin (--headroom)
-DEFAULT_HOST_MEMORY = "2TiB"  # host memory of one node offloaded checkpoints may use (--host-memory): a DGX H100
+DEFAULT_HOST_MEMORY = (
+    "2TiB"  # host memory of one node offloaded checkpoints may use (--host-memory): a DGX H100
+)
 
 
 def parse_bytes(value) -> int:
@@ -78,8 +90,10 @@ class Margin:
 
     def __post_init__(self):
         if not 0 <= self.fraction < 1 or self.reserved < 0:
-            raise ValueError(f"margin fraction must be in [0, 1) and reserved >= 0, got {self.fraction}, "
-                             f"{self.reserved}")
+            raise ValueError(
+                f"margin fraction must be in [0, 1) and reserved >= 0, got {self.fraction}, "
+                f"{self.reserved}"
+            )
 
     def bytes(self, tensor_peak: int) -> int:
         return int(tensor_peak * self.fraction) + self.reserved
@@ -91,7 +105,9 @@ def resolve_model(spec):
     return resolve(spec)
 
 
-def _host_bytes(config, settings: StepSettings, seq_len: int, sp_size: int, dtype: torch.dtype) -> int:
+def _host_bytes(
+    config, settings: StepSettings, seq_len: int, sp_size: int, dtype: torch.dtype
+) -> int:
     """Pinned host memory per GPU for the offloaded layer inputs: all layers but the last, [s, hidden] each."""
     if settings.offload == "none":
         return 0
@@ -123,9 +139,13 @@ class Plan:
     host_memory: int | None = None  # per node; None: not checked
     lora: tuple | None = None  # (rank, target modules) of a LoRA plan
     headroom: float = 0.0  # share of each GPU kept free: required must stay within `usable`
-    step_time: StepTime | None = None  # predicted step time of `settings` (a model: `hf_upipe.planning.step_time`)
+    step_time: StepTime | None = (
+        None  # predicted step time of `settings` (a model: `hf_upipe.planning.step_time`)
+    )
     gpu: GPU = H100_SXM  # whose figures the step time uses
-    notes: list = dataclasses.field(default_factory=list)  # what the reader should know about the choice
+    notes: list = dataclasses.field(
+        default_factory=list
+    )  # what the reader should know about the choice
 
     @property
     def usable(self) -> int:
@@ -158,28 +178,64 @@ class Plan:
         from hf_upipe.config import UPipeConfig
 
         s = self.settings
-        return UPipeConfig(sp_size=self.sp_size, ring_size=s.ring_size, heads_per_chunk=s.heads_per_chunk or "all",
-                           fused_attention=s.impl == "fused", tiled_loss=s.tiled_loss,
-                           loss_chunk_tokens=s.loss_chunk_tokens, tiled_mlp=s.tiled_mlp,
-                           mlp_chunk_tokens=s.mlp_chunk_tokens, offload=s.offload,
-                           fused_backward=s.fused_backward, overlap_comm=s.overlap)
+        return UPipeConfig(
+            sp_size=self.sp_size,
+            ring_size=s.ring_size,
+            heads_per_chunk=s.heads_per_chunk or "all",
+            fused_attention=s.impl == "fused",
+            tiled_loss=s.tiled_loss,
+            loss_chunk_tokens=s.loss_chunk_tokens,
+            tiled_mlp=s.tiled_mlp,
+            mlp_chunk_tokens=s.mlp_chunk_tokens,
+            offload=s.offload,
+            fused_backward=s.fused_backward,
+            overlap_comm=s.overlap,
+        )
 
     def to_dict(self) -> dict:
-        return {"model": self.model, "seq_len": self.seq_len, "gpus": self.gpus, "nodes": self.nodes,
-                "sp_size": self.sp_size, "gpu_memory": self.gpu_memory, "settings": dataclasses.asdict(self.settings),
-                "by_category": dict(self.by_category), "tensor_peak": self.tensor_peak,
-                "margin": self.margin.bytes(self.tensor_peak), "margin_fraction": self.margin.fraction,
-                "margin_reserved": self.margin.reserved, "required": self.required, "fits": self.fits,
-                "host_bytes_per_gpu": self.host_bytes_per_gpu, "exact": self.exact, "seconds": self.seconds,
-                "max_seq_len": self.max_seq_len, "dtype": str(self.dtype).replace("torch.", ""),
-                "host_memory": self.host_memory, "host_fits": self.host_fits, "headroom": self.headroom,
-                "usable": self.usable, "notes": list(self.notes),
-                "lora": None if self.lora is None else {"rank": self.lora[0], "targets": list(self.lora[1])},
-                "predicted_step_seconds": None if self.step_time is None else self.step_time.seconds,
-                "predicted_tokens_per_s_per_gpu": None if self.step_time is None else
-                self.step_time.tokens_per_s_per_gpu, "step_time_gpu": self.gpu.name,
-                "tried": [{"settings": dataclasses.asdict(s), "required": r, "host_fits": h, "predicted_seconds": t}
-                          for s, r, h, t in self.tried]}
+        return {
+            "model": self.model,
+            "seq_len": self.seq_len,
+            "gpus": self.gpus,
+            "nodes": self.nodes,
+            "sp_size": self.sp_size,
+            "gpu_memory": self.gpu_memory,
+            "settings": dataclasses.asdict(self.settings),
+            "by_category": dict(self.by_category),
+            "tensor_peak": self.tensor_peak,
+            "margin": self.margin.bytes(self.tensor_peak),
+            "margin_fraction": self.margin.fraction,
+            "margin_reserved": self.margin.reserved,
+            "required": self.required,
+            "fits": self.fits,
+            "host_bytes_per_gpu": self.host_bytes_per_gpu,
+            "exact": self.exact,
+            "seconds": self.seconds,
+            "max_seq_len": self.max_seq_len,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "host_memory": self.host_memory,
+            "host_fits": self.host_fits,
+            "headroom": self.headroom,
+            "usable": self.usable,
+            "notes": list(self.notes),
+            "lora": None
+            if self.lora is None
+            else {"rank": self.lora[0], "targets": list(self.lora[1])},
+            "predicted_step_seconds": None if self.step_time is None else self.step_time.seconds,
+            "predicted_tokens_per_s_per_gpu": None
+            if self.step_time is None
+            else self.step_time.tokens_per_s_per_gpu,
+            "step_time_gpu": self.gpu.name,
+            "tried": [
+                {
+                    "settings": dataclasses.asdict(s),
+                    "required": r,
+                    "host_fits": h,
+                    "predicted_seconds": t,
+                }
+                for s, r, h, t in self.tried
+            ],
+        }
 
     def table(self) -> str:
         return format_plan(self)
@@ -188,20 +244,32 @@ class Plan:
         return "\n".join(launch_lines(self))
 
 
-_SIMULATIONS: collections.OrderedDict = collections.OrderedDict()  # simulation key -> by_category (LRU)
+_SIMULATIONS: collections.OrderedDict = (
+    collections.OrderedDict()
+)  # simulation key -> by_category (LRU)
 _CACHE_SIZE = 1024
 
 
 def _config_key(config) -> str:
-    return json.dumps(config, sort_keys=True) if isinstance(config, dict) else config.to_json_string()
+    return (
+        json.dumps(config, sort_keys=True) if isinstance(config, dict) else config.to_json_string()
+    )
 
 
 class _Estimator:
     """Per-category peaks of (settings, seq_len), extrapolated to the model's depth. Simulations are cached per
     process (the same model, world, settings and length give the same bytes), so later plans reuse them."""
 
-    def __init__(self, config, *, world: int, sp_size: int, dtype: torch.dtype, exact: bool, lora=None):
-        self.config, self.world, self.sp_size, self.dtype, self.exact = config, world, sp_size, dtype, exact
+    def __init__(
+        self, config, *, world: int, sp_size: int, dtype: torch.dtype, exact: bool, lora=None
+    ):
+        self.config, self.world, self.sp_size, self.dtype, self.exact = (
+            config,
+            world,
+            sp_size,
+            dtype,
+            exact,
+        )
         self.lora = None if lora is None else (int(lora[0]), tuple(lora[1]))
         self.layers = model_geometry(config)["layers"]
         self._key = (_config_key(config), world, sp_size, str(dtype), self.lora)
@@ -212,16 +280,24 @@ class _Estimator:
             _SIMULATIONS.move_to_end(key)
         else:
             try:
-                _SIMULATIONS[key] = simulate_train_step(self.config, settings, seq_len=seq_len, world_size=self.world,
-                                                        sp_size=self.sp_size, layers=layers, dtype=self.dtype,
-                                                        lora=self.lora)["by_category"]
+                _SIMULATIONS[key] = simulate_train_step(
+                    self.config,
+                    settings,
+                    seq_len=seq_len,
+                    world_size=self.world,
+                    sp_size=self.sp_size,
+                    layers=layers,
+                    dtype=self.dtype,
+                    lora=self.lora,
+                )["by_category"]
             except (DataDependentOutputException, DynamicOutputShapeException) as err:
                 name = model_geometry(self.config)["model_type"]
                 raise ValueError(
                     f"{name}: the planner runs the model's own code on fake tensors (shapes, no values), and this "
                     f"model's code needs values ({err.func}: e.g. routing tokens by value), so its memory cannot be "
                     "simulated. Measure a real step instead (hf_upipe.planning.measure_train_step on a small "
-                    "world).") from None
+                    "world)."
+                ) from None
             if len(_SIMULATIONS) > _CACHE_SIZE:
                 _SIMULATIONS.popitem(last=False)
         return _SIMULATIONS[key]
@@ -242,7 +318,10 @@ def _search_max(required, limit: int, step: int, max_steps: int) -> int:
     of evaluations.
     """
     points: dict[int, int] = {}
-    lo, hi = 0, max_steps + 1  # lo fits (0: nothing yet), hi does not (max_steps + 1: beyond the search)
+    lo, hi = (
+        0,
+        max_steps + 1,
+    )  # lo fits (0: nothing yet), hi does not (max_steps + 1: beyond the search)
     k, order = min(max_steps, 8), []
     while hi - lo > 1:
         points[k] = required(k * step)
@@ -254,19 +333,39 @@ def _search_max(required, limit: int, step: int, max_steps: int) -> int:
             k = 2 * k if lo == k else k // 2
         else:
             a, b = order[-2:]
-            k = int(b + (limit - points[b]) * (b - a) / (points[b] - points[a])) if points[b] != points[a] \
+            k = (
+                int(b + (limit - points[b]) * (b - a) / (points[b] - points[a]))
+                if points[b] != points[a]
                 else (lo + hi) // 2
+            )
         if k in points:
             k = lo + 1 if k == lo else hi - 1 if k == hi else (lo + hi) // 2
         k = min(max(k, lo + 1), hi - 1)
     return lo * step
 
 
-def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int | None = None,
-         max_context: bool = False, settings: StepSettings | None = None, impl: str | None = None,
-         sp_size: int | None = None, margin: Margin | None = None, dtype: torch.dtype = torch.bfloat16,
-         step: int = 2**17, max_seq_len: int = 2**26, exact: bool = False, host_memory=DEFAULT_HOST_MEMORY,
-         lora=None, headroom: float = DEFAULT_HEADROOM, gpu: GPU = H100_SXM, ring_size: int = 1) -> Plan:
+def plan(
+    model,
+    *,
+    gpus: int,
+    gpu_memory="80GiB",
+    nodes: int = 1,
+    seq_len: int | None = None,
+    max_context: bool = False,
+    settings: StepSettings | None = None,
+    impl: str | None = None,
+    sp_size: int | None = None,
+    margin: Margin | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    step: int = 2**17,
+    max_seq_len: int = 2**26,
+    exact: bool = False,
+    host_memory=DEFAULT_HOST_MEMORY,
+    lora=None,
+    headroom: float = DEFAULT_HEADROOM,
+    gpu: GPU = H100_SXM,
+    ring_size: int = 1,
+) -> Plan:
     """Plan a training run (see the module docstring).
 
     Args:
@@ -305,25 +404,38 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
     sp = gpus * ring_size if sp_size is None else sp_size
     world = gpus * nodes
     if world % sp:
-        raise ValueError(f"sp_size={sp} does not divide the {world} GPUs; use a divisor such as {gpus}")
+        raise ValueError(
+            f"sp_size={sp} does not divide the {world} GPUs; use a divisor such as {gpus}"
+        )
     if sp % ring_size:
         raise ValueError(f"ring_size={ring_size} does not divide sp_size={sp}")
-    if ring_size > 1 and (impl == "deepspeed" or (settings is not None and settings.impl == "deepspeed")):
+    if ring_size > 1 and (
+        impl == "deepspeed" or (settings is not None and settings.impl == "deepspeed")
+    ):
         raise ValueError("ring_size > 1 is hf_upipe's ring attention; DeepSpeed's Ulysses has none")
     u = sp // ring_size  # the ranks UPipe's heads split over
     if u not in valid_sp_sizes(g["heads"], g["kv_heads"], upto=u):
-        raise ValueError(f"sp_size={sp}" + (f" / ring_size={ring_size} = {u} ranks per ring shard" if ring_size > 1
-                                            else "") + f" does not fit {g['heads']} query / {g['kv_heads']} k/v "
-                         f"heads; valid: {valid_sp_sizes(g['heads'], g['kv_heads'], upto=world)}")
+        raise ValueError(
+            f"sp_size={sp}"
+            + (f" / ring_size={ring_size} = {u} ranks per ring shard" if ring_size > 1 else "")
+            + f" does not fit {g['heads']} query / {g['kv_heads']} k/v "
+            f"heads; valid: {valid_sp_sizes(g['heads'], g['kv_heads'], upto=world)}"
+        )
     unit = sp * (2 if ring_size > 1 else 1)  # a ring cuts the sequence into 2R equal chunks
     if seq_len is None and not max_context:
-        raise ValueError("give seq_len (does it fit, and with which settings?) or max_context=True (what fits?)")
+        raise ValueError(
+            "give seq_len (does it fit, and with which settings?) or max_context=True (what fits?)"
+        )
     if seq_len is not None and seq_len % unit:
-        raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp}"
-                         f"{' x 2 (a ring cuts the sequence into 2 x ring_size chunks)' if ring_size > 1 else ''}; "
-                         f"round it to {seq_len // unit * unit}")
+        raise ValueError(
+            f"seq_len={seq_len} is not divisible by sp_size={sp}"
+            f"{' x 2 (a ring cuts the sequence into 2 x ring_size chunks)' if ring_size > 1 else ''}; "
+            f"round it to {seq_len // unit * unit}"
+        )
     if not 0 <= headroom < 1:
-        raise ValueError(f"headroom={headroom} must be a share of the GPU memory in [0, 1), e.g. 0.05")
+        raise ValueError(
+            f"headroom={headroom} must be a share of the GPU memory in [0, 1), e.g. 0.05"
+        )
     gpu_bytes, margin = parse_size(gpu_memory), margin or Margin()
     limit = int(gpu_bytes * (1 - headroom))
     step = math.lcm(step, unit)
@@ -331,8 +443,13 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
     if settings is not None:  # (the plan's ring, whatever the given settings say)
         pairs = [(dataclasses.replace(settings, ring_size=ring_size),) * 2]
     else:  # the ladder over the ranks UPipe's heads split over, each rung with the ring
-        pairs = [(dataclasses.replace(c, ring_size=ring_size), dataclasses.replace(r, ring_size=ring_size))
-                 for c, r in candidates(config, u, impl)]
+        pairs = [
+            (
+                dataclasses.replace(c, ring_size=ring_size),
+                dataclasses.replace(r, ring_size=ring_size),
+            )
+            for c, r in candidates(config, u, impl)
+        ]
     rungs = [rung for cand, rung in pairs if cand == rung]
 
     host = None if host_memory is None else parse_size(host_memory)
@@ -345,13 +462,23 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
         return host is None or _host_bytes(config, s, length, sp, dtype) * gpus <= host
 
     def seconds(s, length):
-        return step_time(config, s, seq_len=length, sp_size=sp, world=world, gpus_per_node=gpus, lora=estimate.lora,
-                         gpu=gpu)
+        return step_time(
+            config,
+            s,
+            seq_len=length,
+            sp_size=sp,
+            world=world,
+            gpus_per_node=gpus,
+            lora=estimate.lora,
+            gpu=gpu,
+        )
 
     longest = None
     if max_context:
         steps = max_seq_len // step
-        per_step = _host_bytes(config, rungs[-1], step, sp, dtype) * gpus  # host memory is linear in the length
+        per_step = (
+            _host_bytes(config, rungs[-1], step, sp, dtype) * gpus
+        )  # host memory is linear in the length
         if host is not None and per_step:
             steps = min(steps, host // per_step)
         longest = _search_max(lambda length: required(rungs[-1], length), limit, step, steps)
@@ -366,7 +493,9 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
             if rung not in fits_of:
                 fits_of[rung] = required(rung, seq_len) <= limit and host_ok(rung, seq_len)
             if not fits_of[rung]:
-                tried.append((cand, None, host_ok(cand, seq_len), t))  # needs more than its rung, which does not fit
+                tried.append(
+                    (cand, None, host_ok(cand, seq_len), t)
+                )  # needs more than its rung, which does not fit
                 continue
         need, host_fits = required(cand, seq_len), host_ok(cand, seq_len)
         fits_of[cand] = need <= limit and host_fits
@@ -375,10 +504,31 @@ def plan(model, *, gpus: int, gpu_memory="80GiB", nodes: int = 1, seq_len: int |
             chosen = cand
             break
     arch, why = ARCHITECTURES.get(g["model_type"]), fused_unavailable(config)
-    notes = [f"the fused attention block is not planned: {why}"] if (
-        chosen.impl == "upipe" and arch is not None and arch.fused and why is not None) else []
-    return Plan(model=name, config=config, seq_len=seq_len, gpus=gpus, nodes=nodes, sp_size=sp, gpu_memory=gpu_bytes,
-                settings=chosen, by_category=estimate(chosen, seq_len), margin=margin, dtype=dtype, exact=exact,
-                seconds=time.perf_counter() - started, max_seq_len=longest,
-                tried=tried if settings is None else [], host_memory=host, lora=estimate.lora, headroom=headroom,
-                step_time=seconds(chosen, seq_len), gpu=gpu, notes=notes)
+    notes = (
+        [f"the fused attention block is not planned: {why}"]
+        if (chosen.impl == "upipe" and arch is not None and arch.fused and why is not None)
+        else []
+    )
+    return Plan(
+        model=name,
+        config=config,
+        seq_len=seq_len,
+        gpus=gpus,
+        nodes=nodes,
+        sp_size=sp,
+        gpu_memory=gpu_bytes,
+        settings=chosen,
+        by_category=estimate(chosen, seq_len),
+        margin=margin,
+        dtype=dtype,
+        exact=exact,
+        seconds=time.perf_counter() - started,
+        max_seq_len=longest,
+        tried=tried if settings is None else [],
+        host_memory=host,
+        lora=estimate.lora,
+        headroom=headroom,
+        step_time=seconds(chosen, seq_len),
+        gpu=gpu,
+        notes=notes,
+    )

@@ -69,7 +69,9 @@ def simulated_world(world_size: int, rank: int = 0) -> Iterator[dist.ProcessGrou
             f"(backend={dist.get_backend()!r}, world_size={dist.get_world_size()}); "
             "call torch.distributed.destroy_process_group() first"
         )
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    from torch.testing._internal.distributed.fake_pg import (
+        FakeStore,
+    )  # registers the "fake" backend
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
@@ -82,7 +84,9 @@ def simulated_world(world_size: int, rank: int = 0) -> Iterator[dist.ProcessGrou
 
 
 @contextmanager
-def fake_tensors(dtype: torch.dtype | None = None, *, allow_non_fake_inputs: bool = False) -> Iterator[FakeTensorMode]:
+def fake_tensors(
+    dtype: torch.dtype | None = None, *, allow_non_fake_inputs: bool = False
+) -> Iterator[FakeTensorMode]:
     """Runs the body under ``FakeTensorMode``: tensors and modules built inside hold no data.
 
     Tensors stay on device ``"cpu"``. Do not switch the simulation to other devices:

@@ -44,8 +44,16 @@ import dataclasses
 from hf_upipe.architectures import model_geometry
 from hf_upipe.ops.head_layout import HeadLayout
 
-__all__ = ["EFFICIENCY", "GPU", "H100_SXM", "PAPER_ULYSSES_TOKENS_PER_S", "PAPER_UPIPE_TOKENS_PER_S", "Efficiency",
-           "StepTime", "step_time"]
+__all__ = [
+    "EFFICIENCY",
+    "GPU",
+    "H100_SXM",
+    "PAPER_ULYSSES_TOKENS_PER_S",
+    "PAPER_UPIPE_TOKENS_PER_S",
+    "Efficiency",
+    "StepTime",
+    "step_time",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,14 +66,23 @@ class GPU:
     nvlink: float  # to the other GPUs of its node
     network: float  # to other nodes (its share of the node's NICs)
     pcie: float  # to host memory
-    all_to_all_latency: float  # seconds one all-to-all costs beyond its bytes (small messages, launch)
+    all_to_all_latency: (
+        float  # seconds one all-to-all costs beyond its bytes (small messages, launch)
+    )
 
 
 # NVIDIA H100 SXM5 datasheet: 989.4 TFLOP/s dense bf16, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 each way);
 # one 400 Gb/s NDR InfiniBand NIC per GPU (50 GB/s); PCIe Gen5 x16 (64 GB/s each way); 20 us per all-to-all call
 # (a typical small-message NCCL latency inside an NVLink node; not measured here)
-H100_SXM = GPU("H100 SXM", flops=989.4e12, hbm=3.35e12, nvlink=450e9, network=50e9, pcie=64e9,
-               all_to_all_latency=20e-6)
+H100_SXM = GPU(
+    "H100 SXM",
+    flops=989.4e12,
+    hbm=3.35e12,
+    nvlink=450e9,
+    network=50e9,
+    pcie=64e9,
+    all_to_all_latency=20e-6,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +104,22 @@ class Efficiency:
 EFFICIENCY = Efficiency()
 
 # tokens/s per GPU, Llama3-8B on 8 x H100 (the paper's project page; ../shared/reference/upipe-method.md section 3)
-PAPER_ULYSSES_TOKENS_PER_S = {2**17: 2320.47, 2**18: 1503.80, 2**19: 878.63, 2**20: 475.33, 2**21: 246.05,
-                              3 * 2**20: 162.41}
-PAPER_UPIPE_TOKENS_PER_S = {2**17: 2281.05, 2**18: 1487.29, 2**19: 867.17, 2**20: 472.53, 2**21: 246.07,
-                            3 * 2**20: 166.32}
+PAPER_ULYSSES_TOKENS_PER_S = {
+    2**17: 2320.47,
+    2**18: 1503.80,
+    2**19: 878.63,
+    2**20: 475.33,
+    2**21: 246.05,
+    3 * 2**20: 162.41,
+}
+PAPER_UPIPE_TOKENS_PER_S = {
+    2**17: 2281.05,
+    2**18: 1487.29,
+    2**19: 867.17,
+    2**20: 472.53,
+    2**21: 246.07,
+    3 * 2**20: 166.32,
+}
 
 
 @dataclasses.dataclass
@@ -120,7 +149,9 @@ def _dims(config) -> dict:
     head_dim = get("head_dim") or g["hidden"] // g["heads"]
     experts, active = get("num_local_experts") or get("num_experts"), get("num_experts_per_tok")
     expert_width = get("moe_intermediate_size") or get("intermediate_size") or 4 * g["hidden"]
-    if experts and active:  # a MoE layer: the tokens run through `active` experts; FSDP gathers all of them
+    if (
+        experts and active
+    ):  # a MoE layer: the tokens run through `active` experts; FSDP gathers all of them
         shared = get("shared_expert_intermediate_size") or 0
         mlp_active, mlp_total = active * expert_width + shared, experts * expert_width + shared
     else:
@@ -139,7 +170,9 @@ def _exposed(t: float, stages: int, budget: float) -> float:
     return t / stages + max(0.0, t * (1 - 1 / stages) - budget)
 
 
-def _all_to_all_units(impl: str, fused_backward: str, H: int, Hkv: int, P: int, stages: int, kc: int) -> float:
+def _all_to_all_units(
+    impl: str, fused_backward: str, H: int, Hkv: int, P: int, stages: int, kc: int
+) -> float:
     """Elements sent per rank and layer in a step, in units of s*D (see the module docstring)."""
     forward = _forward_units(H, Hkv)
     if impl == "deepspeed":
@@ -153,11 +186,15 @@ def _all_to_all_units(impl: str, fused_backward: str, H: int, Hkv: int, P: int, 
     return 2 * forward + backward  # the checkpoint's recompute repeats the forward's
 
 
-def _ring_bytes(S: int, R: int, D: int, stages: int, kc: int, kv_bytes: int = 2, acc_bytes: int = 4):
+def _ring_bytes(
+    S: int, R: int, D: int, stages: int, kc: int, kv_bytes: int = 2, acc_bytes: int = 4
+):
     """Bytes one rank sends around a ring of R per layer: (one forward run: each stage's k/v block over a ring
     shard, R-1 hops; the backward: the k/v blocks again and their dk/dv accumulators, R hops)."""
     block = 2 * (S // R) * kc * D  # elements of one stage's k and v over a ring shard
-    return stages * block * (R - 1) * kv_bytes, stages * block * ((R - 1) * kv_bytes + R * acc_bytes)
+    return stages * block * (R - 1) * kv_bytes, stages * block * (
+        (R - 1) * kv_bytes + R * acc_bytes
+    )
 
 
 def _all_to_all_calls(impl: str, fused_backward: str, stages: int, groups: int) -> int:
@@ -166,19 +203,40 @@ def _all_to_all_calls(impl: str, fused_backward: str, stages: int, groups: int) 
     if impl == "deepspeed":
         return 2 * 4 + 4
     forward = 2 * stages + 2 * groups
-    backward = 4 * stages + 2 * groups  # q, out, dout, dq per stage; per group dk, dv (fused recompute: k, v)
+    backward = (
+        4 * stages + 2 * groups
+    )  # q, out, dout, dq per stage; per group dk, dv (fused recompute: k, v)
     if impl == "fused" and fused_backward == "recompute":
-        backward += 2 * stages  # dk, dv per stage (save mode: per group, as counted, and k, v are kept)
+        backward += (
+            2 * stages
+        )  # dk, dv per stage (save mode: per group, as counted, and k, v are kept)
     return 2 * forward + backward
 
 
-def step_time(config, settings, *, seq_len: int, sp_size: int, world: int, gpus_per_node: int, lora=None,
-              gpu: GPU = H100_SXM, efficiency: Efficiency = EFFICIENCY) -> StepTime:
+def step_time(
+    config,
+    settings,
+    *,
+    seq_len: int,
+    sp_size: int,
+    world: int,
+    gpus_per_node: int,
+    lora=None,
+    gpu: GPU = H100_SXM,
+    efficiency: Efficiency = EFFICIENCY,
+) -> StepTime:
     """The predicted time of one training step with `settings` (`hf_upipe.planning.StepSettings`); see the module
     docstring for what is counted. `lora`: None (full fine-tune) or (rank, targets): the frozen base computes no
     weight gradients and reduces none."""
     d = _dims(config)
-    H, Hk, D, Dm, L, V = d["heads"], d["kv_heads"], d["head_dim"], d["hidden"], d["layers"], d["vocab"]
+    H, Hk, D, Dm, L, V = (
+        d["heads"],
+        d["kv_heads"],
+        d["head_dim"],
+        d["hidden"],
+        d["layers"],
+        d["vocab"],
+    )
     P, S, eff = sp_size, seq_len, efficiency
     s = S // P
     R = getattr(settings, "ring_size", 1)
@@ -190,31 +248,50 @@ def step_time(config, settings, *, seq_len: int, sp_size: int, world: int, gpus_
     frozen = lora is not None
 
     # GEMM FLOPs per layer: forward, recompute, backward (d input, and d weight unless frozen)
-    proj_qkv, proj_o, mlp = 2 * s * Dm * (H + 2 * Hk) * D, 2 * s * H * D * Dm, 6 * s * Dm * d["mlp_active"]
+    proj_qkv, proj_o, mlp = (
+        2 * s * Dm * (H + 2 * Hk) * D,
+        2 * s * H * D * Dm,
+        6 * s * Dm * d["mlp_active"],
+    )
     runs = 2 + (1 if frozen else 2)
-    rerun = (proj_qkv if settings.fused_backward == "recompute" else 2 * s * Dm * H * D) if fused else 0
+    rerun = (
+        (proj_qkv if settings.fused_backward == "recompute" else 2 * s * Dm * H * D) if fused else 0
+    )
     gemm = (proj_qkv + proj_o + mlp) * runs + rerun + (mlp if settings.tiled_mlp else 0)
     attention_fwd = 2 * S * S * (H // P) * D  # causal: half of 4 S^2 h D
     recompute = fused and settings.fused_backward == "recompute"
     t_gemm = gemm / (gpu.flops * eff.gemm)
-    t_attention = (attention_fwd * (3 if recompute else 2) / (gpu.flops * eff.attention_forward)
-                   + 2.5 * attention_fwd / (gpu.flops * eff.attention_backward))
+    t_attention = attention_fwd * (3 if recompute else 2) / (
+        gpu.flops * eff.attention_forward
+    ) + 2.5 * attention_fwd / (gpu.flops * eff.attention_backward)
     sp_bandwidth = gpu.nvlink if U <= gpus_per_node else gpu.network
     seconds_per_unit = s * D * 2 * (U - 1) / U / (sp_bandwidth * eff.all_to_all)
     units = _all_to_all_units(impl, settings.fused_backward, H, Hkv, U, stages, kc)
-    t_fwd = 2 * _forward_units(H, Hkv) * seconds_per_unit  # the forward's and the checkpoint recompute's
+    t_fwd = (
+        2 * _forward_units(H, Hkv) * seconds_per_unit
+    )  # the forward's and the checkpoint recompute's
     t_bwd = (units - 2 * _forward_units(H, Hkv)) * seconds_per_unit
-    if fused and stages > 1:  # the fused forward always sends one stage ahead; its backward does with `overlap`
+    if (
+        fused and stages > 1
+    ):  # the fused forward always sends one stage ahead; its backward does with `overlap`
         t_fwd = _exposed(t_fwd, stages, 2 * attention_fwd / (gpu.flops * eff.attention_forward))
         if settings.overlap:
-            t_bwd = _exposed(t_bwd, stages, t_attention - 2 * attention_fwd / (gpu.flops * eff.attention_forward))
+            t_bwd = _exposed(
+                t_bwd, stages, t_attention - 2 * attention_fwd / (gpu.flops * eff.attention_forward)
+            )
     t_a2a = t_fwd + t_bwd
     groups = layout.kv_per_rank // layout.kv_per_stage
-    t_a2a += _all_to_all_calls(impl, settings.fused_backward, stages, groups) * gpu.all_to_all_latency
+    t_a2a += (
+        _all_to_all_calls(impl, settings.fused_backward, stages, groups) * gpu.all_to_all_latency
+    )
     t_ring = 0.0
-    if R > 1:  # each stage's k/v block around the ring (network when the SP group spans nodes), behind the kernels
+    if (
+        R > 1
+    ):  # each stage's k/v block around the ring (network when the SP group spans nodes), behind the kernels
         forward_run, backward = _ring_bytes(S, R, D, stages, kc)
-        ring_bytes = forward_run * (3 if recompute else 2) + backward  # forward, recompute(s), backward
+        ring_bytes = (
+            forward_run * (3 if recompute else 2) + backward
+        )  # forward, recompute(s), backward
         t_ring = ring_bytes / ((gpu.network if P > gpus_per_node else gpu.nvlink) * eff.all_to_all)
         t_ring = max(0.0, t_ring - t_attention * (R - 1) / R)
 
@@ -228,9 +305,19 @@ def step_time(config, settings, *, seq_len: int, sp_size: int, world: int, gpus_
     hidden_behind = max(compute, t_fsdp, t_offload) - compute
 
     head = 2 * s * Dm * V * (2 if frozen else 3)
-    trained = (2 * Dm * V + L * layer_params) if not frozen else L * 2 * lora[0] * Dm * 4  # rough LoRA size
-    t_optimizer = trained / world * 16 * 2 / (gpu.hbm * eff.hbm)  # fp32 master, grad, m, v read and written
-    parts = {"gemm": L * t_gemm, "attention": L * t_attention, "all_to_all": L * t_a2a, "ring": L * t_ring,
-             "fsdp_offload_exposed": L * hidden_behind, "loss": head / (gpu.flops * eff.gemm),
-             "optimizer": t_optimizer}
+    trained = (
+        (2 * Dm * V + L * layer_params) if not frozen else L * 2 * lora[0] * Dm * 4
+    )  # rough LoRA size
+    t_optimizer = (
+        trained / world * 16 * 2 / (gpu.hbm * eff.hbm)
+    )  # fp32 master, grad, m, v read and written
+    parts = {
+        "gemm": L * t_gemm,
+        "attention": L * t_attention,
+        "all_to_all": L * t_a2a,
+        "ring": L * t_ring,
+        "fsdp_offload_exposed": L * hidden_behind,
+        "loss": head / (gpu.flops * eff.gemm),
+        "optimizer": t_optimizer,
+    }
     return StepTime(parts=parts, seq_len=S, sp_size=P)

@@ -81,7 +81,9 @@ def storage_label(label: str) -> Iterator[None]:
         _LABEL_OVERRIDE.pop()
 
 
-_ACTIVE: list[MemoryTracker] = []  # trackers inside their `with` block, which follow storage resizes
+_ACTIVE: list[
+    MemoryTracker
+] = []  # trackers inside their `with` block, which follow storage resizes
 _RESIZE_LOCK = threading.Lock()
 _C_RESIZE = torch._C.StorageBase.resize_
 
@@ -159,7 +161,9 @@ class MemoryTracker(TorchDispatchMode):
         phase_peaks: ``{name: peak bytes}`` filled by :meth:`mark`, in the order the phases were first marked.
     """
 
-    def __init__(self, snapshot_at_peak: bool = False, labeler: Callable[[], str] | None = None) -> None:
+    def __init__(
+        self, snapshot_at_peak: bool = False, labeler: Callable[[], str] | None = None
+    ) -> None:
         super().__init__()
         self.snapshot_at_peak = snapshot_at_peak
         self.labeler = labeler
@@ -346,7 +350,12 @@ class MemoryTracker(TorchDispatchMode):
         if key in self._live:
             self._resize(key, storage)
         elif storage.nbytes() > 0:
-            self._add(key, storage, torch.empty(0, dtype=torch.uint8, device="meta"), "UntypedStorage.resize_")
+            self._add(
+                key,
+                storage,
+                torch.empty(0, dtype=torch.uint8, device="meta"),
+                "UntypedStorage.resize_",
+            )
 
     # ------------------------------------------------------------------ dispatch
     def __torch_dispatch__(

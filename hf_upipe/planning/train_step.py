@@ -71,12 +71,18 @@ class StepSettings:
         if self.impl not in MODEL_IMPLEMENTATIONS:
             raise ValueError(f"impl={self.impl!r}: choose one of {MODEL_IMPLEMENTATIONS}")
         if self.offload not in ("none", "cpu"):
-            raise ValueError(f"offload={self.offload!r}: the planner models 'none' or 'cpu' (disk: like cpu on the "
-                             "device, without the host memory)")
+            raise ValueError(
+                f"offload={self.offload!r}: the planner models 'none' or 'cpu' (disk: like cpu on the "
+                "device, without the host memory)"
+            )
         if self.fused_backward not in ("recompute", "save"):
-            raise ValueError(f"fused_backward={self.fused_backward!r}: choose 'recompute' or 'save'")
+            raise ValueError(
+                f"fused_backward={self.fused_backward!r}: choose 'recompute' or 'save'"
+            )
         if self.impl != "fused" and (self.overlap or self.fused_backward != "recompute"):
-            raise ValueError(f"overlap and fused_backward are settings of the fused block, not of impl={self.impl!r}")
+            raise ValueError(
+                f"overlap and fused_backward are settings of the fused block, not of impl={self.impl!r}"
+            )
 
 
 def _fsdp_labels(model) -> contextlib.ExitStack:
@@ -94,8 +100,11 @@ def _fsdp_labels(model) -> contextlib.ExitStack:
         group = module._get_fsdp_state()._fsdp_param_group
         if group is None:
             continue
-        for name, label in (("unshard", "parameters"), ("wait_for_unshard", "parameters"),
-                            ("post_backward", "gradients")):
+        for name, label in (
+            ("unshard", "parameters"),
+            ("wait_for_unshard", "parameters"),
+            ("post_backward", "gradients"),
+        ):
             original = getattr(group, name)
 
             def wrapped(*args, _original=original, _label=label, **kwargs):
@@ -117,8 +126,11 @@ def _mesh():
 def _shard(model, dtype: torch.dtype, mesh) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else \
-        MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        if dtype != torch.float32
+        else MixedPrecisionPolicy()
+    )
     for layer in _cat.decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -146,8 +158,18 @@ def _optimizer_with_states(model) -> torch.optim.Optimizer:
     return optimizer
 
 
-def measure_train_step(model_config, settings: StepSettings, *, seq_len: int, sp_size: int, layers: int,
-                       dtype: torch.dtype = torch.bfloat16, mesh=None, lora=None, around_step=None) -> dict:
+def measure_train_step(
+    model_config,
+    settings: StepSettings,
+    *,
+    seq_len: int,
+    sp_size: int,
+    layers: int,
+    dtype: torch.dtype = torch.bfloat16,
+    mesh=None,
+    lora=None,
+    around_step=None,
+) -> dict:
     """One tracked FSDP2 training step on this rank (see the module docstring).
 
     Args:
@@ -175,33 +197,63 @@ def measure_train_step(model_config, settings: StepSettings, *, seq_len: int, sp
     group = state.sp_group if state.sp_group is not None else dist.group.WORLD
     s, r = seq_len // sp_size, state.sp_rank
     try:
-        with impl_context(settings.impl, group, seq_len, sp_size, settings.heads_per_chunk, settings.ring_size):
-            model = build_step_model(settings.impl, model_config, layers, seq_len,
-                                     torch.float32 if lora is None else dtype, group, settings.tiled_mlp,
-                                     mlp_chunk_tokens=settings.mlp_chunk_tokens, drop_grads=False, lora=lora,
-                                     fused_backward=settings.fused_backward, overlap=settings.overlap)
+        with impl_context(
+            settings.impl, group, seq_len, sp_size, settings.heads_per_chunk, settings.ring_size
+        ):
+            model = build_step_model(
+                settings.impl,
+                model_config,
+                layers,
+                seq_len,
+                torch.float32 if lora is None else dtype,
+                group,
+                settings.tiled_mlp,
+                mlp_chunk_tokens=settings.mlp_chunk_tokens,
+                drop_grads=False,
+                lora=lora,
+                fused_backward=settings.fused_backward,
+                overlap=settings.overlap,
+            )
             _shard(model, dtype, mesh if mesh is not None else _mesh())
             optimizer = _optimizer_with_states(model)
-            ids = torch.zeros(1, s, dtype=torch.long)  # not counted: token ids, positions, labels, mask
-            positions = ring_positions(r, s, sp_size, settings.ring_size)  # [s]: contiguous, or in ring order
-            inputs = {"input_ids": ids, "position_ids": positions.unsqueeze(0),
-                      "attention_mask": torch.ones(1, s, dtype=torch.long)}
+            ids = torch.zeros(
+                1, s, dtype=torch.long
+            )  # not counted: token ids, positions, labels, mask
+            positions = ring_positions(
+                r, s, sp_size, settings.ring_size
+            )  # [s]: contiguous, or in ring order
+            inputs = {
+                "input_ids": ids,
+                "position_ids": positions.unsqueeze(0),
+                "attention_mask": torch.ones(1, s, dtype=torch.long),
+            }
             labels = torch.zeros(1, s, dtype=torch.long)
-            with around_step if around_step is not None else contextlib.nullcontext(), \
-                    _cat.StepCategories(model) as cats, MemoryTracker(labeler=cats.label) as tracker, \
-                    _fsdp_labels(model):
+            with (
+                around_step if around_step is not None else contextlib.nullcontext(),
+                _cat.StepCategories(model) as cats,
+                MemoryTracker(labeler=cats.label) as tracker,
+                _fsdp_labels(model),
+            ):
                 cats.attach(tracker)
                 static = {}
-                for label, tensors in (("parameters", list(model.parameters())),
-                                       ("optimizer", [t for st in optimizer.state.values() for t in st.values()])):
+                for label, tensors in (
+                    ("parameters", list(model.parameters())),
+                    ("optimizer", [t for st in optimizer.state.values() for t in st.values()]),
+                ):
                     before = tracker.current_bytes
                     with storage_label(label):
                         tracker.track(*_local(tensors))
                     static[label] = tracker.current_bytes - before
-                with offload_checkpoints(model, settings.offload, min_bytes=0,
-                                         restore_context=checkpoint_label):
-                    loss, _ = shard_loss_sum(model, inputs, labels, tiled=settings.tiled_loss,
-                                             chunk_tokens=settings.loss_chunk_tokens)
+                with offload_checkpoints(
+                    model, settings.offload, min_bytes=0, restore_context=checkpoint_label
+                ):
+                    loss, _ = shard_loss_sum(
+                        model,
+                        inputs,
+                        labels,
+                        tiled=settings.tiled_loss,
+                        chunk_tokens=settings.loss_chunk_tokens,
+                    )
                     cats.label_loss(loss)
                     tracker.mark("forward")
                     loss.backward()
@@ -213,15 +265,36 @@ def measure_train_step(model_config, settings: StepSettings, *, seq_len: int, sp
                 tracker.mark("optimizer")
     finally:
         _sp.set_sequence_parallel_state(previous)
-    return {"peak": tracker.peak_bytes, "by_category": tracker.peak_by_label,
-            "phase_peaks": dict(tracker.phase_peaks), "static": static}
+    return {
+        "peak": tracker.peak_bytes,
+        "by_category": tracker.peak_by_label,
+        "phase_peaks": dict(tracker.phase_peaks),
+        "static": static,
+    }
 
 
-def simulate_train_step(model_config, settings: StepSettings, *, seq_len: int, world_size: int, sp_size: int,
-                        layers: int, dtype: torch.dtype = torch.bfloat16, lora=None) -> dict:
+def simulate_train_step(
+    model_config,
+    settings: StepSettings,
+    *,
+    seq_len: int,
+    world_size: int,
+    sp_size: int,
+    layers: int,
+    dtype: torch.dtype = torch.bfloat16,
+    lora=None,
+) -> dict:
     """`measure_train_step` as rank 0 of a fake `world_size`-rank world on fake tensors (one process, no data)."""
     with simulated_world(world_size):
         mesh = _mesh()
         with fake_tensors(torch.float32):
-            return measure_train_step(model_config, settings, seq_len=seq_len, sp_size=sp_size, layers=layers,
-                                      dtype=dtype, mesh=mesh, lora=lora)
+            return measure_train_step(
+                model_config,
+                settings,
+                seq_len=seq_len,
+                sp_size=sp_size,
+                layers=layers,
+                dtype=dtype,
+                mesh=mesh,
+                lora=lora,
+            )

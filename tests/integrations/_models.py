@@ -25,20 +25,28 @@ def sharded_errors(ref, model, ids: torch.Tensor, rank: int, world: int) -> tupl
     from hf_upipe.ops.ring import ring_positions
 
     def rel(a, b):
-        return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+        return (
+            (a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)
+        ).item()
 
     with without_sequence_parallel():  # the one-process reference runs on the whole sequence
         want = ref(input_ids=ids, labels=ids)
     want.loss.backward()
     shard = shard_batch({"input_ids": ids, "labels": ids}, rank, world)
     kw = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens", "labels")}
-    got = model(**kw, labels=shard["shift_labels"], shift_labels=shard["shift_labels"],
-                num_items_in_batch=shard["num_label_tokens"])
+    got = model(
+        **kw,
+        labels=shard["shift_labels"],
+        shift_labels=shard["shift_labels"],
+        num_items_in_batch=shard["num_label_tokens"],
+    )
     got.loss.backward()
     loss = got.loss.detach().clone()
     dist.all_reduce(loss)
     state = get_sequence_parallel_state()
-    mine = ring_positions(rank, shard["input_ids"].shape[1], world, state.ring_size if state is not None else 1)
+    mine = ring_positions(
+        rank, shard["input_ids"].shape[1], world, state.ring_size if state is not None else 1
+    )
     errors = {"loss": rel(loss, want.loss), "logits": rel(got.logits, want.logits[:, mine])}
     grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -52,12 +60,18 @@ def sharded_errors(ref, model, ids: torch.Tensor, rank: int, world: int) -> tupl
 # per model type: its layers (2 mixers each), set through `layer_types` or, where that is derived (Bamba), the
 # attention layers' indices
 _ALTERNATING = ["linear_attention", "full_attention"] * 2
-LAYERS = {"qwen3_next": _ALTERNATING, "olmo_hybrid": _ALTERNATING, "bailing_hybrid": _ALTERNATING,
-          "bamba": _ALTERNATING,
-          "granitemoehybrid": _ALTERNATING,
-          "nemotron_h": ["linear_attention", "mlp", "full_attention", "linear_attention"],
-          "falcon_h1": ["hybrid", "hybrid"], "lfm2": ["conv", "full_attention"] * 2,
-          "zamba2": ["linear_attention", "hybrid"], "mamba2": None}  # mamba2: two Mamba2 layers, no attention
+LAYERS = {
+    "qwen3_next": _ALTERNATING,
+    "olmo_hybrid": _ALTERNATING,
+    "bailing_hybrid": _ALTERNATING,
+    "bamba": _ALTERNATING,
+    "granitemoehybrid": _ALTERNATING,
+    "nemotron_h": ["linear_attention", "mlp", "full_attention", "linear_attention"],
+    "falcon_h1": ["hybrid", "hybrid"],
+    "lfm2": ["conv", "full_attention"] * 2,
+    "zamba2": ["linear_attention", "hybrid"],
+    "mamba2": None,
+}  # mamba2: two Mamba2 layers, no attention
 
 
 def hybrid_config(model_type):
@@ -75,14 +89,20 @@ def hybrid_config(model_type):
         config.attn_layer_indices = [i for i, t in enumerate(layers) if t != "linear_attention"]
     assert list(config.layer_types) == layers, (model_type, config.layer_types)
     if getattr(config, "mlp_layer_types", None):  # Bailing-Hybrid: one MLP kind per layer, cycled
-        config.mlp_layer_types = [config.mlp_layer_types[i % len(config.mlp_layer_types)] for i in range(len(layers))]
+        config.mlp_layer_types = [
+            config.mlp_layer_types[i % len(config.mlp_layer_types)] for i in range(len(layers))
+        ]
     return config
 
 
 def lora_exclusions(model_type) -> list[str] | None:
     """What PEFT refuses to adapt in a Mamba model (a Mamba2 mixer's out_proj; its conv1d is not linear anyway)."""
-    return ["out_proj"] if model_type in ("bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2",
-                                          "mamba2") else None
+    return (
+        ["out_proj"]
+        if model_type
+        in ("bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2", "mamba2")
+        else None
+    )
 
 
 def lora_pair(ref, model, exclude_modules=None):
@@ -92,8 +112,13 @@ def lora_pair(ref, model, exclude_modules=None):
 
     from hf_upipe.integrations.peft import get_peft_model
 
-    cfg = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear",
-                     exclude_modules=exclude_modules)
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        init_lora_weights=False,
+        target_modules="all-linear",
+        exclude_modules=exclude_modules,
+    )
     torch.manual_seed(5)
     ref = get_peft_model(ref, cfg)
     torch.manual_seed(5)

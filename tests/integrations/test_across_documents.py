@@ -39,18 +39,23 @@ def _pair(model_type):
     for impl in ("sdpa", "eager"):
         try:
             torch.manual_seed(0)
-            ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl,
-                                                   dtype=torch.float32)
+            ref = AutoModelForCausalLM.from_config(
+                copy.deepcopy(config), attn_implementation=impl, dtype=torch.float32
+            )
             break
         except ValueError:
             continue
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="upipe", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation="upipe", dtype=torch.float32
+    )
     model.load_state_dict(ref.state_dict())
     return ref, hf_upipe.prepare_model(model)
 
 
 def _batch(vocab, layout):
-    ids = torch.randint(3, vocab, (len(layout), sum(layout[0])), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(
+        3, vocab, (len(layout), sum(layout[0])), generator=torch.Generator().manual_seed(3)
+    )
     pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in layout])
     labels = ids.masked_fill(pos == 0, -100)  # no target across a document start
     return {"input_ids": ids, "position_ids": pos, "labels": labels}
@@ -65,20 +70,29 @@ def _errors(ref, model, batch, rank, world):
     want.loss.backward()
     shard = shard_batch(batch, rank, world)
     kw = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}
-    out = model(**kw, labels=shard["shift_labels"], shift_labels=shard["shift_labels"],
-                num_items_in_batch=shard["num_label_tokens"])
+    out = model(
+        **kw,
+        labels=shard["shift_labels"],
+        shift_labels=shard["shift_labels"],
+        num_items_in_batch=shard["num_label_tokens"],
+    )
     out.loss.backward()
     loss = out.loss.detach().clone()
     dist.all_reduce(loss)
     s = shard["input_ids"].shape[1]
-    errs = {"loss": _rel(loss, want.loss), "logits": _rel(out.logits, want.logits[:, rank * s:(rank + 1) * s])}
+    errs = {
+        "loss": _rel(loss, want.loss),
+        "logits": _rel(out.logits, want.logits[:, rank * s : (rank + 1) * s]),
+    }
     scale = max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
     for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
         if p.grad is not None:
             g = q.grad.clone()
             dist.all_reduce(g)
             # relative to the gradient, floored at 1% of the model's largest (a key bias's is zero: noise)
-            errs[name] = ((g - p.grad).abs().max() / max(p.grad.abs().max().item(), 1e-2 * scale)).item()
+            errs[name] = (
+                (g - p.grad).abs().max() / max(p.grad.abs().max().item(), 1e-2 * scale)
+            ).item()
     return errs
 
 
@@ -95,15 +109,19 @@ def _worker(rank, world, model_types):
                 errs = _errors(ref, model, _batch(vocab, layout), rank, world)
             warned = any("attend across its documents" in str(w.message) for w in caught)
             results[f"{model_type} {name}"] = (errs, warned)
-        if model_type in ACROSS_DOCUMENTS:  # the runtime detection alone, the registry's word hidden
+        if (
+            model_type in ACROSS_DOCUMENTS
+        ):  # the runtime detection alone, the registry's word hidden
             import hf_upipe.integrations.fused as fused
             import hf_upipe.integrations.transformers as registered
 
             saved = registered.keeps_documents_apart, fused.keeps_documents_apart
             registered.keeps_documents_apart = fused.keeps_documents_apart = lambda config: True
             try:
-                results[f"{model_type} inside, detected"] = (_errors(ref, model, _batch(vocab, INSIDE), rank,
-                                                                     world), True)
+                results[f"{model_type} inside, detected"] = (
+                    _errors(ref, model, _batch(vocab, INSIDE), rank, world),
+                    True,
+                )
             finally:
                 registered.keeps_documents_apart, fused.keeps_documents_apart = saved
     hf_upipe.reset_sequence_parallel()
@@ -112,7 +130,10 @@ def _worker(rank, world, model_types):
 
 def test_the_registry_marks_exactly_the_models_that_ignore_documents():
     assert set(ACROSS_DOCUMENTS) == {"afmoe", "gpt_oss", "opt"}
-    assert all(not ARCHITECTURES[t].packed_documents and ARCHITECTURES[t].verified for t in ACROSS_DOCUMENTS)
+    assert all(
+        not ARCHITECTURES[t].packed_documents and ARCHITECTURES[t].verified
+        for t in ACROSS_DOCUMENTS
+    )
     assert ARCHITECTURES["llama"].packed_documents
 
 

@@ -30,8 +30,12 @@ from tests._dist import run_distributed
 
 pytestmark = pytest.mark.slow
 
-COMMITTED = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
-                         "results", "architecture_matrix.json")
+COMMITTED = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "benchmarks",
+    "results",
+    "architecture_matrix.json",
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +63,10 @@ def committed():
                 report = json.load(f)
             if report["transformers"] == transformers.__version__:
                 return report["results"]
-    pytest.skip(f"no committed matrix of transformers {transformers.__version__}: run "
-                "benchmarks/architecture_matrix.py to compare")
+    pytest.skip(
+        f"no committed matrix of transformers {transformers.__version__}: run "
+        "benchmarks/architecture_matrix.py to compare"
+    )
 
 
 def _decoders(results):
@@ -68,8 +74,11 @@ def _decoders(results):
 
 
 def test_nothing_is_silently_wrong_or_crashed(results):
-    bad = {t: (r.get("sp1"), r.get("sp2"), r.get("sp2_why") or r.get("sp1_why")) for t, r in results.items()
-           if {"wrong", "crashed"} & {r.get("sp1"), r.get("sp2")}}
+    bad = {
+        t: (r.get("sp1"), r.get("sp2"), r.get("sp2_why") or r.get("sp1_why"))
+        for t, r in results.items()
+        if {"wrong", "crashed"} & {r.get("sp1"), r.get("sp2")}
+    }
     assert not bad, bad
     print("\n", summary(results))
 
@@ -77,15 +86,22 @@ def test_nothing_is_silently_wrong_or_crashed(results):
 def test_every_rank_reaches_the_same_outcome(ranks):
     first, second = ranks
     assert first.keys() == second.keys()
-    differ = {t: (first[t].get("sp2"), second[t].get("sp2")) for t in first
-              if first[t].get("sp2") != second[t].get("sp2")}
+    differ = {
+        t: (first[t].get("sp2"), second[t].get("sp2"))
+        for t in first
+        if first[t].get("sp2") != second[t].get("sp2")
+    }
     assert not differ, differ
 
 
 def _refused_before(model_type, row) -> bool:
     since = _INTERFACE_FROM.get(model_type)
-    return (since is not None and Version(transformers.__version__) < Version(since) and row.get("sp2") == "refused"
-            and "does not go through transformers' attention interface" in row.get("sp2_why", ""))
+    return (
+        since is not None
+        and Version(transformers.__version__) < Version(since)
+        and row.get("sp2") == "refused"
+        and "does not go through transformers' attention interface" in row.get("sp2_why", "")
+    )
 
 
 def test_the_registry_is_what_the_matrix_finds_exact(results):
@@ -94,13 +110,21 @@ def test_the_registry_is_what_the_matrix_finds_exact(results):
     assert verified & _decoders(results) <= exact, sorted((verified & _decoders(results)) - exact)
     assert exact <= verified, sorted(exact - verified)
     for t in _decoders(results) - exact:
-        assert results[t]["sp2"] == "refused" and "hf_upipe" in results[t]["sp2_why"], (t, results[t])
+        assert results[t]["sp2"] == "refused" and "hf_upipe" in results[t]["sp2_why"], (
+            t,
+            results[t],
+        )
 
 
 def test_no_decoder_is_refused_only_as_not_verified(results):
     """Every refusal names its mechanism (`hf_upipe.integrations.support.config_refusal`)."""
-    unnamed = {t: r.get("sp2_why") for t, r in results.items() if t in _decoders(results)
-               and r.get("sp2") == "refused" and "has not verified" in r.get("sp2_why", "")}
+    unnamed = {
+        t: r.get("sp2_why")
+        for t, r in results.items()
+        if t in _decoders(results)
+        and r.get("sp2") == "refused"
+        and "has not verified" in r.get("sp2_why", "")
+    }
     assert not unnamed, sorted(unnamed)
 
 

@@ -32,8 +32,9 @@ ARCH_NAMES = sorted(ARCHS)
 def test_registry_covers_the_fused_architectures():
     fused = {a.model_type for a in architectures.ARCHITECTURES.values() if a.fused}
     assert sorted(fused) == ARCH_NAMES
-    assert set(architectures.fused_attention_classes()) == {f"{architectures.ARCHITECTURES[t].prefix}Attention"
-                                                            for t in fused}
+    assert set(architectures.fused_attention_classes()) == {
+        f"{architectures.ARCHITECTURES[t].prefix}Attention" for t in fused
+    }
     assert all(a.verified for a in architectures.ARCHITECTURES.values())
 
 
@@ -47,8 +48,10 @@ def test_the_installed_transformers_is_verified(arch, adapter):
     verdict = (fused_module.fused_verdict if adapter == "fused" else tiled_verdict)(entry)
     if installed_release() in VERIFIED_RELEASES:
         want = entry.fused_fingerprints if adapter == "fused" else entry.tiled_fingerprints
-        assert got in want, (f"transformers {installed_release()} has another source for the {adapter} adapter of "
-                             f"{arch} than the one recorded: re-verify the adapter, then record {got!r}")
+        assert got in want, (
+            f"transformers {installed_release()} has another source for the {adapter} adapter of "
+            f"{arch} than the one recorded: re-verify the adapter, then record {got!r}"
+        )
         assert verdict.how == "fingerprint"
     else:
         assert verdict.ok and verdict.how == "behaviour", verdict
@@ -57,9 +60,25 @@ def test_the_installed_transformers_is_verified(arch, adapter):
 def _lora(model, seed):
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                                             target_modules=["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj",
-                                                             "gate_proj", "up_proj", "gate_up_proj"]))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            init_lora_weights=False,
+            target_modules=[
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "qkv_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "gate_up_proj",
+            ],
+        ),
+    )
     torch.manual_seed(seed)
     return model
 
@@ -69,14 +88,17 @@ def _run(model, ids):
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits
     (logits.double() ** 2).mean().backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return logits.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad
+    }
 
 
 @pytest.fixture
 def one_rank_group():
     """A one-rank gloo group in this process, removed afterwards."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         yield dist.group.WORLD
     finally:
@@ -91,14 +113,30 @@ def test_fused_forward_equals_the_installed_original(arch, lora, one_rank_group,
         ref, model = _lora(ref, 5), _lora(model, 5)
         model.load_state_dict(ref.state_dict())
     hf_upipe.prepare_model(model)
-    assert sum("forward" in m.__dict__ for m in model.modules()) == 2  # both layers' attention run fused
-    state = SequenceParallelState(sp_group=one_rank_group, sp_size=1, sp_rank=0, dp_group=None, dp_size=1,
-                                  dp_rank=0, heads_per_chunk=1, kernel="sdpa")  # 8 stages of one head
-    monkeypatch.setattr(fused_module, "active_state", lambda: state)  # the fused path, even on one rank
-    monkeypatch.setattr(hf_transformers, "_active_state", lambda: state)  # and its mask (a window: Gemma 3)
+    assert (
+        sum("forward" in m.__dict__ for m in model.modules()) == 2
+    )  # both layers' attention run fused
+    state = SequenceParallelState(
+        sp_group=one_rank_group,
+        sp_size=1,
+        sp_rank=0,
+        dp_group=None,
+        dp_size=1,
+        dp_rank=0,
+        heads_per_chunk=1,
+        kernel="sdpa",
+    )  # 8 stages of one head
+    monkeypatch.setattr(
+        fused_module, "active_state", lambda: state
+    )  # the fused path, even on one rank
+    monkeypatch.setattr(
+        hf_transformers, "_active_state", lambda: state
+    )  # and its mask (a window: Gemma 3)
     calls = []
     real = fused_module.fused_upipe_attention
-    monkeypatch.setattr(fused_module, "fused_upipe_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        fused_module, "fused_upipe_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(2))
     want_logits, want_grads = _run(ref, ids)
     got_logits, got_grads = _run(model, ids)
@@ -112,8 +150,12 @@ def test_fused_forward_equals_the_installed_original(arch, lora, one_rank_group,
 @pytest.mark.parametrize("arch", ARCH_NAMES)
 def test_tiled_forwards_equal_the_installed_original(arch):
     ref, model = build_pair(tiny_config(arch), "sdpa", seed=6)
-    assert hf_upipe.prepare_model(model, hf_upipe.UPipeConfig(tiled_mlp=True, mlp_chunk_tokens=4,
-                                                              fused_attention=False)) is model
+    assert (
+        hf_upipe.prepare_model(
+            model, hf_upipe.UPipeConfig(tiled_mlp=True, mlp_chunk_tokens=4, fused_attention=False)
+        )
+        is model
+    )
     ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(3))
     (want_logits, want_grads), (got_logits, got_grads) = _run(ref, ids), _run(model, ids)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
@@ -137,7 +179,9 @@ def test_prepare_then_unprepare_is_exact(arch, lora):
     assert sum("forward" in m.__dict__ for m in model.modules()) > 0
     assert hf_upipe.unprepare_model(model) is model
     assert list(model.state_dict()) == keys
-    assert {name: set(vars(m)) for name, m in model.named_modules()} == attributes  # nothing of ours is left
+    assert {
+        name: set(vars(m)) for name, m in model.named_modules()
+    } == attributes  # nothing of ours is left
     base = model.get_base_model() if lora else model
     assert base.config._attn_implementation == "sdpa"
     ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(4))

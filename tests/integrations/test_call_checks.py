@@ -81,20 +81,30 @@ def _worker(rank, world):
     inputs = {"input_ids": shard["input_ids"], "position_ids": shard["position_ids"]}
     full_mask = torch.ones(1, 8 * world, dtype=torch.long)
     full_mask[:, -3:] = 0  # right padding of the whole row, passed whole with a shard's input_ids
-    out = {"labels": _attempt(copy.deepcopy(model), **inputs, labels=shard["input_ids"]),
-           "output_attentions": _attempt(copy.deepcopy(model), **inputs, output_attentions=True),
-           "full mask": _attempt(copy.deepcopy(model), **inputs, attention_mask=full_mask)}
-    for name, candidate in (("generate", copy.deepcopy(model)),
-                            ("generate, prepared", hf_upipe.prepare_model(copy.deepcopy(model)))):
-        out[name] = _attempt(candidate.generate, input_ids=shard["input_ids"], max_new_tokens=2, do_sample=False)
+    out = {
+        "labels": _attempt(copy.deepcopy(model), **inputs, labels=shard["input_ids"]),
+        "output_attentions": _attempt(copy.deepcopy(model), **inputs, output_attentions=True),
+        "full mask": _attempt(copy.deepcopy(model), **inputs, attention_mask=full_mask),
+    }
+    for name, candidate in (
+        ("generate", copy.deepcopy(model)),
+        ("generate, prepared", hf_upipe.prepare_model(copy.deepcopy(model))),
+    ):
+        out[name] = _attempt(
+            candidate.generate, input_ids=shard["input_ids"], max_new_tokens=2, do_sample=False
+        )
     second = copy.deepcopy(model)
     out["first call"] = _attempt(second, **inputs)
     out["use_cache"] = _attempt(second, **inputs, use_cache=True)
     count = int((shard["shift_labels"] != -100).sum())
     total = torch.tensor(float(count))
     torch.distributed.all_reduce(total)
-    loss = model(**inputs, labels=shard["shift_labels"], shift_labels=shard["shift_labels"],
-                 num_items_in_batch=total).loss.detach()
+    loss = model(
+        **inputs,
+        labels=shard["shift_labels"],
+        shift_labels=shard["shift_labels"],
+        num_items_in_batch=total,
+    ).loss.detach()
     torch.distributed.all_reduce(loss)
     with hf_upipe.without_sequence_parallel():
         want = ref(input_ids=ids, labels=ids).loss.detach()
@@ -107,9 +117,10 @@ def test_an_unprepared_upipe_model_gets_the_call_checks_on_every_rank():
     for out, loss, want in run_distributed(_worker, 2):
         assert out["labels"] == LABELS_UNDER_SP
         assert out["output_attentions"] == ATTENTIONS_UNDER_SP
-        assert out["full mask"].startswith("attention_mask has [16, 16] tokens per row on SP ranks [0, 1], but their "
-                                           "input_ids hold a shard of 8 tokens: pass each rank its shard"), \
-            out["full mask"]
+        assert out["full mask"].startswith(
+            "attention_mask has [16, 16] tokens per row on SP ranks [0, 1], but their "
+            "input_ids hold a shard of 8 tokens: pass each rank its shard"
+        ), out["full mask"]
         assert out["generate"] == out["generate, prepared"] == GENERATE_UNDER_SP, out
         assert out["first call"] == "ran"
         assert out["use_cache"].startswith("use_cache=True / a KV cache"), out["use_cache"]

@@ -46,7 +46,11 @@ def _worker(rank, world, chunks):
         plain.load_state_dict(ref.state_dict())
         with hf_upipe.without_sequence_parallel():
             unchunked_logits = plain(input_ids=ids).logits
-        out[chunk] = (max(errors.values()), max(errors, key=errors.get), _rel(unchunked_logits, want.logits))
+        out[chunk] = (
+            max(errors.values()),
+            max(errors, key=errors.get),
+            _rel(unchunked_logits, want.logits),
+        )
     hf_upipe.reset_sequence_parallel()
     return out
 
@@ -70,4 +74,6 @@ def test_window_and_chunk_masks_are_told_apart_at_global_indices():
     chunked = chunked_causal_mask_function(16, torch.zeros(1, dtype=torch.long))
     assert local_pattern(window, 1, 16, 48) == "window"
     assert local_pattern(chunked, 1, 16, 48) == "chunk"
-    assert local_pattern(causal_mask_function, 1, 16, 48) is None  # neither: plain causal sees beyond 16 keys
+    assert (
+        local_pattern(causal_mask_function, 1, 16, 48) is None
+    )  # neither: plain causal sees beyond 16 keys

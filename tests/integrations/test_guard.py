@@ -14,7 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_upipe.distributed import SequenceParallelState, get_sequence_parallel_state, set_sequence_parallel_state
+from hf_upipe.distributed import (
+    SequenceParallelState,
+    get_sequence_parallel_state,
+    set_sequence_parallel_state,
+)
 from hf_upipe.integrations import guard
 from hf_upipe.integrations.guard import unprepared_refusal
 from hf_upipe.integrations.mixers import supported
@@ -41,7 +45,9 @@ def _config(model_type):
 def _build(config, impl):
     torch.manual_seed(0)
     try:
-        return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=impl, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(
+            copy.deepcopy(config), attn_implementation=impl, dtype=torch.float32
+        )
     except (ValueError, KeyError):  # a model without attention backends: built with its default
         return AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
 
@@ -70,7 +76,9 @@ def test_unprepared_mixers_are_refused_whatever_the_attention(sp2, model_type):
     assert why is not None and "prepare_model" in why and all(name in why for name in mixers), why
     ids = torch.randint(3, 50, (1, 8))
     with pytest.raises(NotImplementedError, match="would each mix their rank's shard alone"):
-        model(input_ids=ids)  # the global hook, before anything runs (a collective would fail: no group)
+        model(
+            input_ids=ids
+        )  # the global hook, before anything runs (a collective would fail: no group)
 
 
 @pytest.mark.parametrize("model_type", _ATTENTION_TYPES)
@@ -81,14 +89,18 @@ def test_attention_models_need_upipe_attention_or_prepare(sp2, model_type):
         assert why is not None and f"attn_implementation is {impl!r}" in why, why
         with pytest.raises(NotImplementedError, match="attend within its own shard"):
             model(input_ids=torch.randint(3, 50, (1, 8)))
-    assert unprepared_refusal(_model(model_type, "upipe")) is None  # the documented from_pretrained path
+    assert (
+        unprepared_refusal(_model(model_type, "upipe")) is None
+    )  # the documented from_pretrained path
 
 
 @pytest.mark.parametrize("model_type", _UNVERIFIED)
 def test_unverified_state_space_models_are_refused(sp2, model_type):
     model = _model(model_type, "sdpa")
     why = unprepared_refusal(model)
-    assert why is not None and "a Mamba/SSM layer mixes tokens across the whole sequence" in why, why
+    assert why is not None and "a Mamba/SSM layer mixes tokens across the whole sequence" in why, (
+        why
+    )
     with pytest.raises(NotImplementedError, match="cannot run under sequence parallelism"):
         model(input_ids=torch.randint(3, 50, (1, 8)))
 
@@ -98,8 +110,12 @@ def test_hook_is_on_only_while_the_sequence_is_sharded():
     try:
         model = _model("llama", "sdpa")
         ids = torch.randint(3, 50, (1, 8))
-        for state, on in ((None, False), (SequenceParallelState(None, 1, 0, None, 1, 0), False),
-                          (SequenceParallelState(None, 2, 0, None, 1, 0), True), (None, False)):
+        for state, on in (
+            (None, False),
+            (SequenceParallelState(None, 1, 0, None, 1, 0), False),
+            (SequenceParallelState(None, 2, 0, None, 1, 0), True),
+            (None, False),
+        ):
             set_sequence_parallel_state(state)
             assert (guard._HANDLE[0] is not None) == on
             if on:
@@ -124,7 +140,9 @@ def _worker(rank, world, model_type):
     config = _config(model_type)
     ref = _build(config, "sdpa")
     model = copy.deepcopy(ref)
-    ids = torch.randint(3, config.vocab_size, (1, 8 * world), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        3, config.vocab_size, (1, 8 * world), generator=torch.Generator().manual_seed(1)
+    )
     shard = shard_batch({"input_ids": ids}, rank, world)
     refused = []
     for step in ("unprepared", "prepared", "unprepared again"):

@@ -33,10 +33,12 @@ def _pair(model_type):
     config = hybrid_config(model_type)
     torch.manual_seed(3)
     no_attention = model_type == "mamba2"  # Mamba2 alone: no attention to implement
-    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), **({} if no_attention else {"attn_implementation":
-                                                                                               "sdpa"}))
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), **({} if no_attention else {"attn_implementation":
-                                                                                                 "upipe"}))
+    ref = AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), **({} if no_attention else {"attn_implementation": "sdpa"})
+    )
+    model = AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), **({} if no_attention else {"attn_implementation": "upipe"})
+    )
     model.load_state_dict(ref.state_dict())
     return ref, model
 
@@ -54,7 +56,9 @@ def _worker(rank, world, cases):
             mixers.install_mixers(model, state_passing=passing[0])
         installed = sum(mixers.is_installed(m) for m in model.modules())
         if ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         model.train()
         ref.train()
         ids = torch.randint(3, 96, (2, S), generator=torch.Generator().manual_seed(7))
@@ -79,14 +83,33 @@ def _refusal(model, rank, world, length=S):
 
 # (model type, LoRA, activation checkpointing[, a delta-rule mixer's state passing]): each type at SP 2 and SP 4,
 # full and LoRA across the two; the delta-rule mixers in parallel (the default) and in sequence
-CASES = {2: [("qwen3_next", False, False), ("olmo_hybrid", True, True), ("bamba", True, True),
-             ("nemotron_h", False, False), ("falcon_h1", True, False), ("granitemoehybrid", False, True),
-             ("lfm2", False, False), ("qwen3_next", True, True, "sequential"), ("mamba2", True, False),
-             ("zamba2", False, True)],
-         4: [("qwen3_next", True, True), ("olmo_hybrid", False, False), ("bamba", False, False),
-             ("nemotron_h", True, True), ("falcon_h1", False, True), ("granitemoehybrid", True, False),
-             ("lfm2", True, True), ("bailing_hybrid", True, True), ("olmo_hybrid", False, True, "sequential"),
-             ("mamba2", False, True), ("zamba2", True, False)]}
+CASES = {
+    2: [
+        ("qwen3_next", False, False),
+        ("olmo_hybrid", True, True),
+        ("bamba", True, True),
+        ("nemotron_h", False, False),
+        ("falcon_h1", True, False),
+        ("granitemoehybrid", False, True),
+        ("lfm2", False, False),
+        ("qwen3_next", True, True, "sequential"),
+        ("mamba2", True, False),
+        ("zamba2", False, True),
+    ],
+    4: [
+        ("qwen3_next", True, True),
+        ("olmo_hybrid", False, False),
+        ("bamba", False, False),
+        ("nemotron_h", True, True),
+        ("falcon_h1", False, True),
+        ("granitemoehybrid", True, False),
+        ("lfm2", True, True),
+        ("bailing_hybrid", True, True),
+        ("olmo_hybrid", False, True, "sequential"),
+        ("mamba2", False, True),
+        ("zamba2", True, False),
+    ],
+}
 
 
 # Qwen3-Next's tiny gated DeltaNet (large random init) amplifies fp32 rounding in its chunked triangular solve, whose
@@ -101,12 +124,23 @@ def test_hybrids_are_exact():
     for world, cases in CASES.items():
         for rank, out in enumerate(run_distributed(_worker, world, cases, timeout=300)):
             for case, (errors, installed, trained, ref_trained, unprepared) in out.items():
-                assert installed == 2, (case, installed)  # both linear-attention layers run across shards
+                assert installed == 2, (
+                    case,
+                    installed,
+                )  # both linear-attention layers run across shards
                 assert trained == ref_trained
                 worst = max(errors, key=errors.get)
-                assert errors[worst] < TOLERANCE.get(case[0], 1e-4), (world, rank, case, worst, errors[worst])
+                assert errors[worst] < TOLERANCE.get(case[0], 1e-4), (
+                    world,
+                    rank,
+                    case,
+                    worst,
+                    errors[worst],
+                )
                 # unprepared, every type is refused at the call, Mamba2 alone too (hf_upipe.integrations.guard)
-                assert "prepare_model" in unprepared and "mix their rank's shard alone" in unprepared, unprepared
+                assert (
+                    "prepare_model" in unprepared and "mix their rank's shard alone" in unprepared
+                ), unprepared
 
 
 def _bf16_worker(rank, world, model_types):
@@ -124,12 +158,17 @@ def _bf16_worker(rank, world, model_types):
                 m.train()
             ids = torch.randint(3, 96, (2, S), generator=torch.Generator().manual_seed(7))
             errors, _ = sharded_errors(ref, model, ids, rank, world)
-            with hf_upipe.without_sequence_parallel():  # the plain bf16 model's own error, one process
+            with (
+                hf_upipe.without_sequence_parallel()
+            ):  # the plain bf16 model's own error, one process
                 got = plain(input_ids=ids, labels=ids)
                 want = ref(input_ids=ids, labels=ids)
             got.loss.backward()
             mine = slice(rank * S // world, (rank + 1) * S // world)
-            base = {"loss": _rel(got.loss, want.loss), "logits": _rel(got.logits[:, mine], want.logits[:, mine])}
+            base = {
+                "loss": _rel(got.loss, want.loss),
+                "logits": _rel(got.logits[:, mine], want.logits[:, mine]),
+            }
             grads = dict(ref.named_parameters())
             for name, p in plain.named_parameters():
                 if p.grad is not None:
@@ -143,8 +182,11 @@ def _bf16_worker(rank, world, model_types):
 def test_hybrids_in_bf16():
     """Within 2x the plain bf16 model's own error plus one bf16 ulp: the parallel delta rule (its reads of the
     initial state come back from the kernel in bf16), Mamba2 in sequence, the short convolution."""
-    for rank, results in enumerate(run_distributed(_bf16_worker, 2, ["qwen3_next", "bailing_hybrid", "bamba",
-                                                                      "lfm2"], timeout=300)):
+    for rank, results in enumerate(
+        run_distributed(
+            _bf16_worker, 2, ["qwen3_next", "bailing_hybrid", "bamba", "lfm2"], timeout=300
+        )
+    ):
         for model_type, (errors, base) in results.items():
             for name, e in errors.items():
                 assert e <= 2 * base[name] + 2**-7, (rank, model_type, name, e, base[name])
@@ -157,13 +199,15 @@ def _shard_alone_worker(rank, world):
     try:
         hf_upipe.prepare_model(model)
         mixers.remove_mixers(model)
-        mixers._READY[id(model.config)] = __import__("weakref").ref(model.config)  # let the gate pass, to show why
+        mixers._READY[id(model.config)] = __import__("weakref").ref(
+            model.config
+        )  # let the gate pass, to show why
         ids = torch.randint(3, 96, (1, S), generator=torch.Generator().manual_seed(1))
         shard = hf_upipe.shard_batch({"input_ids": ids}, rank, world)
         logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
         s = S // world
         with hf_upipe.without_sequence_parallel():
-            return _rel(logits, ref(input_ids=ids).logits[:, rank * s:(rank + 1) * s])
+            return _rel(logits, ref(input_ids=ids).logits[:, rank * s : (rank + 1) * s])
     finally:
         mixers._READY.clear()
         hf_upipe.reset_sequence_parallel()
@@ -187,7 +231,9 @@ def _short_shard_worker(rank, world):
 
 def test_shards_shorter_than_the_convolution_are_refused_on_every_rank():
     for said in run_distributed(_short_shard_worker, 2, timeout=120):
-        assert "a shard of 2 tokens is shorter than the convolution's reach (3 tokens)" in said, said
+        assert "a shard of 2 tokens is shorter than the convolution's reach (3 tokens)" in said, (
+            said
+        )
 
 
 def _checkpoint_worker(rank, world, model_type):
@@ -211,29 +257,39 @@ def _checkpoint_worker(rank, world, model_type):
         for kwargs in (None, {"use_reentrant": False}):
             if kwargs is not None:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            loss = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits.sum()
+            loss = model(
+                input_ids=shard["input_ids"], position_ids=shard["position_ids"]
+            ).logits.sum()
             before = live()
             loss.backward()
             del loss
             kept.append((before, live()))
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         reentrant = _refusal(model, rank, world)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-                                                                           "preserve_rng_state": False})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False}
+        )
         return kept, reentrant, _refusal(model, rank, world)
     finally:
         hf_upipe.reset_sequence_parallel()
 
 
 def test_a_mixer_keeps_received_state_only_for_a_checkpoint_recompute():
-    (kept0, said0, rng0), (kept1, said1, rng1) = run_distributed(_checkpoint_worker, 2, "bamba", timeout=120)
+    (kept0, said0, rng0), (kept1, said1, rng1) = run_distributed(
+        _checkpoint_worker, 2, "bamba", timeout=120
+    )
     # rank 0 receives nothing; rank 1 keeps one forward's state while its graph lives, none once it is dropped
     assert kept0 == [(0, 0), (0, 0)] and kept1 == [(0, 0), (1, 0)], (kept0, kept1)
     # a delta-rule mixer in parallel: every rank keeps the gathered states (and rank 1 its halo) the same way
-    (p0, said2, rng2), (p1, said3, rng3) = run_distributed(_checkpoint_worker, 2, "qwen3_next", timeout=120)
+    (p0, said2, rng2), (p1, said3, rng3) = run_distributed(
+        _checkpoint_worker, 2, "qwen3_next", timeout=120
+    )
     assert p0 == p1 == [(0, 0), (1, 0)], (p0, p1)
     for said in (said0, said1, said2, said3):
-        assert "use_reentrant=True around a recurrent mixer" in said and "'use_reentrant': False" in said, said
+        assert (
+            "use_reentrant=True around a recurrent mixer" in said
+            and "'use_reentrant': False" in said
+        ), said
     for said in (rng0, rng1, rng2, rng3):  # the recompute's key would not match its forward's
         assert "preserve_rng_state=False around a recurrent mixer" in said, said
 
@@ -253,17 +309,19 @@ def _pending_worker(rank, world, model_type):
         gen = torch.Generator().manual_seed(2)
         a = torch.randint(3, 96, (1, S), generator=gen)
         b = a.clone()
-        b[:, :S // 2] = torch.randint(3, 96, (1, S // 2), generator=gen)
+        b[:, : S // 2] = torch.randint(3, 96, (1, S // 2), generator=gen)
         w = torch.randn(1, S, ref.config.vocab_size, generator=gen)
         s = S // world
         got = 0
         for ids, scale in ((a, 1.0), (b, 2.0)):
             shard = hf_upipe.shard_batch({"input_ids": ids}, rank, world)
             logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
-            got = got + scale * (logits * w[:, rank * s:(rank + 1) * s]).sum()
+            got = got + scale * (logits * w[:, rank * s : (rank + 1) * s]).sum()
         got.backward()
         with hf_upipe.without_sequence_parallel():
-            want = sum(scale * (ref(input_ids=ids).logits * w).sum() for ids, scale in ((a, 1.0), (b, 2.0)))
+            want = sum(
+                scale * (ref(input_ids=ids).logits * w).sum() for ids, scale in ((a, 1.0), (b, 2.0))
+            )
         want.backward()
         errors = {}
         for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
@@ -295,9 +353,12 @@ def _sent_worker(rank, world, model_type, lengths):
 
     def counting(original, gather):
         def wrapped(first, *args, **kwargs):
-            tensor = args[0] if gather else first  # all_gather(outputs, input): what this rank contributes
+            tensor = (
+                args[0] if gather else first
+            )  # all_gather(outputs, input): what this rank contributes
             sent["bytes"] += tensor.numel() * tensor.element_size()
             return original(first, *args, **kwargs)
+
         return wrapped
 
     for name, original in zip(names, originals):
@@ -328,18 +389,34 @@ def test_what_a_mixer_sends_is_its_halo_and_state_whatever_the_length():
     rank gathers it)."""
     B, world, layers = 2, 2, 2
     config = hybrid_config("bamba")
-    conv_dim = config.mamba_expand * config.hidden_size + 2 * config.mamba_n_groups * config.mamba_d_state
-    payload = B * (conv_dim * (config.mamba_d_conv - 1)
-                   + config.mamba_n_heads * config.mamba_d_head * config.mamba_d_state) * 4
+    conv_dim = (
+        config.mamba_expand * config.hidden_size + 2 * config.mamba_n_groups * config.mamba_d_state
+    )
+    payload = (
+        B
+        * (
+            conv_dim * (config.mamba_d_conv - 1)
+            + config.mamba_n_heads * config.mamba_d_head * config.mamba_d_state
+        )
+        * 4
+    )
     sent = run_distributed(_sent_worker, world, "bamba", (32, 128), timeout=200)
-    assert sent[0] == {32: layers * (payload + 2 * 64), 128: layers * (payload + 2 * 64)}, sent  # forward
+    assert sent[0] == {32: layers * (payload + 2 * 64), 128: layers * (payload + 2 * 64)}, (
+        sent
+    )  # forward
     assert sent[1] == {32: layers * payload, 128: layers * payload}, sent  # backward
     config = hybrid_config("lfm2")
     halo = B * (config.conv_L_cache - 1) * config.hidden_size * 4
     sent = run_distributed(_sent_worker, world, "lfm2", (32, 128), timeout=200)
-    assert sent == [{32: layers * halo, 128: layers * halo}] * 2, sent  # rank 0 forward, rank 1 backward
+    assert sent == [{32: layers * halo, 128: layers * halo}] * 2, (
+        sent
+    )  # rank 0 forward, rank 1 backward
     config = hybrid_config("qwen3_next")
-    dk, dv, heads = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_num_value_heads
+    dk, dv, heads = (
+        config.linear_key_head_dim,
+        config.linear_value_head_dim,
+        config.linear_num_value_heads,
+    )
     conv = 2 * config.linear_num_key_heads * dk + heads * dv
     halo = B * conv * (config.linear_conv_kernel_dim - 1) * 4
     states = B * heads * dk * (dv + dk) * 4  # [F | M] of one rank

@@ -21,7 +21,9 @@ def _model(model_type, **overrides):
     for key, value in overrides.items():
         setattr(config, key, value)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
 
 
 def _both(model):
@@ -34,31 +36,42 @@ def _both(model):
     model.zero_grad()
     got, outputs = shard_loss_sum(model, {"input_ids": ids}, labels, tiled=True)
     got.backward()
-    grad_error = max(float((p.grad - want_grads[n]).abs().max() / want_grads[n].abs().max().clamp_min(1e-12))
-                     for n, p in model.named_parameters())
+    grad_error = max(
+        float((p.grad - want_grads[n]).abs().max() / want_grads[n].abs().max().clamp_min(1e-12))
+        for n, p in model.named_parameters()
+    )
     return float(got.detach()), float(want.detach()), grad_error, outputs
 
 
-@pytest.mark.parametrize("model_type, overrides", [
-    ("granite", {"logits_scaling": 8.0}),  # logits / 8
-    ("granitemoe", {"logits_scaling": 3.0}),
-    ("hyperclovax", {"logits_scaling": 0.25}),  # logits * 0.25
-    ("cohere", {"logit_scale": 0.0625}),  # logits * 0.0625
-    ("gemma2", {"final_logit_softcapping": 2.0, "sliding_window": 64}),  # 2 tanh(logits / 2)
-    ("llama", {}),
-])
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [
+        ("granite", {"logits_scaling": 8.0}),  # logits / 8
+        ("granitemoe", {"logits_scaling": 3.0}),
+        ("hyperclovax", {"logits_scaling": 0.25}),  # logits * 0.25
+        ("cohere", {"logit_scale": 0.0625}),  # logits * 0.0625
+        ("gemma2", {"final_logit_softcapping": 2.0, "sliding_window": 64}),  # 2 tanh(logits / 2)
+        ("llama", {}),
+    ],
+)
 def test_tiled_loss_is_the_models_own_loss(model_type, overrides):
     model = _model(model_type, **overrides)
     got, want, grad_error, outputs = _both(model)
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
     assert grad_error < 1e-4, grad_error
-    assert outputs.logits.shape[1] == 0  # no logits returned on the tiled path, the probe's included
+    assert (
+        outputs.logits.shape[1] == 0
+    )  # no logits returned on the tiled path, the probe's included
 
 
 def test_unknown_logit_transforms_are_refused(monkeypatch):
     model = _model("granite", logits_scaling=8.0)
-    monkeypatch.setattr(loss_module, "logit_multiplier", lambda config: 1.0)  # as before the registry knew Granite
+    monkeypatch.setattr(
+        loss_module, "logit_multiplier", lambda config: 1.0
+    )  # as before the registry knew Granite
     monkeypatch.setattr(loss_module, "_CHECKED_HEADS", type(loss_module._CHECKED_HEADS)())
-    with pytest.raises(NotImplementedError, match="logits of this 'granite' model are not its lm_head's output.*"
-                                                  "tiled_loss=False"):
+    with pytest.raises(
+        NotImplementedError,
+        match="logits of this 'granite' model are not its lm_head's output.*tiled_loss=False",
+    ):
         _both(model)

@@ -68,7 +68,12 @@ class _HostReads(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-MODES = ("registered", "recompute", "save", "overlap")  # the registered path; the fused block's modes
+MODES = (
+    "registered",
+    "recompute",
+    "save",
+    "overlap",
+)  # the registered path; the fused block's modes
 
 
 def _worker(rank, world, layers):
@@ -79,14 +84,27 @@ def _worker(rank, world, layers):
     for mode in MODES:
         _, model = build_pair(tiny_config("llama", layers=layers), "upipe", 0)
         if mode != "registered":
-            hf_upipe.prepare_model(model, hf_upipe.UPipeConfig(fused_backward="recompute" if mode == "recompute"
-                                                               else "save", overlap_comm=mode == "overlap"))
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            hf_upipe.prepare_model(
+                model,
+                hf_upipe.UPipeConfig(
+                    fused_backward="recompute" if mode == "recompute" else "save",
+                    overlap_comm=mode == "overlap",
+                ),
+            )
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
         model.train()
-        for step in range(2):  # the first step warms up (the tiled loss checks the model's logit scaling once)
+        for step in range(
+            2
+        ):  # the first step warms up (the tiled loss checks the model's logit scaling once)
             ids = torch.randint(3, 90, (2, 32), generator=torch.Generator().manual_seed(step))
             shard = hf_upipe.shard_batch({"input_ids": ids, "labels": ids}, rank, world)
-            inputs = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens", "labels")}
+            inputs = {
+                k: v
+                for k, v in shard.items()
+                if k not in ("shift_labels", "num_label_tokens", "labels")
+            }
             with _HostReads() as reads:
                 loss_sum, _ = shard_loss_sum(model, inputs, shard["shift_labels"])
                 loss_sum.backward()
@@ -102,7 +120,14 @@ def test_a_step_reads_the_host_only_in_the_layout_check():
     for rank in range(2):
         for mode in MODES:
             reads = deep[rank][mode]
-            assert shallow[rank][mode] == reads, (mode, shallow[rank][mode], reads)  # nothing per layer
+            assert shallow[rank][mode] == reads, (
+                mode,
+                shallow[rank][mode],
+                reads,
+            )  # nothing per layer
             ours = {k: n for k, n in reads.items() if k.startswith("hf_upipe/")}
-            assert ours and all(k.startswith("hf_upipe/integrations/layout.py:") for k in ours), (mode, ours)
+            assert ours and all(k.startswith("hf_upipe/integrations/layout.py:") for k in ours), (
+                mode,
+                ours,
+            )
             assert sum(reads.values()) <= 8, (mode, reads)  # a handful per step, once per forward

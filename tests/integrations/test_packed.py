@@ -44,9 +44,15 @@ def _packed_batch(vocab, seed, layout=LAYOUT):
 def _reference(ref, batch, **kw):
     ref.zero_grad()
     with hf_upipe.without_sequence_parallel():  # one process, the whole batch
-        out = ref(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"], **kw)
+        out = ref(
+            batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"], **kw
+        )
     out.loss.backward()
-    return out.loss.detach(), out.logits.detach(), {n: p.grad.clone() for n, p in ref.named_parameters()}
+    return (
+        out.loss.detach(),
+        out.logits.detach(),
+        {n: p.grad.clone() for n, p in ref.named_parameters()},
+    )
 
 
 def _sharded_errors(model, ref_out, shard, rank, s, group):
@@ -54,15 +60,21 @@ def _sharded_errors(model, ref_out, shard, rank, s, group):
     ref_loss, ref_logits, ref_grads = ref_out
     model.zero_grad()
     kw = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}
-    out = model(**kw, labels=shard["shift_labels"], shift_labels=shard["shift_labels"],
-                num_items_in_batch=shard["num_label_tokens"])
+    out = model(
+        **kw,
+        labels=shard["shift_labels"],
+        shift_labels=shard["shift_labels"],
+        num_items_in_batch=shard["num_label_tokens"],
+    )
     out.loss.backward()
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=group)
     S = ref_logits.shape[1]
     lo, hi = rank * s, min((rank + 1) * s, S)  # the tail beyond S is padding
-    errs = {"loss": _rel(loss, ref_loss), "logits": _rel(out.logits[:, :max(hi - lo, 0)], ref_logits[:, lo:hi])
-            if hi > lo else 0.0}
+    errs = {
+        "loss": _rel(loss, ref_loss),
+        "logits": _rel(out.logits[:, : max(hi - lo, 0)], ref_logits[:, lo:hi]) if hi > lo else 0.0,
+    }
     for name, p in model.named_parameters():
         g = p.grad.clone()
         dist.all_reduce(g, group=group)
@@ -100,18 +112,25 @@ def _worker(rank, world, archs):
             padded["labels"] = batch["labels"].masked_fill(padded["attention_mask"] == 0, -100)
             ref_pad = _reference(ref, padded)
             shard_pad = shard_batch(padded, rank, P)
-            results[f"{arch} right padding"] = _sharded_errors(model, ref_pad, shard_pad, rank, s, group)
+            results[f"{arch} right padding"] = _sharded_errors(
+                model, ref_pad, shard_pad, rank, s, group
+            )
             # errors, raised on every rank before any all-to-all
             ids, pos = shard["input_ids"], shard["position_ids"]
-            other = shard_batch(_packed_batch(cfg.vocab_size, 0, [[5, 20], [25]]), rank, P)["upipe_cu_seqlens"]
+            other = shard_batch(_packed_batch(cfg.vocab_size, 0, [[5, 20], [25]]), rank, P)[
+                "upipe_cu_seqlens"
+            ]
             results["errors"] = {
                 "no documents": _outcome(lambda: model(ids, position_ids=pos)),
                 "no documents fused": _outcome(lambda: fused(ids, position_ids=pos)),
-                "documents of another batch": _outcome(lambda: model(ids, position_ids=pos, upipe_cu_seqlens=other)),
+                "documents of another batch": _outcome(
+                    lambda: model(ids, position_ids=pos, upipe_cu_seqlens=other)
+                ),
             }
             window = build_pair(tiny_config("mistral", sliding_window=4), "upipe", seed=0)[1]
             results["errors"]["sliding window"] = _outcome(
-                lambda: window(ids, position_ids=pos, upipe_cu_seqlens=shard["upipe_cu_seqlens"]))
+                lambda: window(ids, position_ids=pos, upipe_cu_seqlens=shard["upipe_cu_seqlens"])
+            )
     hf_upipe.reset_sequence_parallel()
     return results
 
@@ -132,7 +151,9 @@ def test_packed_batches_match_single_process_sdpa(world, archs):
             if case == "errors":
                 for name, (kind, text) in ERRORS.items():
                     got_kind, message = errs[name]
-                    assert got_kind == kind and text in message, f"rank {rank}, {name}: {got_kind}: {message}"
+                    assert got_kind == kind and text in message, (
+                        f"rank {rank}, {name}: {got_kind}: {message}"
+                    )
                 continue
             for name, e in errs.items():
                 assert e < 2e-5, f"rank {rank}, {case}, {name}: rel err {e:.2e}"
@@ -147,7 +168,14 @@ def test_without_sp_upipe_is_sdpa_on_packed_batches():
     batch = _packed_batch(cfg.vocab_size, seed=5)
     want = ref(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"])
     shard = shard_batch(batch, 0, 1)
-    assert shard["upipe_max_seqlen"] == 15 and shard["upipe_cu_seqlens"].tolist() == [0, 7, 19, 25, 40, 50]
+    assert shard["upipe_max_seqlen"] == 15 and shard["upipe_cu_seqlens"].tolist() == [
+        0,
+        7,
+        19,
+        25,
+        40,
+        50,
+    ]
     kw = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}
     for m in (model, fused):
         got = m(**kw, labels=shard["shift_labels"], shift_labels=shard["shift_labels"])

@@ -16,9 +16,16 @@ from hf_upipe.integrations.parallelism import (
     with_parallelism_sp,
 )
 
-_VARS = ("ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "LOCAL_WORLD_SIZE",
-         "UPIPE_SP_SIZE", *(f"PARALLELISM_CONFIG_{d}_SIZE" for d in ("DP_REPLICATE", "DP_SHARD", "TP", "CP", "SP")),
-         "PARALLELISM_CONFIG_SP_BACKEND", "PARALLELISM_CONFIG_CP_BACKEND")
+_VARS = (
+    "ACCELERATE_USE_PARALLELISM_CONFIG",
+    "ACCELERATE_USE_DEEPSPEED",
+    "ACCELERATE_USE_FSDP",
+    "LOCAL_WORLD_SIZE",
+    "UPIPE_SP_SIZE",
+    *(f"PARALLELISM_CONFIG_{d}_SIZE" for d in ("DP_REPLICATE", "DP_SHARD", "TP", "CP", "SP")),
+    "PARALLELISM_CONFIG_SP_BACKEND",
+    "PARALLELISM_CONFIG_CP_BACKEND",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -46,10 +53,14 @@ def test_sp_size_of_the_parallelism_config_is_the_degree():
     assert config.resolve_sp_size(4) == 2 and config.sp_size == 2
     assert config.describe("sp_size") == "ParallelismConfig(sp_size=2)"
     assert parallelism_errors(UPipeConfig(), sizes, 4) == []
-    assert parallelism_errors(UPipeConfig(sp_size=2), sizes, 4) == []  # the same degree twice is fine
+    assert (
+        parallelism_errors(UPipeConfig(sp_size=2), sizes, 4) == []
+    )  # the same degree twice is fine
     # an explicit UPipe sp_size is kept; with a parallelism config of sp 1 the dp sizes must leave room for it
-    assert with_parallelism_sp(UPipeConfig(sp_size=2), _sizes(dp_shard=2)).describe("sp_size") == \
-        "UPipeConfig(sp_size=2)"
+    assert (
+        with_parallelism_sp(UPipeConfig(sp_size=2), _sizes(dp_shard=2)).describe("sp_size")
+        == "UPipeConfig(sp_size=2)"
+    )
     assert parallelism_errors(UPipeConfig(sp_size=2), _sizes(dp_shard=2), 4) == []
 
 
@@ -59,25 +70,35 @@ def test_accelerate_config_keys_through_accelerate_launch(tmp_path, monkeypatch)
     from accelerate.utils.launch import prepare_multi_gpu_env
 
     yaml = tmp_path / "config.yaml"
-    yaml.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_machines: 1\n"
-                    "num_processes: 4\nmachine_rank: 0\nmixed_precision: 'no'\nuse_cpu: false\n"
-                    "main_process_port: 29517\nrdzv_backend: static\nsame_network: true\n"
-                    "parallelism_config:\n  parallelism_config_sp_size: 2\n  parallelism_config_dp_replicate_size: 2\n")
+    yaml.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_machines: 1\n"
+        "num_processes: 4\nmachine_rank: 0\nmixed_precision: 'no'\nuse_cpu: false\n"
+        "main_process_port: 29517\nrdzv_backend: static\nsame_network: true\n"
+        "parallelism_config:\n  parallelism_config_sp_size: 2\n  parallelism_config_dp_replicate_size: 2\n"
+    )
     args = launch_command_parser().parse_args(["--config_file", str(yaml), "train.py"])
     args = _validate_launch_command(args)[0]
     env = prepare_multi_gpu_env(args)
-    assert env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true" and env["PARALLELISM_CONFIG_SP_SIZE"] == "2"
+    assert (
+        env["ACCELERATE_USE_PARALLELISM_CONFIG"] == "true"
+        and env["PARALLELISM_CONFIG_SP_SIZE"] == "2"
+    )
     sizes = find_parallelism(None, environ=env)
     assert (sizes.sp, sizes.dp_replicate, sizes.dp_shard) == (2, 2, 1)
     assert sizes.describe("sp") == "parallelism_config_sp_size: 2 (PARALLELISM_CONFIG_SP_SIZE=2)"
     assert parallelism_errors(UPipeConfig(), sizes, 4) == []
     # accelerate's own ParallelismConfig() under that launch (what Accelerator() builds) is named the same way
-    for key in ("ACCELERATE_USE_PARALLELISM_CONFIG", "PARALLELISM_CONFIG_SP_SIZE",
-                "PARALLELISM_CONFIG_DP_REPLICATE_SIZE"):
+    for key in (
+        "ACCELERATE_USE_PARALLELISM_CONFIG",
+        "PARALLELISM_CONFIG_SP_SIZE",
+        "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
+    ):
         monkeypatch.setenv(key, env[key])
     assert find_parallelism(ParallelismConfig()).describe("sp") == sizes.describe("sp")
     monkeypatch.delenv("ACCELERATE_USE_PARALLELISM_CONFIG")
-    assert find_parallelism(None, environ={"PARALLELISM_CONFIG_SP_SIZE": "2"}) is None  # not switched on
+    assert (
+        find_parallelism(None, environ={"PARALLELISM_CONFIG_SP_SIZE": "2"}) is None
+    )  # not switched on
 
 
 def test_deepspeed_sp_is_refused():
@@ -88,7 +109,9 @@ def test_deepspeed_sp_is_refused():
     message = str(errors[0])
     assert "ParallelismConfig(sp_size=2) with DeepSpeed" in message and "over 2 ranks" in message
     assert "sp_backend='deepspeed'" in message and "FSDP2 or DDP" in message
-    assert parallelism_errors(UPipeConfig(sp_size=1), _sizes(dp_replicate=2), 2, deepspeed=True) == []  # no SP
+    assert (
+        parallelism_errors(UPipeConfig(sp_size=1), _sizes(dp_replicate=2), 2, deepspeed=True) == []
+    )  # no SP
 
 
 def test_context_and_tensor_parallelism_are_refused():
@@ -111,30 +134,59 @@ def test_disagreeing_degrees_are_refused(monkeypatch):
 def test_sizes_that_do_not_make_the_world_are_refused():
     (err,) = parallelism_errors(UPipeConfig(), _sizes(sp=2, dp_replicate=2), 8)
     message = str(err)
-    assert "sp_size 2 (ParallelismConfig(sp_size=2)) x dp_replicate_size 2 x dp_shard_size 1" in message
-    assert "= 4 processes, but this launch has 8" in message and "ParallelismConfig(dp_replicate_size=4)" in message
+    assert (
+        "sp_size 2 (ParallelismConfig(sp_size=2)) x dp_replicate_size 2 x dp_shard_size 1"
+        in message
+    )
+    assert (
+        "= 4 processes, but this launch has 8" in message
+        and "ParallelismConfig(dp_replicate_size=4)" in message
+    )
     # an FSDP-style config without sp_size, against hf_upipe's default degree (all 4 processes)
     (err,) = parallelism_errors(UPipeConfig(), _sizes(dp_shard=4), 4)
     assert "sp_size 4 (hf_upipe's default: one node)" in str(err)
     assert "x dp_shard_size 4" in str(err) and "= 16 processes, but this launch has 4" in str(err)
     assert "ParallelismConfig(dp_shard_size=1)" in str(err)
     (err,) = parallelism_errors(UPipeConfig(sp_size=2), _sizes(dp_shard=4), 4)
-    assert "sp_size 2 (UPipeConfig(sp_size=2))" in str(err) and "ParallelismConfig(dp_shard_size=2)" in str(err)
-    env = find_parallelism(None, environ={"ACCELERATE_USE_PARALLELISM_CONFIG": "true",
-                                          "PARALLELISM_CONFIG_SP_SIZE": "2", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"})
+    assert "sp_size 2 (UPipeConfig(sp_size=2))" in str(
+        err
+    ) and "ParallelismConfig(dp_shard_size=2)" in str(err)
+    env = find_parallelism(
+        None,
+        environ={
+            "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+            "PARALLELISM_CONFIG_SP_SIZE": "2",
+            "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+        },
+    )
     (err,) = parallelism_errors(UPipeConfig(), env, 2)
     assert "parallelism_config_dp_shard_size: 2 (PARALLELISM_CONFIG_DP_SHARD_SIZE=2)" in str(err)
     assert "parallelism_config_dp_shard_size: 1" in str(err)
     with pytest.raises(ValueError, match="PARALLELISM_CONFIG_SP_SIZE='two'"):
-        find_parallelism(None, environ={"ACCELERATE_USE_PARALLELISM_CONFIG": "true",
-                                        "PARALLELISM_CONFIG_SP_SIZE": "two"})
+        find_parallelism(
+            None,
+            environ={
+                "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+                "PARALLELISM_CONFIG_SP_SIZE": "two",
+            },
+        )
 
 
 def test_accelerate_gets_no_sp():
-    view = accelerate_view(_sizes(sp=2, dp_replicate=2), 2, 4)  # DDP: all 1, accelerate's DP over every process
-    assert (view.sp_size, view.cp_size, view.tp_size, view.dp_replicate_size, view.dp_shard_size) == (1, 1, 1, 1, 1)
+    view = accelerate_view(
+        _sizes(sp=2, dp_replicate=2), 2, 4
+    )  # DDP: all 1, accelerate's DP over every process
+    assert (
+        view.sp_size,
+        view.cp_size,
+        view.tp_size,
+        view.dp_replicate_size,
+        view.dp_shard_size,
+    ) == (1, 1, 1, 1, 1)
     assert not view.sp_enabled and view.total_size == 1
-    view = accelerate_view(_sizes(sp=2, dp_shard=2), 2, 4, fsdp=True)  # FSDP sharding spans the SP ranks too
+    view = accelerate_view(
+        _sizes(sp=2, dp_shard=2), 2, 4, fsdp=True
+    )  # FSDP sharding spans the SP ranks too
     assert (view.dp_replicate_size, view.dp_shard_size, view.sp_size) == (1, 4, 1)
     view = accelerate_view(_sizes(sp=2, dp_replicate=2, dp_shard=2), 2, 8, fsdp=True)  # HSDP
     assert (view.dp_replicate_size, view.dp_shard_size, view.sp_size) == (2, 4, 1)
@@ -160,9 +212,17 @@ def test_plugin_reads_the_accelerators_parallelism_config():
     from tests.integrations._models import tiny_config
 
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
-    with pytest.raises(ValueError, match=r"UPipePlugin\(sp_size=1\) and ParallelismConfig\(sp_size=2\) disagree"):
+    with pytest.raises(
+        ValueError, match=r"UPipePlugin\(sp_size=1\) and ParallelismConfig\(sp_size=2\) disagree"
+    ):
         UPipePlugin(sp_size=1).prepare(_Accelerator(ParallelismConfig(sp_size=2)), model)
     with pytest.raises(ValueError, match=r"ParallelismConfig\(sp_size=2\) with DeepSpeed"):
-        UPipePlugin().prepare(_Accelerator(ParallelismConfig(sp_size=2), "DistributedType.DEEPSPEED"), model)
-    with pytest.raises(ValueError, match=r"sp_size 2 \(ParallelismConfig\(sp_size=2\)\) x dp_replicate_size 2"):
-        UPipePlugin().prepare(_Accelerator(ParallelismConfig(sp_size=2, dp_replicate_size=2)), model)
+        UPipePlugin().prepare(
+            _Accelerator(ParallelismConfig(sp_size=2), "DistributedType.DEEPSPEED"), model
+        )
+    with pytest.raises(
+        ValueError, match=r"sp_size 2 \(ParallelismConfig\(sp_size=2\)\) x dp_replicate_size 2"
+    ):
+        UPipePlugin().prepare(
+            _Accelerator(ParallelismConfig(sp_size=2, dp_replicate_size=2)), model
+        )

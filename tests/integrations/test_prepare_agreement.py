@@ -37,19 +37,35 @@ def _worker(rank, world, case):
     return outcome, model.config._attn_implementation
 
 
-@pytest.mark.parametrize("case,said", [
-    ("fused_backward", ["fused_backward: fused_backward='recompute' (no UPipeConfig) on rank 0, "
-                        "UPipeConfig(fused_backward='save') on rank 1"]),
-    ("tiled_mlp", ["mlp_chunk_tokens: UPipeConfig(mlp_chunk_tokens=4) on rank 0, UPipeConfig(mlp_chunk_tokens=8) "
-                   "on rank 1"]),
-    ("model", ["model: LlamaForCausalLM with", "trainable) on rank 0, LlamaForCausalLM with"]),
-    ("same", None),
-])
+@pytest.mark.parametrize(
+    "case,said",
+    [
+        (
+            "fused_backward",
+            [
+                "fused_backward: fused_backward='recompute' (no UPipeConfig) on rank 0, "
+                "UPipeConfig(fused_backward='save') on rank 1"
+            ],
+        ),
+        (
+            "tiled_mlp",
+            [
+                "mlp_chunk_tokens: UPipeConfig(mlp_chunk_tokens=4) on rank 0, UPipeConfig(mlp_chunk_tokens=8) "
+                "on rank 1"
+            ],
+        ),
+        ("model", ["model: LlamaForCausalLM with", "trainable) on rank 0, LlamaForCausalLM with"]),
+        ("same", None),
+    ],
+)
 def test_ranks_that_prepare_differently_are_refused_on_every_rank(case, said):
     for rank, (outcome, attention) in enumerate(run_distributed(_worker, 2, case)):
         if said is None:
             assert outcome is None and attention == "upipe", (rank, outcome)
             continue
-        assert outcome is not None and "called prepare_model differently" in outcome, (rank, outcome)
+        assert outcome is not None and "called prepare_model differently" in outcome, (
+            rank,
+            outcome,
+        )
         assert all(part in outcome for part in said), (rank, outcome)
         assert attention == "sdpa", (rank, attention)  # nothing was installed

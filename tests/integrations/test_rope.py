@@ -24,11 +24,23 @@ def _rel(a, b):
 
 
 def _configs():
-    dynamic = tiny_config("llama", max_position_embeddings=16,
-                          rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
-    longrope = tiny_config("phi3", max_position_embeddings=64, rope_parameters={  # Phi-3 validates 1 factor here
-        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
-        "short_factor": [1.0], "long_factor": [7.0], "partial_rotary_factor": 0.5})
+    dynamic = tiny_config(
+        "llama",
+        max_position_embeddings=16,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )
+    longrope = tiny_config(
+        "phi3",
+        max_position_embeddings=64,
+        rope_parameters={  # Phi-3 validates 1 factor here
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 16,
+            "short_factor": [1.0],
+            "long_factor": [7.0],
+            "partial_rotary_factor": 0.5,
+        },
+    )
     return {"dynamic": dynamic, "longrope": longrope}
 
 
@@ -38,16 +50,22 @@ def _worker(rank, world, name, fused, S):
     ids = torch.randint(0, config.vocab_size, (1, S), generator=torch.Generator().manual_seed(1))
     labels = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
     ref_logits = ref(ids).logits
-    F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum").backward()
+    F.cross_entropy(
+        ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+    ).backward()
     state = hf_upipe.init_sequence_parallel(world)
     try:
         hf_upipe.prepare_model(model, hf_upipe.UPipeConfig(fused_attention=fused))
-        installed = sum("forward" in m.__dict__ and type(m).__name__.endswith("RotaryEmbedding")
-                        for m in model.modules())
+        installed = sum(
+            "forward" in m.__dict__ and type(m).__name__.endswith("RotaryEmbedding")
+            for m in model.modules()
+        )
         s = S // world
         sh = slice(rank * s, (rank + 1) * s)
         logits = model(ids[:, sh], position_ids=torch.arange(S)[sh][None]).logits
-        F.cross_entropy(logits.flatten(0, 1), labels[:, sh].flatten(), ignore_index=-100, reduction="sum").backward()
+        F.cross_entropy(
+            logits.flatten(0, 1), labels[:, sh].flatten(), ignore_index=-100, reduction="sum"
+        ).backward()
         errs = {"logits": _rel(logits, ref_logits[:, sh])}
         ref_params = dict(ref.named_parameters())
         for n, p in model.named_parameters():
@@ -78,7 +96,9 @@ def _shard_length_worker(rank, world):
     try:
         hf_upipe.prepare_model(model)
         rope.remove_global_rope(model)
-        rope._READY[id(model.config)] = __import__("weakref").ref(model.config)  # let the gate pass, to show why
+        rope._READY[id(model.config)] = __import__("weakref").ref(
+            model.config
+        )  # let the gate pass, to show why
         sh = slice(rank * 24, (rank + 1) * 24)
         logits = model(ids[:, sh], position_ids=torch.arange(48)[sh][None]).logits
         with hf_upipe.without_sequence_parallel():
@@ -98,7 +118,8 @@ def test_dynamic_rope_update_is_verified():
     got, verdict = rope.rope_update_fingerprint(), rope.rope_verdict()
     if installed_release() in VERIFIED_RELEASES:
         assert got in rope.ROPE_FINGERPRINTS, (
-            f"transformers changed dynamic_rope_update: re-verify hf_upipe/integrations/rope.py, then record {got!r}")
+            f"transformers changed dynamic_rope_update: re-verify hf_upipe/integrations/rope.py, then record {got!r}"
+        )
     assert verdict.ok, verdict
 
 
@@ -123,5 +144,7 @@ def test_the_trainers_setup_check_admits_what_prepare_model_handles(monkeypatch)
 
     model = AutoModelForCausalLM.from_config(copy.deepcopy(_configs()["dynamic"]))
     assert model_refusal(model) is None
-    monkeypatch.setattr(rope, "rope_verdict", lambda: Verdict(False, "failed", "a changed dynamic_rope_update"))
+    monkeypatch.setattr(
+        rope, "rope_verdict", lambda: Verdict(False, "failed", "a changed dynamic_rope_update")
+    )
     assert "cannot make this model's rotary modules take the global length" in model_refusal(model)

@@ -34,38 +34,45 @@ def _worker(rank, world):
 
     out["local positions"] = _outcome(lambda: run(position_ids=torch.arange(s).unsqueeze(0)))
     packed = torch.arange(S)
-    packed[S - 5:] = torch.arange(5)  # a second document starts on the last rank
+    packed[S - 5 :] = torch.arange(5)  # a second document starts on the last rank
     out["packed"] = _outcome(lambda: run(position_ids=packed[sh].unsqueeze(0)))
     left = torch.ones(B, S, dtype=torch.long)
     left[1, :3] = 0
     out["left padding"] = _outcome(lambda: run(attention_mask=left[:, sh]))
     interior = torch.ones(B, S, dtype=torch.long)
-    interior[0, s - 2:s] = 0  # padding at the end of rank 0's shard, real tokens again on rank 1
+    interior[0, s - 2 : s] = 0  # padding at the end of rank 0's shard, real tokens again on rank 1
     out["interior padding across shards"] = _outcome(lambda: run(attention_mask=interior[:, sh]))
     short = s + 1 if rank == 0 else s - 1
     out["unequal shards"] = _outcome(
-        lambda: run(ids_=ids[:, :short], position_ids=torch.arange(short)[None] + rank * s))
+        lambda: run(ids_=ids[:, :short], position_ids=torch.arange(short)[None] + rank * s)
+    )
     mis_cfg = tiny_config("mistral", sliding_window=S // 2)
     mis_ref, mistral = build_pair(mis_cfg, "upipe", seed=0)
-    with torch.no_grad():  # a window shorter than the sequence runs in the kernel (hf_upipe.ops.windowed)
+    with (
+        torch.no_grad()
+    ):  # a window shorter than the sequence runs in the kernel (hf_upipe.ops.windowed)
         with hf_upipe.without_sequence_parallel():
             want = mis_ref(ids).logits[:, sh]
         out["sliding window error"] = (run(m=mistral) - want).abs().max().item()
-    bad_heads = build_pair(tiny_config("llama", heads=3, kv_heads=1, head_dim=16), "upipe", seed=0)[1]
+    bad_heads = build_pair(tiny_config("llama", heads=3, kv_heads=1, head_dim=16), "upipe", seed=0)[
+        1
+    ]
     out["heads"] = _outcome(lambda: run(m=bad_heads))
     drop = build_pair(tiny_config("llama", attention_dropout=0.1), "upipe", seed=0)[1].train()
     out["dropout"] = _outcome(lambda: run(m=drop))
 
     # trailing padding is exact on real tokens: row 0 padded from inside rank 0's shard, row 1 inside the last
     right = torch.ones(B, S, dtype=torch.long)
-    right[0, s - 3:] = 0
-    right[1, S - 2:] = 0
+    right[0, s - 3 :] = 0
+    right[1, S - 2 :] = 0
     with torch.no_grad():
         logits = run(attention_mask=right[:, sh])
         with hf_upipe.without_sequence_parallel():
             expected = ref(ids, attention_mask=right).logits[:, sh]
     real = right[:, sh].bool()
-    out["right padding error"] = (logits[real] - expected[real]).abs().max().item() if real.any() else 0.0
+    out["right padding error"] = (
+        (logits[real] - expected[real]).abs().max().item() if real.any() else 0.0
+    )
     out["right padding checked"] = int(real.sum())
     hf_upipe.reset_sequence_parallel()
     return out
@@ -87,7 +94,9 @@ def test_bad_inputs_raise_on_every_rank_and_padding_is_exact():
     for rank, out in enumerate(results):
         for case, (kind, text) in EXPECTED.items():
             got_kind, message = out[case]
-            assert got_kind == kind and text in message, f"rank {rank}, {case}: got {got_kind}: {message}"
+            assert got_kind == kind and text in message, (
+                f"rank {rank}, {case}: got {got_kind}: {message}"
+            )
         assert out["right padding checked"] > 0
         assert out["right padding error"] < 1e-5, out["right padding error"]
         assert out["sliding window error"] < 1e-5, out["sliding window error"]
@@ -99,8 +108,14 @@ def test_without_sp_upipe_is_sdpa_including_generation_with_cache():
     ids = torch.randint(1, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0  # left padding, as in batched generation
-    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, output_scores=True,
-              return_dict_in_generate=True, pad_token_id=0)
+    kw = dict(
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
     a, b = ref.generate(ids, **kw), model.generate(ids, **kw)
     assert torch.equal(a.sequences, b.sequences)
     for sa, sb in zip(a.scores, b.scores):
@@ -128,11 +143,17 @@ def _groups_worker(rank, world):
 
 def test_groups_are_contiguous_sp_with_dp_across():
     for rank, out in enumerate(run_distributed(_groups_worker, 4)):
-        assert "sp_size=3 does not divide the world size 4; use one of [1, 2, 4]" in out["bad sp_size"]
+        assert (
+            "sp_size=3 does not divide the world size 4; use one of [1, 2, 4]" in out["bad sp_size"]
+        )
         assert out["sp ranks"] == ([0, 1] if rank < 2 else [2, 3])
         assert out["dp ranks"] == ([0, 2] if rank % 2 == 0 else [1, 3])
         assert out["ranks"] == (rank % 2, rank // 2, 2, 2)
-        expected = "sp_size=4 but the given group has 2 ranks" if rank < 2 else f"rank {rank} is not a member"
+        expected = (
+            "sp_size=4 but the given group has 2 ranks"
+            if rank < 2
+            else f"rank {rank} is not a member"
+        )
         assert expected in out["group mismatch"]
 
 
@@ -159,18 +180,24 @@ def _validation_worker(rank, world):
         _, model = build_pair(tiny_config("llama", layers=2), "upipe", seed=0)
         if fused:
             hf_upipe.prepare_model(model)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": False}
+        )
         model.train()
         counts = []
         for batch in range(2):
             ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(batch))
             shard = hf_upipe.shard_batch({"input_ids": ids, "labels": ids}, rank, world)
             counted.clear()
-            loss = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits.sum()
+            loss = model(
+                input_ids=shard["input_ids"], position_ids=shard["position_ids"]
+            ).logits.sum()
             loss.backward()  # recomputes both checkpointed layers
             counts.append(len(counted))
         out["fused" if fused else "registered"] = counts
-    bad = torch.arange(8)[rank * 4:(rank + 1) * 4].unsqueeze(0) * 0  # local positions on every rank: an error
+    bad = (
+        torch.arange(8)[rank * 4 : (rank + 1) * 4].unsqueeze(0) * 0
+    )  # local positions on every rank: an error
     out["error"] = _outcome(lambda: model(input_ids=ids[:, :4], position_ids=bad).logits)[0]
     return out
 

@@ -20,8 +20,12 @@ def _rel(a, b):
 
 
 def _loss(logits, shift_labels, n_tokens):
-    return F.cross_entropy(logits.float().flatten(0, 1), shift_labels.flatten(), ignore_index=-100,
-                           reduction="sum") / n_tokens
+    return (
+        F.cross_entropy(
+            logits.float().flatten(0, 1), shift_labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        / n_tokens
+    )
 
 
 def _model_errors(rank, world, arch, geom, chunk, dtype, seed, B=2, S=None, sp_size=None):
@@ -36,7 +40,9 @@ def _model_errors(rank, world, arch, geom, chunk, dtype, seed, B=2, S=None, sp_s
     model.to(dtype)
     gen = torch.Generator().manual_seed(seed + 7)
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
-    labels = torch.cat([ids[:, 1:], torch.full((B, 1), -100)], dim=1)  # pre-shifted over the whole sequence
+    labels = torch.cat(
+        [ids[:, 1:], torch.full((B, 1), -100)], dim=1
+    )  # pre-shifted over the whole sequence
     n_tokens = (labels != -100).sum()
     # single-process reference (fp32, every rank computes it)
     with hf_upipe.without_sequence_parallel():
@@ -59,8 +65,12 @@ def _model_errors(rank, world, arch, geom, chunk, dtype, seed, B=2, S=None, sp_s
             low_logits = low(ids).logits
         _loss(low_logits, labels, n_tokens).backward()
         base = {"logits": _rel(low_logits[:, sh], ref_logits[:, sh])}
-        base.update({n: _rel(p.grad, rp.grad)
-                     for (n, p), (_, rp) in zip(low.named_parameters(), ref.named_parameters())})
+        base.update(
+            {
+                n: _rel(p.grad, rp.grad)
+                for (n, p), (_, rp) in zip(low.named_parameters(), ref.named_parameters())
+            }
+        )
     hf_upipe.reset_sequence_parallel()
     return errs, base
 
@@ -76,15 +86,25 @@ def _check(cases, results):
                 if base is None:
                     assert e < 1e-4, f"{name}: rel err {e:.2e} in {case}"
                 else:
-                    assert e <= 2 * base[name] + 2**-7, f"{name}: rel err {e:.2e} vs plain {base[name]:.2e} in {case}"
+                    assert e <= 2 * base[name] + 2**-7, (
+                        f"{name}: rel err {e:.2e} vs plain {base[name]:.2e} in {case}"
+                    )
 
 
 CASES = {
-    2: [("llama", (8, 2), 1, torch.float32, 0), ("qwen2", (4, 4), None, torch.float32, 1),
-        ("mistral", (8, 4), 2, torch.float32, 2), ("qwen3", (6, 2), 1, torch.float32, 3),
-        ("llama", (8, 2), 1, torch.bfloat16, 4)],
-    4: [("llama", (8, 2), 1, torch.float32, 5), ("qwen2", (8, 8), 2, torch.float32, 6),
-        ("mistral", (4, 1), None, torch.float32, 7), ("qwen3", (8, 4), 1, torch.float32, 8)],
+    2: [
+        ("llama", (8, 2), 1, torch.float32, 0),
+        ("qwen2", (4, 4), None, torch.float32, 1),
+        ("mistral", (8, 4), 2, torch.float32, 2),
+        ("qwen3", (6, 2), 1, torch.float32, 3),
+        ("llama", (8, 2), 1, torch.bfloat16, 4),
+    ],
+    4: [
+        ("llama", (8, 2), 1, torch.float32, 5),
+        ("qwen2", (8, 8), 2, torch.float32, 6),
+        ("mistral", (4, 1), None, torch.float32, 7),
+        ("qwen3", (8, 4), 1, torch.float32, 8),
+    ],
 }
 
 

@@ -30,17 +30,31 @@ def _pair(case, dtype):
     from transformers import AutoModelForCausalLM
 
     if case in ("mistral fused", "mistral registered", "mistral lora"):
-        return build_pair(tiny_config("mistral", sliding_window=WINDOW), "upipe", seed=0, dtype=dtype)
+        return build_pair(
+            tiny_config("mistral", sliding_window=WINDOW), "upipe", seed=0, dtype=dtype
+        )
     if case == "qwen2":
-        return build_pair(tiny_config("qwen2", sliding_window=WINDOW, use_sliding_window=True, max_window_layers=0),
-                          "upipe", seed=1, dtype=dtype)
-    config = any_tiny(case)  # qwen2_moe (window in the mask only), gemma3_text (sliding and full layers)
+        return build_pair(
+            tiny_config(
+                "qwen2", sliding_window=WINDOW, use_sliding_window=True, max_window_layers=0
+            ),
+            "upipe",
+            seed=1,
+            dtype=dtype,
+        )
+    config = any_tiny(
+        case
+    )  # qwen2_moe (window in the mask only), gemma3_text (sliding and full layers)
     config.sliding_window = WINDOW
     if case == "qwen2_moe":
         config.use_sliding_window, config.max_window_layers = True, 0
     torch.manual_seed(2)
-    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa", dtype=dtype)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="upipe", dtype=dtype)
+    ref = AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation="sdpa", dtype=dtype
+    )
+    model = AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation="upipe", dtype=dtype
+    )
     model.load_state_dict(ref.state_dict())
     return ref, model
 
@@ -64,27 +78,58 @@ def _worker(rank, world, cases, dtype):
             ref, model = lora_pair(ref, model)
         low = copy.deepcopy(ref).to(dtype) if dtype != torch.float32 else None
         model.to(dtype)
-        hf_upipe.prepare_model(model, hf_upipe.UPipeConfig(fused_attention=case != "mistral registered"))
-        vocab = model.get_output_embeddings().weight.shape[0] if hasattr(model, "get_output_embeddings") else 96
+        hf_upipe.prepare_model(
+            model, hf_upipe.UPipeConfig(fused_attention=case != "mistral registered")
+        )
+        vocab = (
+            model.get_output_embeddings().weight.shape[0]
+            if hasattr(model, "get_output_embeddings")
+            else 96
+        )
         ids = torch.randint(3, min(vocab, 96), (2, S), generator=torch.Generator().manual_seed(7))
         s = S // world
-        with hf_upipe.without_sequence_parallel():  # the one-process references, on the whole sequence
+        with (
+            hf_upipe.without_sequence_parallel()
+        ):  # the one-process references, on the whole sequence
             loss_ref, logits_ref = _run(ref, {"input_ids": ids}, ids)
         ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
         base = None
         if low is not None:
             with hf_upipe.without_sequence_parallel():
                 loss_low, logits_low = _run(low, {"input_ids": ids}, ids)
-            base = {"loss": _rel(loss_low, loss_ref), "logits": _rel(logits_low[:, rank * s:(rank + 1) * s],
-                                                                     logits_ref[:, rank * s:(rank + 1) * s])}
-            base.update({n: _rel(p.grad, ref_grads[n]) for n, p in low.named_parameters() if p.grad is not None})
+            base = {
+                "loss": _rel(loss_low, loss_ref),
+                "logits": _rel(
+                    logits_low[:, rank * s : (rank + 1) * s],
+                    logits_ref[:, rank * s : (rank + 1) * s],
+                ),
+            }
+            base.update(
+                {
+                    n: _rel(p.grad, ref_grads[n])
+                    for n, p in low.named_parameters()
+                    if p.grad is not None
+                }
+            )
         shard = shard_batch({"input_ids": ids, "labels": ids}, rank, world)
-        kw = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens", "labels")}
-        loss, logits = _run(model, kw, shard["shift_labels"], shift_labels=shard["shift_labels"],
-                            num_items_in_batch=shard["num_label_tokens"])
+        kw = {
+            k: v
+            for k, v in shard.items()
+            if k not in ("shift_labels", "num_label_tokens", "labels")
+        }
+        loss, logits = _run(
+            model,
+            kw,
+            shard["shift_labels"],
+            shift_labels=shard["shift_labels"],
+            num_items_in_batch=shard["num_label_tokens"],
+        )
         loss = loss.clone()
         dist.all_reduce(loss)
-        errors = {"loss": _rel(loss, loss_ref), "logits": _rel(logits, logits_ref[:, rank * s:(rank + 1) * s])}
+        errors = {
+            "loss": _rel(loss, loss_ref),
+            "logits": _rel(logits, logits_ref[:, rank * s : (rank + 1) * s]),
+        }
         for name, p in model.named_parameters():
             if p.grad is None:
                 continue
@@ -109,7 +154,9 @@ def test_windows_shorter_than_the_sequence_are_exact_fp32():
 @pytest.mark.slow
 def test_windows_in_bf16():
     """Within 2x the plain bf16 model's own error plus one bf16 ulp (MoE routing makes fixed bounds meaningless)."""
-    for rank, results in enumerate(run_distributed(_worker, 2, ["mistral fused", "qwen2_moe"], torch.bfloat16)):
+    for rank, results in enumerate(
+        run_distributed(_worker, 2, ["mistral fused", "qwen2_moe"], torch.bfloat16)
+    ):
         for case, (errors, base) in results.items():
             for name, e in errors.items():
                 assert e <= 2 * base[name] + 2**-7, (rank, case, name, e, base[name])

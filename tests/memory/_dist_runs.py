@@ -11,12 +11,21 @@ def _model(lora: bool):
     from tests.integrations._models import tiny_config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=2), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(
+        tiny_config("llama", layers=2), attn_implementation="sdpa"
+    )
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                                 target_modules=["gate_proj", "up_proj", "down_proj"]))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=4,
+                lora_alpha=8,
+                init_lora_weights=False,
+                target_modules=["gate_proj", "up_proj", "down_proj"],
+            ),
+        )
     return model
 
 
@@ -34,7 +43,9 @@ def _wrap(model, wrapper: str):
     return model
 
 
-def steps(rank: int, world: int, wrapper: str, tiled: bool, lora: bool, checkpointing: bool) -> dict:
+def steps(
+    rank: int, world: int, wrapper: str, tiled: bool, lora: bool, checkpointing: bool
+) -> dict:
     from torch.distributed.tensor import DTensor
 
     from hf_upipe.memory import apply_tiled_mlp
@@ -47,7 +58,9 @@ def steps(rank: int, world: int, wrapper: str, tiled: bool, lora: bool, checkpoi
     model.train()
     wrapped = _wrap(model, wrapper)
     opt = torch.optim.SGD([p for p in wrapped.parameters() if p.requires_grad], lr=0.05)
-    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data: gradients must be reduced
+    gen = torch.Generator().manual_seed(
+        100 + rank
+    )  # each rank its own data: gradients must be reduced
     losses = []
     for _ in range(3):
         ids = torch.randint(0, 96, (2, 29), generator=gen)
@@ -68,8 +81,10 @@ def compare(rank: int, world: int, wrapper: str, lora: bool, checkpointing: bool
     plain = steps(rank, world, wrapper, False, lora, checkpointing)
     tiled = steps(rank, world, wrapper, True, lora, checkpointing)
     worst = max(abs(a - b) / abs(b) for a, b in zip(tiled["losses"], plain["losses"]))
-    pworst = max(float(abs(tiled["params"][n] - v).max() / max(abs(v).max(), 1e-12))
-                 for n, v in plain["params"].items())
+    pworst = max(
+        float(abs(tiled["params"][n] - v).max() / max(abs(v).max(), 1e-12))
+        for n, v in plain["params"].items()
+    )
     return {"loss_rel": worst, "param_rel": pworst, "n": len(plain["params"])}
 
 

@@ -17,7 +17,9 @@ def _model():
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("llama", layers=LAYERS), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(
+        tiny_config("llama", layers=LAYERS), attn_implementation="sdpa"
+    )
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
@@ -51,13 +53,17 @@ def test_offload_gives_bit_identical_gradients(tmp_path, force_host_copy):
             mod.OffloadStore.stays = original
         assert store.bytes_offloaded == (LAYERS - 1) * B * S * HIDDEN * 4
     else:
-        got, store = _grads(model, offload_checkpoints(model, "disk", path=str(tmp_path), min_bytes=0))
+        got, store = _grads(
+            model, offload_checkpoints(model, "disk", path=str(tmp_path), min_bytes=0)
+        )
         assert store.files_written == LAYERS - 1  # every layer input but the last one's
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
     assert os.listdir(tmp_path) == []  # the step's folder is gone
-    assert all(isinstance(layer._gradient_checkpointing_func, functools.partial)
-               for layer in model.model.layers)  # the layers got their own checkpoint function back
+    assert all(
+        isinstance(layer._gradient_checkpointing_func, functools.partial)
+        for layer in model.model.layers
+    )  # the layers got their own checkpoint function back
 
 
 def test_offload_removes_checkpointed_inputs_from_memory(tmp_path):
@@ -69,7 +75,9 @@ def test_offload_removes_checkpointed_inputs_from_memory(tmp_path):
                 loss = model(**_batch()).loss
                 live[target] = tracker.current_bytes  # after forward: what the backward will need
             if store is not None:
-                on_disk = sum(os.path.getsize(os.path.join(store.folder, f)) for f in os.listdir(store.folder))
+                on_disk = sum(
+                    os.path.getsize(os.path.join(store.folder, f)) for f in os.listdir(store.folder)
+                )
                 assert len(os.listdir(store.folder)) == LAYERS - 1
             loss.backward()
     one_input = B * S * HIDDEN * 4
@@ -125,9 +133,12 @@ def test_host_buffers_are_reused_across_steps_and_returned_after_a_failure(monke
         first = mod.HOST_POOL.allocated - before
         free_after_first = mod.HOST_POOL.free_bytes
         _grads(model, offload_checkpoints(model, "cpu", min_bytes=0))
-        assert first == LAYERS - 1 and mod.HOST_POOL.allocated - before == first  # reused, not reallocated
-        hook = model.model.layers[1].mlp.down_proj.weight.register_hook(lambda g: (_ for _ in ()).throw(
-            RuntimeError("boom")))
+        assert (
+            first == LAYERS - 1 and mod.HOST_POOL.allocated - before == first
+        )  # reused, not reallocated
+        hook = model.model.layers[1].mlp.down_proj.weight.register_hook(
+            lambda g: (_ for _ in ()).throw(RuntimeError("boom"))
+        )
         with pytest.raises(RuntimeError, match="boom"):
             with offload_checkpoints(model, "cpu", min_bytes=0):
                 model(**_batch()).loss.backward()
@@ -146,6 +157,8 @@ def test_host_buffers_stay_on_the_host_under_a_default_device():
     from hf_upipe.memory.offload import HostBufferPool
 
     pool = HostBufferPool()
-    with torch.device("meta"):  # stands for "cuda" on this CPU-only machine: any non-CPU default device
+    with torch.device(
+        "meta"
+    ):  # stands for "cuda" on this CPU-only machine: any non-CPU default device
         buf = pool.take((4, 3), torch.bfloat16)
     assert buf.device.type == "cpu" and buf.shape == (4, 3) and buf.dtype == torch.bfloat16

@@ -17,8 +17,16 @@ def _mlp(arch: str, dtype, lora: bool):
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                                                 target_modules=["gate_proj", "up_proj", "down_proj"]))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=4,
+                lora_alpha=8,
+                lora_dropout=0.0,
+                init_lora_weights=False,
+                target_modules=["gate_proj", "up_proj", "down_proj"],
+            ),
+        )
     return model
 
 
@@ -28,7 +36,11 @@ def _grads(model, x, dy):
     mlp = next(m for m in model.modules() if type(m).__name__.endswith("MLP"))
     y = mlp(x)
     y.backward(dy)
-    return y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return (
+        y.detach(),
+        x.grad,
+        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -46,15 +58,18 @@ def test_tiled_mlp_equals_plain(arch, lora, dtype):
     assert g0.keys() == g1.keys() and len(g0) > 0
     if lora:
         assert all("lora_" in n for n in g0)
-    if dtype == torch.float32:  # the weight gradients are sums over 60 tokens in another order: relative to max
+    if (
+        dtype == torch.float32
+    ):  # the weight gradients are sums over 60 tokens in another order: relative to max
         for got, want, name in [(y1, y0, "y"), (dx1, dx0, "dx")] + [(g1[n], g0[n], n) for n in g0]:
             err = (got - want).abs().max().item()
             assert err <= 1e-5 * want.abs().max().item(), (name, err)
     else:  # bf16: within 2x the plain bf16 path's error against an fp32 computation, plus one ulp
         ref32 = _mlp(arch, torch.float32, lora)
         y32, dx32, g32 = _grads(ref32, x.float(), dy.float())
-        for got, plain, exact, name in [(y1, y0, y32, "y"), (dx1, dx0, dx32, "dx")] + \
-                [(g1[n], g0[n], g32[n], n) for n in g0]:
+        for got, plain, exact, name in [(y1, y0, y32, "y"), (dx1, dx0, dx32, "dx")] + [
+            (g1[n], g0[n], g32[n], n) for n in g0
+        ]:
             err_plain = (plain.float() - exact).abs().max().item()
             err = (got.float() - exact).abs().max().item()
             assert err <= 2 * err_plain + 2**-7 * exact.abs().max().item(), (name, err, err_plain)
@@ -67,11 +82,15 @@ def test_tiled_mlp_saves_only_the_input():
     fn = lambda t: lin2(torch.relu(lin1(t)))  # noqa: E731
     x = torch.randn(1, 512, 16, requires_grad=True)
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.numel()) or t, lambda t: t
+    ):
         tiled_mlp(x, fn, list(lin1.parameters()) + list(lin2.parameters()), chunk_tokens=64)
     assert sum(saved) == x.numel()  # only the input
     saved.clear()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.numel()) or t, lambda t: t
+    ):
         fn(x)
     assert sum(saved) >= 2 * 512 * 256
 
@@ -85,7 +104,9 @@ def test_dropout_masks_replay_in_backward():
     fn = lambda t: lin(drop(t))  # noqa: E731
     x = torch.randn(2, 40, 12, requires_grad=True)
     torch.manual_seed(5)
-    y0 = torch.cat([fn(x[:, a:a + 9]) for a in range(0, 40, 9)], dim=1)  # [2, 40, 12], per-chunk masks
+    y0 = torch.cat(
+        [fn(x[:, a : a + 9]) for a in range(0, 40, 9)], dim=1
+    )  # [2, 40, 12], per-chunk masks
     y0.sum().backward()
     g0, x.grad = x.grad.clone(), None
     torch.manual_seed(5)
@@ -118,7 +139,9 @@ def test_whole_model_with_tiled_mlp_and_norms_equals_plain(arch):
     tiled = copy.deepcopy(ref)
     assert apply_tiled_mlp(tiled, chunk_tokens=5) == 2
     norms = [n for n, m in tiled.named_modules() if "forward" in m.__dict__ and "norm" in n]
-    assert len(norms) == 2 * 2 + 1 and not any(n.endswith(("q_norm", "k_norm")) for n in norms), norms
+    assert len(norms) == 2 * 2 + 1 and not any(n.endswith(("q_norm", "k_norm")) for n in norms), (
+        norms
+    )
     ids = torch.randint(0, 96, (2, 23), generator=torch.Generator().manual_seed(3))
     losses = []
     for model in (ref, tiled):

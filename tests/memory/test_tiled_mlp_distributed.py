@@ -12,7 +12,9 @@ def results():
     return run_distributed(compare_all, 2, timeout=300)
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{w}-lora{lo}-ckpt{c}" for w, lo, c in CASES])
+@pytest.mark.parametrize(
+    "case", range(len(CASES)), ids=[f"{w}-lora{lo}-ckpt{c}" for w, lo, c in CASES]
+)
 def test_tiled_mlp_matches_untiled(results, case):
     for rank in results:
         got = rank[case]

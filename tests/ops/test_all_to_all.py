@@ -10,7 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_upipe.ops.all_to_all import all_to_all_head_to_seq, all_to_all_seq_to_head, head_to_seq, seq_to_head
+from hf_upipe.ops.all_to_all import (
+    all_to_all_head_to_seq,
+    all_to_all_seq_to_head,
+    head_to_seq,
+    seq_to_head,
+)
 from tests._dist import run_distributed
 
 
@@ -32,22 +37,30 @@ def _worker(rank, world):
         gen = torch.Generator().manual_seed(S * H + B)
         full = torch.randn(B, S, H, D, generator=gen, dtype=torch.float64)
         s, h = S // world, H // world
-        local = full[:, rank * s:(rank + 1) * s]  # [B, s, H, D], a strided view
+        local = full[:, rank * s : (rank + 1) * s]  # [B, s, H, D], a strided view
         heads = seq_to_head(local.view(B, s, world, h, D), group)  # [B, S, h, D]
-        errors[f"seq_to_head {B,S,H,D}"] = (heads - full[:, :, rank * h:(rank + 1) * h]).abs().max().item()
+        errors[f"seq_to_head {B, S, H, D}"] = (
+            (heads - full[:, :, rank * h : (rank + 1) * h]).abs().max().item()
+        )
         back = head_to_seq(heads, group).reshape(B, s, H, D)
-        errors[f"head_to_seq {B,S,H,D}"] = (back - local).abs().max().item()
+        errors[f"head_to_seq {B, S, H, D}"] = (back - local).abs().max().item()
 
         # global adjoint test of the autograd Functions (forward A, backward must be A^T)
-        errors[f"adjoint seq_to_head {B,S,H,D}"], _ = _adjoint_gap(all_to_all_seq_to_head, local, group, gen)
-        errors[f"adjoint head_to_seq {B,S,H,D}"], u = _adjoint_gap(all_to_all_head_to_seq, heads, group, gen)
-        errors[f"roundtrip {B,S,H,D}"] = (u - local).abs().max().item()
+        errors[f"adjoint seq_to_head {B, S, H, D}"], _ = _adjoint_gap(
+            all_to_all_seq_to_head, local, group, gen
+        )
+        errors[f"adjoint head_to_seq {B, S, H, D}"], u = _adjoint_gap(
+            all_to_all_head_to_seq, heads, group, gen
+        )
+        errors[f"roundtrip {B, S, H, D}"] = (u - local).abs().max().item()
     # a split that does not divide raises on every rank, before any collective
     try:
         all_to_all_seq_to_head(torch.zeros(1, 4, 2 * world + 1, 2), group)
         errors["uneven heads raised"] = 1.0
     except ValueError as err:
-        errors["uneven heads raised"] = 0.0 if f"cannot be split over {world} ranks" in str(err) else 1.0
+        errors["uneven heads raised"] = (
+            0.0 if f"cannot be split over {world} ranks" in str(err) else 1.0
+        )
     return errors
 
 
@@ -56,4 +69,3 @@ def test_layouts_and_adjoint(world):
     for rank, errors in enumerate(run_distributed(_worker, world)):
         for name, err in errors.items():
             assert err < 1e-12, f"rank {rank}: {name} error {err}"
-

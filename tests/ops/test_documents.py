@@ -37,7 +37,9 @@ def _cu(layout):
 
 def _doc_ids(layout):
     """[B, S] document index of every token (per row)."""
-    return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in layout])
+    return torch.stack(
+        [torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in layout]
+    )
 
 
 def _inputs(b, s, h, hk, d, dtype, seed=0):
@@ -54,12 +56,16 @@ def _reference(q, k, v, dout, scale, layout):
     """float64 SDPA (math) with a block-diagonal causal mask [B, 1, S, S]: out, lse [B,h,S], dq, dk, dv."""
     h, hk, S = q.shape[2], k.shape[2], q.shape[1]
     doc = _doc_ids(layout)  # [B, S]
-    allowed = (doc[:, :, None] == doc[:, None, :]) & torch.ones(S, S, dtype=torch.bool).tril()  # [B, S, S]
+    allowed = (doc[:, :, None] == doc[:, None, :]) & torch.ones(
+        S, S, dtype=torch.bool
+    ).tril()  # [B, S, S]
     q64, k64, v64 = (x.detach().double().requires_grad_(True) for x in (q, k, v))
     qt = q64.transpose(1, 2)  # [B, h, S, D]
     kt = k64.transpose(1, 2).repeat_interleave(h // hk, dim=1)
     vt = v64.transpose(1, 2).repeat_interleave(h // hk, dim=1)
-    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=allowed[:, None], scale=scale).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        qt, kt, vt, attn_mask=allowed[:, None], scale=scale
+    ).transpose(1, 2)
     scores = ((qt @ kt.transpose(-1, -2)) * scale).masked_fill(~allowed[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, h, S]
     dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), dout.double())
@@ -79,7 +85,9 @@ def _check(kernel, q, k, v, dout, scale, layout, lse_atol=None):
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape) and dk.dtype == k.dtype
     assert _rel(out, r_out) < tol, _rel(out, r_out)
-    assert (lse.double() - r_lse).abs().max().item() < (lse_atol if lse_atol is not None else tol * 10)
+    assert (lse.double() - r_lse).abs().max().item() < (
+        lse_atol if lse_atol is not None else tol * 10
+    )
     for got, want in ((dq, r_dq), (dk, r_dk), (dv, r_dv)):
         assert _rel(got, want) < tol, _rel(got, want)
 
@@ -137,7 +145,9 @@ def _seg_math(q, k, v, scale):
     qt = q.double().transpose(0, 1)  # [h, L, D]
     kt, vt = (x.double().transpose(0, 1).repeat_interleave(g, 0) for x in (k, v))
     L = q.shape[0]
-    sc = ((qt @ kt.transpose(-1, -2)) * scale).masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+    sc = ((qt @ kt.transpose(-1, -2)) * scale).masked_fill(
+        torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf")
+    )
     lse = torch.logsumexp(sc, -1)
     p = torch.exp(sc - lse[..., None])
     return p, (p @ vt).transpose(0, 1), lse, qt, kt, vt
@@ -146,16 +156,30 @@ def _seg_math(q, k, v, scale):
 def _check_varlen_args(q, k, v, cu_q, cu_k, max_q, max_k, causal):
     T, h, d = q.shape
     assert k.shape == v.shape and k.shape[0] == T and d % 8 == 0 and q.stride(-1) == 1
-    assert (q.shape, k.shape) == (SEEN["q"], SEEN["k"])  # flattened tokens, native GQA, head dim padded
+    assert (q.shape, k.shape) == (
+        SEEN["q"],
+        SEEN["k"],
+    )  # flattened tokens, native GQA, head dim padded
     assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k) and int(cu_q[-1]) == T
     longest = max(e - a for a, e in _segments(cu_q))
     assert max_q == max_k and max_q >= max(longest, 2) and causal is True
 
 
-def _varlen_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, wl, wr, softcap, alibi, ret):
+def _varlen_fwd_impl(
+    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, wl, wr, softcap, alibi, ret
+):
     _check_varlen_args(q, k, v, cu_q, cu_k, max_q, max_k, causal)
-    assert dropout_p == 0.0 and (wl, wr) == (-1, -1) and softcap == 0.0 and alibi is None and ret is False
-    out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)  # [T,h,D], [h,T]
+    assert (
+        dropout_p == 0.0
+        and (wl, wr) == (-1, -1)
+        and softcap == 0.0
+        and alibi is None
+        and ret is False
+    )
+    out, lse = (
+        torch.empty_like(q),
+        torch.empty(q.shape[1], q.shape[0], dtype=torch.float32),
+    )  # [T,h,D], [h,T]
     for a, e in _segments(cu_q):
         _, o, m, *_ = _seg_math(q[a:e], k[a:e], v[a:e], scale)
         out[a:e], lse[:, a:e] = o.to(q.dtype), m.float()
@@ -163,11 +187,38 @@ def _varlen_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal
     return out, lse, torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
 
 
-def _varlen_bwd_impl(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal, wl,
-                     wr, softcap, alibi, deterministic, rng_state):
+def _varlen_bwd_impl(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dq,
+    dk,
+    dv,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    dropout_p,
+    scale,
+    causal,
+    wl,
+    wr,
+    softcap,
+    alibi,
+    deterministic,
+    rng_state,
+):
     _check_varlen_args(q, k, v, cu_q, cu_k, max_q, max_k, causal)
-    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32 and lse.is_contiguous()
-    assert dout.shape == out.shape == dq.shape == q.shape and (dk.shape, dv.shape) == (k.shape, v.shape)
+    assert (
+        lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32 and lse.is_contiguous()
+    )
+    assert dout.shape == out.shape == dq.shape == q.shape and (dk.shape, dv.shape) == (
+        k.shape,
+        v.shape,
+    )
     assert dropout_p == 0.0 and (wl, wr) == (-1, -1) and alibi is None and deterministic is False
     g = q.shape[1] // k.shape[1]
     for a, e in _segments(cu_q):  # closed-form backward (no autograd inside a custom op)
@@ -184,63 +235,225 @@ def _varlen_bwd_impl(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max
 
 
 @torch.library.custom_op("upipe_test_fake_fa_varlen::fwd", mutates_args=(), device_types="cpu")
-def _fa28_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                         cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
-                         softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1,
-                         softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
-                         return_softmax: bool = False, block_table: Optional[torch.Tensor] = None,
-                         leftpad_k: Optional[torch.Tensor] = None, seqused_k: Optional[torch.Tensor] = None,
-                         zero_tensors: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fa28_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    return_softmax: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    leftpad_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    zero_tensors: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     assert block_table is None and leftpad_k is None and seqused_k is None and zero_tensors is False
-    return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                            causal, window_size_left, window_size_right, softcap, alibi_slopes, return_softmax)
+    return _varlen_fwd_impl(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        alibi_slopes,
+        return_softmax,
+    )
 
 
-@torch.library.custom_op("upipe_test_fake_fa_varlen::bwd", mutates_args=("dq", "dk", "dv"), device_types="cpu")
-def _fa28_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
-                          dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                          max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
-                          window_size_left: int, window_size_right: int, softcap: float,
-                          alibi_slopes: Optional[torch.Tensor], deterministic: bool,
-                          rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False) -> torch.Tensor:
-    return _varlen_bwd_impl(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                            max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left, window_size_right,
-                            softcap, alibi_slopes, deterministic, rng_state)
+@torch.library.custom_op(
+    "upipe_test_fake_fa_varlen::bwd", mutates_args=("dq", "dk", "dv"), device_types="cpu"
+)
+def _fa28_varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
+    zero_tensors: bool = False,
+) -> torch.Tensor:
+    return _varlen_bwd_impl(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state,
+    )
 
 
-def _fa26_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                         causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_softmax=False,
-                         block_table=None, leftpad_k=None, seqused_k=None):
+def _fa26_varlen_forward(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+    block_table=None,
+    leftpad_k=None,
+    seqused_k=None,
+):
     assert isinstance(window_size, tuple) and len(window_size) == 2
-    out, lse, s_dmask, rng = _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                              dropout_p, softmax_scale, causal, *window_size, softcap, alibi_slopes,
-                                              return_softmax)
+    out, lse, s_dmask, rng = _varlen_fwd_impl(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        *window_size,
+        softcap,
+        alibi_slopes,
+        return_softmax,
+    )
     return out, q, k, v, out, lse, s_dmask, rng
 
 
-def _fa26_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                          max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                          deterministic, rng_state=None):
+def _fa26_varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
     assert isinstance(window_size, tuple) and len(window_size) == 2
-    _varlen_bwd_impl(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, dropout_p, softmax_scale, causal, *window_size, softcap, alibi_slopes,
-                     deterministic, rng_state)
+    _varlen_bwd_impl(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        *window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state,
+    )
     return dq, dk, dv, torch.empty(0)
 
 
-def _dense_28(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
-              alibi_slopes=None, return_softmax=False):
+def _dense_28(
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+):
     raise AssertionError("the dense flash-attn call must not be used for documents")
 
 
-def _dense_26(q, k, v, dropout_p, softmax_scale, causal, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-              return_softmax=False):
+def _dense_26(
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+):
     raise AssertionError("the dense flash-attn call must not be used for documents")
 
 
-FLAVOURS = {"2.8-custom-op": (_dense_28, _fa28_varlen_forward, _fa28_varlen_backward),
-            "2.6-tuple-window": (_dense_26, _fa26_varlen_forward, _fa26_varlen_backward)}
+FLAVOURS = {
+    "2.8-custom-op": (_dense_28, _fa28_varlen_forward, _fa28_varlen_backward),
+    "2.6-tuple-window": (_dense_26, _fa26_varlen_forward, _fa26_varlen_backward),
+}
 
 
 @pytest.fixture
@@ -271,29 +484,39 @@ def test_flash_varlen_glue(flash_varlen, name, d):
     q, k, v, dout = _inputs(2, 23, 4, 2, d, torch.bfloat16, seed=d)
     dp = (d + 7) // 8 * 8
     SEEN.update(q=(46, 4, dp), k=(46, 2, dp))
-    kernel = DocumentKernel(FlashAttnKernel(), _cu(layout), 23, max_seqlen=max(max(r) for r in layout))
+    kernel = DocumentKernel(
+        FlashAttnKernel(), _cu(layout), 23, max_seqlen=max(max(r) for r in layout)
+    )
     assert kernel.native
-    _check(kernel, q, k, v, dout, d ** -0.5, layout, lse_atol=1e-3)
+    _check(kernel, q, k, v, dout, d**-0.5, layout, lse_atol=1e-3)
     assert SEEN["fwd"] == 1 and SEEN["bwd"] == 1  # one call for all documents
     assert kernels_cuda._flash_varlen_api()[2] is (flash_varlen != "2.6-tuple-window")
 
 
 @pytest.mark.parametrize("flash_varlen", ["2.8-custom-op"], indirect=True)
 def test_flash_varlen_all_single_token_documents(flash_varlen):
-    layout = [[1] * 5, [1] * 5]  # max_seqlen 1 is raised to 2 (flash-attn's head swap at max_seqlen_q == 1)
+    layout = [
+        [1] * 5,
+        [1] * 5,
+    ]  # max_seqlen 1 is raised to 2 (flash-attn's head swap at max_seqlen_q == 1)
     q, k, v, dout = _inputs(2, 5, 4, 2, 8, torch.bfloat16, seed=1)
     SEEN.update(q=(10, 4, 8), k=(10, 2, 8))
-    _check(DocumentKernel(FlashAttnKernel(), _cu(layout), 5), q, k, v, dout, 0.4, layout, lse_atol=1e-3)
+    _check(
+        DocumentKernel(FlashAttnKernel(), _cu(layout), 5), q, k, v, dout, 0.4, layout, lse_atol=1e-3
+    )
 
 
 # ----------------------------------------------------------------------------------------------- (c) validation
-@pytest.mark.parametrize("cu,match", [
-    ([0, 5, 23, 46], None),
-    ([0, 30, 46], "crossing a row boundary"),
-    ([0, 5, 5, 46], "increase strictly"),
-    ([0, 23, 40], "from 0 to B\\*S"),
-    ([3, 23, 46], "from 0 to B\\*S"),
-])
+@pytest.mark.parametrize(
+    "cu,match",
+    [
+        ([0, 5, 23, 46], None),
+        ([0, 30, 46], "crossing a row boundary"),
+        ([0, 5, 5, 46], "increase strictly"),
+        ([0, 23, 40], "from 0 to B\\*S"),
+        ([3, 23, 46], "from 0 to B\\*S"),
+    ],
+)
 def test_segments_validation(cu, match):
     cu = torch.tensor(cu, dtype=torch.int32)
     if match is None:
@@ -302,4 +525,6 @@ def test_segments_validation(cu, match):
         with pytest.raises(ValueError, match=match):
             document_segments(cu, 2, 23)
     with pytest.raises(ValueError, match="built for sequences of 23"):
-        DocumentKernel(SdpaCpuKernel(), cu, 23).forward(*_inputs(2, 11, 2, 2, 8, torch.float32)[:3], scale=0.3)
+        DocumentKernel(SdpaCpuKernel(), cu, 23).forward(
+            *_inputs(2, 11, 2, 2, 8, torch.float32)[:3], scale=0.3
+        )

@@ -30,6 +30,7 @@ def _rms(weight, eps=1e-6):
     def fn(t):  # Qwen3RMSNorm's math, computed in at least float32 (float64 stays float64)
         tf = t.to(torch.promote_types(t.dtype, torch.float32))
         return weight * (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + eps)).to(t.dtype)
+
     return HeadNorm(fn, (weight,))
 
 
@@ -42,7 +43,7 @@ def _ref_rope(t, cos, sin, style: RopeStyle):
     if style.interleaved:
         rot = torch.stack((-r[..., 1::2], r[..., ::2]), dim=-1).flatten(-2)
     else:
-        rot = torch.cat((-r[..., Dr // 2:], r[..., :Dr // 2]), dim=-1)
+        rot = torch.cat((-r[..., Dr // 2 :], r[..., : Dr // 2]), dim=-1)
     return torch.cat((r * cos[:, :, None] + rot * sin[:, :, None], rest), dim=-1)
 
 
@@ -52,20 +53,33 @@ def _make(gen, Dm, H, Hk, D, bias, norm, lora, frozen, dtype, opts=None):
     opts: "norm": "proj" (a norm over the whole projection), "qkv": True (q/k/v rows of one weight, LoRA with one
     shared A), "rope": a RopeStyle, "lora_on": the projections with an adapter (default "qkvo")."""
     opts = opts or {}
+
     def rnd(*shape, scale=1.0):
         return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+
     spec = {}
-    for name, out_f, in_f in (("q", H * D, Dm), ("k", Hk * D, Dm), ("v", Hk * D, Dm), ("o", Dm, H * D)):
-        spec[name] = dict(weight=rnd(out_f, in_f, scale=in_f ** -0.5), bias=rnd(out_f, scale=0.3) if bias else None,
-                          adapters=[(rnd(3, in_f, scale=in_f ** -0.5), rnd(out_f, 3, scale=0.5), 0.7)]
-                          if lora and name in opts.get("lora_on", "qkvo") else [])
+    for name, out_f, in_f in (
+        ("q", H * D, Dm),
+        ("k", Hk * D, Dm),
+        ("v", Hk * D, Dm),
+        ("o", Dm, H * D),
+    ):
+        spec[name] = dict(
+            weight=rnd(out_f, in_f, scale=in_f**-0.5),
+            bias=rnd(out_f, scale=0.3) if bias else None,
+            adapters=[(rnd(3, in_f, scale=in_f**-0.5), rnd(out_f, 3, scale=0.5), 0.7)]
+            if lora and name in opts.get("lora_on", "qkvo")
+            else [],
+        )
     if norm:
         nq, nk = (H * D, Hk * D) if opts.get("norm") == "proj" else (D, D)
         spec["q_norm"], spec["k_norm"] = 1 + rnd(nq, scale=0.3), 1 + rnd(nk, scale=0.3)
     if opts.get("qkv"):  # one weight (rows q | k | v) and, with LoRA, one A
-        spec["qkv"] = dict(weight=torch.cat([spec[n]["weight"] for n in "qkv"]),
-                           A=rnd(3, Dm, scale=Dm ** -0.5) if lora else None,
-                           B=torch.cat([spec[n]["adapters"][0][1] for n in "qkv"]) if lora else None)
+        spec["qkv"] = dict(
+            weight=torch.cat([spec[n]["weight"] for n in "qkv"]),
+            A=rnd(3, Dm, scale=Dm**-0.5) if lora else None,
+            B=torch.cat([spec[n]["adapters"][0][1] for n in "qkv"]) if lora else None,
+        )
 
     def build(dtype):
         leaves = []
@@ -74,15 +88,19 @@ def _make(gen, Dm, H, Hk, D, bias, norm, lora, frozen, dtype, opts=None):
             t = t.to(dtype).requires_grad_(trainable)
             leaves.append(t)
             return t
+
         projs = {}
         for name in "qkvo":
             p = spec[name]
             projs[name] = Projection(
                 weight=leaf(p["weight"], not frozen),
                 bias=None if p["bias"] is None else leaf(p["bias"], not frozen),
-                adapters=tuple(LoraAdapter(leaf(A, True), leaf(Bm, True), sc) for A, Bm, sc in p["adapters"]))
+                adapters=tuple(
+                    LoraAdapter(leaf(A, True), leaf(Bm, True), sc) for A, Bm, sc in p["adapters"]
+                ),
+            )
         if "qkv" in spec:  # replace q/k/v by row slices of one weight (and one shared A)
-            del leaves[:len(leaves)]
+            del leaves[: len(leaves)]
             W = leaf(spec["qkv"]["weight"], not frozen)
             A = leaf(spec["qkv"]["A"], True) if lora else None
             Bq = leaf(spec["qkv"]["B"], True) if lora else None
@@ -90,36 +108,49 @@ def _make(gen, Dm, H, Hk, D, bias, norm, lora, frozen, dtype, opts=None):
             for n, (a, b) in zip("qkv", zip(edges, edges[1:])):
                 projs[n] = Projection(W[a:b], None, (LoraAdapter(A, Bq[a:b], 0.7),) if lora else ())
             o = spec["o"]
-            projs["o"] = Projection(leaf(o["weight"], not frozen), None if o["bias"] is None else
-                                    leaf(o["bias"], not frozen),
-                                    tuple(LoraAdapter(leaf(A_, True), leaf(B_, True), sc) for A_, B_, sc in
-                                          o["adapters"]))
+            projs["o"] = Projection(
+                leaf(o["weight"], not frozen),
+                None if o["bias"] is None else leaf(o["bias"], not frozen),
+                tuple(
+                    LoraAdapter(leaf(A_, True), leaf(B_, True), sc) for A_, B_, sc in o["adapters"]
+                ),
+            )
         if opts.get("norm") == "proj":
-            norms = {n: ProjectionNorm(leaf(spec[n], not frozen), 1e-6) for n in ("q_norm", "k_norm") if n in spec}
+            norms = {
+                n: ProjectionNorm(leaf(spec[n], not frozen), 1e-6)
+                for n in ("q_norm", "k_norm")
+                if n in spec
+            }
         else:
             norms = {n: _rms(leaf(spec[n], not frozen)) for n in ("q_norm", "k_norm") if n in spec}
         return AttentionWeights(**projs, **norms, rope=opts.get("rope", RopeStyle())), leaves
+
     return build
 
 
 def _reference(x, cos, sin, w: AttentionWeights, H, Hk, D):
     """Plain autograd, whole sequence, one process: [B, S, Dm] -> [B, S, Dm]."""
+
     def lin(t, p):
         out = F.linear(t, p.weight, p.bias)
         for a in p.adapters:
             out = out + (t @ a.A.t()) @ a.B.t() * a.scaling
         return out
+
     B, S, _ = x.shape
     q, k, v = lin(x, w.q), lin(x, w.k), lin(x, w.v)
     if isinstance(w.q_norm, ProjectionNorm):  # over all H*D (Hk*D) features of a token
-        q, k = (n.weight * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + n.eps)) for t, n in
-                ((q, w.q_norm), (k, w.k_norm)))
+        q, k = (
+            n.weight * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + n.eps))
+            for t, n in ((q, w.q_norm), (k, w.k_norm))
+        )
     q, k, v = q.view(B, S, H, D), k.view(B, S, Hk, D), v.view(B, S, Hk, D)
     if isinstance(w.q_norm, HeadNorm):
         q, k = w.q_norm.fn(q), w.k_norm.fn(k)
     q, k = _ref_rope(q, cos, sin, w.rope), _ref_rope(k, cos, sin, w.rope)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                       enable_gqa=True).transpose(1, 2)
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
     return lin(o.reshape(B, S, H * D), w.o)
 
 
@@ -129,7 +160,9 @@ def _rel(a, b):
 
 def _tables(S, D, gen, interleaved=False):
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
-    ang = torch.arange(S, dtype=torch.float64)[:, None] * inv[None] + torch.rand(1, generator=gen, dtype=torch.float64)
+    ang = torch.arange(S, dtype=torch.float64)[:, None] * inv[None] + torch.rand(
+        1, generator=gen, dtype=torch.float64
+    )
     emb = ang.repeat_interleave(2, -1)[None] if interleaved else torch.cat([ang, ang], -1)[None]
     return emb.cos(), emb.sin()
 
@@ -145,20 +178,26 @@ def _block_errors(build, x, dy, cos, sin, H, Hk, D, dtype, idx, call):
     w, leaves = build(dtype)
     xl = x[:, idx].to(dtype).requires_grad_()
     y = call(xl, cos[:, idx].to(dtype), sin[:, idx].to(dtype), w)
-    grads = list(torch.autograd.grad(y, [xl] + [t for t in leaves if t.requires_grad], dy[:, idx].to(dtype)))
+    grads = list(
+        torch.autograd.grad(y, [xl] + [t for t in leaves if t.requires_grad], dy[:, idx].to(dtype))
+    )
     for g in grads[1:]:  # parameter gradients: every rank holds its tokens' contribution
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(g)
-    errs = [_rel(y, y_ref[:, idx]), _rel(grads[0], ref_grads[0][:, idx])] + \
-        [_rel(g, r) for g, r in zip(grads[1:], ref_grads[1:])]
+    errs = [_rel(y, y_ref[:, idx]), _rel(grads[0], ref_grads[0][:, idx])] + [
+        _rel(g, r) for g, r in zip(grads[1:], ref_grads[1:])
+    ]
     base = None
     if dtype == torch.bfloat16:
         w16, leaves16 = build(dtype)
         x16 = x.to(dtype).requires_grad_()
         y16 = _reference(x16, cos.to(dtype), sin.to(dtype), w16, H, Hk, D)
-        g16 = torch.autograd.grad(y16, [x16] + [t for t in leaves16 if t.requires_grad], dy.to(dtype))
-        base = [_rel(y16[:, idx], y_ref[:, idx]), _rel(g16[0][:, idx], ref_grads[0][:, idx])] + \
-            [_rel(g, r) for g, r in zip(g16[1:], ref_grads[1:])]
+        g16 = torch.autograd.grad(
+            y16, [x16] + [t for t in leaves16 if t.requires_grad], dy.to(dtype)
+        )
+        base = [_rel(y16[:, idx], y_ref[:, idx]), _rel(g16[0][:, idx], ref_grads[0][:, idx])] + [
+            _rel(g, r) for g, r in zip(g16[1:], ref_grads[1:])
+        ]
     return errs, base, len(grads)
 
 
@@ -173,9 +212,23 @@ def _case(rank, world, group, case, save=False, overlap=False):
     s = S // world
 
     def call(xl, cos_l, sin_l, w):
-        return fused_upipe_attention(xl, cos_l, sin_l, w, num_heads=H, num_kv_heads=Hk, head_dim=D, group=group,
-                                     heads_per_chunk=chunk, save_attention=save, overlap=overlap)
-    return _block_errors(build, x, dy, cos, sin, H, Hk, D, dtype, slice(rank * s, (rank + 1) * s), call)
+        return fused_upipe_attention(
+            xl,
+            cos_l,
+            sin_l,
+            w,
+            num_heads=H,
+            num_kv_heads=Hk,
+            head_dim=D,
+            group=group,
+            heads_per_chunk=chunk,
+            save_attention=save,
+            overlap=overlap,
+        )
+
+    return _block_errors(
+        build, x, dy, cos, sin, H, Hk, D, dtype, slice(rank * s, (rank + 1) * s), call
+    )
 
 
 def _worker(rank, world, cases, save=False, overlap=False):
@@ -185,29 +238,95 @@ def _worker(rank, world, cases, save=False, overlap=False):
 
 def _cases(world):
     out = []
-    for i, (H, Hk) in enumerate([(4, 2), (8, 8), (8, 2)] if world < 4 else [(8, 4), (8, 2), (4, 1)]):
+    for i, (H, Hk) in enumerate(
+        [(4, 2), (8, 8), (8, 2)] if world < 4 else [(8, 4), (8, 2), (4, 1)]
+    ):
         for chunk in (1, None):
             if chunk is not None and chunk not in valid_heads_per_chunk(H, Hk, world):
                 continue
-            out.append((1 + i % 2, 8 * world, 24, H, Hk, 8, chunk, True, i % 2 == 0, True, i == 1, torch.float32,
-                        10 * i + (chunk or 0)))
+            out.append(
+                (
+                    1 + i % 2,
+                    8 * world,
+                    24,
+                    H,
+                    Hk,
+                    8,
+                    chunk,
+                    True,
+                    i % 2 == 0,
+                    True,
+                    i == 1,
+                    torch.float32,
+                    10 * i + (chunk or 0),
+                )
+            )
     out.append((1, 8 * world, 24, 8, 2, 8, 1, True, True, True, False, torch.bfloat16, 99))
-    out.append((2, 8 * world, 16, 4, 4, 4, 2 if 2 in valid_heads_per_chunk(4, 4, world) else None, False, False,
-                False, False, torch.float32, 98))
+    out.append(
+        (
+            2,
+            8 * world,
+            16,
+            4,
+            4,
+            4,
+            2 if 2 in valid_heads_per_chunk(4, 4, world) else None,
+            False,
+            False,
+            False,
+            False,
+            torch.float32,
+            98,
+        )
+    )
     # architecture variants (GQA with replication at 4 ranks): whole-projection norm (OLMo 2), fp32 interleaved
     # partial RoPE with a fused qkv projection (Cohere / Phi-3), no RoPE (SmolLM3)
-    proj, cohere_phi = {"norm": "proj"}, {"qkv": True, "rope": RopeStyle(interleaved=True, fp32=True), "rotary": 4}
-    out += [(2, 8 * world, 24, 8, 2, 8, 1, True, True, True, False, torch.float32, 60, proj),
-            (1, 8 * world, 24, 4, 4, 8, None, False, True, True, False, torch.float32, 61, proj),
-            (1, 8 * world, 24, 8, 2, 8, 1, False, False, True, False, torch.float32, 62, cohere_phi),
-            (1, 8 * world, 24, 8, 4, 8, None, True, False, True, True, torch.float32, 63, cohere_phi),
-            # (no bias: without RoPE a k bias shifts every key's score equally, so its true gradient is 0)
-            (1, 8 * world, 24, 4, 2, 8, 1, False, False, True, False, torch.float32, 64, {"rope": RopeStyle(
-                rotate=False)}),
-            (1, 8 * world, 24, 8, 2, 8, 1, True, True, True, False, torch.bfloat16, 65, proj),
-            # PEFT's default LoRA on Llama: adapters on q_proj and v_proj only, base frozen (no Wo gradient, so the
-            # backward sends no stage output back)
-            (1, 8 * world, 24, 8, 2, 8, 1, True, True, True, True, torch.float32, 66, {"lora_on": "qv"})]
+    proj, cohere_phi = (
+        {"norm": "proj"},
+        {"qkv": True, "rope": RopeStyle(interleaved=True, fp32=True), "rotary": 4},
+    )
+    out += [
+        (2, 8 * world, 24, 8, 2, 8, 1, True, True, True, False, torch.float32, 60, proj),
+        (1, 8 * world, 24, 4, 4, 8, None, False, True, True, False, torch.float32, 61, proj),
+        (1, 8 * world, 24, 8, 2, 8, 1, False, False, True, False, torch.float32, 62, cohere_phi),
+        (1, 8 * world, 24, 8, 4, 8, None, True, False, True, True, torch.float32, 63, cohere_phi),
+        # (no bias: without RoPE a k bias shifts every key's score equally, so its true gradient is 0)
+        (
+            1,
+            8 * world,
+            24,
+            4,
+            2,
+            8,
+            1,
+            False,
+            False,
+            True,
+            False,
+            torch.float32,
+            64,
+            {"rope": RopeStyle(rotate=False)},
+        ),
+        (1, 8 * world, 24, 8, 2, 8, 1, True, True, True, False, torch.bfloat16, 65, proj),
+        # PEFT's default LoRA on Llama: adapters on q_proj and v_proj only, base frozen (no Wo gradient, so the
+        # backward sends no stage output back)
+        (
+            1,
+            8 * world,
+            24,
+            8,
+            2,
+            8,
+            1,
+            True,
+            True,
+            True,
+            True,
+            torch.float32,
+            66,
+            {"lora_on": "qv"},
+        ),
+    ]
     return out
 
 
@@ -219,7 +338,9 @@ def _check(cases, results):
                 if base is None:
                     assert e < 1e-4, f"tensor {k}: rel err {e:.2e} in {case}"
                 else:
-                    assert e <= 2 * base[k] + 2**-7, f"tensor {k}: rel err {e:.2e} vs {base[k]:.2e} in {case}"
+                    assert e <= 2 * base[k] + 2**-7, (
+                        f"tensor {k}: rel err {e:.2e} vs {base[k]:.2e} in {case}"
+                    )
 
 
 @pytest.mark.parametrize("save", [False, True], ids=["recompute", "save"])
@@ -228,12 +349,18 @@ def test_fused_single_process(save):
     _check(cases, [_worker(0, 1, cases, save)])
 
 
-@pytest.mark.parametrize("world,save,overlap", [(2, False, False), (4, False, False), (2, True, False),
-                                                pytest.param(4, True, False, marks=pytest.mark.slow),
-                                                (2, True, True),
-                                                pytest.param(4, False, True, marks=pytest.mark.slow)],
-                         ids=["2-recompute", "4-recompute", "2-save", "4-save", "2-save-overlap",
-                              "4-recompute-overlap"])
+@pytest.mark.parametrize(
+    "world,save,overlap",
+    [
+        (2, False, False),
+        (4, False, False),
+        (2, True, False),
+        pytest.param(4, True, False, marks=pytest.mark.slow),
+        (2, True, True),
+        pytest.param(4, False, True, marks=pytest.mark.slow),
+    ],
+    ids=["2-recompute", "4-recompute", "2-save", "4-save", "2-save-overlap", "4-recompute-overlap"],
+)
 def test_fused_matches_plain_block(world, save, overlap):
     # overlap in each mode at one SP size: with the bitwise equality of the two schedules (test below) and the
     # synchronous schedule's parity at both sizes, that covers every (mode, schedule, size)
@@ -265,12 +392,16 @@ def _counting_worker(rank, world):
         return original(out, inp, *a, **k)
 
     gen = torch.Generator().manual_seed(4)
-    builds = {"full": _make(gen, 24, 8, 2, 8, True, True, True, False, torch.float32),
-              # PEFT's default LoRA targets: no Wo gradient, so no stage output goes back in the backward
-              "lora_qv": _make(gen, 24, 8, 2, 8, True, True, True, True, torch.float32, {"lora_on": "qv"})}
+    builds = {
+        "full": _make(gen, 24, 8, 2, 8, True, True, True, False, torch.float32),
+        # PEFT's default LoRA targets: no Wo gradient, so no stage output goes back in the backward
+        "lora_qv": _make(
+            gen, 24, 8, 2, 8, True, True, True, True, torch.float32, {"lora_on": "qv"}
+        ),
+    }
     x = torch.randn(1, 8, 24, generator=gen)
     cos, sin = _tables(16, 8, gen)
-    cos, sin = (t[:, rank * 8:(rank + 1) * 8].float() for t in (cos, sin))
+    cos, sin = (t[:, rank * 8 : (rank + 1) * 8].float() for t in (cos, sin))
     out = {}
     dist.all_to_all_single = counted
     try:
@@ -279,16 +410,29 @@ def _counting_worker(rank, world):
             for save in (False, True):
                 calls.update(forward=0, bytes=0)
                 xl = x.clone().requires_grad_()
-                y = fused_attention.fused_upipe_attention(xl, cos, sin, w, num_heads=8, num_kv_heads=2, head_dim=8,
-                                                          group=dist.group.WORLD, heads_per_chunk=1,
-                                                          kernel=Counting(), save_attention=save)
-                grads = torch.autograd.grad(y, [xl] + [t for t in leaves if t.requires_grad], torch.ones_like(y))
+                y = fused_attention.fused_upipe_attention(
+                    xl,
+                    cos,
+                    sin,
+                    w,
+                    num_heads=8,
+                    num_kv_heads=2,
+                    head_dim=8,
+                    group=dist.group.WORLD,
+                    heads_per_chunk=1,
+                    kernel=Counting(),
+                    save_attention=save,
+                )
+                grads = torch.autograd.grad(
+                    y, [xl] + [t for t in leaves if t.requires_grad], torch.ones_like(y)
+                )
                 out[name, save] = (dict(calls), grads)
     finally:
         dist.all_to_all_single = original
-    return {k: v[0] for k, v in out.items()}, {name: max(_rel(a, b) for a, b in zip(out[name, False][1],
-                                                                                   out[name, True][1]))
-                                              for name in builds}
+    return {k: v[0] for k, v in out.items()}, {
+        name: max(_rel(a, b) for a, b in zip(out[name, False][1], out[name, True][1]))
+        for name in builds
+    }
 
 
 def test_save_mode_runs_no_attention_forward_in_backward_keeps_kv_and_sends_dk_dv_once():
@@ -314,17 +458,25 @@ def test_lora_dropout_gradients_match_finite_differences():
     B, S, Dm, H, Hk, D = 1, 12, 16, 4, 2, 4
     build = _make(gen, Dm, H, Hk, D, True, True, True, False, torch.float64)
     w, leaves = build(torch.float64)
-    w = AttentionWeights(**{n: Projection(p.weight, p.bias, tuple(LoraAdapter(a.A, a.B, a.scaling, 0.3)
-                                                                 for a in p.adapters))
-                            for n, p in (("q", w.q), ("k", w.k), ("v", w.v), ("o", w.o))},
-                         q_norm=w.q_norm, k_norm=w.k_norm)
+    w = AttentionWeights(
+        **{
+            n: Projection(
+                p.weight, p.bias, tuple(LoraAdapter(a.A, a.B, a.scaling, 0.3) for a in p.adapters)
+            )
+            for n, p in (("q", w.q), ("k", w.k), ("v", w.v), ("o", w.o))
+        },
+        q_norm=w.q_norm,
+        k_norm=w.k_norm,
+    )
     x = torch.randn(B, S, Dm, generator=gen, dtype=torch.float64, requires_grad=True)
     cos, sin = _tables(S, D, gen)
     dy = torch.randn(B, S, Dm, generator=gen, dtype=torch.float64)
 
     def f():
         torch.manual_seed(123)  # the op draws its dropout seed from torch's RNG
-        return fused_upipe_attention(x, cos, sin, w, num_heads=H, num_kv_heads=Hk, head_dim=D, heads_per_chunk=1)
+        return fused_upipe_attention(
+            x, cos, sin, w, num_heads=H, num_kv_heads=Hk, head_dim=D, heads_per_chunk=1
+        )
 
     y = f()
     targets = [x] + [t for t in leaves if t.requires_grad]
@@ -341,10 +493,16 @@ def test_lora_dropout_gradients_match_finite_differences():
             down = (f() * dy).sum()
             t.add_(v, alpha=eps)
         numeric, analytic = (up - down) / (2 * eps), (g * v).sum()
-        assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (tuple(t.shape), numeric, analytic)
+        assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (
+            tuple(t.shape),
+            numeric,
+            analytic,
+        )
     # and dropout is really on: a different seed gives a different output
     torch.manual_seed(7)
-    y2 = fused_upipe_attention(x, cos, sin, w, num_heads=H, num_kv_heads=Hk, head_dim=D, heads_per_chunk=1)
+    y2 = fused_upipe_attention(
+        x, cos, sin, w, num_heads=H, num_kv_heads=Hk, head_dim=D, heads_per_chunk=1
+    )
     assert not torch.allclose(y, y2)
 
 
@@ -379,14 +537,20 @@ def _schedule_worker(rank, world):
     gen = torch.Generator().manual_seed(8)
     build = _make(gen, 24, 8, 2, 8, True, True, True, False, torch.float32)
     w, leaves = build(torch.float32)
-    w = AttentionWeights(**{n: Projection(p.weight, p.bias, tuple(LoraAdapter(a.A, a.B, a.scaling, 0.2)
-                                                                 for a in p.adapters))
-                            for n, p in (("q", w.q), ("k", w.k), ("v", w.v), ("o", w.o))},
-                         q_norm=w.q_norm, k_norm=w.k_norm)
+    w = AttentionWeights(
+        **{
+            n: Projection(
+                p.weight, p.bias, tuple(LoraAdapter(a.A, a.B, a.scaling, 0.2) for a in p.adapters)
+            )
+            for n, p in (("q", w.q), ("k", w.k), ("v", w.v), ("o", w.o))
+        },
+        q_norm=w.q_norm,
+        k_norm=w.k_norm,
+    )
     x = torch.randn(1, 8, 24, generator=gen)
     dy = torch.randn(1, 8, 24, generator=gen)
     cos, sin = _tables(16, 8, gen)
-    cos, sin = (t[:, rank * 8:(rank + 1) * 8].float() for t in (cos, sin))
+    cos, sin = (t[:, rank * 8 : (rank + 1) * 8].float() for t in (cos, sin))
     logs, equal = {}, {}
     dist.all_to_all_single, Pending.wait = logged, logged_wait
     try:
@@ -396,9 +560,20 @@ def _schedule_worker(rank, world):
                 log.clear()
                 torch.manual_seed(11)  # the same dropout seed for both schedules
                 xl = x.clone().requires_grad_()
-                y = fused_upipe_attention(xl, cos, sin, w, num_heads=8, num_kv_heads=2, head_dim=8,
-                                          group=dist.group.WORLD, heads_per_chunk=1, kernel=Logging(),
-                                          save_attention=save, overlap=overlap)
+                y = fused_upipe_attention(
+                    xl,
+                    cos,
+                    sin,
+                    w,
+                    num_heads=8,
+                    num_kv_heads=2,
+                    head_dim=8,
+                    group=dist.group.WORLD,
+                    heads_per_chunk=1,
+                    kernel=Logging(),
+                    save_attention=save,
+                    overlap=overlap,
+                )
                 grads = torch.autograd.grad(y, [xl] + [t for t in leaves if t.requires_grad], dy)
                 results[overlap] = (y, *grads)
                 logs[(save, overlap)] = list(log)
@@ -406,7 +581,6 @@ def _schedule_worker(rank, world):
     finally:
         dist.all_to_all_single, Pending.wait = original, original_wait
     return logs, equal
-
 
 
 def _meetings(log: list[str]) -> int:
@@ -434,15 +608,24 @@ def test_overlap_issues_the_next_stage_before_the_kernel_and_changes_no_bit():
             assert sync[:forward] == ov[:forward], (sync[:forward], ov[:forward])
             assert ov[:5] == ["a2a-async"] * 4 + ["fwd"], ov[:5]
             assert sync[:forward].count("fwd") == 4, sync[:forward]
-            assert "a2a" not in ov + sync and sync.count("a2a-async") == ov.count("a2a-async"), (sync, ov)
+            assert "a2a" not in ov + sync and sync.count("a2a-async") == ov.count("a2a-async"), (
+                sync,
+                ov,
+            )
             # backward: before stage 0's kernel backward, stage 0's q, d a and stage 1's q, d a were sent, and
             # stage 0's output (recompute mode: after its kernel forward); recompute mode also re-sent k, v, save
             # mode (which kept them) sent stage 1's output
-            assert ov[forward:ov.index("bwd")].count("a2a-async") == (6 if save else 7), (save, ov)
+            assert ov[forward : ov.index("bwd")].count("a2a-async") == (6 if save else 7), (
+                save,
+                ov,
+            )
             # k, v (recompute mode only), q, out, d a
-            assert sync[forward:sync.index("bwd")].count("a2a-async") == (3 if save else 5), (save, sync)
+            assert sync[forward : sync.index("bwd")].count("a2a-async") == (3 if save else 5), (
+                save,
+                sync,
+            )
             # where the synchronous backward's ranks meet, per stage: save mode {q, d a, out}, {dq}, and {dk, dv}
             # once, at the chunk's end; recompute mode {q (k, v)}, {out, d a}, {dq}, {dk, dv}
             full = logs[(save, False)]
-            backward = full[[i for i, e in enumerate(full) if e != "wait"][forward]:]
+            backward = full[[i for i, e in enumerate(full) if e != "wait"][forward] :]
             assert _meetings(backward) == (4 * 2 + 1 if save else 4 * 4), (save, backward)

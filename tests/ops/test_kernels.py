@@ -71,7 +71,9 @@ def _check(kernel, q, k, v, dout, scale, causal=True, lse_atol=None):
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     assert dk.dtype == k.dtype and dv.dtype == v.dtype
     assert _rel(out, r_out) < tol
-    assert (lse.double() - r_lse).abs().max().item() < (lse_atol if lse_atol is not None else tol * 10)
+    assert (lse.double() - r_lse).abs().max().item() < (
+        lse_atol if lse_atol is not None else tol * 10
+    )
     for got, want in ((dq, r_dq), (dk, r_dk), (dv, r_dv)):
         assert _rel(got, want) < tol, _rel(got, want)
 
@@ -132,7 +134,9 @@ def _aten_layout(x, dtype):
 def _check_bhsd(*xs):
     b, h, s, d = xs[0].shape
     for x in xs:
-        assert x.dim() == 4 and x.shape == (b, h, s, d) and x.stride(-1) == 1  # GQA expanded by the kernel
+        assert (
+            x.dim() == 4 and x.shape == (b, h, s, d) and x.stride(-1) == 1
+        )  # GQA expanded by the kernel
     assert d % 8 == 0
 
 
@@ -142,18 +146,54 @@ class FakeAten:
     def __init__(self):
         self.calls = []
 
-    def flash_fwd(self, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+    def flash_fwd(
+        self,
+        query,
+        key,
+        value,
+        dropout_p=0.0,
+        is_causal=False,
+        return_debug_mask=False,
+        *,
+        scale=None,
+    ):
         self.calls.append("flash_fwd")
         _check_bhsd(query, key, value)
         assert query.dtype in (torch.float16, torch.bfloat16)
         assert dropout_p == 0.0 and return_debug_mask is False and isinstance(scale, float)
         out, lse = _math(query, key, value, scale, is_causal)
         b, h, s, _ = query.shape
-        return (_aten_layout(out, query.dtype), lse.float(), None, None, s, key.shape[2],
-                torch.zeros(2, dtype=torch.int64), torch.empty(0), torch.empty(0))
+        return (
+            _aten_layout(out, query.dtype),
+            lse.float(),
+            None,
+            None,
+            s,
+            key.shape[2],
+            torch.zeros(2, dtype=torch.int64),
+            torch.empty(0),
+            torch.empty(0),
+        )
 
-    def flash_bwd(self, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
-                  is_causal, philox_seed, philox_offset, *, scale=None):
+    def flash_bwd(
+        self,
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        logsumexp,
+        cum_seq_q,
+        cum_seq_k,
+        max_q,
+        max_k,
+        dropout_p,
+        is_causal,
+        philox_seed,
+        philox_offset,
+        *,
+        scale=None,
+    ):
         self.calls.append("flash_bwd")
         _check_bhsd(grad_out, query, key, value, out)
         assert cum_seq_q is None and cum_seq_k is None  # undefined: dense (not varlen) path
@@ -167,32 +207,71 @@ class FakeAten:
         dq, dk, dv = _math_grads(query, key, value, grad_out, scale, is_causal)
         return tuple(_aten_layout(x, query.dtype) for x in (dq, dk, dv))
 
-    def eff_fwd(self, query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *,
-                scale=None):
+    def eff_fwd(
+        self,
+        query,
+        key,
+        value,
+        attn_bias,
+        compute_log_sumexp,
+        dropout_p=0.0,
+        is_causal=False,
+        *,
+        scale=None,
+    ):
         self.calls.append("eff_fwd")
         _check_bhsd(query, key, value)
-        assert attn_bias is None and compute_log_sumexp is True and dropout_p == 0.0 and isinstance(scale, float)
+        assert (
+            attn_bias is None
+            and compute_log_sumexp is True
+            and dropout_p == 0.0
+            and isinstance(scale, float)
+        )
         out, lse = _math(query, key, value, scale, is_causal)
         b, h, s, _ = query.shape
-        lse_p = torch.full((b, h, math.ceil(s / 32) * 32), float("nan"))  # padded along S like CUDA's kAlignLSE
+        lse_p = torch.full(
+            (b, h, math.ceil(s / 32) * 32), float("nan")
+        )  # padded along S like CUDA's kAlignLSE
         lse_p[:, :, :s] = lse
         zero = torch.zeros((), dtype=torch.int64)
         return _aten_layout(out, query.dtype), lse_p, zero, zero.clone()
 
-    def eff_bwd(self, grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset, dropout_p,
-                grad_input_mask, is_causal=False, *, scale=None):
+    def eff_bwd(
+        self,
+        grad_out_,
+        query,
+        key,
+        value,
+        attn_bias,
+        out,
+        logsumexp,
+        philox_seed,
+        philox_offset,
+        dropout_p,
+        grad_input_mask,
+        is_causal=False,
+        *,
+        scale=None,
+    ):
         self.calls.append("eff_bwd")
         _check_bhsd(grad_out_, query, key, value, out)
         b, h, s, _ = query.shape
-        assert attn_bias is None and dropout_p == 0.0 and list(grad_input_mask) == [True, True, True, False]
+        assert (
+            attn_bias is None
+            and dropout_p == 0.0
+            and list(grad_input_mask) == [True, True, True, False]
+        )
         assert isinstance(philox_seed, torch.Tensor) and isinstance(philox_offset, torch.Tensor)
-        assert logsumexp.dtype == torch.float32 and logsumexp.shape == (b, h, math.ceil(s / 32) * 32)
+        assert logsumexp.dtype == torch.float32 and logsumexp.shape == (
+            b,
+            h,
+            math.ceil(s / 32) * 32,
+        )
         r_out, r_lse = _math(query, key, value, scale, is_causal)
         torch.testing.assert_close(logsumexp[:, :, :s].double(), r_lse, atol=1e-4, rtol=1e-4)
         assert _rel(out, r_out) < 1e-2
         dq, dk, dv = _math_grads(query, key, value, grad_out_, scale, is_causal)
         return (*(_aten_layout(x, query.dtype) for x in (dq, dk, dv)), None)
-
 
     def cudnn_fwd(self, query, key, value, is_causal, *, scale):
         """Our indirection's signature; the real op returns (out, stats [B,h,S,1] fp32, cum_q, cum_k, max_q, max_k,
@@ -202,15 +281,30 @@ class FakeAten:
         assert query.dtype in (torch.float16, torch.bfloat16) and isinstance(scale, float)
         out, lse = _math(query, key, value, scale, is_causal)
         zero = torch.zeros((), dtype=torch.int64)
-        return (_aten_layout(out, query.dtype), lse.float()[..., None], None, None, query.shape[2], key.shape[2],
-                zero, zero.clone(), None)
+        return (
+            _aten_layout(out, query.dtype),
+            lse.float()[..., None],
+            None,
+            None,
+            query.shape[2],
+            key.shape[2],
+            zero,
+            zero.clone(),
+            None,
+        )
 
-    def cudnn_bwd(self, dout, query, key, value, out, lse, seed, offset, max_q, max_k, is_causal, *, scale):
+    def cudnn_bwd(
+        self, dout, query, key, value, out, lse, seed, offset, max_q, max_k, is_causal, *, scale
+    ):
         self.calls.append("cudnn_bwd")
         _check_bhsd(dout, query, key, value, out)
         assert dout.stride() == out.stride()  # cuDNN wants dO laid out like O
         assert (max_q, max_k) == (query.shape[2], key.shape[2])
-        assert lse.dtype == torch.float32 and lse.is_contiguous() and lse.shape == (*query.shape[:3], 1)
+        assert (
+            lse.dtype == torch.float32
+            and lse.is_contiguous()
+            and lse.shape == (*query.shape[:3], 1)
+        )
         r_out, r_lse = _math(query, key, value, scale, is_causal)
         torch.testing.assert_close(lse[..., 0].double(), r_lse, atol=1e-4, rtol=1e-4)
         dq, dk, dv = _math_grads(query, key, value, dout, scale, is_causal)
@@ -243,7 +337,9 @@ def fake_aten(monkeypatch):
 @pytest.mark.parametrize("h,hk", HEADS)
 def test_sdpa_cuda_glue(fake_aten, monkeypatch, dtype, cap, d, path, h, hk):
     monkeypatch.setattr(kernels_cuda, "_device_capability", lambda device: cap)
-    q, k, v, dout = _inputs(2, 19, h, hk, d, dtype, seed=hk)  # S=19: the efficient lse is padded to 32
+    q, k, v, dout = _inputs(
+        2, 19, h, hk, d, dtype, seed=hk
+    )  # S=19: the efficient lse is padded to 32
     _check(SdpaCudaKernel(), q, k, v, dout, scale=1 / math.sqrt(d), lse_atol=1e-3)
     assert fake_aten.calls == [f"{path}_fwd", f"{path}_bwd"]
 
@@ -254,8 +350,9 @@ def test_sdpa_cuda_glue_non_causal(fake_aten, monkeypatch):
     _check(SdpaCudaKernel(), q, k, v, dout, scale=0.4, causal=False)
 
 
-@pytest.mark.parametrize("d,max_s,path", [(16, None, "cudnn"), (12, None, "cudnn"), (264, None, "eff"),
-                                          (16, 8, "flash")])
+@pytest.mark.parametrize(
+    "d,max_s,path", [(16, None, "cudnn"), (12, None, "cudnn"), (264, None, "eff"), (16, 8, "flash")]
+)
 @pytest.mark.parametrize("h,hk", HEADS)
 def test_cudnn_glue(fake_aten, monkeypatch, d, max_s, path, h, hk):
     """cuDNN's stats [B,h,S,1] out as lse [B,h,S] and back; GQA; padded head dims; head dims above 128 and sequences
@@ -301,7 +398,9 @@ def _fa_window(wl, wr, causal):
     return wl + 1
 
 
-def _fa_forward_impl(q, k, v, dropout_p, softmax_scale, causal, wl, wr, softcap, alibi_slopes, return_softmax):
+def _fa_forward_impl(
+    q, k, v, dropout_p, softmax_scale, causal, wl, wr, softcap, alibi_slopes, return_softmax
+):
     _check_bshd(q, k, v)
     assert dropout_p == 0.0 and softmax_scale == EXPECTED["scale"] and isinstance(causal, bool)
     assert softcap == 0.0 and alibi_slopes is None and return_softmax is False
@@ -310,11 +409,33 @@ def _fa_forward_impl(q, k, v, dropout_p, softmax_scale, causal, wl, wr, softcap,
     return out, lse.float(), torch.empty(0, dtype=q.dtype), torch.zeros(2, dtype=torch.int64)
 
 
-def _fa_backward_impl(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, wl, wr, softcap,
-                      alibi_slopes, deterministic, rng_state):
+def _fa_backward_impl(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    wl,
+    wr,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state,
+):
     _check_bshd(q, k, v)
     assert dout.shape == out.shape == q.shape and dout.stride(-1) == 1 and out.stride(-1) == 1
-    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape) and dq.dtype == dk.dtype == q.dtype
+    assert (dq.shape, dk.shape, dv.shape) == (
+        q.shape,
+        k.shape,
+        v.shape,
+    ) and dq.dtype == dk.dtype == q.dtype
     assert softmax_lse.dtype == torch.float32 and softmax_lse.is_contiguous()
     assert softmax_lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     assert dropout_p == 0.0 and softmax_scale == EXPECTED["scale"] and softcap == 0.0
@@ -325,8 +446,15 @@ def _fa_backward_impl(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, so
     assert _rel(out.transpose(1, 2), r_out) < 1e-2
     g = q.shape[2] // k.shape[2]
     qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, dout))
-    gq, gk, gv = _math_grads(qt, kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1), dot, softmax_scale, causal,
-                             window)
+    gq, gk, gv = _math_grads(
+        qt,
+        kt.repeat_interleave(g, 1),
+        vt.repeat_interleave(g, 1),
+        dot,
+        softmax_scale,
+        causal,
+        window,
+    )
     dq.copy_(gq.transpose(1, 2))
     dk.copy_(gk.unflatten(1, (k.shape[2], g)).sum(2).transpose(1, 2))  # GQA: sum over the group
     dv.copy_(gv.unflatten(1, (k.shape[2], g)).sum(2).transpose(1, 2))
@@ -334,40 +462,142 @@ def _fa_backward_impl(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, so
 
 
 @torch.library.custom_op("upipe_test_fake_fa::fwd", mutates_args=(), device_types="cpu")
-def _fa28_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
-                  causal: bool, window_size_left: int, window_size_right: int, softcap: float,
-                  alibi_slopes: Optional[torch.Tensor], return_softmax: bool
-                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fa_forward_impl(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
-                            alibi_slopes, return_softmax)
+def _fa28_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    return_softmax: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fa_forward_impl(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        alibi_slopes,
+        return_softmax,
+    )
 
 
-@torch.library.custom_op("upipe_test_fake_fa::bwd", mutates_args=("dq", "dk", "dv"), device_types="cpu")
-def _fa28_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                   softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor],
-                   dv: Optional[torch.Tensor], dropout_p: float, softmax_scale: float, causal: bool,
-                   window_size_left: int, window_size_right: int, softcap: float,
-                   alibi_slopes: Optional[torch.Tensor], deterministic: bool,
-                   rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return _fa_backward_impl(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                             window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state)
+@torch.library.custom_op(
+    "upipe_test_fake_fa::bwd", mutates_args=("dq", "dk", "dv"), device_types="cpu"
+)
+def _fa28_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    return _fa_backward_impl(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state,
+    )
 
 
-def _fa26_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax):
+def _fa26_forward(
+    q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax
+):
     assert isinstance(window_size, tuple) and len(window_size) == 2
-    out, lse, s_dmask, rng = _fa_forward_impl(q, k, v, dropout_p, softmax_scale, causal, *window_size, softcap,
-                                              alibi_slopes, return_softmax)
+    out, lse, s_dmask, rng = _fa_forward_impl(
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        *window_size,
+        softcap,
+        alibi_slopes,
+        return_softmax,
+    )
     return out, q, k, v, out, lse, s_dmask, rng
 
 
-def _fa26_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
-                   softcap, alibi_slopes, deterministic, rng_state=None):
+def _fa26_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
     assert isinstance(window_size, tuple) and len(window_size) == 2
-    return _fa_backward_impl(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                             *window_size, softcap, alibi_slopes, deterministic, rng_state)
+    return _fa_backward_impl(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        *window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state,
+    )
 
 
-def _fa25_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax):
+def _fa25_forward(
+    q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax
+):
     raise AssertionError("flash-attn 2.5 API must be refused before any call")
 
 
@@ -377,7 +607,11 @@ FLAVOURS = {
     "2.8-custom-op": (None, _fa28_forward, _fa28_backward),
     "2.6-tuple-window": (None, _fa26_forward, _fa26_backward),
     # signature not inspectable: the version decides
-    "2.7-opaque": ("2.7.4", lambda *a, **kw: _fa28_forward(*a, **kw), lambda *a, **kw: _fa28_backward(*a, **kw)),
+    "2.7-opaque": (
+        "2.7.4",
+        lambda *a, **kw: _fa28_forward(*a, **kw),
+        lambda *a, **kw: _fa28_backward(*a, **kw),
+    ),
 }
 
 
@@ -452,7 +686,11 @@ def test_flash_attn_too_old_is_refused(monkeypatch, clear_flash_cache):
 
 def test_flash_attn_not_imported_at_module_import():
     src = open(kernels_cuda.__file__).read()
-    assert "\nimport flash_attn" not in src and "\nfrom flash_attn" not in src and "transformers" not in src
+    assert (
+        "\nimport flash_attn" not in src
+        and "\nfrom flash_attn" not in src
+        and "transformers" not in src
+    )
 
 
 # ----------------------------------------------------------------------------------------------- (c) registry
@@ -476,7 +714,9 @@ def test_registry_cpu():
 def test_registry_cuda_selection(monkeypatch, installed):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(kernels_cuda, "_flash_attn_installed", lambda: installed)
-    monkeypatch.setattr(kernels_cuda, "_cudnn_installed", lambda: False)  # cuDNN: test_registry_cudnn_on_hopper
+    monkeypatch.setattr(
+        kernels_cuda, "_cudnn_installed", lambda: False
+    )  # cuDNN: test_registry_cudnn_on_hopper
     half = ["flash_attn", "sdpa"] if installed else ["sdpa"]
     assert available_kernels("cuda", torch.bfloat16) == half
     assert available_kernels("cuda", torch.float16) == half
@@ -495,7 +735,7 @@ def test_registry_cuda_selection(monkeypatch, installed):
 
 @pytest.mark.parametrize("cap,cudnn", [((9, 0), True), ((8, 0), False)])
 def test_registry_cudnn_on_hopper(monkeypatch, cap, cudnn):
-    """"auto" picks cuDNN for fp16/bf16 on sm90 (verified and faster there), never for fp32 or older GPUs."""
+    """ "auto" picks cuDNN for fp16/bf16 on sm90 (verified and faster there), never for fp32 or older GPUs."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(kernels_cuda, "_flash_attn_installed", lambda: False)
     monkeypatch.setattr(kernels_cuda, "_cudnn_installed", lambda: True)

@@ -39,7 +39,7 @@ def _tokens(rank: int, S: int, U: int, R: int) -> torch.Tensor:
     """The global token indices this rank holds: its ring shard's part u, s = S/(U*R) tokens."""
     g, u = divmod(rank, U)
     s = S // (U * R)
-    return zigzag_order(S, R)[g * U * s + u * s: g * U * s + (u + 1) * s]
+    return zigzag_order(S, R)[g * U * s + u * s : g * U * s + (u + 1) * s]
 
 
 def _check(errs, base, what):
@@ -47,17 +47,22 @@ def _check(errs, base, what):
         if base is None:
             assert e < 1e-5, f"tensor {k}: rel err {e:.2e} in {what}"
         else:
-            assert e <= 2 * base[k] + 2**-7, f"tensor {k}: rel err {e:.2e} vs {base[k]:.2e} in {what}"
+            assert e <= 2 * base[k] + 2**-7, (
+                f"tensor {k}: rel err {e:.2e} vs {base[k]:.2e} in {what}"
+            )
 
 
 def _op_case(rank, U, R, uly, ring, H, Hk, chunk, dtype, seed):
     B, S, D = 2, 16 * U * R, 8
     gen = torch.Generator().manual_seed(seed)
-    q, k, v, dout = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (H, Hk, Hk, H))
+    q, k, v, dout = (
+        torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) for h in (H, Hk, Hk, H)
+    )
 
     def attend(q, k, v):  # [B, S, h, D], causal, whole sequence
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=True, enable_gqa=True).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+        ).transpose(1, 2)
 
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = attend(*full)
@@ -73,7 +78,9 @@ def _op_case(rank, U, R, uly, ring, H, Hk, chunk, dtype, seed):
         low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
         y = attend(*low)
         g16 = torch.autograd.grad(y, low, dout.to(dtype))
-        base = [_rel(y[:, idx], ref[:, idx])] + [_rel(g[:, idx], r[:, idx]) for g, r in zip(g16, ref_grads)]
+        base = [_rel(y[:, idx], ref[:, idx])] + [
+            _rel(g[:, idx], r[:, idx]) for g, r in zip(g16, ref_grads)
+        ]
     return errs, base
 
 
@@ -87,9 +94,24 @@ def _fused_case(rank, U, R, uly, ring, H, Hk, chunk, save, overlap, dtype, seed)
     kernel = RingKernel(get_kernel("sdpa", torch.device("cpu"), dtype), ring)
 
     def call(xl, cos_l, sin_l, w):
-        return fused_upipe_attention(xl, cos_l, sin_l, w, num_heads=H, num_kv_heads=Hk, head_dim=D, group=uly,
-                                     heads_per_chunk=chunk, kernel=kernel, save_attention=save, overlap=overlap)
-    errs, base, _ = _block_errors(build, x, dy, cos, sin, H, Hk, D, dtype, _tokens(rank, S, U, R), call)
+        return fused_upipe_attention(
+            xl,
+            cos_l,
+            sin_l,
+            w,
+            num_heads=H,
+            num_kv_heads=Hk,
+            head_dim=D,
+            group=uly,
+            heads_per_chunk=chunk,
+            kernel=kernel,
+            save_attention=save,
+            overlap=overlap,
+        )
+
+    errs, base, _ = _block_errors(
+        build, x, dy, cos, sin, H, Hk, D, dtype, _tokens(rank, S, U, R), call
+    )
     return errs, base
 
 
@@ -100,13 +122,23 @@ def _worker(rank, world, U, R):
     for n, (H, Hk) in enumerate([(4, 4), (8, 2)] + ([(4, 1)] if U > 1 else [])):
         for chunk in (1, None):
             what = ("op", U, R, H, Hk, chunk)
-            results.append((what, *_op_case(rank, U, R, uly, ring, H, Hk, chunk, torch.float32, 10 * n)))
-    results.append((("op bf16", U, R), *_op_case(rank, U, R, uly, ring, 8, 2, 1, torch.bfloat16, 7)))
+            results.append(
+                (what, *_op_case(rank, U, R, uly, ring, H, Hk, chunk, torch.float32, 10 * n))
+            )
+    results.append(
+        (("op bf16", U, R), *_op_case(rank, U, R, uly, ring, 8, 2, 1, torch.bfloat16, 7))
+    )
     for save, overlap in ((False, False), (True, False), (True, True)):
         what = ("fused", U, R, save, overlap)
-        results.append((what, *_fused_case(rank, U, R, uly, ring, 8, 2, 1, save, overlap, torch.float32, 20)))
-    results.append((("fused bf16", U, R), *_fused_case(rank, U, R, uly, ring, 8, 2, 1, True, False,
-                                                       torch.bfloat16, 21)))
+        results.append(
+            (what, *_fused_case(rank, U, R, uly, ring, 8, 2, 1, save, overlap, torch.float32, 20))
+        )
+    results.append(
+        (
+            ("fused bf16", U, R),
+            *_fused_case(rank, U, R, uly, ring, 8, 2, 1, True, False, torch.bfloat16, 21),
+        )
+    )
     return results
 
 
@@ -121,5 +153,7 @@ def test_zigzag_order_gives_each_ring_rank_two_mirrored_chunks():
     order = zigzag_order(16, 2)  # chunks of 4: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
     assert order.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
     assert sorted(zigzag_order(48, 4).tolist()) == list(range(48))
-    with pytest.raises(ValueError, match="30 tokens is not a multiple of 8; pad or trim to 24 or 32 tokens"):
+    with pytest.raises(
+        ValueError, match="30 tokens is not a multiple of 8; pad or trim to 24 or 32 tokens"
+    ):
         zigzag_order(30, 4)

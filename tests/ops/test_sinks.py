@@ -37,32 +37,47 @@ def _reference(q, k, v, sinks, scale, window):
 def _case(rank, world, group, case):
     B, S, H, Hk, D, chunk, window, dtype, seed = case
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) * sc + off
-               for h, sc, off in ((H, 1.3, 0.1), (Hk, 0.7, -0.2), (Hk, 1.0, 0.3)))
-    sinks = torch.randn(H, generator=gen, dtype=torch.float64) * 2  # some sinks dominate, some vanish
+    q, k, v = (
+        torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) * sc + off
+        for h, sc, off in ((H, 1.3, 0.1), (Hk, 0.7, -0.2), (Hk, 1.0, 0.3))
+    )
+    sinks = (
+        torch.randn(H, generator=gen, dtype=torch.float64) * 2
+    )  # some sinks dominate, some vanish
     dout = torch.randn(B, S, H, D, generator=gen, dtype=torch.float64)
-    scale = D ** -0.5
+    scale = D**-0.5
     full = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     ref = _reference(*full, scale, window)
     ref_grads = torch.autograd.grad(ref, full, dout)
     s = S // world
     sh = slice(rank * s, (rank + 1) * s)
-    local = [t[:, sh].to(dtype).requires_grad_() for t in (q, k, v)] + [sinks.to(dtype).requires_grad_()]
+    local = [t[:, sh].to(dtype).requires_grad_() for t in (q, k, v)] + [
+        sinks.to(dtype).requires_grad_()
+    ]
     kernel = WindowKernel(SdpaCpuKernel(), window) if window else "sdpa"
-    out = upipe_attention(*local[:3], group=group, heads_per_chunk=chunk, kernel=kernel, scale=scale,
-                          sinks=local[3])
+    out = upipe_attention(
+        *local[:3], group=group, heads_per_chunk=chunk, kernel=kernel, scale=scale, sinks=local[3]
+    )
     grads = list(torch.autograd.grad(out, local, dout[:, sh].to(dtype)))
     if world > 1:
-        dist.all_reduce(grads[3], group=group)  # each rank holds its head-layout heads' sink gradients
-    errs = [_rel(out, ref[:, sh])] + [_rel(g, r[:, sh]) for g, r in zip(grads[:3], ref_grads[:3])] + \
-        [_rel(grads[3], ref_grads[3])]
+        dist.all_reduce(
+            grads[3], group=group
+        )  # each rank holds its head-layout heads' sink gradients
+    errs = (
+        [_rel(out, ref[:, sh])]
+        + [_rel(g, r[:, sh]) for g, r in zip(grads[:3], ref_grads[:3])]
+        + [_rel(grads[3], ref_grads[3])]
+    )
     base = None
     if dtype == torch.bfloat16:
         low = [t.to(dtype).requires_grad_() for t in (q, k, v, sinks)]
         o = _reference(*low, scale, window)
         g = torch.autograd.grad(o, low, dout.to(dtype))
-        base = [_rel(o[:, sh], ref[:, sh])] + [_rel(a[:, sh], r[:, sh]) for a, r in zip(g[:3], ref_grads[:3])] + \
-            [_rel(g[3], ref_grads[3])]
+        base = (
+            [_rel(o[:, sh], ref[:, sh])]
+            + [_rel(a[:, sh], r[:, sh]) for a, r in zip(g[:3], ref_grads[:3])]
+            + [_rel(g[3], ref_grads[3])]
+        )
     return errs, base
 
 
@@ -72,9 +87,13 @@ def _worker(rank, world, cases):
 
 def _cases(world):
     S = 12 * world
-    return [(2, S, 8, 2, 8, 1, None, torch.float32, 1), (1, S, 8, 4, 8, None, None, torch.float32, 2),
-            (1, S, 4, 1, 8, 1, 5, torch.float32, 3), (1, S, 8, 2, 8, 2, 7, torch.float32, 4),
-            (1, S, 8, 2, 8, 1, None, torch.bfloat16, 5)]
+    return [
+        (2, S, 8, 2, 8, 1, None, torch.float32, 1),
+        (1, S, 8, 4, 8, None, None, torch.float32, 2),
+        (1, S, 4, 1, 8, 1, 5, torch.float32, 3),
+        (1, S, 8, 2, 8, 2, 7, torch.float32, 4),
+        (1, S, 8, 2, 8, 1, None, torch.bfloat16, 5),
+    ]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -20,7 +20,9 @@ from tests._dist import run_distributed
 B, S, DM, V = 2, 37, 48, 203  # odd sizes on purpose
 
 
-def _inputs(seed: int = 0, dtype: torch.dtype = torch.float32, b: int = B, s: int = S, ignored: float = 0.3):
+def _inputs(
+    seed: int = 0, dtype: torch.dtype = torch.float32, b: int = B, s: int = S, ignored: float = 0.3
+):
     """Non-symmetric hidden [b, s, DM], weight [V, DM], bias [V] and labels [b, s] with scattered -100s."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(b, s, DM, generator=g) + 0.2
@@ -32,10 +34,14 @@ def _inputs(seed: int = 0, dtype: torch.dtype = torch.float32, b: int = B, s: in
 
 
 def _plain(hidden, weight, labels, bias=None, softcap=None):
-    logits = F.linear(hidden, weight, bias).to(torch.promote_types(hidden.dtype, torch.float32))  # [B, s, V]
+    logits = F.linear(hidden, weight, bias).to(
+        torch.promote_types(hidden.dtype, torch.float32)
+    )  # [B, s, V]
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100)
+    return F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100
+    )
 
 
 def _close(got, want, msg=None):
@@ -56,9 +62,15 @@ def _run(fn, tensors, dtype, scale=1.0):
 def test_fp32_matches_plain(chunk, with_bias):
     hidden, weight, bias, labels = _inputs()
     bias = bias if with_bias else None
-    ref = _run(lambda h, w, b: _plain(h, w, labels, b), (hidden, weight, bias), torch.float32, scale=0.01)
-    out = _run(lambda h, w, b: tiled_cross_entropy(h, w, labels, bias=b, chunk_tokens=chunk)[0],
-               (hidden, weight, bias), torch.float32, scale=0.01)
+    ref = _run(
+        lambda h, w, b: _plain(h, w, labels, b), (hidden, weight, bias), torch.float32, scale=0.01
+    )
+    out = _run(
+        lambda h, w, b: tiled_cross_entropy(h, w, labels, bias=b, chunk_tokens=chunk)[0],
+        (hidden, weight, bias),
+        torch.float32,
+        scale=0.01,
+    )
     for name, got, want in zip(["loss", "d hidden", "d weight", "d bias"], out, ref):
         if want is not None:
             _close(got, want, msg=name)
@@ -69,22 +81,37 @@ def test_fp32_matches_plain(chunk, with_bias):
 def test_bf16_error_at_most_twice_plain(chunk, seed):
     hidden, weight, bias, labels = _inputs(seed, dtype=torch.bfloat16)
     n = int((labels != -100).sum())
-    ref = _run(lambda h, w, b: _plain(h, w, labels, b), (hidden, weight, bias), torch.float64, 1 / n)
-    plain = _run(lambda h, w, b: _plain(h, w, labels, b), (hidden, weight, bias), torch.bfloat16, 1 / n)
-    tiled = _run(lambda h, w, b: tiled_cross_entropy(h, w, labels, bias=b, chunk_tokens=chunk)[0],
-                 (hidden, weight, bias), torch.bfloat16, 1 / n)
+    ref = _run(
+        lambda h, w, b: _plain(h, w, labels, b), (hidden, weight, bias), torch.float64, 1 / n
+    )
+    plain = _run(
+        lambda h, w, b: _plain(h, w, labels, b), (hidden, weight, bias), torch.bfloat16, 1 / n
+    )
+    tiled = _run(
+        lambda h, w, b: tiled_cross_entropy(h, w, labels, bias=b, chunk_tokens=chunk)[0],
+        (hidden, weight, bias),
+        torch.bfloat16,
+        1 / n,
+    )
     for name, got, base, want in zip(["loss", "d hidden", "d weight", "d bias"], tiled, plain, ref):
         err, base_err = (got - want).abs().max().item(), (base - want).abs().max().item()
-        floor = 1e-6 * want.abs().max().item()  # fp32 summation-order noise where bf16 rounding cancels
-        assert err <= 2 * base_err + floor, f"{name}: tiled error {err:.3e} > 2 x plain bf16 error {base_err:.3e}"
+        floor = (
+            1e-6 * want.abs().max().item()
+        )  # fp32 summation-order noise where bf16 rounding cancels
+        assert err <= 2 * base_err + floor, (
+            f"{name}: tiled error {err:.3e} > 2 x plain bf16 error {base_err:.3e}"
+        )
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 1000])
 def test_softcap_and_batch_of_three(chunk):
     hidden, weight, _, labels = _inputs(2, b=3, s=11)
     ref = _run(lambda h, w: _plain(h, w, labels, softcap=2.5), (hidden, weight), torch.float64)
-    out = _run(lambda h, w: tiled_cross_entropy(h, w, labels, chunk_tokens=chunk, logit_softcap=2.5)[0],
-               (hidden, weight), torch.float64)
+    out = _run(
+        lambda h, w: tiled_cross_entropy(h, w, labels, chunk_tokens=chunk, logit_softcap=2.5)[0],
+        (hidden, weight),
+        torch.float64,
+    )
     for got, want in zip(out, ref):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
@@ -127,7 +154,9 @@ def test_tied_embedding_gets_both_gradients():
 
     def grad_of(loss_fn):
         embed.zero_grad(set_to_none=True)
-        hidden = torch.tanh(embed(ids) * 1.5 + 0.1)  # [B, S, DM], tied: lm_head weight is embed.weight
+        hidden = torch.tanh(
+            embed(ids) * 1.5 + 0.1
+        )  # [B, S, DM], tied: lm_head weight is embed.weight
         loss_fn(hidden, embed.weight).backward()
         return embed.weight.grad.clone()
 
@@ -138,7 +167,9 @@ def test_tied_embedding_gets_both_gradients():
 
 def test_no_grad_and_noncontiguous_hidden():
     hidden, weight, _, labels = _inputs(5)
-    h_t = hidden.transpose(0, 1).contiguous().transpose(0, 1)  # same values, non-contiguous [B, S, DM]
+    h_t = (
+        hidden.transpose(0, 1).contiguous().transpose(0, 1)
+    )  # same values, non-contiguous [B, S, DM]
     assert not h_t.is_contiguous()
     with torch.no_grad():
         loss_sum, n = tiled_cross_entropy(h_t, weight.requires_grad_(), labels, chunk_tokens=6)
@@ -147,7 +178,9 @@ def test_no_grad_and_noncontiguous_hidden():
     assert n.item() == int((labels != -100).sum())
     ref = _run(lambda h: _plain(h, weight.detach(), labels), (hidden,), torch.float32)
     h = h_t.detach().requires_grad_()
-    tiled_cross_entropy(h, weight.detach(), labels.int(), chunk_tokens=6)[0].backward()  # int32 labels too
+    tiled_cross_entropy(h, weight.detach(), labels.int(), chunk_tokens=6)[
+        0
+    ].backward()  # int32 labels too
     _close(h.grad.double(), ref[1])
 
 
@@ -186,9 +219,13 @@ def test_tracked_peak_below_quarter_of_plain(mode):
             peaks[name] = tracker.peak_bytes
             hidden.grad = weight.grad = None
             del loss
-    assert peaks["plain"] == 3 * tokens * vocab * 4 + 8  # logits, log-softmax, its gradient (+ the loss scalar)
+    assert (
+        peaks["plain"] == 3 * tokens * vocab * 4 + 8
+    )  # logits, log-softmax, its gradient (+ the loss scalar)
     assert peaks["tiled"] < peaks["plain"] / 4, peaks
-    assert peaks["tiled"] < 2 * 512 * vocab * 4 + 3 * vocab * dm * 4  # ~ one fp32 chunk + fp32 d weight
+    assert (
+        peaks["tiled"] < 2 * 512 * vocab * 4 + 3 * vocab * dm * 4
+    )  # ~ one fp32 chunk + fp32 d weight
 
 
 # ---------------------------------------------------------------- distributed: sp_token_mean on 2 gloo ranks
@@ -206,8 +243,8 @@ def _dist_inputs(case: str, world: int):
     labels = torch.randint(0, V, (B, world * S), generator=g)
     keep = torch.rand(B, world * S, generator=g)
     for r, frac in enumerate(_DIST_CASES[case]):
-        shard = labels[:, r * S:(r + 1) * S]  # [B, S] view
-        shard[keep[:, r * S:(r + 1) * S] >= frac] = -100
+        shard = labels[:, r * S : (r + 1) * S]  # [B, S] view
+        shard[keep[:, r * S : (r + 1) * S] >= frac] = -100
     return hidden, weight, bias, labels
 
 
@@ -224,8 +261,13 @@ def _sp_mean_worker(rank: int, world: int) -> dict:
         loss_sum, n = tiled_cross_entropy(h, w, labels[:, shard], bias=b, chunk_tokens=10)
         mean = sp_token_mean(loss_sum, n, dist.group.WORLD)
         mean.backward()
-        out[case] = {"loss": mean.item(), "n": int(n), "dh": h.grad.tolist(), "dw": w.grad.tolist(),
-                     "db": b.grad.tolist()}
+        out[case] = {
+            "loss": mean.item(),
+            "n": int(n),
+            "dh": h.grad.tolist(),
+            "dw": w.grad.tolist(),
+            "db": b.grad.tolist(),
+        }
     return out
 
 
@@ -237,22 +279,35 @@ def test_sp_token_mean_two_ranks_equals_single_process():
         results = [r[case] for r in per_rank]
         hidden, weight, bias, labels = _dist_inputs(case, world)
         n_total = int((labels != -100).sum())
-        assert [r["n"] for r in results] == [int((labels[:, r * S:(r + 1) * S] != -100).sum()) for r in range(world)]
+        assert [r["n"] for r in results] == [
+            int((labels[:, r * S : (r + 1) * S] != -100).sum()) for r in range(world)
+        ]
         if case == "rank0_empty":
             assert results[0]["n"] == 0 < results[1]["n"]
         scale = 1 / max(n_total, 1)
-        ref = _run(lambda h, w, b: _plain(h, w, labels, b), (hidden, weight, bias), torch.float64, scale)
+        ref = _run(
+            lambda h, w, b: _plain(h, w, labels, b), (hidden, weight, bias), torch.float64, scale
+        )
         want_loss = ref[0].item() * scale
         for r, res in enumerate(results):
             assert res["loss"] == pytest.approx(want_loss, rel=1e-6, abs=1e-7), case
-            torch.testing.assert_close(torch.tensor(res["dh"], dtype=torch.float64), ref[1][:, r * S:(r + 1) * S],
-                                       rtol=1e-5, atol=1e-7, msg=f"{case}: d hidden of rank {r}")
-        for key, want in (("dw", ref[2]), ("db", ref[3])):  # parameter grads summed over the SP group
+            torch.testing.assert_close(
+                torch.tensor(res["dh"], dtype=torch.float64),
+                ref[1][:, r * S : (r + 1) * S],
+                rtol=1e-5,
+                atol=1e-7,
+                msg=f"{case}: d hidden of rank {r}",
+            )
+        for key, want in (
+            ("dw", ref[2]),
+            ("db", ref[3]),
+        ):  # parameter grads summed over the SP group
             got = sum(torch.tensor(res[key], dtype=torch.float64) for res in results)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=f"{case}: {key} summed over ranks")
+            torch.testing.assert_close(
+                got, want, rtol=1e-5, atol=1e-7, msg=f"{case}: {key} summed over ranks"
+            )
         if case == "all_empty":
             assert want_loss == 0 and all(res["loss"] == 0.0 for res in results)
-
 
 
 @pytest.mark.parametrize("tiled", [True, False])
@@ -269,7 +324,9 @@ def test_shard_loss_sum_saves_no_view_of_the_final_hidden(tiled):
     model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     ids = torch.randint(0, model.config.vocab_size, (1, 64))
     final, saved = [], []
-    handle = model.model.norm.register_forward_hook(lambda m, a, out: final.append(out.untyped_storage().data_ptr()))
+    handle = model.model.norm.register_forward_hook(
+        lambda m, a, out: final.append(out.untyped_storage().data_ptr())
+    )
 
     def pack(t):
         saved.append(t.untyped_storage().data_ptr())

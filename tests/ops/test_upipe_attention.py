@@ -25,8 +25,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _sdpa(q, k, v):
     """[B, S, H, D] single-process causal GQA attention."""
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                          enable_gqa=True).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
 
 
 def _case_errors(rank, world, group, case):
@@ -34,8 +35,10 @@ def _case_errors(rank, world, group, case):
     B, S, H, Hk, D, chunk, dtype, seed = case
     gen = torch.Generator().manual_seed(seed)
     # non-symmetric inputs: different scales per tensor and an offset, so mistakes in head/token order show
-    q, k, v = (torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) * sc + off
-               for h, sc, off in ((H, 1.3, 0.1), (Hk, 0.7, -0.2), (Hk, 1.0, 0.3)))
+    q, k, v = (
+        torch.randn(B, S, h, D, generator=gen, dtype=torch.float64) * sc + off
+        for h, sc, off in ((H, 1.3, 0.1), (Hk, 0.7, -0.2), (Hk, 1.0, 0.3))
+    )
     dout = torch.randn(B, S, H, D, generator=gen, dtype=torch.float64)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = _sdpa(*full)
@@ -51,7 +54,9 @@ def _case_errors(rank, world, group, case):
         low = [t.to(dtype).requires_grad_() for t in (q, k, v)]
         o = _sdpa(*low)
         g = torch.autograd.grad(o, low, dout.to(dtype))
-        base = [_rel(o[:, shard], ref[:, shard])] + [_rel(a[:, shard], r[:, shard]) for a, r in zip(g, ref_grads)]
+        base = [_rel(o[:, shard], ref[:, shard])] + [
+            _rel(a[:, shard], r[:, shard]) for a, r in zip(g, ref_grads)
+        ]
     return errs, base
 
 
@@ -61,14 +66,20 @@ def _worker(rank, world, cases):
 
 def _cases(world):
     """(B, S, H, Hk, D, heads_per_chunk, dtype, seed) covering MHA, GQA, kv_heads != P and kv_heads < P."""
-    geoms = {1: [(4, 4), (8, 2)], 2: [(4, 4), (8, 4), (8, 2), (6, 1)], 4: [(8, 8), (8, 2), (16, 4), (4, 1)]}[world]
+    geoms = {
+        1: [(4, 4), (8, 2)],
+        2: [(4, 4), (8, 4), (8, 2), (6, 1)],
+        4: [(8, 8), (8, 2), (16, 4), (4, 1)],
+    }[world]
     out = []
     for i, (H, Hk) in enumerate(geoms):
         for chunk in (1, 2, None):
             if chunk is not None and chunk not in valid_heads_per_chunk(H, Hk, world):
                 continue
             for dtype in (torch.float32, torch.bfloat16):
-                out.append((1 + (i % 2), 16 * world, H, Hk, 8, chunk, dtype, 100 * i + (chunk or 0)))
+                out.append(
+                    (1 + (i % 2), 16 * world, H, Hk, 8, chunk, dtype, 100 * i + (chunk or 0))
+                )
     return out
 
 
@@ -84,8 +95,18 @@ def _random_cases(world, n, seed):
         except ValueError:
             continue
         chunk = rng.choice(valid_heads_per_chunk(H, Hk, world) + [None])
-        out.append((rng.choice([1, 2, 3]), world * rng.choice([3, 5, 9, 13]), H, Hk, rng.choice([4, 8, 12]),
-                    chunk, torch.float32, rng.randrange(10**6)))
+        out.append(
+            (
+                rng.choice([1, 2, 3]),
+                world * rng.choice([3, 5, 9, 13]),
+                H,
+                Hk,
+                rng.choice([4, 8, 12]),
+                chunk,
+                torch.float32,
+                rng.randrange(10**6),
+            )
+        )
     return out
 
 
@@ -98,7 +119,9 @@ def _check(cases, results):
                     assert e < 2e-5, f"{name} rel err {e:.2e} for case {case}"
             else:
                 for name, e, b in zip(names, errs, base):
-                    assert e <= 2 * b + 2**-7, f"{name} rel err {e:.2e} vs plain bf16 {b:.2e} for case {case}"
+                    assert e <= 2 * b + 2**-7, (
+                        f"{name} rel err {e:.2e} vs plain bf16 {b:.2e} for case {case}"
+                    )
 
 
 def test_single_process_is_exact_local_attention():
@@ -113,7 +136,9 @@ def test_parity_against_single_process_sdpa(world):
 
 
 def test_bad_geometry_names_the_numbers_and_the_fix():
-    with pytest.raises(ValueError, match=r"num_attention_heads=6 is not divisible by sp_size=4.*\[1, 2, 3, 6"):
+    with pytest.raises(
+        ValueError, match=r"num_attention_heads=6 is not divisible by sp_size=4.*\[1, 2, 3, 6"
+    ):
         HeadLayout(6, 6, 4, 1)
     with pytest.raises(ValueError, match=r"num_key_value_heads=3 and sp_size=2"):
         HeadLayout(6, 3, 2, 1)

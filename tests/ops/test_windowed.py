@@ -41,7 +41,9 @@ def test_window_kernel_matches_masked_attention(S, window, dtype, tol):
     ref, _ = _reference(qr, kr, vr, window, scale)
     ref.backward(dout.double())
     for got, ref_grad in ((dq, qr.grad), (dk, kr.grad), (dv, vr.grad)):
-        assert (got.double() - ref_grad).abs().max() <= tol * (4 * ref_grad.abs().max() + 1)  # dq = 0 at window 1
+        assert (got.double() - ref_grad).abs().max() <= tol * (
+            4 * ref_grad.abs().max() + 1
+        )  # dq = 0 at window 1
 
 
 def test_window_kernel_refuses_other_kernels_and_bad_windows():

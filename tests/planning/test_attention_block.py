@@ -43,7 +43,9 @@ def _sync_all_to_all() -> None:
 
     def settle(output, input, before):
         deadline = time.monotonic() + 10
-        while (output._use_count() > before[0] or input._use_count() > before[1]) and time.monotonic() < deadline:
+        while (
+            output._use_count() > before[0] or input._use_count() > before[1]
+        ) and time.monotonic() < deadline:
             time.sleep(0)  # release the GIL until the worker thread has dropped its references
 
     class Done:
@@ -89,8 +91,14 @@ def _real_worker(rank, world, impl, chunks, dims):
     _settle_pending()
     out = []
     for c in chunks:
-        r = measure_attention_block(impl, **dims, sp_size=world, dtype=torch.float32, group=dist.group.WORLD,
-                                    heads_per_chunk=c)
+        r = measure_attention_block(
+            impl,
+            **dims,
+            sp_size=world,
+            dtype=torch.float32,
+            group=dist.group.WORLD,
+            heads_per_chunk=c,
+        )
         out.append((r["forward_peak"], r["peak"], r["unit"]))
     assert get_sequence_parallel_state() is None  # measure restored the (absent) SP defaults
     return out
@@ -99,7 +107,9 @@ def _real_worker(rank, world, impl, chunks, dims):
 def _simulated(impl, chunks, dims):
     out = []
     for c in chunks:
-        r = simulate_attention_block(impl, **dims, sp_size=2, dtype=torch.float32, heads_per_chunk=c)
+        r = simulate_attention_block(
+            impl, **dims, sp_size=2, dtype=torch.float32, heads_per_chunk=c
+        )
         out.append((r["forward_peak"], r["peak"], r["unit"]))
     return out
 
@@ -129,13 +139,17 @@ def test_deepspeed_simulation_equals_real_gloo_run() -> None:
     sim = _simulated("deepspeed", (None,), SMALL)
     assert real[0] == sim  # includes DeepSpeed's all-gather of position_ids (8 bytes per token)
     fwd, peak, unit = sim[0]
-    assert 4 * unit < fwd <= peak < 12 * unit  # with the incoming gradient not counted, DS peaks in forward
+    assert (
+        4 * unit < fwd <= peak < 12 * unit
+    )  # with the incoming gradient not counted, DS peaks in forward
 
 
 def test_simulation_rejects_bad_input_and_always_resets() -> None:
     with pytest.raises(ValueError, match="impl"):
         simulate_attention_block("ring", **SMALL, sp_size=2)
-    with pytest.raises(ValueError, match="heads_per_chunk=3"):  # 4 query heads per rank: 3 does not divide them
+    with pytest.raises(
+        ValueError, match="heads_per_chunk=3"
+    ):  # 4 query heads per rank: 3 does not divide them
         simulate_attention_block("upipe", **SMALL, sp_size=2, heads_per_chunk=3)
     assert get_sequence_parallel_state() is None and not dist.is_initialized()
     with pytest.raises(RuntimeError, match="simulate_attention_block"):
@@ -220,13 +234,22 @@ def test_op_forward_peak_matches_closed_form_and_falls_strictly() -> None:
 
 
 def test_block_memory_falls_with_heads_per_chunk() -> None:
-    results = [simulate_attention_block("upipe", **MID, sp_size=P, heads_per_chunk=c) for c in MID_CHUNKS]
+    results = [
+        simulate_attention_block("upipe", **MID, sp_size=P, heads_per_chunk=c) for c in MID_CHUNKS
+    ]
     forward = [r["forward_peak"] for r in results]
     assert forward == [_predicted_block_forward(c) for c in MID_CHUNKS]
     unit = results[0]["unit"]
     assert unit == MID["seq_len"] // P * MID["hidden"] * BYTES
     # Ulysses mode sits above the RoPE floor (4.5 u); every chunked setting is held at it.
-    assert forward[0] == _predicted_block_forward(None) > forward[1] == forward[2] == forward[3] == _rope_floor()
+    assert (
+        forward[0]
+        == _predicted_block_forward(None)
+        > forward[1]
+        == forward[2]
+        == forward[3]
+        == _rope_floor()
+    )
     assert _rope_floor() == 4.5 * unit
     MiB = 2**20
     assert [f / MiB for f in forward] == [322.0, 288.0, 288.0, 288.0]
@@ -244,17 +267,27 @@ def test_fused_block_is_below_the_registered_path_as_designed() -> None:
     """The fused block never holds the local q, the local attention output or its gradient (three full-width
     tensors the registered path needs), so its fwd+bwd peak is the floor the design names: the block output y and
     dx (2 u), the weight gradients, and a few one-stage buffers that scale with the chunk, not with all heads."""
-    H, Hk, D, S, hidden = MID["heads"], MID["kv_heads"], MID["head_dim"], MID["seq_len"], MID["hidden"]
+    H, Hk, D, S, hidden = (
+        MID["heads"],
+        MID["kv_heads"],
+        MID["head_dim"],
+        MID["seq_len"],
+        MID["hidden"],
+    )
     weights_grad = (2 * H + 2 * Hk) * D * hidden * BYTES  # q, o: H*D x hidden; k, v: Hk*D x hidden
     for c in (1, 2):
         fused = simulate_attention_block("fused", **MID, sp_size=P, heads_per_chunk=c)
         registered = simulate_attention_block("upipe", **MID, sp_size=P, heads_per_chunk=c)
         unit = fused["unit"]
-        stage = S * (c + _stage_heads(c)[1]) * D * BYTES  # one stage's q + k/v heads over the full sequence
+        stage = (
+            S * (c + _stage_heads(c)[1]) * D * BYTES
+        )  # one stage's q + k/v heads over the full sequence
         floor = 2 * unit + weights_grad
         assert floor < fused["peak"] <= floor + 6 * stage, (c, fused["peak"] / unit)
-        assert registered["peak"] - fused["peak"] >= 3 * unit - weights_grad, (registered["peak"] / unit,
-                                                                               fused["peak"] / unit)
+        assert registered["peak"] - fused["peak"] >= 3 * unit - weights_grad, (
+            registered["peak"] / unit,
+            fused["peak"] / unit,
+        )
         assert fused["forward_peak"] < registered["forward_peak"]
 
 
@@ -300,9 +333,13 @@ def test_llama3_8b_at_3m_tokens_save_mode_stays_under_the_memory_bound() -> None
     mode's at its 4.16 u."""
     _require_deepspeed()
     geometry = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, seq_len=3 * 2**20, sp_size=8)
-    peaks = {impl: simulate_attention_block(impl, **geometry, heads_per_chunk=1)
-             for impl in ("deepspeed", "fused_save", "fused")}
+    peaks = {
+        impl: simulate_attention_block(impl, **geometry, heads_per_chunk=1)
+        for impl in ("deepspeed", "fused_save", "fused")
+    }
     unit = peaks["fused"]["unit"]
-    assert peaks["fused_save"]["peak"] <= 0.76 * peaks["deepspeed"]["peak"], (peaks["fused_save"]["peak"] / unit,
-                                                                              peaks["deepspeed"]["peak"] / unit)
+    assert peaks["fused_save"]["peak"] <= 0.76 * peaks["deepspeed"]["peak"], (
+        peaks["fused_save"]["peak"] / unit,
+        peaks["deepspeed"]["peak"] / unit,
+    )
     assert peaks["fused"]["peak"] <= 4.17 * unit, peaks["fused"]["peak"] / unit

@@ -13,8 +13,12 @@ from tests.integrations._models import hybrid_config
 
 S = 256
 # model type -> the modes measured on every rank, and on rank 0 only
-TYPES = {"qwen3_next": (("parallel", "alone"), ("sequential",)), "bailing_hybrid": (("parallel", "alone"), ()),
-         "bamba": (("alone",), ("sequential",)), "lfm2": (("parallel", "alone"), ())}
+TYPES = {
+    "qwen3_next": (("parallel", "alone"), ("sequential",)),
+    "bailing_hybrid": (("parallel", "alone"), ()),
+    "bamba": (("alone",), ("sequential",)),
+    "lfm2": (("parallel", "alone"), ()),
+}
 
 
 def _real_worker(rank, world):
@@ -31,10 +35,14 @@ def _real_worker(rank, world):
             config = hybrid_config(model_type)
             mixer = mixer_module(config)
             for mode in every + first:
-                install_mixers(mixer, state_passing="sequential" if mode == "sequential" else "parallel")
+                install_mixers(
+                    mixer, state_passing="sequential" if mode == "sequential" else "parallel"
+                )
                 x = torch.randn(1, S // world, config.hidden_size, requires_grad=True)
                 dy = torch.randn_like(x)
-                mixer.zero_grad(set_to_none=True)  # every run allocates its gradients, as a simulation's does
+                mixer.zero_grad(
+                    set_to_none=True
+                )  # every run allocates its gradients, as a simulation's does
                 if mode in first and rank > 0:  # takes part in rank 0's run, unmeasured
                     mixer(x).backward(dy)
                     continue
@@ -64,12 +72,17 @@ def test_the_added_memory_does_not_gather_the_sequence():
     config = hybrid_config("qwen3_next")
 
     def extra(length, rank, mode):
-        return (mixer_peak(config, length, 4, rank, mode, dtype=torch.float32)
-                - mixer_peak(config, length, 4, rank, "alone", dtype=torch.float32))
+        return mixer_peak(config, length, 4, rank, mode, dtype=torch.float32) - mixer_peak(
+            config, length, 4, rank, "alone", dtype=torch.float32
+        )
 
     parallel = [extra(length, 3, "parallel") for length in (2048, 4096, 8192)]
     # the kernel's widened value: linear in the shard (a gather would add P-1 shards of every activation)
     assert parallel[2] - parallel[1] == 2 * (parallel[1] - parallel[0]) > 0, parallel
-    assert parallel[2] < 0.06 * mixer_peak(config, 8192, 4, 3, "alone", dtype=torch.float32), parallel
+    assert parallel[2] < 0.06 * mixer_peak(config, 8192, 4, 3, "alone", dtype=torch.float32), (
+        parallel
+    )
     sequential = [extra(length, 0, "sequential") for length in (512, 2048, 8192)]
-    assert len(set(sequential)) == 1 and sequential[0] < 4096, sequential  # the same few bytes at every length
+    assert len(set(sequential)) == 1 and sequential[0] < 4096, (
+        sequential
+    )  # the same few bytes at every length

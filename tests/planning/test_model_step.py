@@ -21,8 +21,15 @@ from hf_upipe.planning.model_step import (
 from tests._dist import run_distributed
 from tests.planning.test_attention_block import _sync_all_to_all
 
-TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            num_hidden_layers=3, vocab_size=256)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_hidden_layers=3,
+    vocab_size=256,
+)
 CASES = [("upipe", False), ("fused", False), ("fused", True), ("ulysses", True)]
 S, P = 512, 2
 
@@ -33,11 +40,26 @@ def _real(rank, world):
     _sync_all_to_all()
     out = []
     for impl, tiled in CASES:
-        r = measure_model_step(impl, model_config=TINY, seq_len=S, sp_size=world, layers=3, group=dist.group.WORLD,
-                               tiled_mlp=tiled, dtype=torch.float32)
+        r = measure_model_step(
+            impl,
+            model_config=TINY,
+            seq_len=S,
+            sp_size=world,
+            layers=3,
+            group=dist.group.WORLD,
+            tiled_mlp=tiled,
+            dtype=torch.float32,
+        )
         out.append((r["forward_peak"], r["peak"]))
-    layer = measure_layer_step("fused", model_config=TINY, seq_len=S, sp_size=world, group=dist.group.WORLD,
-                               tiled_mlp=True, dtype=torch.float32)
+    layer = measure_layer_step(
+        "fused",
+        model_config=TINY,
+        seq_len=S,
+        sp_size=world,
+        group=dist.group.WORLD,
+        tiled_mlp=True,
+        dtype=torch.float32,
+    )
     return out, (layer["forward_peak"], layer["peak"])
 
 
@@ -45,10 +67,19 @@ def test_model_step_simulation_equals_real_gloo_run():
     real = run_distributed(_real, P)
     sim = []
     for impl, tiled in CASES:
-        r = simulate_model_step(impl, model_config=TINY, seq_len=S, sp_size=P, layers=3, tiled_mlp=tiled,
-                                dtype=torch.float32)
+        r = simulate_model_step(
+            impl,
+            model_config=TINY,
+            seq_len=S,
+            sp_size=P,
+            layers=3,
+            tiled_mlp=tiled,
+            dtype=torch.float32,
+        )
         sim.append((r["forward_peak"], r["peak"]))
-    layer = simulate_layer_step("fused", model_config=TINY, seq_len=S, sp_size=P, tiled_mlp=True, dtype=torch.float32)
+    layer = simulate_layer_step(
+        "fused", model_config=TINY, seq_len=S, sp_size=P, tiled_mlp=True, dtype=torch.float32
+    )
     assert real[0][0] == sim, (real[0][0], sim)
     assert real[0][1] == (layer["forward_peak"], layer["peak"])
     assert sim[2][1] < sim[1][1]  # the tiled MLP lowers the step's peak
@@ -56,14 +87,29 @@ def test_model_step_simulation_equals_real_gloo_run():
 
 @pytest.mark.slow
 def test_offload_makes_the_peak_independent_of_depth():
-    big = dict(TINY, hidden_size=256, intermediate_size=512, vocab_size=64)  # layer inputs dominate the loss
+    big = dict(
+        TINY, hidden_size=256, intermediate_size=512, vocab_size=64
+    )  # layer inputs dominate the loss
     peaks = {}
     for offload in ("none", "cpu"):
         for layers in (3, 6):
-            r = simulate_model_step("fused", model_config=big, seq_len=8192, sp_size=P, layers=layers,
-                                    tiled_mlp=True, offload=offload, dtype=torch.float32)
+            r = simulate_model_step(
+                "fused",
+                model_config=big,
+                seq_len=8192,
+                sp_size=P,
+                layers=layers,
+                tiled_mlp=True,
+                offload=offload,
+                dtype=torch.float32,
+            )
             peaks[offload, layers] = r["peak"]
             unit = r["unit"]
     extra = peaks["none", 6] - peaks["none", 3]
-    assert 3 * unit <= extra < 3 * unit + 1024  # one checkpointed input per layer (+ a few bytes of bookkeeping)
-    assert abs(peaks["cpu", 6] - peaks["cpu", 3]) < 1024 and peaks["none", 6] - peaks["cpu", 6] >= 3 * unit
+    assert (
+        3 * unit <= extra < 3 * unit + 1024
+    )  # one checkpointed input per layer (+ a few bytes of bookkeeping)
+    assert (
+        abs(peaks["cpu", 6] - peaks["cpu", 3]) < 1024
+        and peaks["none", 6] - peaks["cpu", 6] >= 3 * unit
+    )

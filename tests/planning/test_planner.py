@@ -38,17 +38,38 @@ def test_plan_within_5_percent_of_real_gloo_runs(monkeypatch):
     for i in PLANNED:
         settings, sp, dtype, lora = CASES[i]
         measured = real[i][0]
-        p = plan(five, gpus=WORLD, sp_size=sp, seq_len=S, settings=settings, dtype=dtype, gpu_memory="1GiB",
-                 lora=lora)
+        p = plan(
+            five,
+            gpus=WORLD,
+            sp_size=sp,
+            seq_len=S,
+            settings=settings,
+            dtype=dtype,
+            gpu_memory="1GiB",
+            lora=lora,
+        )
         assert not p.exact
-        assert abs(p.tensor_peak - measured) <= 0.05 * measured, (settings, sp, p.tensor_peak, measured)
+        assert abs(p.tensor_peak - measured) <= 0.05 * measured, (
+            settings,
+            sp,
+            p.tensor_peak,
+            measured,
+        )
 
 
 def _tiny_model():
     """8 query / 2 k/v heads, a wide MLP: every rung of the ladder saves memory at 16K tokens on 2 ranks. Four
     layers: the planner simulates them all (no extrapolation), one simulation per length and setting."""
-    return dict(TINY, hidden_size=64, intermediate_size=1024, num_hidden_layers=4, vocab_size=128,
-                num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    return dict(
+        TINY,
+        hidden_size=64,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        vocab_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
 
 
 @pytest.mark.slow
@@ -56,15 +77,34 @@ def test_the_ladder_saves_memory():
     cfg, seq = _tiny_model(), 16384
     rungs = ladder(cfg, 2)
     assert [r.heads_per_chunk for r in rungs] == [None, None, None, 2, 1, 1]
-    assert (rungs[0].tiled_mlp, rungs[0].offload, rungs[1].tiled_mlp, rungs[2].offload) == (False, "none", True, "cpu")
-    assert rungs[-1].mlp_chunk_tokens == 16 and rungs[-1].loss_chunk_tokens == 2**24 // 128  # a quarter of the defaults
+    assert (rungs[0].tiled_mlp, rungs[0].offload, rungs[1].tiled_mlp, rungs[2].offload) == (
+        False,
+        "none",
+        True,
+        "cpu",
+    )
+    assert (
+        rungs[-1].mlp_chunk_tokens == 16 and rungs[-1].loss_chunk_tokens == 2**24 // 128
+    )  # a quarter of the defaults
     pairs = candidates(cfg, 2)
     # every rung, its save-mode variant, and with several stages (c = 2, 1) the overlapped ones in both modes
     assert len(pairs) == 3 * 2 + 3 * 4 and [c for c, r in pairs if c == r] == rungs
-    assert all(r in rungs and (c.fused_backward, c.overlap) != ("recompute", False) for c, r in pairs if c != r)
+    assert all(
+        r in rungs and (c.fused_backward, c.overlap) != ("recompute", False)
+        for c, r in pairs
+        if c != r
+    )
 
     def need(c):
-        return plan(cfg, gpus=2, seq_len=seq, settings=c, margin=Margin(0.0, 0), gpu_memory=2**40, headroom=0).required
+        return plan(
+            cfg,
+            gpus=2,
+            seq_len=seq,
+            settings=c,
+            margin=Margin(0.0, 0),
+            gpu_memory=2**40,
+            headroom=0,
+        ).required
 
     # each rung saves memory on this model (that a variant needs at least its rung's memory, which lets the planner
     # skip a variant whose rung does not fit, is checked on the attention block in tests/planning/
@@ -81,10 +121,18 @@ def test_plan_picks_the_fastest_candidate_that_fits(monkeypatch):
     pairs = candidates(cfg, 2)
     rung_index = {r: k for k, r in enumerate(r for c, r in pairs if c == r)}
     rng = random.Random(3)
-    table = {c: (10 - rung_index[r]) * 10**6 + (0 if c == r else rng.randint(1, 3 * 10**6)) for c, r in pairs}
-    monkeypatch.setattr(planner, "simulate_train_step", lambda config, settings, **kw: {
-        "by_category": {"attention": table[settings]}})
-    monkeypatch.setattr(planner, "_SIMULATIONS", collections.OrderedDict())  # none of the real ones cached before
+    table = {
+        c: (10 - rung_index[r]) * 10**6 + (0 if c == r else rng.randint(1, 3 * 10**6))
+        for c, r in pairs
+    }
+    monkeypatch.setattr(
+        planner,
+        "simulate_train_step",
+        lambda config, settings, **kw: {"by_category": {"attention": table[settings]}},
+    )
+    monkeypatch.setattr(
+        planner, "_SIMULATIONS", collections.OrderedDict()
+    )  # none of the real ones cached before
 
     def secs(c):
         return step_time(cfg, c, seq_len=seq, sp_size=2, world=2, gpus_per_node=2).seconds
@@ -98,7 +146,9 @@ def test_plan_picks_the_fastest_candidate_that_fits(monkeypatch):
         if not fitting:
             assert not p.fits and p.settings == pairs[-1][1] and len(p.tried) == len(pairs)
             continue
-        assert p.fits and secs(p.settings) == min(secs(c) for c in fitting), memory  # the fastest that fits
+        assert p.fits and secs(p.settings) == min(secs(c) for c in fitting), (
+            memory
+        )  # the fastest that fits
         assert p.tried[-1][0] == p.settings and p.tried[-1][3] == secs(p.settings)
         # what was judged before it does not fit; what was not simulated has a rung that does not fit
         rung_of = dict(pairs)
@@ -134,16 +184,31 @@ def test_max_context_is_the_edge_of_fitting():
 def test_llama3_8b_upipe_fits_5m_where_ulysses_mode_does_not():
     five = 5 * 2**20
     stack = dict(tiled_mlp=True, offload="cpu")
-    upipe = plan("llama3-8b", gpus=8, gpu_memory="80GiB", seq_len=five, settings=StepSettings("fused", 1, **stack))
-    ulysses = plan("llama3-8b", gpus=8, gpu_memory="80GiB", seq_len=five,
-                   settings=StepSettings("fused", None, **stack))
+    upipe = plan(
+        "llama3-8b",
+        gpus=8,
+        gpu_memory="80GiB",
+        seq_len=five,
+        settings=StepSettings("fused", 1, **stack),
+    )
+    ulysses = plan(
+        "llama3-8b",
+        gpus=8,
+        gpu_memory="80GiB",
+        seq_len=five,
+        settings=StepSettings("fused", None, **stack),
+    )
     assert upipe.fits and not ulysses.fits
     assert upipe.by_category["attention"] < 0.6 * ulysses.by_category["attention"]
     assert upipe.host_bytes_per_gpu == 31 * (five // 8) * 4096 * 2
 
 
 def test_parse_bytes():
-    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("80 GB") == 80 * 10**9 and parse_bytes(1024) == 1024
+    assert (
+        parse_bytes("80GiB") == 80 * 2**30
+        and parse_bytes("80 GB") == 80 * 10**9
+        and parse_bytes(1024) == 1024
+    )
     assert parse_bytes("1.5MiB") == 3 * 2**19
     with pytest.raises(ValueError, match="80GiB"):
         parse_bytes("eighty")
@@ -173,15 +238,43 @@ def test_command_line(tmp_path, capsys):
     assert main(base + ["--seq-len", "16384", "--gpu-memory", "64GiB"]) == 0
     out = capsys.readouterr().out
     assert "FITS" in out and "per-GPU peak" in out and "launch: UPIPE_SP_SIZE=2" in out
-    assert main(base + ["--seq-len", "16384", "--gpu-memory", "8MiB", "--heads-per-chunk", "1", "--json"]) == 1
+    assert (
+        main(
+            base
+            + ["--seq-len", "16384", "--gpu-memory", "8MiB", "--heads-per-chunk", "1", "--json"]
+        )
+        == 1
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] is False and data["required"] == data["tensor_peak"] + data["margin"]
-    assert main(base + ["--seq-len", "16384", "--heads-per-chunk", "all", "--offload", "none", "--json"]) == 0
+    assert (
+        main(
+            base + ["--seq-len", "16384", "--heads-per-chunk", "all", "--offload", "none", "--json"]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["settings"]["heads_per_chunk"] is None and data["settings"]["offload"] == "none"
     assert data["tried"] == []  # fixed settings: nothing chosen
-    assert main(base + ["--seq-len", "16384", "--heads-per-chunk", "all", "--offload", "none", "--json",
-                        "--lora-rank", "4", "--lora-targets", "q_proj,v_proj"]) == 0
+    assert (
+        main(
+            base
+            + [
+                "--seq-len",
+                "16384",
+                "--heads-per-chunk",
+                "all",
+                "--offload",
+                "none",
+                "--json",
+                "--lora-rank",
+                "4",
+                "--lora-targets",
+                "q_proj,v_proj",
+            ]
+        )
+        == 0
+    )
     lora = json.loads(capsys.readouterr().out)
     assert lora["lora"] == {"rank": 4, "targets": ["q_proj", "v_proj"]}
     # frozen bf16 base: half the parameter shards of fp32 master weights, and Adam states for the adapters only
@@ -193,9 +286,19 @@ def test_command_line(tmp_path, capsys):
 def test_plan_settings_become_an_upipe_config():
     p = plan(_tiny_model(), gpus=2, seq_len=16384, gpu_memory="64GiB", margin=Margin(0.1, 0))
     cfg, s = p.upipe_config(), p.settings
-    assert cfg.sp_size == 2 and cfg.heads_per_chunk == (s.heads_per_chunk or "all") and cfg.offload == s.offload
-    assert (cfg.tiled_mlp, cfg.fused_backward, cfg.overlap_comm) == (s.tiled_mlp, s.fused_backward, s.overlap)
-    assert cfg.fused_attention and p.fits and p.tried[0][0] == s  # the fastest candidate fits 64 GiB
+    assert (
+        cfg.sp_size == 2
+        and cfg.heads_per_chunk == (s.heads_per_chunk or "all")
+        and cfg.offload == s.offload
+    )
+    assert (cfg.tiled_mlp, cfg.fused_backward, cfg.overlap_comm) == (
+        s.tiled_mlp,
+        s.fused_backward,
+        s.overlap,
+    )
+    assert (
+        cfg.fused_attention and p.fits and p.tried[0][0] == s
+    )  # the fastest candidate fits 64 GiB
     assert p.required == p.tensor_peak + int(0.1 * p.tensor_peak)
     assert torch.bfloat16 == p.dtype
 
@@ -205,7 +308,9 @@ def test_host_memory_for_offload_is_checked():
     kw = dict(gpus=2, settings=settings, gpu_memory="64GiB")
     p = plan(cfg, seq_len=16384, **kw)
     node = p.host_bytes_per_gpu * 2
-    assert node == 2 * 3 * 8192 * 64 * 2  # 2 GPUs x 3 offloaded layers (the last stays) x [8192, 64] bf16
+    assert (
+        node == 2 * 3 * 8192 * 64 * 2
+    )  # 2 GPUs x 3 offloaded layers (the last stays) x [8192, 64] bf16
     assert plan(cfg, seq_len=16384, host_memory=node, **kw).fits
     short = plan(cfg, seq_len=16384, host_memory=node - 1, **kw)
     assert not short.fits and short.required <= short.gpu_memory and not short.host_fits
@@ -221,15 +326,38 @@ def test_a_ring_plans_sp_across_nodes_beyond_the_heads(capsys):
     p = plan(cfg, gpus=2, nodes=2, ring_size=2, seq_len=4096, gpu_memory="64GiB")
     assert p.sp_size == 4 and p.fits and p.settings.ring_size == 2
     assert all(s.ring_size == 2 for s, *_ in p.tried) and p.settings.heads_per_chunk in (
-        None, *valid_heads_per_chunk(8, 2, 2))
+        None,
+        *valid_heads_per_chunk(8, 2, 2),
+    )
     assert p.upipe_config().ring_size == 2 and "UPIPE_RING_SIZE=2" in p.launch()
     assert "SP 4 (UPipe over 2 x a ring of 2)" in p.table() and p.step_time.parts["ring"] >= 0
-    with pytest.raises(ValueError, match="sp_size=6 / ring_size=2 = 3 ranks per ring shard does not fit 8 query / 2"):
+    with pytest.raises(
+        ValueError,
+        match="sp_size=6 / ring_size=2 = 3 ranks per ring shard does not fit 8 query / 2",
+    ):
         plan(cfg, gpus=3, nodes=2, ring_size=2, seq_len=6144)
     with pytest.raises(ValueError, match=r"not divisible by sp_size=4 x 2 .*round it to 4088"):
         plan(cfg, gpus=2, nodes=2, ring_size=2, seq_len=4092)
     with pytest.raises(ValueError, match="DeepSpeed's Ulysses has none"):
         plan(cfg, gpus=2, nodes=2, ring_size=2, seq_len=4096, impl="deepspeed")
-    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--nodes", "2", "--ring", "2", "--seq-len", "8M",
-                 "--sp-size", "12"]) == 2
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "llama3-8b",
+                "--gpus",
+                "8",
+                "--nodes",
+                "2",
+                "--ring",
+                "2",
+                "--seq-len",
+                "8M",
+                "--sp-size",
+                "12",
+            ]
+        )
+        == 2
+    )
     assert "sp_size=12 does not divide the 16 GPUs" in capsys.readouterr().err

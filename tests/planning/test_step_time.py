@@ -20,7 +20,9 @@ STACK = dict(tiled_mlp=True, offload="cpu")
 
 
 def _llama(settings, S, **kw):
-    return step_time(resolve("llama3-8b")[1], settings, seq_len=S, sp_size=8, world=8, gpus_per_node=8, **kw)
+    return step_time(
+        resolve("llama3-8b")[1], settings, seq_len=S, sp_size=8, world=8, gpus_per_node=8, **kw
+    )
 
 
 @pytest.mark.parametrize("S", [2**17, 2**20, 3 * 2**20])
@@ -37,26 +39,45 @@ def test_upipe_over_ulysses_is_within_five_points_of_the_paper(S):
 
 def test_orderings_the_code_implies():
     for S in (2**17, 2**20):
-        t = {name: _llama(s, S).seconds for name, s in {
-            "deepspeed": StepSettings("deepspeed", None, **STACK), "ulysses": StepSettings("ulysses", None, **STACK),
-            "save": StepSettings("fused", 1, fused_backward="save", **STACK),
-            "overlap": StepSettings("fused", 1, fused_backward="save", overlap=True, **STACK),
-            "recompute": StepSettings("fused", 1, **STACK),
-            "untiled": StepSettings("fused", 1, fused_backward="save", tiled_mlp=False, offload="cpu")}.items()}
-        assert t["deepspeed"] < t["ulysses"] and t["save"] < t["recompute"]  # bytes; the attention recompute
+        t = {
+            name: _llama(s, S).seconds
+            for name, s in {
+                "deepspeed": StepSettings("deepspeed", None, **STACK),
+                "ulysses": StepSettings("ulysses", None, **STACK),
+                "save": StepSettings("fused", 1, fused_backward="save", **STACK),
+                "overlap": StepSettings("fused", 1, fused_backward="save", overlap=True, **STACK),
+                "recompute": StepSettings("fused", 1, **STACK),
+                "untiled": StepSettings(
+                    "fused", 1, fused_backward="save", tiled_mlp=False, offload="cpu"
+                ),
+            }.items()
+        }
+        assert (
+            t["deepspeed"] < t["ulysses"] and t["save"] < t["recompute"]
+        )  # bytes; the attention recompute
         # the save mode recomputes q's projection but its forward sends one stage ahead, hidden behind the kernels
         assert abs(t["save"] / t["ulysses"] - 1) < 0.02, t
-        assert t["overlap"] < t["save"] and t["untiled"] < t["save"]  # overlap hides bytes; tiling recomputes the MLP
+        assert (
+            t["overlap"] < t["save"] and t["untiled"] < t["save"]
+        )  # overlap hides bytes; tiling recomputes the MLP
     full = _llama(StepSettings("fused", 1, **STACK), 2**20)
     lora = _llama(StepSettings("fused", 1, **STACK), 2**20, lora=(16, ("q_proj", "v_proj")))
-    assert lora.parts["gemm"] < full.parts["gemm"] and lora.parts["attention"] == full.parts["attention"]
+    assert (
+        lora.parts["gemm"] < full.parts["gemm"]
+        and lora.parts["attention"] == full.parts["attention"]
+    )
     # at long sequences attention dominates and grows with S^2
-    a, b = _llama(StepSettings("ulysses", None, **STACK), 2**21), _llama(StepSettings("ulysses", None, **STACK), 2**22)
+    a, b = (
+        _llama(StepSettings("ulysses", None, **STACK), 2**21),
+        _llama(StepSettings("ulysses", None, **STACK), 2**22),
+    )
     assert 3.8 < b.seconds / a.seconds < 4.0
 
 
 # ---------------------------------------------------------------- the model's all-to-all bytes = a real run's
-GEOM = dict(hidden=64, heads=8, kv_heads=2, head_dim=8, seq_len=64)  # 2 ranks: 4 query heads, 1 k/v head each
+GEOM = dict(
+    hidden=64, heads=8, kv_heads=2, head_dim=8, seq_len=64
+)  # 2 ranks: 4 query heads, 1 k/v head each
 
 
 def _count_worker(rank, world, impl, chunk):
@@ -72,8 +93,16 @@ def _count_worker(rank, world, impl, chunk):
 
     group = dist.group.WORLD
     with upipe_state(group, chunk):
-        block, rotary = build_attention_block(impl, GEOM["hidden"], GEOM["heads"], GEOM["kv_heads"], GEOM["head_dim"],
-                                              GEOM["seq_len"], torch.float32, group)
+        block, rotary = build_attention_block(
+            impl,
+            GEOM["hidden"],
+            GEOM["heads"],
+            GEOM["kv_heads"],
+            GEOM["head_dim"],
+            GEOM["seq_len"],
+            torch.float32,
+            group,
+        )
         s = GEOM["seq_len"] // world
         x = torch.randn(1, s, GEOM["hidden"], requires_grad=True)
         pos = torch.arange(rank * s, (rank + 1) * s)[None]
@@ -91,20 +120,34 @@ def _count_worker(rank, world, impl, chunk):
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("impl, chunk, settings", [
-    ("upipe", None, StepSettings("ulysses", None)), pytest.param("upipe", 1, StepSettings("upipe", 1), marks=SLOW),
-    pytest.param("fused", 1, StepSettings("fused", 1), marks=SLOW),
-    ("fused_save", 1, StepSettings("fused", 1, fused_backward="save")),
-    pytest.param("fused", 2, StepSettings("fused", 2), marks=SLOW)],
-    ids=["ulysses", "upipe-c1", "fused-c1", "fused-save-c1", "fused-c2"])
+@pytest.mark.parametrize(
+    "impl, chunk, settings",
+    [
+        ("upipe", None, StepSettings("ulysses", None)),
+        pytest.param("upipe", 1, StepSettings("upipe", 1), marks=SLOW),
+        pytest.param("fused", 1, StepSettings("fused", 1), marks=SLOW),
+        ("fused_save", 1, StepSettings("fused", 1, fused_backward="save")),
+        pytest.param("fused", 2, StepSettings("fused", 2), marks=SLOW),
+    ],
+    ids=["ulysses", "upipe-c1", "fused-c1", "fused-save-c1", "fused-c2"],
+)
 def test_all_to_all_units_equal_a_real_runs_bytes(impl, chunk, settings):
     from hf_upipe.ops.head_layout import HeadLayout
 
     P, H, Hk, D = 2, GEOM["heads"], GEOM["kv_heads"], GEOM["head_dim"]
     layout = HeadLayout(H, Hk, P, chunk if settings.impl != "ulysses" else None)
-    units = _all_to_all_units(settings.impl, settings.fused_backward, H, layout.kv_per_rank * P, P,
-                              layout.num_stages, layout.kv_per_stage)
-    unit = GEOM["seq_len"] // P * D * 4  # s * D fp32 elements as sent, all P blocks (the self one too)
+    units = _all_to_all_units(
+        settings.impl,
+        settings.fused_backward,
+        H,
+        layout.kv_per_rank * P,
+        P,
+        layout.num_stages,
+        layout.kv_per_stage,
+    )
+    unit = (
+        GEOM["seq_len"] // P * D * 4
+    )  # s * D fp32 elements as sent, all P blocks (the self one too)
     forward_units = 2 * H + 2 * layout.kv_per_rank * P
     groups = layout.kv_per_rank // layout.kv_per_stage
     calls = _all_to_all_calls(settings.impl, settings.fused_backward, layout.num_stages, groups)
@@ -132,19 +175,32 @@ def _ring_bytes_sent(rank, save):
     original = dist.batch_isend_irecv
 
     def counted(ops):
-        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        sent[0] += sum(
+            op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend
+        )
         return original(ops)
 
-    w, _ = _make(torch.Generator().manual_seed(0), 32, 8, 2, 8, False, False, False, False, torch.float32)(
-        torch.float32)
+    w, _ = _make(
+        torch.Generator().manual_seed(0), 32, 8, 2, 8, False, False, False, False, torch.float32
+    )(torch.float32)
     cos, sin = _tables(64, 8, torch.Generator().manual_seed(1))
     idx = _tokens(rank, 64, 2, 2)
     x = torch.randn(1, 16, 32, requires_grad=True)
     dist.batch_isend_irecv = counted
     try:
-        y = fused_upipe_attention(x, cos[:, idx].float(), sin[:, idx].float(), w, num_heads=8, num_kv_heads=2,
-                                  head_dim=8, group=uly, heads_per_chunk=1, save_attention=save,
-                                  kernel=RingKernel(get_kernel("sdpa", torch.device("cpu"), torch.float32), ring))
+        y = fused_upipe_attention(
+            x,
+            cos[:, idx].float(),
+            sin[:, idx].float(),
+            w,
+            num_heads=8,
+            num_kv_heads=2,
+            head_dim=8,
+            group=uly,
+            heads_per_chunk=1,
+            save_attention=save,
+            kernel=RingKernel(get_kernel("sdpa", torch.device("cpu"), torch.float32), ring),
+        )
         forward = sent[0]
         y.sum().backward()
     finally:
@@ -164,4 +220,8 @@ def test_ring_bytes_equal_a_real_runs():
     for per_mode in run_distributed(_ring_worker, 4):
         for save, (forward, back) in per_mode.items():  # save mode, then recompute mode
             assert forward == forward_run, (save, forward, forward_run)
-            assert back == backward + (0 if save else forward_run), (save, back, backward)  # recompute: ring again
+            assert back == backward + (0 if save else forward_run), (
+                save,
+                back,
+                backward,
+            )  # recompute: ring again

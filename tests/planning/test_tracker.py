@@ -76,7 +76,9 @@ def test_track_counts_existing_tensors_once() -> None:
     assert tracker.current_bytes == 0
 
 
-@pytest.mark.parametrize("tracker_first", [False, True], ids=["tracker-inside-fake", "tracker-outside-fake"])
+@pytest.mark.parametrize(
+    "tracker_first", [False, True], ids=["tracker-inside-fake", "tracker-outside-fake"]
+)
 def test_known_pattern_fake(tracker_first: bool) -> None:
     # Recommended order: fake mode outside, tracker inside. FakeTensorMode is an "infra" mode (torch 2.13) that
     # always dispatches below user modes, so the other order sees the same fake outputs; pin both behaviours.
@@ -103,7 +105,9 @@ def test_phase_marks_are_absolute_peaks() -> None:
         _u8(50 * MB)  # temporary
         assert tracker.mark("backward") == 40 * MB + 10 * MB + 50 * MB
         del grad
-        assert tracker.mark("optimizer") == 50 * MB  # nothing new: the phase peak starts at the live bytes
+        assert (
+            tracker.mark("optimizer") == 50 * MB
+        )  # nothing new: the phase peak starts at the live bytes
         _u8(5 * MB)
         tracker.mark("optimizer")  # a repeated mark keeps the larger peak
     assert tracker.phase_peaks == {"forward": 70 * MB, "backward": 100 * MB, "optimizer": 50 * MB}
@@ -197,7 +201,9 @@ def test_simulated_world_collectives_and_teardown() -> None:
             work.wait()
             sub = dist.new_group([0, 1, 2, 3])
             gathered = torch.empty(4, 16)
-            all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # renamed in torch 2.13
+            all_gather = getattr(
+                dist, "all_gather_single", dist.all_gather_into_tensor
+            )  # renamed in torch 2.13
             all_gather(gathered, torch.empty(1, 16), group=sub)
         assert is_fake(recv) and recv.shape == seq_shard.shape
         assert dist.get_world_size(sub) == 4
@@ -251,7 +257,9 @@ def test_storage_resizes_are_followed() -> None:
         inside = torch.empty(100, dtype=torch.float32)
         inside.untyped_storage().resize_(1000)  # a tracked storage grows
     assert (grown, freed, tracker.current_bytes, tracker.peak_bytes) == (4000, 0, 1000, 4000)
-    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # the patch is gone after the block
+    assert (
+        torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_
+    )  # the patch is gone after the block
     del inside
 
 

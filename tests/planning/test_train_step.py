@@ -21,24 +21,58 @@ import functools
 import pytest
 import torch
 
-from hf_upipe.planning.train_step import CATEGORIES, StepSettings, measure_train_step, simulate_train_step
+from hf_upipe.planning.train_step import (
+    CATEGORIES,
+    StepSettings,
+    measure_train_step,
+    simulate_train_step,
+)
 from tests._dist import run_distributed
 from tests.planning.test_attention_block import _sync_all_to_all
 
-TINY = dict(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            num_hidden_layers=3, vocab_size=256)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_hidden_layers=3,
+    vocab_size=256,
+)
 S, WORLD, LAYERS = 1024, 4, 5
 LORA = (4, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 CASES = [  # (settings, sp_size, dtype, lora)
-    (StepSettings(impl="fused", offload="cpu", mlp_chunk_tokens=32, loss_chunk_tokens=32), 2, torch.float32, None),
-    (StepSettings(impl="ulysses", heads_per_chunk=None, tiled_mlp=False, offload="none"), 2, torch.float32, None),
+    (
+        StepSettings(impl="fused", offload="cpu", mlp_chunk_tokens=32, loss_chunk_tokens=32),
+        2,
+        torch.float32,
+        None,
+    ),
+    (
+        StepSettings(impl="ulysses", heads_per_chunk=None, tiled_mlp=False, offload="none"),
+        2,
+        torch.float32,
+        None,
+    ),
     (StepSettings(impl="upipe", offload="none", loss_chunk_tokens=48), 4, torch.float32, None),
-    (StepSettings(impl="fused", offload="cpu", mlp_chunk_tokens=40, loss_chunk_tokens=24), 4, torch.bfloat16, None),
+    (
+        StepSettings(impl="fused", offload="cpu", mlp_chunk_tokens=40, loss_chunk_tokens=24),
+        4,
+        torch.bfloat16,
+        None,
+    ),
     (StepSettings(impl="fused", offload="none", mlp_chunk_tokens=32), 2, torch.float32, LORA),
     # UPipe over 2 ranks x a ring of 2: the ring's k/v blocks and dk/dv accumulators in flight
-    (StepSettings(impl="fused", offload="none", loss_chunk_tokens=48, ring_size=2), 4, torch.float32, None),
+    (
+        StepSettings(impl="fused", offload="none", loss_chunk_tokens=48, ring_size=2),
+        4,
+        torch.float32,
+        None,
+    ),
 ]
-TOLERANCE = 64 * LAYERS  # bytes: in the fused SP-4 bf16 case the fake backend's collectives keep 32 bytes per layer
+TOLERANCE = (
+    64 * LAYERS
+)  # bytes: in the fused SP-4 bf16 case the fake backend's collectives keep 32 bytes per layer
 # more than gloo's (a few int64 of bookkeeping); every other case is byte-exact
 
 
@@ -61,8 +95,12 @@ def _real(rank, world, cases):
     for i in cases:
         settings, sp, dtype, lora = CASES[i]
         if settings.offload == "cpu":  # fill the host buffer pool first
-            measure_train_step(TINY, settings, seq_len=S, sp_size=sp, layers=LAYERS, dtype=dtype, lora=lora)
-        r = measure_train_step(TINY, settings, seq_len=S, sp_size=sp, layers=LAYERS, dtype=dtype, lora=lora)
+            measure_train_step(
+                TINY, settings, seq_len=S, sp_size=sp, layers=LAYERS, dtype=dtype, lora=lora
+            )
+        r = measure_train_step(
+            TINY, settings, seq_len=S, sp_size=sp, layers=LAYERS, dtype=dtype, lora=lora
+        )
         out[i] = (r["peak"], r["by_category"], r["phase_peaks"])
     return out
 
@@ -83,8 +121,16 @@ def test_simulated_step_equals_real_gloo_step(monkeypatch):
     monkeypatch.setattr(tiled_loss, "_BLOCK_BYTES", 4096)  # as _small_blocks() in the workers
     for i, (settings, sp, dtype, lora) in enumerate(CASES):
         peak, by_category, phases = real[i]
-        sim = simulate_train_step(TINY, settings, seq_len=S, world_size=WORLD, sp_size=sp, layers=LAYERS,
-                                  dtype=dtype, lora=lora)
+        sim = simulate_train_step(
+            TINY,
+            settings,
+            seq_len=S,
+            world_size=WORLD,
+            sp_size=sp,
+            layers=LAYERS,
+            dtype=dtype,
+            lora=lora,
+        )
         case = f"{settings} sp={sp} {dtype} lora={lora}"
         assert abs(sim["peak"] - peak) <= TOLERANCE, (case, sim["peak"], peak)
         for name in ("forward", "backward", "optimizer"):
@@ -100,8 +146,10 @@ def test_peak_grows_linearly_with_depth():
     (test_planner.py, case 0) checks the same extrapolation against a real 5-layer run."""
     cfg = dict(TINY, hidden_size=128, intermediate_size=256, vocab_size=512)
     settings = StepSettings(impl="fused", offload="none")
-    peaks = {n: simulate_train_step(cfg, settings, seq_len=8192, world_size=4, sp_size=4, layers=n)
-             for n in (3, 4, 6)}
+    peaks = {
+        n: simulate_train_step(cfg, settings, seq_len=8192, world_size=4, sp_size=4, layers=n)
+        for n in (3, 4, 6)
+    }
     slope = peaks[4]["peak"] - peaks[3]["peak"]
     assert peaks[6]["peak"] == peaks[4]["peak"] + 2 * slope
     for category in CATEGORIES:
@@ -113,13 +161,23 @@ def test_categories_add_up_and_count_checkpoints():
     cfg = dict(TINY, hidden_size=128, intermediate_size=256, vocab_size=512)
     s = 8192 // 2
     for layers in (3, 5):
-        r = simulate_train_step(cfg, StepSettings(impl="ulysses", heads_per_chunk=None, offload="none"),
-                                seq_len=8192, world_size=2, sp_size=2, layers=layers)
+        r = simulate_train_step(
+            cfg,
+            StepSettings(impl="ulysses", heads_per_chunk=None, offload="none"),
+            seq_len=8192,
+            world_size=2,
+            sp_size=2,
+            layers=layers,
+        )
         assert sum(r["by_category"].values()) == r["peak"]
         assert set(r["by_category"]) <= set(CATEGORIES)
-        assert r["by_category"]["checkpoints"] == layers * s * 128 * 2  # bf16 layer inputs, all still on device
+        assert (
+            r["by_category"]["checkpoints"] == layers * s * 128 * 2
+        )  # bf16 layer inputs, all still on device
         params = r["static"]["parameters"]
-        assert params > 0 and 0 <= r["static"]["optimizer"] - 2 * params < 1024  # Adam's m and v, and step counts
+        assert (
+            params > 0 and 0 <= r["static"]["optimizer"] - 2 * params < 1024
+        )  # Adam's m and v, and step counts
 
 
 @pytest.mark.parametrize("impl,offload", [("fused", "cpu"), ("ulysses", "none")])
@@ -128,8 +186,21 @@ def test_labeling_does_not_change_the_memory_it_measures(impl, offload):
     the peak with labels equals the peak without."""
     from hf_upipe.planning.model_step import simulate_model_step
 
-    cfg = dict(TINY, hidden_size=128, intermediate_size=256, vocab_size=64)  # the peak is in the backward
-    peaks = [simulate_model_step(impl, model_config=cfg, seq_len=8192, sp_size=2, layers=3, tiled_mlp=True,
-                                 offload=offload, heads_per_chunk=None if impl == "ulysses" else 1,
-                                 categories=labels)["peak"] for labels in (False, True)]
+    cfg = dict(
+        TINY, hidden_size=128, intermediate_size=256, vocab_size=64
+    )  # the peak is in the backward
+    peaks = [
+        simulate_model_step(
+            impl,
+            model_config=cfg,
+            seq_len=8192,
+            sp_size=2,
+            layers=3,
+            tiled_mlp=True,
+            offload=offload,
+            heads_per_chunk=None if impl == "ulysses" else 1,
+            categories=labels,
+        )["peak"]
+        for labels in (False, True)
+    ]
     assert peaks[0] == peaks[1]

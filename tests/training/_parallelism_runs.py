@@ -17,17 +17,31 @@ def parallelism_runs(rank: int, world: int, out_dir: str) -> dict:
     from tests.training._runs import _dataset, _model, train_run
 
     base = {"trainer": "upipe", "sp": None, "lora": False, "batch": 2, "ga": 2, "steps": 3}
-    seen = {"pc": train_run(rank, world, {**base, "output_dir": os.path.join(out_dir, "pc"),
-                                          "parallelism": {"sp": 2}}),
-            "upipe": train_run(rank, world, {**base, "sp": 2, "output_dir": os.path.join(out_dir, "upipe")}),
-            "default": train_run(rank, world, {**base, "output_dir": os.path.join(out_dir, "default")})}
+    seen = {
+        "pc": train_run(
+            rank,
+            world,
+            {**base, "output_dir": os.path.join(out_dir, "pc"), "parallelism": {"sp": 2}},
+        ),
+        "upipe": train_run(
+            rank, world, {**base, "sp": 2, "output_dir": os.path.join(out_dir, "upipe")}
+        ),
+        "default": train_run(rank, world, {**base, "output_dir": os.path.join(out_dir, "default")}),
+    }
     data = _dataset(8, 13, 96, seed=1)
 
     def attempt(key, parallelism, config=None, env=None):
         reset_sequence_parallel()
-        args = TrainingArguments(output_dir=os.path.join(out_dir, key), per_device_train_batch_size=2, max_steps=1,
-                                 save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
-                                 parallelism_config=parallelism)
+        args = TrainingArguments(
+            output_dir=os.path.join(out_dir, key),
+            per_device_train_batch_size=2,
+            max_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+            parallelism_config=parallelism,
+        )
         os.environ.update(env or {})
         try:
             UPipeTrainer(model=_model(False, 1), args=args, train_dataset=data, upipe_config=config)

@@ -12,7 +12,7 @@ from tests.training._runs import _dataset, _model
 def _batches(n: int, batch: int):
     data = _dataset(n * batch, 29, 96, seed=4)
     for i in range(n):
-        rows = data[i * batch:(i + 1) * batch]
+        rows = data[i * batch : (i + 1) * batch]
         yield {k: torch.tensor(v) for k, v in rows.items()}
 
 
@@ -39,7 +39,9 @@ def fsdp2_steps(rank: int, world: int, lora: bool, sp: int) -> list[float]:
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
     upipe = UPipeRuntime(cfg, state, world_size=world, device="cpu")
-    rows = 4 // state.dp_size  # the same global batch of 4 rows whatever the layout: DP replicas split it
+    rows = (
+        4 // state.dp_size
+    )  # the same global batch of 4 rows whatever the layout: DP replicas split it
     out = []
     for full in _batches(3, 4):
         if world == 1:  # reference: transformers' loss on the whole batch
@@ -49,7 +51,7 @@ def fsdp2_steps(rank: int, world: int, lora: bool, sp: int) -> list[float]:
             opt.zero_grad()
             out.append(loss.item())
             continue
-        mine = {k: v[state.dp_rank * rows:(state.dp_rank + 1) * rows] for k, v in full.items()}
+        mine = {k: v[state.dp_rank * rows : (state.dp_rank + 1) * rows] for k, v in full.items()}
         shard = shard_batch(mine, state.sp_rank, state.sp_size)
         n = upipe.count([shard])
         loss = upipe.loss(model, shard, n)
@@ -70,10 +72,16 @@ def bad_settings(rank: int, world: int) -> dict:
     from hf_upipe import UPipePlugin
 
     seen = {}
-    for key, make in [("kernel", lambda: UPipePlugin(kernel="flash9")),
-                      ("sp", lambda: UPipePlugin(sp_size=3).prepare(Accelerator(cpu=True), _model(False, 1))),
-                      ("offload", lambda: UPipePlugin(sp_size=2, offload="disk").prepare(Accelerator(cpu=True),
-                                                                                          _model(False, 1)))]:
+    for key, make in [
+        ("kernel", lambda: UPipePlugin(kernel="flash9")),
+        ("sp", lambda: UPipePlugin(sp_size=3).prepare(Accelerator(cpu=True), _model(False, 1))),
+        (
+            "offload",
+            lambda: UPipePlugin(sp_size=2, offload="disk").prepare(
+                Accelerator(cpu=True), _model(False, 1)
+            ),
+        ),
+    ]:
         try:
             make()
         except ValueError as err:
@@ -86,8 +94,9 @@ def bad_settings(rank: int, world: int) -> dict:
         seen["heads"] = str(err)
     # settings that differ between ranks (they would pair different all-to-alls): refused on both, by name
     try:
-        UPipePlugin(sp_size=2, **({"fused_backward": "save", "overlap_comm": True} if rank == 0 else {})).prepare(
-            Accelerator(cpu=True), _model(False, 1))
+        UPipePlugin(
+            sp_size=2, **({"fused_backward": "save", "overlap_comm": True} if rank == 0 else {})
+        ).prepare(Accelerator(cpu=True), _model(False, 1))
     except ValueError as err:
         seen["differ"] = str(err)
     return seen
@@ -111,7 +120,9 @@ def fsdp2_eval(rank: int, world: int, lora: bool, sp: int) -> float:
     data = _dataset(9, 29, 96, seed=6)
     if world == 1:
         with torch.no_grad():
-            return model(**next(iter(DataLoader(data, batch_size=9, collate_fn=default_data_collator)))).loss.item()
+            return model(
+                **next(iter(DataLoader(data, batch_size=9, collate_fn=default_data_collator)))
+            ).loss.item()
     cfg = UPipeConfig(sp_size=sp, loss_chunk_tokens=7)
     state = init_sequence_parallel(sp)
     prepare_model(model, cfg)
@@ -120,6 +131,8 @@ def fsdp2_eval(rank: int, world: int, lora: bool, sp: int) -> float:
     for layer in base.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    loader = Accelerator(cpu=True).prepare(DataLoader(data, batch_size=2, collate_fn=default_data_collator))
+    loader = Accelerator(cpu=True).prepare(
+        DataLoader(data, batch_size=2, collate_fn=default_data_collator)
+    )
     upipe = UPipeRuntime(cfg, state, world_size=world, device="cpu")
     return [upipe.evaluate(model, loader) for _ in range(2)]

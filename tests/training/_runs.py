@@ -26,14 +26,19 @@ def _dataset(n_rows: int, seq_len: int, vocab: int, seed: int, unlabeled: int = 
     labels = ids.masked_fill(mask == 0, -100)
     if unlabeled:
         labels[:unlabeled] = -100
-    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist(), "labels": labels.tolist()})
+    return Dataset.from_dict(
+        {"input_ids": ids.tolist(), "attention_mask": mask.tolist(), "labels": labels.tolist()}
+    )
 
 
 def _packed(rows):
     """The same rows without their padding, for DataCollatorWithFlattening (several documents per row)."""
     from datasets import Dataset
 
-    ids = [[t for t, m in zip(r, mask) if m] for r, mask in zip(rows["input_ids"], rows["attention_mask"])]
+    ids = [
+        [t for t, m in zip(r, mask) if m]
+        for r, mask in zip(rows["input_ids"], rows["attention_mask"])
+    ]
     return Dataset.from_dict({"input_ids": ids, "labels": ids})
 
 
@@ -45,17 +50,32 @@ def _model(lora: bool, seed: int, arch: str | None = None):
 
     torch.manual_seed(seed)
     config = tiny_config("llama") if arch is None else hybrid_config(arch)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation="sdpa", dtype=torch.float32
+    )
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"] if arch is None else "all-linear"
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                                                 target_modules=targets, exclude_modules=lora_exclusions(arch)))
+        targets = (
+            ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"] if arch is None else "all-linear"
+        )
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=4,
+                lora_alpha=8,
+                lora_dropout=0.0,
+                init_lora_weights=False,
+                target_modules=targets,
+                exclude_modules=lora_exclusions(arch),
+            ),
+        )
     return model
 
 
-def _corrupt(rank: int, src: str, dst: str, flip: str | None = None, delete: str | None = None) -> None:
+def _corrupt(
+    rank: int, src: str, dst: str, flip: str | None = None, delete: str | None = None
+) -> None:
     """Rank 0 copies checkpoint `src` to `dst`, then flips one bit in the middle of file `flip` or deletes file
     `delete`; every rank waits for it."""
     import shutil
@@ -94,13 +114,27 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
 
     model = _model(spec["lora"], seed=11, arch=spec.get("arch"))
     args = TrainingArguments(
-        output_dir=spec["output_dir"], per_device_train_batch_size=spec["batch"],
+        output_dir=spec["output_dir"],
+        per_device_train_batch_size=spec["batch"],
         per_device_eval_batch_size=spec["batch"],
-        gradient_accumulation_steps=spec.get("ga", 2), max_steps=spec.get("steps", 4), learning_rate=2e-3,
-        lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.01, max_grad_norm=1.0, logging_steps=1,
-        eval_strategy="steps" if spec.get("eval_steps") else "no", eval_steps=spec.get("eval_steps"),
-        save_strategy="steps" if spec.get("save_steps") else "no", save_steps=spec.get("save_steps"),
-        report_to=[], use_cpu=True, seed=3, data_seed=5, disable_tqdm=True, dataloader_num_workers=0,
+        gradient_accumulation_steps=spec.get("ga", 2),
+        max_steps=spec.get("steps", 4),
+        learning_rate=2e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=1,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        eval_strategy="steps" if spec.get("eval_steps") else "no",
+        eval_steps=spec.get("eval_steps"),
+        save_strategy="steps" if spec.get("save_steps") else "no",
+        save_steps=spec.get("save_steps"),
+        report_to=[],
+        use_cpu=True,
+        seed=3,
+        data_seed=5,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
         activation_checkpointing=spec.get("checkpointing", False),
         train_sampling_strategy="sequential" if spec.get("unlabeled") else "random",
         accelerator_config={"dispatch_batches": False} if spec.get("iterable_eval") else None,
@@ -109,21 +143,32 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
     train = _dataset(32, spec.get("seq_len", 29), 96, seed=1, unlabeled=spec.get("unlabeled") or 0)
     evals = _dataset(spec.get("eval_rows", 9), spec.get("seq_len", 29), 96, seed=2)
     collator = default_data_collator
-    if spec.get("packed"):  # one row per batch holding every sample as a document, position_ids restarting
+    if spec.get(
+        "packed"
+    ):  # one row per batch holding every sample as a document, position_ids restarting
         from transformers import DataCollatorWithFlattening
 
         train, evals, collator = _packed(train), _packed(evals), DataCollatorWithFlattening()
     if spec.get("iterable_eval"):  # a streamed eval set (accelerate's IterableDatasetShard path)
         evals = evals.to_iterable_dataset()
-    kwargs = dict(model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator)
+    kwargs = dict(
+        model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator
+    )
     if spec["trainer"] == "upipe":
-        cfg = hf_upipe.UPipeConfig(sp_size=spec["sp"], ring_size=spec.get("ring", 1),
-                                   heads_per_chunk=spec.get("heads_per_chunk", 1),
-                                   fused_attention=spec.get("fused", True),
-                                   tiled_loss=spec.get("tiled", True), loss_chunk_tokens=7,
-                                   tiled_mlp=spec.get("tiled_mlp", False), mlp_chunk_tokens=5,
-                                   offload=spec.get("offload", "none"), offload_path=spec.get("offload_path"),
-                                   offload_min_bytes=0, mixer_state_passing=spec.get("passing", "parallel"))
+        cfg = hf_upipe.UPipeConfig(
+            sp_size=spec["sp"],
+            ring_size=spec.get("ring", 1),
+            heads_per_chunk=spec.get("heads_per_chunk", 1),
+            fused_attention=spec.get("fused", True),
+            tiled_loss=spec.get("tiled", True),
+            loss_chunk_tokens=7,
+            tiled_mlp=spec.get("tiled_mlp", False),
+            mlp_chunk_tokens=5,
+            offload=spec.get("offload", "none"),
+            offload_path=spec.get("offload_path"),
+            offload_min_bytes=0,
+            mixer_state_passing=spec.get("passing", "parallel"),
+        )
         hf_upipe.reset_sequence_parallel()  # one job runs several specs with other SP settings
         trainer = hf_upipe.UPipeTrainer(**kwargs, upipe_config=cfg)
     else:
@@ -141,16 +186,26 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
     losses = {h["step"]: h["loss"] for h in history if "loss" in h}
     evals_ = {h["step"]: h["eval_loss"] for h in history if "eval_loss" in h}
     extra = sorted({k for h in history if "loss" in h for k in h})
-    params = {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    params = {
+        n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters() if p.requires_grad
+    }
     if spec.get("save_to") and trainer.args.should_save:
         trainer.save_model(spec["save_to"])
     grad_norms = {h["step"]: h["grad_norm"] for h in history if "grad_norm" in h}
     pc = getattr(trainer.accelerator, "parallelism_config", None)
-    return {"losses": losses, "evals": evals_, "again": again, "grad_norms": grad_norms, "keys": extra,
-            "sp_size": trainer.upipe.state.sp_size if spec["trainer"] == "upipe" else None,
-            "accelerate_sp": None if pc is None else (pc.sp_size, pc.total_size),
-            "params": params if rank == 0 else None,
-            "stats": [(h.get("tokens_per_second"), h.get("peak_memory_gib")) for h in history if "loss" in h]}
+    return {
+        "losses": losses,
+        "evals": evals_,
+        "again": again,
+        "grad_norms": grad_norms,
+        "keys": extra,
+        "sp_size": trainer.upipe.state.sp_size if spec["trainer"] == "upipe" else None,
+        "accelerate_sp": None if pc is None else (pc.sp_size, pc.total_size),
+        "params": params if rank == 0 else None,
+        "stats": [
+            (h.get("tokens_per_second"), h.get("peak_memory_gib")) for h in history if "loss" in h
+        ],
+    }
 
 
 def train_runs(rank: int, world: int, specs: list[dict]) -> list[dict]:
@@ -166,8 +221,17 @@ def error_runs(rank: int, world: int, out_dir: str) -> dict:
 
     from hf_upipe import UPipeConfig, UPipeTrainer
 
-    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, max_steps=2, save_strategy="steps",
-                             save_steps=1, report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=1)
+    args = TrainingArguments(
+        output_dir=out_dir,
+        per_device_train_batch_size=2,
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1,
+    )
     data = _dataset(8, 13, 96, seed=1)
     seen = {}
 
@@ -177,19 +241,46 @@ def error_runs(rank: int, world: int, out_dir: str) -> dict:
         except (ValueError, NotImplementedError, RuntimeError) as err:
             seen[key] = f"{type(err).__name__}: {err}"
 
-    attempt("sp3", lambda: UPipeTrainer(model=_model(False, 1), args=args, train_dataset=data,
-                                        upipe_config=UPipeConfig(sp_size=3)))
-    attempt("metrics", lambda: UPipeTrainer(model=_model(False, 1), args=args, train_dataset=data,
-                                            compute_metrics=lambda p: {}, upipe_config=UPipeConfig(sp_size=2)))
+    attempt(
+        "sp3",
+        lambda: UPipeTrainer(
+            model=_model(False, 1),
+            args=args,
+            train_dataset=data,
+            upipe_config=UPipeConfig(sp_size=3),
+        ),
+    )
+    attempt(
+        "metrics",
+        lambda: UPipeTrainer(
+            model=_model(False, 1),
+            args=args,
+            train_dataset=data,
+            compute_metrics=lambda p: {},
+            upipe_config=UPipeConfig(sp_size=2),
+        ),
+    )
     no_labels = Dataset.from_dict({"input_ids": data["input_ids"]})
-    attempt("labels", lambda: UPipeTrainer(model=_model(False, 1), args=args, train_dataset=no_labels,
-                                           data_collator=default_data_collator,
-                                           upipe_config=UPipeConfig(sp_size=2)).train())
+    attempt(
+        "labels",
+        lambda: UPipeTrainer(
+            model=_model(False, 1),
+            args=args,
+            train_dataset=no_labels,
+            data_collator=default_data_collator,
+            upipe_config=UPipeConfig(sp_size=2),
+        ).train(),
+    )
 
     # construction-time errors: each raised by UPipeTrainer(...) itself, before any training
     def build(config=None, model=None, trainer_args=args):
-        UPipeTrainer(model=model if model is not None else _model(False, 1), args=trainer_args, train_dataset=data,
-                     data_collator=default_data_collator, upipe_config=config)
+        UPipeTrainer(
+            model=model if model is not None else _model(False, 1),
+            args=trainer_args,
+            train_dataset=data,
+            data_collator=default_data_collator,
+            upipe_config=config,
+        )
 
     attempt("heads", lambda: build(UPipeConfig(sp_size=2, heads_per_chunk=3)))
     os.environ["UPIPE_HEADS_PER_CHUNK"] = "3"
@@ -201,7 +292,9 @@ def error_runs(rank: int, world: int, out_dir: str) -> dict:
 
     from tests.integrations._models import tiny_config
 
-    odd = AutoModelForCausalLM.from_config(tiny_config("llama", heads=6, kv_heads=3), attn_implementation="sdpa")
+    odd = AutoModelForCausalLM.from_config(
+        tiny_config("llama", heads=6, kv_heads=3), attn_implementation="sdpa"
+    )
     attempt("kv_heads", lambda: build(UPipeConfig(sp_size=2), model=odd))
     blocker = os.path.join(out_dir, "a_file")
     if rank == 0:
@@ -210,7 +303,9 @@ def error_runs(rank: int, world: int, out_dir: str) -> dict:
     unwritable = TrainingArguments(**{**args.to_dict(), "output_dir": os.path.join(blocker, "run")})
     attempt("outdir", lambda: build(UPipeConfig(sp_size=2), trainer_args=unwritable))
     # only rank 1 cannot write (an existing folder of a read-only file system): every rank raises, naming rank 1
-    mine = TrainingArguments(**{**args.to_dict(), "output_dir": "/proc/self"}) if rank == 1 else args
+    mine = (
+        TrainingArguments(**{**args.to_dict(), "output_dir": "/proc/self"}) if rank == 1 else args
+    )
     attempt("outdir_rank1", lambda: build(UPipeConfig(sp_size=2), trainer_args=mine))
     os.remove(blocker) if rank == 0 else None
     torch.distributed.barrier()
@@ -221,9 +316,16 @@ def error_runs(rank: int, world: int, out_dir: str) -> dict:
                 raise RuntimeError("disk full (simulated)")
             super()._save_optimizer_and_scheduler(output_dir)
 
-    attempt("save", lambda: FailingSave(model=_model(False, 1), args=args, train_dataset=data,
-                                        data_collator=default_data_collator,
-                                        upipe_config=UPipeConfig(sp_size=2)).train())
+    attempt(
+        "save",
+        lambda: FailingSave(
+            model=_model(False, 1),
+            args=args,
+            train_dataset=data,
+            data_collator=default_data_collator,
+            upipe_config=UPipeConfig(sp_size=2),
+        ).train(),
+    )
     seen["entries"] = sorted(os.listdir(out_dir))
     seen["last"] = os.path.basename(get_last_checkpoint(out_dir) or "")
     return seen

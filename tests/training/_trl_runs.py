@@ -20,11 +20,21 @@ def tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(["<pad>", "<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 4)])}
+    vocab = {
+        t: i
+        for i, t in enumerate(
+            ["<pad>", "<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(VOCAB - 4)]
+        )
+    }
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
 
 
 def dataset(n_rows: int, seed: int, kind: str = "prompt_completion"):
@@ -41,7 +51,9 @@ def dataset(n_rows: int, seed: int, kind: str = "prompt_completion"):
     rows = [(words(3, 11), words(2, 13)) for _ in range(n_rows)]
     if kind == "text":
         return Dataset.from_dict({"text": [f"{p} {c}" for p, c in rows]})
-    return Dataset.from_dict({"prompt": [p for p, _ in rows], "completion": [f" {c}" for _, c in rows]})
+    return Dataset.from_dict(
+        {"prompt": [p for p, _ in rows], "completion": [f" {c}" for _, c in rows]}
+    )
 
 
 def _model(seed: int):
@@ -63,22 +75,49 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
     import hf_upipe
 
     args = SFTConfig(
-        output_dir=spec["output_dir"], per_device_train_batch_size=spec.get("batch", 2),
-        gradient_accumulation_steps=spec.get("ga", 2), max_steps=spec.get("steps", 4), learning_rate=2e-3,
-        lr_scheduler_type="linear", warmup_steps=1, weight_decay=0.01, max_grad_norm=1.0, logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=True, seed=3, data_seed=5, disable_tqdm=True,
-        dataloader_num_workers=0, max_length=spec.get("max_length", 40), packing=spec.get("packing", True),
-        completion_only_loss=spec.get("completion_only_loss", True), gradient_checkpointing=False, bf16=False,
-        model_init_kwargs=None, dataset_num_proc=None,
+        output_dir=spec["output_dir"],
+        per_device_train_batch_size=spec.get("batch", 2),
+        gradient_accumulation_steps=spec.get("ga", 2),
+        max_steps=spec.get("steps", 4),
+        learning_rate=2e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=1,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=3,
+        data_seed=5,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        max_length=spec.get("max_length", 40),
+        packing=spec.get("packing", True),
+        completion_only_loss=spec.get("completion_only_loss", True),
+        gradient_checkpointing=False,
+        bf16=False,
+        model_init_kwargs=None,
+        dataset_num_proc=None,
     )
     peft_config = None
     if spec.get("lora"):
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
-    kwargs = dict(model=_model(seed=11), args=args, train_dataset=dataset(40, seed=1, kind=spec.get("kind",
-                  "prompt_completion")), processing_class=tokenizer(), peft_config=peft_config)
+        peft_config = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=0.0,
+            init_lora_weights=False,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"],
+        )
+    kwargs = dict(
+        model=_model(seed=11),
+        args=args,
+        train_dataset=dataset(40, seed=1, kind=spec.get("kind", "prompt_completion")),
+        processing_class=tokenizer(),
+        peft_config=peft_config,
+    )
     if spec["trainer"] == "upipe":
         cfg = hf_upipe.UPipeConfig(sp_size=spec["sp"], heads_per_chunk=1, loss_chunk_tokens=7)
         hf_upipe.reset_sequence_parallel()  # one job runs several specs
@@ -94,8 +133,15 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
         "grad_norms": {h["step"]: h["grad_norm"] for h in history},
         "num_tokens": {h["step"]: h.get("num_tokens") for h in history},
         "keys": sorted({k for h in history for k in h}),
-        "params": ({n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters() if p.requires_grad}
-                   if rank == 0 else None),
+        "params": (
+            {
+                n: p.detach().numpy().copy()
+                for n, p in trainer.model.named_parameters()
+                if p.requires_grad
+            }
+            if rank == 0
+            else None
+        ),
     }
 
 

@@ -18,8 +18,17 @@ from hf_upipe import UPipeConfig
 from hf_upipe import auto_settings as auto
 from tests._dist import run_distributed
 
-FIELDS = ("heads_per_chunk", "fused_attention", "tiled_mlp", "mlp_chunk_tokens", "tiled_loss", "loss_chunk_tokens",
-          "offload", "fused_backward", "overlap_comm")
+FIELDS = (
+    "heads_per_chunk",
+    "fused_attention",
+    "tiled_mlp",
+    "mlp_chunk_tokens",
+    "tiled_loss",
+    "loss_chunk_tokens",
+    "offload",
+    "fused_backward",
+    "overlap_comm",
+)
 
 
 def _trainer_auto(rank, world, out_dir):
@@ -30,19 +39,38 @@ def _trainer_auto(rank, world, out_dir):
     from hf_upipe import UPipeTrainer
     from tests.training._runs import _dataset, _model
 
-    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, max_steps=2, report_to=[],
-                             use_cpu=True, disable_tqdm=True, logging_steps=1, save_strategy="no",
-                             activation_checkpointing=True)
+    args = TrainingArguments(
+        output_dir=out_dir,
+        per_device_train_batch_size=2,
+        max_steps=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=1,
+        save_strategy="no",
+        activation_checkpointing=True,
+    )
     data = _dataset(8, 32, 96, seed=1)
     cfg = UPipeConfig(auto=True, plan_seq_len=32, gpu_memory="16GiB", offload_min_bytes=0)
-    trainer = UPipeTrainer(model=_model(False, 1), args=args, train_dataset=data, data_collator=default_data_collator,
-                           upipe_config=cfg)
+    trainer = UPipeTrainer(
+        model=_model(False, 1),
+        args=args,
+        train_dataset=data,
+        data_collator=default_data_collator,
+        upipe_config=cfg,
+    )
     trainer.train()
     chosen = {f: getattr(trainer.upipe.config, f) for f in FIELDS}
-    untouched = cfg == UPipeConfig(auto=True, plan_seq_len=32, gpu_memory="16GiB", offload_min_bytes=0)
+    untouched = cfg == UPipeConfig(
+        auto=True, plan_seq_len=32, gpu_memory="16GiB", offload_min_bytes=0
+    )
     try:
-        UPipeTrainer(model=_model(False, 1), args=args, train_dataset=data,
-                     upipe_config=UPipeConfig(auto=True, plan_seq_len=32, gpu_memory="1GiB"))
+        UPipeTrainer(
+            model=_model(False, 1),
+            args=args,
+            train_dataset=data,
+            upipe_config=UPipeConfig(auto=True, plan_seq_len=32, gpu_memory="1GiB"),
+        )
         error = None
     except ValueError as err:
         error = str(err)
@@ -66,18 +94,38 @@ def test_trainer_applies_the_plan_on_every_rank(tmp_path):
 
 
 def test_every_planned_setting_lands_in_the_config(monkeypatch):
-    answer = {"fits": True, "required": 2**30, "gpu_memory": 2**31,
-              "settings": {"impl": "fused", "heads_per_chunk": 2, "tiled_mlp": True, "mlp_chunk_tokens": 77,
-                           "tiled_loss": False, "loss_chunk_tokens": 99, "offload": "cpu", "fused_backward": "save",
-                           "overlap": True}}
+    answer = {
+        "fits": True,
+        "required": 2**30,
+        "gpu_memory": 2**31,
+        "settings": {
+            "impl": "fused",
+            "heads_per_chunk": 2,
+            "tiled_mlp": True,
+            "mlp_chunk_tokens": 77,
+            "tiled_loss": False,
+            "loss_chunk_tokens": 99,
+            "offload": "cpu",
+            "fused_backward": "save",
+            "overlap": True,
+        },
+    }
     monkeypatch.setattr(auto, "_run_planner", lambda *a: answer)
     given = UPipeConfig(auto=True, plan_seq_len=1024, gpu_memory="2GiB")
     cfg, plan = auto.apply_auto_settings(given, object(), world_size=1)
     assert plan is answer and given == UPipeConfig(auto=True, plan_seq_len=1024, gpu_memory="2GiB")
     assert cfg.describe("heads_per_chunk") == "heads_per_chunk=2 (chosen by auto=True)"
-    assert {f: getattr(cfg, f) for f in FIELDS} == dict(heads_per_chunk=2, fused_attention=True, tiled_mlp=True,
-                                                        mlp_chunk_tokens=77, tiled_loss=False, loss_chunk_tokens=99,
-                                                        offload="cpu", fused_backward="save", overlap_comm=True)
+    assert {f: getattr(cfg, f) for f in FIELDS} == dict(
+        heads_per_chunk=2,
+        fused_attention=True,
+        tiled_mlp=True,
+        mlp_chunk_tokens=77,
+        tiled_loss=False,
+        loss_chunk_tokens=99,
+        offload="cpu",
+        fused_backward="save",
+        overlap_comm=True,
+    )
     answer["settings"]["heads_per_chunk"] = None
     cfg, _ = auto.apply_auto_settings(given, object(), world_size=1)
     assert cfg.heads_per_chunk == "all"
@@ -95,7 +143,9 @@ def test_bad_auto_settings(monkeypatch):
     if not auto.torch.cuda.is_available():
         with pytest.raises(ValueError, match="set gpu_memory"):
             auto._gpu_memory(cfg)
-    monkeypatch.setattr(auto, "_run_planner", lambda *a: {"error": "hf-upipe plan: seq_len=4095 is not divisible"})
+    monkeypatch.setattr(
+        auto, "_run_planner", lambda *a: {"error": "hf-upipe plan: seq_len=4095 is not divisible"}
+    )
     with pytest.raises(ValueError, match="the planner failed: hf-upipe plan: seq_len=4095"):
         auto.apply_auto_settings(cfg, object(), world_size=1)
 
@@ -108,11 +158,16 @@ def test_plugin_auto_needs_checkpointing():
 
     plugin = UPipePlugin(auto=True, plan_seq_len=32, gpu_memory="16GiB")
     with pytest.raises(ValueError, match="activation_checkpointing_enable"):
-        plugin.prepare(SimpleNamespace(num_processes=1, device="cpu", distributed_type="NO"), _model(False, 1))
+        plugin.prepare(
+            SimpleNamespace(num_processes=1, device="cpu", distributed_type="NO"), _model(False, 1)
+        )
 
 
 def test_a_peft_lora_model_is_planned_as_lora():
     from tests.training._runs import _model
 
     assert auto._lora_of(_model(False, 1)) is None
-    assert auto._lora_of(_model(True, 1)) == (4, ["k_proj", "o_proj", "q_proj", "up_proj", "v_proj"])
+    assert auto._lora_of(_model(True, 1)) == (
+        4,
+        ["k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
+    )

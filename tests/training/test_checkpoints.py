@@ -56,15 +56,37 @@ def runs(tmp_path_factory):
     common = dict(trainer="upipe", sp=2, batch=2, steps=4, ga=2, save_steps=2)
     specs = [
         dict(common, lora=True, output_dir=str(root / "lora"), save_to=str(root / "lora_final")),
-        dict(common, lora=True, output_dir=str(root / "lora_resumed"), resume=str(root / "lora" / "checkpoint-2")),
+        dict(
+            common,
+            lora=True,
+            output_dir=str(root / "lora_resumed"),
+            resume=str(root / "lora" / "checkpoint-2"),
+        ),
         dict(common, lora=False, output_dir=str(root / "full"), save_to=str(root / "full_final")),
-        dict(common, lora=True, output_dir=str(root / "flipped_run"), resume=str(root / "flipped" / "checkpoint-2"),
-             expect_error=True, corrupt=dict(src=str(root / "lora" / "checkpoint-2"),
-                                             dst=str(root / "flipped" / "checkpoint-2"),
-                                             flip="adapter_model.safetensors")),
-        dict(common, lora=True, output_dir=str(root / "no_rng_run"), resume=str(root / "no_rng" / "checkpoint-2"),
-             expect_error=True, corrupt=dict(src=str(root / "lora" / "checkpoint-2"),
-                                             dst=str(root / "no_rng" / "checkpoint-2"), delete="rng_state_1.pth")),
+        dict(
+            common,
+            lora=True,
+            output_dir=str(root / "flipped_run"),
+            resume=str(root / "flipped" / "checkpoint-2"),
+            expect_error=True,
+            corrupt=dict(
+                src=str(root / "lora" / "checkpoint-2"),
+                dst=str(root / "flipped" / "checkpoint-2"),
+                flip="adapter_model.safetensors",
+            ),
+        ),
+        dict(
+            common,
+            lora=True,
+            output_dir=str(root / "no_rng_run"),
+            resume=str(root / "no_rng" / "checkpoint-2"),
+            expect_error=True,
+            corrupt=dict(
+                src=str(root / "lora" / "checkpoint-2"),
+                dst=str(root / "no_rng" / "checkpoint-2"),
+                delete="rng_state_1.pth",
+            ),
+        ),
     ]
     outs = run_distributed(train_runs, 2, specs, timeout=300)
     return root, outs[0], outs
@@ -72,9 +94,16 @@ def runs(tmp_path_factory):
 
 def test_resume_continues_with_the_same_losses(runs):
     _, (first, resumed, *_), _ = runs
-    assert sorted(resumed["losses"]) == [1, 2, 3, 4]  # steps 1-2 come from the checkpoint's log history
+    assert sorted(resumed["losses"]) == [
+        1,
+        2,
+        3,
+        4,
+    ]  # steps 1-2 come from the checkpoint's log history
     for step in (3, 4):
-        assert abs(resumed["losses"][step] - first["losses"][step]) <= 1e-6 * abs(first["losses"][step]), step
+        assert abs(resumed["losses"][step] - first["losses"][step]) <= 1e-6 * abs(
+            first["losses"][step]
+        ), step
     for name, value in first["params"].items():
         np.testing.assert_allclose(resumed["params"][name], value, rtol=0, atol=1e-6, err_msg=name)
 
@@ -87,16 +116,30 @@ def test_checkpoints_are_complete_and_atomic(runs):
         ckpt = root / run / "checkpoint-2"
         files = set(os.listdir(ckpt))
         weights = "adapter_model.safetensors" if run == "lora" else "model.safetensors"
-        assert {weights, "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state_0.pth",
-                "rng_state_1.pth", "upipe_manifest.json"} <= files, files
+        assert {
+            weights,
+            "optimizer.pt",
+            "scheduler.pt",
+            "trainer_state.json",
+            "rng_state_0.pth",
+            "rng_state_1.pth",
+            "upipe_manifest.json",
+        } <= files, files
         assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == 2
         manifest = json.loads((ckpt / "upipe_manifest.json").read_text())["files"]
-        assert set(manifest) == files - {"upipe_manifest.json"}  # every file, each with its size and SHA-256
+        assert set(manifest) == files - {
+            "upipe_manifest.json"
+        }  # every file, each with its size and SHA-256
         assert manifest["rng_state_1.pth"]["size"] == os.path.getsize(ckpt / "rng_state_1.pth")
 
 
-@pytest.mark.parametrize("case, named", [(3, "adapter_model.safetensors does not match its SHA-256"),
-                                         (4, "rng_state_1.pth is missing")])
+@pytest.mark.parametrize(
+    "case, named",
+    [
+        (3, "adapter_model.safetensors does not match its SHA-256"),
+        (4, "rng_state_1.pth is missing"),
+    ],
+)
 def test_corrupted_or_incomplete_checkpoint_is_refused_on_every_rank(runs, case, named):
     _, _, ranks = runs
     for rank in ranks:
@@ -110,8 +153,20 @@ def test_saved_model_loads_without_hf_upipe(runs, kind, tmp_path):
     trained = outs[0 if kind == "lora" else 2]["params"]
     np.savez(tmp_path / "expected.npz", **trained)
     tiny_config("llama").save_pretrained(tmp_path)  # the base model's config, read without hf_upipe
-    proc = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, kind, str(root / f"{kind}_final"),
-                           str(tmp_path / "expected.npz"), str(tmp_path)], capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            LOAD_SCRIPT,
+            kind,
+            str(root / f"{kind}_final"),
+            str(tmp_path / "expected.npz"),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "max abs diff 0.0" in proc.stdout

@@ -19,7 +19,9 @@ def seen(tmp_path_factory):
 def test_sp_size_is_honoured_exactly(seen):
     for rank in seen:
         assert rank["pc"]["sp_size"] == 2 and rank["upipe"]["sp_size"] == 2
-        assert rank["default"]["sp_size"] == 1  # LOCAL_WORLD_SIZE=1: without the parallelism config, no SP
+        assert (
+            rank["default"]["sp_size"] == 1
+        )  # LOCAL_WORLD_SIZE=1: without the parallelism config, no SP
         assert rank["pc"]["accelerate_sp"] == (1, 1)  # accelerate: no SP, its DP over every process
         assert rank["upipe"]["accelerate_sp"] is None
         assert rank["pc"]["losses"] == rank["upipe"]["losses"] and len(rank["pc"]["losses"]) == 3
@@ -35,8 +37,9 @@ def test_refusals_on_every_rank(seen):
         assert "two sequence-parallel systems" in rank["deepspeed"]
         assert "ParallelismConfig(cp_size=2) asks for context parallelism" in rank["cp"], rank["cp"]
         assert "ParallelismConfig(cp_size=1, sp_size=2)" in rank["cp"]
-        assert "UPipeConfig(sp_size=1) and ParallelismConfig(sp_size=2) disagree" in rank["disagree"], \
-            rank["disagree"]
+        assert (
+            "UPipeConfig(sp_size=1) and ParallelismConfig(sp_size=2) disagree" in rank["disagree"]
+        ), rank["disagree"]
         assert "= 4 processes, but this launch has 2" in rank["world"], rank["world"]
         assert "ParallelismConfig(dp_replicate_size=1)" in rank["world"]
         for key in ("deepspeed", "cp", "disagree", "world"):

@@ -17,7 +17,10 @@ from tests.training._plugin_runs import bad_settings, fsdp2_eval, fsdp2_steps
 
 
 def _all(rank, world, cases):
-    return [(fsdp2_steps(rank, world, lora, sp), fsdp2_eval(rank, world, lora, sp)) for lora, sp in cases]
+    return [
+        (fsdp2_steps(rank, world, lora, sp), fsdp2_eval(rank, world, lora, sp))
+        for lora, sp in cases
+    ]
 
 
 CASES = [(False, 2), (True, 2)]
@@ -56,8 +59,17 @@ def test_bad_settings_fail_on_every_rank():
         assert "Unknown attention kernel 'flash9'" in seen["kernel"]
         assert "sp_size=3 does not divide the 2 processes" in seen["sp"]
         assert "activation_checkpointing_enable" in seen["offload"]
-        assert "UPipePlugin(heads_per_chunk=3) does not fit 8 query / 2 key-value heads" in seen["heads"]
-        assert "[1, 2, 4]" in seen["heads"] and "'all'" in seen["heads"] and "None" not in seen["heads"]
-        assert ("different hf_upipe settings (fused_backward: UPipePlugin(fused_backward='save') on rank 0, "
-                "fused_backward='recompute' (the default) on rank 1; overlap_comm: UPipePlugin(overlap_comm=True) "
-                "on rank 0, overlap_comm=False (the default) on rank 1)") in seen["differ"], seen["differ"]
+        assert (
+            "UPipePlugin(heads_per_chunk=3) does not fit 8 query / 2 key-value heads"
+            in seen["heads"]
+        )
+        assert (
+            "[1, 2, 4]" in seen["heads"]
+            and "'all'" in seen["heads"]
+            and "None" not in seen["heads"]
+        )
+        assert (
+            "different hf_upipe settings (fused_backward: UPipePlugin(fused_backward='save') on rank 0, "
+            "fused_backward='recompute' (the default) on rank 1; overlap_comm: UPipePlugin(overlap_comm=True) "
+            "on rank 0, overlap_comm=False (the default) on rank 1)"
+        ) in seen["differ"], seen["differ"]

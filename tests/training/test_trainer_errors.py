@@ -14,31 +14,52 @@ def seen(tmp_path_factory):
 
 def test_bad_settings_fail_on_every_rank(seen):
     for rank in seen:
-        assert "sp_size=3 does not divide the 2 processes" in rank["sp3"] and "[1, 2]" in rank["sp3"]
+        assert (
+            "sp_size=3 does not divide the 2 processes" in rank["sp3"] and "[1, 2]" in rank["sp3"]
+        )
         assert "compute_metrics needs full-sequence logits" in rank["metrics"]
-        assert "hf_upipe needs 'labels'" in rank["labels"] and "DataCollatorForLanguageModeling" in rank["labels"]
+        assert (
+            "hf_upipe needs 'labels'" in rank["labels"]
+            and "DataCollatorForLanguageModeling" in rank["labels"]
+        )
 
 
 def test_model_and_setting_errors_at_construction(seen):
     """Each of these used to surface at the first forward (or the first save), after training had started."""
     for rank in seen:
         heads = rank["heads"]
-        assert heads.startswith("ValueError: UPipeConfig(heads_per_chunk=3) does not fit 8 query / 2 key-value heads "
-                                "on sp_size=2"), heads
-        assert "[1, 2, 4]" in heads and "UPipeConfig(heads_per_chunk='all')" in heads and "None" not in heads
-        assert rank["heads_env"].startswith("ValueError: UPIPE_HEADS_PER_CHUNK=3 does not fit"), rank["heads_env"]
-        assert "UPipeConfig(kernel='flash_attn')" in rank["kernel"] and "cannot run on cpu" in rank["kernel"]
+        assert heads.startswith(
+            "ValueError: UPipeConfig(heads_per_chunk=3) does not fit 8 query / 2 key-value heads "
+            "on sp_size=2"
+        ), heads
+        assert (
+            "[1, 2, 4]" in heads
+            and "UPipeConfig(heads_per_chunk='all')" in heads
+            and "None" not in heads
+        )
+        assert rank["heads_env"].startswith("ValueError: UPIPE_HEADS_PER_CHUNK=3 does not fit"), (
+            rank["heads_env"]
+        )
+        assert (
+            "UPipeConfig(kernel='flash_attn')" in rank["kernel"]
+            and "cannot run on cpu" in rank["kernel"]
+        )
         assert "UPipeConfig(offload='disk') needs activation checkpointing" in rank["offload"]
         assert "TrainingArguments(activation_checkpointing=True)" in rank["offload"]
         assert "UPipeConfig(sp_size=2) cannot split this model's attention" in rank["kv_heads"]
         assert "num_key_value_heads=3" in rank["kv_heads"] and "[1]" in rank["kv_heads"]
         assert "cannot be written" in rank["outdir"] and "a_file/run" in rank["outdir"]
         assert "found on rank" not in rank["outdir"]  # every rank found it
-        assert "cannot be written" in rank["outdir_rank1"] and "(found on rank 1)" in rank["outdir_rank1"]
+        assert (
+            "cannot be written" in rank["outdir_rank1"]
+            and "(found on rank 1)" in rank["outdir_rank1"]
+        )
 
 
 def test_failed_save_leaves_no_partial_checkpoint(seen):
     for rank in seen:
         assert "disk full (simulated)" in rank["save"]
-        assert "checkpoint-2" not in rank["entries"] and "checkpoint-1" in rank["entries"], rank["entries"]
+        assert "checkpoint-2" not in rank["entries"] and "checkpoint-1" in rank["entries"], rank[
+            "entries"
+        ]
         assert rank["last"] == "checkpoint-1"

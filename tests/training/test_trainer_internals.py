@@ -16,11 +16,16 @@ from hf_upipe.trainer import TRAINER_INTERNALS, UPipeTrainer
 
 @pytest.mark.parametrize("name", sorted(TRAINER_INTERNALS))
 def test_overridden_trainer_method_keeps_its_parameters(name):
-    params = tuple(p for p in inspect.signature(getattr(Trainer, name)).parameters
-                   if inspect.signature(getattr(Trainer, name)).parameters[p].kind
-                   not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL))
+    params = tuple(
+        p
+        for p in inspect.signature(getattr(Trainer, name)).parameters
+        if inspect.signature(getattr(Trainer, name)).parameters[p].kind
+        not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    )
     assert params == TRAINER_INTERNALS[name], f"transformers.Trainer.{name} now takes {params}"
-    assert name in vars(UPipeTrainer), f"UPipeTrainer no longer overrides {name}: drop it from TRAINER_INTERNALS"
+    assert name in vars(UPipeTrainer), (
+        f"UPipeTrainer no longer overrides {name}: drop it from TRAINER_INTERNALS"
+    )
 
 
 def test_eval_loop_output_and_documented_attributes():

@@ -26,8 +26,12 @@ pytestmark = pytest.mark.slow  # multi-process runs of several steps: the full s
 CASES = {
     "sp2_packed_completion_only_full": dict(lora=False),
     "sp2_packed_completion_only_lora": dict(lora=True),
-    "sp2_packed_text_full": dict(lora=False, kind="text", completion_only_loss=False),  # plain text, every token
-    "sp2_padded_completion_only_full": dict(lora=False, packing=False),  # right-padded rows with attention_mask
+    "sp2_packed_text_full": dict(
+        lora=False, kind="text", completion_only_loss=False
+    ),  # plain text, every token
+    "sp2_padded_completion_only_full": dict(
+        lora=False, packing=False
+    ),  # right-padded rows with attention_mask
 }
 
 
@@ -35,18 +39,27 @@ CASES = {
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("trl")
     names = list(CASES)
-    refs = run_distributed(sft_runs, 1, [dict(trainer="trl", output_dir=str(root / f"ref_{n}"), **CASES[n])
-                                         for n in names], timeout=400)[0]
-    outs = run_distributed(sft_runs, 2, [dict(trainer="upipe", sp=2, output_dir=str(root / n), **CASES[n])
-                                         for n in names], timeout=400)
+    refs = run_distributed(
+        sft_runs,
+        1,
+        [dict(trainer="trl", output_dir=str(root / f"ref_{n}"), **CASES[n]) for n in names],
+        timeout=400,
+    )[0]
+    outs = run_distributed(
+        sft_runs,
+        2,
+        [dict(trainer="upipe", sp=2, output_dir=str(root / n), **CASES[n]) for n in names],
+        timeout=400,
+    )
     return {n: (refs[i], [rank_out[i] for rank_out in outs]) for i, n in enumerate(names)}
 
 
 def _close(got: dict, want: dict, what: str) -> float:
     assert got.keys() == want.keys(), f"{what}: steps {sorted(got)} vs {sorted(want)}"
     for step in want:
-        assert abs(got[step] - want[step]) <= RTOL * abs(want[step]) + 1e-12, \
+        assert abs(got[step] - want[step]) <= RTOL * abs(want[step]) + 1e-12, (
             f"{what} step {step}: {got[step]} vs {want[step]}"
+        )
     return max(abs(got[s] - want[s]) / max(abs(want[s]), 1e-12) for s in want)
 
 
@@ -58,8 +71,15 @@ def test_upipe_sft_trainer_equals_single_process_sft_trainer(runs, name):
     for rank, out in enumerate(got):  # every rank logs the same numbers
         errs.append(_close(out["losses"], ref["losses"], f"{name} rank {rank} loss"))
         _close(out["grad_norms"], ref["grad_norms"], f"{name} rank {rank} grad norm")
-        assert out["num_tokens"] == ref["num_tokens"], (name, rank, out["num_tokens"], ref["num_tokens"])
-        assert "mean_token_accuracy" not in out["keys"] and "entropy" not in out["keys"], out["keys"]
+        assert out["num_tokens"] == ref["num_tokens"], (
+            name,
+            rank,
+            out["num_tokens"],
+            ref["num_tokens"],
+        )
+        assert "mean_token_accuracy" not in out["keys"] and "entropy" not in out["keys"], out[
+            "keys"
+        ]
     want, have = ref["params"], got[0]["params"]
     assert want.keys() == have.keys()
     perr = 0.0
@@ -70,4 +90,6 @@ def test_upipe_sft_trainer_equals_single_process_sft_trainer(runs, name):
         bound = KPROJ_BIAS_RTOL if n.endswith("k_proj.bias") else RTOL
         assert err < bound, f"{name}: parameter {n} differs, max rel err {err:.2e}"
         perr = max(perr, err) if bound == RTOL else perr
-    print(f"\n{name}: max rel err loss {max(errs):.1e}, final weights (but k_proj biases) {perr:.1e}")
+    print(
+        f"\n{name}: max rel err loss {max(errs):.1e}, final weights (but k_proj biases) {perr:.1e}"
+    )
