@@ -1,0 +1,10 @@
+"""hf_upipe's TRL trainers: TRL's trainers with hf_upipe's sequence parallelism (`pip install hf_upipe[trl]`).
+
+Entry points:
+- `UPipeSFTTrainer` (`hf_upipe.trl.sft`): `trl.SFTTrainer` on the runtime `UPipeTrainer` uses;
+- `sft_config_errors`: what an `SFTConfig` asks that SP cannot honour, checked at construction.
+"""
+
+from hf_upipe.trl.sft import SFT_TRAINER_INTERNALS, UPipeSFTTrainer, sft_config_errors
+
+__all__ = ["SFT_TRAINER_INTERNALS", "UPipeSFTTrainer", "sft_config_errors"]
