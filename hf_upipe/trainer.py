@@ -56,6 +56,7 @@ from transformers.trainer_utils import (
 
 from hf_upipe.checkpoint import verify_checkpoint, write_manifest
 from hf_upipe.config import UPipeConfig
+from hf_upipe.integrations.liger import apply_liger
 from hf_upipe.integrations.loaders import share_batches_within_sp
 from hf_upipe.integrations.parallelism import (
     accelerate_view,
@@ -150,7 +151,14 @@ class UPipeTrainer(Trainer):
         deepspeed = uses_deepspeed(args)
         # before transformers creates the output folder (main rank only) and accelerate its groups or DeepSpeed SP
         args = self._early_checks(args, config, parallelism, world, deepspeed)
+        # Liger is applied here, before prepare_model, not again by Trainer.train (hf_upipe.integrations.liger)
+        self._liger = getattr(args, "use_liger_kernel", False)
+        if self._liger:
+            args = copy.copy(args)
+            args.use_liger_kernel = False
         super().__init__(model, args, *pargs, **kwargs)
+        if self._liger and self.model is not None:
+            apply_liger(self.model, self.args.liger_kernel_config)
         if self.args.label_smoothing_factor:
             raise NotImplementedError(
                 "UPipeTrainer computes the causal-LM loss itself; label_smoothing_factor="
@@ -229,6 +237,8 @@ class UPipeTrainer(Trainer):
     # ---- setup -------------------------------------------------------------------------------------------------
     def call_model_init(self, trial=None):
         model = super().call_model_init(trial)
+        if getattr(self, "_liger", False):
+            apply_liger(model, self.args.liger_kernel_config)
         return prepare_model(model, self.upipe.config) if hasattr(self, "upipe") else model
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
