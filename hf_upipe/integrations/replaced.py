@@ -9,7 +9,8 @@ Entry points:
   the modeling module's `apply_rotary_pos_emb` rebound to another function (Liger's RoPE).
 - `replacement_refusal(model)`: why the model cannot run under sequence parallelism because of one of them, or
   None. A replacement on a per-token module (an RMSNorm, LayerNorm or MLP) or on the RoPE function is admitted
-  once `sequence_local` finds it local by behaviour; any other (attention, decoder layer, the causal LM's forward
+  (a quantized or custom Linear of a library hf_upipe does not know: optimum-quanto, HQQ, ...) is admitted once
+  `sequence_local` finds it local by behaviour; any other (attention, decoder layer, the causal LM's forward
   with its fused linear cross-entropy, embeddings) is refused: hf_upipe cannot see what it computes on a shard.
 - `own_forward(module)`: the replacement on one module (None: its class's own forward, or hf_upipe's adapter).
 - `sequence_local(module)`: None when the module's forward, run on its own weights and device, gives every token
@@ -51,16 +52,14 @@ _ROPE = "apply_rotary_pos_emb"
 class Replacement:
     """path: the module's path in the model ("" the model itself), or the modeling module for a function; owner:
     its class or function name; by: the replacing function ("module.qualname"); kind: "instance", "class",
-    "foreign class" or "function"."""
+    "foreign class" or "function"; per_token: an RMSNorm, LayerNorm, MLP or Linear (or the RoPE function), whose
+    replacement `sequence_local` may verify."""
 
     path: str
     owner: str
     by: str
     kind: str
-
-    @property
-    def per_token(self) -> bool:
-        return self.kind == "function" or self.owner.endswith(_PER_TOKEN)
+    per_token: bool = False
 
     def describe(self) -> str:
         where = (
@@ -96,6 +95,7 @@ def _class_forward(cls: type) -> tuple[type, object] | None:
 def own_forward(module: nn.Module, path: str = "") -> Replacement | None:
     """See the module docstring."""
     cls, name = type(module), type(module).__name__
+    local = isinstance(module, nn.Linear) or name.endswith(_PER_TOKEN)
     forward = module.__dict__.get("forward")
     if (
         "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__
@@ -110,14 +110,16 @@ def own_forward(module: nn.Module, path: str = "") -> Replacement | None:
     if forward is not None and not (
         getattr(forward, "__self__", None) is module and func is getattr(cls, "forward", None)
     ):  # a bound copy of the class's own forward (a Hub kernel's fallback) is the class's forward
-        return Replacement(path, name, _name(forward), "instance")
+        return Replacement(path, name, _name(forward), "instance", local)
     if not cls.__module__.startswith(_KNOWN) and not cls.__module__.startswith(
         "transformers_modules."
     ):
-        return Replacement(path, name, f"{cls.__module__}.{cls.__qualname__}", "foreign class")
+        return Replacement(
+            path, name, f"{cls.__module__}.{cls.__qualname__}", "foreign class", local
+        )
     found = _class_forward(cls)
     if found is not None and not _defined_by(found[1], found[0]):
-        return Replacement(path, name, _name(found[1]), "class")
+        return Replacement(path, name, _name(found[1]), "class", local)
     return None
 
 
@@ -129,7 +131,9 @@ def _replaced_functions(model: nn.Module) -> list[Replacement]:
             continue
         fn = getattr(sys.modules.get(module_name), _ROPE, None)
         if fn is not None and not getattr(fn, "__module__", "").startswith("transformers."):
-            found.append(Replacement(module_name, f"{module_name}.{_ROPE}", _name(fn), "function"))
+            found.append(
+                Replacement(module_name, f"{module_name}.{_ROPE}", _name(fn), "function", True)
+            )
     return found
 
 
@@ -163,7 +167,11 @@ def _module_local(module: nn.Module, forward) -> str | None:
     weight = next(module.parameters(), None)
     device = weight.device if weight is not None else torch.device("cpu")
     dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
-    width = getattr(module, "hidden_size", None) or (weight.shape[-1] if weight is not None else 8)
+    width = (
+        getattr(module, "hidden_size", None)
+        or getattr(module, "in_features", None)
+        or (weight.shape[-1] if weight is not None else 8)
+    )
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(2, 7, int(width), generator=gen).to(device, dtype)  # [B, s, Dm]
     with torch.enable_grad():

@@ -227,7 +227,7 @@ def _refused_worker(rank, world, tmp):
 
     args = TrainingArguments(output_dir=tmp, use_liger_kernel=True, report_to=[], use_cpu=True)
     try:
-        hf_upipe.UPipeTrainer(_model(), args)
+        hf_upipe.UPipeTrainer(_model(), args, upipe_config=hf_upipe.UPipeConfig(sp_size=2))
     except NotImplementedError as err:
         return str(err)
     return None
