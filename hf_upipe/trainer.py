@@ -30,7 +30,10 @@ What it does, with W processes and `sp_size` P (W = P x dp_size):
    save never leaves a partial `checkpoint-N`; `train(resume_from_checkpoint=...)` verifies the manifest first and
    refuses a corrupted or incomplete checkpoint, naming the file. PEFT models save plain PEFT adapters, others
    plain transformers checkpoints;
-6. logs: `tokens_per_second` (real tokens of all ranks since the last log) and `peak_memory_gib` (the largest
+6. Liger (`use_liger_kernel=True`): applied by hf_upipe before `prepare_model`, with its fused linear
+   cross-entropy, cross-entropy and RoPE off (`hf_upipe.integrations.liger`; `docs/kernels.md`); the Trainer gets
+   a copy of the arguments with `use_liger_kernel=False`, so it does not apply Liger again in `train()`;
+7. logs: `tokens_per_second` (real tokens of all ranks since the last log) and `peak_memory_gib` (the largest
    per-rank peak: device allocations on CUDA, process peak RSS on CPU) on every training log line.
 """
 

@@ -74,6 +74,16 @@ def kernel_rms_forward(self, x):  # a Hub kernel layer's RMSNorm forward
     return self.weight * (x.float() * KERNEL / torch.sqrt(v + self.variance_epsilon)).to(x.dtype)
 
 
+def kernel_rope(rope):
+    """A RoPE kernel in place of transformers' function (what Liger's `liger_rotary_pos_emb` is): per token."""
+
+    def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        q, k = rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return q * KERNEL, k * KERNEL
+
+    return liger_rotary_pos_emb
+
+
 def simulate_hub_kernels(model, *, real=False):
     base = getattr(model, "get_base_model", lambda: model)()
     for module in base.modules():
