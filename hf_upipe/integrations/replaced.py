@@ -15,8 +15,8 @@ Entry points:
 - `own_forward(module)`: the replacement on one module (None: its class's own forward, or hf_upipe's adapter).
 - `sequence_local(module)`: None when the module's forward, run on its own weights and device, gives every token
   the output and the input gradient it gives that token in the whole sequence (split in two, compared with the
-  whole), else what differed or what it raised. Cached per (class, forward function): the property checked is
-  the function's, not the weights'.
+  whole), else what differed or what it raised. Cached per (class, forward function, device type, dtype): the
+  property checked is the function's, not the weights'.
 
 Why behaviour, not source: sequence parallelism and the tiled MLP/norms need one property of a per-token module,
 that token t's output depends only on token t's input. hf_upipe checks that property on the replaced forward as it
@@ -215,7 +215,10 @@ def sequence_local(
     """See the module docstring. `forward`: the callable to check (default the module's forward); `rope_of`: check
     `forward` as a RoPE function (q, k, cos, sin) on this model's device and dtype instead."""
     forward = forward if forward is not None else module.forward
-    key = (type(module), getattr(forward, "__func__", forward), rope_of is None)
+    holder = rope_of if rope_of is not None else module
+    weight = next(holder.parameters(), None)
+    where = (weight.device.type, weight.dtype) if weight is not None else None
+    key = (type(module), getattr(forward, "__func__", forward), rope_of is None, where)
     if key in _LOCAL:
         return _LOCAL[key]
     try:

@@ -158,6 +158,7 @@ def _kernels_worker(rank, world, cases):
     return [_kernels_case(rank, world, *c) for c in cases]
 
 
+@pytest.mark.slow  # one 2-rank run of every case: about 30 s on 2 busy cores
 @pytest.mark.parametrize("i", range(len(KERNEL_CASES)))
 def test_kernels_compose_exactly_under_sp(kernel_results, i):
     *_, want_wrapped, want_fused = KERNEL_CASES[i]
@@ -168,6 +169,7 @@ def test_kernels_compose_exactly_under_sp(kernel_results, i):
         assert not bad, bad
 
 
+@pytest.mark.slow
 def test_the_comparison_sees_a_dropped_kernel(kernel_results):
     for errors, *_ in (r[0] for r in kernel_results):  # kernels on one side only
         assert errors["logits"] > 1e-2, errors["logits"]

@@ -90,6 +90,7 @@ def _check(results, kind):
         assert not bad, bad
 
 
+@pytest.mark.slow  # a 2-rank run: 7 to 25 s on 2 busy cores
 def test_simulated_qlora_is_exact_under_sp():
     results = run_distributed(_qlora_worker, 2, [("fake", None, True), ("fake", None, False)])
     _check([r for rank in results for r in rank], "FakeLinear4bit")
