@@ -260,6 +260,7 @@ def _refused_worker(rank, world, tmp):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not HAS_LIGER, reason="liger-kernel is not installed (the simulated tests above run)"
 )
