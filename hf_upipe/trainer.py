@@ -30,7 +30,10 @@ What it does, with W processes and `sp_size` P (W = P x dp_size):
    save never leaves a partial `checkpoint-N`; `train(resume_from_checkpoint=...)` verifies the manifest first and
    refuses a corrupted or incomplete checkpoint, naming the file. PEFT models save plain PEFT adapters, others
    plain transformers checkpoints;
-6. logs: `tokens_per_second` (real tokens of all ranks since the last log) and `peak_memory_gib` (the largest
+6. Liger (`use_liger_kernel=True`): applied by hf_upipe before `prepare_model`, with its fused linear
+   cross-entropy, cross-entropy and RoPE off (`hf_upipe.integrations.liger`; `docs/kernels.md`); the Trainer gets
+   a copy of the arguments with `use_liger_kernel=False`, so it does not apply Liger again in `train()`;
+7. logs: `tokens_per_second` (real tokens of all ranks since the last log) and `peak_memory_gib` (the largest
    per-rank peak: device allocations on CUDA, process peak RSS on CPU) on every training log line.
 """
 
@@ -56,6 +59,7 @@ from transformers.trainer_utils import (
 
 from hf_upipe.checkpoint import verify_checkpoint, write_manifest
 from hf_upipe.config import UPipeConfig
+from hf_upipe.integrations.liger import apply_liger
 from hf_upipe.integrations.loaders import share_batches_within_sp
 from hf_upipe.integrations.parallelism import (
     accelerate_view,
@@ -150,7 +154,14 @@ class UPipeTrainer(Trainer):
         deepspeed = uses_deepspeed(args)
         # before transformers creates the output folder (main rank only) and accelerate its groups or DeepSpeed SP
         args = self._early_checks(args, config, parallelism, world, deepspeed)
+        # Liger is applied here, before prepare_model, not again by Trainer.train (hf_upipe.integrations.liger)
+        self._liger = getattr(args, "use_liger_kernel", False)
+        if self._liger:
+            args = copy.copy(args)
+            args.use_liger_kernel = False
         super().__init__(model, args, *pargs, **kwargs)
+        if self._liger and self.model is not None:
+            apply_liger(self.model, self.args.liger_kernel_config)
         if self.args.label_smoothing_factor:
             raise NotImplementedError(
                 "UPipeTrainer computes the causal-LM loss itself; label_smoothing_factor="
@@ -229,6 +240,8 @@ class UPipeTrainer(Trainer):
     # ---- setup -------------------------------------------------------------------------------------------------
     def call_model_init(self, trial=None):
         model = super().call_model_init(trial)
+        if getattr(self, "_liger", False):
+            apply_liger(model, self.args.liger_kernel_config)
         return prepare_model(model, self.upipe.config) if hasattr(self, "upipe") else model
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):

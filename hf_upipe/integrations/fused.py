@@ -6,7 +6,9 @@ Entry points:
   families, with q/k/v biases, per-head or whole-projection q/k norms, a fused qkv projection, interleaved or
   partial RoPE, NoPE layers, sliding windows), once it is verified on the installed transformers. A module with a
   setting the block does not compute (bidirectional attention, logit soft-capping, Cohere's per-head LayerNorm q/k
-  norms) keeps the registered path, which handles or refuses it. `hf_upipe.prepare_model` calls them.
+  norms) or a layer it does not read (quantized projections such as bitsandbytes' `Linear4bit`, under PEFT LoRA
+  or not; an OLMo 2 q/k norm whose forward another library replaced) keeps the registered path, which runs the
+  module's own forward, with one log line per reason naming the classes. `hf_upipe.prepare_model` calls them.
 - `fused_verdict(arch)`: verified by the fingerprint of a verified release, else by `fused_check(arch)`: the block
   against the module's own forward and backward on a tiny model (`hf_upipe.verification`).
 - `fused_forward`: the forward installed on those modules.
@@ -25,7 +27,8 @@ deleting that attribute, which leaves the module exactly as it was.
 
 Composability: gradients are returned by one autograd Function per layer (never accumulated into `.grad` by
 hand), so DDP/FSDP hooks and the model's non-reentrant activation checkpointing see an ordinary op. Not
-supported in the fused path (raises): DoRA, LoRA bias, quantized base layers, merged-and-disabled adapters.
+supported in the fused path (raises): DoRA, LoRA bias, merged-and-disabled adapters (quantized base layers are
+left on the registered path at installation, above).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from hf_upipe.distributed import without_sequence_parallel
 from hf_upipe.integrations.call_checks import CACHE_NAMES
 from hf_upipe.integrations.layout import validate_layout, with_model_documents, without_documents
 from hf_upipe.integrations.probe import case_config, compare, model_pair, with_lora
+from hf_upipe.integrations.replaced import own_forward
 from hf_upipe.integrations.ring_seam import ring_kernel
 from hf_upipe.integrations.transformers import (
     active_state,
@@ -178,14 +182,29 @@ def attention_weights(module: nn.Module, arch) -> AttentionWeights:
 
 
 def unfused_reason(module: nn.Module) -> str | None:
-    """Why this attention module keeps the registered path (a setting the fused block does not compute), or None."""
+    """Why this attention module keeps the registered path (a setting or a layer the fused block does not
+    compute), or None."""
     if not getattr(module, "is_causal", True):
         return "bidirectional attention"
     if getattr(module, "attn_logit_softcapping", None) is not None:
         return "attention logit soft-capping"
     if getattr(module, "use_qk_norm", False):
         return "per-head LayerNorm q/k norms"
+    for name in _PROJECTIONS:
+        layer = getattr(module, name, None)
+        base = layer.get_base_layer() if hasattr(layer, "base_layer") else layer
+        if layer is not None and type(base) is not nn.Linear:  # bitsandbytes' Linear4bit, ...
+            return f"{type(base).__name__} projections (quantized or custom layers)"
+    arch = fused_attention_classes().get(type(module).__name__)
+    if arch is not None and arch.projection_norm:  # its norm math is re-implemented, not called
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(module, name, None)
+            if norm is not None and own_forward(norm) is not None:
+                return f"a replaced {name} forward ({own_forward(norm).by})"
     return None
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 
 
 def _call_arguments(args: tuple, kwargs: dict) -> tuple:
@@ -339,7 +358,7 @@ def install_fused_attention(
         the installed transformers (`fused_verdict`), other attention classes found).
     """
     classes = fused_attention_classes()
-    fused, changed, other = 0, set(), set()
+    fused, changed, other, kept = 0, set(), set(), {}
     for module in model.modules():
         name = type(module).__name__
         arch = classes.get(name)
@@ -353,12 +372,18 @@ def install_fused_attention(
             )  # a changed class, or an instance whose forward someone else replaced: not stacked
             continue
         if (reason := unfused_reason(module)) is not None:
-            logger.info("hf_upipe: %s keeps the registered path (%s)", name, reason)
+            kept.setdefault(reason, set()).add(name)
             other.add(name)
             continue
         module.forward = types.MethodType(fused_forward, module)
         module.__dict__[_OPTIONS] = {"save_attention": save, "overlap": overlap}
         fused += 1
+    for reason, names in sorted(kept.items()):
+        logger.info(
+            "hf_upipe: %s keep the registered 'upipe' path, not the fused block: %s",
+            sorted(names),
+            reason,
+        )
     return fused, changed, other
 
 

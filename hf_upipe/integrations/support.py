@@ -14,7 +14,9 @@ Entry points:
   attention functions check at the first call of a forward.
 - `model_refusal(model, *, allow_unverified=False)`: the same for a loaded model, naming the module that is not
   handled (a Mamba/SSM layer, a linear-attention or short-convolution layer, attention that does not go through
-  transformers' attention interface) where there is one. What `prepare_model` and the Trainer/plugin setup check.
+  transformers' attention interface, a forward another library replaced that hf_upipe cannot see through:
+  `hf_upipe.integrations.replaced`, e.g. Liger's fused linear cross-entropy, or a kernel that does not run here)
+  where there is one. What `prepare_model` and the Trainer/plugin setup check.
 - `sdpa_refusal(config)`: without SP "upipe" is "sdpa"; a model class that does not support "sdpa" is refused by
   "upipe" too, as transformers refuses it for "sdpa".
 - `refusal_error(reason)`: the NotImplementedError to raise, with what to do.
@@ -37,6 +39,7 @@ from hf_upipe.integrations.delta_rule import DELTA_KERNELS
 from hf_upipe.integrations.mixer_sources import HALO_MIXERS, MIXERS, mixer_verdict
 from hf_upipe.integrations.mixers import MIXER_LAYER_TYPES, mixers_ready, supported
 from hf_upipe.integrations.peft import base_model
+from hf_upipe.integrations.replaced import replacement_refusal
 from hf_upipe.integrations.rope import global_rope_ready, installable, rope_verdict
 from hf_upipe.verification import TESTED_RANGE, VERIFIED_RELEASES, installed_version
 
@@ -265,6 +268,9 @@ def _unverified_mixer(module: nn.Module) -> str:
 def model_refusal(model: nn.Module, *, allow_unverified: bool = False) -> str | None:
     """See the module docstring."""
     base = base_model(model)
+    replaced = replacement_refusal(base)
+    if replaced is not None:
+        return replaced
     # a mixer run across shards once prepared (hf_upipe.integrations.mixers), its own submodules (its gated norm),
     # and what holds one (its decoder layer, a pure Mamba2 model) are not refused by their names
     mixers = {id(m) for m in base.modules() if supported(m)}

@@ -38,6 +38,7 @@ from torch import nn
 from hf_upipe.architectures import source_fingerprint, tiled_mlp_classes, tiled_norm_classes
 from hf_upipe.distributed import without_sequence_parallel
 from hf_upipe.integrations.probe import case_config, compare, model_pair, with_lora
+from hf_upipe.integrations.replaced import own_forward, sequence_local
 from hf_upipe.ops.fake import chunk_starts
 from hf_upipe.verification import Verdict, verify
 
@@ -154,10 +155,25 @@ def tiled_mlp(x: torch.Tensor, forward_fn, params, *, chunk_tokens: int) -> torc
 
 
 def _tiled_forward(self, x):
-    """Installed as the instance's `forward`: its class's own forward, run over sequence chunks."""
+    """Installed as the instance's `forward`: the forward it replaced (a kernel's, verified per-token) or its
+    class's own forward, run over sequence chunks."""
     chunk = self._upipe_mlp_chunk or default_chunk_tokens(x.shape[-1])
     params = [p for p in self.parameters() if p.requires_grad]
-    return tiled_mlp(x, functools.partial(type(self).forward, self), params, chunk_tokens=chunk)
+    inner = self.__dict__.get(_WRAPPED) or functools.partial(type(self).forward, self)
+    return tiled_mlp(x, inner, params, chunk_tokens=chunk)
+
+
+# instance attribute: the forward another library had set on the module (Liger, a Hub kernel), which the tiles run
+_WRAPPED = "_upipe_wrapped_forward"
+
+
+def _wrappable(module: nn.Module) -> str | None:
+    """None when the tiles may run this module's current forward; else why not. Its class's own forward, or one
+    another library set that `hf_upipe.integrations.replaced.sequence_local` finds per-token."""
+    found = own_forward(module)
+    if found is None:
+        return None
+    return sequence_local(module, module.forward)
 
 
 def _is_tiled(module: nn.Module) -> bool:
@@ -186,7 +202,7 @@ def apply_tiled_mlp(
             f"chunk_tokens must be >= 1 (or None for the hidden size), got {chunk_tokens}"
         )
     mlps, norm_classes = tiled_mlp_classes(), tiled_norm_classes() if norms else {}
-    count, other, changed = 0, set(), set()
+    count, other, changed, replaced = 0, set(), set(), {}
     for path, module in model.named_modules():
         name = type(module).__name__
         arch = mlps.get(name) or (
@@ -200,11 +216,13 @@ def apply_tiled_mlp(
             changed.add(name)
             continue
         if not _is_tiled(module):
+            if (why := _wrappable(module)) is not None:  # a replaced forward the tiles cannot run
+                replaced[name] = why
+                continue
             if (
                 "forward" in module.__dict__
-            ):  # someone else replaced this instance's forward: do not stack on it
-                other.add(name)
-                continue
+            ):  # a kernel's forward (or a bound copy of the class's): tiled
+                module.__dict__[_WRAPPED] = module.__dict__["forward"]
             module.forward = types.MethodType(_tiled_forward, module)
         module._upipe_mlp_chunk = chunk_tokens
         count += name in mlps
@@ -217,6 +235,12 @@ def apply_tiled_mlp(
     if other:
         logger.warning(
             "hf_upipe: tiled MLP not applied to %s (not a known gated MLP)", sorted(other)
+        )
+    for name, why in sorted(replaced.items()):
+        logger.warning(
+            "hf_upipe: tiled MLP not applied to %s: another library replaced its forward, and %s",
+            name,
+            why,
         )
     logger.info(
         "hf_upipe: tiled MLP on %d module(s), chunk %s tokens", count, chunk_tokens or "hidden_size"
@@ -231,6 +255,8 @@ def remove_tiled_mlp(model: nn.Module) -> int:
     for module in model.modules():
         if _is_tiled(module):
             del module.forward, module._upipe_mlp_chunk
+            if _WRAPPED in module.__dict__:  # the kernel's forward it ran, back as it was
+                module.forward = module.__dict__.pop(_WRAPPED)
             count += 1
     return count
 

@@ -259,7 +259,7 @@ def test_settings_the_fused_block_does_not_compute_keep_the_registered_path(
     )
     with caplog.at_level("INFO", logger="hf_upipe.integrations"):
         hf_upipe.prepare_model(model)
-    assert f"keeps the registered path ({reason})" in caplog.text
+    assert f"keep the registered 'upipe' path, not the fused block: {reason}" in caplog.text
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
