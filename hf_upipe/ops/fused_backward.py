@@ -21,7 +21,6 @@ from hf_upipe.ops.fused_stages import (
     head_rows,
     project_rows,
     projection_features,
-    seeded_dropout,
 )
 from hf_upipe.ops.head_transforms import correction, post, post_backward
 
@@ -148,11 +147,7 @@ class _Backward:
         rows = head_rows(plan.q_heads[i], self.D)
         da = self.dy2 @ w.o.weight.index_select(1, rows)
         for j, (ad, u) in enumerate(zip(w.o.adapters, self.us)):
-            da.add_(
-                seeded_dropout(
-                    u @ ad.A.index_select(1, rows), ad.dropout, plan.seed + 1000 + 16 * i + j
-                )
-            )
+            da.add_(plan.dropout.output(u @ ad.A.index_select(1, rows), ad.dropout, j, rows))
         return start_seq_to_head(da.view(B, s, self.P, -1, self.D), self.group, True)
 
     def o_grads(self, i, a):
@@ -163,9 +158,7 @@ class _Backward:
             g.index_add_(1, rows, self.dy2.t() @ a)
         for j, (ad, u) in enumerate(zip(w.o.adapters, self.us)):
             if (g := grads.get(ad.A)) is not None:
-                g.index_add_(
-                    1, rows, u.t() @ seeded_dropout(a, ad.dropout, plan.seed + 1000 + 16 * i + j)
-                )
+                g.index_add_(1, rows, u.t() @ plan.dropout.output(a, ad.dropout, j, rows))
 
     def input_grads(self, items):
         """[(name, rows, dh [B, S, h, D] or its Pending)], consumed in order: dx, weight rows."""
@@ -332,9 +325,9 @@ class _Backward:
 
     def lora_a_sides(self) -> None:
         """LoRA A sides of q/k/v: one product with x (or dropout(x)) each, after the loop."""
-        seeds = self.w.lora_seeds(self.plan.seed)
+        drop, streams = self.plan.dropout, self.w.lora_streams()
         for name in "qkv":
-            for a, t, seed in zip(getattr(self.w, name).adapters, self.ts[name], seeds[name]):
+            for a, t, k in zip(getattr(self.w, name).adapters, self.ts[name], streams[name]):
                 if (g := self.grads.get(a.A)) is not None:
-                    g.add_(t.t() @ seeded_dropout(self.x2, a.dropout, seed))
-                self.dx2.add_(seeded_dropout(t @ a.A, a.dropout, seed))
+                    g.add_(t.t() @ drop.inputs(self.x2, a.dropout, k))
+                self.dx2.add_(drop.inputs(t @ a.A, a.dropout, k))
