@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from hf_upipe.distributed import get_sequence_parallel_state, on_state_change
+from hf_upipe.ops.fake import simulating
 from hf_upipe.ops.lora_dropout import splitmix64
 
 __all__ = ["random_refusal", "rank_seed", "sync_randomness"]
@@ -107,8 +108,8 @@ def _fork(module: nn.Module, args) -> None:
     if is_model is None:
         is_model = _IS_MODEL[cls] = _is_transformers_model(cls)
     state = get_sequence_parallel_state()
-    if not is_model or state is None or state.sp_size == 1:
-        return None
+    if not is_model or state is None or state.sp_size == 1 or simulating():
+        return None  # (a memory simulation's fake tensors carry no values, so no masks to draw)
     reason = random_refusal(module)
     if reason is not None:  # every rank alike (the same model and settings), before any collective
         raise NotImplementedError(reason)
