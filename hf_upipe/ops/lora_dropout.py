@@ -19,7 +19,9 @@ least p * 2^32. The mask is therefore the same whatever the sequence-parallel de
 order of stages (the o_proj adapter's columns are the model's columns of the stage's heads), on CPU and on CUDA;
 two shards holding the same tokens at the same local positions draw different masks. The seed is drawn once per
 call from torch's generator (`hf_upipe.ops.fused_stages.make_plan`), so it changes every step, and activation
-checkpointing, which restores that generator before recomputing, gets the same masks again. The mask is computed
+checkpointing, which restores that generator before recomputing, gets the same masks again. (Inside a model under
+SP that generator is the rank's own stream, `hf_upipe.integrations.randomness`; called with one seed on every rank,
+the block draws one process's masks bit for bit.) The mask is computed
 a block of rows at a time (at most 2^22 int64 elements live at once).
 """
 
