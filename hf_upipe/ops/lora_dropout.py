@@ -14,7 +14,7 @@ Entry points (used by `hf_upipe.ops.fused_stages`, `hf_upipe.ops.fused_attention
 Why a hash and not `torch.rand`: a generator's stream depends on how many numbers were drawn before, so a shard
 cannot draw its part of one process's mask without drawing all of it. Here each element's uniform number is a
 function of (seed, stream, batch row b, global position t, feature f) alone: a 32-bit integer hash (Wellons'
-`lowbias32` mixer, its products computed in 16-bit halves so that no int64 product overflows), kept when it is at
+`lowbias32` mixer, on int64 tensors whose products never overflow), kept when it is at
 least p * 2^32. The mask is therefore the same whatever the sequence-parallel degree, the head chunking and the
 order of stages (the o_proj adapter's columns are the model's columns of the stage's heads), on CPU and on CUDA;
 two shards holding the same tokens at the same local positions draw different masks. The seed is drawn once per
@@ -39,18 +39,16 @@ _OUTPUT_STREAMS = (
 )  # o_proj adapter j draws stream _OUTPUT_STREAMS + j; q/k/v: the index of their A
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for int64 x in [0, 2^32): the two 16-bit halves' products stay under 2^48."""
-    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
-
-
 def _mix(x: torch.Tensor) -> torch.Tensor:
-    """Wellons' lowbias32: a bijection of [0, 2^32) whose output bits each depend on every input bit."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    """Wellons' lowbias32, in place on int64 x in [0, 2^32): a bijection of [0, 2^32) whose output bits each depend
+    on every input bit. Each product is x times the odd constant c or c - 2^32 (the same modulo 2^32), whichever is
+    under 2^31 in size, so it stays under 2^63: no int64 product overflows, and `& 2^32-1` keeps its low 32 bits."""
+    x ^= x >> 16
+    x.mul_(0x7FEB352D).bitwise_and_(_M32)
+    x ^= x >> 15
+    x.mul_(0x846CA68B - 2**32).bitwise_and_(_M32)
+    x ^= x >> 16
+    return x
 
 
 def splitmix64(z: int) -> int:
