@@ -5,6 +5,11 @@ Entry points (used by `hf_upipe.ops.fused_attention`'s autograd function):
   `grads`.
 - `Grads`: gradient buffers of the tensors that need one; `linear_backward`: the gradients of one projection's rows.
 
+`fused_backward` runs the steps of `_Backward`, which holds what every step reads: the stage loop (`stage_loop`,
+each stage's sends in `issue`, its gradients in `o_grads` / `input_grads`), then a whole-projection norm's coupled
+term (`norm_correction`) and the LoRA A sides (`lora_a_sides`). The LoRA dropout masks are the plan's
+(`hf_upipe.ops.lora_dropout.LoraDropout`), the ones the forward applied.
+
 The two modes (recompute, save) and the overlap schedule are described in `hf_upipe.ops.fused_attention`. Legend
 as there.
 """
