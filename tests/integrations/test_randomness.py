@@ -145,7 +145,7 @@ def _checkpoint_worker(rank, world, reentrant):
     )
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("reentrant", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_checkpoint_recompute_draws_the_forward_masks(reentrant):
     for layer_masks, recompute_equal, forward_equal, logit_err, grad_err, n in run_distributed(
         _checkpoint_worker, 2, reentrant

@@ -26,7 +26,7 @@ def _six_sigma(p: float, n: int) -> float:
     return 6 * math.sqrt(p * (1 - p) / n)
 
 
-@pytest.mark.parametrize("p", [0.05, 0.1, 0.3, 0.5, 0.9])
+@pytest.mark.parametrize("p", [0.05, 0.3, 0.9])
 def test_fraction_dropped_is_p_overall_per_row_block_and_per_column_block(p):
     B, S, F = 2, 512, 1024  # 2^20 draws
     keep = keep_mask(12345, 3, p, B, torch.arange(S), torch.arange(F))
