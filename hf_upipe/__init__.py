@@ -37,6 +37,7 @@ from hf_upipe.distributed import (
     without_sequence_parallel,
 )
 from hf_upipe.integrations import guard as _guard  # noqa: F401  (refuses unprepared models on shards under SP)
+from hf_upipe.integrations import randomness as _randomness  # noqa: F401  (a random stream per SP rank)
 from hf_upipe.ops.head_layout import HeadLayout, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.ops.upipe_attention import upipe_attention
 from hf_upipe.registration import register_with_transformers

@@ -71,6 +71,7 @@ from hf_upipe.ops.fused_attention import (
     RopeStyle,
     fused_upipe_attention,
 )
+from hf_upipe.ops.ring import ring_positions
 from hf_upipe.verification import (
     TESTED_RANGE,
     VERIFIED_RELEASES,
@@ -306,6 +307,10 @@ def fused_forward(self, hidden_states, *args, **kwargs):
         heads_per_chunk=state.heads_per_chunk,
         kernel=kernel,
         scale=self.scaling,
+        # LoRA dropout's masks are drawn by global token position (ring shards hold two chunks)
+        positions=ring_positions(
+            state.sp_rank, s, state.sp_size, state.ring_size, hidden_states.device
+        ),
         **self.__dict__.get(_OPTIONS, {}),
     )
     return y, None
