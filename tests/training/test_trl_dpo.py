@@ -1,14 +1,16 @@
-"""UPipeDPOTrainer on 2 gloo ranks (SP 2) equals trl.DPOTrainer on one process, step by step; its refusals.
+"""UPipeDPOTrainer on 2 gloo ranks (SP 2) and 4 (SP 2 x DP 2) equals trl.DPOTrainer on one process, step by
+step; its refusals.
 
 Every run: a tiny random Llama (fp32), 24 preference rows of random words (prompt, chosen, rejected) through a
-word-level tokenizer (TRL extracts the prompt, tokenizes, adds EOS, truncates to 24 tokens and collates each batch of
-2 pairs into 4 right-padded rows [chosen, chosen, rejected, rejected] with a completion mask), beta 0.5, gradient
-accumulation 2, 3 steps of AdamW with warmup, a linear schedule and clipping. The reference is `trl.DPOTrainer` with
-"sdpa" on one process. Checked: every logged value of every step (loss, grad norm, rewards/chosen, rewards/rejected,
-rewards/accuracies, rewards/margins, logps/chosen, logps/rejected, logits/chosen, logits/rejected, entropy,
-mean_token_accuracy; num_tokens exactly) on every rank, and the final trainable parameters (relative 1e-4), for
-LoRA through `peft_config` (reference: the base model, adapters disabled) and for a full fine-tune with a separate
-reference model, activation checkpointing and the tiled MLP.
+word-level tokenizer (TRL extracts the prompt, tokenizes, adds EOS, truncates to 24 tokens and collates each batch
+of 2 pairs into 4 right-padded rows [chosen, chosen, rejected, rejected] with a completion mask), beta 0.5, gradient
+accumulation 2, 3 steps of AdamW with warmup, a linear schedule and clipping. The reference is `trl.DPOTrainer`
+with "sdpa" on one process, with the global batch (2 pairs per SP group, times the DP degree). Checked: every
+logged value of every step (loss, grad norm, rewards/chosen, rewards/rejected, rewards/accuracies,
+rewards/margins, logps/chosen, logps/rejected, logits/chosen, logits/rejected, entropy, mean_token_accuracy;
+num_tokens exactly) on every rank, and the final trainable parameters (relative 1e-4), for LoRA through
+`peft_config` (reference: the base model, adapters disabled), a full fine-tune with a separate reference model,
+activation checkpointing and the tiled MLP, and LoRA on SP 2 x DP 2.
 """
 
 import numpy as np
@@ -22,10 +24,17 @@ from tests.training._dpo_runs import METRICS, dpo_runs  # noqa: E402
 RTOL = 1e-4
 KPROJ_BIAS_RTOL = 1e-3
 
-CASES = {
-    "sp2_lora": dict(lora=True),
-    "sp2_full_checkpointing_tiled_mlp": dict(lora=False, checkpointing=True, tiled_mlp=True),
+CASES = {  # world: ranks of the UPipeDPOTrainer run (SP 2 x DP world/2); the reference takes the global batch
+    "sp2_lora": dict(lora=True, world=2),
+    "sp2_full_checkpointing_tiled_mlp": dict(
+        lora=False, world=2, checkpointing=True, tiled_mlp=True
+    ),
+    "sp2_dp2_lora": dict(lora=True, world=4),
 }
+
+
+def _spec(name: str, **extra) -> dict:
+    return {k: v for k, v in CASES[name].items() if k != "world"} | extra
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +44,23 @@ def runs(tmp_path_factory):
     refs = run_distributed(
         dpo_runs,
         1,
-        [dict(trainer="trl", output_dir=str(root / f"ref_{n}"), **CASES[n]) for n in names],
+        [
+            _spec(n, trainer="trl", output_dir=str(root / f"ref_{n}"), batch=CASES[n]["world"])
+            for n in names
+        ],
         timeout=400,
     )[0]
-    outs = run_distributed(
-        dpo_runs,
-        2,
-        [dict(trainer="upipe", sp=2, output_dir=str(root / n), **CASES[n]) for n in names],
-        timeout=400,
-    )
-    return {n: (refs[i], [rank_out[i] for rank_out in outs]) for i, n in enumerate(names)}
+    got = {}
+    for world in sorted({c["world"] for c in CASES.values()}):
+        mine = [n for n in names if CASES[n]["world"] == world]
+        outs = run_distributed(
+            dpo_runs,
+            world,
+            [_spec(n, trainer="upipe", sp=2, batch=2, output_dir=str(root / n)) for n in mine],
+            timeout=600,
+        )
+        got |= {n: [rank_out[i] for rank_out in outs] for i, n in enumerate(mine)}
+    return {n: (refs[i], got[n]) for i, n in enumerate(names)}
 
 
 def _close(got: dict, want: dict, what: str) -> float:
@@ -192,3 +208,20 @@ def _state(rank, P):
     return SequenceParallelState(
         sp_group=None, sp_size=P, sp_rank=rank, dp_group=None, dp_size=1, dp_rank=0
     )
+
+
+def test_dpo_trainer_internals_match_the_installed_trl():
+    """The trl.DPOTrainer methods the composition goes through still take the parameters written against."""
+    import inspect
+
+    from trl import DPOTrainer
+
+    from hf_upipe.trl.dpo import DPO_TRAINER_INTERNALS
+
+    for name, params in DPO_TRAINER_INTERNALS.items():
+        have = tuple(inspect.signature(getattr(DPOTrainer, name)).parameters)
+        assert have[: len(params)] == params, (name, have, params)
+    from trl.trainer.utils import FusedCausalLMOutput  # what the fused LM head returns per token
+
+    fields = set(FusedCausalLMOutput.__dataclass_fields__)
+    assert {"log_probs", "entropy", "mean_logits", "is_top1"} <= fields, fields
