@@ -8,6 +8,7 @@ logged value per step and the final trainable parameters.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -31,17 +32,23 @@ METRICS = (
 )
 
 
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    """The model's n most likely next words (ids 4.., no special token) after `prompt`, one at a time."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1, 4:]  # [VOCAB - 4] the words
+            ids.append(4 + int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
 def preference_dataset(n_rows: int, seed: int):
-    """Rows of random words: prompts of 3-11 words, chosen and rejected completions of 2-13 words each."""
+    """Rows of random words: prompts of 3-11 words, chosen and rejected completions of 2-13 words each; on every
+    other row the chosen completion is the initial model's greedy continuation (so `mean_token_accuracy` is not 0).
+    """
     from datasets import Dataset
 
-    gen = torch.Generator().manual_seed(seed)
-
-    def words(lo, hi):
-        n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
-        return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 4, (n,), generator=gen))
-
-    rows = [(words(3, 11), words(2, 13), words(2, 13)) for _ in range(n_rows)]
+    rows = _preference_rows(n_rows, seed)
     return Dataset.from_dict(
         {
             "prompt": [p for p, _, _ in rows],
@@ -49,6 +56,32 @@ def preference_dataset(n_rows: int, seed: int):
             "rejected": [f" {r}" for _, _, r in rows],
         }
     )
+
+
+@functools.lru_cache
+def _preference_rows(n_rows: int, seed: int) -> tuple:
+    import hf_upipe
+
+    gen = torch.Generator().manual_seed(seed)
+    model = _model(seed=11)
+
+    def ids(lo, hi):
+        n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        return [4 + int(i) for i in torch.randint(0, VOCAB - 4, (n,), generator=gen)]
+
+    def text(words):
+        return " ".join(f"w{i - 4}" for i in words)
+
+    rows = []
+    with (
+        hf_upipe.without_sequence_parallel()
+    ):  # a job's earlier run may have left its SP state installed
+        for row in range(n_rows):
+            prompt, chosen, rejected = ids(3, 11), ids(2, 13), ids(2, 13)
+            if row % 2 == 0:
+                chosen = _greedy(model, prompt, len(chosen))
+            rows.append((text(prompt), text(chosen), text(rejected)))
+    return tuple(rows)
 
 
 def dpo_run(rank: int, world: int, spec: dict) -> dict:
@@ -64,6 +97,7 @@ def dpo_run(rank: int, world: int, spec: dict) -> dict:
         gradient_accumulation_steps=spec.get("ga", 2),
         max_steps=spec.get("steps", 3),
         learning_rate=spec.get("lr", 2e-3),
+        optim=spec.get("optim", "adamw_torch"),
         lr_scheduler_type="linear",
         warmup_steps=1,
         weight_decay=0.01,
