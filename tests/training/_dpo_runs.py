@@ -103,7 +103,8 @@ def dpo_run(rank: int, world: int, spec: dict) -> dict:
         weight_decay=0.01,
         max_grad_norm=1.0,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if spec.get("save") else "no",
+        save_steps=3,
         report_to=[],
         use_cpu=True,
         seed=3,
@@ -146,6 +147,7 @@ def dpo_run(rank: int, world: int, spec: dict) -> dict:
         trainer = UPipeDPOTrainer(**kwargs, upipe_config=cfg)
     else:
         trainer = DPOTrainer(**kwargs)
+    initial = {n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters()}
     trainer.train()
     refused = None
     if spec["trainer"] == "upipe":
@@ -169,7 +171,9 @@ def dpo_run(rank: int, world: int, spec: dict) -> dict:
         },
         "logs": {name: {h["step"]: h.get(name) for h in history} for name in METRICS},
         "evaluate_refused": refused,
+        "saved": sorted(os.listdir(spec["output_dir"])) if spec.get("save") and rank == 0 else None,
         "keys": sorted({k for h in history for k in h}),
+        "initial": initial if rank == 0 else None,  # trainable or not, before the first step
         "params": (
             {
                 n: p.detach().numpy().copy()

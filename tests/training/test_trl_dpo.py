@@ -10,9 +10,9 @@ with "sdpa" on one process, with the global batch (2 pairs per SP group, times t
 logged value of every step (loss, grad norm, rewards/chosen, rewards/rejected, rewards/accuracies,
 rewards/margins, logps/chosen, logps/rejected, logits/chosen, logits/rejected, entropy, mean_token_accuracy;
 num_tokens exactly) on every rank, and the final trainable parameters (relative 1e-4), for LoRA through
-`peft_config` (reference: the base model, adapters disabled; AdamW), a full fine-tune with a separate reference
-model, activation checkpointing and the tiled MLP (SGD: the weight changes, i.e. the clipped gradients, are
-compared), and LoRA on SP 2 x DP 2 (AdamW).
+`peft_config` (reference: the base model, adapters disabled; AdamW; a checkpoint saved), a full fine-tune with a
+separate reference model, activation checkpointing and the tiled MLP (SGD: the weight changes, i.e. the clipped
+gradients, are compared), and LoRA on SP 2 x DP 2 (AdamW).
 """
 
 import numpy as np
@@ -27,7 +27,7 @@ RTOL = 1e-4
 KPROJ_BIAS_RTOL = 1e-3
 
 CASES = {  # world: ranks of the UPipeDPOTrainer run (SP 2 x DP world/2); the reference takes the global batch
-    "sp2_lora": dict(lora=True, world=2),
+    "sp2_lora": dict(lora=True, world=2, save=True),  # also writes checkpoint-3
     # SGD: the weight changes are the clipped gradients themselves (AdamW turns fp32 noise in a near-zero
     # gradient entry into a full step, e.g. one embedding entry at 5e-4 relative)
     "sp2_full_checkpointing_tiled_mlp": dict(
@@ -88,6 +88,10 @@ def test_upipe_dpo_trainer_equals_single_process_dpo_trainer(runs, name):
     ].items():  # the reference runs under the same SP
         assert attn == "upipe" and (n_tiled > 0) == tiled, (name, model, attn, n_tiled)
     assert all("does not evaluate" in (out["evaluate_refused"] or "") for out in got)
+    if CASES[name].get(
+        "save"
+    ):  # UPipeTrainer's atomic checkpoint, through DPOTrainer's (model card)
+        assert got[0]["saved"] == ["README.md", "checkpoint-3"], got[0]["saved"]
     assert set(got[0]["prepared"]) == (
         {"policy"} if CASES[name]["lora"] else {"policy", "reference"}
     )
@@ -108,11 +112,9 @@ def test_upipe_dpo_trainer_equals_single_process_dpo_trainer(runs, name):
     want, have = ref["params"], got[0]["params"]
     assert want.keys() == have.keys()
     if CASES[name].get("optim") == "sgd":  # compare the changes: (final - initial weights)
-        from tests.training._trl_runs import _model
-
-        init = {n: p.detach().numpy() for n, p in _model(seed=11).named_parameters()}
-        want = {n: w - init[n] for n, w in want.items()}
-        have = {n: w - init[n] for n, w in have.items()}
+        want = {n: w - ref["initial"][n] for n, w in want.items()}
+        have = {n: w - got[0]["initial"][n] for n, w in have.items()}
+        assert all(np.array_equal(ref["initial"][n], got[0]["initial"][n]) for n in want)
     perr = 0.0
     for n, r in want.items():
         err = np.abs(have[n] - r).max() / max(np.abs(r).max(), 1e-12)
