@@ -63,7 +63,8 @@ def _parse_positive_int(name: str, value, allow_none: bool = False, minimum: int
         number = None
     if number is None or number < minimum or (isinstance(value, float) and value != number):
         kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name}={value!r} must be {kind}.")
+        got = "" if isinstance(value, (int, str)) else f" is a {type(value).__name__}:"
+        raise ValueError(f"{name}={value!r}{got} must be {kind}.")
     return number
 
 
