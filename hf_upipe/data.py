@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hf_upipe.distributed import SequenceParallelState, _check_type, get_sequence_parallel_state
+from hf_upipe.distributed import SequenceParallelState, check_type, get_sequence_parallel_state
 from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
 from hf_upipe.ops.ring import ring_positions
 
@@ -149,16 +149,16 @@ def _check_arguments(batch, sp_rank, sp_size, ring_size, pad_token_id, ignore_in
             f"shard_batch needs the collated batch as a dict ({{'input_ids': [B, S] tensor, 'labels': ...}}), "
             f"got a {type(batch).__name__}."
         )
-    _check_type("sp_size", sp_size, f"an int >= 1 {_WHERE}", none=False)
-    _check_type("sp_rank", sp_rank, f"an int in 0 .. sp_size - 1 {_WHERE}", none=False)
+    check_type("sp_size", sp_size, f"an int >= 1 {_WHERE}", none=False)
+    check_type("sp_rank", sp_rank, f"an int in 0 .. sp_size - 1 {_WHERE}", none=False)
     if sp_size < 1 or not 0 <= sp_rank < sp_size:
         raise ValueError(
             f"sp_rank={sp_rank}, sp_size={sp_size}: need sp_size >= 1 and 0 <= sp_rank < sp_size: pass "
             f"{_WHERE[1:-1]}."
         )
-    _check_type("ring_size", ring_size, "a positive int dividing sp_size, or None")
-    _check_type("pad_token_id", pad_token_id, "the int id the sequence is padded with", none=False)
-    _check_type("ignore_index", ignore_index, "the int label the loss ignores (-100)", none=False)
+    check_type("ring_size", ring_size, "a positive int dividing sp_size, or None")
+    check_type("pad_token_id", pad_token_id, "the int id the sequence is padded with", none=False)
+    check_type("ignore_index", ignore_index, "the int label the loss ignores (-100)", none=False)
 
 
 def _check_tensors(batch: dict, ids) -> tuple[int, int]:

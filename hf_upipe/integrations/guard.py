@@ -98,15 +98,19 @@ def unprepared_refusal(model: nn.Module, allow_unverified: bool = False) -> str 
 
 
 def _check_rotary(module, args, kwargs) -> None:
-    """A rotary embedding called as `rotary_emb(x, position_ids)` under SP with the whole row's position_ids and a
-    shard's x ([B, s, hidden] or [B, H, s, D]): named before the attention's own shape error."""
+    """A rotary embedding called as `rotary_emb(x, position_ids)` under SP with position_ids of a length no
+    sequence-like dimension of x has (x: [B, s, hidden], [B, H, s, D] or [B, s, H, D]): the whole row's positions
+    with a shard, named before the attention's own shape error."""
     x = args[0] if args else kwargs.get("x")
     positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
     state = get_sequence_parallel_state()
-    if isinstance(x, torch.Tensor) and x.dim() >= 3 and state is not None and state.sp_size > 1:
-        why = shard_length_refusal("position_ids", positions, x.shape[-2], "this rank's shard")
-        if why is not None:
-            raise ValueError(why)
+    if not (isinstance(x, torch.Tensor) and isinstance(positions, torch.Tensor) and x.dim() >= 3):
+        return
+    if state is None or state.sp_size == 1 or positions.shape[-1] in x.shape[1:-1]:
+        return
+    raise ValueError(
+        shard_length_refusal("position_ids", positions, x.shape[-2], "this rank's shard")
+    )
 
 
 def _watch_rotary(model: nn.Module) -> None:
