@@ -32,8 +32,10 @@ from datetime import timedelta
 __all__ = ["WAIT_S", "exit_with_error", "is_setting_error", "report_setting_errors"]
 
 WAIT_S = 10.0  # how long a rank other than the first waits for the first rank's line
-_SAID = "hf_upipe/setting_error_said"  # the first rank printed its line
-_EXITING = "hf_upipe/setting_error_exiting"  # how many ranks are about to exit
+# keys of the launcher's store, per attempt (a restarted run starts afresh)
+_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+_SAID = f"hf_upipe/{_ATTEMPT}/setting_error_said"  # the first rank printed its line
+_EXITING = f"hf_upipe/{_ATTEMPT}/setting_error_exiting"  # how many ranks are about to exit
 
 
 def is_setting_error(err: BaseException) -> bool:
@@ -64,13 +66,13 @@ def _store():
 
 
 def _first_rank_said(store) -> bool:
-    if store is None:
-        return False
-    try:
-        store.wait([_SAID], timedelta(seconds=WAIT_S))
-        return True
-    except Exception:  # noqa: BLE001  (the first rank raised no error of its own: say this rank's)
-        return False
+    """Whether the first rank printed its line within `WAIT_S` (polled: a timed-out wait would log warnings)."""
+    deadline = time.monotonic() + WAIT_S
+    while store is not None and time.monotonic() < deadline:
+        if _store_call(store, "check", [_SAID]):
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def _record(line: str) -> None:

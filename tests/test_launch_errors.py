@@ -93,3 +93,21 @@ def test_torchrun_uncaught_setting_error(tmp_path):
         "error: sp_size=3 does not divide the world size 2; use one of [1, 2].",
         tmp_path,
     )
+
+
+# one rank's own error (the first rank raised none): that rank says it, naming itself, after a bounded wait
+ALONE = """
+import os, sys, torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(store.port), RANK="1", WORLD_SIZE="2")
+from hf_upipe import exits
+exits.WAIT_S = 0.5
+exits.exit_with_error(ValueError("rank 1's batch has no labels"))
+"""
+
+
+def test_a_rank_alone_says_its_own_error(tmp_path):
+    code, console = _launch([sys.executable, "-c", ALONE], tmp_path)
+    assert code == 2
+    assert console.strip() == "error (rank 1): rank 1's batch has no labels", console
