@@ -1,7 +1,8 @@
-"""A bad setting under `accelerate launch` and `torchrun` (2 CPU processes): one line from the first rank, every rank
-exits with status 2, and no rank prints a traceback (`hf_upipe.exits`). The launcher then prints its own summary
-of the failed ranks, which names each rank's status 2 and the same line as the root cause, and exits with 1 (its
-own status, which no script can set)."""
+"""A setting error that nothing catches, under `torchrun` (2 CPU processes): one line from the first rank, every
+rank exits with status 2, and no rank prints a traceback (`hf_upipe.exits`). The launcher then prints its own
+summary of the failed ranks, which names each rank's status 2 and the same line as the root cause, and exits with
+1 (its own status, which no script can set). The examples' flags under `accelerate launch`:
+tests/test_examples.py::test_a_bad_setting_is_one_line_from_one_rank."""
 
 import os
 import re
@@ -12,7 +13,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-pytestmark = pytest.mark.slow  # two launches of 2 processes each
+pytestmark = pytest.mark.slow  # a launch of 2 processes
 
 # a user's script: the error is raised by hf_upipe and caught by nothing
 USER_SCRIPT = """
@@ -43,33 +44,6 @@ def _check_console(code, console, line, tmp_path):
     assert statuses == ["2", "2"], console  # every rank exits with 2 (none killed by the launcher)
     assert console.count(f"traceback : {line}") == 2, console  # the launcher's summary names it
     assert code == 1  # the launcher's own status (torch's ChildFailedError)
-
-
-def test_accelerate_launch_example_flag(tmp_path):
-    code, console = _launch(
-        [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            os.path.join(ROOT, "accelerate_configs", "cpu_2proc.yaml"),
-            "--main_process_port",
-            "0",
-            os.path.join(ROOT, "examples", "finetune_long_context.py"),
-            "--offload",
-            "cpu",
-            "--steps",
-            "1",
-        ],
-        tmp_path,
-    )
-    _check_console(
-        code,
-        console,
-        "error: --offload cpu offloads what activation checkpointing keeps: add --checkpointing "
-        "(or --offload none)",
-        tmp_path,
-    )
 
 
 def test_torchrun_uncaught_setting_error(tmp_path):

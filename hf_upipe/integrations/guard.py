@@ -44,9 +44,7 @@ from hf_upipe.integrations.support import config_refusal, model_refusal, refusal
 __all__ = ["sync_guard", "unprepared_refusal"]
 
 _HANDLE: list = [None]  # the installed global hook's handle
-_IS_MODEL: dict[
-    type, str | None
-] = {}  # class -> "model" (transformers'), "rotary" (a RoPE module) or None
+_IS_MODEL: dict[type, bool] = {}  # class -> whether it is a transformers PreTrainedModel
 _ADMITTED: weakref.WeakKeyDictionary = (
     weakref.WeakKeyDictionary()
 )  # model -> (attn implementation, prepared)
