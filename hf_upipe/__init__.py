@@ -21,10 +21,14 @@ Main entry points:
   peak by category, whether it fits, the settings to use and the longest sequence that fits (`hf-upipe plan`).
   `UPipeConfig(auto=True, plan_seq_len=...)` lets the Trainer and the plugin apply it.
 
+Under `accelerate launch` / `torchrun`, a setting error that nothing catches is one line from the first rank and
+exit status 2 on every rank (`hf_upipe.exits`; `UPIPE_TRACEBACK=1` keeps the tracebacks).
+
 Importing this package imports torch and the pure-torch layers only; everything that needs transformers,
 accelerate or the planner is imported on first use of its name.
 """
 
+import os
 from importlib import import_module
 
 from hf_upipe.config import UPipeConfig
@@ -36,6 +40,7 @@ from hf_upipe.distributed import (
     reset_sequence_parallel,
     without_sequence_parallel,
 )
+from hf_upipe.exits import report_setting_errors
 from hf_upipe.integrations import guard as _guard  # noqa: F401  (refuses unprepared models on shards under SP)
 from hf_upipe.integrations import randomness as _randomness  # noqa: F401  (a random stream per SP rank)
 from hf_upipe.ops.head_layout import HeadLayout, valid_heads_per_chunk, valid_sp_sizes
@@ -73,6 +78,8 @@ __all__ = [
 ]
 
 register_with_transformers()
+if "TORCHELASTIC_RUN_ID" in os.environ:  # started by accelerate launch / torchrun
+    report_setting_errors()  # an uncaught setting error: one line from the first rank, exit status 2
 
 
 def __getattr__(name):

@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "SequenceParallelState",
+    "check_type",
     "validation_failed",
     "validation_group",
     "validation_timeout",
@@ -208,7 +209,7 @@ def _agree(settings: tuple) -> None:
 
 
 def _check_heads_per_chunk(heads_per_chunk: int | None) -> None:
-    _check_type(
+    check_type(
         "heads_per_chunk",
         heads_per_chunk,
         "a positive integer (1 = least memory), or None for all local "
@@ -221,7 +222,7 @@ def _check_heads_per_chunk(heads_per_chunk: int | None) -> None:
         )
 
 
-def _check_type(name: str, value, want: str, kind: type = int, none: bool = True) -> None:
+def check_type(name: str, value, want: str, kind: type = int, none: bool = True) -> None:
     """A ValueError naming `name`, the type it got and what to pass, for a value not of `kind` (bool is not an int
     here), or None where `none` allows it."""
     if (value is None and none) or (
@@ -278,10 +279,10 @@ def init_sequence_parallel(
         check_kernel_name,
     )  # local: keeps distributed.py importable alone
 
-    _check_type("sp_size", sp_size, "an int that divides the world size, or None for all ranks")
-    _check_type("ring_size", ring_size, "a positive int (1: no ring)", none=False)
-    _check_type("kernel", kernel, "a kernel name such as 'auto' or 'sdpa'", kind=str, none=False)
-    _check_type("allow_unverified", allow_unverified, "True or False", kind=bool, none=False)
+    check_type("sp_size", sp_size, "an int that divides the world size, or None for all ranks")
+    check_type("ring_size", ring_size, "a positive int (1: no ring)", none=False)
+    check_type("kernel", kernel, "a kernel name such as 'auto' or 'sdpa'", kind=str, none=False)
+    check_type("allow_unverified", allow_unverified, "True or False", kind=bool, none=False)
     _check_heads_per_chunk(heads_per_chunk)
     check_kernel_name(kernel)
     if not dist.is_available() or not dist.is_initialized():

@@ -88,14 +88,22 @@ NO_SP = SequenceParallelState(
 _NOT_INPUTS = ("shift_labels", "num_label_tokens")
 
 
-def _check_shard(shard: dict, what: str) -> None:
-    """A shard without what `UPipeRuntime.shard` adds for the loss: named on every rank alike, before a collective."""
+def _shard_error(shard: dict, what: str) -> ValueError | None:
+    """A shard without what `UPipeRuntime.shard` adds for the loss, named (or None)."""
     missing = [k for k in _NOT_INPUTS if k not in shard]
-    if missing:
-        raise ValueError(
-            f"UPipeRuntime.{what}() got a shard without {missing} (its keys: {sorted(shard)}): pass the "
-            "shards UPipeRuntime.shard(batch) returns, from batches with 'labels' (or 'shift_labels')."
-        )
+    if not missing:
+        return None
+    return ValueError(
+        f"UPipeRuntime.{what}() got a shard without {missing} (its keys: {sorted(shard)}): pass the "
+        "shards UPipeRuntime.shard(batch) returns, from batches with 'labels' (or 'shift_labels')."
+    )
+
+
+def _check_shard(shard: dict, what: str) -> None:
+    """`_shard_error` raised (on this rank, before a collective)."""
+    err = _shard_error(shard, what)
+    if err is not None:
+        raise err
 
 
 def _heads(model) -> tuple[int, int] | None:
@@ -390,10 +398,26 @@ class UPipeRuntime:
         return float(shard["num_label_tokens"]) if self.state.sp_rank == 0 else 0.0
 
     def count(self, shards: list[dict]) -> float:
-        """Label tokens of these shards' batches over all ranks, each counted once (one all_reduce)."""
-        for shard in shards:  # every rank, before the collective
-            _check_shard(shard, "count")
-        return self.world_sum(sum(self.own_count(s) for s in shards))[0]
+        """Label tokens of these shards' batches over all ranks, each counted once (one all_reduce).
+
+        A shard without labels raises on every rank: at once without other ranks; else after the all_reduce, which
+        carries whether any rank got one, so that a rank whose shards are fine is told too instead of waiting."""
+        errors = [e for e in (_shard_error(s, "count") for s in shards) if e is not None]
+        if errors and (self.world_size == 1 or not dist.is_initialized()):
+            raise errors[0]
+        own = 0.0 if errors else sum(self.own_count(s) for s in shards)
+        total, failed = self.world_sum(own, bool(errors))
+        if failed:
+            raise (
+                errors[0]
+                if errors
+                else ValueError(
+                    f"UPipeRuntime.count() got a shard without labels on {int(failed)} of {self.world_size} ranks "
+                    "(this rank's are fine): pass every rank the shards UPipeRuntime.shard(batch) returns, from "
+                    "batches with 'labels' (or 'shift_labels')."
+                )
+            )
+        return total
 
     def loss_sum(self, model, shard: dict):
         """(summed token loss of the shard, fp32 scalar; the model's outputs)."""

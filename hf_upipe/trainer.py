@@ -58,7 +58,7 @@ from transformers.trainer_utils import (
 )
 
 from hf_upipe.checkpoint import verify_checkpoint, write_manifest
-from hf_upipe.config import UPipeConfig
+from hf_upipe.config import UPipeConfig, check_config
 from hf_upipe.integrations.liger import apply_liger
 from hf_upipe.integrations.loaders import share_batches_within_sp
 from hf_upipe.integrations.parallelism import (
@@ -149,6 +149,7 @@ class UPipeTrainer(Trainer):
         self, model=None, args=None, *pargs, upipe_config: UPipeConfig | None = None, **kwargs
     ):
         world = dist.get_world_size() if dist.is_initialized() else 1
+        check_config(upipe_config)
         config = upipe_config if upipe_config is not None else UPipeConfig()
         parallelism = find_parallelism(getattr(args, "parallelism_config", None))
         deepspeed = uses_deepspeed(args)

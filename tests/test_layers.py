@@ -2,7 +2,7 @@
 
 Layers, bottom to top (a module may import its own layer and the layers below):
   0 ops, architectures, verification, registration helpers: pure torch (ops import nothing of transformers etc.)
-  1 data, distributed, config, memory, integrations
+  1 data, distributed, exits, config, memory, integrations
   2 runtime, checkpoint, auto_settings
   3 trainer, trl, integrations.accelerate (UPipeTrainer, UPipeSFTTrainer and UPipePlugin, all on the runtime)
   4 planning, selftest, testing, cli (on top: they may import anything)
@@ -28,6 +28,7 @@ LAYERS = [
     (
         "hf_upipe.data",
         "hf_upipe.distributed",
+        "hf_upipe.exits",
         "hf_upipe.config",
         "hf_upipe.memory",
         "hf_upipe.integrations",

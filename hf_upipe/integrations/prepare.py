@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_upipe.architectures import ARCHITECTURES
-from hf_upipe.config import differing_settings_error
+from hf_upipe.config import check_config, differing_settings_error
 from hf_upipe.distributed import get_sequence_parallel_state, simulated, validation_failed
 from hf_upipe.integrations.call_checks import install_call_checks, remove_call_checks
 from hf_upipe.integrations.fused import (
@@ -156,9 +156,17 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
 
     Raises:
         NotImplementedError: under sequence parallelism, a model the support gate refuses (nothing is changed).
-        ValueError: under sequence parallelism, the ranks of an SP group prepare different models or with different
+        ValueError: `model` is not a module, or `upipe_config` not a UPipeConfig (named); under sequence
+            parallelism, the ranks of an SP group prepare different models or with different
             settings (compared in one bounded collective: every rank of the group must call prepare_model).
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"prepare_model needs the model (a torch.nn.Module: a transformers or PEFT model), got a "
+            f"{type(model).__name__}: load it first, e.g. AutoModelForCausalLM.from_pretrained(path, "
+            "attn_implementation='upipe')."
+        )
+    check_config(upipe_config)
     state = get_sequence_parallel_state()
     # length-dependent RoPE from the global sequence, mixers across shards: before the gate, which needs them
     passing = upipe_config.mixer_state_passing if upipe_config is not None else "parallel"

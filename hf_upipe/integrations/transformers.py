@@ -1,8 +1,10 @@
 """`attn_implementation="upipe"` for transformers: the attention function and its mask function.
 
 Entry points:
-- `register()`: adds "upipe" to transformers' `AttentionInterface` and `AttentionMaskInterface` (idempotent; run
-  when this module is imported, which `import hf_upipe` arranges as soon as transformers' modeling code loads).
+- `register()`: adds "upipe" to transformers' `AttentionInterface` and `AttentionMaskInterface`, and has models
+  with their own table of attention classes refuse it by name (`hf_upipe.integrations.attention_tables`);
+  idempotent; run when this module is imported, which `import hf_upipe` arranges as soon as transformers'
+  modeling code loads.
 - `upipe_attention_forward(module, query, key, value, attention_mask, ...)`: the registered attention function.
 - `upipe_mask(...)`: the registered mask function; `SequenceParallelMask`: what it returns under SP.
 - `sp_kernel(state, kwargs, device, dtype, seq_len)`: the state's kernel, wrapped in
@@ -52,6 +54,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from hf_upipe.architectures import keeps_documents_apart
 from hf_upipe.distributed import SequenceParallelState, get_sequence_parallel_state
+from hf_upipe.integrations import attention_tables
 from hf_upipe.integrations.call_checks import refuse_collected_attentions
 from hf_upipe.integrations.chunked import chunk_kernel, local_pattern
 from hf_upipe.integrations.layout import (
@@ -584,6 +587,7 @@ def register() -> None:
     """Make `attn_implementation="upipe"` available to every transformers model (idempotent)."""
     AttentionInterface.register(NAME, upipe_attention_forward)
     AttentionMaskInterface.register(NAME, upipe_mask)
+    attention_tables.install()  # models with their own table of attention classes refuse "upipe" by name
 
 
 register()  # importing this module registers "upipe" (hf_upipe.registration imports it once transformers loads)
