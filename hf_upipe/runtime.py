@@ -395,8 +395,9 @@ class UPipeRuntime:
             _check_shard(shard, "count")
         return self.world_sum(sum(self.own_count(s) for s in shards))[0]
 
-    def loss_sum(self, model, shard: dict):
-        """(summed token loss of the shard, fp32 scalar; the model's outputs)."""
+    def loss_sum(self, model, shard: dict, token_stats=None):
+        """(summed token loss of the shard, fp32 scalar; the model's outputs). `token_stats`: an
+        `hf_upipe.ops.tiled_loss.TokenStats` that receives the shard's entropy and argmax hits, or None."""
         _check_shard(shard, "loss")
         inputs = {k: v for k, v in shard.items() if k not in _NOT_INPUTS}
         return shard_loss_sum(
@@ -405,18 +406,26 @@ class UPipeRuntime:
             shard["shift_labels"],
             tiled=self.config.tiled_loss,
             chunk_tokens=self.config.loss_chunk_tokens,
+            token_stats=token_stats,
         )
 
     def loss(
-        self, model, shard: dict, num_items: float | None = None, *, return_outputs: bool = False
+        self,
+        model,
+        shard: dict,
+        num_items: float | None = None,
+        *,
+        return_outputs: bool = False,
+        token_stats=None,
     ):
         """W x (this shard's summed token loss) / max(num_items, 1), ready for backward (module docstring).
 
         `num_items`: label tokens of the optimizer step over all ranks (`count`); default `count([shard])`.
+        `token_stats`: as for `loss_sum`.
         """
         if num_items is None:
             num_items = self.count([shard])
-        loss_sum, outputs = self.loss_sum(model, shard)
+        loss_sum, outputs = self.loss_sum(model, shard, token_stats)
         loss = loss_sum * (self.world_size / max(float(num_items), 1.0))
         return (loss, outputs) if return_outputs else loss
 

@@ -12,7 +12,6 @@ from hf_upipe.trl import SFT_TRAINER_INTERNALS, UPipeSFTTrainer, sft_config_erro
 REFUSED = {
     # setting -> words the error must contain
     "loss_type": (dict(loss_type="dft"), "loss_type='dft'"),
-    "assistant_only_loss": (dict(assistant_only_loss=True), "assistant_only_loss=True"),
     "use_liger_kernel": (dict(use_liger_kernel=True), "use_liger_kernel=True"),
     "activation_offloading": (dict(activation_offloading=True), "UPipeConfig(offload='cpu')"),
     "selective_checkpointing": (

@@ -8,7 +8,8 @@ Composition: `class UPipeSFTTrainer(UPipeTrainer, SFTTrainer)`. The method resol
 UPipeTrainer -> SFTTrainer -> transformers.Trainer, so:
 - TRL builds everything that is data: model loading from a name, `peft_config`, the pad/eos tokens, tokenization,
   prompt-completion `completion_mask` -> `labels` (`completion_only_loss`), packing (`bfd`: documents of one row
-  told apart by restarting `position_ids`, which `hf_upipe.shard_batch` turns into `upipe_cu_seqlens`), its
+  told apart by restarting `position_ids`, which `hf_upipe.shard_batch` turns into `upipe_cu_seqlens`), the
+  chat template's `{% generation %}` assistant mask -> `labels` (`assistant_only_loss`), its
   collator (padding-free rows with `position_ids`/`cu_seq_lens_*`/`seq_idx`, or right-padded rows);
 - UPipeTrainer does everything that is SP: one `UPipeRuntime.setup`, the loaders' sharding re-pointed to the SP
   groups, every micro-batch cut by `shard_batch`, the token-weighted loss over the whole optimizer step through the
@@ -16,11 +17,14 @@ UPipeTrainer -> SFTTrainer -> transformers.Trainer, so:
   says so), the exact eval loss, the atomic checkpoints;
 - TRL's `log` still merges its metrics: `num_tokens` is counted on the full batches (the same count as TRL's: the
   attention mask's ones, or the padding-free row's length) and summed over the data-parallel replicas, so it equals
-  one process. `mean_token_accuracy` and `entropy` need the [tokens, vocab] logits, which the tiled loss never
-  builds: they are not logged in training (one log line says so), never logged as shard-local values.
+  one process. `mean_token_accuracy` and `entropy` come from the loss's own tiles (`hf_upipe.ops.tiled_loss.
+  TokenStats`: argmax hits and summed entropy of each shard's label tokens, no extra logits): per micro-batch the
+  shard sums and label-token counts are summed over every rank (the SP shards make the sequence, the replicas the
+  global batch), as TRL sums `gather_for_metrics` over the processes, then divided; `log` averages them as TRL
+  does. Under SP the eval loop computes the loss only: `eval_entropy`/`eval_mean_token_accuracy` are not logged.
 
 Refused at construction, on every rank, before any collective (`sft_config_errors`): `loss_type='dft'`,
-`assistant_only_loss` (not verified under SP yet), `use_liger_kernel`, `activation_offloading` (use
+`use_liger_kernel`, `activation_offloading` (use
 `UPipeConfig(offload='cpu')`), selective activation checkpointing, `label_smoothing_factor`, `compute_loss_func`,
 accelerate/DeepSpeed sequence or context parallelism; after TRL's setup: vision datasets and an MoE router
 auxiliary loss (the runtime's loss has no aux term).
@@ -30,9 +34,12 @@ from __future__ import annotations
 
 import logging
 
+import torch
+import torch.distributed as dist
 from trl import SFTConfig, SFTTrainer
 
 from hf_upipe.config import UPipeConfig
+from hf_upipe.ops.tiled_loss import TokenStats
 from hf_upipe.trainer import UPipeTrainer
 
 logger = logging.getLogger(__name__)
@@ -73,13 +80,6 @@ def sft_config_errors(args: SFTConfig, compute_loss_func=None) -> list[Exception
                 "token-mean negative log-likelihood "
                 "with hf_upipe's tiled loss; the DFT weighting is not implemented under sequence parallelism. Use "
                 "loss_type='nll'."
-            )
-        )
-    if args.assistant_only_loss:
-        errors.append(
-            NotImplementedError(
-                "SFTConfig(assistant_only_loss=True) is not verified under hf_upipe's sequence parallelism yet; set "
-                "assistant_only_loss=False (completion_only_loss with prompt-completion data is supported)."
             )
         )
     if args.use_liger_kernel:
@@ -153,13 +153,9 @@ class UPipeSFTTrainer(UPipeTrainer, SFTTrainer):
         super().__init__(model, args, *pargs, upipe_config=upipe_config, **kwargs)
         self._refuse_after_setup()
         logger.info(
-            "UPipeSFTTrainer: the training loss is hf_upipe's %s loss (token mean over the optimizer step); "
-            "TRL's fused LM head is not used in training.",
+            "UPipeSFTTrainer: TRL's fused LM head (chunked log-probabilities) is replaced by hf_upipe's %s "
+            "loss (token mean over the optimizer step); mean_token_accuracy and entropy come from its tiles.",
             "tiled" if self.upipe.config.tiled_loss else "untiled",
-        )
-        logger.warning(
-            "UPipeSFTTrainer: mean_token_accuracy and entropy are not logged in training (they need the "
-            "full [tokens, vocab] logits, which the tiled loss never builds); num_tokens is."
         )
 
     def _refuse_after_setup(self) -> None:
@@ -189,3 +185,30 @@ class UPipeSFTTrainer(UPipeTrainer, SFTTrainer):
         self._total_train_tokens += int(self._stats["tokens"] - before)
         self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return shards, count
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """UPipeTrainer's loss of a shard, and TRL's `entropy` / `mean_token_accuracy` of the micro-batch over
+        every rank (module docstring). Unsharded inputs take TRL's own `compute_loss`."""
+        if "shift_labels" not in inputs or "num_label_tokens" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        stats = TokenStats(device=inputs["shift_labels"].device)
+        result = self.upipe.loss(
+            model,
+            inputs,
+            num_items_in_batch,
+            return_outputs=return_outputs,
+            token_stats=stats,
+        )
+        self._log_token_stats(inputs["shift_labels"], stats)
+        return result
+
+    def _log_token_stats(self, shift_labels: torch.Tensor, stats: TokenStats) -> None:
+        """Sum (label tokens, entropy, argmax hits) over all ranks, then append TRL's two ratios."""
+        valid = (shift_labels != -100).sum().to(torch.float64)
+        sums = torch.stack([valid, stats.entropy_sum, stats.correct])  # [3] float64
+        if self.upipe.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        n, entropy, correct = sums.tolist()
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["entropy"].append(entropy / n if n > 0 else 0.0)
+        self._metrics[mode]["mean_token_accuracy"].append(correct / n if n > 0 else 0.0)

@@ -1,7 +1,8 @@
 """Worker bodies for the TRL tests: one SFT run per call, in a spawned gloo process group.
 
-`sft_runs(rank, world, specs)` trains a tiny random Llama (fp32) on a fixed prompt-completion dataset (text over a
-word-level tokenizer built in memory: no download) with `trl.SFTTrainer` ("trl", the one-process reference) or
+`sft_runs(rank, world, specs)` trains a tiny random Llama (fp32) on a fixed dataset of random words (prompt-
+completion, plain text, or conversations rendered by a chat template with `{% generation %}` markers; a word-level
+tokenizer built in memory: no download) with `trl.SFTTrainer` ("trl", the one-process reference) or
 `hf_upipe.trl.UPipeSFTTrainer` ("upipe"), and returns the logged losses, grad norms, TRL's metrics and the final
 trainable parameters.
 """
@@ -34,7 +35,17 @@ def tokenizer():
         unk_token="<unk>",
         bos_token="<s>",
         eos_token="</s>",
+        chat_template=CHAT_TEMPLATE,
     )
+
+
+# user turns "w0 ... w1", assistant turns "... </s>" inside {% generation %} (the assistant mask), space-separated
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}w0 {{ m['content'] }} w1 "
+    "{% else %}{% generation %}{{ m['content'] }} </s>{% endgeneration %} {% endif %}"
+    "{% endfor %}"
+)
 
 
 def dataset(n_rows: int, seed: int, kind: str = "prompt_completion"):
@@ -48,6 +59,18 @@ def dataset(n_rows: int, seed: int, kind: str = "prompt_completion"):
         n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
         return " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 4, (n,), generator=gen))
 
+    if kind == "conversational":  # one or two user/assistant turns
+        chats = []
+        for _ in range(n_rows):
+            turns = int(torch.randint(1, 3, (1,), generator=gen))
+            chat = []
+            for _ in range(turns):
+                chat += [
+                    {"role": "user", "content": words(2, 8)},
+                    {"role": "assistant", "content": words(2, 9)},
+                ]
+            chats.append(chat)
+        return Dataset.from_dict({"messages": chats})
     rows = [(words(3, 11), words(2, 13)) for _ in range(n_rows)]
     if kind == "text":
         return Dataset.from_dict({"text": [f"{p} {c}" for p, c in rows]})
@@ -76,7 +99,8 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
 
     args = SFTConfig(
         output_dir=spec["output_dir"],
-        per_device_train_batch_size=spec.get("batch", 2),
+        per_device_train_batch_size=spec.get("batch", 2)
+        * (spec.get("dp", 1) if spec["trainer"] == "trl" else 1),
         gradient_accumulation_steps=spec.get("ga", 2),
         max_steps=spec.get("steps", 4),
         learning_rate=2e-3,
@@ -94,8 +118,10 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
         dataloader_num_workers=0,
         max_length=spec.get("max_length", 40),
         packing=spec.get("packing", True),
+        padding_free=spec.get("padding_free", False),
         completion_only_loss=spec.get("completion_only_loss", True),
-        gradient_checkpointing=False,
+        assistant_only_loss=spec.get("assistant_only_loss", False),
+        gradient_checkpointing=spec.get("checkpointing", False),
         bf16=False,
         model_init_kwargs=None,
         dataset_num_proc=None,
@@ -119,7 +145,13 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
         peft_config=peft_config,
     )
     if spec["trainer"] == "upipe":
-        cfg = hf_upipe.UPipeConfig(sp_size=spec["sp"], heads_per_chunk=1, loss_chunk_tokens=7)
+        cfg = hf_upipe.UPipeConfig(
+            sp_size=spec["sp"],
+            heads_per_chunk=1,
+            loss_chunk_tokens=7,
+            tiled_mlp=spec.get("tiled_mlp", False),
+            mlp_chunk_tokens=5 if spec.get("tiled_mlp") else None,
+        )
         hf_upipe.reset_sequence_parallel()  # one job runs several specs
         from hf_upipe.trl import UPipeSFTTrainer
 
@@ -132,6 +164,9 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
         "losses": {h["step"]: h["loss"] for h in history},
         "grad_norms": {h["step"]: h["grad_norm"] for h in history},
         "num_tokens": {h["step"]: h.get("num_tokens") for h in history},
+        "entropy": {h["step"]: h.get("entropy") for h in history},
+        "mean_token_accuracy": {h["step"]: h.get("mean_token_accuracy") for h in history},
+        "n_label_tokens": _label_tokens(trainer),
         "keys": sorted({k for h in history for k in h}),
         "params": (
             {
@@ -143,6 +178,11 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
             else None
         ),
     }
+
+
+def _label_tokens(trainer) -> int:
+    """Label tokens of the prepared training set (the test checks that the masks leave some out, and not all)."""
+    return sum(sum(t != -100 for t in row) for row in trainer.train_dataset["labels"])
 
 
 def sft_runs(rank: int, world: int, specs: list[dict]) -> list[dict]:
