@@ -25,9 +25,11 @@ UPipeTrainer -> SFTTrainer -> transformers.Trainer, so:
 
 Refused at construction, on every rank, before any collective (`sft_config_errors`): `loss_type='dft'`,
 `use_liger_kernel`, `activation_offloading` (use
-`UPipeConfig(offload='cpu')`), selective activation checkpointing, `label_smoothing_factor`, `compute_loss_func`,
-accelerate/DeepSpeed sequence or context parallelism; after TRL's setup: vision datasets and an MoE router
-auxiliary loss (the runtime's loss has no aux term).
+`UPipeConfig(offload='cpu')`), selective activation checkpointing, `label_smoothing_factor`, `compute_loss_func`;
+after TRL's setup: vision datasets and an MoE router auxiliary loss (the runtime's loss has no aux term).
+`SFTConfig(parallelism_config=...)` and the accelerate config's `parallelism_config_*` keys are read as by
+`UPipeTrainer` (`hf_upipe.integrations.parallelism`): the SP degree is honoured, DeepSpeed's or accelerate's own
+sequence parallelism, context parallelism and disagreeing degrees are refused before TRL runs.
 """
 
 from __future__ import annotations
@@ -58,12 +60,13 @@ SFT_TRAINER_INTERNALS = {
 
 
 def _parallelism_error(pc) -> str | None:
-    """Why accelerate's `ParallelismConfig` `pc` cannot run with hf_upipe (None when it can)."""
+    """Why the accelerator's `ParallelismConfig` `pc` still asks for accelerate's own sequence/context parallelism
+    after UPipeTrainer handed it a copy without (None when it does not)."""
     if pc is not None and (getattr(pc, "sp_enabled", False) or getattr(pc, "cp_enabled", False)):
         return (
-            "SFTConfig(parallelism_config=...) turns on accelerate's sequence/context parallelism, which would "
-            "shard the sequence a second time: hf_upipe does the sequence parallelism; drop parallelism_config "
-            "(or its sp_size/cp_size)."
+            "accelerate's sequence/context parallelism is configured on the accelerator, which would shard the "
+            "sequence a second time: hf_upipe does the sequence parallelism; drop the parallelism config's "
+            "sp_size/cp_size (or give the degree as UPipeConfig(sp_size=...))."
         )
     return None
 
@@ -119,8 +122,6 @@ def sft_config_errors(args: SFTConfig, compute_loss_func=None) -> list[Exception
                 "it (the loss is the token-mean negative log-likelihood)."
             )
         )
-    if (why := _parallelism_error(getattr(args, "parallelism_config", None))) is not None:
-        errors.append(NotImplementedError(why))
     return errors
 
 

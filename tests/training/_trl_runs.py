@@ -9,6 +9,7 @@ trainable parameters.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -125,6 +126,7 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
         bf16=False,
         model_init_kwargs=None,
         dataset_num_proc=None,
+        parallelism_config=_parallelism(spec),
     )
     peft_config = None
     if spec.get("lora"):
@@ -140,13 +142,15 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
     kwargs = dict(
         model=_model(seed=11),
         args=args,
-        train_dataset=dataset(40, seed=1, kind=spec.get("kind", "prompt_completion")),
+        train_dataset=dataset(
+            spec.get("rows", 40), seed=1, kind=spec.get("kind", "prompt_completion")
+        ),
         processing_class=tokenizer(),
         peft_config=peft_config,
     )
     if spec["trainer"] == "upipe":
         cfg = hf_upipe.UPipeConfig(
-            sp_size=spec["sp"],
+            sp_size=None if spec.get("parallelism_config") else spec["sp"],
             heads_per_chunk=1,
             loss_chunk_tokens=7,
             tiled_mlp=spec.get("tiled_mlp", False),
@@ -155,7 +159,15 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
         hf_upipe.reset_sequence_parallel()  # one job runs several specs
         from hf_upipe.trl import UPipeSFTTrainer
 
-        trainer = UPipeSFTTrainer(**kwargs, upipe_config=cfg)
+        records, log = _Records(), logging.getLogger("hf_upipe.trl.sft")
+        level = log.level
+        log.addHandler(records)
+        log.setLevel(logging.INFO)
+        try:
+            trainer = UPipeSFTTrainer(**kwargs, upipe_config=cfg)
+        finally:
+            log.removeHandler(records)
+            log.setLevel(level)
     else:
         trainer = SFTTrainer(**kwargs)
     trainer.train()
@@ -168,6 +180,9 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
         "mean_token_accuracy": {h["step"]: h.get("mean_token_accuracy") for h in history},
         "n_label_tokens": _label_tokens(trainer),
         "keys": sorted({k for h in history for k in h}),
+        "log": "\n".join(records.lines) if spec["trainer"] == "upipe" else "",
+        "epoch": history[-1]["epoch"],
+        "sp_size": trainer.upipe.state.sp_size if spec["trainer"] == "upipe" else 1,
         "params": (
             {
                 n: p.detach().numpy().copy()
@@ -180,9 +195,31 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
     }
 
 
-def _label_tokens(trainer) -> int:
-    """Label tokens of the prepared training set (the test checks that the masks leave some out, and not all)."""
-    return sum(sum(t != -100 for t in row) for row in trainer.train_dataset["labels"])
+class _Records(logging.Handler):
+    """Keeps the messages of the log lines it is given (INFO and up)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _parallelism(spec: dict):
+    """`SFTConfig(parallelism_config=ParallelismConfig(sp_size=...))` for an hf_upipe run that asks for it (the SP
+    degree then comes from there only)."""
+    if spec["trainer"] != "upipe" or not spec.get("parallelism_config"):
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+
+    return ParallelismConfig(sp_size=spec["sp"], dp_replicate_size=spec.get("dp", 1))
+
+
+def _label_tokens(trainer) -> tuple[int, int]:
+    """(label tokens, tokens) of the prepared training set: the test checks what the masks leave out."""
+    rows = trainer.train_dataset["labels"]
+    return sum(sum(t != -100 for t in row) for row in rows), sum(len(row) for row in rows)
 
 
 def sft_runs(rank: int, world: int, specs: list[dict]) -> list[dict]:
