@@ -183,6 +183,8 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
         "log": "\n".join(records.lines) if spec["trainer"] == "upipe" else "",
         "epoch": history[-1]["epoch"],
         "sp_size": trainer.upipe.state.sp_size if spec["trainer"] == "upipe" else 1,
+        "tiled_mlp": bool(spec["trainer"] == "upipe" and trainer.upipe.config.tiled_mlp),
+        "checkpointing": _checkpointing(trainer.model),
         "params": (
             {
                 n: p.detach().numpy().copy()
@@ -204,6 +206,12 @@ class _Records(logging.Handler):
 
     def emit(self, record):
         self.lines.append(record.getMessage())
+
+
+def _checkpointing(model) -> bool:
+    from hf_upipe.runtime import activation_checkpointing
+
+    return activation_checkpointing(model)
 
 
 def _parallelism(spec: dict):

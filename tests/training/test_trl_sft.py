@@ -109,6 +109,9 @@ def test_upipe_sft_trainer_equals_single_process_sft_trainer(runs, name):
     assert 0 < labelled < tokens if masked else labelled == tokens, (labelled, tokens)
     assert got[0]["n_label_tokens"] == ref["n_label_tokens"]
     assert [out["sp_size"] for out in got] == [2] * len(got)
+    spec = CASES[name][1]
+    assert got[0]["tiled_mlp"] == bool(spec.get("tiled_mlp"))
+    assert got[0]["checkpointing"] == ref["checkpointing"] == bool(spec.get("checkpointing"))
     if CASES[name][1].get("dp"):
         assert ref["epoch"] < 1, ref["epoch"]
     assert all(v > 0 for v in ref["entropy"].values())
