@@ -7,11 +7,12 @@ collator flattens each batch of packed rows into one padding-free row whose docu
 gradient accumulation 2, 4 steps of AdamW with warmup, a linear schedule and clipping. The reference is
 `trl.SFTTrainer` with "sdpa" on one process with the same global batch (TRL's own fused LM head loss). Checked:
 the logged loss, grad norm, `entropy`, `mean_token_accuracy` and `num_tokens` of every step and the final
-trainable parameters (relative 1e-4; 1e-3 for the k_proj biases, whose near-zero gradients Adam amplifies). One
-case takes its SP degree from `SFTConfig(parallelism_config=ParallelismConfig(sp_size=2))`.
+trainable parameters (relative 1e-4; 1e-3 for the k_proj biases, whose near-zero gradients Adam amplifies).
 Cases: prompt-completion with `completion_only_loss`, full and LoRA (`peft_config`), and full with activation
 checkpointing and the tiled MLP; packed conversations with `assistant_only_loss` and LoRA; plain text (loss on
-every token); unpacked rows right-padded with an attention mask, or padding-free and truncated by `max_length`.
+every token); unpacked rows right-padded with an attention mask and truncated by `max_length`, or padding-free.
+The 4-rank conversational case takes its SP degree from `SFTConfig(parallelism_config=ParallelismConfig(
+sp_size=2, dp_replicate_size=2))`.
 """
 
 import numpy as np
@@ -32,8 +33,7 @@ CKPT_TILED_MLP = dict(lora=False, checkpointing=True, tiled_mlp=True)
 # name: (world, spec); "batch" is per device, the one-process reference uses batch x dp (the same global batch)
 CASES = {
     "sp2_packed_completion_only_full": (2, dict(lora=False)),
-    # the SP degree from SFTConfig(parallelism_config=ParallelismConfig(sp_size=2)), none in UPipeConfig
-    "sp2_packed_completion_only_lora": (2, dict(lora=True, parallelism_config=True)),
+    "sp2_packed_completion_only_lora": (2, dict(lora=True)),
     "sp2_packed_text_full": (2, dict(lora=False, kind="text", completion_only_loss=False)),
     # right-padded rows with attention_mask, truncated by max_length (rows reach 25 tokens)
     "sp2_padded_truncated_completion_only_full": (
@@ -51,7 +51,9 @@ CASES = {
     # from the start, where one process takes a shorter batch)
     "sp2dp2_packed_conversational_assistant_only_lora": (
         4,
-        dict(dp=2, rows=100, lora=True, **CONVERSATIONAL),
+        # the SP degree from SFTConfig(parallelism_config=ParallelismConfig(sp_size=2, dp_replicate_size=2)),
+        # none in UPipeConfig (whose default would be all 4 processes)
+        dict(dp=2, rows=100, lora=True, parallelism_config=True, **CONVERSATIONAL),
     ),
     "sp2dp2_packed_completion_only_full_ckpt_tiled_mlp": (
         4,
