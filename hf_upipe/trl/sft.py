@@ -21,7 +21,8 @@ UPipeTrainer -> SFTTrainer -> transformers.Trainer, so:
   TokenStats`: argmax hits and summed entropy of each shard's label tokens, no extra logits): per micro-batch the
   shard sums and label-token counts are summed over every rank (the SP shards make the sequence, the replicas the
   global batch), as TRL sums `gather_for_metrics` over the processes, then divided; `log` averages them as TRL
-  does. Under SP the eval loop computes the loss only: `eval_entropy`/`eval_mean_token_accuracy` are not logged.
+  does. The exact eval loop sums the same statistics per round (each round is one process's eval batch), so
+  `eval_entropy`, `eval_mean_token_accuracy` and `eval_num_tokens` are TRL's too.
 
 Refused at construction, on every rank, before any collective (`sft_config_errors`): `loss_type='dft'`,
 `use_liger_kernel`, `activation_offloading` (use
@@ -202,6 +203,17 @@ class UPipeSFTTrainer(UPipeTrainer, SFTTrainer):
         )
         self._log_token_stats(inputs["shift_labels"], stats)
         return result
+
+    _eval_token_stats = True
+
+    def _record_eval_sums(self, sums) -> None:
+        """TRL's eval metrics from the exact eval loop's rounds: one ratio per round, as TRL appends one per eval
+        batch, and `num_tokens` as TRL sets it in evaluation (the training tokens so far)."""
+        metrics = self._metrics["eval"]
+        for n, entropy, correct in zip(sums.tokens, sums.entropy, sums.correct):
+            metrics["entropy"].append(entropy / n if n > 0 else 0.0)
+            metrics["mean_token_accuracy"].append(correct / n if n > 0 else 0.0)
+        metrics["num_tokens"] = [self._total_train_tokens]
 
     def _log_token_stats(self, shift_labels: torch.Tensor, stats: TokenStats) -> None:
         """Sum (label tokens, entropy, argmax hits) over all ranks, then append TRL's two ratios."""

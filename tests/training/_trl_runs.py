@@ -17,6 +17,9 @@ import torch
 VOCAB = 96
 
 
+EVAL_METRICS = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens")
+
+
 def tokenizer():
     """A word-level tokenizer over "w0".."w91" plus 4 special tokens (96 ids: the tiny Llama's vocabulary)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -102,6 +105,7 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
         output_dir=spec["output_dir"],
         per_device_train_batch_size=spec.get("batch", 2)
         * (spec.get("dp", 1) if spec["trainer"] == "trl" else 1),
+        per_device_eval_batch_size=3 * (spec.get("dp", 1) if spec["trainer"] == "trl" else 1),
         gradient_accumulation_steps=spec.get("ga", 2),
         max_steps=spec.get("steps", 4),
         learning_rate=2e-3,
@@ -148,6 +152,9 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
         processing_class=tokenizer(),
         peft_config=peft_config,
     )
+    if spec.get("eval_rows"):  # evaluated once, after training
+        kind = spec.get("kind", "prompt_completion")
+        kwargs["eval_dataset"] = dataset(spec["eval_rows"], seed=2, kind=kind)
     if spec["trainer"] == "upipe":
         cfg = hf_upipe.UPipeConfig(
             sp_size=None if spec.get("parallelism_config") else spec["sp"],
@@ -172,7 +179,9 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
         trainer = SFTTrainer(**kwargs)
     trainer.train()
     history = [h for h in trainer.state.log_history if "loss" in h]
+    evaluation = trainer.evaluate() if spec.get("eval_rows") else {}
     return {
+        "eval": {k: v for k, v in evaluation.items() if k in EVAL_METRICS},
         "losses": {h["step"]: h["loss"] for h in history},
         "grad_norms": {h["step"]: h["grad_norm"] for h in history},
         "num_tokens": {h["step"]: h.get("num_tokens") for h in history},

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("trl")
 
 from tests._dist import run_distributed  # noqa: E402
-from tests.training._trl_runs import sft_runs  # noqa: E402
+from tests.training._trl_runs import EVAL_METRICS, sft_runs  # noqa: E402
 
 RTOL = 1e-4
 KPROJ_BIAS_RTOL = 1e-3
@@ -45,7 +45,11 @@ CASES = {
         2,
         dict(lora=False, packing=False, padding_free=True, max_length=None),
     ),
-    "sp2_packed_conversational_assistant_only_lora": (2, dict(lora=True, **CONVERSATIONAL)),
+    # also evaluated after training: 20 conversations, packed, in eval batches of 3 rows
+    "sp2_packed_conversational_assistant_only_lora": (
+        2,
+        dict(lora=True, eval_rows=20, **CONVERSATIONAL),
+    ),
     "sp2_packed_completion_only_full_ckpt_tiled_mlp": (2, CKPT_TILED_MLP),
     # 100 rows: the 4 steps stay inside the first epoch (accelerate fills a replica's last short batch with rows
     # from the start, where one process takes a shorter batch)
@@ -53,7 +57,7 @@ CASES = {
         4,
         # the SP degree from SFTConfig(parallelism_config=ParallelismConfig(sp_size=2, dp_replicate_size=2)),
         # none in UPipeConfig (whose default would be all 4 processes)
-        dict(dp=2, rows=100, lora=True, parallelism_config=True, **CONVERSATIONAL),
+        dict(dp=2, rows=100, eval_rows=30, lora=True, parallelism_config=True, **CONVERSATIONAL),
     ),
     "sp2dp2_packed_completion_only_full_ckpt_tiled_mlp": (
         4,
@@ -111,6 +115,12 @@ def test_upipe_sft_trainer_equals_single_process_sft_trainer(runs, name):
     assert 0 < labelled < tokens if masked else labelled == tokens, (labelled, tokens)
     assert got[0]["n_label_tokens"] == ref["n_label_tokens"]
     assert [out["sp_size"] for out in got] == [2] * len(got)
+    if CASES[name][1].get("eval_rows"):  # TRL's eval metrics, from hf_upipe's exact eval loop
+        assert sorted(ref["eval"]) == sorted(EVAL_METRICS), ref["eval"]
+        for rank, out in enumerate(got):
+            assert out["eval"].keys() == ref["eval"].keys(), (rank, out["eval"])
+            for key, want in ref["eval"].items():
+                assert abs(out["eval"][key] - want) <= RTOL * abs(want), (rank, key, out, ref)
     spec = CASES[name][1]
     assert got[0]["tiled_mlp"] == bool(spec.get("tiled_mlp"))
     assert got[0]["checkpointing"] == ref["checkpointing"] == bool(spec.get("checkpointing"))
