@@ -1,9 +1,11 @@
 """The causal-LM loss of one sequence shard from a transformers model, with or without the tiled lm_head + CE.
 
 Entry points:
-- `shard_loss_sum(model, inputs, shift_labels, *, tiled=True, chunk_tokens=None, ignore_index=-100)`: run the
-  model on this rank's shard and return the SUM of the token losses over its label tokens (fp32 scalar,
-  differentiable) and the model outputs. Normalising (by the label tokens of the whole batch) is the caller's job.
+- `shard_loss_sum(model, inputs, shift_labels, *, tiled=True, chunk_tokens=None, ignore_index=-100,
+  token_stats=None)`: run the model on this rank's shard and return the SUM of the token losses over its label
+  tokens (fp32 scalar, differentiable) and the model outputs; a `hf_upipe.ops.tiled_loss.TokenStats` also receives the
+  shard's summed entropy and argmax hits (TRL's `entropy` / `mean_token_accuracy`). Normalising (by the label
+  tokens of the whole batch) is the caller's job.
 - `output_head(model)`: the model's lm_head as a plain `nn.Linear` (through PEFT and DDP/FSDP wrappers), or an
   error naming why the tiled loss cannot use it.
 
@@ -32,7 +34,7 @@ from hf_upipe.architectures import logit_multiplier
 from hf_upipe.distributed import get_sequence_parallel_state, validation_failed
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.ops.fake import is_fake
-from hf_upipe.ops.tiled_loss import tiled_cross_entropy
+from hf_upipe.ops.tiled_loss import TokenStats, tiled_cross_entropy
 
 __all__ = ["output_head", "shard_loss_sum"]
 
@@ -116,6 +118,7 @@ def shard_loss_sum(
     tiled: bool = True,
     chunk_tokens: int | None = None,
     ignore_index: int = -100,
+    token_stats: TokenStats | None = None,
 ):
     """Summed cross-entropy of this rank's shard, and the model outputs.
 
@@ -127,6 +130,8 @@ def shard_loss_sum(
         tiled: use the tiled lm_head + cross-entropy (no [B*s, V] logits).
         chunk_tokens: tokens per tile (default: `default_chunk_tokens(V)`).
         ignore_index: label that does not count.
+        token_stats: receives the entropy and argmax hits of the shard's label tokens (tiled: from the loss's
+            own tiles; untiled: from the model's logits, without gradient), or None.
 
     Returns:
         (loss_sum, outputs): fp32 scalar sum over the shard's label tokens (0 when it has none) and what the
@@ -140,6 +145,8 @@ def shard_loss_sum(
             num_items_in_batch=1,
             ignore_index=ignore_index,
         )
+        if token_stats is not None:
+            _stats_from_logits(token_stats, outputs.logits, shift_labels, ignore_index)
         return outputs.loss.float(), outputs
     head, called = output_head(model)
     ids = inputs.get("input_ids")
@@ -175,8 +182,21 @@ def shard_loss_sum(
         chunk_tokens=chunk_tokens,
         ignore_index=ignore_index,
         logit_softcap=softcap,
+        token_stats=token_stats,
     )
     return loss_sum, outputs
+
+
+def _stats_from_logits(stats: TokenStats, logits, shift_labels, ignore_index: int) -> None:
+    """The untiled path's statistics, from the model's logits [B, s, V] (what its loss used), without gradient."""
+    with torch.no_grad():
+        z = logits.detach().float().flatten(0, 1)  # [T, V]
+        labels = shift_labels.reshape(-1).to(z.device)  # [T]
+        valid = labels != ignore_index
+        stats._add(z, labels, valid)
+        row_max = z.amax(dim=1, keepdim=True)  # [T, 1]
+        probs = (z - row_max).exp_()  # [T, V] unnormalised
+        stats._add_entropy(probs, probs.sum(dim=1, keepdim=True), valid)
 
 
 _PROBE_TOKENS = 2
