@@ -2,6 +2,7 @@
 
 Entry points:
 - `main(argv=None)`: `hf-upipe <command> ...`; the console script of the package.
+- `build_parser()`: its argparse parser, one sub-parser per command.
 - `register_command(name, help, add_arguments, run)`: how a command plugs in (`env` here; the planner and the
   self-test plug in the same way).
 
@@ -24,7 +25,7 @@ import platform
 import sys
 from typing import Callable
 
-__all__ = ["collect_env", "main", "register_command"]
+__all__ = ["build_parser", "collect_env", "main", "register_command"]
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
 
@@ -195,14 +196,19 @@ register_command(
 )
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `hf-upipe`, one sub-parser per registered command."""
     parser = argparse.ArgumentParser(
         prog="hf-upipe", description="UPipe sequence parallelism for Hugging Face models"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_arguments, _) in _COMMANDS.items():
         add_arguments(sub.add_parser(name, help=help_text, description=help_text))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return _COMMANDS[args.command][2](args)
 
 
