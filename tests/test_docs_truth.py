@@ -330,3 +330,20 @@ def test_the_integrations_package_names_each_of_its_modules():
     unnamed = [m for m in modules if f"``{m}``" not in package.__doc__]
     assert not unnamed, f"hf_upipe/integrations/__init__.py does not name: {unnamed}"
 
+
+def test_the_support_table_of_docs_models_is_generated():
+    """docs/models.md's table is `benchmarks/support_table.py`'s output from the committed matrix JSON."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "support_table", os.path.join(ROOT, "benchmarks", "support_table.py")
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    reports = script.reports()
+    assert len(reports) >= 1 and all(r["summary"]["decoder_only_tiny"] for r in reports)
+    with open(script.PAGE) as f:
+        page = f.read()
+    assert script.render(page) == page, "docs/models.md: run python benchmarks/support_table.py"
+    for r in reports:  # the table says which releases it holds for
+        assert f"SP 2, transformers {r['transformers']}" in page

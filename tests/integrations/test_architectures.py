@@ -38,6 +38,19 @@ def test_registry_covers_the_fused_architectures():
     assert all(a.verified for a in architectures.ARCHITECTURES.values())
 
 
+def test_text_model_types_are_the_text_configs_types():
+    """`TEXT_MODEL_TYPES` (what the support table's "path" reads) names each multimodal type's text config."""
+    from hf_upipe.models import tiny_config as any_tiny_config
+
+    assert set(architectures.TEXT_MODEL_TYPES) == set(architectures.TEXT_ONLY)
+    for model_type, text_type in architectures.TEXT_MODEL_TYPES.items():
+        try:
+            config = any_tiny_config(model_type)
+        except (KeyError, ValueError):  # not in this release (gemma4_unified on 5.23)
+            continue
+        assert config.get_text_config().model_type == text_type, model_type
+
+
 @pytest.mark.parametrize("arch", ARCH_NAMES)
 @pytest.mark.parametrize("adapter", ["fused", "tiled"])
 def test_the_installed_transformers_is_verified(arch, adapter):
