@@ -9,6 +9,10 @@ Entry points:
 Commands:
 - `hf-upipe env [--json]`: versions of the stack, devices, distributed backends, the attention kernels usable on
   each device, whether flash-attn is found, and the UPipe settings the `UPIPE_*` variables give.
+- `hf-upipe fingerprints [--json] [--no-check]`: each adapter's installed source fingerprint, the fingerprints the
+  registry records for it, and how it stands (verified by fingerprint, by behaviour, or not); exit 1 unless every
+  adapter is verified. What to compare and record when adding or re-verifying an architecture
+  (docs/contributing.md).
 - `hf-upipe selftest --model ... [--sp 2] [--lora]`: SP against one device on your model (`hf_upipe.selftest`).
 - `hf-upipe plan --model ... --gpus N [--gpu-memory 80GiB] [--nodes M] (--seq-len S | --max)`: per-GPU memory
   by category, whether it fits, the settings to use (`hf_upipe.planning.planner`). Exit 1 if it does not fit.
@@ -153,6 +157,35 @@ def _env_run(args: argparse.Namespace) -> int:
 
 register_command(
     "env", "versions, devices, kernels and the UPIPE_* settings in effect", _env_arguments, _env_run
+)
+
+
+def _fingerprints_run(args: argparse.Namespace) -> int:
+    from hf_upipe.integrations.adapter_status import adapter_status
+    from hf_upipe.verification import VERIFIED_RELEASES, installed_version
+
+    rows = adapter_status(check=args.check)
+    if args.json:
+        print(json.dumps({"transformers": installed_version(), "adapters": rows}, indent=1))
+    else:
+        print(
+            f"transformers {installed_version()}; fingerprints recorded for the releases "
+            f"{', '.join(VERIFIED_RELEASES)} (adapter, subject, installed, recorded, status):"
+        )
+        for r in rows:
+            recorded = ",".join(r["recorded"]) or "-"
+            print(
+                f"  {r['adapter']:<6} {r['subject']:<28} {r['fingerprint'] or '-':<16}  "
+                f"{recorded:<34}  {r['status']}"
+            )
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+register_command(
+    "fingerprints",
+    "each adapter's source fingerprint on the installed transformers, those recorded, and its status",
+    _env_arguments,
+    _fingerprints_run,
 )
 
 

@@ -4,8 +4,8 @@
   imports (a module) or is an attribute of one (a function, a class, a class's method or dataclass field).
 - Every repository path quoted there (`hf_upipe/...`, `examples/...`, `benchmarks/...`, `docs/...`,
   `accelerate_configs/...`, `tests/...`, `.ci/...`, and `ops/`, `integrations/`, `planning/`, `memory/`, `trl/`
-  inside `hf_upipe/`; a module may be quoted without its `.py`) exists, and every relative Markdown link points
-  to a file.
+  inside `hf_upipe/`; a module may be quoted without its `.py`, a `<placeholder>` stands for any name) exists,
+  and every relative Markdown link points to a file.
 - Every command in a shell code block of the README and of `docs/` and `benchmarks/README.md` parses: its script
   or module exists, and each `--flag` it passes is one its parser declares (what `--help` lists), for
   `python script.py`, `python -m module`, `accelerate launch [its flags] script.py` and `hf-upipe <command>`.
@@ -70,7 +70,7 @@ def _texts() -> list[tuple[str, str]]:
 NAME = re.compile(r"(?<![\w./-])hf_upipe(?:\.[A-Za-z_]\w*)+")
 ROOTS = r"hf_upipe|examples|benchmarks|docs|accelerate_configs|tests|\.ci"
 INNER = r"ops|integrations|planning|memory|trl"  # folders of hf_upipe/, quoted without it
-PATH = re.compile(rf"(?<![\w./-])((?:{ROOTS}|{INNER})/[\w.*{{}},/-]*)")
+PATH = re.compile(rf"(?<![\w./-])((?:{ROOTS}|{INNER})/(?:[\w.*{{}},/-]|<[\w-]+>)*)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
@@ -96,6 +96,7 @@ def _expand(path: str) -> list[str]:
 
 
 def _path_exists(path: str) -> bool:
+    path = re.sub(r"<[\w-]+>", "*", path)  # a placeholder: some file matches
     top = path.split("/")[0]
     if re.fullmatch(INNER, top):
         path = "hf_upipe/" + path
@@ -165,10 +166,12 @@ def _commands() -> list[tuple[str, list[str]]]:
 
 def _targets(argv: list[str]) -> tuple[str, str | None, list[str], list[str]]:
     """(kind, target, flags for the target, flags for the launcher) of one command; kind: script, module, cli,
-    skip."""
+    file (a shell script: it must exist), skip."""
     flags = [a.split("=")[0] for a in argv if a.startswith("--")]
-    if argv[0] == "pip":
+    if argv[0] in ("pip", "ruff"):  # other tools' own commands
         return "skip", None, [], []
+    if argv[0] == "bash":
+        return "file", argv[1], [], []
     if argv[0] in ("python", "python3"):
         if argv[1] == "-m":
             return "module", argv[2], [f for f in flags], []
@@ -291,6 +294,8 @@ def test_every_documented_command_parses(resolved):
         kind, target, flags, launcher = _targets(argv)
         if kind == "skip" or target in PLACEHOLDER_SCRIPTS:
             accepted = []
+        elif kind == "file":
+            accepted = [] if os.path.exists(os.path.join(ROOT, target)) else "does not exist"
         elif kind == "script":
             if not os.path.exists(os.path.join(ROOT, target)):
                 bad.append(f"{where}: {target} does not exist")
