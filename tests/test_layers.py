@@ -1,7 +1,7 @@
 """The package's layers import only downward, with no circles, and `import hf_upipe` stays light.
 
 Layers, bottom to top (a module may import its own layer and the layers below):
-  0 ops, architectures, verification, registration helpers: pure torch (ops import nothing of transformers etc.)
+  0 ops, architectures, verification, batch_keys, units: pure torch (ops import nothing of transformers etc.)
   1 data, distributed, config, memory, integrations
   2 runtime, checkpoint, auto_settings
   3 trainer, trl, integrations.accelerate (UPipeTrainer, UPipeSFTTrainer and UPipePlugin, all on the runtime)
@@ -24,6 +24,7 @@ LAYERS = [
         "hf_upipe.verification",
         "hf_upipe.integrations.peft",
         "hf_upipe.units",
+        "hf_upipe.batch_keys",
     ),
     (
         "hf_upipe.data",
@@ -170,6 +171,24 @@ def test_no_private_names_imported_across_modules():
                         if a.name.startswith("_")
                     ]
     assert not bad, "\n".join(bad)
+
+
+def test_the_batch_keys_have_one_home():
+    """The packed rows' batch keys are spelled once, in hf_upipe/batch_keys.py; code elsewhere uses its names."""
+    from hf_upipe.batch_keys import DOCUMENT_KEYS
+
+    bad = []
+    for folder, _, files in os.walk(PACKAGE):
+        for name in (f for f in files if f.endswith(".py") and f != "batch_keys.py"):
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            bad += [
+                f"{os.path.relpath(path, ROOT)}:{node.lineno}: {node.value!r}"
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Constant) and node.value in DOCUMENT_KEYS
+            ]
+    assert not bad, "use hf_upipe.batch_keys instead of:\n" + "\n".join(bad)
 
 
 def _python(code: str) -> str:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from hf_upipe.architectures import ARCHITECTURES
+from hf_upipe.batch_keys import CU_SEQLENS, DOCUMENT_KEYS, MAX_SEQLEN
 from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.layout import note_model_positions
 from hf_upipe.integrations.mixers import reentrant_refusal, ring_refusal
@@ -134,8 +135,7 @@ _TEXT_INPUTS = frozenset(
         "labels",
         "shift_labels",
         "token_type_ids",
-        "upipe_cu_seqlens",
-        "upipe_max_seqlen",
+        *DOCUMENT_KEYS,
         "cache_position",
         "num_items_in_batch",
         "logits_to_keep",
@@ -199,8 +199,8 @@ def _prepared_call(module, args, kwargs):
     if state is not None and state.sp_size > 1:
         note_model_positions(
             kwargs.get("position_ids"),
-            kwargs.get("upipe_cu_seqlens"),
-            kwargs.get("upipe_max_seqlen"),
+            kwargs.get(CU_SEQLENS),
+            kwargs.get(MAX_SEQLEN),
             module,
         )
     return refuse_silent_misuse(module, args, kwargs)

@@ -43,6 +43,7 @@ from hf_upipe.architectures import (
     model_geometry,
     source_fingerprint,
 )
+from hf_upipe.batch_keys import CU_SEQLENS
 from hf_upipe.distributed import without_sequence_parallel
 from hf_upipe.integrations.call_checks import CACHE_NAMES
 from hf_upipe.integrations.layout import validate_layout, with_model_documents, without_documents
@@ -242,7 +243,7 @@ def fused_forward(self, hidden_states, *args, **kwargs):
             B,
             s,
             hidden_states.device,
-            kwargs.get("upipe_cu_seqlens"),
+            kwargs.get(CU_SEQLENS),
             hidden_states.dtype,
             not keeps_documents_apart(self.config),
         ):
@@ -270,7 +271,7 @@ def fused_forward(self, hidden_states, *args, **kwargs):
         kernel = window_kernel(
             kernel,
             window,
-            kwargs.get("upipe_cu_seqlens"),
+            kwargs.get(CU_SEQLENS),
             hidden_states.device,
             hidden_states.dtype,
         )

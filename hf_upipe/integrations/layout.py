@@ -28,6 +28,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from hf_upipe.batch_keys import CU_SEQLENS, DOCUMENT_KEYS, MAX_SEQLEN
 from hf_upipe.distributed import validation_failed
 from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
 from hf_upipe.ops.ring import ring_positions
@@ -443,7 +444,7 @@ def validate_layout(
 
 def without_documents(kwargs: dict) -> dict:
     """An attention call's kwargs without the packed rows' documents (`validate_layout` returned False)."""
-    return {k: v for k, v in kwargs.items() if k not in ("upipe_cu_seqlens", "upipe_max_seqlen")}
+    return {k: v for k, v in kwargs.items() if k not in DOCUMENT_KEYS}
 
 
 _MODEL_POSITIONS: list = [
@@ -497,7 +498,7 @@ def with_model_documents(kwargs: dict, module=None) -> dict:
     the same model, so the same documents."""
     ref, owner = _MODEL_DOCUMENTS[0], _MODEL_DOCUMENTS[2]
     documents = ref() if ref is not None else None
-    if documents is None or kwargs.get("upipe_cu_seqlens") is not None:
+    if documents is None or kwargs.get(CU_SEQLENS) is not None:
         return kwargs
     model = owner() if owner is not None else None
     mine = _OWNERS.get(module) if module is not None else None
@@ -506,7 +507,7 @@ def with_model_documents(kwargs: dict, module=None) -> dict:
     positions = kwargs.get("position_ids")
     if positions is not None and positions is not model_positions():
         return kwargs
-    return {**kwargs, "upipe_cu_seqlens": documents, "upipe_max_seqlen": _MODEL_DOCUMENTS[1]}
+    return {**kwargs, CU_SEQLENS: documents, MAX_SEQLEN: _MODEL_DOCUMENTS[1]}
 
 
 def model_positions():

@@ -51,6 +51,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from hf_upipe.architectures import keeps_documents_apart
+from hf_upipe.batch_keys import CU_SEQLENS, MAX_SEQLEN
 from hf_upipe.distributed import SequenceParallelState, get_sequence_parallel_state
 from hf_upipe.integrations.call_checks import refuse_collected_attentions
 from hf_upipe.integrations.chunked import chunk_kernel, local_pattern
@@ -331,11 +332,11 @@ def softcap_kernel(
         get_kernel(state.kernel, device, dtype) if isinstance(state.kernel, str) else state.kernel
     )
     kernel = SoftcapKernel(base, softcap, window)
-    documents = None if kwargs is None else kwargs.get("upipe_cu_seqlens")
+    documents = None if kwargs is None else kwargs.get(CU_SEQLENS)
     return (
         kernel
         if documents is None
-        else DocumentKernel(kernel, documents, seq_len, kwargs.get("upipe_max_seqlen"))
+        else DocumentKernel(kernel, documents, seq_len, kwargs.get(MAX_SEQLEN))
     )
 
 
@@ -429,7 +430,7 @@ _DOCUMENT_KERNELS = TensorCache()
 def sp_kernel(state, kwargs: dict, device, dtype, seq_len: int) -> str | AttentionKernel:
     """The attention kernel for this call: the state's kernel, or for packed rows (`upipe_cu_seqlens` in the
     model's kwargs) that kernel wrapped in `DocumentKernel` over the full sequence of `seq_len` tokens."""
-    documents = kwargs.get("upipe_cu_seqlens")
+    documents = kwargs.get(CU_SEQLENS)
     if documents is None:
         return state.kernel
     key = (state.kernel, device, dtype, seq_len)
@@ -441,7 +442,7 @@ def sp_kernel(state, kwargs: dict, device, dtype, seq_len: int) -> str | Attenti
     inner = (
         get_kernel(state.kernel, device, dtype) if isinstance(state.kernel, str) else state.kernel
     )
-    kernel = DocumentKernel(inner, documents, seq_len, kwargs.get("upipe_max_seqlen"))
+    kernel = DocumentKernel(inner, documents, seq_len, kwargs.get(MAX_SEQLEN))
     _DOCUMENT_KERNELS.set(documents, (key, kernel))
     return kernel
 
@@ -516,7 +517,7 @@ def upipe_attention_forward(
             B,
             s,
             query.device,
-            kwargs.get("upipe_cu_seqlens"),
+            kwargs.get(CU_SEQLENS),
             query.dtype,
             not keeps_documents_apart(config),
         ):
@@ -541,7 +542,7 @@ def upipe_attention_forward(
     elif (
         chunk is not None
     ):  # chunked attention: the kernel inside each chunk, like packed documents
-        if kwargs.get("upipe_cu_seqlens") is not None or kwargs.get("softcap") is not None:
+        if kwargs.get(CU_SEQLENS) is not None or kwargs.get("softcap") is not None:
             raise NotImplementedError(
                 f"chunked attention (chunks of {chunk}) with packed documents or soft-capping is "
                 "not implemented under sequence parallelism: do not pack."
@@ -564,9 +565,7 @@ def upipe_attention_forward(
         query
     ):  # (a simulation runs the unwindowed kernel: the memory of a native-window kernel,
         # flash-attn's, whose buffers do not depend on the window; the CPU kernel's block masks are not modelled)
-        kernel = window_kernel(
-            kernel, window, kwargs.get("upipe_cu_seqlens"), query.device, query.dtype
-        )
+        kernel = window_kernel(kernel, window, kwargs.get(CU_SEQLENS), query.device, query.dtype)
     out = upipe_attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
