@@ -32,7 +32,8 @@ Layout: with world size W and `sp_size` P, SP group g holds ranks [g*P, (g+1)*P)
 the all-to-alls are fast) and DP group i holds ranks {i, i+P, i+2P, ...}. Every rank of one SP group works on
 the same sample; different SP groups get different samples. With `ring_size` R (U = sp_size / R), inside SP
 group g the Ulysses group j holds ranks g*P + j*U + [0, U) and ring group u the ranks g*P + u + U*[0, R): SP rank
-r = j*U + u holds part u of ring shard j (`hf_upipe.ops.ring.ring_positions`).
+r = j*U + u holds part u of ring shard j (`hf_upipe.ops.ring.ring_positions`). The layout is the pure function
+`hf_upipe.rank_layout.rank_layout` (tested without processes); this module creates its process groups.
 
 The defaults are a convenience for transformers' attention interface, which gives no way to pass a process group
 through a model call. Every op in `hf_upipe.ops` takes its group explicitly.
@@ -48,6 +49,8 @@ import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+from hf_upipe.rank_layout import RankLayout, rank_layout
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +242,32 @@ def _check_type(name: str, value, want: str, kind: type = int, none: bool = True
     )
 
 
+def _create_groups(layout: RankLayout, rank: int) -> dict:
+    """The process groups of `layout` that `rank` belongs to, by kind ("sp", "check": the SP group's gloo twin
+    for validation, "ulysses", "ring", "dp"; None for a kind not built). Every rank creates every group, in the
+    same order, as `dist.new_group` requires: the SP groups (each with its twin), then SP group by SP group its
+    Ulysses groups and its ring groups, then the DP groups."""
+    mine = dict.fromkeys(("sp", "check", "ulysses", "ring", "dp"))
+    fake = simulated()
+    timeout = datetime.timedelta(seconds=validation_timeout())
+    whole = layout.sp_size == layout.world
+    for sp_ranks in layout.sp_groups:
+        pg = dist.new_group(list(sp_ranks)) if not whole else dist.group.WORLD
+        twin = None if fake else dist.new_group(list(sp_ranks), backend="gloo", timeout=timeout)
+        if rank in sp_ranks:
+            mine["sp"], mine["check"] = pg, twin
+    for sp_ranks in layout.sp_groups:
+        for kind in ("ulysses", "ring"):
+            for ranks in getattr(layout, f"{kind}_groups"):
+                if ranks[0] in sp_ranks:  # this SP group's
+                    pg = dist.new_group(list(ranks))
+                    mine[kind] = pg if rank in ranks else mine[kind]
+    for ranks in layout.dp_groups:
+        pg = dist.new_group(list(ranks)) if layout.dp_size < layout.world else dist.group.WORLD
+        mine["dp"] = pg if rank in ranks else mine["dp"]
+    return mine
+
+
 def init_sequence_parallel(
     sp_size: int | None = None,
     *,
@@ -324,17 +353,8 @@ def init_sequence_parallel(
         )
 
     sp_size = world if sp_size is None else sp_size
-    if not isinstance(sp_size, int) or sp_size < 1 or world % sp_size != 0:
-        divisors = [d for d in range(1, world + 1) if world % d == 0]
-        raise ValueError(
-            f"sp_size={sp_size} does not divide the world size {world}; use one of {divisors}."
-        )
-    if sp_size % ring_size:
-        raise ValueError(
-            f"ring_size={ring_size} does not divide sp_size={sp_size}; use one of "
-            f"{[d for d in range(1, sp_size + 1) if sp_size % d == 0]}."
-        )
-    dp_size = world // sp_size
+    layout = rank_layout(world, sp_size, ring_size)  # ValueError when a size does not divide
+    dp_size = layout.dp_size
     settings = (sp_size, heads_per_chunk, kernel, allow_unverified, ring_size)
     _agree(settings)
     if _STATE is not None and _STATE.check_group is not None:
@@ -346,50 +366,23 @@ def init_sequence_parallel(
             "call reset_sequence_parallel() first to change them."
         )
 
-    # new_group must be called by every rank for every group, in the same order.
-    sp_group = dp_group = check_group = None
-    fake = simulated()
-    timeout = datetime.timedelta(seconds=validation_timeout())
-    for g in range(dp_size):
-        ranks = list(range(g * sp_size, (g + 1) * sp_size))
-        pg = dist.new_group(ranks) if sp_size < world else dist.group.WORLD
-        twin = None if fake else dist.new_group(ranks, backend="gloo", timeout=timeout)
-        if rank in ranks:
-            sp_group, check_group = pg, twin
-    ulysses_group = ring_group = None
-    if ring_size > 1:
-        U = sp_size // ring_size
-        for g in range(dp_size):
-            for j in range(ring_size):
-                ranks = [g * sp_size + j * U + u for u in range(U)]
-                pg = dist.new_group(ranks)
-                ulysses_group = pg if rank in ranks else ulysses_group
-            for u in range(U):
-                ranks = [g * sp_size + u + U * j for j in range(ring_size)]
-                pg = dist.new_group(ranks)
-                ring_group = pg if rank in ranks else ring_group
-    if dp_size > 1:
-        for i in range(sp_size):
-            ranks = list(range(i, world, sp_size))
-            pg = dist.new_group(ranks) if dp_size < world else dist.group.WORLD
-            if rank in ranks:
-                dp_group = pg
+    groups = _create_groups(layout, rank)
 
     _install(
         SequenceParallelState(
-            sp_group=sp_group,
+            sp_group=groups["sp"],
             sp_size=sp_size,
             sp_rank=rank % sp_size,
-            dp_group=dp_group,
+            dp_group=groups["dp"],
             dp_size=dp_size,
             dp_rank=rank // sp_size,
             heads_per_chunk=heads_per_chunk,
             kernel=kernel,
             allow_unverified=allow_unverified,
-            check_group=check_group,
+            check_group=groups["check"],
             ring_size=ring_size,
-            ulysses_group=ulysses_group,
-            ring_group=ring_group,
+            ulysses_group=groups["ulysses"],
+            ring_group=groups["ring"],
         )
     )
     if rank == 0:

@@ -1,7 +1,7 @@
 """The package's layers import only downward, with no circles, and `import hf_upipe` stays light.
 
 Layers, bottom to top (a module may import its own layer and the layers below):
-  0 ops, architectures, verification, batch_keys, units: pure torch (ops import nothing of transformers etc.)
+  0 ops, architectures, verification, batch_keys, rank_layout, units: pure torch (ops import no transformers)
   1 data, distributed, config, memory, integrations
   2 runtime, checkpoint, auto_settings
   3 trainer, trl, integrations.accelerate (UPipeTrainer, UPipeSFTTrainer and UPipePlugin, all on the runtime)
@@ -25,6 +25,7 @@ LAYERS = [
         "hf_upipe.integrations.peft",
         "hf_upipe.units",
         "hf_upipe.batch_keys",
+        "hf_upipe.rank_layout",
     ),
     (
         "hf_upipe.data",
