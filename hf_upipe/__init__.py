@@ -46,7 +46,7 @@ __version__ = "0.1.0"
 # name -> module that defines it, imported on first use (transformers, accelerate or the planner behind them)
 _LAZY = {
     "MemoryTracker": "hf_upipe.planning.tracker",
-    "UPipePlugin": "hf_upipe.integrations.accelerate",
+    "UPipePlugin": "hf_upipe.plugin",
     "UPipeRuntime": "hf_upipe.runtime",
     "UPipeTrainer": "hf_upipe.trainer",
     "plan": "hf_upipe.planning.planner",

@@ -4,7 +4,9 @@ Layers, bottom to top (a module may import its own layer and the layers below):
   0 ops, architectures, verification, batch_keys, rank_layout, units: pure torch (ops import no transformers)
   1 data, distributed, config, memory, integrations
   2 runtime, checkpoint, auto_settings
-  3 trainer, trl, integrations.accelerate (UPipeTrainer, UPipeSFTTrainer and UPipePlugin, all on the runtime)
+  3 trainer, plugin, trl: the two faces of the runtime, side by side (UPipeTrainer for transformers' Trainer,
+    UPipePlugin for custom loops), and UPipeSFTTrainer on the trainer; integrations.accelerate only re-exports
+    the plugin for older imports
   4 planning, selftest, testing, cli (on top: they may import anything)
 Every import statement counts, also those inside functions (a lazy import is still a dependency).
 """
@@ -37,7 +39,7 @@ LAYERS = [
         "hf_upipe.models",
     ),
     ("hf_upipe.runtime", "hf_upipe.checkpoint", "hf_upipe.auto_settings"),
-    ("hf_upipe.trainer", "hf_upipe.trl", "hf_upipe.integrations.accelerate"),
+    ("hf_upipe.trainer", "hf_upipe.plugin", "hf_upipe.trl", "hf_upipe.integrations.accelerate"),
     (
         "hf_upipe.planning",
         "hf_upipe.selftest",
@@ -172,6 +174,25 @@ def test_no_private_names_imported_across_modules():
                         if a.name.startswith("_")
                     ]
     assert not bad, "\n".join(bad)
+
+
+def test_the_plugin_and_the_trainer_are_the_two_faces_of_the_runtime():
+    """UPipePlugin and UPipeTrainer sit side by side, one layer above the runtime they both build on;
+    hf_upipe.integrations.accelerate only re-exports the plugin (nothing below imports it)."""
+    graph = _modules()
+    assert _layer("hf_upipe.plugin") == _layer("hf_upipe.trainer") == _layer("hf_upipe.runtime") + 1
+    assert "hf_upipe.runtime" in graph["hf_upipe.plugin"]
+    assert "hf_upipe.runtime" in graph["hf_upipe.trainer"]
+    assert graph["hf_upipe.integrations.accelerate"] <= {
+        "hf_upipe.plugin",
+        "hf_upipe.plugin.UPipePlugin",
+    }
+    importers = sorted(m for m, deps in graph.items() if "hf_upipe.integrations.accelerate" in deps)
+    assert importers in ([], ["hf_upipe.integrations"]), importers
+    import hf_upipe
+    from hf_upipe.integrations.accelerate import UPipePlugin
+
+    assert UPipePlugin is hf_upipe.UPipePlugin and UPipePlugin.__module__ == "hf_upipe.plugin"
 
 
 def test_the_batch_keys_have_one_home():

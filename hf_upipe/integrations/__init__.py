@@ -16,5 +16,6 @@ Modules:
   verification runs.
 - ``loss``: the tiled loss of a model's shard; ``loaders``: accelerate loaders under SP; ``parallelism``:
   accelerate's ``ParallelismConfig``; ``peft``: the base model of a PEFT model.
-- ``accelerate``: ``UPipePlugin`` (for custom loops, on ``UPipeRuntime``).
+- ``accelerate``: re-exports ``UPipePlugin`` for older imports; it lives in ``hf_upipe.plugin`` (layer 3, beside
+  the trainer: both build on ``UPipeRuntime``).
 """
