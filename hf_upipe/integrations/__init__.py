@@ -1,8 +1,10 @@
 """Translation between Hugging Face objects and ``hf_upipe.ops`` (no math of its own).
 
 Modules:
-- ``transformers``: the registered ``attn_implementation="upipe"`` and its mask function (imported once
-  transformers' modeling code loads: ``hf_upipe.registration``).
+- ``transformers``: the registered ``attn_implementation="upipe"`` (imported once transformers' modeling code
+  loads: ``hf_upipe.registration``); ``sp_mask``: its mask function; ``sp_kernels``: the kernel of one call
+  (documents, window, chunks, soft-capping, ring); ``sp_checks``: the SP state of the attention paths and the
+  checks of a model and a call that need no communication.
 - ``prepare``: ``prepare_model`` / ``unprepare_model`` over the registry of ``hf_upipe.architectures``.
 - ``fused``: the fused attention block on an attention module.
 - ``support``: the support gate, which models and calls run under SP; ``call_checks``: call arguments refused

@@ -49,15 +49,13 @@ from hf_upipe.integrations.call_checks import CACHE_NAMES
 from hf_upipe.integrations.layout import validate_layout, with_model_documents, without_documents
 from hf_upipe.integrations.probe import case_config, compare, model_pair, with_lora
 from hf_upipe.integrations.ring_seam import ring_kernel
-from hf_upipe.integrations.transformers import (
+from hf_upipe.integrations.sp_checks import (
     active_state,
     check_call,
     check_model,
     local_sequence_parallel,
-    sp_kernel,
-    sp_window,
-    window_kernel,
 )
+from hf_upipe.integrations.sp_kernels import sp_kernel, sp_window, window_kernel
 from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.fused_attention import (
     AttentionWeights,

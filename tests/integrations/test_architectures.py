@@ -21,6 +21,7 @@ import hf_upipe
 from hf_upipe import architectures
 from hf_upipe.distributed import SequenceParallelState
 from hf_upipe.integrations import fused as fused_module
+from hf_upipe.integrations import sp_mask
 from hf_upipe.integrations import transformers as hf_transformers
 from hf_upipe.memory.tiled_mlp import tiled_verdict
 from hf_upipe.verification import VERIFIED_RELEASES, installed_release
@@ -142,9 +143,11 @@ def test_fused_forward_equals_the_installed_original(arch, lora, one_rank_group,
     monkeypatch.setattr(
         fused_module, "active_state", lambda: state
     )  # the fused path, even on one rank
-    monkeypatch.setattr(
-        hf_transformers, "_active_state", lambda: state
-    )  # and its mask (a window: Gemma 3)
+    for module in (
+        sp_mask,
+        hf_transformers,
+    ):  # and its mask (a window: Gemma 3), and the registered path
+        monkeypatch.setattr(module, "active_state", lambda: state)
     calls = []
     real = fused_module.fused_upipe_attention
     monkeypatch.setattr(

@@ -149,7 +149,8 @@ def test_without_sp_upipe_refuses_what_sdpa_refuses():
 def test_a_window_must_be_found_where_the_config_says_it_is():
     """A sliding layer (config.layer_types) whose window is neither in its mask nor in its call is refused; the
     mask's window and the call's must agree; windows at least as long as the sequence change nothing."""
-    from hf_upipe.integrations.transformers import SequenceParallelMask, sp_window
+    from hf_upipe.integrations.sp_kernels import sp_window
+    from hf_upipe.integrations.sp_mask import SequenceParallelMask
 
     config = types.SimpleNamespace(
         layer_types=["full_attention", "sliding_attention"], sliding_window=4
