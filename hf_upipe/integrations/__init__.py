@@ -9,8 +9,10 @@ Modules:
 - ``fused``: the fused attention block on an attention module.
 - ``support``: the support gate, which models and calls run under SP; ``call_checks``: call arguments refused
   under SP for every model; ``guard``: refuses a model called on shards without hf_upipe.
-- ``layout``: the layout check, do the ranks of an SP group hold shards of the same batch.
-- ``chunked``: sliding-window and chunked masks under SP; ``rope``: length-dependent RoPE from the global
+- ``layout``: the layout check, do the ranks of an SP group hold shards of the same batch; ``model_calls``: what
+  a prepared model's latest call carried, for attention layers that do not receive it.
+- ``chunked``: sliding-window and chunked masks under SP; ``mask_probe``: probes of a model's mask
+  function against causal masking; ``rope``: length-dependent RoPE from the global
   length; ``ring_seam``: the ring kernel an attention call runs.
 - ``mixers``, ``delta_rule``, ``shard_exchange``, ``mixer_sources``: hybrids' token mixers across shards, and the
   mixer classes verified.

@@ -46,7 +46,8 @@ from hf_upipe.architectures import (
 from hf_upipe.batch_keys import CU_SEQLENS
 from hf_upipe.distributed import without_sequence_parallel
 from hf_upipe.integrations.call_checks import CACHE_NAMES
-from hf_upipe.integrations.layout import validate_layout, with_model_documents, without_documents
+from hf_upipe.integrations.layout import validate_layout, without_documents
+from hf_upipe.integrations.model_calls import with_model_documents
 from hf_upipe.integrations.probe import case_config, compare, model_pair, with_lora
 from hf_upipe.integrations.ring_seam import ring_kernel
 from hf_upipe.integrations.sp_checks import (

@@ -33,8 +33,8 @@ from hf_upipe.integrations.call_checks import (
     install_call_checks,
     refuse_generation,
 )
-from hf_upipe.integrations.layout import is_adopted
 from hf_upipe.integrations.mixers import is_installed, supported
+from hf_upipe.integrations.model_calls import is_adopted
 from hf_upipe.integrations.support import config_refusal, model_refusal, refusal_error
 
 __all__ = ["sync_guard", "unprepared_refusal"]

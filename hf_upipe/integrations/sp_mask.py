@@ -4,9 +4,9 @@
 Entry points:
 - `upipe_mask(batch_size, q_length, kv_length, ...)`: transformers' `sdpa_mask` without SP; under SP the padding
   mask, whether the model asked for plain causal masking (its mask function probed on a grid of positions
-  against causal masking, within a window or chunks when transformers passes a `local_size`), the window or
-  chunk, as a `SequenceParallelMask`. It runs once per forward with the model's config: the support gate checks
-  the model there, before any collective.
+  against causal masking by `hf_upipe.integrations.mask_probe`, within a window or chunks when transformers
+  passes a `local_size`), the window or chunk, as a `SequenceParallelMask`. It runs once per forward with the
+  model's config: the support gate checks the model there, before any collective.
 - `SequenceParallelMask`: what the attention function reads of the mask; model code that computes with it as a
   tensor is refused.
 """
@@ -20,10 +20,9 @@ import torch
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from hf_upipe.integrations.chunked import local_pattern
-from hf_upipe.integrations.layout import mask_agrees
+from hf_upipe.integrations.mask_probe import agrees_with_causal, agrees_with_ring_segments
 from hf_upipe.integrations.sp_checks import active_state, check_model
 from hf_upipe.ops.fake import is_fake, simulating
-from hf_upipe.ops.ring import ring_positions
 
 __all__ = ["SequenceParallelMask", "upipe_mask"]
 
@@ -122,13 +121,13 @@ def upipe_mask(
     if isinstance(local_size, int) and 0 < local_size < q_length * state.sp_size:
         pattern = local_pattern(mask_function, batch_size, local_size, q_length * state.sp_size)
         chunk, window = (local_size, None) if pattern == "chunk" else (None, local_size)
-    plain = mask_function is causal_mask_function or _agrees_with_causal(
+    plain = mask_function is causal_mask_function or agrees_with_causal(
         mask_function, q_length, batch_size, window, chunk
     )
     if not plain and state.ring_size > 1 and window is None and chunk is None:
         # ring order jumps inside a shard, which transformers takes for packed documents: causal within those
         # segments is plain causal here (the layout check refuses positions other than the ring's)
-        plain = _agrees_with_ring_segments(mask_function, state, q_length, batch_size)
+        plain = agrees_with_ring_segments(mask_function, state, q_length, batch_size)
     return SequenceParallelMask(
         padding=padding,
         plain_causal=plain,
@@ -137,41 +136,3 @@ def upipe_mask(
         chunk=chunk,
         mask_given=attention_mask is not None,
     )
-
-
-def _agrees_with_causal(
-    mask_function, length: int, batch_size: int, window: int | None = None, chunk: int | None = None
-) -> bool:
-    """Probe a model's mask function on a grid of local (query, key) positions against plain causal masking (within
-    `window` keys when given: 0 <= q - k < window; inside `chunk`-token chunks when given).
-
-    The grid is {0, 1, s/2, s-1} and, with a window, the distances around it: a window shorter than the shard or a
-    custom mask fails the probe (mask functions are elementwise, so a grid is enough to tell these apart).
-    """
-    grid = {0, 1, length // 2, length - 1}
-    for size in (window, chunk):
-        if size is not None:
-            grid |= {size - 1, size, size + 1, length - 1 - size, length - size}
-    points = torch.tensor(sorted(grid & set(range(length))))
-    q_idx, kv_idx = (t.flatten() for t in torch.meshgrid(points, points, indexing="ij"))
-    expected = q_idx >= kv_idx
-    if window is not None:
-        expected &= q_idx - kv_idx < window
-    if chunk is not None:
-        expected &= q_idx // chunk == kv_idx // chunk
-    return all(mask_agrees(mask_function, b, q_idx, kv_idx, expected) for b in range(batch_size))
-
-
-def _agrees_with_ring_segments(mask_function, state, length: int, batch_size: int) -> bool:
-    """Probe a mask function against causal masking inside the runs of consecutive ring positions of this shard
-    (`ring_positions`), on the grid {0, 1, s/2, s-1} plus each run's start and the token before it."""
-    positions = ring_positions(state.sp_rank, length, state.sp_size, state.ring_size)  # [s]
-    starts = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
-    segment = torch.zeros(length, dtype=torch.long)
-    segment[starts] = 1
-    segment = segment.cumsum(0)  # [s] run index
-    grid = {0, 1, length // 2, length - 1} | set(starts) | {p - 1 for p in starts}
-    points = torch.tensor(sorted(grid & set(range(length))))
-    q_idx, kv_idx = (t.flatten() for t in torch.meshgrid(points, points, indexing="ij"))
-    expected = (q_idx >= kv_idx) & (segment[q_idx] == segment[kv_idx])
-    return all(mask_agrees(mask_function, b, q_idx, kv_idx, expected) for b in range(batch_size))

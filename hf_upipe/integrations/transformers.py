@@ -47,7 +47,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from hf_upipe.architectures import keeps_documents_apart
 from hf_upipe.batch_keys import CU_SEQLENS
-from hf_upipe.integrations.layout import validate_layout, with_model_documents, without_documents
+from hf_upipe.integrations.layout import validate_layout, without_documents
+from hf_upipe.integrations.model_calls import with_model_documents
 from hf_upipe.integrations.sp_checks import (
     SINK_ARGUMENTS,
     UNIMPLEMENTED_ARGUMENTS,
