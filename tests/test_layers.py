@@ -43,6 +43,7 @@ LAYERS = [
     (
         "hf_upipe.planning",
         "hf_upipe.selftest",
+        "hf_upipe.selftest_command",
         "hf_upipe.matrix",
         "hf_upipe.testing",
         "hf_upipe.cli",
