@@ -32,6 +32,7 @@ LAYERS = [
     (
         "hf_upipe.data",
         "hf_upipe.distributed",
+        "hf_upipe.agreement",
         "hf_upipe.config",
         "hf_upipe.memory",
         "hf_upipe.integrations",
