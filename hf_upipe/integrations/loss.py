@@ -11,8 +11,8 @@ Entry points:
 
 Tiled path: a forward pre-hook on the lm_head, registered for this one call and removed after it, records the
 final-norm hidden states [B, s, Dm] and hands the lm_head a zero-length slice [B, 0, Dm] instead, so the model
-computes no logits; `hf_upipe.ops.tiled_cross_entropy` then computes the loss chunk by chunk from the recorded
-hidden states and the lm_head weight, with the architecture's logit scaling (`hf_upipe.architectures.
+computes no logits; `hf_upipe.ops.tiled_loss.tiled_cross_entropy` then computes the loss chunk by chunk from the
+recorded hidden states and the lm_head weight, with the architecture's logit scaling (`hf_upipe.architectures.
 logit_multiplier`: Granite, Cohere) and Gemma-style soft-capping. The first call for an lm_head lets it compute
 the logits of 2 tokens and compares them with what the tiles compute (one flag agreed over the SP group); a model
 that changes its logits in another way is refused (NotImplementedError: use the untiled loss). The model call

@@ -42,8 +42,8 @@ from hf_upipe.integrations.fused import (
     install_fused_attention,
     remove_fused_attention,
 )
-from hf_upipe.integrations.layout import adopt_modules, release_modules
 from hf_upipe.integrations.mixers import install_mixers, remove_mixers
+from hf_upipe.integrations.model_calls import adopt_modules, release_modules
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.rope import install_global_rope, installable, remove_global_rope
 from hf_upipe.integrations.support import model_refusal, refusal_error

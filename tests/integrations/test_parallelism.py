@@ -208,7 +208,7 @@ class _Accelerator:
 def test_plugin_reads_the_accelerators_parallelism_config():
     from transformers import AutoModelForCausalLM
 
-    from hf_upipe.integrations.accelerate import UPipePlugin
+    from hf_upipe.plugin import UPipePlugin
     from tests.integrations._models import tiny_config
 
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
