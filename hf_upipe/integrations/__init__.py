@@ -8,7 +8,10 @@ Modules:
 - ``prepare``: ``prepare_model`` / ``unprepare_model`` over the registry of ``hf_upipe.architectures``.
 - ``fused``: the fused attention block on an attention module.
 - ``support``: the support gate, which models and calls run under SP; ``call_checks``: call arguments refused
-  under SP for every model; ``guard``: refuses a model called on shards without hf_upipe.
+  under SP for every model; ``guard``: refuses a model called on shards without hf_upipe; ``attention_tables``:
+  models with their own table of attention classes refuse "upipe" by name; ``replaced``: forwards another library
+  replaced (Liger, Hub kernels), verified per token or refused; ``liger``: Liger applied before ``prepare_model``.
+- ``randomness``: a random stream per SP rank in a training forward.
 - ``layout``: the layout check, do the ranks of an SP group hold shards of the same batch; ``model_calls``: what
   a prepared model's latest call carried, for attention layers that do not receive it.
 - ``chunked``: sliding-window and chunked masks under SP; ``mask_probe``: probes of a model's mask

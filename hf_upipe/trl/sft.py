@@ -47,7 +47,12 @@ from hf_upipe.trainer import UPipeTrainer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SFT_TRAINER_INTERNALS", "UPipeSFTTrainer", "sft_config_errors"]
+__all__ = [
+    "SFT_TRAINER_INTERNALS",
+    "UPipeSFTTrainer",
+    "accelerator_parallelism_error",
+    "sft_config_errors",
+]
 
 # trl.SFTTrainer methods UPipeSFTTrainer's composition runs through (UPipeTrainer's overrides call them via super()),
 # with the parameters they were written against (trl 1.16); tests/test_trl.py fails when trl changes one.
@@ -60,7 +65,7 @@ SFT_TRAINER_INTERNALS = {
 }
 
 
-def _parallelism_error(pc) -> str | None:
+def accelerator_parallelism_error(pc) -> str | None:
     """Why the accelerator's `ParallelismConfig` `pc` still asks for accelerate's own sequence/context parallelism
     after UPipeTrainer handed it a copy without (None when it does not)."""
     if pc is not None and (getattr(pc, "sp_enabled", False) or getattr(pc, "cp_enabled", False)):
@@ -173,7 +178,7 @@ class UPipeSFTTrainer(UPipeTrainer, SFTTrainer):
                 f"{self.router_aux_loss_coef}: hf_upipe's loss has no auxiliary term; set "
                 "SFTConfig(router_aux_loss_coef=0.0)."
             )
-        why = _parallelism_error(
+        why = accelerator_parallelism_error(
             self.accelerator.parallelism_config
         )  # also set through an accelerate config file
         if why is not None:
