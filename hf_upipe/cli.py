@@ -195,6 +195,26 @@ register_command(
 )
 
 
+def _calibrate_arguments(parser):
+    from hf_upipe.planning.calibrate import add_arguments
+
+    add_arguments(parser)
+
+
+def _calibrate_run(args):
+    from hf_upipe.planning.calibrate import run
+
+    return run(args)
+
+
+register_command(
+    "calibrate",
+    "on a GPU: measure what the CUDA caching allocator reserves for the planned step; plan applies it",
+    _calibrate_arguments,
+    _calibrate_run,
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hf-upipe", description="UPipe sequence parallelism for Hugging Face models"

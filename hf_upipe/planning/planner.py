@@ -48,8 +48,6 @@ from hf_upipe.models import resolve
 from hf_upipe.ops.head_layout import valid_sp_sizes
 from hf_upipe.planning.ladder import candidates, default_impl, ladder
 from hf_upipe.planning.plan_report import format_plan, launch_lines
-from hf_upipe.planning.step_time import GPU, H100_SXM, StepTime, step_time
-from hf_upipe.planning.tracker import GiB
 from hf_upipe.planning.reserved import (
     Allowance,
     allocator_mode,
@@ -58,6 +56,8 @@ from hf_upipe.planning.reserved import (
     load_correction,
     step_reserved,
 )
+from hf_upipe.planning.step_time import GPU, H100_SXM, StepTime, step_time
+from hf_upipe.planning.tracker import GiB
 from hf_upipe.planning.train_step import CATEGORIES, StepSettings
 from hf_upipe.units import parse_size
 
