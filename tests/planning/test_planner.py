@@ -127,8 +127,12 @@ def test_plan_picks_the_fastest_candidate_that_fits(monkeypatch):
     }
     monkeypatch.setattr(
         planner,
-        "simulate_train_step",
-        lambda config, settings, **kw: {"by_category": {"attention": table[settings]}},
+        "step_reserved",
+        lambda config, settings, **kw: {
+            "by_category": {"attention": table[settings]},
+            "peak": table[settings],
+            "reserved": {"default": table[settings], "expandable": table[settings]},
+        },
     )
     monkeypatch.setattr(
         planner, "_SIMULATIONS", collections.OrderedDict()
