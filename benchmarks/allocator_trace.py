@@ -26,8 +26,8 @@ from hf_upipe.memory import offload
 from hf_upipe.models import PRESETS
 from hf_upipe.planning import caching_allocator as ca
 from hf_upipe.planning import categories as cat
-from hf_upipe.planning import train_step
 from hf_upipe.planning import tracker as tr
+from hf_upipe.planning import train_step
 from hf_upipe.planning.alloc_trace import record_step_trace
 from hf_upipe.planning.reserved import Allowance
 
