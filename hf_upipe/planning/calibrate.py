@@ -18,6 +18,7 @@ context shares are not part of what is corrected.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -58,9 +59,17 @@ def measure_reserved(spec: dict) -> int:
 
     _, config = resolve_model(spec["model"])
     device = torch.device("cuda", torch.cuda.current_device())
+
+    @contextlib.contextmanager
+    def step_start():  # as the replay does: the cache emptied and the peak reset where the step starts
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        yield
+        torch.cuda.synchronize(device)
+
     with simulated_world(spec["world"]), device:
         mesh = init_device_mesh("cuda", (spec["world"],))
-        torch.cuda.reset_peak_memory_stats(device)
         measure_train_step(
             config,
             StepSettings(**spec["settings"]),
@@ -68,8 +77,8 @@ def measure_reserved(spec: dict) -> int:
             sp_size=spec["sp_size"],
             layers=spec["layers"],
             mesh=mesh,
+            around_step=step_start(),
         )
-        torch.cuda.synchronize(device)
         return torch.cuda.max_memory_reserved(device)
 
 
