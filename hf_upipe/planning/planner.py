@@ -139,9 +139,8 @@ class Plan:
     gpu_memory: int
     settings: StepSettings
     by_category: dict
-    margin: (
-        Margin | None
-    )  # None: the allocator model (reserved, allowance); a Margin: tensors + margin
+    # None: the allocator model (reserved, allowance); a Margin: tensors + margin
+    margin: Margin | None
     dtype: torch.dtype = torch.bfloat16
     exact: bool = False
     seconds: float = 0.0
@@ -160,9 +159,8 @@ class Plan:
         default_factory=list
     )  # what the reader should know about the choice
     reserved: int | None = None  # the allocator model's max_memory_reserved (before any correction)
-    allowance: int = (
-        0  # CUDA context, NCCL, kernel workspaces (hf_upipe.planning.reserved.Allowance)
-    )
+    # CUDA context, NCCL, kernel workspaces (hf_upipe.planning.reserved.Allowance)
+    allowance: int = 0
     allocator: str = "default"  # the allocator mode predicted ("default" or "expandable" segments)
     correction: dict | None = None  # the stored calibration applied (hf-upipe calibrate), or None
 
@@ -485,6 +483,8 @@ def plan(
         )
     gpu_bytes, allowance = parse_size(gpu_memory), Allowance()
     mode = allocator or allocator_mode()
+    if mode not in ("default", "expandable"):
+        raise ValueError(f"allocator={allocator!r}: choose 'default' or 'expandable' (segments)")
     limit = int(gpu_bytes * (1 - headroom))
     step = math.lcm(step, unit)
     estimate = _Estimator(config, world=world, sp_size=sp, dtype=dtype, exact=exact, lora=lora)
