@@ -16,7 +16,8 @@ there when the step starts: steady state), and everything the step allocates: FS
 unsharded parameters, reduce-scatter buffers, activations, checkpointed inputs, the loss, the optimizer's
 temporaries. Returned by category (`CATEGORIES`): "parameters" (shards and unsharded copies), "gradients",
 "optimizer", and those of `hf_upipe.planning.categories` for the activations. Not counted (a GPU adds them; the
-planner's margin covers them): the CUDA context, NCCL buffers, kernel workspaces, allocator rounding.
+planner predicts them: hf_upipe.planning.reserved): the CUDA context, NCCL buffers, kernel workspaces, allocator
+rounding and caching.
 """
 
 from __future__ import annotations
