@@ -348,8 +348,8 @@ class _Estimator:
         """The allocator's predicted `max_memory_reserved` (hf_upipe.planning.reserved: depth rule)."""
         if self.exact or self.layers <= 4:
             return self._step(settings, seq_len, self.layers)["reserved"][mode]
+        peak = sum(self(settings, seq_len).values())  # simulates 3 layers, then 4
         four = self._step(settings, seq_len, 4)
-        peak = sum(self(settings, seq_len).values())
         return extrapolate_reserved(four["reserved"][mode], four["peak"], peak)
 
 
