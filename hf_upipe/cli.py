@@ -229,6 +229,26 @@ register_command(
 )
 
 
+def _calibrate_arguments(parser):
+    from hf_upipe.planning.calibrate import add_arguments
+
+    add_arguments(parser)
+
+
+def _calibrate_run(args):
+    from hf_upipe.planning.calibrate import run
+
+    return run(args)
+
+
+register_command(
+    "calibrate",
+    "on a GPU: measure what the CUDA caching allocator reserves for the planned step; plan applies it",
+    _calibrate_arguments,
+    _calibrate_run,
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of `hf-upipe`, one sub-parser per registered command."""
     parser = argparse.ArgumentParser(
