@@ -284,8 +284,9 @@ class UPipeRuntime:
         device,
         plan=None,
         pad_token_id: int = 0,
+        deepspeed: bool = False,
     ):
-        self.config, self.state, self.plan = config, state, plan
+        self.config, self.state, self.plan, self.deepspeed = config, state, plan, deepspeed
         self.world_size, self.device, self.pad_token_id = (
             world_size,
             torch.device(device),
@@ -374,6 +375,7 @@ class UPipeRuntime:
             device=device,
             plan=plan,
             pad_token_id=pad_token_id,
+            deepspeed=deepspeed,
         )
 
     # ---- data and loss -----------------------------------------------------------------------------------------
@@ -466,9 +468,18 @@ class UPipeRuntime:
             model, cfg.offload, path=cfg.offload_path, min_bytes=cfg.offload_min_bytes
         )
 
-    @staticmethod
-    def windows(loader, steps: int):
-        """Group a loader's shards into gradient-accumulation windows of `steps` (the last may be shorter)."""
+    def windows(self, loader, steps: int):
+        """Group a loader's shards into gradient-accumulation windows of `steps` (the last may be shorter).
+
+        Raises (every rank, before any batch): ValueError for `steps` > 1 under DeepSpeed, whose engine steps the
+        optimizer at every `accelerator.backward` of a loop without `accelerator.accumulate`."""
+        if self.deepspeed and steps > 1:
+            raise ValueError(
+                f"windows of {steps} batches under DeepSpeed: accelerator.backward runs the DeepSpeed engine's "
+                f"optimizer step at every call, so each window would take {steps} optimizer steps instead of one. "
+                "Use windows of 1 batch (raise the per-device batch size instead), or UPipeTrainer, which runs "
+                "DeepSpeed's gradient accumulation exactly."
+            )
         window = []
         for shard in loader:
             window.append(shard)

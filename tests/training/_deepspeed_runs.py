@@ -19,8 +19,9 @@ import torch
 from tests.training._runs import _dataset, _model
 
 
-def ds_config(stage: int, offload: str | None = None) -> dict:
-    """A DeepSpeed config in fp32 with the Trainer's own optimizer and schedule ("auto" values from the args)."""
+def ds_config(stage: int, offload: str | None = None, ds_adam: bool = False) -> dict:
+    """A DeepSpeed config in fp32 with the Trainer's own optimizer (`ds_adam`: DeepSpeed's AdamW, its CPU Adam
+    when offloaded) and schedule ("auto" values from the args)."""
     zero = {"stage": stage}
     if stage == 3:
         zero.update(
@@ -31,7 +32,12 @@ def ds_config(stage: int, offload: str | None = None) -> dict:
         )
     if offload:
         zero["offload_optimizer"] = {"device": offload}
+    optimizer = {
+        "type": "AdamW",
+        "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")},
+    }
     return {
+        **({"optimizer": optimizer} if ds_adam else {}),
         "zero_optimization": zero,
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -90,7 +96,7 @@ def _args(spec: dict):
         activation_checkpointing=spec.get("checkpointing", False),
         deepspeed=None
         if spec.get("stage") is None
-        else ds_config(spec["stage"], spec.get("offload")),
+        else ds_config(spec["stage"], spec.get("offload"), spec.get("ds_adam", False)),
     )
 
 
@@ -182,3 +188,79 @@ def ds_run(rank: int, world: int, spec: dict) -> dict:
 def ds_runs(rank: int, world: int, specs: list[dict]) -> list[dict]:
     os.environ["DS_ACCELERATOR"] = "cpu"
     return [ds_run(rank, world, spec) for spec in specs]
+
+
+def plugin_steps(rank: int, world: int, stage: int | None, lora: bool, ga: int = 1) -> dict:
+    """3 optimizer steps of the plugin's loop (`UPipePlugin.prepare`, `upipe.windows`, `accelerator.backward`) under
+    accelerate's DeepSpeedPlugin at ZeRO `stage` (every parameter partitioned at 3), SP over all ranks, windows of
+    `ga` batches of 2 rows. `stage` None: the one-process reference (the plain model, transformers' loss on each
+    window's rows in one batch, torch AdamW). Returns each step's token-mean loss, grad norm and the final weights
+    (or the error raised)."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    from torch.utils.data import DataLoader
+    from transformers import default_data_collator
+
+    data = _dataset(6 * ga, 29, 96, seed=4)
+    model = _model(lora, seed=11)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
+    if stage is None:
+        out = {"losses": [], "grad_norms": []}
+        for window in DataLoader(data, batch_size=2 * ga, collate_fn=default_data_collator):
+            loss = model(**window).loss
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            opt.step()
+            opt.zero_grad()
+            out["losses"].append(loss.item())
+            out["grad_norms"].append(norm.item())
+        out["params"] = {n: p.detach().clone().numpy() for n, p in model.named_parameters()}
+        return out
+    return _plugin_run(model, opt, data, world, stage, ga)
+
+
+def _plugin_run(model, opt, data, world: int, stage: int, ga: int) -> dict:
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DeepSpeedPlugin
+    from torch.utils.data import DataLoader
+    from transformers import default_data_collator
+
+    from hf_upipe import UPipePlugin, reset_sequence_parallel
+
+    skip_shm_build()
+    # what `accelerate launch` sets with a DeepSpeed config
+    os.environ.update(
+        ACCELERATE_USE_DEEPSPEED="true", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    os.environ.update(RANK=str(torch.distributed.get_rank()))
+    config = {**ds_config(stage), "gradient_clipping": 0.0, "gradient_accumulation_steps": ga}
+    # accelerate sets up DeepSpeed on CPU only over a CPU process group made first (as TrainingArguments does)
+    PartialState(cpu=True)
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    loader = DataLoader(data, batch_size=2, collate_fn=default_data_collator)
+    reset_sequence_parallel()
+    plugin = UPipePlugin(sp_size=world, loss_chunk_tokens=7, tiled_mlp=True, mlp_chunk_tokens=5)
+    try:
+        model, opt, loader, upipe = plugin.prepare(accelerator, model, opt, loader)
+        out = {"losses": [], "grad_norms": []}
+        for shards in upipe.windows(loader, ga):
+            n = upipe.count(shards)
+            total = 0.0
+            for shard in shards:
+                loss = upipe.loss(model, shard, n)
+                accelerator.backward(loss)
+                total += loss.item() / world
+            opt.step()
+            opt.zero_grad()
+            summed = torch.tensor(total)
+            torch.distributed.all_reduce(summed)
+            out["losses"].append(summed.item())
+            out["grad_norms"].append(float(model.get_global_grad_norm()))
+    except (ValueError, NotImplementedError) as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+    named = [(n, p) for n, p in model.module.named_parameters()]
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([p for _, p in named]):
+        out["params"] = {n: p.detach().clone().numpy() for n, p in named}
+    return out
