@@ -136,11 +136,13 @@ def ds_run(rank: int, world: int, spec: dict) -> dict:
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
     from transformers import Trainer, default_data_collator
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     import hf_upipe
     from hf_upipe.integrations.fused import count_fused
 
-    if world > 1:
+    unset_hf_deepspeed_config()  # the previous spec's ZeRO-3 config would build this model under zero.Init
+    if spec.get("stage") is not None:
         skip_shm_build()
     model = None if spec.get("pretrained") else _model(spec["lora"], seed=11)
     args = _args(spec)
@@ -200,7 +202,9 @@ def plugin_steps(rank: int, world: int, stage: int | None, lora: bool, ga: int =
     os.environ.setdefault("LOCAL_RANK", str(rank))
     from torch.utils.data import DataLoader
     from transformers import default_data_collator
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+    unset_hf_deepspeed_config()  # (a previous case's ZeRO-3 plugin would build the model under zero.Init)
     data = _dataset(6 * ga, 29, 96, seed=4)
     model = _model(lora, seed=11)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
@@ -221,6 +225,7 @@ def plugin_steps(rank: int, world: int, stage: int | None, lora: bool, ga: int =
 
 def _plugin_run(model, opt, data, world: int, stage: int, ga: int) -> dict:
     from accelerate import Accelerator, PartialState
+    from accelerate.state import AcceleratorState
     from accelerate.utils import DeepSpeedPlugin
     from torch.utils.data import DataLoader
     from transformers import default_data_collator
@@ -234,7 +239,9 @@ def _plugin_run(model, opt, data, world: int, stage: int, ga: int) -> dict:
     )
     os.environ.update(RANK=str(torch.distributed.get_rank()))
     config = {**ds_config(stage), "gradient_clipping": 0.0, "gradient_accumulation_steps": ga}
-    # accelerate sets up DeepSpeed on CPU only over a CPU process group made first (as TrainingArguments does)
+    # accelerate sets up DeepSpeed on CPU only over a CPU process group made first (as TrainingArguments does);
+    # each case starts from a fresh accelerate state (one DeepSpeedPlugin per Accelerator state)
+    AcceleratorState._reset_state(True)
     PartialState(cpu=True)
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
     loader = DataLoader(data, batch_size=2, collate_fn=default_data_collator)

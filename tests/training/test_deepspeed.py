@@ -43,6 +43,10 @@ def _params_close(got: dict, want: dict, what: str) -> None:
 def _reference(spec: dict, out_dir: str, dp: int = 1) -> dict:
     """The one-process run of `spec` without DeepSpeed and with the same global batch."""
     keep = ("lora", "checkpointing", "pretrained", "steps")
+    if spec.get(
+        "ds_adam"
+    ):  # DeepSpeed's CPU Adam in the reference too (another AdamW implementation)
+        keep += ("stage", "offload", "ds_adam")
     ref = {k: spec[k] for k in keep if k in spec}
     return dict(ref, trainer="hf", output_dir=out_dir, batch=2 * dp)
 
@@ -77,6 +81,11 @@ SLOW_CASES = {
         dict(stage=3, lora=True, pretrained=True, checkpointing=True, tiled_mlp=True),
     ),
     "zero3_full_offload_optimizer": (2, dict(stage=3, lora=False, offload="cpu", tiled_mlp=True)),
+    # DeepSpeed's CPU Adam (a JIT-compiled op: minutes the first time), against one process with the same optimizer
+    "zero3_full_offload_cpu_adam": (
+        2,
+        dict(stage=3, lora=False, offload="cpu", ds_adam=True, tiled_mlp=True),
+    ),
     "zero3_lora_registered_plain_loss": (2, dict(stage=3, lora=True, fused=False, tiled=False)),
     "zero3_sp2dp2_full": (4, dict(stage=3, lora=False, tiled_mlp=True)),
 }
