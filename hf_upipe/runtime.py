@@ -10,7 +10,8 @@ Entry points:
 - `runtime.count(shards)`: label tokens of these shards' batches over all ranks, each counted once.
 - `runtime.loss(model, shard, num_items)`: the token-weighted loss of a shard, ready for backward.
 - `runtime.step(model)`: context for one forward + backward (offloads checkpointed inputs when configured).
-- `runtime.windows(loader, steps)`: shards grouped into gradient-accumulation windows.
+- `runtime.windows(loader, steps)`: shards grouped into gradient-accumulation windows (one batch each under
+  DeepSpeed, whose engine steps at every backward).
 - `runtime.evaluate(model, loader)`: the exact eval loss (token mean over the whole eval set) of an
   accelerate-prepared loader; `runtime.eval_sums(...)`: its per-round sums (what `UPipeTrainer` reports from).
 - `NO_SP`: the state of a run without sequence parallelism; `activation_checkpointing(model)`: whether a model
