@@ -6,7 +6,8 @@ Entry points:
   prepared objects and the run's `hf_upipe.runtime.UPipeRuntime` (the same object `UPipeTrainer` uses): the loss
   of a shard, token counts, gradient-accumulation windows, the offload context of a step, exact evaluation.
 
-The flow (accelerate's own FSDP2 or DDP does the data-parallel part; params are sharded over ALL ranks by FSDP2):
+The flow (accelerate's own FSDP2, DDP or DeepSpeed does the data-parallel part; params are sharded over ALL ranks
+by FSDP2 and ZeRO-3; under DeepSpeed, windows of one batch: `docs/deepspeed.md`):
 
     accelerator = Accelerator()                            # FSDP2 / DDP / CPU from the accelerate config
     plugin = UPipePlugin(heads_per_chunk=1, tiled_mlp=True)  # or UPIPE_* variables
@@ -81,7 +82,8 @@ class UPipePlugin(UPipeConfig):
             disagree with sp_size or do not make the number of processes; `hf_upipe.integrations.parallelism`),
             offload or auto without activation checkpointing (call `model.activation_checkpointing_enable()`
             first), a kernel that cannot run here, heads that do not split, an output_dir that cannot be written,
-            an FSDP config accelerate cannot honour.
+            an FSDP config accelerate cannot honour, a DeepSpeed config with gradient_accumulation_steps > 1
+            (its engine would divide the window's token-mean loss again: docs/deepspeed.md).
         """
         wants_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
         if wants_fsdp and str(accelerator.distributed_type) != "DistributedType.FSDP":
@@ -90,6 +92,9 @@ class UPipePlugin(UPipeConfig):
                 f"{accelerator.distributed_type} (accelerate runs FSDP on accelerators only): on CPU "
                 "use a DDP config such as accelerate_configs/cpu_2proc.yaml."
             )
+        deepspeed = str(accelerator.distributed_type) == "DistributedType.DEEPSPEED"
+        if deepspeed:  # the same config on every rank: the same error, before any collective
+            _deepspeed_accumulation_check(accelerator)
         checkpointing = activation_checkpointing(model)
         parallelism = find_parallelism(getattr(accelerator, "parallelism_config", None))
         upipe = UPipeRuntime.setup(
@@ -105,7 +110,7 @@ class UPipePlugin(UPipeConfig):
             output_dir=output_dir,
             pad_token_id=pad_token_id,
             parallelism=parallelism,
-            deepspeed=str(accelerator.distributed_type) == "DistributedType.DEEPSPEED",
+            deepspeed=deepspeed,
         )
         given = [x for x in (model, optimizer, dataloader, *others) if x is not None]
         prepared = (
@@ -124,3 +129,19 @@ class UPipePlugin(UPipeConfig):
                 loader, upipe.state, pad_token_id=pad_token_id, check_same_batch=True
             )
         return (*out, upipe)
+
+
+def _deepspeed_accumulation_check(accelerator) -> None:
+    """Refuse a DeepSpeed config with gradient_accumulation_steps > 1: its engine divides every loss by it, while
+    `UPipeRuntime.loss` is already normalised by the label tokens of the whole window."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    steps = (getattr(plugin, "deepspeed_config", None) or {}).get("gradient_accumulation_steps", 1)
+    if steps == "auto":  # filled in from the Accelerator by accelerator.prepare
+        steps = accelerator.gradient_accumulation_steps
+    if int(steps) != 1:
+        raise ValueError(
+            f"The DeepSpeed config has gradient_accumulation_steps={steps}: its engine divides each loss by "
+            f"{steps} and steps the optimizer on its own count, while UPipeRuntime.loss is already the token mean "
+            "of the whole window, so the update would be wrong. Set gradient_accumulation_steps: 1 in the "
+            "DeepSpeed config and use windows of 1 batch (a larger per-device batch instead), or use UPipeTrainer."
+        )

@@ -10,7 +10,8 @@ Entry points:
 - `runtime.count(shards)`: label tokens of these shards' batches over all ranks, each counted once.
 - `runtime.loss(model, shard, num_items)`: the token-weighted loss of a shard, ready for backward.
 - `runtime.step(model)`: context for one forward + backward (offloads checkpointed inputs when configured).
-- `runtime.windows(loader, steps)`: shards grouped into gradient-accumulation windows.
+- `runtime.windows(loader, steps)`: shards grouped into gradient-accumulation windows (one batch each under
+  DeepSpeed, whose engine steps at every backward).
 - `runtime.evaluate(model, loader)`: the exact eval loss (token mean over the whole eval set) of an
   accelerate-prepared loader; `runtime.eval_sums(...)`: its per-round sums (what `UPipeTrainer` reports from).
 - `NO_SP`: the state of a run without sequence parallelism; `activation_checkpointing(model)`: whether a model
@@ -284,8 +285,9 @@ class UPipeRuntime:
         device,
         plan=None,
         pad_token_id: int = 0,
+        deepspeed: bool = False,
     ):
-        self.config, self.state, self.plan = config, state, plan
+        self.config, self.state, self.plan, self.deepspeed = config, state, plan, deepspeed
         self.world_size, self.device, self.pad_token_id = (
             world_size,
             torch.device(device),
@@ -374,6 +376,7 @@ class UPipeRuntime:
             device=device,
             plan=plan,
             pad_token_id=pad_token_id,
+            deepspeed=deepspeed,
         )
 
     # ---- data and loss -----------------------------------------------------------------------------------------
@@ -466,9 +469,18 @@ class UPipeRuntime:
             model, cfg.offload, path=cfg.offload_path, min_bytes=cfg.offload_min_bytes
         )
 
-    @staticmethod
-    def windows(loader, steps: int):
-        """Group a loader's shards into gradient-accumulation windows of `steps` (the last may be shorter)."""
+    def windows(self, loader, steps: int):
+        """Group a loader's shards into gradient-accumulation windows of `steps` (the last may be shorter).
+
+        Raises (every rank, before any batch): ValueError for `steps` > 1 under DeepSpeed, whose engine steps the
+        optimizer at every `accelerator.backward` of a loop without `accelerator.accumulate`."""
+        if self.deepspeed and steps > 1:
+            raise ValueError(
+                f"windows of {steps} batches under DeepSpeed: accelerator.backward runs the DeepSpeed engine's "
+                f"optimizer step at every call, so each window would take {steps} optimizer steps instead of one. "
+                "Use windows of 1 batch (raise the per-device batch size instead), or UPipeTrainer, which runs "
+                "DeepSpeed's gradient accumulation exactly."
+            )
         window = []
         for shard in loader:
             window.append(shard)

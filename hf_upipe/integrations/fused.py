@@ -61,6 +61,7 @@ from hf_upipe.integrations.sp_checks import (
     local_sequence_parallel,
 )
 from hf_upipe.integrations.sp_kernels import sp_kernel, sp_window, window_kernel
+from hf_upipe.integrations.zero3 import forget_children, gather_children
 from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.fused_attention import (
     AttentionWeights,
@@ -295,6 +296,7 @@ def fused_forward(self, hidden_states, *args, **kwargs):
             hidden_states.dtype,
         )
     cos, sin = position_embeddings
+    gather_children(self)  # ZeRO-3: q/k/v/o_proj are read here, not called
     y = fused_upipe_attention(
         hidden_states,
         cos,
@@ -399,6 +401,7 @@ def remove_fused_attention(model: nn.Module) -> int:
         if _is_fused(module):
             del module.forward
             module.__dict__.pop(_OPTIONS, None)
+            forget_children(module)
             count += 1
     return count
 

@@ -33,6 +33,7 @@ from torch import nn
 from hf_upipe.architectures import logit_multiplier
 from hf_upipe.distributed import get_sequence_parallel_state, validation_failed
 from hf_upipe.integrations.peft import base_model
+from hf_upipe.integrations.zero3 import gathered_head, partitioned
 from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.tiled_loss import TokenStats, tiled_cross_entropy
 
@@ -103,7 +104,10 @@ def _record_head_input(head: nn.Module, probe: int = 0):
         # for unused parameters starts from the model's outputs.
         return (hidden[..., :probe, :].clone(),) + tuple(args[1:]), kwargs
 
-    handle = head.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    # ZeRO-3 wraps the head's input for its post-backward hook; the loss must read the input before that wrapping
+    # (its backward never reaches the head's own), so the hook runs first there
+    first = bool(partitioned(head.parameters()))
+    handle = head.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=first)
     try:
         yield recorded
     finally:
@@ -163,27 +167,30 @@ def shard_loss_sum(
     config = getattr(base_model(_unwrap(model)), "config", None)
     softcap = getattr(config, "final_logit_softcapping", None)
     scale = logit_multiplier(config) if config is not None else 1.0
-    if probe:
-        _check_logits(outputs, hidden[..., :probe, :], head, scale, softcap, config)
-        outputs["logits"] = outputs.logits[
-            ..., :0, :
-        ].clone()  # [B, 0, V] as on every later call (no view)
-    weight_dtype = head.weight.dtype
-    bias = head.bias if scale == 1.0 or head.bias is None else head.bias * scale
-    # scale * (h W^T + b) = (scale * h) W^T + scale * b: the model's logit scaling on the tiles' input
-    scaled = (
-        hidden.to(weight_dtype) if scale == 1.0 else hidden.to(weight_dtype) * scale
-    )  # [B, s, Dm]
-    loss_sum, _ = tiled_cross_entropy(
-        scaled,
-        head.weight,
-        shift_labels,
-        bias=bias,
-        chunk_tokens=chunk_tokens,
-        ignore_index=ignore_index,
-        logit_softcap=softcap,
-        token_stats=token_stats,
-    )
+    # ZeRO-3: the head's weight is read here, after the model's forward (`hf_upipe.integrations.zero3`)
+    with gathered_head(hidden, (head.weight, head.bias)) as (hidden, finish):
+        if probe:
+            _check_logits(outputs, hidden[..., :probe, :], head, scale, softcap, config)
+            outputs["logits"] = outputs.logits[
+                ..., :0, :
+            ].clone()  # [B, 0, V] as on every later call (no view)
+        weight_dtype = head.weight.dtype
+        bias = head.bias if scale == 1.0 or head.bias is None else head.bias * scale
+        # scale * (h W^T + b) = (scale * h) W^T + scale * b: the model's logit scaling on the tiles' input
+        scaled = (
+            hidden.to(weight_dtype) if scale == 1.0 else hidden.to(weight_dtype) * scale
+        )  # [B, s, Dm]
+        loss_sum, _ = tiled_cross_entropy(
+            scaled,
+            head.weight,
+            shift_labels,
+            bias=bias,
+            chunk_tokens=chunk_tokens,
+            ignore_index=ignore_index,
+            logit_softcap=softcap,
+            token_stats=token_stats,
+        )
+        loss_sum = finish(loss_sum)
     return loss_sum, outputs
 
 

@@ -60,8 +60,9 @@ _PREVIOUS = "_upipe_previous_attn_implementation"
 def _preparation(model: nn.Module, upipe_config) -> tuple:
     """((name, value, as shown), ...): what `prepare_model` does to `model` with `upipe_config`, and the model."""
     base = base_model(model)
-    total = sum(p.numel() for p in base.parameters())
-    trained = sum(p.numel() for p in base.parameters() if p.requires_grad)
+    # ds_numel: the whole size of a parameter ZeRO-3 partitions (its local tensor is empty)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in base.parameters())
+    trained = sum(getattr(p, "ds_numel", p.numel()) for p in base.parameters() if p.requires_grad)
     described = (
         (type(base).__name__, total, trained),
         f"{type(base).__name__} with {total:,} parameters ({trained:,} trainable)",
