@@ -310,7 +310,7 @@ def fused_forward(self, hidden_states, *args, **kwargs):
         kernel=kernel,
         scale=self.scaling,
         # LoRA dropout's masks are drawn by global token position (ring shards hold two chunks)
-        positions=ring_positions(
+        positions=lambda: ring_positions(
             state.sp_rank, s, state.sp_size, state.ring_size, hidden_states.device
         ),
         **self.__dict__.get(_OPTIONS, {}),

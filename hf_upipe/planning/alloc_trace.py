@@ -98,10 +98,10 @@ def record_step_trace(
     Events: ``("a", key, nbytes, stream)``, ``("f", key)``, ``("mark", "step" | "end")``; a key is reused only
     after its free.
     """
-    from hf_upipe.planning.train_step import _mesh, measure_train_step
+    from hf_upipe.planning.train_step import fsdp_mesh, measure_train_step
 
     with simulated_world(world_size), _named_cpu_streams():
-        mesh = _mesh()
+        mesh = fsdp_mesh()
         with fake_tensors(torch.float32):
             with _tracker.MemoryTracker(record_events=True) as recorder:
                 result = measure_train_step(

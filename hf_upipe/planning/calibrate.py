@@ -34,7 +34,7 @@ def _cuda_available() -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hf_upipe.planning.plan_command import _typed
+    from hf_upipe.planning.plan_command import argument_type
     from hf_upipe.units import parse_size, parse_tokens
 
     parser.add_argument(
@@ -43,9 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, required=True, help="GPUs per node of the planned run")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument(
-        "--seq-len", type=_typed(parse_tokens), required=True, help="the planned sequence length"
+        "--seq-len",
+        type=argument_type(parse_tokens),
+        required=True,
+        help="the planned sequence length",
     )
-    parser.add_argument("--gpu-memory", default="80GiB", type=_typed(parse_size))
+    parser.add_argument("--gpu-memory", default="80GiB", type=argument_type(parse_size))
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the measured step")
 
 

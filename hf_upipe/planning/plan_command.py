@@ -29,7 +29,7 @@ from hf_upipe.units import parse_size, parse_tokens
 __all__ = ["add_arguments", "run"]
 
 
-def _typed(parse):
+def argument_type(parse):
     """An argparse type from a parser of `hf_upipe.units`: a bad value is a usage error (exit 2) with the reason."""
 
     def convert(text):
@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu-memory",
         default="80GiB",
-        type=_typed(parse_size),
+        type=argument_type(parse_size),
         help="memory of one GPU with its unit: 80GiB, 80GB, 141GB (default 80GiB; a bare number is "
         "refused)",
     )
@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument(
         "--seq-len",
-        type=_typed(parse_tokens),
+        type=argument_type(parse_tokens),
         help="tokens per sequence, e.g. 1048576, 1024K or 1M (K = 1024, M = 1048576): does it fit, "
         "with which settings?",
     )
@@ -125,7 +125,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--reserved",
-        type=_typed(parse_size),
+        type=argument_type(parse_size),
         help="with --margin: non-tensor GPU memory (default 2GiB)",
     )
     parser.add_argument(
@@ -138,13 +138,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host-memory",
         default=DEFAULT_HOST_MEMORY,
-        type=_typed(_host),
+        type=argument_type(_host),
         help=f"host memory of one node for offloaded checkpoints (default {DEFAULT_HOST_MEMORY}, a "
         "DGX H100's; 'none' to not check)",
     )
     parser.add_argument(
         "--step",
-        type=_typed(parse_tokens),
+        type=argument_type(parse_tokens),
         default=2**17,
         help="granularity of --max, tokens (default 128K)",
     )

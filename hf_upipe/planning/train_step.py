@@ -131,7 +131,7 @@ def _fsdp_labels(model) -> contextlib.ExitStack:
     return stack
 
 
-def _mesh():
+def fsdp_mesh():
     """The 1-D FSDP mesh over all ranks (built outside fake mode: it reads tensor values)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -229,7 +229,7 @@ def measure_train_step(
                 fused_backward=settings.fused_backward,
                 overlap=settings.overlap,
             )
-            _shard(model, dtype, mesh if mesh is not None else _mesh())
+            _shard(model, dtype, mesh if mesh is not None else fsdp_mesh())
             optimizer = _optimizer_with_states(model)
             ids = torch.zeros(
                 1, s, dtype=torch.long
@@ -301,7 +301,7 @@ def simulate_train_step(
 ) -> dict:
     """`measure_train_step` as rank 0 of a fake `world_size`-rank world on fake tensors (one process, no data)."""
     with simulated_world(world_size):
-        mesh = _mesh()
+        mesh = fsdp_mesh()
         with fake_tensors(torch.float32):
             return measure_train_step(
                 model_config,
