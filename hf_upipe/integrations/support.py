@@ -196,6 +196,12 @@ def _unverified_reason(config, model_type, scanned: bool) -> str:
     mechanism = _MEASURED.get(model_type) or (None if scanned else _built_mechanism(config))
     if mechanism is not None:
         return mechanism
+    if (
+        getattr(config, "vision_config", None) is not None
+    ):  # a vision-language type hf_upipe.vlm does not shard
+        from hf_upipe.vlm import vlm_type_refusal
+
+        return vlm_type_refusal(model_type)
     return (
         f"{_UNVERIFIED} {model_type!r} under sequence parallelism (it is not in the architecture registry, "
         "hf_upipe/architectures.py)"
