@@ -7,8 +7,8 @@ Entry points:
   is verified exact under sequence parallelism, which the support gate requires). `FUSED`: the Llama-shaped
   families with the fused block; `VERIFIED_REGISTERED`: the others the matrix found exact on the registered path;
   `TEXT_ONLY`: multimodal types verified for text input only; `VISION`: vision-language types verified with
-  their images merged whole before the sequence is sharded (`hf_upipe.vlm`); `ACROSS_DOCUMENTS`: verified types whose mask ignores
-  packed rows' documents. `keeps_documents_apart(config)`.
+  their images merged whole before the sequence is sharded (`hf_upipe.vlm`); `ACROSS_DOCUMENTS`: verified types
+  whose mask ignores packed rows' documents. `keeps_documents_apart(config)`.
 - `architecture_of(model_or_config)`: the entry of a model (plain or PEFT) or config, or None.
 - `fused_attention_classes()`, `tiled_mlp_classes()`, `tiled_norm_classes()`: the module classes
   `hf_upipe.prepare_model` acts on.
