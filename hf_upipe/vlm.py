@@ -33,13 +33,19 @@ from hf_upipe.data import shard_batch
 from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.peft import base_model
 
-__all__ = ["VISION_TYPES", "shard_multimodal_batch", "vlm_refusal", "vlm_type_refusal"]
+__all__ = [
+    "REFUSED_VISION_TYPES",
+    "VISION_TYPES",
+    "shard_multimodal_batch",
+    "vlm_refusal",
+    "vlm_type_refusal",
+]
 
 # model types whose language model runs exactly under SP on inputs_embeds + [4, B, s] positions (tested at SP 2
 # against one process, image tokens across a shard boundary, LoRA on the language model)
 VISION_TYPES = ("qwen2_vl", "qwen2_5_vl")
-# multimodal types measured or known not to fit: model_type -> why
-_REFUSED = {
+# vision-language types known not to fit: model_type -> why (the support gate names it)
+REFUSED_VISION_TYPES = {
     "qwen3_vl": (
         "Qwen3-VL's deepstack adds visual features inside the first decoder layers at the image tokens' "
         "positions (visual_pos_masks), which the whole-sequence merge does not carry into each shard"
@@ -63,8 +69,8 @@ def _inner(model: nn.Module) -> nn.Module | None:
 def vlm_type_refusal(model_type) -> str | None:
     """Why a vision-language `model_type` cannot run under SP with its images merged whole, or None (the support
     gate names it for an unverified multimodal type)."""
-    if model_type in _REFUSED:
-        return f"{model_type}: {_REFUSED[model_type]}"
+    if model_type in REFUSED_VISION_TYPES:
+        return f"{model_type}: {REFUSED_VISION_TYPES[model_type]}"
     if model_type not in VISION_TYPES:
         return (
             f"{model_type!r} is not a vision-language type verified under sequence parallelism with its images "
