@@ -3,7 +3,8 @@
 Entry points:
 - `shard_multimodal_batch(model, batch, sp_rank, sp_size, *, pad_token_id=0, ignore_index=-100)`: from a full
   collated multimodal batch (`input_ids`, `pixel_values` / `pixel_values_videos` with `image_grid_thw` /
-  `video_grid_thw`, `mm_token_type_ids`, `labels` or `shift_labels`, optional right-padded `attention_mask`),
+  `video_grid_thw` (and Qwen2.5-VL's `second_per_grid_ts`), `mm_token_type_ids`, `labels` or `shift_labels`,
+  optional right-padded `attention_mask`),
   identical on every rank of an SP group, this rank's shard of the language model's inputs: `inputs_embeds`
   (the text embeddings with the image and video features scattered in, computed on the WHOLE sequence),
   `position_ids` [4, B, s] (the global text positions, then the three M-RoPE planes computed on the whole
@@ -107,12 +108,20 @@ def _merged(inner: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
             ids, inputs_embeds=embeds, **{f"{which}_features": features}
         )
         embeds = embeds.masked_scatter(masks[0 if which == "image" else 1], features)
+    if batch.get("image_grid_thw") is None and batch.get("video_grid_thw") is None:
+        return embeds, torch.arange(ids.shape[1], device=ids.device).expand(
+            3, *ids.shape
+        )  # as the model
+    extra = (
+        {"second_per_grid_ts": batch["second_per_grid_ts"]} if "second_per_grid_ts" in batch else {}
+    )
     positions, _ = inner.get_rope_index(
         ids,
-        mm_token_type_ids=batch.get("mm_token_type_ids", torch.zeros_like(ids)),
+        mm_token_type_ids=batch["mm_token_type_ids"],
         image_grid_thw=batch.get("image_grid_thw"),
         video_grid_thw=batch.get("video_grid_thw"),
         attention_mask=batch.get("attention_mask"),
+        **extra,
     )  # [3, B, S]
     return embeds, positions.to(ids.device)
 

@@ -2,8 +2,9 @@
 
 Entry points:
 - `tiny_vlm(model_type, seed)`: a tiny random Qwen2-VL / Qwen2.5-VL model built from its config (no downloads).
-- `tiny_batch(seed, padded)`: two rows of 23 tokens with an image each, row 0's image across the SP-2 shard
-  boundary; `padded`: an attention_mask with row 1 right-padded.
+- `tiny_batch(seed, padded, video=False)`: two rows of 23 tokens with an image each, row 0's image across the
+  SP-2 shard boundary; `video`: a video in row 1; `padded`: an attention_mask with row 1 right-padded;
+  `images=False`: text only.
 - `vlm_step(model, ref, batch)`: one training step of `ref` on the whole batch (one process) and of the prepared
   `model` on this rank's `hf_upipe.vlm.shard_multimodal_batch`: relative errors of the loss, the shard's logits
   on real tokens and every trainable gradient (summed over the SP group).
@@ -54,9 +55,12 @@ def tiny_vlm(model_type: str, seed: int):
     return model
 
 
-def tiny_batch(seed: int, padded: bool, S: int = 23) -> dict:
+def tiny_batch(
+    seed: int, padded: bool, video: bool = False, images: bool = True, S: int = 23
+) -> dict:
     """Two rows of S tokens: row 0 has a 2x2-token image over positions 10..13 (the shard boundary at SP 2 is 12),
-    row 1 a 2x3-token image at 3..8; labels on the text tokens only; `padded`: row 1 right-padded by 3 tokens."""
+    row 1 a 2x3-token image at 3..8 and (`video`) a video of two 2x2-token frames at 12..19; labels on the text
+    tokens only; `padded`: row 1 right-padded by 3 tokens; `images=False`: text only."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(2, 56, (2, S), generator=gen)  # [B, S]
     grids, types = [], torch.zeros(2, S, dtype=torch.long)  # types: 1 on image tokens
@@ -77,6 +81,18 @@ def tiny_batch(seed: int, padded: bool, S: int = 23) -> dict:
         mm_token_type_ids=types,
         labels=labels,
     )
+    if not images:  # text only: no vision tokens at all
+        ids.copy_(torch.randint(2, 56, (2, S), generator=gen))
+        types.zero_()
+        labels = batch["labels"] = ids.clone()
+        del batch["pixel_values"], batch["image_grid_thw"]
+    if video:  # row 1: 2 frames of 2x2 tokens at 12..19
+        ids[1, 11], ids[1, 12:20], ids[1, 20] = START, VIDEO, END
+        types[1, 12:20] = 2
+        batch["pixel_values_videos"] = torch.randn(2 * 4 * 4, 3 * 1 * 2 * 2, generator=gen)
+        batch["video_grid_thw"] = torch.tensor([[2, 4, 4]])
+        batch["second_per_grid_ts"] = torch.tensor([0.5])
+        labels[1, 12:20] = -100
     if padded:
         batch["attention_mask"] = torch.ones(2, S, dtype=torch.long)
         batch["attention_mask"][1, -3:] = 0
@@ -144,10 +160,13 @@ def vlm_step(model, ref, batch: dict) -> dict:
     }
     grads = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        if p.requires_grad:
-            g = p.grad.clone()
+        want = grads[name].grad
+        if p.requires_grad and (
+            p.grad is not None or want is not None
+        ):  # (no images: no vision gradient)
+            g = torch.zeros_like(p) if p.grad is None else p.grad.clone()
             dist.all_reduce(g, group=state.sp_group)
-            errors[name] = _rel(g, grads[name].grad)
+            errors[name] = _rel(g, torch.zeros_like(g) if want is None else want)
     return errors
 
 
@@ -158,11 +177,11 @@ def check_vlm(model_type: str, spec: dict) -> list:
 
     ref, model = vlm_pair(model_type, spec.get("lora", False), seed=0)
     prepare_model(model)
-    errors = vlm_step(model, ref, tiny_batch(1, padded=True))
+    errors = vlm_step(model, ref, tiny_batch(1, padded=True, video=True))
     grads = {k: v for k, v in errors.items() if k not in ("loss", "logits")}
     worst = max(grads, key=grads.get)
     vision = max(v for k, v in grads.items() if ".visual." in k)
-    batch = "images+text"
+    batch = "images+video+text"
     return [
         Check(model_type, batch, "logits", errors["logits"], TOLERANCE["logits"]),
         Check(model_type, batch, "train loss", errors["loss"], TOLERANCE["train loss"]),
