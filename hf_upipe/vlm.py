@@ -94,6 +94,12 @@ def _merged(inner: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """([B, S, D] inputs_embeds with the vision features scattered in, [3, B, S] M-RoPE positions): the VLM's own
     embedding, vision tower and rope index, on the whole sequence."""
     ids = batch["input_ids"]  # [B, S]
+    visual = batch.get("image_grid_thw") is not None or batch.get("video_grid_thw") is not None
+    if visual and batch.get("mm_token_type_ids") is None:
+        raise ValueError(
+            "shard_multimodal_batch needs batch['mm_token_type_ids'] (0 text, 1 image, 2 video; the processor "
+            "returns it) to compute the M-RoPE positions of a batch with images or videos."
+        )
     embeds = inner.get_input_embeddings()(ids)  # [B, S, D]
     for pixels, grid, which in (
         ("pixel_values", "image_grid_thw", "image"),
@@ -108,10 +114,9 @@ def _merged(inner: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
             ids, inputs_embeds=embeds, **{f"{which}_features": features}
         )
         embeds = embeds.masked_scatter(masks[0 if which == "image" else 1], features)
-    if batch.get("image_grid_thw") is None and batch.get("video_grid_thw") is None:
-        return embeds, torch.arange(ids.shape[1], device=ids.device).expand(
-            3, *ids.shape
-        )  # as the model
+    if not visual:  # text only: the positions the model gives itself
+        positions = torch.arange(ids.shape[1], device=ids.device)  # [S]
+        return embeds, positions.expand(3, *ids.shape)  # [3, B, S]
     extra = (
         {"second_per_grid_ts": batch["second_per_grid_ts"]} if "second_per_grid_ts" in batch else {}
     )

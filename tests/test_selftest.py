@@ -79,7 +79,8 @@ def test_selftest_covers_a_vision_language_model(capsys):
     assert main(["selftest", "--model", "qwen2_vl", "--lora"]) == 0
     out = capsys.readouterr().out
     assert (
-        "| qwen2_vl | images+video+text | vision-tower gradients |" in out and "4 passed, 0 failed" in out
+        "| qwen2_vl | images+video+text | vision-tower gradients |" in out
+        and "4 passed, 0 failed" in out
     )
     assert main(["selftest", "--model", "qwen2_vl", "--sp", "4"]) == 2
     assert "qwen2_vl is checked at --sp 2" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import torch
 
 import hf_upipe
 from hf_upipe.vlm import shard_multimodal_batch
-from hf_upipe.vlm_check import tiny_batch, vlm_pair, vlm_step
+from hf_upipe.vlm_check import tiny_batch, tiny_vlm, vlm_pair, vlm_step
 from tests._dist import run_distributed
 
 
@@ -79,6 +79,10 @@ def test_other_vision_language_types_are_refused_with_the_reason():
     assert vlm_type_refusal("qwen2_vl") is None and vlm_type_refusal("qwen2_5_vl") is None
     assert "deepstack" in config_refusal(AutoConfig.for_model("qwen3_vl"))
     assert "not a vision-language type verified" in vlm_type_refusal("llava")
+    with pytest.raises(ValueError, match="mm_token_type_ids"):
+        batch = tiny_batch(0, padded=False)
+        del batch["mm_token_type_ids"]
+        shard_multimodal_batch(tiny_vlm("qwen2_vl", 0), batch, 0, 1)
     with pytest.raises(NotImplementedError, match="deepstack"):
         shard_multimodal_batch(
             _Typed("qwen3_vl"), {"input_ids": torch.zeros(1, 4, dtype=torch.long)}, 0, 1
