@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hf_upipe.architectures import VISION
 from hf_upipe.data import shard_batch
 from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.peft import base_model
@@ -42,9 +43,9 @@ __all__ = [
     "vlm_type_refusal",
 ]
 
-# model types whose language model runs exactly under SP on inputs_embeds + [4, B, s] positions (tested at SP 2
-# against one process, image tokens across a shard boundary, LoRA on the language model)
-VISION_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# model types whose language model runs exactly under SP on inputs_embeds + [4, B, s] positions (the registry's,
+# tested at SP 2 against one process: tests/integrations/test_vlm.py)
+VISION_TYPES = VISION
 # vision-language types known not to fit: model_type -> why (the support gate names it)
 REFUSED_VISION_TYPES = {
     "qwen3_vl": (
@@ -56,7 +57,6 @@ REFUSED_VISION_TYPES = {
         "positions (visual_pos_masks), which the whole-sequence merge does not carry into each shard"
     ),
 }
-_VISUAL_KEYS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
 
 
 def _inner(model: nn.Module) -> nn.Module | None:
@@ -135,16 +135,13 @@ def _pad_tail(x: torch.Tensor, pad: int, dim: int, step: bool) -> torch.Tensor:
     """`x` padded by `pad` along `dim`: zeros, or (`step`) positions continuing the last one by 1, 2, ..."""
     if pad == 0:
         return x
-    last = x.narrow(dim, x.shape[dim] - 1, 1)
-    shape = [1] * x.dim()
+    shape = list(x.shape)
     shape[dim] = pad
-    count = torch.arange(1, pad + 1, device=x.device, dtype=x.dtype).view(shape)
-    tail = (
-        last + count
-        if step
-        else torch.zeros_like(last).expand(*[-1] * dim, pad, *x.shape[dim + 1 :])
-    )
-    return torch.cat([x, tail], dim=dim)
+    if not step:
+        return torch.cat([x, x.new_zeros(shape)], dim=dim)
+    count = torch.arange(1, pad + 1, device=x.device, dtype=x.dtype)  # [pad]
+    count = count.view([pad if d == dim else 1 for d in range(x.dim())])  # broadcast along `dim`
+    return torch.cat([x, x.narrow(dim, x.shape[dim] - 1, 1) + count], dim=dim)
 
 
 def shard_multimodal_batch(
