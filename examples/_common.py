@@ -1,7 +1,8 @@
 """Shared pieces of the examples: a byte-level tokenizer, the passkey task, data loading, the model, the flags.
 
 Entry points:
-- `ByteTokenizer`: bytes -> ids (no download): id = byte + 3; 0 pad, 1 bos, 2 eos; vocab 259.
+- `ByteTokenizer`: bytes -> ids (no download): id = byte + 3; 0 pad, 1 bos, 2 eos; vocab 259. `.to_hf()`: the
+  same ids as a transformers tokenizer (TRL's `processing_class`: its pad and eos ids).
 - `passkey_dataset(n, seq_len, tokenizer, seed)`: the built-in long-context task as a `datasets.Dataset`.
 - `text_dataset(path, tokenizer, seq_len)`: local json/jsonl/txt files with a "text" field, cut into rows.
 - `build_model(path, vocab_size, lora, lora_rank)`: a tiny Llama from a config (default), a config.json, or a
@@ -11,7 +12,8 @@ Entry points:
 - `passkey_accuracy(model, rows, upipe)`: the share of held-out answers the model gets right, over every rank's
   shard (the first answer of a row can only be read from the passkey, in the first rank's shard).
 - `run(main)`: runs a script's main; an input error (a bad flag, a bad data file, settings that cannot work) is
-  one line on stderr from the first rank (the same error is raised on every rank) and exit status 2.
+  one line on stderr from the first rank (the same error is raised on every rank) and exit status 2 on every rank
+  (`hf_upipe.exits`).
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ import argparse
 import math
 import os
 import random
-import sys
 
 import torch
 from datasets import Dataset, load_dataset
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, default_data_collator
 
 from hf_upipe import UPipeConfig
+from hf_upipe.exits import exit_with_error, is_setting_error
 from hf_upipe.ops.kernels import available_kernels
 
 HAYSTACK = b"abcdefghijklmnopqrstuvwxyz "
@@ -44,6 +46,20 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(i - 3 for i in ids if i >= 3).decode(errors="replace")
+
+    def to_hf(self):
+        """A `PreTrainedTokenizerFast` over the same 259 ids (built in memory; TRL reads its pad and eos ids)."""
+        from tokenizers import Tokenizer, models
+        from transformers import PreTrainedTokenizerFast
+
+        names = ["<pad>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+        vocab = {name: i for i, name in enumerate(names)}
+        return PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
+            pad_token="<pad>",
+            bos_token="<s>",
+            eos_token="</s>",
+        )
 
 
 def passkey_dataset(n: int, seq_len: int, tokenizer: ByteTokenizer, seed: int) -> Dataset:
@@ -306,14 +322,15 @@ def passkey_accuracy(model, rows, upipe) -> dict:
 
 
 def run(main) -> None:
-    """`raise SystemExit(main())`, with input errors as one line from the first rank and exit status 2. The process
-    groups are destroyed before exiting (a gloo group left to the interpreter's exit can abort the process)."""
+    """`raise SystemExit(main())`, with input errors as one line from the first rank and exit status 2 on every rank
+    (`hf_upipe.exits.exit_with_error`). The process groups are destroyed before exiting (a gloo group left to the
+    interpreter's exit can abort the process)."""
     try:
         code = main()
-    except (ValueError, NotImplementedError) as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {err}", file=sys.stderr)
-        code = 2
+    except (ValueError, NotImplementedError, TypeError) as err:
+        if isinstance(err, TypeError) and not is_setting_error(err):
+            raise  # a TypeError of the script's own code is a bug, not a setting
+        exit_with_error(err)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     raise SystemExit(code)

@@ -6,7 +6,7 @@ Main entry points:
 - `attn_implementation="upipe"` in `from_pretrained` / `from_config`: registered with transformers by
   `import hf_upipe` (as soon as transformers' modeling code loads: `hf_upipe.registration`).
 - `prepare_model(model, upipe_config=None)` / `unprepare_model(model)`: install (and remove, exactly) the fused
-  UPipe attention block and the tiled MLP on the architectures of `hf_upipe.integrations.architectures`; a plain
+  UPipe attention block and the tiled MLP on the architectures of `hf_upipe.architectures`; a plain
   or a PEFT model.
 - `upipe_attention(q, k, v, *, group, heads_per_chunk)`: the op itself, on explicit tensors and process group.
 - `UPipeTrainer` / `UPipeConfig`: transformers' Trainer with sequence parallelism, exact token-weighted loss and
@@ -21,10 +21,14 @@ Main entry points:
   peak by category, whether it fits, the settings to use and the longest sequence that fits (`hf-upipe plan`).
   `UPipeConfig(auto=True, plan_seq_len=...)` lets the Trainer and the plugin apply it.
 
+Under `accelerate launch` / `torchrun`, a setting error that nothing catches is one line from the first rank and
+exit status 2 on every rank (`hf_upipe.exits`; `UPIPE_TRACEBACK=1` keeps the tracebacks).
+
 Importing this package imports torch and the pure-torch layers only; everything that needs transformers,
 accelerate or the planner is imported on first use of its name.
 """
 
+import os
 from importlib import import_module
 
 from hf_upipe.config import UPipeConfig
@@ -36,7 +40,9 @@ from hf_upipe.distributed import (
     reset_sequence_parallel,
     without_sequence_parallel,
 )
+from hf_upipe.exits import report_setting_errors
 from hf_upipe.integrations import guard as _guard  # noqa: F401  (refuses unprepared models on shards under SP)
+from hf_upipe.integrations import randomness as _randomness  # noqa: F401  (a random stream per SP rank)
 from hf_upipe.ops.head_layout import HeadLayout, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.ops.upipe_attention import upipe_attention
 from hf_upipe.registration import register_with_transformers
@@ -46,7 +52,7 @@ __version__ = "0.1.0"
 # name -> module that defines it, imported on first use (transformers, accelerate or the planner behind them)
 _LAZY = {
     "MemoryTracker": "hf_upipe.planning.tracker",
-    "UPipePlugin": "hf_upipe.integrations.accelerate",
+    "UPipePlugin": "hf_upipe.plugin",
     "UPipeRuntime": "hf_upipe.runtime",
     "UPipeTrainer": "hf_upipe.trainer",
     "plan": "hf_upipe.planning.planner",
@@ -72,6 +78,8 @@ __all__ = [
 ]
 
 register_with_transformers()
+if "TORCHELASTIC_RUN_ID" in os.environ:  # started by accelerate launch / torchrun
+    report_setting_errors()  # an uncaught setting error: one line from the first rank, exit status 2
 
 
 def __getattr__(name):

@@ -63,8 +63,20 @@ def _parse_positive_int(name: str, value, allow_none: bool = False, minimum: int
         number = None
     if number is None or number < minimum or (isinstance(value, float) and value != number):
         kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name}={value!r} must be {kind}.")
+        got = "" if isinstance(value, (int, str)) else f" is a {type(value).__name__}:"
+        raise ValueError(f"{name}={value!r}{got} must be {kind}.")
     return number
+
+
+def check_config(value, name: str = "upipe_config") -> None:
+    """A ValueError naming `value` when it is neither None nor a `UPipeConfig` (a dict, a string, ...)."""
+    if value is None or isinstance(value, UPipeConfig):
+        return
+    hint = f" (UPipeConfig(**{name}) for a dict of settings)" if isinstance(value, dict) else ""
+    raise ValueError(
+        f"{name}={value!r} is a {type(value).__name__}: pass an hf_upipe.UPipeConfig (e.g. "
+        f"UPipeConfig(sp_size=8)), or None for the defaults{hint}."
+    )
 
 
 # settings a rank may hold on its own: its offload folder, and the GPU memory the planner is told (auto's choice is

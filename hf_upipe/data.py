@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hf_upipe.distributed import SequenceParallelState, get_sequence_parallel_state
+from hf_upipe.batch_keys import CU_SEQLENS, MAX_SEQLEN
+from hf_upipe.distributed import SequenceParallelState, check_type, get_sequence_parallel_state
 from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
 from hf_upipe.ops.ring import ring_positions
 
@@ -139,6 +140,65 @@ def _is_sequence(value, batch_size: int, seq_len: int) -> bool:
     )
 
 
+_WHERE = "(state.sp_rank and state.sp_size of init_sequence_parallel)"
+
+
+def _check_arguments(batch, sp_rank, sp_size, ring_size, pad_token_id, ignore_index) -> None:
+    """`shard_batch`'s arguments of the wrong type or range, named with what to pass."""
+    if not isinstance(batch, dict):
+        raise ValueError(
+            f"shard_batch needs the collated batch as a dict ({{'input_ids': [B, S] tensor, 'labels': ...}}), "
+            f"got a {type(batch).__name__}."
+        )
+    check_type("sp_size", sp_size, f"an int >= 1 {_WHERE}", none=False)
+    check_type("sp_rank", sp_rank, f"an int in 0 .. sp_size - 1 {_WHERE}", none=False)
+    if sp_size < 1 or not 0 <= sp_rank < sp_size:
+        raise ValueError(
+            f"sp_rank={sp_rank}, sp_size={sp_size}: need sp_size >= 1 and 0 <= sp_rank < sp_size: pass "
+            f"{_WHERE[1:-1]}."
+        )
+    check_type("ring_size", ring_size, "a positive int dividing sp_size, or None")
+    check_type("pad_token_id", pad_token_id, "the int id the sequence is padded with", none=False)
+    check_type("ignore_index", ignore_index, "the int label the loss ignores (-100)", none=False)
+
+
+def _check_tensors(batch: dict, ids) -> tuple[int, int]:
+    """(B, S) of `input_ids`, after naming any batch tensor of the wrong kind, dtype or shape."""
+    if not torch.is_tensor(ids) or ids.dim() != 2:
+        raise ValueError(
+            "shard_batch needs batch['input_ids'] as a [B, S] tensor (collate and pad the batch first), "
+            f"got {type(ids).__name__}{'' if ids is None else tuple(getattr(ids, 'shape', ()))}."
+        )
+    B, S = ids.shape
+    for key in ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids"):
+        value = batch.get(key)
+        if value is None:
+            continue
+        if not torch.is_tensor(value):
+            raise ValueError(
+                f"batch['{key}'] is a {type(value).__name__}: pass a [B, S] tensor (collate the batch first, "
+                "e.g. with transformers' DataCollatorForLanguageModeling(tokenizer, mlm=False))."
+            )
+        if value.is_floating_point() or value.is_complex():
+            raise ValueError(
+                f"batch['{key}'] has dtype {value.dtype}: {key} are integers (torch.long"
+                f"{', or bool' if key == 'attention_mask' else ''})."
+            )
+    for key in ("labels", "shift_labels", "attention_mask"):
+        if batch.get(key) is not None and tuple(batch[key].shape) != (B, S):
+            raise ValueError(
+                f"batch['{key}'] has shape {tuple(batch[key].shape)}, input_ids has {(B, S)}: "
+                "collate them to the same [B, S]."
+            )
+    pos = batch.get("position_ids")
+    if pos is not None and (pos.dim() != 2 or pos.shape[0] not in (B, 1) or pos.shape[1] != S):
+        raise ValueError(
+            f"position_ids has shape {tuple(pos.shape)}; expected [B, S] or [1, S] with B={B}, S={S} "
+            "(3-D multimodal RoPE positions are not supported under sequence parallelism)."
+        )
+    return B, S
+
+
 def shard_batch(
     batch: dict,
     sp_rank: int,
@@ -188,16 +248,7 @@ def shard_batch(
             position_ids that are not global (or, packed, not 0.. per document), or document descriptions
             (position_ids, seq_idx, cu_seq_lens_q/k) that disagree.
     """
-    if not (
-        isinstance(sp_size, int)
-        and sp_size >= 1
-        and isinstance(sp_rank, int)
-        and 0 <= sp_rank < sp_size
-    ):
-        raise ValueError(
-            f"sp_rank={sp_rank}, sp_size={sp_size}: need an integer sp_size >= 1 and 0 <= sp_rank < "
-            "sp_size (pass state.sp_rank and state.sp_size from init_sequence_parallel)."
-        )
+    _check_arguments(batch, sp_rank, sp_size, ring_size, pad_token_id, ignore_index)
     state = get_sequence_parallel_state()
     if state is not None and sp_size > 1 and (state.sp_size, state.sp_rank) != (sp_size, sp_rank):
         raise ValueError(
@@ -212,24 +263,8 @@ def shard_batch(
             f"ring_size={ring_size!r} must be a positive integer dividing sp_size={sp_size}."
         )
     ids = batch.get("input_ids")
-    if not torch.is_tensor(ids) or ids.dim() != 2:
-        raise ValueError(
-            "shard_batch needs batch['input_ids'] as a [B, S] tensor (collate and pad the batch first), "
-            f"got {type(ids).__name__}{'' if ids is None else tuple(getattr(ids, 'shape', ()))}."
-        )
-    B, S = ids.shape
-    for key in ("labels", "shift_labels", "attention_mask"):
-        if batch.get(key) is not None and tuple(batch[key].shape) != (B, S):
-            raise ValueError(
-                f"batch['{key}'] has shape {tuple(batch[key].shape)}, input_ids has {(B, S)}: "
-                "collate them to the same [B, S]."
-            )
+    B, S = _check_tensors(batch, ids)
     pos = batch.get("position_ids")
-    if pos is not None and (pos.dim() != 2 or pos.shape[0] not in (B, 1) or pos.shape[1] != S):
-        raise ValueError(
-            f"position_ids has shape {tuple(pos.shape)}; expected [B, S] or [1, S] with B={B}, S={S} "
-            "(3-D multimodal RoPE positions are not supported under sequence parallelism)."
-        )
     mask = batch.get("attention_mask")
     if mask is not None:
         _check_right_padding(mask)
@@ -278,9 +313,7 @@ def shard_batch(
     if packed:
         starts = torch.cat([starts, starts.new_zeros(B, pad)], dim=1)  # [B, S_padded]
         out["position_ids"] = _document_positions(starts)  # [B, S_padded]
-        out["upipe_cu_seqlens"], out["upipe_max_seqlen"] = _cu_seqlens(
-            starts
-        )  # global: the same on every rank
+        out[CU_SEQLENS], out[MAX_SEQLEN] = _cu_seqlens(starts)  # global: the same on every rank
     else:
         out["position_ids"] = torch.arange(S + pad, device=ids.device).expand(
             B, S + pad

@@ -58,7 +58,7 @@ from transformers.trainer_utils import (
 )
 
 from hf_upipe.checkpoint import verify_checkpoint, write_manifest
-from hf_upipe.config import UPipeConfig
+from hf_upipe.config import UPipeConfig, check_config
 from hf_upipe.integrations.liger import apply_liger
 from hf_upipe.integrations.loaders import share_batches_within_sp
 from hf_upipe.integrations.parallelism import (
@@ -149,6 +149,7 @@ class UPipeTrainer(Trainer):
         self, model=None, args=None, *pargs, upipe_config: UPipeConfig | None = None, **kwargs
     ):
         world = dist.get_world_size() if dist.is_initialized() else 1
+        check_config(upipe_config)
         config = upipe_config if upipe_config is not None else UPipeConfig()
         parallelism = find_parallelism(getattr(args, "parallelism_config", None))
         deepspeed = uses_deepspeed(args)
@@ -337,6 +338,13 @@ class UPipeTrainer(Trainer):
                 "predict())."
             )
 
+    _eval_token_stats = (
+        False  # whether the exact eval loop also sums TokenStats (subclasses' metrics)
+    )
+
+    def _record_eval_sums(self, sums) -> None:
+        """Hook: the exact eval loop's per-round sums (`hf_upipe.runtime.EvalSums`), for subclasses' metrics."""
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The Trainer's (one process, or sp_size 1 with metrics); refused under SP unless loss only."""
         if not prediction_loss_only:
@@ -381,8 +389,13 @@ class UPipeTrainer(Trainer):
                 )
 
         sums = self.upipe.eval_sums(
-            model, dataloader, shards=shards(), context=self.compute_loss_context_manager
+            model,
+            dataloader,
+            shards=shards(),
+            context=self.compute_loss_context_manager,
+            token_stats=self._eval_token_stats,
         )
+        self._record_eval_sums(sums)
         loss = sums.batch_mean(nan_filter=self.args.logging_nan_inf_filter)
         return EvalLoopOutput(
             predictions=None,

@@ -57,15 +57,16 @@ def test_good_arguments_reach_the_distributed_check():
 
 @pytest.mark.parametrize("method", ["count", "loss"])
 def test_the_runtime_names_a_shard_without_labels_before_any_collective(method):
-    """A batch without labels, or one not cut by `UPipeRuntime.shard`: every rank raises the same error before the
-    all_reduce (rank 0 alone raised a bare KeyError and the other ranks died waiting)."""
+    """A batch without labels, or one not cut by `UPipeRuntime.shard`: named (rank 0 alone raised a bare KeyError and
+    the other ranks died waiting). Ranks that disagree: tests/test_bad_input_matrix.py."""
     import torch
 
-    from hf_upipe.runtime import UPipeRuntime
+    from hf_upipe.runtime import NO_SP, UPipeRuntime
 
     shard = {"input_ids": torch.ones(1, 4, dtype=torch.long)}
+    runtime = UPipeRuntime(hf_upipe.UPipeConfig(), NO_SP, world_size=1, device="cpu")
     call = (
-        (lambda: UPipeRuntime.count(object(), [shard]))
+        (lambda: runtime.count([shard]))
         if method == "count"
         else (lambda: UPipeRuntime.loss_sum(object(), None, shard))
     )

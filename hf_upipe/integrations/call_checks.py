@@ -13,6 +13,9 @@ call too, where no pre-hook of ours sees its arguments. So they are also made wh
 
 Both raise on every rank alike (the same model, the same arguments), before any collective of the call.
 
+- `shard_length_refusal(name, value, length, what)`: a tensor of the whole row (position_ids, labels, shift_labels)
+  passed with a shard's input_ids is named with the shard's length and the fix, by the pre-hook below, the loss
+  wrapper above and the guard (for the rotary embedding's position_ids).
 - `generate()` on shards: `refuse_generation()` raises `GENERATE_UNDER_SP` (the alternative named) when a model call
   runs inside transformers' `generate`; the guard and the pre-hook below call it first.
 - `install_call_checks(model)` / `remove_call_checks(model)`: the forward pre-hook `refuse_silent_misuse`, which
@@ -32,9 +35,10 @@ import torch
 from torch import nn
 
 from hf_upipe.architectures import ARCHITECTURES
+from hf_upipe.batch_keys import CU_SEQLENS, DOCUMENT_KEYS, MAX_SEQLEN
 from hf_upipe.distributed import get_sequence_parallel_state
-from hf_upipe.integrations.layout import note_model_positions
 from hf_upipe.integrations.mixers import reentrant_refusal, ring_refusal
+from hf_upipe.integrations.model_calls import note_model_positions
 
 __all__ = [
     "ATTENTIONS_UNDER_SP",
@@ -47,6 +51,7 @@ __all__ = [
     "refuse_generation",
     "refuse_silent_misuse",
     "remove_call_checks",
+    "shard_length_refusal",
 ]
 
 LABELS_UNDER_SP = (
@@ -74,12 +79,40 @@ def _sp_on() -> bool:
     return state is not None and state.sp_size > 1
 
 
+def shard_length_refusal(name: str, value, length: int, what: str) -> str | None:
+    """Why `value` (a tensor passed as `name` with a shard of `length` tokens, `what`) does not fit the shard, with
+    the fix; None if it fits or is not a tensor. The usual mistake: the whole row's tensor with the shard's
+    input_ids."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[-1] == length:
+        return None
+    state = get_sequence_parallel_state()
+    size = state.sp_size if state is not None else "P"
+    return (
+        f"{name} has {value.shape[-1]} positions but {what} has {length} (sequence parallelism, sp_size={size}): "
+        f"pass this rank's shard of {name}, {name}[:, r*{length}:(r+1)*{length}] on SP rank r, as "
+        f"hf_upipe.shard_batch(batch, state.sp_rank, state.sp_size) returns it"
+        + (" (global positions)" if name == "position_ids" else "")
+        + "."
+    )
+
+
 def _refusing(loss):
     @functools.wraps(loss)
     def sp_checked_loss(*args, **kwargs):
         labels = kwargs.get("labels", args[1] if len(args) > 1 else None)
         if labels is not None and kwargs.get("shift_labels") is None and _sp_on():
             raise ValueError(LABELS_UNDER_SP)
+        logits = kwargs.get("logits", args[0] if args else None)
+        if isinstance(logits, torch.Tensor) and logits.dim() == 3 and _sp_on():
+            for name in ("shift_labels", "labels"):
+                why = shard_length_refusal(
+                    name,
+                    kwargs.get(name, labels if name == "labels" else None),
+                    logits.shape[1],
+                    "this rank's shard of logits",
+                )
+                if why is not None:
+                    raise ValueError(why)
         return loss(*args, **kwargs)
 
     sp_checked_loss.upipe_checked = True
@@ -134,8 +167,7 @@ _TEXT_INPUTS = frozenset(
         "labels",
         "shift_labels",
         "token_type_ids",
-        "upipe_cu_seqlens",
-        "upipe_max_seqlen",
+        *DOCUMENT_KEYS,
         "cache_position",
         "num_items_in_batch",
         "logits_to_keep",
@@ -160,6 +192,13 @@ def refuse_silent_misuse(module, args, kwargs):
     refuse_generation()
     if kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
         raise ValueError(LABELS_UNDER_SP)
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    ids = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 2:  # [B, s] ids or [B, s, hidden] embeddings
+        for name in ("position_ids", "shift_labels", "labels"):
+            why = shard_length_refusal(name, kwargs.get(name), ids.shape[1], "this rank's shard")
+            if why is not None:
+                raise ValueError(why)
     if kwargs.get("output_attentions"):
         raise NotImplementedError(ATTENTIONS_UNDER_SP)
     arch = ARCHITECTURES.get(
@@ -201,13 +240,13 @@ def refuse_silent_misuse(module, args, kwargs):
 
 def _prepared_call(module, args, kwargs):
     """`refuse_silent_misuse`, after noting the call's position_ids and documents for the attention layers of a
-    prepared model that do not receive them (`hf_upipe.integrations.layout.note_model_positions`)."""
+    prepared model that do not receive them (`hf_upipe.integrations.model_calls.note_model_positions`)."""
     state = get_sequence_parallel_state()
     if state is not None and state.sp_size > 1:
         note_model_positions(
             kwargs.get("position_ids"),
-            kwargs.get("upipe_cu_seqlens"),
-            kwargs.get("upipe_max_seqlen"),
+            kwargs.get(CU_SEQLENS),
+            kwargs.get(MAX_SEQLEN),
             module,
         )
     return refuse_silent_misuse(module, args, kwargs)

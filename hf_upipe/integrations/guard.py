@@ -13,6 +13,8 @@ Entry points:
 - An unprepared model it admits (attention "upipe", no token mixer) gets `prepare_model`'s call checks
   (`hf_upipe.integrations.call_checks`) for its later calls, and a loss that refuses unshifted labels for this one;
   `output_attentions` is refused where the weights would be collected.
+- The rotary embeddings of a model it admits refuse the whole row's position_ids with a shard's hidden states,
+  naming the shard's length and the fix (`call_checks.shard_length_refusal`), on its first call too.
 - `unprepared_refusal(model, allow_unverified)`: why `model`, not prepared by `prepare_model`, cannot run on
   shards (its token mixers, what the support gate refuses, its attention); None if it can (no token mixer, a type
   the gate admits, its attention modules, if any, "upipe").
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 from torch import nn
 
 from hf_upipe.distributed import get_sequence_parallel_state, on_state_change
@@ -32,9 +35,10 @@ from hf_upipe.integrations.call_checks import (
     check_loss_labels,
     install_call_checks,
     refuse_generation,
+    shard_length_refusal,
 )
-from hf_upipe.integrations.layout import is_adopted
 from hf_upipe.integrations.mixers import is_installed, supported
+from hf_upipe.integrations.model_calls import is_adopted
 from hf_upipe.integrations.support import config_refusal, model_refusal, refusal_error
 
 __all__ = ["sync_guard", "unprepared_refusal"]
@@ -91,6 +95,34 @@ def unprepared_refusal(model: nn.Module, allow_unverified: bool = False) -> str 
     return None
 
 
+def _check_rotary(module, args, kwargs) -> None:
+    """A rotary embedding called as `rotary_emb(x, position_ids)` under SP with position_ids of a length no
+    sequence-like dimension of x has (x: [B, s, hidden], [B, H, s, D] or [B, s, H, D]): the whole row's positions
+    with a shard, named before the attention's own shape error."""
+    x = args[0] if args else kwargs.get("x")
+    positions = args[1] if len(args) > 1 else kwargs.get("position_ids")
+    state = get_sequence_parallel_state()
+    if not (isinstance(x, torch.Tensor) and isinstance(positions, torch.Tensor) and x.dim() >= 3):
+        return
+    if state is None or state.sp_size == 1 or positions.shape[-1] in x.shape[1:-1]:
+        return
+    raise ValueError(
+        shard_length_refusal("position_ids", positions, x.shape[-2], "this rank's shard")
+    )
+
+
+def _watch_rotary(model: nn.Module) -> None:
+    """`_check_rotary` on the model's rotary embeddings (once each): they run in this call too, after this hook."""
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding") and not hasattr(module, _WATCHED):
+            setattr(
+                module, _WATCHED, module.register_forward_pre_hook(_check_rotary, with_kwargs=True)
+            )
+
+
+_WATCHED = "_upipe_rotary_check"
+
+
 def _refuse_unprepared(module: nn.Module, args) -> None:
     """The global forward pre-hook (module docstring)."""
     cls = type(module)
@@ -116,6 +148,7 @@ def _refuse_unprepared(module: nn.Module, args) -> None:
         if reason is not None:
             raise NotImplementedError(reason)
         check_loss_labels(module)  # this call's labels too: its loss runs after this hook
+        _watch_rotary(module)  # this call's position_ids too
         install_call_checks(
             module, prepared=False
         )  # its later calls' arguments are refused as a prepared one's

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_upipe.architectures import ARCHITECTURES
-from hf_upipe.config import differing_settings_error
+from hf_upipe.config import check_config, differing_settings_error
 from hf_upipe.distributed import get_sequence_parallel_state, simulated, validation_failed
 from hf_upipe.integrations.call_checks import install_call_checks, remove_call_checks
 from hf_upipe.integrations.fused import (
@@ -42,8 +42,8 @@ from hf_upipe.integrations.fused import (
     install_fused_attention,
     remove_fused_attention,
 )
-from hf_upipe.integrations.layout import adopt_modules, release_modules
 from hf_upipe.integrations.mixers import install_mixers, remove_mixers
+from hf_upipe.integrations.model_calls import adopt_modules, release_modules
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.rope import install_global_rope, installable, remove_global_rope
 from hf_upipe.integrations.support import model_refusal, refusal_error
@@ -60,8 +60,9 @@ _PREVIOUS = "_upipe_previous_attn_implementation"
 def _preparation(model: nn.Module, upipe_config) -> tuple:
     """((name, value, as shown), ...): what `prepare_model` does to `model` with `upipe_config`, and the model."""
     base = base_model(model)
-    total = sum(p.numel() for p in base.parameters())
-    trained = sum(p.numel() for p in base.parameters() if p.requires_grad)
+    # ds_numel: the whole size of a parameter ZeRO-3 partitions (its local tensor is empty)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in base.parameters())
+    trained = sum(getattr(p, "ds_numel", p.numel()) for p in base.parameters() if p.requires_grad)
     described = (
         (type(base).__name__, total, trained),
         f"{type(base).__name__} with {total:,} parameters ({trained:,} trainable)",
@@ -172,9 +173,17 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
 
     Raises:
         NotImplementedError: under sequence parallelism, a model the support gate refuses (nothing is changed).
-        ValueError: under sequence parallelism, the ranks of an SP group prepare different models or with different
+        ValueError: `model` is not a module, or `upipe_config` not a UPipeConfig (named); under sequence
+            parallelism, the ranks of an SP group prepare different models or with different
             settings (compared in one bounded collective: every rank of the group must call prepare_model).
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"prepare_model needs the model (a torch.nn.Module: a transformers or PEFT model), got a "
+            f"{type(model).__name__}: load it first, e.g. AutoModelForCausalLM.from_pretrained(path, "
+            "attn_implementation='upipe')."
+        )
+    check_config(upipe_config)
     state = get_sequence_parallel_state()
     # length-dependent RoPE from the global sequence, mixers across shards: before the gate, which needs them
     passing = upipe_config.mixer_state_passing if upipe_config is not None else "parallel"

@@ -106,28 +106,25 @@ class AttentionWeights:
                     out.append(t)
         return out
 
-    def lora_seeds(self, seed: int) -> dict[str, list[int]]:
-        """Dropout seed of each q/k/v adapter ({"q"|"k"|"v": [seed per adapter]}): one per distinct A (a fused qkv
-        projection's three slices share their A, and so one dropout mask, as PEFT applies them)."""
+    def lora_streams(self) -> dict[str, list[int]]:
+        """Dropout stream of each q/k/v adapter ({"q"|"k"|"v": [index per adapter]}): the index of its distinct A (a
+        fused qkv projection's three slices share their A, and so one dropout mask, as PEFT applies them)."""
         index: dict[int, int] = {}
         return {
-            name: [
-                seed + 100 + index.setdefault(id(a.A), len(index))
-                for a in getattr(self, name).adapters
-            ]
+            name: [index.setdefault(id(a.A), len(index)) for a in getattr(self, name).adapters]
             for name in "qkv"
         }
 
-    def lora_inputs(self, x: torch.Tensor, seed: int, dropout_fn) -> dict[str, list[torch.Tensor]]:
-        """xa = dropout_fn(x, p, seed) @ A^T [B, s, r] for each q/k/v adapter ({"q"|"k"|"v": [xa per adapter]}),
-        computed once per distinct A."""
+    def lora_inputs(self, x: torch.Tensor, dropout) -> dict[str, list[torch.Tensor]]:
+        """xa = dropout.inputs(x, p, stream) @ A^T [B, s, r] for each q/k/v adapter ({"q"|"k"|"v": [xa per
+        adapter]}), computed once per distinct A; `dropout`: a `hf_upipe.ops.lora_dropout.LoraDropout`."""
         cache: dict[int, torch.Tensor] = {}
-        seeds = self.lora_seeds(seed)
+        streams = self.lora_streams()
         out = {}
         for name in "qkv":
             out[name] = []
-            for a, s in zip(getattr(self, name).adapters, seeds[name]):
+            for a, k in zip(getattr(self, name).adapters, streams[name]):
                 if id(a.A) not in cache:
-                    cache[id(a.A)] = dropout_fn(x, a.dropout, s) @ a.A.t()
+                    cache[id(a.A)] = dropout.inputs(x, a.dropout, k) @ a.A.t()
                 out[name].append(cache[id(a.A)])
         return out

@@ -29,8 +29,9 @@ Then d a_i = dy @ Wo[:, R] (+ LoRA); kernel backward; the gradients go back thro
 (`hf_upipe.ops.head_transforms`), and their products with x are written into dx (`addmm_`) and the weight-row
 gradients; a whole-projection norm's coupled term is applied after the loop, a chunk of rows at a time.
 Saved: x, cos, sin, the small LoRA products xa/za, a whole-projection norm's inverse RMS [B, s, 1], the
-dropout seed, and in save mode the stages' (oh, lse) and the chunks' (kh, vh). Gradients of frozen tensors are not
-computed. The backward loop is `hf_upipe.ops.fused_backward`; the per-call plan and projection helpers
+dropout masks' seed (`hf_upipe.ops.lora_dropout`: masks by global token position, the same as one process's), and
+in save mode the stages' (oh, lse) and the chunks' (kh, vh). Gradients of frozen tensors are not computed. The
+backward loop is `hf_upipe.ops.fused_backward`; the per-call plan and projection helpers
 `hf_upipe.ops.fused_stages`.
 
 Overlap. The forward, whenever a backward follows, issues its all-to-alls asynchronously one stage ahead: stage
@@ -72,11 +73,11 @@ from hf_upipe.ops.fused_stages import (
     head_rows,
     make_plan,
     project_rows,
-    seeded_dropout,
 )
 from hf_upipe.ops.head_layout import HeadLayout
 from hf_upipe.ops.head_transforms import post
 from hf_upipe.ops.kernels import AttentionKernel, get_kernel
+from hf_upipe.ops.lora_dropout import shard_positions
 
 __all__ = [
     "AttentionWeights",
@@ -99,7 +100,7 @@ def _fused_forward(x, cos, sin, w: AttentionWeights, plan: StagePlan):
     layout, D, style, group, ov = plan.layout, plan.D, w.rope, plan.group, plan.overlap_forward
     B, s, Dm = x.shape
     P, n = layout.sp_size, layout.num_stages
-    xas = w.lora_inputs(x, plan.seed, seeded_dropout)
+    xas = w.lora_inputs(x, plan.dropout)
     sides = block_sides(x, w, plan, xas)
     y = x.new_zeros(B, s, w.o.weight.shape[0])
     za = [x.new_zeros(B, s, a.A.shape[0]) for a in w.o.adapters]
@@ -132,7 +133,7 @@ def _fused_forward(x, cos, sin, w: AttentionWeights, plan: StagePlan):
         y.view(B * s, -1).addmm_(a, w.o.weight.index_select(1, rows).t())
         for j, ad in enumerate(w.o.adapters):
             za[j].view(B * s, -1).addmm_(
-                seeded_dropout(a, ad.dropout, plan.seed + 1000 + 16 * i + j),
+                plan.dropout.output(a, ad.dropout, j, rows),
                 ad.A.index_select(1, rows).t(),
             )
 
@@ -221,6 +222,7 @@ def fused_upipe_attention(
     scale: float | None = None,
     save_attention: bool = False,
     overlap: bool = False,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The attention block (projections, QK-norm, RoPE, causal attention, o_proj) on a sequence shard.
 
@@ -236,6 +238,8 @@ def fused_upipe_attention(
         overlap: issue the backward's all-to-alls one stage ahead, asynchronously, as the forward's are whenever
             a backward follows, so they run during the neighbouring stage's kernel (module docstring): one more
             stage of buffers in the backward, the same result.
+        positions: the global token indices [s] of the shard's tokens, which LoRA dropout draws its masks by
+            (`hf_upipe.ops.lora_dropout`); None: contiguous shards, rank r of `group` holding r*s .. r*s+s-1.
 
     Returns:
         y [B, s, Dm], the o_proj output (bias and LoRA included).
@@ -255,7 +259,7 @@ def fused_upipe_attention(
         kern,
         head_dim**-0.5 if scale is None else scale,
         head_dim,
-        x.device,
+        shard_positions(group, x.shape[1], x.device) if positions is None else positions,
         dropout,
         save_attention and backward,
         overlap and backward,  # nothing kept without backward

@@ -1,11 +1,10 @@
 """The fused UPipe block's per-call plan and the projection helpers its forward and backward loops share.
 
 Entry points (used by `hf_upipe.ops.fused_attention` and `hf_upipe.ops.fused_backward`):
-- `StagePlan` / `make_plan(layout, group, kernel, scale, D, device, dropout, save, overlap)`: per-call constants,
-  each stage's model heads, the backward mode and the overlap schedule.
+- `StagePlan` / `make_plan(layout, group, kernel, scale, D, positions, dropout, save, overlap)`: per-call
+  constants, each stage's model heads, the LoRA dropout masks, the backward mode and the overlap schedule.
 - `head_rows(heads, D)`: projection rows of heads; `project_rows(x, proj, rows, xas)`: x @ W[rows]^T (+ bias, LoRA).
 - `block_sides(x, w, plan, xas, inv_rms)`: q/k/v with their norms and RoPE; `projection_features(plan, name)`.
-- `seeded_dropout(t, p, seed)`: LoRA dropout whose mask the backward regenerates.
 
 Legend as in `hf_upipe.ops.fused_attention`.
 """
@@ -21,6 +20,7 @@ from hf_upipe.ops.block_weights import AttentionWeights, Projection, ProjectionN
 from hf_upipe.ops.head_layout import HeadLayout
 from hf_upipe.ops.head_transforms import Side, projection_inv_rms
 from hf_upipe.ops.kernels import AttentionKernel
+from hf_upipe.ops.lora_dropout import LoraDropout
 
 __all__ = [
     "StagePlan",
@@ -29,7 +29,6 @@ __all__ = [
     "make_plan",
     "project_rows",
     "projection_features",
-    "seeded_dropout",
 ]
 
 
@@ -47,7 +46,7 @@ class StagePlan:
     kernel: AttentionKernel
     scale: float
     D: int
-    seed: int
+    dropout: LoraDropout  # the LoRA dropout masks, which forward and backward share
     save: bool = False  # keep each stage's (oh, lse) for the backward instead of recomputing them
     overlap: bool = False  # backward: send the next stage's inputs (and this stage's outputs) during this kernel
     overlap_forward: bool = (
@@ -70,24 +69,26 @@ def make_plan(
     kernel,
     scale,
     D,
-    device,
+    positions: torch.Tensor,
     dropout: bool,
     save: bool = False,
     overlap: bool = False,
     overlap_forward: bool = False,
 ) -> StagePlan:
     """The per-call constants of one fused block call, with each stage's model heads (rank-major). `overlap`: the
-    backward's all-to-alls one stage ahead (and the forward's); `overlap_forward`: the forward's."""
-    # dropout masks are regenerated from this seed in backward; drawn from torch's RNG, so activation
-    # checkpointing (which restores the RNG state before recomputing) draws the same one
+    backward's all-to-alls one stage ahead (and the forward's); `overlap_forward`: the forward's. `positions` [s]:
+    the global token indices of the shard, which the LoRA dropout masks are drawn by."""
+    # the masks' seed, drawn from torch's generator: a new one every call, and the same one again when activation
+    # checkpointing (which restores the generator's state) recomputes the call
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout else 0
+    device = positions.device
     plan = StagePlan(
         layout,
         group,
         kernel,
         scale,
         D,
-        seed=seed,
+        dropout=LoraDropout(seed, positions),
         save=save,
         overlap=overlap,
         overlap_forward=overlap or overlap_forward,
@@ -105,15 +106,6 @@ def make_plan(
             src = (ranks * kpr + torch.arange(kvs.start, kvs.stop, device=device)).flatten()
         plan.kv_heads.append(src)
     return plan
-
-
-def seeded_dropout(t: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    """Deterministic dropout: the same seed gives the same mask in forward and in the backward's recompute."""
-    if p == 0.0:
-        return t
-    gen = torch.Generator(device=t.device).manual_seed(seed)
-    keep = torch.rand(t.shape, generator=gen, device=t.device, dtype=torch.float32) >= p
-    return t * keep.to(t.dtype) / (1.0 - p)
 
 
 def project_rows(

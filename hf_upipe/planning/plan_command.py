@@ -113,16 +113,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mlp-chunk-tokens", type=int)
     parser.add_argument("--loss-chunk-tokens", type=int)
     parser.add_argument(
+        "--allocator",
+        choices=("default", "expandable"),
+        help="the CUDA caching allocator's mode the reserve is predicted for (default: expandable when "
+        "PYTORCH_CUDA_ALLOC_CONF sets expandable_segments:True)",
+    )
+    parser.add_argument(
         "--margin",
         type=float,
-        default=0.10,
-        help="allocator share of the tensor peak (default 0.10)",
+        help="instead of predicting the allocator's reserve: a flat share of the tensor peak (with --reserved)",
     )
     parser.add_argument(
         "--reserved",
-        default="2GiB",
         type=_typed(parse_size),
-        help="non-tensor GPU memory (default 2GiB)",
+        help="with --margin: non-tensor GPU memory (default 2GiB)",
     )
     parser.add_argument(
         "--headroom",
@@ -225,7 +229,13 @@ def run(args: argparse.Namespace) -> int:
             settings=_fixed_settings(args, config, args.sp_size or args.gpus),
             impl=args.impl,
             sp_size=args.sp_size,
-            margin=Margin(args.margin, args.reserved),
+            margin=None
+            if args.margin is None and args.reserved is None
+            else Margin(
+                0.10 if args.margin is None else args.margin,
+                2 * 2**30 if args.reserved is None else args.reserved,
+            ),
+            allocator=args.allocator,
             step=args.step,
             exact=args.exact,
             host_memory=args.host_memory,

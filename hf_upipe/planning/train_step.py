@@ -16,7 +16,8 @@ there when the step starts: steady state), and everything the step allocates: FS
 unsharded parameters, reduce-scatter buffers, activations, checkpointed inputs, the loss, the optimizer's
 temporaries. Returned by category (`CATEGORIES`): "parameters" (shards and unsharded copies), "gradients",
 "optimizer", and those of `hf_upipe.planning.categories` for the activations. Not counted (a GPU adds them; the
-planner's margin covers them): the CUDA context, NCCL buffers, kernel workspaces, allocator rounding.
+planner predicts them: hf_upipe.planning.reserved): the CUDA context, NCCL buffers, kernel workspaces, allocator
+rounding and caching.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ from hf_upipe.ops.ring import ring_positions
 from hf_upipe.planning import categories as _cat
 from hf_upipe.planning.model_step import MODEL_IMPLEMENTATIONS, build_step_model, impl_context
 from hf_upipe.planning.simulate import fake_tensors, simulated_world
-from hf_upipe.planning.tracker import MemoryTracker, checkpoint_label, storage_label
+from hf_upipe.planning.tracker import (
+    MemoryTracker,
+    allocation_stream,
+    checkpoint_label,
+    storage_label,
+)
 
 __all__ = ["CATEGORIES", "StepSettings", "measure_train_step", "simulate_train_step"]
 
@@ -83,6 +89,15 @@ class StepSettings:
             raise ValueError(
                 f"overlap and fused_backward are settings of the fused block, not of impl={self.impl!r}"
             )
+
+
+@contextlib.contextmanager
+def _restored_checkpoint():
+    """The offload's copies back to the device: counted as checkpoints, on the stream the offload allocates them."""
+    from hf_upipe.memory.offload import RESTORE_STREAM
+
+    with checkpoint_label(), allocation_stream(RESTORE_STREAM):
+        yield
 
 
 def _fsdp_labels(model) -> contextlib.ExitStack:
@@ -245,7 +260,7 @@ def measure_train_step(
                         tracker.track(*_local(tensors))
                     static[label] = tracker.current_bytes - before
                 with offload_checkpoints(
-                    model, settings.offload, min_bytes=0, restore_context=checkpoint_label
+                    model, settings.offload, min_bytes=0, restore_context=_restored_checkpoint
                 ):
                     loss, _ = shard_loss_sum(
                         model,

@@ -5,6 +5,8 @@ Entry points:
 - `sft_config_errors`: what an `SFTConfig` asks that SP cannot honour, checked at construction.
 """
 
+from hf_upipe.trl.dpo import UPipeDPOTrainer, dpo_config_errors
 from hf_upipe.trl.sft import SFT_TRAINER_INTERNALS, UPipeSFTTrainer, sft_config_errors
 
 __all__ = ["SFT_TRAINER_INTERNALS", "UPipeSFTTrainer", "sft_config_errors"]
+__all__ += ["UPipeDPOTrainer", "dpo_config_errors"]  # hf_upipe.trl.dpo: trl.DPOTrainer under SP

@@ -1,0 +1,111 @@
+"""What a `DPOConfig` asks that `UPipeDPOTrainer` does not handle under sequence parallelism.
+
+Entry point:
+- `dpo_config_errors(args, *, compute_metrics=None)`: one NotImplementedError per such setting, each naming the
+  setting, the reason and the fix (empty when none). It reads only the arguments, so every rank finds the same
+  errors without communicating, and `UPipeDPOTrainer` raises the first before TRL or hf_upipe run any collective.
+"""
+
+from __future__ import annotations
+
+from trl import DPOConfig
+
+__all__ = ["dpo_config_errors"]
+
+
+def _no(setting: str, why: str) -> NotImplementedError:
+    return NotImplementedError(f"DPOConfig({setting}): {why}")
+
+
+def dpo_config_errors(args: DPOConfig, *, compute_metrics=None) -> list[Exception]:
+    """The DPOConfig settings UPipeDPOTrainer does not handle, each with the reason and the fix (empty when none).
+
+    Depends only on the arguments, so every rank finds the same errors without communicating."""
+    errors: list[Exception] = []
+    loss_types = (
+        list(args.loss_type) if isinstance(args.loss_type, (list, tuple)) else [args.loss_type]
+    )
+    if loss_types != ["sigmoid"]:
+        errors.append(
+            _no(
+                f"loss_type={args.loss_type!r}",
+                "only the sigmoid DPO loss is verified under hf_upipe's sequence parallelism; "
+                "use loss_type='sigmoid' (the default).",
+            )
+        )
+    checks = _loss_checks(args) + _setup_checks(args, compute_metrics)
+    errors += [_no(setting, why) for bad, setting, why in checks if bad]
+    return errors
+
+
+def _loss_checks(args: DPOConfig) -> list[tuple[bool, str, str]]:
+    """(refused?, the setting, why and the fix) for what changes the loss or the reference log-probs."""
+    return [
+        (
+            args.f_divergence_type != "reverse_kl",
+            f"f_divergence_type={args.f_divergence_type!r}",
+            "is not verified under sequence parallelism; use 'reverse_kl' (standard DPO).",
+        ),
+        (
+            args.ld_alpha is not None,
+            f"ld_alpha={args.ld_alpha}",
+            "LD-DPO weights tokens by their position in the whole completion, which a shard does not see; "
+            "set ld_alpha=None.",
+        ),
+        (
+            args.use_weighting,
+            "use_weighting=True",
+            "WPO weights are not implemented under sequence parallelism; set use_weighting=False.",
+        ),
+        (
+            args.precompute_ref_log_probs,
+            "precompute_ref_log_probs=True",
+            "TRL precomputes them with unsharded forwards, which hf_upipe's sequence-parallel model cannot "
+            "run; set it to False (the reference model then runs under the same sequence parallelism).",
+        ),
+    ]
+
+
+def _setup_checks(args: DPOConfig, compute_metrics) -> list[tuple[bool, str, str]]:
+    """(refused?, the setting, why and the fix) for the data layout, kernels, offload, evaluation."""
+    return [
+        (
+            args.padding_free,
+            "padding_free=True",
+            "set padding_free=False (TRL itself falls back to padding; under sequence parallelism each "
+            "chosen and rejected sequence is its own right-padded row).",
+        ),
+        (
+            args.use_liger_kernel,
+            "use_liger_kernel=True",
+            "Liger's kernels replace the modules hf_upipe's fused attention and tiled MLP adapt; set it to False.",
+        ),
+        (
+            args.activation_offloading,
+            "activation_offloading=True",
+            "TRL's offload would run beside hf_upipe's own; set it to False and use "
+            "UPipeConfig(offload='cpu') (with gradient_checkpointing=True).",
+        ),
+        (
+            args.sync_ref_model,
+            "sync_ref_model=True",
+            "is not verified under sequence parallelism; set sync_ref_model=False.",
+        ),
+        (
+            bool((args.gradient_checkpointing_kwargs or {}).get("selective")),
+            "gradient_checkpointing_kwargs={'selective': True}",
+            "TRL's selective checkpointing is not verified with hf_upipe's fused attention; drop 'selective'.",
+        ),
+        (
+            args.eval_strategy != "no" or compute_metrics is not None,
+            f"eval_strategy={str(getattr(args.eval_strategy, 'value', args.eval_strategy))!r}"
+            + (", compute_metrics" if compute_metrics is not None else ""),
+            "evaluation is not implemented for DPO under sequence parallelism; set eval_strategy='no' and "
+            "drop compute_metrics.",
+        ),
+        (
+            bool(args.label_smoothing_factor),
+            f"label_smoothing_factor={args.label_smoothing_factor}",
+            "is a causal-LM setting the DPO loss does not use; set it to 0.",
+        ),
+    ]
