@@ -5,6 +5,8 @@ Entry points:
   spawns `sp` processes (gloo on CPU; NCCL when there are `sp` GPUs) and returns one `Check` per comparison and model.
 - `check_inputs(models, sp, heads_per_chunk)`: the input checks made before any process is started.
 - `hf-upipe selftest ...`, the command on top, and its table: `hf_upipe.selftest_command`.
+- `--model qwen2_vl` / `qwen2_5_vl`: a tiny vision-language model on images and text, merged whole and then
+  sharded (`hf_upipe.vlm_check.check_vlm`; SP 2).
 
 Per model, every rank builds the model twice from the same weights: a reference ("sdpa", whole sequence, one
 device) and the SP model (`prepare_model`: fused block or registered "upipe", `heads_per_chunk`). Two batches: a
@@ -92,7 +94,15 @@ def check_inputs(models, sp: int, heads_per_chunk: int | None, ring: int = 1) ->
     if ring < 1 or sp % ring:
         raise ValueError(f"--ring {ring} must divide --sp {sp}: sp = ranks per ring shard x ring.")
     sp //= ring  # the heads split over the ranks of a ring shard
+    from hf_upipe.vlm import VISION_TYPES
+
     for name in models:
+        if name in VISION_TYPES:  # a tiny model of 4 query / 2 key-value heads (hf_upipe.vlm_check)
+            if sp != 2 or ring != 1:
+                raise ValueError(
+                    f"{name} is checked at --sp 2 without a ring (its tiny model has 2 KV heads)."
+                )
+            continue
         _, config = runnable_config(name)
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = getattr(config, "num_attention_heads", None)
@@ -160,7 +170,11 @@ def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
     )
     from hf_upipe.integrations.loss import shard_loss_sum
     from hf_upipe.integrations.support import config_refusal, refusal_error
+    from hf_upipe.vlm import VISION_TYPES
+    from hf_upipe.vlm_check import check_vlm
 
+    if name in VISION_TYPES:  # images merged whole, then the sequence sharded (hf_upipe.vlm)
+        return check_vlm(name, spec)
     state = get_sequence_parallel_state()
     reason = config_refusal(
         runnable_config(name)[1],

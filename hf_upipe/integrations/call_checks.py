@@ -204,8 +204,15 @@ def refuse_silent_misuse(module, args, kwargs):
     arch = ARCHITECTURES.get(
         getattr(getattr(module, "config", None), "model_type", None)
     )  # the whole model's type
-    if arch is not None and arch.text_only:
+    if arch is not None and (arch.text_only or arch.vision):
         other = sorted(k for k, v in kwargs.items() if k not in _TEXT_INPUTS and _has_tensor(v))
+        if arch.vision and (other or any(_has_tensor(a) for a in args[1:])):
+            raise NotImplementedError(
+                f"{arch.model_type} under sequence parallelism takes its images merged whole before the sequence "
+                f"is sharded, and this call passes {other or 'positional inputs after input_ids'}: the vision "
+                "features would be scattered into each rank's shard of the tokens. Call the model with "
+                "hf_upipe.vlm.shard_multimodal_batch(model, batch, sp_rank, sp_size) (inputs_embeds, position_ids)."
+            )
         if other or any(_has_tensor(a) for a in args[1:]):
             raise NotImplementedError(
                 f"{arch.model_type} is verified under sequence parallelism for text input only, and this call passes "

@@ -141,6 +141,22 @@ def _preparations_differ(model: nn.Module, upipe_config, state) -> ValueError | 
     )
 
 
+def _language_implementation(config, implementation):
+    """`implementation` for the model and its language model; a multimodal model's other sub-models (a vision
+    tower, an audio encoder), which run on whole inputs, keep their own (transformers' dict form; a plain string
+    where the model has no such sub-model)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    subs = {k: getattr(config, k, None) for k in getattr(config, "sub_configs", {}) or {}}
+    subs = {k: c for k, c in subs.items() if c is not None}
+    if not any(c is not text for c in subs.values()):
+        return implementation
+    return {
+        "": implementation,
+        **{k: implementation for k, c in subs.items() if c is text},
+        **{k: c._attn_implementation for k, c in subs.items() if c is not text},
+    }
+
+
 def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
     """Install hf_upipe's adapters on `model` (see the module docstring).
 
@@ -194,8 +210,8 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
     config = getattr(base, "config", None)
     current = getattr(config, "_attn_implementation", None)
     if config is not None and current != "upipe" and hasattr(base, "set_attn_implementation"):
-        setattr(base, _PREVIOUS, current)
-        base.set_attn_implementation("upipe")
+        setattr(base, _PREVIOUS, _language_implementation(config, current))
+        base.set_attn_implementation(_language_implementation(config, "upipe"))
         logger.info("hf_upipe: attn_implementation set to 'upipe' (was %r)", current)
     if upipe_config is not None and not upipe_config.fused_attention:
         return model
