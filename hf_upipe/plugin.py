@@ -134,7 +134,7 @@ class UPipePlugin(UPipeConfig):
 def _deepspeed_accumulation_check(accelerator) -> None:
     """Refuse a DeepSpeed config with gradient_accumulation_steps > 1: its engine divides every loss by it, while
     `UPipeRuntime.loss` is already normalised by the label tokens of the whole window."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
     steps = (getattr(plugin, "deepspeed_config", None) or {}).get("gradient_accumulation_steps", 1)
     if steps == "auto":  # filled in from the Accelerator by accelerator.prepare
         steps = accelerator.gradient_accumulation_steps
