@@ -129,3 +129,21 @@ def test_one_process_loss_and_metrics_equal_trl(tmp_path):
         for step, want in ref[what].items():
             assert abs(got[what][step] - want) <= 1e-5 * abs(want) + 1e-12, (what, got, ref)
     assert got["num_tokens"] == ref["num_tokens"]
+
+
+def test_deepspeed_is_refused_for_the_trl_trainers(tmp_path):
+    """DeepSpeed is verified with UPipeTrainer and UPipePlugin (tests/training/test_deepspeed.py), not with the TRL
+    trainers: their configs name it. (Set after construction: a real `deepspeed=` sets accelerate's process-wide
+    DeepSpeed state.)"""
+    from trl import DPOConfig
+
+    from hf_upipe.trl import dpo_config_errors
+
+    args = _config(tmp_path)
+    args.deepspeed = {"zero_optimization": {"stage": 3}}
+    (err,) = sft_config_errors(args)
+    assert isinstance(err, NotImplementedError) and "SFTConfig(deepspeed=...)" in str(err)
+    dpo = DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    dpo.deepspeed = {"zero_optimization": {"stage": 3}}
+    (err,) = dpo_config_errors(dpo)
+    assert "deepspeed=..." in str(err) and "UPipeTrainer" in str(err)

@@ -87,6 +87,12 @@ def _setup_checks(args: DPOConfig, compute_metrics) -> list[tuple[bool, str, str
             "UPipeConfig(offload='cpu') (with gradient_checkpointing=True).",
         ),
         (
+            bool(args.deepspeed),
+            "deepspeed=...",
+            "DeepSpeed is verified with UPipeTrainer and UPipePlugin, not yet with the TRL trainers (the "
+            "reference model's ZeRO-3 placement); use FSDP2 or DDP (accelerate config), or UPipeTrainer.",
+        ),
+        (
             args.sync_ref_model,
             "sync_ref_model=True",
             "is not verified under sequence parallelism; set sync_ref_model=False.",

@@ -91,6 +91,13 @@ def sft_config_errors(args: SFTConfig, compute_loss_func=None) -> list[Exception
                 "loss_type='nll'."
             )
         )
+    if args.deepspeed:
+        errors.append(
+            NotImplementedError(
+                "SFTConfig(deepspeed=...): DeepSpeed is verified with UPipeTrainer and UPipePlugin, not yet with "
+                "UPipeSFTTrainer; use an FSDP2 or DDP accelerate config, or UPipeTrainer with your tokenized data."
+            )
+        )
     if args.use_liger_kernel:
         errors.append(
             NotImplementedError(
