@@ -476,7 +476,9 @@ class UPipeRuntime:
         with torch.no_grad(), context():
             self.loss_sum(model, shard)
 
-    def eval_sums(self, model, loader, *, shards=None, context=contextlib.nullcontext) -> EvalSums:
+    def eval_sums(
+        self, model, loader, *, shards=None, context=contextlib.nullcontext, forward=None
+    ) -> EvalSums:
         """Per-round loss sums of an evaluation pass over an accelerate-prepared `loader` (no repeated examples).
 
         Args:
@@ -484,6 +486,8 @@ class UPipeRuntime:
             loader: the accelerate-prepared loader (re-pointed here for evaluation; idempotent).
             shards: this rank's shards of `loader`'s batches, on the device (default: `shard` of each batch).
             context: a context-manager factory for each forward (e.g. autocast).
+            forward: `forward(shard) -> summed token loss` of one shard (default: `loss_sum`'s); UPipeTrainer's
+                records the shard's predictions too (`hf_upipe.integrations.predictions`).
 
         Every rank runs the same number of forwards (a replica whose batches ran out runs throw-away ones), and the
         sums cross ranks in one all_reduce at the end.
@@ -492,7 +496,7 @@ class UPipeRuntime:
         rows = []
         for shard in shards if shards is not None else (self.shard(b) for b in loader):
             with torch.no_grad(), context():
-                loss_sum, _ = self.loss_sum(model, shard)
+                loss_sum = self.loss_sum(model, shard)[0] if forward is None else forward(shard)
             rows.append(
                 torch.stack(
                     [

@@ -34,7 +34,7 @@ from hf_upipe.integrations.peft import base_model
 from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.tiled_loss import tiled_cross_entropy
 
-__all__ = ["output_head", "shard_loss_sum"]
+__all__ = ["head_input", "output_head", "shard_loss_sum"]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -141,6 +141,27 @@ def shard_loss_sum(
             ignore_index=ignore_index,
         )
         return outputs.loss.float(), outputs
+    scaled, head, bias, softcap, outputs = head_input(model, inputs)
+    loss_sum, _ = tiled_cross_entropy(
+        scaled,
+        head.weight,
+        shift_labels,
+        bias=bias,
+        chunk_tokens=chunk_tokens,
+        ignore_index=ignore_index,
+        logit_softcap=softcap,
+    )
+    return loss_sum, outputs
+
+
+def head_input(model: nn.Module, inputs: dict):
+    """Run the model on a shard with its lm_head computing no logits (`tiled` path of `shard_loss_sum`).
+
+    Returns:
+        (hidden [B, s, Dm] in the lm_head's dtype with the model's logit scaling applied, the lm_head
+        `nn.Linear`, its bias scaled alike (or None), the soft-cap (or None), the model outputs with [B, 0, V]
+        logits): the model's logits are `softcap(F.linear(hidden, head.weight, bias))`, tile by tile.
+    """
     head, called = output_head(model)
     ids = inputs.get("input_ids")
     # fake tensors (the planner) probe too, so that its simulation allocates what a real run does
@@ -167,16 +188,7 @@ def shard_loss_sum(
     scaled = (
         hidden.to(weight_dtype) if scale == 1.0 else hidden.to(weight_dtype) * scale
     )  # [B, s, Dm]
-    loss_sum, _ = tiled_cross_entropy(
-        scaled,
-        head.weight,
-        shift_labels,
-        bias=bias,
-        chunk_tokens=chunk_tokens,
-        ignore_index=ignore_index,
-        logit_softcap=softcap,
-    )
-    return loss_sum, outputs
+    return scaled, head, bias, softcap, outputs
 
 
 _PROBE_TOKENS = 2
