@@ -75,6 +75,7 @@ from hf_upipe.integrations.predictions import (
     aligned_targets,
     concat_predictions,
     mask_padding,
+    predict_tile,
     with_metrics,
 )
 from hf_upipe.integrations.prepare import prepare_model
@@ -223,12 +224,10 @@ class UPipeTrainer(Trainer):
             world == 1
         ):  # predictions as with more processes: argmax ids, or preprocess with aligned targets
 
-            def aligned(logits, labels):
-                if preprocess is None:
-                    out = logits.argmax(dim=-1)  # [B, S]
-                else:
-                    out = preprocess(logits, None if labels is None else aligned_targets(labels))
-                return mask_padding(out, getattr(self, "_padding", None))  # -100 on padding
+            def aligned(logits, labels):  # [B, S, V], [B, S] -> [B, S, ...], -100 on padding
+                targets = None if labels is None else aligned_targets(labels)
+                out = predict_tile(logits, targets, preprocess)
+                return mask_padding(out, getattr(self, "_padding", None))
 
             self.preprocess_logits_for_metrics = aligned
 

@@ -7,6 +7,8 @@ Entry points:
 - `gather_sequence(local, state, seq_len)`: the [B, s, ...] predictions of every rank of the SP group in global
   sequence order, the padding `shard_batch` added removed: [B, seq_len, ...].
 - `aligned_targets(labels)`: the targets `preprocess` gets in one process: labels shifted left by one.
+- `predict_tile(logits, targets, preprocess)`: the per-token predictions of logits [B, T, V] (refused unless
+  per-token).
 - `mask_padding(preds, attention_mask)`: -100 on padding.
 - `per_token_error(out, logits)`: why a `preprocess` output is not per-token (or None).
 - `PredictionRecorder(runtime, preprocess)`: records an evaluation pass's predictions and labels on every rank and
@@ -44,6 +46,7 @@ __all__ = [
     "gather_sequence",
     "mask_padding",
     "per_token_error",
+    "predict_tile",
     "shard_predictions",
     "with_metrics",
 ]
@@ -73,7 +76,7 @@ def per_token_error(out, logits: torch.Tensor) -> str | None:
     return None
 
 
-def _predict_tile(logits: torch.Tensor, targets: torch.Tensor, preprocess) -> torch.Tensor:
+def predict_tile(logits: torch.Tensor, targets: torch.Tensor, preprocess) -> torch.Tensor:
     """Per-token predictions [B, c, ...] of logits [B, c, V] (argmax ids, or preprocess's answer)."""
     if preprocess is None:
         return logits.argmax(dim=-1)  # [B, c]
@@ -81,9 +84,9 @@ def _predict_tile(logits: torch.Tensor, targets: torch.Tensor, preprocess) -> to
     error = per_token_error(out, logits)
     if error is not None:
         raise ValueError(
-            f"preprocess_logits_for_metrics must return one value per token under sequence parallelism, a "
-            f"tensor [B, T, ...] for logits [B, T, V] (e.g. logits.argmax(-1), or the log-probability of each "
-            f"target), because each rank sees only its tokens; {error}."
+            f"preprocess_logits_for_metrics must return one value per token with UPipeTrainer, a tensor "
+            f"[B, T, ...] for logits [B, T, V] (e.g. logits.argmax(-1), or the log-probability of each target): "
+            f"under sequence parallelism each rank sees only its tokens; {error}."
         )
     return out
 
@@ -137,7 +140,7 @@ def shard_predictions(
 
     c = max(1, (chunk_tokens or default_chunk_tokens(vocab)) // B)  # positions per tile
     tiles = [
-        _predict_tile(logits_of(slice(i, i + c)), shift_labels[:, i : i + c], preprocess)
+        predict_tile(logits_of(slice(i, i + c)), shift_labels[:, i : i + c], preprocess)
         for i in range(0, s, c)
     ]
     return loss_sum, torch.cat(tiles, dim=1)  # [B, s, ...]

@@ -8,7 +8,7 @@ Checked against the one-process `transformers.Trainer` with the same global batc
 each position's log-probability of its target (rel 1e-4), `predict()`'s label ids (exactly) and predictions (the
 same shape; the same argmax ids and log-probabilities on every real token, -100 on padding), `eval_loss`. The
 fast tier runs SP 2; the slow tier SP 2 x DP 2 and SP 2 with a ring of 2, and a `preprocess_logits_for_metrics` that
-is not per-token (refused on every rank).
+is not per-token (refused on every rank, and on one process).
 """
 
 import numpy as np
@@ -138,7 +138,9 @@ def test_metrics_equal_one_process_dp_and_ring(tmp_path_factory):
 @pytest.mark.slow
 def test_preprocess_that_is_not_per_token_is_refused_on_every_rank(tmp_path):
     spec = dict(trainer="upipe", sp=2, batch=2, bad=True, output_dir=str(tmp_path))
-    for rank in run_distributed(metrics_runs, 2, [spec], timeout=300):
+    one = dict(spec, sp=1, output_dir=str(tmp_path / "one"))  # refused alike on one process
+    ranks = run_distributed(metrics_runs, 2, [spec], timeout=300)
+    for rank in ranks + run_distributed(metrics_runs, 1, [one], timeout=300):
         msg = rank[0]["bad"]
         assert msg.startswith(
             "ValueError: preprocess_logits_for_metrics must return one value per token"
