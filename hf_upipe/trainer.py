@@ -72,10 +72,8 @@ from hf_upipe.integrations.parallelism import (
 )
 from hf_upipe.integrations.predictions import (
     PredictionRecorder,
-    aligned_targets,
     concat_predictions,
-    mask_padding,
-    predict_tile,
+    one_process_preprocess,
     with_metrics,
 )
 from hf_upipe.integrations.prepare import prepare_model
@@ -219,17 +217,10 @@ class UPipeTrainer(Trainer):
                 f"{args.include_for_metrics} are not supported (set batch_eval_metrics=False, "
                 "include_for_metrics=[])."
             )
-        preprocess = self.preprocess_logits_for_metrics
-        if (
-            world == 1
-        ):  # predictions as with more processes: argmax ids, or preprocess with aligned targets
-
-            def aligned(logits, labels):  # [B, S, V], [B, S] -> [B, S, ...], -100 on padding
-                targets = None if labels is None else aligned_targets(labels)
-                out = predict_tile(logits, targets, preprocess)
-                return mask_padding(out, getattr(self, "_padding", None))
-
-            self.preprocess_logits_for_metrics = aligned
+        if world == 1:
+            self.preprocess_logits_for_metrics = one_process_preprocess(
+                self.preprocess_logits_for_metrics, lambda: getattr(self, "_padding", None)
+            )
 
     @staticmethod
     def _early_checks(args, config: UPipeConfig, parallelism, world: int, deepspeed: bool):

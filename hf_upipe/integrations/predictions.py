@@ -9,6 +9,7 @@ Entry points:
 - `aligned_targets(labels)`: the targets `preprocess` gets in one process: labels shifted left by one.
 - `predict_tile(logits, targets, preprocess)`: the per-token predictions of logits [B, T, V] (refused unless
   per-token).
+- `one_process_preprocess(preprocess, padding)`: what `UPipeTrainer` hands the Trainer's own loop in one process.
 - `mask_padding(preds, attention_mask)`: -100 on padding.
 - `per_token_error(out, logits)`: why a `preprocess` output is not per-token (or None).
 - `PredictionRecorder(runtime, preprocess)`: records an evaluation pass's predictions and labels on every rank and
@@ -45,6 +46,7 @@ __all__ = [
     "concat_predictions",
     "gather_sequence",
     "mask_padding",
+    "one_process_preprocess",
     "per_token_error",
     "predict_tile",
     "shard_predictions",
@@ -89,6 +91,17 @@ def predict_tile(logits: torch.Tensor, targets: torch.Tensor, preprocess) -> tor
             f"under sequence parallelism each rank sees only its tokens; {error}."
         )
     return out
+
+
+def one_process_preprocess(preprocess, padding):
+    """The Trainer's `preprocess_logits_for_metrics` in one process, predicting as with more: `predict_tile` with
+    the aligned targets, then -100 where `padding()` (the batch's attention mask, or None) is 0."""
+
+    def aligned(logits, labels):  # [B, S, V], [B, S] unshifted -> [B, S, ...]
+        targets = None if labels is None else aligned_targets(labels)
+        return mask_padding(predict_tile(logits, targets, preprocess), padding())
+
+    return aligned
 
 
 def shard_predictions(
