@@ -6,8 +6,8 @@ Entry points:
   norm over the whole projection, RoPE pairing; the transformers source they were verified against; whether it
   is verified exact under sequence parallelism, which the support gate requires). `FUSED`: the Llama-shaped
   families with the fused block; `VERIFIED_REGISTERED`: the others the matrix found exact on the registered path;
-  `TEXT_ONLY`: multimodal types verified for text input only; `ACROSS_DOCUMENTS`: verified types whose mask ignores
-  packed rows' documents. `keeps_documents_apart(config)`.
+  `TEXT_ONLY`: multimodal types verified for text input only (`TEXT_MODEL_TYPES`: their language models' types);
+  `ACROSS_DOCUMENTS`: verified types whose mask ignores packed rows' documents. `keeps_documents_apart(config)`.
 - `architecture_of(model_or_config)`: the entry of a model (plain or PEFT) or config, or None.
 - `fused_attention_classes()`, `tiled_mlp_classes()`, `tiled_norm_classes()`: the module classes
   `hf_upipe.prepare_model` acts on.
@@ -44,6 +44,7 @@ __all__ = [
     "ARCHITECTURES",
     "FUSED",
     "LOGIT_SCALES",
+    "TEXT_MODEL_TYPES",
     "TEXT_ONLY",
     "VERIFIED_REGISTERED",
     "Architecture",
@@ -323,6 +324,20 @@ TEXT_ONLY = (
     "qwen3_5",
     "qwen3_5_moe",
 )
+# each of them -> the model_type of its text config (its language model: the path it runs under SP)
+TEXT_MODEL_TYPES = {
+    "emu3": "emu3_text_model",
+    "fuyu": "persimmon",
+    "gemma3": "gemma3_text",
+    "gemma4": "gemma4_text",
+    "gemma4_unified": "gemma4_unified_text",
+    "got_ocr2": "qwen2",
+    "llama4": "llama4_text",
+    "mllama": "mllama_text_model",
+    "mllama_text_model": "mllama_text_model",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+}
 # verified types whose mask is built without position_ids: a packed row is one sequence on one device, and under SP
 ACROSS_DOCUMENTS = ("afmoe", "gpt_oss", "opt")
 ARCHITECTURES: dict[str, Architecture] = {

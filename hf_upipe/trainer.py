@@ -345,6 +345,13 @@ class UPipeTrainer(Trainer):
         return self.upipe.loss(model, inputs, num_items_in_batch, return_outputs=return_outputs)
 
     # ---- evaluation --------------------------------------------------------------------------------------------
+    _eval_token_stats = (
+        False  # whether the exact eval loop also sums TokenStats (subclasses' metrics)
+    )
+
+    def _record_eval_sums(self, sums) -> None:
+        """Hook: the exact eval loop's per-round sums (`hf_upipe.runtime.EvalSums`), for subclasses' metrics."""
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The Trainer's (one process); the batch's attention mask is kept for `_metrics_checks`' wrapper."""
         self._padding = inputs.get("attention_mask")
@@ -398,10 +405,12 @@ class UPipeTrainer(Trainer):
             dataloader,
             shards=shards(),
             context=self.compute_loss_context_manager,
+            token_stats=self._eval_token_stats,
             forward=None
             if recorder is None
-            else lambda s: recorder.forward(model, s, current["batch"]),
+            else lambda s, stats: recorder.forward(model, s, current["batch"], stats),
         )
+        self._record_eval_sums(sums)
         metrics = {
             f"{metric_key_prefix}_loss": sums.batch_mean(
                 nan_filter=self.args.logging_nan_inf_filter

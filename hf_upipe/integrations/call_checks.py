@@ -35,9 +35,10 @@ import torch
 from torch import nn
 
 from hf_upipe.architectures import ARCHITECTURES
+from hf_upipe.batch_keys import CU_SEQLENS, DOCUMENT_KEYS, MAX_SEQLEN
 from hf_upipe.distributed import get_sequence_parallel_state
-from hf_upipe.integrations.layout import note_model_positions
 from hf_upipe.integrations.mixers import reentrant_refusal, ring_refusal
+from hf_upipe.integrations.model_calls import note_model_positions
 
 __all__ = [
     "ATTENTIONS_UNDER_SP",
@@ -166,8 +167,7 @@ _TEXT_INPUTS = frozenset(
         "labels",
         "shift_labels",
         "token_type_ids",
-        "upipe_cu_seqlens",
-        "upipe_max_seqlen",
+        *DOCUMENT_KEYS,
         "cache_position",
         "num_items_in_batch",
         "logits_to_keep",
@@ -233,13 +233,13 @@ def refuse_silent_misuse(module, args, kwargs):
 
 def _prepared_call(module, args, kwargs):
     """`refuse_silent_misuse`, after noting the call's position_ids and documents for the attention layers of a
-    prepared model that do not receive them (`hf_upipe.integrations.layout.note_model_positions`)."""
+    prepared model that do not receive them (`hf_upipe.integrations.model_calls.note_model_positions`)."""
     state = get_sequence_parallel_state()
     if state is not None and state.sp_size > 1:
         note_model_positions(
             kwargs.get("position_ids"),
-            kwargs.get("upipe_cu_seqlens"),
-            kwargs.get("upipe_max_seqlen"),
+            kwargs.get(CU_SEQLENS),
+            kwargs.get(MAX_SEQLEN),
             module,
         )
     return refuse_silent_misuse(module, args, kwargs)

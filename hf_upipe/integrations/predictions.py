@@ -113,11 +113,12 @@ def shard_predictions(
     chunk_tokens: int | None = None,
     preprocess=None,
     ignore_index: int = -100,
+    token_stats=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed token loss, fp32 scalar; per-token predictions [B, s, ...]) of this rank's shard (module docstring).
 
     Args:
-        model, inputs, shift_labels, tiled, chunk_tokens, ignore_index: as for `shard_loss_sum`.
+        model, inputs, shift_labels, tiled, chunk_tokens, ignore_index, token_stats: as for `shard_loss_sum`.
         preprocess: `preprocess_logits_for_metrics(logits [B, c, V], targets [B, c]) -> [B, c, ...]`, or None
             for the argmax ids.
 
@@ -125,8 +126,19 @@ def shard_predictions(
         ValueError: `preprocess` returned something that is not per-token.
     """
     B, s = shift_labels.shape
-    if tiled:
-        hidden, head, bias, softcap, _ = head_input(model, inputs)  # hidden [B, s, Dm]
+    if not tiled:
+        loss_sum, outputs = shard_loss_sum(
+            model,
+            inputs,
+            shift_labels,
+            tiled=False,
+            ignore_index=ignore_index,
+            token_stats=token_stats,
+        )
+        return loss_sum, _tiles(
+            lambda cols: outputs.logits[:, cols], shift_labels, chunk_tokens, preprocess
+        )
+    with head_input(model, inputs) as (hidden, head, bias, softcap, _, finish):  # hidden [B, s, Dm]
         loss_sum, _ = tiled_cross_entropy(
             hidden,
             head.weight,
@@ -135,28 +147,26 @@ def shard_predictions(
             chunk_tokens=chunk_tokens,
             ignore_index=ignore_index,
             logit_softcap=softcap,
+            token_stats=token_stats,
         )
-        vocab = head.weight.shape[0]
 
         def logits_of(cols: slice) -> torch.Tensor:  # [B, c, V], as the model computes them
             logits = F.linear(hidden[:, cols], head.weight, bias)
             return softcap * torch.tanh(logits / softcap) if softcap else logits
 
-    else:
-        loss_sum, outputs = shard_loss_sum(
-            model, inputs, shift_labels, tiled=False, ignore_index=ignore_index
-        )
-        vocab = outputs.logits.shape[-1]
+        return finish(loss_sum), _tiles(logits_of, shift_labels, chunk_tokens, preprocess)
 
-        def logits_of(cols: slice) -> torch.Tensor:
-            return outputs.logits[:, cols]  # [B, c, V]
 
-    c = max(1, (chunk_tokens or default_chunk_tokens(vocab)) // B)  # positions per tile
+def _tiles(logits_of, shift_labels: torch.Tensor, chunk_tokens, preprocess) -> torch.Tensor:
+    """Per-token predictions [B, s, ...] of a shard, tile by tile; `logits_of(cols)`: the logits [B, c, V]."""
+    B, s = shift_labels.shape
+    first = logits_of(slice(0, 1))  # [B, 1, V]: the vocabulary size
+    c = max(1, (chunk_tokens or default_chunk_tokens(first.shape[-1])) // B)  # positions per tile
     tiles = [
         predict_tile(logits_of(slice(i, i + c)), shift_labels[:, i : i + c], preprocess)
         for i in range(0, s, c)
     ]
-    return loss_sum, torch.cat(tiles, dim=1)  # [B, s, ...]
+    return torch.cat(tiles, dim=1)  # [B, s, ...]
 
 
 def gather_sequence(
@@ -200,10 +210,10 @@ class PredictionRecorder:
         self.batches: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.error: Exception | None = None
 
-    def forward(self, model, shard: dict, batch: dict) -> torch.Tensor:
+    def forward(self, model, shard: dict, batch: dict, stats=None) -> torch.Tensor:
         rt, state = self.runtime, self.runtime.state
         if self.error is not None:
-            return rt.loss_sum(model, shard)[0]
+            return rt.loss_sum(model, shard, stats)[0]
         inputs = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}
         error = None
         try:
@@ -214,8 +224,9 @@ class PredictionRecorder:
                 tiled=rt.config.tiled_loss,
                 chunk_tokens=rt.config.loss_chunk_tokens,
                 preprocess=self.preprocess,
+                token_stats=stats,
             )
-        except ValueError as err:
+        except ValueError as err:  # from preprocess, after the loss filled `stats`
             error, loss_sum = err, rt.loss_sum(model, shard)[0]
         if state.sp_size > 1:
             failed = torch.tensor([float(error is not None)], device=loss_sum.device)

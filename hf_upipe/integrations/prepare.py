@@ -42,8 +42,8 @@ from hf_upipe.integrations.fused import (
     install_fused_attention,
     remove_fused_attention,
 )
-from hf_upipe.integrations.layout import adopt_modules, release_modules
 from hf_upipe.integrations.mixers import install_mixers, remove_mixers
+from hf_upipe.integrations.model_calls import adopt_modules, release_modules
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.rope import install_global_rope, installable, remove_global_rope
 from hf_upipe.integrations.support import model_refusal, refusal_error
@@ -60,8 +60,9 @@ _PREVIOUS = "_upipe_previous_attn_implementation"
 def _preparation(model: nn.Module, upipe_config) -> tuple:
     """((name, value, as shown), ...): what `prepare_model` does to `model` with `upipe_config`, and the model."""
     base = base_model(model)
-    total = sum(p.numel() for p in base.parameters())
-    trained = sum(p.numel() for p in base.parameters() if p.requires_grad)
+    # ds_numel: the whole size of a parameter ZeRO-3 partitions (its local tensor is empty)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in base.parameters())
+    trained = sum(getattr(p, "ds_numel", p.numel()) for p in base.parameters() if p.requires_grad)
     described = (
         (type(base).__name__, total, trained),
         f"{type(base).__name__} with {total:,} parameters ({trained:,} trainable)",
