@@ -509,6 +509,7 @@ class UPipeRuntime:
         shards=None,
         context=contextlib.nullcontext,
         token_stats: bool = False,
+        forward=None,
     ) -> EvalSums:
         """Per-round loss sums of an evaluation pass over an accelerate-prepared `loader` (no repeated examples).
 
@@ -518,6 +519,8 @@ class UPipeRuntime:
             shards: this rank's shards of `loader`'s batches, on the device (default: `shard` of each batch).
             context: a context-manager factory for each forward (e.g. autocast).
             token_stats: also sum each round's entropy and argmax hits of the label tokens (`TokenStats`).
+            forward: `forward(shard, token_stats) -> summed token loss` of one shard (default: `loss_sum`'s);
+                UPipeTrainer's records the shard's predictions too (`hf_upipe.integrations.predictions`).
 
         Every rank runs the same number of forwards (a replica whose batches ran out runs throw-away ones), and the
         sums cross ranks in one all_reduce at the end.
@@ -527,7 +530,11 @@ class UPipeRuntime:
         for shard in shards if shards is not None else (self.shard(b) for b in loader):
             stats = TokenStats(device=shard["shift_labels"].device) if token_stats else None
             with torch.no_grad(), context():
-                loss_sum, _ = self.loss_sum(model, shard, stats)
+                loss_sum = (
+                    self.loss_sum(model, shard, stats)[0]
+                    if forward is None
+                    else forward(shard, stats)
+                )
             count = torch.tensor(self.own_count(shard), dtype=torch.float64, device=loss_sum.device)
             row = [loss_sum.detach().to(torch.float64).reshape(()), count]
             if stats is not None:

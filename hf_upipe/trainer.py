@@ -22,9 +22,11 @@ What it does, with W processes and `sp_size` P (W = P x dp_size):
 4. eval (W > 1): its own loop (`evaluation_loop`), not the Trainer's gather: no repeated examples (accelerate pads
    the last round with them), every rank the same number of forwards, one all_reduce at the end. `eval_loss` is
    the Trainer's own definition, each round's token mean weighted by its examples, so it equals a one-process
-   `transformers.Trainer` with the same global batch on any eval set, at every call. Only the loss is computed
-   under SP: `compute_metrics`/`predict` logits raise. With one process, or sp_size 1 and metrics, the Trainer's
-   own evaluation runs;
+   `transformers.Trainer` with the same global batch on any eval set, at every call. With `compute_metrics` or
+   `predict()`, each rank also computes per-token predictions on its shard, tile by tile (argmax ids, or
+   `preprocess_logits_for_metrics(logits, aligned targets)`), gathered over the SP group in sequence order and
+   over data parallelism in one-process order (`hf_upipe.integrations.predictions`); full-vocabulary logits never
+   cross ranks. With one process the Trainer's own evaluation runs, predicting the same way;
 5. checkpoints: written into a hidden staging folder, given a manifest (size and SHA-256 of every file,
    `hf_upipe.checkpoint`) and renamed to `checkpoint-N` once every rank has written its part, so an interrupted
    save never leaves a partial `checkpoint-N`; `train(resume_from_checkpoint=...)` verifies the manifest first and
@@ -67,6 +69,12 @@ from hf_upipe.integrations.parallelism import (
     parallelism_errors,
     uses_deepspeed,
     with_parallelism_sp,
+)
+from hf_upipe.integrations.predictions import (
+    PredictionRecorder,
+    concat_predictions,
+    one_process_preprocess,
+    with_metrics,
 )
 from hf_upipe.integrations.prepare import prepare_model
 from hf_upipe.runtime import UPipeRuntime, agree_on_errors, output_dir_errors
@@ -138,7 +146,7 @@ class UPipeTrainer(Trainer):
     Raises:
         ValueError / NotImplementedError at construction, on every rank, before training: the runtime's checks
             (module docstring), label smoothing or `compute_loss_func` (the loss is computed here),
-            `compute_metrics` under SP.
+            `batch_eval_metrics` or `include_for_metrics` with more than one process.
     """
 
     loss_is_scaled_for_ga = (
@@ -194,15 +202,25 @@ class UPipeTrainer(Trainer):
             parallelism=parallelism,
             deepspeed=deepspeed,
         )
-        if (
-            self.compute_metrics is not None and self.upipe.state.sp_size > 1
-        ):  # the same on every rank
-            raise NotImplementedError(
-                "compute_metrics needs full-sequence logits, which UPipeTrainer never "
-                "materialises under sequence parallelism (sp_size > 1); drop compute_metrics "
-                "(eval_loss is still reported)."
-            )
+        self._metrics_checks(world)
         self._stats = {"tokens": 0, "since": None}
+
+    def _metrics_checks(self, world: int) -> None:
+        """Refuse the metric options the multi-process evaluation does not offer (the same on every rank); in one
+        process, predict as with more processes: the argmax ids, or `preprocess_logits_for_metrics` with the
+        aligned targets, -100 on padding (`hf_upipe.integrations.predictions`)."""
+        args = self.args
+        if world > 1 and (args.batch_eval_metrics or args.include_for_metrics):
+            raise NotImplementedError(
+                "UPipeTrainer computes metrics on the whole evaluation set with more than one process: "
+                f"batch_eval_metrics={args.batch_eval_metrics} and include_for_metrics="
+                f"{args.include_for_metrics} are not supported (set batch_eval_metrics=False, "
+                "include_for_metrics=[])."
+            )
+        if world == 1:
+            self.preprocess_logits_for_metrics = one_process_preprocess(
+                self.preprocess_logits_for_metrics, lambda: getattr(self, "_padding", None)
+            )
 
     @staticmethod
     def _early_checks(args, config: UPipeConfig, parallelism, world: int, deepspeed: bool):
@@ -288,10 +306,7 @@ class UPipeTrainer(Trainer):
             is_training=is_training,
             dataloader_key=dataloader_key,
         )
-        loss_only = self.args.prediction_loss_only or (
-            description == "Evaluation" and self.compute_metrics is None
-        )
-        exact = not is_training and self._exact_eval() and loss_only
+        exact = not is_training and self._exact_eval()
         return share_batches_within_sp(loader, self.upipe.state, evaluation=exact)
 
     # ---- training loss -----------------------------------------------------------------------------------------
@@ -330,14 +345,6 @@ class UPipeTrainer(Trainer):
         return self.upipe.loss(model, inputs, num_items_in_batch, return_outputs=return_outputs)
 
     # ---- evaluation --------------------------------------------------------------------------------------------
-    def _refuse_predictions(self) -> None:
-        if self.upipe.state.sp_size > 1:
-            raise NotImplementedError(
-                "UPipeTrainer evaluates the loss only under sequence parallelism: full-sequence "
-                "logits are never materialised (use evaluate() without compute_metrics, not "
-                "predict())."
-            )
-
     _eval_token_stats = (
         False  # whether the exact eval loop also sums TokenStats (subclasses' metrics)
     )
@@ -346,9 +353,8 @@ class UPipeTrainer(Trainer):
         """Hook: the exact eval loop's per-round sums (`hf_upipe.runtime.EvalSums`), for subclasses' metrics."""
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """The Trainer's (one process, or sp_size 1 with metrics); refused under SP unless loss only."""
-        if not prediction_loss_only:
-            self._refuse_predictions()
+        """The Trainer's (one process); the batch's attention mask is kept for `_metrics_checks`' wrapper."""
+        self._padding = inputs.get("attention_mask")
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def evaluation_loop(
@@ -359,15 +365,9 @@ class UPipeTrainer(Trainer):
         ignore_keys=None,
         metric_key_prefix="eval",
     ):
-        """Exact eval loss over every rank (module docstring, item 4); the Trainer's own loop with one process."""
-        loss_only = (
-            prediction_loss_only
-            if prediction_loss_only is not None
-            else self.args.prediction_loss_only
-        )
-        if not loss_only:
-            self._refuse_predictions()
-        if not (self._exact_eval() and loss_only):
+        """Exact eval loss and per-token predictions over every rank (module docstring, item 4); the Trainer's own
+        loop with one process."""
+        if not self._exact_eval():
             return super().evaluation_loop(
                 dataloader,
                 description,
@@ -375,14 +375,26 @@ class UPipeTrainer(Trainer):
                 ignore_keys=ignore_keys,
                 metric_key_prefix=metric_key_prefix,
             )
+        loss_only = (
+            prediction_loss_only
+            if prediction_loss_only is not None
+            else self.args.prediction_loss_only
+        )
         model = self.model
         model.eval()
         if hasattr(self.optimizer, "eval") and callable(self.optimizer.eval):
             self.optimizer.eval()
         self.callback_handler.eval_dataloader = dataloader
+        recorder = (
+            None
+            if loss_only
+            else PredictionRecorder(self.upipe, self.preprocess_logits_for_metrics)
+        )
+        current = {}
 
         def shards():
             for batch in dataloader:
+                current["batch"] = batch
                 yield self._prepare_inputs(self.upipe.shard(batch))
                 self.control = self.callback_handler.on_prediction_step(
                     self.args, self.state, self.control
@@ -394,13 +406,24 @@ class UPipeTrainer(Trainer):
             shards=shards(),
             context=self.compute_loss_context_manager,
             token_stats=self._eval_token_stats,
+            forward=None
+            if recorder is None
+            else lambda s, stats: recorder.forward(model, s, current["batch"], stats),
         )
         self._record_eval_sums(sums)
-        loss = sums.batch_mean(nan_filter=self.args.logging_nan_inf_filter)
+        metrics = {
+            f"{metric_key_prefix}_loss": sums.batch_mean(
+                nan_filter=self.args.logging_nan_inf_filter
+            )
+        }
+        preds = labels = None
+        if recorder is not None:
+            preds, labels = concat_predictions(recorder.result(), self.args.eval_do_concat_batches)
+            metrics = with_metrics(self.compute_metrics, preds, labels, metrics, metric_key_prefix)
         return EvalLoopOutput(
-            predictions=None,
-            label_ids=None,
-            metrics={f"{metric_key_prefix}_loss": loss},
+            predictions=preds,
+            label_ids=labels,
+            metrics=metrics,
             num_samples=sum(sums.examples or []),
         )
 

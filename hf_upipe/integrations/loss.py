@@ -37,7 +37,7 @@ from hf_upipe.integrations.zero3 import gathered_head, partitioned
 from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.tiled_loss import TokenStats, tiled_cross_entropy
 
-__all__ = ["output_head", "shard_loss_sum"]
+__all__ = ["head_input", "output_head", "shard_loss_sum"]
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -152,6 +152,31 @@ def shard_loss_sum(
         if token_stats is not None:
             _stats_from_logits(token_stats, outputs.logits, shift_labels, ignore_index)
         return outputs.loss.float(), outputs
+    with head_input(model, inputs) as (scaled, head, bias, softcap, outputs, finish):
+        loss_sum, _ = tiled_cross_entropy(
+            scaled,
+            head.weight,
+            shift_labels,
+            bias=bias,
+            chunk_tokens=chunk_tokens,
+            ignore_index=ignore_index,
+            logit_softcap=softcap,
+            token_stats=token_stats,
+        )
+        loss_sum = finish(loss_sum)
+    return loss_sum, outputs
+
+
+@contextmanager
+def head_input(model: nn.Module, inputs: dict):
+    """Run the model on a shard with its lm_head computing no logits (the tiled path of `shard_loss_sum`).
+
+    Yields, while the lm_head's weight can be read (gathered under ZeRO-3):
+        (hidden [B, s, Dm] in the lm_head's dtype with the model's logit scaling applied, the lm_head
+        `nn.Linear`, its bias scaled alike (or None), the soft-cap (or None), the model outputs with [B, 0, V]
+        logits, `finish(loss) -> loss to use`): the model's logits are `softcap(F.linear(hidden, head.weight,
+        bias))`, tile by tile.
+    """
     head, called = output_head(model)
     ids = inputs.get("input_ids")
     # fake tensors (the planner) probe too, so that its simulation allocates what a real run does
@@ -180,18 +205,7 @@ def shard_loss_sum(
         scaled = (
             hidden.to(weight_dtype) if scale == 1.0 else hidden.to(weight_dtype) * scale
         )  # [B, s, Dm]
-        loss_sum, _ = tiled_cross_entropy(
-            scaled,
-            head.weight,
-            shift_labels,
-            bias=bias,
-            chunk_tokens=chunk_tokens,
-            ignore_index=ignore_index,
-            logit_softcap=softcap,
-            token_stats=token_stats,
-        )
-        loss_sum = finish(loss_sum)
-    return loss_sum, outputs
+        yield scaled, head, bias, softcap, outputs, finish
 
 
 def _stats_from_logits(stats: TokenStats, logits, shift_labels, ignore_index: int) -> None:

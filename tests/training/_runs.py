@@ -254,9 +254,9 @@ def error_runs(rank: int, world: int, out_dir: str) -> dict:
         "metrics",
         lambda: UPipeTrainer(
             model=_model(False, 1),
-            args=args,
+            args=TrainingArguments(**{**args.to_dict(), "batch_eval_metrics": True}),
             train_dataset=data,
-            compute_metrics=lambda p: {},
+            compute_metrics=lambda p, compute_result=False: {},
             upipe_config=UPipeConfig(sp_size=2),
         ),
     )

@@ -17,7 +17,8 @@ def test_bad_settings_fail_on_every_rank(seen):
         assert (
             "sp_size=3 does not divide the 2 processes" in rank["sp3"] and "[1, 2]" in rank["sp3"]
         )
-        assert "compute_metrics needs full-sequence logits" in rank["metrics"]
+        assert "batch_eval_metrics=True and include_for_metrics=[]" in rank["metrics"]
+        assert "set batch_eval_metrics=False" in rank["metrics"]
         assert (
             "hf_upipe needs 'labels'" in rank["labels"]
             and "DataCollatorForLanguageModeling" in rank["labels"]
