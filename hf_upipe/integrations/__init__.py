@@ -21,9 +21,10 @@ Modules:
   mixer classes verified.
 - ``adapter_status``: every adapter's verdict on the installed transformers; ``probe``: the tiny models the
   verification runs.
-- ``loss``: the tiled loss of a model's shard; ``loaders``: accelerate loaders under SP; ``parallelism``:
-  accelerate's ``ParallelismConfig``; ``peft``: the base model of a PEFT model; ``zero3``: whole weights under
-  DeepSpeed ZeRO-3 for the fused block, the tiled MLP and the tiled loss.
+- ``loss``: the tiled loss of a model's shard; ``predictions``: per-token predictions of a shard for metrics;
+  ``loaders``: accelerate loaders under SP; ``parallelism``: accelerate's ``ParallelismConfig``; ``peft``: the
+  base model of a PEFT model; ``zero3``: whole weights under DeepSpeed ZeRO-3 for the fused block, the tiled MLP
+  and the tiled loss.
 - ``accelerate``: re-exports ``UPipePlugin`` for older imports; it lives in ``hf_upipe.plugin`` (layer 3, beside
   the trainer: both build on ``UPipeRuntime``).
 """
