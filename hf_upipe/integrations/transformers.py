@@ -10,6 +10,9 @@ Entry points:
 - `sp_kernel(state, kwargs, device, dtype, seq_len)`: the state's kernel, wrapped in
   `hf_upipe.ops.documents.DocumentKernel` for packed rows (one per batch; shared with the fused path).
 - `local_sequence_parallel()`: the SP paths on a rank of its own, for the adapters' behaviour checks.
+- `attention_override(fn)`: a context in which the "upipe" attention function (and the fused block, which then
+  takes the registered path) returns `fn(module, query, key, value, attention_mask, **kwargs)` instead;
+  `hf_upipe.generation` uses it to record a shard's keys and values and to attend to them while decoding.
 - `active_state()`, `check_model(...)`, `check_call(...)`, `sp_window(...)`, `window_kernel(...)`: the checks
   and the sliding window (`hf_upipe.ops.windowed`) the fused path shares (the layout check itself is
   `hf_upipe.integrations.layout.validate_layout`: one all-gather per model forward, not per layer).
@@ -44,6 +47,7 @@ soft-capped kernel), custom masks, dropout and KV caches with past tokens raise 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -77,6 +81,8 @@ from hf_upipe.ops.windowed import WindowKernel
 __all__ = [
     "SequenceParallelMask",
     "active_state",
+    "attention_override",
+    "overridden",
     "check_call",
     "check_model",
     "local_sequence_parallel",
@@ -147,6 +153,26 @@ def _active_state() -> SequenceParallelState | None:
 
 
 _LOCAL: list[SequenceParallelState] = []
+
+_OVERRIDE: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "upipe_attention_override", default=None
+)
+
+
+@contextlib.contextmanager
+def attention_override(fn: Callable | None):
+    """Inside, `upipe_attention_forward` returns `fn(module, query, key, value, attention_mask, dropout=,
+    scaling=, sliding_window=, **kwargs)` (None: the function's own path again, e.g. from inside `fn`)."""
+    token = _OVERRIDE.set(fn)
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def overridden() -> bool:
+    """True inside `attention_override(fn)` with a function (the fused block then takes the registered path)."""
+    return _OVERRIDE.get() is not None
 
 
 @contextlib.contextmanager
@@ -404,8 +430,8 @@ def _check_kv_length(query, key) -> None:
     if key.shape[-2] != query.shape[-2]:
         raise NotImplementedError(
             f"key length {key.shape[-2]} != query length {query.shape[-2]}: a KV cache with past tokens "
-            "(generation) is not supported under sequence parallelism; generate without SP (one process), or "
-            "call the model with use_cache=False."
+            "(generation) is not supported in a model call under sequence parallelism: generate with "
+            "hf_upipe.generate, or call the model with use_cache=False."
         )
 
 
@@ -473,6 +499,9 @@ def upipe_attention_forward(
     Returns:
         (attn_output [B, s, H, D], None)
     """
+    if (override := _OVERRIDE.get()) is not None:
+        kw = dict(kwargs, dropout=dropout, scaling=scaling, sliding_window=sliding_window)
+        return override(module, query, key, value, attention_mask, **kw)
     state = _active_state()
     config = getattr(module, "config", None)
     if state is None:
