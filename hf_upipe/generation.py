@@ -42,6 +42,7 @@ from hf_upipe.integrations.transformers import (
     sp_window,
     upipe_attention_forward,
 )
+from hf_upipe.ops.ring import ring_positions
 
 __all__ = ["ShardKVCache", "generate"]
 
@@ -50,37 +51,55 @@ _ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 
 @dataclass
 class ShardKVCache:
-    """One rank's KV cache: per layer keys [Hk, n, D] and values [Hk, n, Dv] of the n tokens this rank holds, and
-    their global positions [n] (the same for every layer)."""
+    """One rank's KV cache, allocated once at its final size (`capacity` tokens: the rank's prompt tokens and the
+    new tokens it will hold): per layer keys [Hk, capacity, D] and values [Hk, capacity, Dv], and the tokens' global
+    positions [capacity]; the first `tokens` are filled. `key(layer)` / `value(layer)` are views of those."""
 
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     positions: torch.Tensor | None = None
+    tokens: int = 0
     windows: dict[int, int | None] = field(
         default_factory=dict
-    )  # per layer, the window the prefill's mask had
+    )  # per layer: the prefill mask's window
 
-    def add(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Append key [Hk, t, D] and value [Hk, t, Dv] to `layer`."""
-        if layer in self.keys:
-            key = torch.cat([self.keys[layer], key], dim=1)
-            value = torch.cat([self.values[layer], value], dim=1)
-        self.keys[layer], self.values[layer] = key, value
+    def start(self, positions: torch.Tensor, capacity: int) -> None:
+        """Hold the prompt tokens at global `positions` [n] (their keys come per layer: `fill`), room for
+        `capacity` tokens in all."""
+        self.positions = positions.new_zeros(capacity)
+        self.positions[: len(positions)] = positions
+        self.tokens = len(positions)
 
-    def add_positions(self, positions: torch.Tensor) -> None:
-        """Append global positions [t] (before the layers add their keys)."""
-        old = self.positions
-        self.positions = positions if old is None else torch.cat([old, positions])
+    def fill(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The prompt tokens' key [Hk, n, D] and value [Hk, n, Dv] of `layer`, copied into its buffers."""
+        capacity, n = len(self.positions), key.shape[1]
+        self.keys[layer] = key.new_empty(key.shape[0], capacity, key.shape[2])
+        self.values[layer] = value.new_empty(value.shape[0], capacity, value.shape[2])
+        self.keys[layer][:, :n] = key
+        self.values[layer][:, :n] = value
 
-    @property
-    def tokens(self) -> int:
-        return 0 if self.positions is None else int(self.positions.numel())
+    def append_position(self, position: int) -> None:
+        """A new token at global `position` (its keys come per layer: `put`)."""
+        self.positions[self.tokens] = position
+        self.tokens += 1
+
+    def put(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The newest token's key [Hk, D] and value [Hk, Dv] of `layer`."""
+        self.keys[layer][:, self.tokens - 1] = key
+        self.values[layer][:, self.tokens - 1] = value
+
+    def key(self, layer: int) -> torch.Tensor:
+        return self.keys[layer][:, : self.tokens]  # [Hk, n, D]
+
+    def value(self, layer: int) -> torch.Tensor:
+        return self.values[layer][:, : self.tokens]  # [Hk, n, Dv]
 
     def numel(self) -> int:
-        """Elements of all keys and values."""
-        return sum(t.numel() for t in (*self.keys.values(), *self.values.values()))
+        """Elements of the filled keys and values (all layers)."""
+        return sum(self.key(i).numel() + self.value(i).numel() for i in self.keys)
 
     def nbytes(self) -> int:
+        """Bytes allocated for keys and values (all layers, the whole capacity)."""
         return sum(
             t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values())
         )
@@ -145,60 +164,71 @@ def _refuse_unexact(module, kwargs: dict) -> None:
         )
 
 
-def _prefill(
-    model, input_ids: torch.Tensor, state, cache: ShardKVCache
-) -> tuple[torch.Tensor, list]:
-    """Run this rank's shard of the prompt [1, L], recording its keys and values. Returns the logits [V] of the
-    last prompt token (on every rank) and the number of prompt tokens each rank holds."""
-    L = input_ids.shape[1]
-    group, P = state.sp_group, state.sp_size
+def _schedule(L: int, state, max_new_tokens: int) -> tuple[list, int, list]:
+    """Where the tokens live, computed alike on every rank without communication: the prompt tokens each rank
+    holds (the shards `hf_upipe.shard_batch` cuts from a prompt of L tokens, without their padded tail), the rank
+    holding the last prompt token, and the rank caching each fed-back new token (the fewest cached tokens; ties:
+    the lowest rank)."""
+    P, R = state.sp_size, state.ring_size
+    multiple = P * (2 if R > 1 else 1)  # shard_batch pads to this (a ring cuts 2R chunks)
+    s = -(-L // multiple) * multiple // P  # tokens per shard, padding included
+    counts, last = [], None
+    for rank in range(P):
+        positions = ring_positions(rank, s, P, R)  # [s] global positions of the rank's tokens
+        counts.append(int((positions < L).sum()))
+        last = rank if bool((positions == L - 1).any()) else last
+    held, owners = list(counts), []
+    for _ in range(max_new_tokens - 1):  # the last generated token is not fed back
+        owners.append(min(range(P), key=lambda r: (held[r], r)))
+        held[owners[-1]] += 1
+    return counts, last, owners
+
+
+def _prefill(model, input_ids: torch.Tensor, state, cache: ShardKVCache, capacity: int, last: int):
+    """Run this rank's shard of the prompt [1, L], recording its keys and values into `cache` (room for `capacity`
+    tokens). Returns the logits [V] of the last prompt token (held by rank `last`), on every rank."""
+    L, P = input_ids.shape[1], state.sp_size
     shard = shard_batch({"input_ids": input_ids}, state.sp_rank, P)
     positions = shard["position_ids"][
         0
     ]  # [s] global positions (shard_batch pads the prompt to P*s)
     real = positions < L  # [s] the prompt's tokens (the padded tail is not cached)
-    cache.add_positions(positions[real])
-    windows = {}
+    cache.start(positions[real], capacity)
 
     def record(module, query, key, value, attention_mask, **kwargs):
         _refuse_unexact(module, kwargs)
         if getattr(attention_mask, "chunk", None) is not None:
             raise NotImplementedError("hf_upipe.generate does not implement chunked attention.")
         layer = module.layer_idx
-        window = sp_window(attention_mask, kwargs.get("sliding_window"), key.shape[2] * P, module)
-        windows[layer] = window
-        cache.add(layer, key[0][:, real], value[0][:, real])  # [Hk, n, D]: this shard's tokens
+        window = kwargs.get("sliding_window")
+        cache.windows[layer] = sp_window(attention_mask, window, key.shape[2] * P, module)
+        cache.fill(layer, key[0][:, real], value[0][:, real])  # [Hk, n, D]: this shard's tokens
         with attention_override(None):
             return upipe_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
-    last = (positions == L - 1).nonzero()
-    index = last[0] if len(last) else torch.zeros(1, dtype=torch.long)  # [1] the logit row to keep
+    index = (positions == L - 1).nonzero()[:1, 0]  # [1] the last prompt token's row, or [0]
+    index = index if len(index) else torch.zeros(1, dtype=torch.long, device=positions.device)
     with attention_override(record):
         logits = model(
             input_ids=shard["input_ids"],
             position_ids=shard["position_ids"],
             use_cache=False,
-            logits_to_keep=index.to(input_ids.device),
+            logits_to_keep=index,
         ).logits[0, -1]  # [V]
-    _check_windows(model, windows, cache)
-    mine = torch.tensor([int(real.sum()), len(last)], device=input_ids.device)
-    every = [torch.empty_like(mine) for _ in range(P)]
-    dist.all_gather(every, mine, group=group)
-    owner = next(r for r, e in enumerate(every) if int(e[1]) == 1)
+    _check_layers(model, cache)
     logits = logits.float().contiguous()
-    dist.broadcast(logits, src=dist.get_global_rank(group, owner), group=group)
-    return logits, [int(e[0]) for e in every]
+    dist.broadcast(logits, src=dist.get_global_rank(state.sp_group, last), group=state.sp_group)
+    return logits
 
 
-def _check_windows(model, windows: dict, cache: ShardKVCache) -> None:
-    """Every layer cached (no other mixer) and no window the decode step would not see (a window in the mask only)."""
+def _check_layers(model, cache: ShardKVCache) -> None:
+    """Every layer cached: no other token mixer (the same verdict on every rank, before the next collective)."""
     layers = model.config.num_hidden_layers
     if sorted(cache.keys) != list(range(layers)):
         raise NotImplementedError(
             f"hf_upipe.generate cached {len(cache.keys)} of {layers} layers: the others are not attention "
             "through attn_implementation='upipe'. Generate in one process."
         )
-    cache.windows = windows
 
 
 def _window(module, kwargs: dict, prefill_window) -> int | None:
@@ -212,20 +242,35 @@ def _window(module, kwargs: dict, prefill_window) -> int | None:
     return window
 
 
+_KEY_CHUNK = 4096  # keys upcast to fp32 at a time in the decode step
+
+
 def _partial(q, k, v, visible, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of query q [H, D] to this rank's keys k [Hk, n, D] / values v [Hk, n, Dv] where `visible` [n]:
-    (output [H, Dv] normalised over these keys, log-sum-exp [H]; -inf with no visible key), in fp32."""
-    H, Hk = q.shape[0], k.shape[0]
-    if k.shape[1] == 0 or not bool(visible.any()):
-        return q.new_zeros(H, v.shape[-1], dtype=torch.float32), q.new_full(
-            (H,), float("-inf"), dtype=torch.float32
+    (output [H, Dv] normalised over these keys, log-sum-exp [H]; -inf with no visible key), in fp32, reading the
+    keys and values in chunks (no copy of the cache: neither the GQA heads nor fp32 are materialised whole)."""
+    H, Hk, n = q.shape[0], k.shape[0], k.shape[1]
+    if n == 0 or not bool(visible.any()):
+        zeros = q.new_zeros(H, v.shape[-1], dtype=torch.float32)
+        return zeros, q.new_full((H,), float("-inf"), dtype=torch.float32)
+    groups = q.float().view(Hk, H // Hk, -1)  # [Hk, G, D]: query head h reads kv head h // G
+    scores = torch.cat(
+        [
+            torch.einsum("kgd,knd->kgn", groups, k[:, i : i + _KEY_CHUNK].float())
+            for i in range(0, n, _KEY_CHUNK)
+        ],
+        dim=-1,
+    )  # [Hk, G, n]
+    scores = (scores * scaling).masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hk, G]
+    probs = torch.exp(scores - lse[..., None])  # [Hk, G, n]
+    out = sum(
+        torch.einsum(
+            "kgn,kne->kge", probs[..., i : i + _KEY_CHUNK], v[:, i : i + _KEY_CHUNK].float()
         )
-    k = k.float().repeat_interleave(H // Hk, dim=0)  # [H, n, D]: head h reads kv head h // (H / Hk)
-    v = v.float().repeat_interleave(H // Hk, dim=0)  # [H, n, Dv]
-    scores = torch.einsum("hd,hnd->hn", q.float(), k) * scaling  # [H, n]
-    scores = scores.masked_fill(~visible[None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [H]
-    return torch.einsum("hn,hnd->hd", torch.exp(scores - lse[:, None]), v), lse
+        for i in range(0, n, _KEY_CHUNK)
+    )  # [Hk, G, Dv]
+    return out.reshape(H, -1), lse.reshape(H)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, group, size: int) -> torch.Tensor:
@@ -246,21 +291,20 @@ def _decode_step(model, token: int, position: int, owner: bool, state, cache: Sh
     values are appended to this rank's cache when `owner`."""
     device = cache.positions.device
     if owner:
-        cache.add_positions(torch.tensor([position], device=device))
+        cache.append_position(position)
 
     def attend(module, query, key, value, attention_mask, **kwargs):
         _refuse_unexact(module, kwargs)
         layer = module.layer_idx
         window = _window(module, kwargs, cache.windows.get(layer))
         if owner:
-            cache.add(layer, key[0], value[0])  # [Hk, 1, D]
-        visible = torch.ones_like(cache.positions, dtype=torch.bool)  # [n]
+            cache.put(layer, key[0, :, 0], value[0, :, 0])  # [Hk, D]
+        positions = cache.positions[: cache.tokens]  # [n]
+        visible = torch.ones_like(positions, dtype=torch.bool)
         if window is not None:
-            visible = position - cache.positions < window
+            visible = position - positions < window
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        out, lse = _partial(
-            query[0, :, 0], cache.keys[layer], cache.values[layer], visible, scaling
-        )
+        out, lse = _partial(query[0, :, 0], cache.key(layer), cache.value(layer), visible, scaling)
         out = _merge(out, lse, state.sp_group, state.sp_size)  # [H, Dv]
         return out[None, None].to(query.dtype), None  # [1, 1, H, Dv]
 
@@ -347,7 +391,9 @@ def generate(
     cache = kv_cache if kv_cache is not None else ShardKVCache()
     eos = _eos_ids(model, eos_token_id)
     warpers = _warpers(temperature, top_k, top_p) if do_sample else []
-    logits, counts = _prefill(model, input_ids, state, cache)
+    counts, last, owners = _schedule(input_ids.shape[1], state, max_new_tokens)
+    capacity = counts[state.sp_rank] + owners.count(state.sp_rank)
+    logits = _prefill(model, input_ids, state, cache, capacity, last)
     ids, scores = input_ids.long(), []
     for step in range(max_new_tokens):
         scores.append(logits)
@@ -355,7 +401,6 @@ def generate(
         ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)  # [1, L + step + 1]
         if token in eos or step == max_new_tokens - 1:
             break
-        owner = min(range(state.sp_size), key=lambda r: (counts[r], r))  # the fewest cached tokens
-        counts[owner] += 1
-        logits = _decode_step(model, token, ids.shape[1] - 1, owner == state.sp_rank, state, cache)
+        owner = owners[step] == state.sp_rank  # this rank caches the token
+        logits = _decode_step(model, token, ids.shape[1] - 1, owner, state, cache)
     return (ids, torch.stack(scores)) if return_scores else ids

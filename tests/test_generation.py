@@ -47,8 +47,8 @@ def _cache_numel(cache) -> int:
     return sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
 
 
-def _worker(rank, world, cases):
-    hf_upipe.init_sequence_parallel(world)
+def _worker(rank, world, cases, ring_size=1):
+    hf_upipe.init_sequence_parallel(world, ring_size=ring_size)
     ids = torch.randint(3, 96, (1, L), generator=torch.Generator().manual_seed(11))
     results = {}
     for case in cases:
@@ -96,7 +96,7 @@ def _worker(rank, world, cases):
 
 
 def _check(results, world):
-    for case in CASES:
+    for case in results[0]:
         every = [r[case] for r in results]
         for got in every:
             assert got["equal"] and got["new"] == NEW, (case, got)
@@ -124,6 +124,31 @@ def test_greedy_two_ranks():
 @pytest.mark.slow
 def test_greedy_four_ranks():
     _check(run_distributed(_worker, 4, list(CASES), timeout=600), 4)
+
+
+@pytest.mark.slow
+def test_greedy_ring():
+    """A ring of 2 (ranks hold mirrored chunks, positions not contiguous): the same equalities."""
+    _check(run_distributed(_worker, 4, ["llama", "qwen3 lora"], 2, timeout=600), 4)
+
+
+def test_partial_attention_in_key_chunks(monkeypatch):
+    """The decode step's partial attention (GQA, a window's visibility, keys read in chunks of 3) equals softmax
+    attention over the visible keys with the KV heads repeated."""
+    from hf_upipe import generation
+
+    monkeypatch.setattr(generation, "_KEY_CHUNK", 3)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=gen) for shape in ((8, 4), (2, 10, 4), (2, 10, 6)))
+    visible = torch.arange(10) > 2  # [n]
+    out, lse = generation._partial(q, k, v, visible, 0.7)
+    scores = torch.einsum("hd,hnd->hn", q, k.repeat_interleave(4, 0)) * 0.7  # [8, 10]
+    scores[:, ~visible] = float("-inf")
+    want = torch.einsum(
+        "hn,hne->he", torch.softmax(scores, -1), v.repeat_interleave(4, 0)
+    )  # [8, 6]
+    assert _rel(out, want) < 1e-6
+    assert _rel(lse, torch.logsumexp(scores, -1)) < 1e-6
 
 
 def _sampling_worker(rank, world):
