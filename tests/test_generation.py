@@ -202,3 +202,42 @@ def test_refusals():
         assert "shape [1, L]" in errors["batch"] and "(2, 8)" in errors["batch"], errors
         assert "prepare_model" in errors["not upipe"] and "'sdpa'" in errors["not upipe"], errors
         assert "hf_upipe.generate" in errors["model.generate"], errors
+
+
+def _tracked_worker(rank, world):
+    from hf_upipe.planning.tracker import MemoryTracker
+
+    hf_upipe.init_sequence_parallel(world)
+    ids = torch.randint(3, 96, (1, L), generator=torch.Generator().manual_seed(11))
+    ref, model = _models("llama")
+    with hf_upipe.without_sequence_parallel(), MemoryTracker() as one:
+        want = ref.generate(
+            ids,
+            max_new_tokens=NEW,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            use_cache=True,
+            return_dict_in_generate=True,
+        )
+    cache = ShardKVCache()
+    with MemoryTracker() as tracker:
+        got = hf_upipe.generate(model, ids, max_new_tokens=NEW, eos_token_id=[], kv_cache=cache)
+    hf_upipe.reset_sequence_parallel()
+    # what stays allocated after the call, less the returned ids: the KV cache (and, here, its positions)
+    return {
+        "one process": one.current_bytes - want.sequences.nbytes,
+        "rank": tracker.current_bytes - got.nbytes - cache.positions.nbytes,
+        "cache": cache.nbytes(),
+        "tokens": cache.tokens,
+    }
+
+
+def test_tracked_cache_memory_is_one_over_p():
+    """The tracker's live bytes after generation: each rank holds exactly its cache, 1/P of one process's."""
+    results = run_distributed(_tracked_worker, 2)
+    total = L + NEW - 1
+    for got in results:
+        assert got["rank"] == got["cache"], got
+        assert got["rank"] * total == got["one process"] * got["tokens"], got
+    assert sum(g["rank"] for g in results) == results[0]["one process"]
