@@ -19,13 +19,13 @@ The flow, on every rank of the SP group (P ranks):
    token's own keys and values are appended on one rank: the one with the fewest cached tokens (ties: the lowest
    rank), so the caches stay balanced. Positions are global (L + step). Sliding windows mask keys by global
    position (key t seen by query i when i - t < window).
-3. the next token: the argmax (greedy), or drawn on SP rank 0 from the processed distribution (transformers'
-   temperature, top-k, top-p warpers, in that order) and broadcast, so every rank holds the same sequence. It
+3. the next token: the argmax (greedy) or a draw from the processed distribution (transformers' temperature,
+   top-k, top-p warpers, in that order), decided on SP rank 0 and broadcast, so every rank holds the same sequence. It
    stops after `max_new_tokens` or at an `eos_token_id`.
 
-Refused on every rank before any collective: a batch of more than one row, a model whose attention is not
-"upipe", models with token mixers other than attention (hybrid layers), chunked attention, attention sinks,
-soft-capped logits, bidirectional attention and attention dropout.
+Refused on every rank before any collective: a batch of more than one row, a model in training mode, a model
+whose attention is not "upipe", models with token mixers other than attention (hybrid layers), chunked attention,
+attention sinks, soft-capped logits, bidirectional attention and attention dropout.
 """
 
 from __future__ import annotations
@@ -130,6 +130,11 @@ def _refusal(model, state) -> str | None:
             "first (without it, use model.generate in one process)."
         )
     config = model.config
+    if model.training:
+        return (
+            "hf_upipe.generate needs the model in eval mode (model.eval()): dropout would draw differently on "
+            "each rank while every rank computes the new token."
+        )
     if getattr(config, "_attn_implementation", None) != "upipe":
         return (
             f"hf_upipe.generate needs the model's attention to be 'upipe' (it is "
@@ -317,11 +322,12 @@ def _decode_step(model, token: int, position: int, owner: bool, state, cache: Sh
 
 
 def _next_token(logits, ids, do_sample: bool, warpers: list, state, generator) -> int:
-    """The argmax, or a draw on SP rank 0 shared with the group."""
-    if not do_sample:
-        return int(logits.argmax())
+    """The argmax, or a draw, decided on SP rank 0 and shared with the group (so the ranks never disagree, even
+    where their logits differ in the last bit)."""
     token = torch.zeros(1, dtype=torch.long, device=logits.device)
-    if state.sp_rank == 0:
+    if state.sp_rank == 0 and not do_sample:
+        token = logits.argmax().reshape(1)
+    elif state.sp_rank == 0:
         scores = logits[None]  # [1, V]
         for warp in warpers:
             scores = warp(ids, scores)

@@ -7,7 +7,8 @@
   log-probabilities, rel 1e-4);
 - each rank caches 1/P of the one-process KV cache's elements;
 - seeded sampling (temperature, top-k, top-p) draws the same tokens as one process with the same seed;
-- refusals: a batch of two rows, a model whose attention is not "upipe", no sequence parallelism.
+- refusals: a batch of two rows, a model in training mode, a model whose attention is not "upipe", no sequence
+  parallelism.
 """
 
 import pytest
@@ -186,12 +187,15 @@ def _refusal_worker(rank, world):
 
     ids = torch.randint(3, 96, (1, 8))
     ref, model = build_pair(tiny_config("llama"), "upipe", seed=0)
+    ref.eval()
+    model.eval()
     attempt("no sp", lambda: hf_upipe.generate(model, ids, max_new_tokens=2))
     hf_upipe.init_sequence_parallel(world)
     hf_upipe.prepare_model(model)
     attempt("batch", lambda: hf_upipe.generate(model, ids.repeat(2, 1), max_new_tokens=2))
     attempt("not upipe", lambda: hf_upipe.generate(ref, ids, max_new_tokens=2))
     attempt("model.generate", lambda: model.generate(ids, max_new_tokens=2))
+    attempt("training", lambda: hf_upipe.generate(model.train(), ids, max_new_tokens=2))
     hf_upipe.reset_sequence_parallel()
     return errors
 
@@ -202,6 +206,7 @@ def test_refusals():
         assert "shape [1, L]" in errors["batch"] and "(2, 8)" in errors["batch"], errors
         assert "prepare_model" in errors["not upipe"] and "'sdpa'" in errors["not upipe"], errors
         assert "hf_upipe.generate" in errors["model.generate"], errors
+        assert "model.eval()" in errors["training"], errors
 
 
 def _tracked_worker(rank, world):
