@@ -6,7 +6,8 @@
 - the logits before each generated token equal one process's teacher-forced logits on the generated sequence (the
   log-probabilities, rel 1e-4);
 - each rank caches 1/P of the one-process KV cache's elements;
-- seeded sampling (temperature, top-k, top-p) draws the same tokens as one process with the same seed;
+- seeded sampling (temperature, top-k, top-p) draws the same tokens as one process with the same seed; stopping
+  at an eos token and a one-token prompt (a rank starting with an empty cache) equal one process too;
 - refusals: a batch of two rows, a model in training mode, a model whose attention is not "upipe", no sequence
   parallelism.
 """
@@ -163,15 +164,29 @@ def _sampling_worker(rank, world):
     torch.manual_seed(123 if rank == 0 else 7)  # only SP rank 0 draws
     got = hf_upipe.generate(model, ids, eos_token_id=[], **settings)
     greedy = hf_upipe.generate(model, ids, max_new_tokens=NEW, eos_token_id=[])
+    # stopping at an eos token (the 6th greedy token), and a one-token prompt (rank 1 starts with no token)
+    stop = int(greedy[0, L + 5])
+    with hf_upipe.without_sequence_parallel():
+        want_eos = ref.generate(ids, max_new_tokens=NEW, eos_token_id=stop, pad_token_id=0)
+        want_short = ref.generate(ids[:, :1], max_new_tokens=NEW, eos_token_id=None, pad_token_id=0)
+    got_eos = hf_upipe.generate(model, ids, max_new_tokens=NEW, eos_token_id=stop)
+    got_short = hf_upipe.generate(model, ids[:, :1], max_new_tokens=NEW, eos_token_id=[])
     hf_upipe.reset_sequence_parallel()
-    return got.tolist(), want.tolist(), greedy.tolist()
+    return {
+        "sampled": (got.tolist(), want.tolist()),
+        "greedy": greedy.tolist(),
+        "eos": (got_eos.tolist(), want_eos.tolist()),
+        "short": (got_short.tolist(), want_short.tolist()),
+    }
 
 
-def test_sampling_equals_one_process():
+def test_sampling_stopping_and_short_prompts_equal_one_process():
     results = run_distributed(_sampling_worker, 2, timeout=300)
-    for got, want, greedy in results:
-        assert got == want == results[0][0]
-        assert got != greedy  # the draws are not the argmax
+    for got in results:
+        assert got["sampled"][0] == got["sampled"][1] == results[0]["sampled"][0]
+        assert got["sampled"][0] != got["greedy"]  # the draws are not the argmax
+        assert got["eos"][0] == got["eos"][1] and len(got["eos"][0][0]) <= L + 6, got["eos"]
+        assert got["short"][0] == got["short"][1] and len(got["short"][0][0]) == 1 + NEW
 
 
 def _refusal_worker(rank, world):
