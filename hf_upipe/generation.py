@@ -51,32 +51,37 @@ _ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 
 @dataclass
 class ShardKVCache:
-    """One rank's KV cache, allocated once at its final size (`capacity` tokens: the rank's prompt tokens and the
-    new tokens it will hold): per layer keys [Hk, capacity, D] and values [Hk, capacity, Dv], and the tokens' global
-    positions [capacity]; the first `tokens` are filled. `key(layer)` / `value(layer)` are views of those."""
+    """One rank's KV cache, allocated once at its final size: the global positions [capacity] of the rank's prompt
+    tokens and of the new tokens it will hold (ascending; the first `tokens` filled), and per layer keys
+    [Hk, capacity - first, D] and values [Hk, capacity - first, Dv] of those from index `first[layer]` on: a layer
+    with a sliding window of W does not keep the prompt tokens that no new token sees (positions <= L - W).
+    `key(layer)`, `value(layer)` and `layer_positions(layer)` are views of the filled part."""
 
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     positions: torch.Tensor | None = None
     tokens: int = 0
+    first: dict[int, int] = field(default_factory=dict)  # per layer: its first kept token
     windows: dict[int, int | None] = field(
         default_factory=dict
     )  # per layer: the prefill mask's window
 
     def start(self, positions: torch.Tensor, capacity: int) -> None:
-        """Hold the prompt tokens at global `positions` [n] (their keys come per layer: `fill`), room for
-        `capacity` tokens in all."""
+        """Hold the prompt tokens at global `positions` [n] (ascending; their keys come per layer: `fill`), room
+        for `capacity` tokens in all."""
         self.positions = positions.new_zeros(capacity)
         self.positions[: len(positions)] = positions
         self.tokens = len(positions)
 
-    def fill(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """The prompt tokens' key [Hk, n, D] and value [Hk, n, Dv] of `layer`, copied into its buffers."""
-        capacity, n = len(self.positions), key.shape[1]
-        self.keys[layer] = key.new_empty(key.shape[0], capacity, key.shape[2])
-        self.values[layer] = value.new_empty(value.shape[0], capacity, value.shape[2])
-        self.keys[layer][:, :n] = key
-        self.values[layer][:, :n] = value
+    def fill(self, layer: int, key: torch.Tensor, value: torch.Tensor, first: int = 0) -> None:
+        """The prompt tokens' key [Hk, n, D] and value [Hk, n, Dv] of `layer`, copied into its buffers from token
+        `first` on."""
+        size, kept = len(self.positions) - first, key.shape[1] - first
+        self.first[layer] = first
+        self.keys[layer] = key.new_empty(key.shape[0], size, key.shape[2])
+        self.values[layer] = value.new_empty(value.shape[0], size, value.shape[2])
+        self.keys[layer][:, :kept] = key[:, first:]
+        self.values[layer][:, :kept] = value[:, first:]
 
     def append_position(self, position: int) -> None:
         """A new token at global `position` (its keys come per layer: `put`)."""
@@ -85,14 +90,17 @@ class ShardKVCache:
 
     def put(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """The newest token's key [Hk, D] and value [Hk, Dv] of `layer`."""
-        self.keys[layer][:, self.tokens - 1] = key
-        self.values[layer][:, self.tokens - 1] = value
+        self.keys[layer][:, self.tokens - 1 - self.first[layer]] = key
+        self.values[layer][:, self.tokens - 1 - self.first[layer]] = value
 
     def key(self, layer: int) -> torch.Tensor:
-        return self.keys[layer][:, : self.tokens]  # [Hk, n, D]
+        return self.keys[layer][:, : self.tokens - self.first[layer]]  # [Hk, n, D]
 
     def value(self, layer: int) -> torch.Tensor:
-        return self.values[layer][:, : self.tokens]  # [Hk, n, Dv]
+        return self.values[layer][:, : self.tokens - self.first[layer]]  # [Hk, n, Dv]
+
+    def layer_positions(self, layer: int) -> torch.Tensor:
+        return self.positions[self.first[layer] : self.tokens]  # [n]
 
     def numel(self) -> int:
         """Elements of the filled keys and values (all layers)."""
@@ -207,7 +215,11 @@ def _prefill(model, input_ids: torch.Tensor, state, cache: ShardKVCache, capacit
         layer = module.layer_idx
         window = kwargs.get("sliding_window")
         cache.windows[layer] = sp_window(attention_mask, window, key.shape[2] * P, module)
-        cache.fill(layer, key[0][:, real], value[0][:, real])  # [Hk, n, D]: this shard's tokens
+        # a window of W: no new token (position >= L) sees the prompt's positions <= L - W (a prefix: ascending)
+        first = int((positions[real] <= L - window).sum()) if window else 0
+        cache.fill(
+            layer, key[0][:, real], value[0][:, real], first
+        )  # [Hk, n, D]: this shard's tokens
         with attention_override(None):
             return upipe_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -304,7 +316,7 @@ def _decode_step(model, token: int, position: int, owner: bool, state, cache: Sh
         window = _window(module, kwargs, cache.windows.get(layer))
         if owner:
             cache.put(layer, key[0, :, 0], value[0, :, 0])  # [Hk, D]
-        positions = cache.positions[: cache.tokens]  # [n]
+        positions = cache.layer_positions(layer)  # [n]
         visible = torch.ones_like(positions, dtype=torch.bool)
         if window is not None:
             visible = position - positions < window

@@ -5,7 +5,8 @@
   the prompt and than a shard) with LoRA; 2 ranks here, 4 in the slow tier;
 - the logits before each generated token equal one process's teacher-forced logits on the generated sequence (the
   log-probabilities, rel 1e-4);
-- each rank caches 1/P of the one-process KV cache's elements;
+- each rank caches 1/P of the one-process KV cache's elements; with a window, the ranks keep only the prompt's
+  last W - 1 tokens (and the new tokens);
 - seeded sampling (temperature, top-k, top-p) draws the same tokens as one process with the same seed; stopping
   at an eos token and a one-token prompt (a rank starting with an empty cache) equal one process too;
 - refusals: a batch of two rows, a model in training mode, a model whose attention is not "upipe", no sequence
@@ -109,13 +110,18 @@ def _check(results, world):
         total = L + NEW - 1
         assert sum(g["tokens"] for g in every) == total
         full = every[0]["full cache"]
-        if not case.startswith(
-            "mistral"
-        ):  # one process keeps only the window's tokens of a windowed layer
-            assert every[0]["reference cache"] == full, every
-        assert sum(g["cache"] for g in every) == full, every
         for got in every:
             assert got["tokens"] in (total // world, -(-total // world)), every
+        if case.startswith("mistral"):
+            # one process keeps the window's last W - 1 tokens; the ranks keep the prompt's last W - 1 tokens and
+            # every new token fed back (NEW - 1)
+            per_token = full // total
+            assert every[0]["reference cache"] == per_token * (WINDOW - 1), every
+            assert sum(g["cache"] for g in every) == per_token * (WINDOW - 1 + NEW - 1), every
+            continue
+        assert every[0]["reference cache"] == full, every
+        assert sum(g["cache"] for g in every) == full, every
+        for got in every:
             assert got["cache"] * total == full * got["tokens"], every
 
 
