@@ -6,7 +6,7 @@ with a clear error, or (what must never happen) wrong, crashed or hung? (`hf_upi
 Type by type, each in its own processes (a model that builds too large, or a run that hangs, is that type's verdict
 only): the single-process checks (builds tiny, is a causal decoder, "upipe" without SP against its reference), then
 `hf-upipe selftest`'s comparison on --sp gloo ranks. Writes benchmarks/results/architecture_matrix.json and prints
-the support table of docs/support.md.
+its support table; `python benchmarks/support_table.py` then writes docs/models.md's table from the committed JSON.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ sys.path.insert(
     0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )  # run from a checkout
 
-from hf_upipe.matrix import causal_lm_types, single_process, summary, table, verdict  # noqa: E402
+from hf_upipe.matrix import causal_lm_types, single_process, summary, support_table, verdict  # noqa: E402
 from hf_upipe.testing import DistributedFailure, run_distributed  # noqa: E402
 
 RESULTS = os.path.join(
@@ -106,7 +106,7 @@ def main() -> int:
     }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    print(table(results))
+    print(support_table([report]))
     print(json.dumps(report["summary"]), f"\nwrote {args.out}; {report['wall_s']:.0f} s")
     sp2, sp1, opt_in = (report["summary"][k] for k in ("sp2", "sp1", "opt_in"))
     return 1 if sp2["wrong"] + sp2["hung"] + sp1["wrong"] + opt_in["hung"] else 0

@@ -29,7 +29,7 @@ sys.path.insert(
     0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )  # run from a checkout
 
-from hf_upipe.planning.planner import plan  # noqa: E402
+from hf_upipe.planning.planner import Margin, plan  # noqa: E402
 from hf_upipe.units import format_tokens  # noqa: E402
 
 GiB, M = 2**30, 2**20
@@ -43,8 +43,9 @@ LAYOUTS = (("SP 8 x DP 2", 1), ("SP 16 = UPipe 8 x ring 2", 2))
 
 def _row(model, label, ring, paper_len):
     t0 = time.perf_counter()
-    best = plan(model, gpus=8, nodes=2, max_context=True, ring_size=ring)
-    at_paper = plan(model, gpus=8, nodes=2, seq_len=paper_len, ring_size=ring)
+    flat = Margin()  # the flat margin this table was made with (docs/planner.md: predicted-reserve lengths beside)
+    best = plan(model, gpus=8, nodes=2, max_context=True, ring_size=ring, margin=flat)
+    at_paper = plan(model, gpus=8, nodes=2, seq_len=paper_len, ring_size=ring, margin=flat)
     return {
         "model": model,
         "layout": label,

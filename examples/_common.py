@@ -1,7 +1,8 @@
 """Shared pieces of the examples: a byte-level tokenizer, the passkey task, data loading, the model, the flags.
 
 Entry points:
-- `ByteTokenizer`: bytes -> ids (no download): id = byte + 3; 0 pad, 1 bos, 2 eos; vocab 259.
+- `ByteTokenizer`: bytes -> ids (no download): id = byte + 3; 0 pad, 1 bos, 2 eos; vocab 259. `.to_hf()`: the
+  same ids as a transformers tokenizer (TRL's `processing_class`: its pad and eos ids).
 - `passkey_dataset(n, seq_len, tokenizer, seed)`: the built-in long-context task as a `datasets.Dataset`.
 - `text_dataset(path, tokenizer, seq_len)`: local json/jsonl/txt files with a "text" field, cut into rows.
 - `build_model(path, vocab_size, lora, lora_rank)`: a tiny Llama from a config (default), a config.json, or a
@@ -45,6 +46,20 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(i - 3 for i in ids if i >= 3).decode(errors="replace")
+
+    def to_hf(self):
+        """A `PreTrainedTokenizerFast` over the same 259 ids (built in memory; TRL reads its pad and eos ids)."""
+        from tokenizers import Tokenizer, models
+        from transformers import PreTrainedTokenizerFast
+
+        names = ["<pad>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+        vocab = {name: i for i, name in enumerate(names)}
+        return PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
+            pad_token="<pad>",
+            bos_token="<s>",
+            eos_token="</s>",
+        )
 
 
 def passkey_dataset(n: int, seq_len: int, tokenizer: ByteTokenizer, seed: int) -> Dataset:

@@ -2,6 +2,10 @@
 `accelerate launch` or `torchrun`: the same task, model and flags as `finetune_long_context.py`.
 
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml examples/finetune_with_trainer.py
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml examples/finetune_with_trainer.py --trl
+
+`--trl` trains with TRL's `SFTTrainer` through `hf_upipe.trl.UPipeSFTTrainer` and an `SFTConfig` (the same
+settings; TRL also logs `entropy`, `mean_token_accuracy` and `num_tokens`, reduced over the ranks).
 
 The Trainer does the rest: progress bar, logging (loss, tokens_per_second, peak_memory_gib), the lr schedule (the
 same warmup and cosine decay as the custom loop), gradient clipping and accumulation, activation checkpointing,
@@ -41,6 +45,11 @@ def main(argv=None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_common_flags(ap)
+    ap.add_argument(
+        "--trl",
+        action="store_true",
+        help="train with TRL's SFTTrainer (hf_upipe.trl.UPipeSFTTrainer, an SFTConfig); needs trl",
+    )
     args = ap.parse_args(argv)
     config = UPipeConfig.from_flags(**upipe_settings(args))  # errors name the flags
     tokenizer = ByteTokenizer()
@@ -56,7 +65,7 @@ def main(argv=None) -> int:
         lora_rank=args.lora_rank,
         seed=args.seed,
     )
-    training = TrainingArguments(
+    settings = dict(
         output_dir=args.output_dir,
         max_steps=args.steps,
         per_device_train_batch_size=1,
@@ -79,13 +88,29 @@ def main(argv=None) -> int:
         dataloader_num_workers=0,
         ddp_find_unused_parameters=False,  # every parameter is used in every step
     )
-    trainer = UPipeTrainer(
-        model=model,
-        args=training,
-        train_dataset=data,
-        data_collator=default_data_collator,
-        upipe_config=config,
-    )
+    if (
+        args.trl
+    ):  # the rows are tokenized, with their labels: TRL keeps them (no packing, no truncation)
+        from trl import SFTConfig
+
+        from hf_upipe.trl import UPipeSFTTrainer
+
+        sft = SFTConfig(**settings, max_length=None, packing=False, gradient_checkpointing=False)
+        trainer = UPipeSFTTrainer(
+            model=model,
+            args=sft,
+            train_dataset=data,
+            processing_class=tokenizer.to_hf(),
+            upipe_config=config,
+        )
+    else:
+        trainer = UPipeTrainer(
+            model=model,
+            args=TrainingArguments(**settings),
+            train_dataset=data,
+            data_collator=default_data_collator,
+            upipe_config=config,
+        )
     resume = True if args.resume == "latest" else args.resume
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(os.path.join(args.output_dir, "final"))
@@ -106,8 +131,14 @@ def main(argv=None) -> int:
             )
         if args.log_json:
             with open(args.log_json, "w") as f:
+                trl_metrics = ("entropy", "mean_token_accuracy", "num_tokens")
                 json.dump(
-                    {"losses": {h["step"]: h["loss"] for h in history}, "accuracy": accuracy}, f
+                    {
+                        "losses": {h["step"]: h["loss"] for h in history},
+                        "accuracy": accuracy,
+                        **{k: {h["step"]: h[k] for h in history if k in h} for k in trl_metrics},
+                    },
+                    f,
                 )
     trainer.accelerator.wait_for_everyone()  # rank 0 may still be writing: tear the group down together
     trainer.accelerator.end_training()

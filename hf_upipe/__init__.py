@@ -6,7 +6,7 @@ Main entry points:
 - `attn_implementation="upipe"` in `from_pretrained` / `from_config`: registered with transformers by
   `import hf_upipe` (as soon as transformers' modeling code loads: `hf_upipe.registration`).
 - `prepare_model(model, upipe_config=None)` / `unprepare_model(model)`: install (and remove, exactly) the fused
-  UPipe attention block and the tiled MLP on the architectures of `hf_upipe.integrations.architectures`; a plain
+  UPipe attention block and the tiled MLP on the architectures of `hf_upipe.architectures`; a plain
   or a PEFT model.
 - `upipe_attention(q, k, v, *, group, heads_per_chunk)`: the op itself, on explicit tensors and process group.
 - `UPipeTrainer` / `UPipeConfig`: transformers' Trainer with sequence parallelism, exact token-weighted loss and
@@ -54,7 +54,7 @@ __version__ = "0.1.0"
 # name -> module that defines it, imported on first use (transformers, accelerate or the planner behind them)
 _LAZY = {
     "MemoryTracker": "hf_upipe.planning.tracker",
-    "UPipePlugin": "hf_upipe.integrations.accelerate",
+    "UPipePlugin": "hf_upipe.plugin",
     "UPipeRuntime": "hf_upipe.runtime",
     "UPipeTrainer": "hf_upipe.trainer",
     "generate": "hf_upipe.generation",

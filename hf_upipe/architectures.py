@@ -6,8 +6,10 @@ Entry points:
   norm over the whole projection, RoPE pairing; the transformers source they were verified against; whether it
   is verified exact under sequence parallelism, which the support gate requires). `FUSED`: the Llama-shaped
   families with the fused block; `VERIFIED_REGISTERED`: the others the matrix found exact on the registered path;
-  `TEXT_ONLY`: multimodal types verified for text input only; `ACROSS_DOCUMENTS`: verified types whose mask ignores
-  packed rows' documents. `keeps_documents_apart(config)`.
+  `TEXT_ONLY`: multimodal types verified for text input only (`TEXT_MODEL_TYPES`: their language models' types);
+  `VISION`: vision-language types verified with their images merged whole before the sequence is sharded
+  (`hf_upipe.vlm`); `ACROSS_DOCUMENTS`: verified types whose mask ignores packed rows' documents.
+  `keeps_documents_apart(config)`.
 - `architecture_of(model_or_config)`: the entry of a model (plain or PEFT) or config, or None.
 - `fused_attention_classes()`, `tiled_mlp_classes()`, `tiled_norm_classes()`: the module classes
   `hf_upipe.prepare_model` acts on.
@@ -44,7 +46,9 @@ __all__ = [
     "ARCHITECTURES",
     "FUSED",
     "LOGIT_SCALES",
+    "TEXT_MODEL_TYPES",
     "TEXT_ONLY",
+    "VISION",
     "VERIFIED_REGISTERED",
     "Architecture",
     "architecture_of",
@@ -75,6 +79,9 @@ class Architecture:
         mlp_suffix, norm_suffix: the tiled classes' suffixes (None: not tiled; MoE blocks are not).
         text_only: a multimodal type verified for text input only: under SP, `prepare_model`'s pre-hook refuses
             every other input (pixel values, audio features, cross-attention masks, ...).
+        vision: a vision-language type verified with its images merged whole and the sequence sharded after
+            (`hf_upipe.vlm.shard_multimodal_batch`): under SP, the pre-hook refuses pixel inputs passed to the
+            forward itself.
         fused_fingerprints / tiled_fingerprints: the verified sources' fingerprints, one per release where the
             source differs (module docstring).
         verified: exact under sequence parallelism on the registered "upipe" path, as the architecture matrix
@@ -93,6 +100,7 @@ class Architecture:
     tiled_fingerprints: tuple[str, ...] = ()
     verified: bool = True
     text_only: bool = False
+    vision: bool = False
     module: str = ""
     qkv_fused: bool = False
     projection_norm: bool = False
@@ -323,6 +331,24 @@ TEXT_ONLY = (
     "qwen3_5",
     "qwen3_5_moe",
 )
+# vision-language types exact at SP 2 with images merged whole and the sequence sharded after
+# (`hf_upipe.vlm`, tests/integrations/test_vlm.py), and their language models' text configs
+VISION = ("qwen2_vl", "qwen2_5_vl")
+VISION_TEXT = ("qwen2_vl_text", "qwen2_5_vl_text")
+# each of them -> the model_type of its text config (its language model: the path it runs under SP)
+TEXT_MODEL_TYPES = {
+    "emu3": "emu3_text_model",
+    "fuyu": "persimmon",
+    "gemma3": "gemma3_text",
+    "gemma4": "gemma4_text",
+    "gemma4_unified": "gemma4_unified_text",
+    "got_ocr2": "qwen2",
+    "llama4": "llama4_text",
+    "mllama": "mllama_text_model",
+    "mllama_text_model": "mllama_text_model",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+}
 # verified types whose mask is built without position_ids: a packed row is one sequence on one device, and under SP
 ACROSS_DOCUMENTS = ("afmoe", "gpt_oss", "opt")
 ARCHITECTURES: dict[str, Architecture] = {
@@ -334,6 +360,8 @@ ARCHITECTURES: dict[str, Architecture] = {
             Architecture(model_type, fused=False, tiled=False, text_only=True)
             for model_type in TEXT_ONLY
         ),
+        *(Architecture(model_type, fused=False, tiled=False, vision=True) for model_type in VISION),
+        *(Architecture(model_type, fused=False, tiled=False) for model_type in VISION_TEXT),
         *(
             Architecture(model_type, fused=False, tiled=False, packed_documents=False)
             for model_type in ACROSS_DOCUMENTS

@@ -2,12 +2,17 @@
 
 Entry points:
 - `main(argv=None)`: `hf-upipe <command> ...`; the console script of the package.
+- `build_parser()`: its argparse parser, one sub-parser per command.
 - `register_command(name, help, add_arguments, run)`: how a command plugs in (`env` here; the planner and the
-  self-test plug in the same way).
+  self-test (`hf_upipe.selftest_command`) plug in the same way).
 
 Commands:
 - `hf-upipe env [--json]`: versions of the stack, devices, distributed backends, the attention kernels usable on
   each device, whether flash-attn is found, and the UPipe settings the `UPIPE_*` variables give.
+- `hf-upipe fingerprints [--json] [--no-check]`: each adapter's installed source fingerprint, the fingerprints the
+  registry records for it, and how it stands (verified by fingerprint, by behaviour, or not); exit 1 unless every
+  adapter is verified. What to compare and record when adding or re-verifying an architecture
+  (docs/contributing.md).
 - `hf-upipe selftest --model ... [--sp 2] [--lora]`: SP against one device on your model (`hf_upipe.selftest`).
 - `hf-upipe plan --model ... --gpus N [--gpu-memory 80GiB] [--nodes M] (--seq-len S | --max)`: per-GPU memory
   by category, whether it fits, the settings to use (`hf_upipe.planning.planner`). Exit 1 if it does not fit.
@@ -24,7 +29,7 @@ import platform
 import sys
 from typing import Callable
 
-__all__ = ["collect_env", "main", "register_command"]
+__all__ = ["build_parser", "collect_env", "main", "register_command"]
 
 _COMMANDS: dict[str, tuple[str, Callable, Callable]] = {}
 
@@ -155,14 +160,43 @@ register_command(
 )
 
 
+def _fingerprints_run(args: argparse.Namespace) -> int:
+    from hf_upipe.integrations.adapter_status import adapter_status
+    from hf_upipe.verification import VERIFIED_RELEASES, installed_version
+
+    rows = adapter_status(check=args.check)
+    if args.json:
+        print(json.dumps({"transformers": installed_version(), "adapters": rows}, indent=1))
+    else:
+        print(
+            f"transformers {installed_version()}; fingerprints recorded for the releases "
+            f"{', '.join(VERIFIED_RELEASES)} (adapter, subject, installed, recorded, status):"
+        )
+        for r in rows:
+            recorded = ",".join(r["recorded"]) or "-"
+            print(
+                f"  {r['adapter']:<6} {r['subject']:<28} {r['fingerprint'] or '-':<16}  "
+                f"{recorded:<34}  {r['status']}"
+            )
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+register_command(
+    "fingerprints",
+    "each adapter's source fingerprint on the installed transformers, those recorded, and its status",
+    _env_arguments,
+    _fingerprints_run,
+)
+
+
 def _selftest_arguments(parser):
-    from hf_upipe.selftest import add_arguments
+    from hf_upipe.selftest_command import add_arguments
 
     add_arguments(parser)
 
 
 def _selftest_run(args):
-    from hf_upipe.selftest import run
+    from hf_upipe.selftest_command import run
 
     return run(args)
 
@@ -195,14 +229,39 @@ register_command(
 )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _calibrate_arguments(parser):
+    from hf_upipe.planning.calibrate import add_arguments
+
+    add_arguments(parser)
+
+
+def _calibrate_run(args):
+    from hf_upipe.planning.calibrate import run
+
+    return run(args)
+
+
+register_command(
+    "calibrate",
+    "on a GPU: measure what the CUDA caching allocator reserves for the planned step; plan applies it",
+    _calibrate_arguments,
+    _calibrate_run,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `hf-upipe`, one sub-parser per registered command."""
     parser = argparse.ArgumentParser(
         prog="hf-upipe", description="UPipe sequence parallelism for Hugging Face models"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_arguments, _) in _COMMANDS.items():
         add_arguments(sub.add_parser(name, help=help_text, description=help_text))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return _COMMANDS[args.command][2](args)
 
 

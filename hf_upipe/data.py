@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hf_upipe.batch_keys import CU_SEQLENS, MAX_SEQLEN
 from hf_upipe.distributed import SequenceParallelState, check_type, get_sequence_parallel_state
 from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
 from hf_upipe.ops.ring import ring_positions
@@ -312,9 +313,7 @@ def shard_batch(
     if packed:
         starts = torch.cat([starts, starts.new_zeros(B, pad)], dim=1)  # [B, S_padded]
         out["position_ids"] = _document_positions(starts)  # [B, S_padded]
-        out["upipe_cu_seqlens"], out["upipe_max_seqlen"] = _cu_seqlens(
-            starts
-        )  # global: the same on every rank
+        out[CU_SEQLENS], out[MAX_SEQLEN] = _cu_seqlens(starts)  # global: the same on every rank
     else:
         out["position_ids"] = torch.arange(S + pad, device=ids.device).expand(
             B, S + pad

@@ -15,7 +15,8 @@ Entry points:
 - `on_state_change(listener)`: be told of every state change. While a state of sp_size > 1 is installed,
   `hf_upipe.integrations.guard` (a listener) refuses a transformers model called without `prepare_model` whose
   attention is not "upipe" or that has token mixers (each rank would mix its shard alone).
-- `validation_group()`: a gloo group over all ranks whose collectives give up after `validation_timeout()` seconds
+- `validation_group()` (with `validation_timeout`, `validation_failed`, `simulated`: `hf_upipe.agreement`, re-exported
+  here): a gloo group over all ranks whose collectives give up after `validation_timeout()` seconds
   (`UPIPE_VALIDATION_TIMEOUT`, default 60): the checks that every rank enters (settings agreement, the runtime's
   shared errors) use it, so a rank that took another path makes the others fail with a message, not hang for the
   process group's 30 minutes. Each SP group has such a twin (`SequenceParallelState.check_group`) for the layout
@@ -32,7 +33,8 @@ Layout: with world size W and `sp_size` P, SP group g holds ranks [g*P, (g+1)*P)
 the all-to-alls are fast) and DP group i holds ranks {i, i+P, i+2P, ...}. Every rank of one SP group works on
 the same sample; different SP groups get different samples. With `ring_size` R (U = sp_size / R), inside SP
 group g the Ulysses group j holds ranks g*P + j*U + [0, U) and ring group u the ranks g*P + u + U*[0, R): SP rank
-r = j*U + u holds part u of ring shard j (`hf_upipe.ops.ring.ring_positions`).
+r = j*U + u holds part u of ring shard j (`hf_upipe.ops.ring.ring_positions`). The layout is the pure function
+`hf_upipe.rank_layout.rank_layout` (tested without processes); this module creates its process groups.
 
 The defaults are a convenience for transformers' attention interface, which gives no way to pass a process group
 through a model call. Every op in `hf_upipe.ops` takes its group explicitly.
@@ -44,10 +46,18 @@ import atexit
 import contextlib
 import datetime
 import logging
-import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
+from hf_upipe.agreement import (
+    agree_on_settings,
+    simulated,
+    validation_failed,
+    validation_group,
+    validation_timeout,
+)
+from hf_upipe.rank_layout import RankLayout, rank_layout
 
 logger = logging.getLogger(__name__)
 
@@ -118,94 +128,6 @@ class SequenceParallelState:
 
 _STATE: SequenceParallelState | None = None
 _LISTENERS: list = []  # called with the new state whenever it changes (`on_state_change`)
-_VALIDATION: dict = {}  # (world, timeout) -> the world's validation group
-
-
-def validation_timeout() -> float:
-    """Seconds a validation collective waits for the other ranks (UPIPE_VALIDATION_TIMEOUT, default 60)."""
-    value = os.environ.get("UPIPE_VALIDATION_TIMEOUT", "").strip()
-    try:
-        seconds = float(value) if value else 60.0
-    except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise ValueError(f"UPIPE_VALIDATION_TIMEOUT={value!r} must be a positive number of seconds")
-    return seconds
-
-
-def simulated() -> bool:
-    """Whether the default process group is a simulated one (`hf_upipe.planning.simulated_world`: the "fake"
-    backend, whose collectives carry no data, so agreement checks are skipped)."""
-    return "fake" in str(dist.get_backend())
-
-
-def validation_group():
-    """The world's validation group (module docstring); every rank must reach its first use at the same point."""
-    key = (dist.get_world_size(), validation_timeout())
-    if key not in _VALIDATION:
-        _VALIDATION[key] = dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=key[1])
-        )
-    return _VALIDATION[key]
-
-
-def validation_failed(err: Exception, what: str) -> RuntimeError:
-    """The error for a validation collective that timed out or lost a peer, with the likely cause."""
-    return RuntimeError(
-        f"hf_upipe: the other ranks did not reach {what} within {validation_timeout():.0f} s "
-        f"({type(err).__name__}: {str(err)[:200]}). Every rank must run the same code up to there: did a rank skip "
-        "init_sequence_parallel or the model call, use other settings, or fail earlier? (UPIPE_VALIDATION_TIMEOUT "
-        "sets the wait.)"
-    )
-
-
-def _upipe_environment() -> tuple:
-    """((name, value or None, as shown), ...): this process's UPIPE_<SETTING> variables that every rank must share
-    (those of every `UPipeConfig` field but the per-rank ones), which `prepare_model` and the Trainer read."""
-    from dataclasses import fields
-
-    from hf_upipe.config import (
-        PER_RANK_SETTINGS,
-        UPipeConfig,
-    )  # local: keeps this module importable alone
-
-    names = [
-        f"UPIPE_{f.name.upper()}" for f in fields(UPipeConfig) if f.name not in PER_RANK_SETTINGS
-    ]
-    values = [os.environ.get(name) for name in names]
-    return tuple((name, v, "unset" if v is None else repr(v)) for name, v in zip(names, values))
-
-
-def _agree(settings: tuple) -> None:
-    """Every rank asked for the same settings and has the same UPIPE_* settings in its environment, or the same
-    ValueError everywhere (bounded wait)."""
-    if dist.get_world_size() == 1 or simulated():
-        return
-    from hf_upipe.config import settings_that_differ  # local: keeps this module importable alone
-
-    every = [None] * dist.get_world_size()
-    try:
-        dist.all_gather_object(every, (settings, _upipe_environment()), group=validation_group())
-    except (RuntimeError, dist.DistError) as err:
-        raise validation_failed(err, "init_sequence_parallel") from None
-    differ = settings_that_differ([env for _, env in every])
-    every = [s for s, _ in every]
-    if differ:
-        raise ValueError(
-            f"The ranks have different UPIPE_* settings in their environment ({'; '.join(differ)}): "
-            "export the same ones on every node (different settings pair different collectives, "
-            "which hangs or corrupts the run)."
-        )
-    if len(set(every)) > 1:
-        names = ("sp_size", "heads_per_chunk", "kernel", "allow_unverified", "ring_size")
-        lines = "; ".join(
-            f"rank {r}: " + ", ".join(f"{n}={v!r}" for n, v in zip(names, s))
-            for r, s in enumerate(every)
-        )
-        raise ValueError(
-            f"The ranks asked init_sequence_parallel for different settings ({lines}): every rank must "
-            "use the same ones (the same UPIPE_* variables, the same script)."
-        )
 
 
 def _check_heads_per_chunk(heads_per_chunk: int | None) -> None:
@@ -238,6 +160,32 @@ def check_type(name: str, value, want: str, kind: type = int, none: bool = True)
     raise ValueError(
         f"{name}={value!r} is {'an' if got[0] in 'aeiou' else 'a'} {got}: pass {want}{hint}."
     )
+
+
+def _create_groups(layout: RankLayout, rank: int) -> dict:
+    """The process groups of `layout` that `rank` belongs to, by kind ("sp", "check": the SP group's gloo twin
+    for validation, "ulysses", "ring", "dp"; None for a kind not built). Every rank creates every group, in the
+    same order, as `dist.new_group` requires: the SP groups (each with its twin), then SP group by SP group its
+    Ulysses groups and its ring groups, then the DP groups."""
+    mine = dict.fromkeys(("sp", "check", "ulysses", "ring", "dp"))
+    fake = simulated()
+    timeout = datetime.timedelta(seconds=validation_timeout())
+    whole = layout.sp_size == layout.world
+    for sp_ranks in layout.sp_groups:
+        pg = dist.new_group(list(sp_ranks)) if not whole else dist.group.WORLD
+        twin = None if fake else dist.new_group(list(sp_ranks), backend="gloo", timeout=timeout)
+        if rank in sp_ranks:
+            mine["sp"], mine["check"] = pg, twin
+    for sp_ranks in layout.sp_groups:
+        for kind in ("ulysses", "ring"):
+            for ranks in getattr(layout, f"{kind}_groups"):
+                if ranks[0] in sp_ranks:  # this SP group's
+                    pg = dist.new_group(list(ranks))
+                    mine[kind] = pg if rank in ranks else mine[kind]
+    for ranks in layout.dp_groups:
+        pg = dist.new_group(list(ranks)) if layout.dp_size < layout.world else dist.group.WORLD
+        mine["dp"] = pg if rank in ranks else mine["dp"]
+    return mine
 
 
 def init_sequence_parallel(
@@ -325,19 +273,10 @@ def init_sequence_parallel(
         )
 
     sp_size = world if sp_size is None else sp_size
-    if not isinstance(sp_size, int) or sp_size < 1 or world % sp_size != 0:
-        divisors = [d for d in range(1, world + 1) if world % d == 0]
-        raise ValueError(
-            f"sp_size={sp_size} does not divide the world size {world}; use one of {divisors}."
-        )
-    if sp_size % ring_size:
-        raise ValueError(
-            f"ring_size={ring_size} does not divide sp_size={sp_size}; use one of "
-            f"{[d for d in range(1, sp_size + 1) if sp_size % d == 0]}."
-        )
-    dp_size = world // sp_size
+    layout = rank_layout(world, sp_size, ring_size)  # ValueError when a size does not divide
+    dp_size = layout.dp_size
     settings = (sp_size, heads_per_chunk, kernel, allow_unverified, ring_size)
-    _agree(settings)
+    agree_on_settings(settings)
     if _STATE is not None and _STATE.check_group is not None:
         if _STATE.settings() == settings:
             return _STATE  # the same settings again: nothing to build
@@ -347,50 +286,23 @@ def init_sequence_parallel(
             "call reset_sequence_parallel() first to change them."
         )
 
-    # new_group must be called by every rank for every group, in the same order.
-    sp_group = dp_group = check_group = None
-    fake = simulated()
-    timeout = datetime.timedelta(seconds=validation_timeout())
-    for g in range(dp_size):
-        ranks = list(range(g * sp_size, (g + 1) * sp_size))
-        pg = dist.new_group(ranks) if sp_size < world else dist.group.WORLD
-        twin = None if fake else dist.new_group(ranks, backend="gloo", timeout=timeout)
-        if rank in ranks:
-            sp_group, check_group = pg, twin
-    ulysses_group = ring_group = None
-    if ring_size > 1:
-        U = sp_size // ring_size
-        for g in range(dp_size):
-            for j in range(ring_size):
-                ranks = [g * sp_size + j * U + u for u in range(U)]
-                pg = dist.new_group(ranks)
-                ulysses_group = pg if rank in ranks else ulysses_group
-            for u in range(U):
-                ranks = [g * sp_size + u + U * j for j in range(ring_size)]
-                pg = dist.new_group(ranks)
-                ring_group = pg if rank in ranks else ring_group
-    if dp_size > 1:
-        for i in range(sp_size):
-            ranks = list(range(i, world, sp_size))
-            pg = dist.new_group(ranks) if dp_size < world else dist.group.WORLD
-            if rank in ranks:
-                dp_group = pg
+    groups = _create_groups(layout, rank)
 
     _install(
         SequenceParallelState(
-            sp_group=sp_group,
+            sp_group=groups["sp"],
             sp_size=sp_size,
             sp_rank=rank % sp_size,
-            dp_group=dp_group,
+            dp_group=groups["dp"],
             dp_size=dp_size,
             dp_rank=rank // sp_size,
             heads_per_chunk=heads_per_chunk,
             kernel=kernel,
             allow_unverified=allow_unverified,
-            check_group=check_group,
+            check_group=groups["check"],
             ring_size=ring_size,
-            ulysses_group=ulysses_group,
-            ring_group=ring_group,
+            ulysses_group=groups["ulysses"],
+            ring_group=groups["ring"],
         )
     )
     if rank == 0:
@@ -444,10 +356,9 @@ def on_state_change(listener) -> None:
 
 @atexit.register
 def _release_groups() -> None:
-    """Drop this module's references to process groups (the state's, the validation groups) while the interpreter
-    is still whole: a gloo group whose last reference dies in the interpreter's teardown can abort the process."""
+    """Drop this module's references to process groups (the state's) while the interpreter is still whole: a gloo
+    group whose last reference dies in the interpreter's teardown can abort the process."""
     _install(None)
-    _VALIDATION.clear()
 
 
 def _install(state: SequenceParallelState | None) -> SequenceParallelState | None:

@@ -37,11 +37,9 @@ import torch.distributed as dist
 
 from hf_upipe.data import shard_batch
 from hf_upipe.distributed import get_sequence_parallel_state, without_sequence_parallel
-from hf_upipe.integrations.transformers import (
-    attention_override,
-    sp_window,
-    upipe_attention_forward,
-)
+from hf_upipe.integrations.sp_checks import attention_override
+from hf_upipe.integrations.sp_kernels import sp_window
+from hf_upipe.integrations.transformers import upipe_attention_forward
 from hf_upipe.ops.ring import ring_positions
 
 __all__ = ["ShardKVCache", "generate"]

@@ -14,7 +14,8 @@ Entry points:
 - `verdict(model_type, checks)`: the checks are run opted in (`allow_unverified=True`, as the self-test runs); the
   row keeps that outcome ("opt_in") and what a user gets by default ("sp2": an unverified type is refused by the
   support gate). "wrong" by default must never happen; "wrong" opted in is what the self-test shows as FAIL.
-- `summary(results)`, `table(results)`: the counts and the support table of docs/support.md.
+- `summary(results)`: the counts of one run; `support_table(reports)`: the counts and the per-type table of one
+  or more runs (one per transformers release), as docs/models.md shows them (`benchmarks/support_table.py`).
 
 `benchmarks/architecture_matrix.py` runs it type by type in isolated processes (a hang is then one type's
 "hung"), writes `benchmarks/results/architecture_matrix.json` and prints the table.
@@ -31,7 +32,7 @@ __all__ = [
     "matrix_rank",
     "single_process",
     "summary",
-    "table",
+    "support_table",
     "verdict",
 ]
 
@@ -241,51 +242,74 @@ def summary(results: dict) -> dict:
     }
 
 
-def _text_type(model_type: str) -> str | None:
-    """The model_type of a multimodal type's text config (built tiny), or None."""
-    from hf_upipe.models import tiny_config
+def _path(model_type: str, row: dict) -> str:
+    """How a type runs under SP: "fused", "registered" (exact on the registered path) or "" (refused); a
+    multimodal type verified for text input only runs its language model's path."""
+    from hf_upipe.architectures import ARCHITECTURES, TEXT_MODEL_TYPES
 
-    try:
-        return tiny_config(model_type).get_text_config().model_type
-    except Exception:  # noqa: BLE001  (no text config to read: the whole type's entry decides)
-        return None
+    arch = ARCHITECTURES.get(model_type)
+    prefix = ""
+    if arch is not None and arch.text_only:  # its language model's attention decides the path
+        arch = ARCHITECTURES.get(TEXT_MODEL_TYPES.get(model_type, "")) or arch
+        prefix = "text only, "
+    if arch is not None and arch.fused:
+        return prefix + "fused"
+    return prefix + "registered" if row.get("sp2") == "exact" else ""
 
 
-def table(results: dict) -> str:
-    """Markdown: one row per tiny-buildable decoder, with the first sentence of its refusal."""
-    from hf_upipe.architectures import ARCHITECTURES
+def _why(row: dict) -> str:
+    """The first sentence of a refusal, without the common preamble."""
+    if row.get("sp2") == "exact":
+        return ""
+    return (row.get("sp2_why") or "").split("hf_upipe: ", 1)[-1].split(". ")[0].replace("|", "/")
 
-    rows = [
-        "| model_type | SP 1 | SP 2 | path | opted in (selftest) | why refused |",
-        "|---|---|---|---|---|---|",
+
+def _cell(results: dict, model_type: str) -> str:
+    row = results.get(model_type)
+    if row is None:
+        return "not in this release"
+    if not row.get("builds"):
+        return "does not build tiny"
+    return row.get("sp2") if row.get("decoder") else "not a decoder"
+
+
+def support_table(reports: list[dict]) -> str:
+    """Markdown: the counts of each report (`benchmarks/architecture_matrix.py`'s JSON, one per transformers
+    release, newest first), then one row per type that builds tiny as a decoder in any of them: its SP 2 outcome
+    on each release, and its path, opted-in outcome (when it differs) and refusal on the newest release that
+    has it. A pure function of the reports and the registry (docs/models.md is generated from it)."""
+    versions = [r["transformers"] for r in reports]
+    lines = []
+    for r in reports:
+        n = r["summary"]
+        sp2 = ", ".join(f"{n['sp2'][o]} {o}" for o in OUTCOMES)
+        lines.append(
+            f"- transformers {r['transformers']}: {n['types']} causal-LM types, "
+            f"{n['decoder_only_tiny']} build tiny as decoders; at SP 2: {sp2}."
+        )
+    lines += [
+        "",
+        "| model_type | "
+        + " | ".join(f"SP 2, transformers {v}" for v in versions)
+        + " | path | opted in (selftest) | why refused |",
+        "|---|" + "---|" * (len(versions) + 3),
     ]
-    for model_type, r in sorted(results.items()):
-        if not (r.get("builds") and r.get("decoder")):
-            continue
-        arch = ARCHITECTURES.get(model_type)
-        if arch is not None and arch.text_only:  # its language model's attention decides the path
-            arch = ARCHITECTURES.get(_text_type(model_type)) or arch
-            prefix = "text only, "
-        else:
-            prefix = ""
-        path = (
-            "fused"
-            if arch is not None and arch.fused
-            else "registered"
-            if r.get("sp2") == "exact"
-            else ""
+    decoders = sorted(
+        {
+            t
+            for r in reports
+            for t, row in r["results"].items()
+            if row.get("builds") and row.get("decoder")
+        }
+    )
+    for model_type in decoders:
+        newest = next(
+            r["results"][model_type]
+            for r in reports
+            if r["results"].get(model_type, {}).get("decoder")
         )
-        path = prefix + path if path else ""
-        why = ""
-        if r.get("sp2") != "exact":
-            why = (
-                (r.get("sp2_why") or "")
-                .split("hf_upipe: ", 1)[-1]
-                .split(". ")[0]
-                .replace("|", "/")[:150]
-            )
-        opt_in = r.get("opt_in") if r.get("opt_in") != r.get("sp2") else ""
-        rows.append(
-            f"| {model_type} | {r.get('sp1')} | {r.get('sp2')} | {path} | {opt_in} | {why} |"
-        )
-    return "\n".join(rows)
+        opt_in = newest.get("opt_in") if newest.get("opt_in") != newest.get("sp2") else ""
+        cells = [model_type, *(_cell(r["results"], model_type) for r in reports)]
+        cells += [_path(model_type, newest), opt_in, _why(newest)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

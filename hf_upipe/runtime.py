@@ -10,7 +10,8 @@ Entry points:
 - `runtime.count(shards)`: label tokens of these shards' batches over all ranks, each counted once.
 - `runtime.loss(model, shard, num_items)`: the token-weighted loss of a shard, ready for backward.
 - `runtime.step(model)`: context for one forward + backward (offloads checkpointed inputs when configured).
-- `runtime.windows(loader, steps)`: shards grouped into gradient-accumulation windows.
+- `runtime.windows(loader, steps)`: shards grouped into gradient-accumulation windows (one batch each under
+  DeepSpeed, whose engine steps at every backward).
 - `runtime.evaluate(model, loader)`: the exact eval loss (token mean over the whole eval set) of an
   accelerate-prepared loader; `runtime.eval_sums(...)`: its per-round sums (what `UPipeTrainer` reports from).
 - `NO_SP`: the state of a run without sequence parallelism; `activation_checkpointing(model)`: whether a model
@@ -70,6 +71,7 @@ from hf_upipe.integrations.support import model_refusal, refusal_error
 from hf_upipe.memory.offload import offload_checkpoints
 from hf_upipe.ops.head_layout import geometry_error, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.ops.kernels import get_kernel
+from hf_upipe.ops.tiled_loss import TokenStats
 
 __all__ = [
     "EvalSums",
@@ -250,6 +252,9 @@ class EvalSums:
     loss: list[float]
     tokens: list[float]
     examples: list[int] | None
+    # with `eval_sums(token_stats=True)`: per round, the summed entropy and argmax hits of the label tokens
+    entropy: list[float] | None = None
+    correct: list[float] | None = None
 
     def token_mean(self) -> float:
         """The mean loss over every label token of the eval set (NaN when it has none)."""
@@ -280,8 +285,9 @@ class UPipeRuntime:
         device,
         plan=None,
         pad_token_id: int = 0,
+        deepspeed: bool = False,
     ):
-        self.config, self.state, self.plan = config, state, plan
+        self.config, self.state, self.plan, self.deepspeed = config, state, plan, deepspeed
         self.world_size, self.device, self.pad_token_id = (
             world_size,
             torch.device(device),
@@ -370,6 +376,7 @@ class UPipeRuntime:
             device=device,
             plan=plan,
             pad_token_id=pad_token_id,
+            deepspeed=deepspeed,
         )
 
     # ---- data and loss -----------------------------------------------------------------------------------------
@@ -419,8 +426,9 @@ class UPipeRuntime:
             )
         return total
 
-    def loss_sum(self, model, shard: dict):
-        """(summed token loss of the shard, fp32 scalar; the model's outputs)."""
+    def loss_sum(self, model, shard: dict, token_stats=None):
+        """(summed token loss of the shard, fp32 scalar; the model's outputs). `token_stats`: an
+        `hf_upipe.ops.tiled_loss.TokenStats` that receives the shard's entropy and argmax hits, or None."""
         _check_shard(shard, "loss")
         inputs = {k: v for k, v in shard.items() if k not in _NOT_INPUTS}
         return shard_loss_sum(
@@ -429,18 +437,26 @@ class UPipeRuntime:
             shard["shift_labels"],
             tiled=self.config.tiled_loss,
             chunk_tokens=self.config.loss_chunk_tokens,
+            token_stats=token_stats,
         )
 
     def loss(
-        self, model, shard: dict, num_items: float | None = None, *, return_outputs: bool = False
+        self,
+        model,
+        shard: dict,
+        num_items: float | None = None,
+        *,
+        return_outputs: bool = False,
+        token_stats=None,
     ):
         """W x (this shard's summed token loss) / max(num_items, 1), ready for backward (module docstring).
 
         `num_items`: label tokens of the optimizer step over all ranks (`count`); default `count([shard])`.
+        `token_stats`: as for `loss_sum`.
         """
         if num_items is None:
             num_items = self.count([shard])
-        loss_sum, outputs = self.loss_sum(model, shard)
+        loss_sum, outputs = self.loss_sum(model, shard, token_stats)
         loss = loss_sum * (self.world_size / max(float(num_items), 1.0))
         return (loss, outputs) if return_outputs else loss
 
@@ -453,9 +469,18 @@ class UPipeRuntime:
             model, cfg.offload, path=cfg.offload_path, min_bytes=cfg.offload_min_bytes
         )
 
-    @staticmethod
-    def windows(loader, steps: int):
-        """Group a loader's shards into gradient-accumulation windows of `steps` (the last may be shorter)."""
+    def windows(self, loader, steps: int):
+        """Group a loader's shards into gradient-accumulation windows of `steps` (the last may be shorter).
+
+        Raises (every rank, before any batch): ValueError for `steps` > 1 under DeepSpeed, whose engine steps the
+        optimizer at every `accelerator.backward` of a loop without `accelerator.accumulate`."""
+        if self.deepspeed and steps > 1:
+            raise ValueError(
+                f"windows of {steps} batches under DeepSpeed: accelerator.backward runs the DeepSpeed engine's "
+                f"optimizer step at every call, so each window would take {steps} optimizer steps instead of one. "
+                "Use windows of 1 batch (raise the per-device batch size instead), or UPipeTrainer, which runs "
+                "DeepSpeed's gradient accumulation exactly."
+            )
         window = []
         for shard in loader:
             window.append(shard)
@@ -476,7 +501,15 @@ class UPipeRuntime:
         with torch.no_grad(), context():
             self.loss_sum(model, shard)
 
-    def eval_sums(self, model, loader, *, shards=None, context=contextlib.nullcontext) -> EvalSums:
+    def eval_sums(
+        self,
+        model,
+        loader,
+        *,
+        shards=None,
+        context=contextlib.nullcontext,
+        token_stats: bool = False,
+    ) -> EvalSums:
         """Per-round loss sums of an evaluation pass over an accelerate-prepared `loader` (no repeated examples).
 
         Args:
@@ -484,6 +517,7 @@ class UPipeRuntime:
             loader: the accelerate-prepared loader (re-pointed here for evaluation; idempotent).
             shards: this rank's shards of `loader`'s batches, on the device (default: `shard` of each batch).
             context: a context-manager factory for each forward (e.g. autocast).
+            token_stats: also sum each round's entropy and argmax hits of the label tokens (`TokenStats`).
 
         Every rank runs the same number of forwards (a replica whose batches ran out runs throw-away ones), and the
         sums cross ranks in one all_reduce at the end.
@@ -491,18 +525,14 @@ class UPipeRuntime:
         share_batches_within_sp(loader, self.state, evaluation=True)
         rows = []
         for shard in shards if shards is not None else (self.shard(b) for b in loader):
+            stats = TokenStats(device=shard["shift_labels"].device) if token_stats else None
             with torch.no_grad(), context():
-                loss_sum, _ = self.loss_sum(model, shard)
-            rows.append(
-                torch.stack(
-                    [
-                        loss_sum.detach().to(torch.float64).reshape(()),
-                        torch.tensor(
-                            self.own_count(shard), dtype=torch.float64, device=loss_sum.device
-                        ),
-                    ]
-                )
-            )
+                loss_sum, _ = self.loss_sum(model, shard, stats)
+            count = torch.tensor(self.own_count(shard), dtype=torch.float64, device=loss_sum.device)
+            row = [loss_sum.detach().to(torch.float64).reshape(()), count]
+            if stats is not None:
+                row += [stats.entropy_sum.to(loss_sum.device), stats.correct.to(loss_sum.device)]
+            rows.append(torch.stack(row))
         distributed = self.world_size > 1 and dist.is_initialized()
         examples = eval_rounds(loader, self.state.dp_size) if distributed else None
         rounds = len(examples) if examples is not None else len(rows)
@@ -512,15 +542,15 @@ class UPipeRuntime:
             )
         for _ in range(rounds - len(rows)):
             self._throwaway_forward(model, context)
-        sums = torch.zeros(
-            rounds, 2, dtype=torch.float64, device=self.device
-        )  # [G, (loss, tokens)]
+        # [G, (loss, tokens)] or [G, (loss, tokens, entropy, correct)]
+        sums = torch.zeros(rounds, 4 if token_stats else 2, dtype=torch.float64, device=self.device)
         if rows:
             sums[: len(rows)] = torch.stack(rows).to(self.device)
         if distributed:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        loss, tokens = sums.t().tolist() if rounds else ([], [])
-        return EvalSums(loss=loss, tokens=tokens, examples=examples)
+        columns = sums.t().tolist() if rounds else [[] for _ in range(sums.shape[1])]
+        stats = dict(entropy=columns[2], correct=columns[3]) if token_stats else {}
+        return EvalSums(loss=columns[0], tokens=columns[1], examples=examples, **stats)
 
     def evaluate(self, model, loader) -> float:
         """The exact eval loss of `loader` (accelerate-prepared, as given to `UPipePlugin.prepare` or

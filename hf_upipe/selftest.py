@@ -3,11 +3,10 @@
 Entry points:
 - `run_selftest(models, *, sp=2, lora=False, seq_len=61, heads_per_chunk=1, fused=True, breakage=None, ring=1)`:
   spawns `sp` processes (gloo on CPU; NCCL when there are `sp` GPUs) and returns one `Check` per comparison and model.
-- `format_table(checks)`: the pass/fail table the command prints.
 - `check_inputs(models, sp, heads_per_chunk)`: the input checks made before any process is started.
-- `hf-upipe selftest --model <name | config.json | model dir | org/name> [--sp 2] [--ring 1] [--lora]`: the names of
-  `hf_upipe.models` (presets run at a tiny width and depth with their own head geometry); exit 0 when every check
-  passes, 1 on a numerical mismatch, 2 on bad input or a model hf_upipe refuses to run under SP (its message whole).
+- `hf-upipe selftest ...`, the command on top, and its table: `hf_upipe.selftest_command`.
+- `--model qwen2_vl` / `qwen2_5_vl`: a tiny vision-language model on images and text, merged whole and then
+  sharded (`hf_upipe.vlm_check.check_vlm`; SP 2).
 
 Per model, every rank builds the model twice from the same weights: a reference ("sdpa", whole sequence, one
 device) and the SP model (`prepare_model`: fused block or registered "upipe", `heads_per_chunk`). Two batches: a
@@ -21,22 +20,20 @@ shard, the classic SP bug, to show that the test fails loudly.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from hf_upipe.integrations.peft import base_model
-from hf_upipe.models import model_names, runnable_config
+from hf_upipe.models import runnable_config
 from hf_upipe.ops.head_layout import geometry_error, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.ops.ring import ring_positions
 from hf_upipe.testing import DistributedFailure, run_distributed
 
-__all__ = ["Check", "check_model", "format_table", "raised_by_hf_upipe", "run_selftest"]
+__all__ = ["Check", "check_model", "raised_by_hf_upipe", "run_selftest"]
 
 TOLERANCE = {"logits": 1e-4, "train loss": 2e-5, "eval loss": 2e-5, "gradients": 1e-4}
 GRADIENT_FLOOR = 1e-2  # see gradient_error
@@ -97,7 +94,15 @@ def check_inputs(models, sp: int, heads_per_chunk: int | None, ring: int = 1) ->
     if ring < 1 or sp % ring:
         raise ValueError(f"--ring {ring} must divide --sp {sp}: sp = ranks per ring shard x ring.")
     sp //= ring  # the heads split over the ranks of a ring shard
+    from hf_upipe.vlm import VISION_TYPES
+
     for name in models:
+        if name in VISION_TYPES:  # a tiny model of 4 query / 2 key-value heads (hf_upipe.vlm_check)
+            if sp != 2 or ring != 1:
+                raise ValueError(
+                    f"{name} is checked at --sp 2 without a ring (its tiny model has 2 KV heads)."
+                )
+            continue
         _, config = runnable_config(name)
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = getattr(config, "num_attention_heads", None)
@@ -165,7 +170,11 @@ def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
     )
     from hf_upipe.integrations.loss import shard_loss_sum
     from hf_upipe.integrations.support import config_refusal, refusal_error
+    from hf_upipe.vlm import VISION_TYPES
+    from hf_upipe.vlm_check import check_vlm
 
+    if name in VISION_TYPES:  # images merged whole, then the sequence sharded (hf_upipe.vlm)
+        return check_vlm(name, spec)
     state = get_sequence_parallel_state()
     reason = config_refusal(
         runnable_config(name)[1],
@@ -351,107 +360,3 @@ def run_selftest(
     except DistributedFailure as err:
         raise RuntimeError(f"selftest worker failed:\n{err}") from None
     return [Check(**c) for c in ranks[0]]
-
-
-def format_table(checks: list[Check]) -> str:
-    rows = [
-        "| model | batch | check | max rel. error | tolerance | result |",
-        "|---|---|---|---|---|---|",
-    ]
-    for c in checks:
-        if c.refused:
-            continue
-        rows.append(
-            f"| {c.model} | {c.batch} | {c.name} | {c.error:.2e} | {c.tolerance:.0e} | "
-            f"{'PASS' if c.passed else 'FAIL'}{' (' + c.note + ')' if c.note and not c.passed else ''} |"
-        )
-    failed = sum(not c.passed and not c.refused for c in checks)
-    rows.append(
-        f"\n{len(checks) - failed - sum(bool(c.refused) for c in checks)} passed, {failed} failed"
-    )
-    rows += [
-        f"{c.model}: cannot run under sequence parallelism: {c.refused}"
-        for c in checks
-        if c.refused
-    ]
-    rows += [
-        f"{m}: not in hf_upipe's architecture registry; these checks verify it for this configuration: train "
-        "it with UPipeConfig(allow_unverified=True) or UPIPE_ALLOW_UNVERIFIED=1"
-        for m in _unverified(
-            {c.model for c in checks if c.passed} - {c.model for c in checks if not c.passed}
-        )
-    ]
-    return "\n".join(rows)
-
-
-def _unverified(models) -> list[str]:
-    """The model names among `models` whose model_type the registry does not list as verified."""
-    from hf_upipe.architectures import ARCHITECTURES
-
-    out = []
-    for name in sorted(models):
-        try:
-            model_type = runnable_config(name)[0].model_type
-        except Exception:  # noqa: BLE001  (only a note: a name that does not resolve here gets none)
-            continue
-        if not (ARCHITECTURES.get(model_type) and ARCHITECTURES[model_type].verified):
-            out.append(name)
-    return out
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        required=True,
-        help=f"comma-separated: {', '.join(model_names())} (presets run at a tiny width and depth "
-        "with their own head geometry), a config.json, a model folder, or a Hub id 'org/name'",
-    )
-    parser.add_argument(
-        "--sp", type=int, default=2, help="sequence-parallel ranks to launch (default 2)"
-    )
-    parser.add_argument(
-        "--ring",
-        type=int,
-        default=1,
-        help="ring attention over this many ring shards of the --sp ranks (default 1: none)",
-    )
-    parser.add_argument(
-        "--lora", action="store_true", help="check a LoRA (PEFT) model on all linear layers"
-    )
-    parser.add_argument(
-        "--seq-len", type=int, default=61, help="sequence length (default 61: odd, pads under SP)"
-    )
-    parser.add_argument(
-        "--heads-per-chunk", default="1", help="UPipe head chunk, or 'all' (Ulysses mode)"
-    )
-    parser.add_argument(
-        "--registered",
-        action="store_true",
-        help="check the registered attention, not the fused one",
-    )
-    parser.add_argument(
-        "--break", dest="breakage", choices=["shard-shift"], help="deliberately break the sharding"
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Exit 0 when every check passes, 1 on a numerical mismatch, 2 on bad input or a model refused under SP."""
-    try:
-        hpc = None if args.heads_per_chunk == "all" else int(args.heads_per_chunk)
-        checks = run_selftest(
-            args.model.split(","),
-            sp=args.sp,
-            lora=args.lora,
-            seq_len=args.seq_len,
-            heads_per_chunk=hpc,
-            fused=not args.registered,
-            breakage=args.breakage,
-            ring=args.ring,
-        )
-    except ValueError as err:
-        print(f"hf-upipe selftest: error: {err}", file=sys.stderr)
-        return 2
-    print(format_table(checks))
-    if any(c.refused for c in checks):
-        return 2
-    return 0 if all(c.passed for c in checks) else 1

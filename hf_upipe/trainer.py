@@ -338,6 +338,13 @@ class UPipeTrainer(Trainer):
                 "predict())."
             )
 
+    _eval_token_stats = (
+        False  # whether the exact eval loop also sums TokenStats (subclasses' metrics)
+    )
+
+    def _record_eval_sums(self, sums) -> None:
+        """Hook: the exact eval loop's per-round sums (`hf_upipe.runtime.EvalSums`), for subclasses' metrics."""
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The Trainer's (one process, or sp_size 1 with metrics); refused under SP unless loss only."""
         if not prediction_loss_only:
@@ -382,8 +389,13 @@ class UPipeTrainer(Trainer):
                 )
 
         sums = self.upipe.eval_sums(
-            model, dataloader, shards=shards(), context=self.compute_loss_context_manager
+            model,
+            dataloader,
+            shards=shards(),
+            context=self.compute_loss_context_manager,
+            token_stats=self._eval_token_stats,
         )
+        self._record_eval_sums(sums)
         loss = sums.batch_mean(nan_filter=self.args.logging_nan_inf_filter)
         return EvalLoopOutput(
             predictions=None,

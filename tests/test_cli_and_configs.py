@@ -1,4 +1,5 @@
-"""`hf-upipe env` reports the stack and the UPIPE_* settings; every accelerate config in accelerate_configs/ loads."""
+"""`hf-upipe env` reports the stack and the UPIPE_* settings; `hf-upipe fingerprints` the adapters' sources; every
+accelerate config in accelerate_configs/ loads."""
 
 import glob
 import json
@@ -35,6 +36,30 @@ def test_env_prints_only_the_settings_fields(capsys, monkeypatch):
     assert main(["env", "--json"]) == 0
     names = [f.name for f in dataclasses.fields(UPipeConfig)]
     assert list(json.loads(capsys.readouterr().out)["upipe_settings"]) == names
+
+
+def test_fingerprints_lists_each_adapter_with_its_recorded_sources(capsys):
+    """Every fused architecture appears twice (fused block, tiled MLP), each row with the installed fingerprint and
+    the registry's; on a verified release every installed fingerprint is one recorded, and the exit status is 0."""
+    from hf_upipe.architectures import FUSED, source_fingerprint
+    from hf_upipe.verification import VERIFIED_RELEASES, installed_release
+
+    code = main(["fingerprints", "--json", "--no-check"])
+    rows = json.loads(capsys.readouterr().out)["adapters"]
+    by_key = {(r["adapter"], r["subject"]): r for r in rows}
+    for arch in FUSED:
+        fused = by_key[("fused", arch.model_type)]
+        assert fused["fingerprint"] == source_fingerprint(arch, "fused")
+        assert fused["recorded"] == list(arch.fused_fingerprints)
+        assert by_key[("tiled", arch.model_type)]["recorded"] == list(arch.tiled_fingerprints)
+    assert ("rope", "dynamic_rope_update") in by_key
+    if installed_release() in VERIFIED_RELEASES:
+        assert code == 0 and all(r["fingerprint"] in r["recorded"] for r in rows)
+        assert main(["fingerprints", "--no-check"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].startswith("transformers ") and len(lines) == len(rows) + 1
+        llama = next(x.split() for x in lines if x.split()[:2] == ["fused", "llama"])
+        assert llama[2] in llama[3].split(",") and "verified by fingerprint" in " ".join(llama)
 
 
 def test_env_reports_a_bad_setting(capsys, monkeypatch):

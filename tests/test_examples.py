@@ -4,7 +4,8 @@ Custom loop (`examples/finetune_long_context.py`, the README's main command with
 of 2 processes equal those of one process on the same data (full and LoRA); a run resumed from its step-2
 checkpoint logs the same losses at steps 3 and 4, and one missing a rank's RNG state is refused; the saved model
 loads in plain transformers. Trainer example
-(`examples/finetune_with_trainer.py`): trains, logs and saves a PEFT adapter.
+(`examples/finetune_with_trainer.py`): trains, logs and saves a PEFT adapter; its `--trl` mode (TRL's SFTTrainer
+through UPipeSFTTrainer) logs the same losses and TRL's metrics.
 """
 
 import json
@@ -122,14 +123,27 @@ def test_custom_loop_two_processes_equal_one(tmp_path, mode):
 
 
 def test_trainer_example(tmp_path):
-    out = _run(
-        "finetune_with_trainer.py",
-        COMMON + ["--output-dir", str(tmp_path / "t"), "--log-json", str(tmp_path / "t.json")],
-        tmp_path,
-    )
-    assert "loss: first log" in out
-    assert sorted(_losses(tmp_path / "t.json")) == [1, 2, 3, 4]
-    assert os.path.exists(tmp_path / "t" / "final" / "adapter_model.safetensors")
+    """The Trainer example, and its `--trl` mode (UPipeSFTTrainer): the same losses, TRL's metrics logged."""
+    runs = {}
+    for mode in ("trainer", "trl"):
+        out = _run(
+            "finetune_with_trainer.py",
+            COMMON
+            + ["--output-dir", str(tmp_path / mode), "--log-json", str(tmp_path / f"{mode}.json")]
+            + (["--trl"] if mode == "trl" else []),
+            tmp_path,
+        )
+        assert "loss: first log" in out
+        with open(tmp_path / f"{mode}.json") as f:
+            runs[mode] = json.load(f)
+        assert sorted(_losses(tmp_path / f"{mode}.json")) == [1, 2, 3, 4]
+        assert os.path.exists(tmp_path / mode / "final" / "adapter_model.safetensors")
+    for step, loss in runs["trainer"]["losses"].items():
+        assert abs(runs["trl"]["losses"][step] - loss) <= 1e-5 * loss, (step, runs)
+    trl = runs["trl"]
+    assert sorted(trl["entropy"]) == sorted(trl["mean_token_accuracy"]) == ["1", "2", "3", "4"]
+    assert all(v > 0 for v in trl["entropy"].values())
+    assert trl["num_tokens"]["4"] == 4 * 256  # 4 steps of one 256-token row
 
 
 def test_a_bad_setting_is_one_line_from_one_rank(tmp_path):

@@ -1,10 +1,12 @@
 """The package's layers import only downward, with no circles, and `import hf_upipe` stays light.
 
 Layers, bottom to top (a module may import its own layer and the layers below):
-  0 ops, architectures, verification, registration helpers: pure torch (ops import nothing of transformers etc.)
+  0 ops, architectures, verification, batch_keys, rank_layout, units: pure torch (ops import no transformers)
   1 data, distributed, exits, config, memory, integrations
   2 runtime, checkpoint, auto_settings
-  3 trainer, trl, integrations.accelerate (UPipeTrainer, UPipeSFTTrainer and UPipePlugin, all on the runtime)
+  3 trainer, plugin, trl: the two faces of the runtime, side by side (UPipeTrainer for transformers' Trainer,
+    UPipePlugin for custom loops), and UPipeSFTTrainer on the trainer; integrations.accelerate only re-exports
+    the plugin for older imports
   4 planning, selftest, testing, cli (on top: they may import anything)
 Every import statement counts, also those inside functions (a lazy import is still a dependency).
 """
@@ -24,11 +26,14 @@ LAYERS = [
         "hf_upipe.verification",
         "hf_upipe.integrations.peft",
         "hf_upipe.units",
+        "hf_upipe.batch_keys",
+        "hf_upipe.rank_layout",
     ),
     (
         "hf_upipe.data",
         "hf_upipe.distributed",
         "hf_upipe.exits",
+        "hf_upipe.agreement",
         "hf_upipe.config",
         "hf_upipe.memory",
         "hf_upipe.integrations",
@@ -36,10 +41,11 @@ LAYERS = [
         "hf_upipe.models",
     ),
     ("hf_upipe.runtime", "hf_upipe.checkpoint", "hf_upipe.auto_settings"),
-    ("hf_upipe.trainer", "hf_upipe.trl", "hf_upipe.integrations.accelerate"),
+    ("hf_upipe.trainer", "hf_upipe.plugin", "hf_upipe.trl", "hf_upipe.integrations.accelerate"),
     (
         "hf_upipe.planning",
         "hf_upipe.selftest",
+        "hf_upipe.selftest_command",
         "hf_upipe.matrix",
         "hf_upipe.testing",
         "hf_upipe.cli",
@@ -171,6 +177,43 @@ def test_no_private_names_imported_across_modules():
                         if a.name.startswith("_")
                     ]
     assert not bad, "\n".join(bad)
+
+
+def test_the_plugin_and_the_trainer_are_the_two_faces_of_the_runtime():
+    """UPipePlugin and UPipeTrainer sit side by side, one layer above the runtime they both build on;
+    hf_upipe.integrations.accelerate only re-exports the plugin (nothing below imports it)."""
+    graph = _modules()
+    assert _layer("hf_upipe.plugin") == _layer("hf_upipe.trainer") == _layer("hf_upipe.runtime") + 1
+    assert "hf_upipe.runtime" in graph["hf_upipe.plugin"]
+    assert "hf_upipe.runtime" in graph["hf_upipe.trainer"]
+    assert graph["hf_upipe.integrations.accelerate"] <= {
+        "hf_upipe.plugin",
+        "hf_upipe.plugin.UPipePlugin",
+    }
+    importers = sorted(m for m, deps in graph.items() if "hf_upipe.integrations.accelerate" in deps)
+    assert importers in ([], ["hf_upipe.integrations"]), importers
+    import hf_upipe
+    from hf_upipe.integrations.accelerate import UPipePlugin
+
+    assert UPipePlugin is hf_upipe.UPipePlugin and UPipePlugin.__module__ == "hf_upipe.plugin"
+
+
+def test_the_batch_keys_have_one_home():
+    """The packed rows' batch keys are spelled once, in hf_upipe/batch_keys.py; code elsewhere uses its names."""
+    from hf_upipe.batch_keys import DOCUMENT_KEYS
+
+    bad = []
+    for folder, _, files in os.walk(PACKAGE):
+        for name in (f for f in files if f.endswith(".py") and f != "batch_keys.py"):
+            path = os.path.join(folder, name)
+            with open(path) as f:
+                tree = ast.parse(f.read())
+            bad += [
+                f"{os.path.relpath(path, ROOT)}:{node.lineno}: {node.value!r}"
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Constant) and node.value in DOCUMENT_KEYS
+            ]
+    assert not bad, "use hf_upipe.batch_keys instead of:\n" + "\n".join(bad)
 
 
 def _python(code: str) -> str:

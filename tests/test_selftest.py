@@ -70,3 +70,17 @@ def test_gradient_error_floors_noise_but_not_a_wrong_gradient():
     assert (
         gradient_error(big * (1 + 2e-4), big, scale) > TOLERANCE["gradients"]
     )  # relative to itself above the floor
+
+
+@pytest.mark.slow
+def test_selftest_covers_a_vision_language_model(capsys):
+    """A tiny Qwen2-VL with LoRA on images and text (hf_upipe.vlm_check): every row passes, the vision tower's
+    gradients among them; another SP size is refused before any spawn."""
+    assert main(["selftest", "--model", "qwen2_vl", "--lora"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "| qwen2_vl | images+video+text | vision-tower gradients |" in out
+        and "4 passed, 0 failed" in out
+    )
+    assert main(["selftest", "--model", "qwen2_vl", "--sp", "4"]) == 2
+    assert "qwen2_vl is checked at --sp 2" in capsys.readouterr().err

@@ -12,7 +12,6 @@ from hf_upipe.trl import SFT_TRAINER_INTERNALS, UPipeSFTTrainer, sft_config_erro
 REFUSED = {
     # setting -> words the error must contain
     "loss_type": (dict(loss_type="dft"), "loss_type='dft'"),
-    "assistant_only_loss": (dict(assistant_only_loss=True), "assistant_only_loss=True"),
     "use_liger_kernel": (dict(use_liger_kernel=True), "use_liger_kernel=True"),
     "activation_offloading": (dict(activation_offloading=True), "UPipeConfig(offload='cpu')"),
     "selective_checkpointing": (
@@ -35,12 +34,29 @@ def _config(tmp_path, **overrides):
 
 
 def test_supported_settings_raise_nothing(tmp_path):
+    from accelerate.parallelism_config import ParallelismConfig
+
     assert (
         sft_config_errors(
             _config(tmp_path, packing=True, completion_only_loss=True, padding_free=True)
         )
         == []
     )
+    assert sft_config_errors(_config(tmp_path, assistant_only_loss=True, max_length=64)) == []
+    # the SP degree is read by UPipeTrainer (hf_upipe.integrations.parallelism), not refused
+    pc = ParallelismConfig(sp_size=2)
+    assert sft_config_errors(_config(tmp_path, parallelism_config=pc)) == []
+
+
+def test_context_parallelism_is_refused_before_trl_runs(tmp_path):
+    """Through UPipeTrainer's checks: context parallelism is another SP system (the fix names sp_size)."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    args = _config(tmp_path, parallelism_config=ParallelismConfig(cp_size=2))
+    with pytest.raises(
+        ValueError, match=r"ParallelismConfig\(cp_size=2\) asks for context parallelism"
+    ):
+        UPipeSFTTrainer(model=None, args=args, train_dataset=None)
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
@@ -87,3 +103,29 @@ def test_sft_trainer_method_keeps_its_parameters(name):
     )
     assert params == SFT_TRAINER_INTERNALS[name], f"trl.SFTTrainer.{name} now takes {params}"
     assert name in vars(trl.SFTTrainer), f"trl.SFTTrainer no longer overrides {name}"
+
+
+@pytest.mark.slow  # two training runs in a spawned process (about 30 s on 2 loaded cores)
+def test_one_process_loss_and_metrics_equal_trl(tmp_path):
+    """On one process UPipeSFTTrainer trains through hf_upipe's tiled loss (one log line says it replaces TRL's
+    fused LM head) and logs the same loss, grad norm, entropy, mean_token_accuracy and num_tokens as TRL.
+    (The multi-rank equivalence, SP 2 and SP 2 x DP 2: tests/training/test_trl_sft.py.)"""
+    from tests._dist import run_distributed
+    from tests.training._trl_runs import sft_runs
+
+    spec = dict(steps=2, ga=1, lora=True, kind="conversational", completion_only_loss=None)
+    spec["assistant_only_loss"] = True
+    ref, got = run_distributed(
+        sft_runs,
+        1,
+        [
+            dict(trainer="trl", output_dir=str(tmp_path / "ref"), **spec),
+            dict(trainer="upipe", sp=1, output_dir=str(tmp_path / "up"), **spec),
+        ],
+        timeout=300,
+    )[0]
+    assert "replaced by hf_upipe's tiled loss" in got["log"], got["log"]
+    for what in ("losses", "grad_norms", "entropy", "mean_token_accuracy"):
+        for step, want in ref[what].items():
+            assert abs(got[what][step] - want) <= 1e-5 * abs(want) + 1e-12, (what, got, ref)
+    assert got["num_tokens"] == ref["num_tokens"]

@@ -160,7 +160,7 @@ def test_selftest_input_errors_exit_2_before_starting_anything(capsys):
 
 
 def test_dropout_advice_names_the_models_own_key():
-    from hf_upipe.integrations.transformers import check_call
+    from hf_upipe.integrations.sp_checks import check_call
 
     gpt2_like = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace(attn_pdrop=0.1))
     with pytest.raises(NotImplementedError, match=r"attn_pdrop=0.0"):

@@ -6,7 +6,8 @@ Entry points:
   the installed source's fingerprint and how the adapter stands: verified by fingerprint, verified by behaviour on
   this version, or not verified (and why). With `check=False` nothing is checked: a source not seen before is
   "not checked yet" (it is checked when `prepare_model` first needs it).
-- `format_status(rows)`: the rows as the lines `hf-upipe env` prints.
+- `format_status(rows)`: the rows as the lines `hf-upipe env` prints (`hf-upipe fingerprints` adds each row's
+  recorded fingerprints: `recorded`, the sources verified in the releases of `hf_upipe.verification`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def _row(adapter: str, subject: str, source: str | None, known: tuple, verdict) 
         "adapter": adapter,
         "subject": subject,
         "fingerprint": source,
+        "recorded": list(known),
         "status": status,
         "ok": verdict.ok if verdict is not None else source in known,
     }

@@ -35,9 +35,10 @@ import torch
 from torch import nn
 
 from hf_upipe.architectures import ARCHITECTURES
+from hf_upipe.batch_keys import CU_SEQLENS, DOCUMENT_KEYS, MAX_SEQLEN
 from hf_upipe.distributed import get_sequence_parallel_state
-from hf_upipe.integrations.layout import note_model_positions
 from hf_upipe.integrations.mixers import reentrant_refusal, ring_refusal
+from hf_upipe.integrations.model_calls import note_model_positions
 
 __all__ = [
     "ATTENTIONS_UNDER_SP",
@@ -167,8 +168,7 @@ _TEXT_INPUTS = frozenset(
         "labels",
         "shift_labels",
         "token_type_ids",
-        "upipe_cu_seqlens",
-        "upipe_max_seqlen",
+        *DOCUMENT_KEYS,
         "cache_position",
         "num_items_in_batch",
         "logits_to_keep",
@@ -205,8 +205,15 @@ def refuse_silent_misuse(module, args, kwargs):
     arch = ARCHITECTURES.get(
         getattr(getattr(module, "config", None), "model_type", None)
     )  # the whole model's type
-    if arch is not None and arch.text_only:
+    if arch is not None and (arch.text_only or arch.vision):
         other = sorted(k for k, v in kwargs.items() if k not in _TEXT_INPUTS and _has_tensor(v))
+        if arch.vision and (other or any(_has_tensor(a) for a in args[1:])):
+            raise NotImplementedError(
+                f"{arch.model_type} under sequence parallelism takes its images merged whole before the sequence "
+                f"is sharded, and this call passes {other or 'positional inputs after input_ids'}: the vision "
+                "features would be scattered into each rank's shard of the tokens. Call the model with "
+                "hf_upipe.vlm.shard_multimodal_batch(model, batch, sp_rank, sp_size) (inputs_embeds, position_ids)."
+            )
         if other or any(_has_tensor(a) for a in args[1:]):
             raise NotImplementedError(
                 f"{arch.model_type} is verified under sequence parallelism for text input only, and this call passes "
@@ -234,13 +241,13 @@ def refuse_silent_misuse(module, args, kwargs):
 
 def _prepared_call(module, args, kwargs):
     """`refuse_silent_misuse`, after noting the call's position_ids and documents for the attention layers of a
-    prepared model that do not receive them (`hf_upipe.integrations.layout.note_model_positions`)."""
+    prepared model that do not receive them (`hf_upipe.integrations.model_calls.note_model_positions`)."""
     state = get_sequence_parallel_state()
     if state is not None and state.sp_size > 1:
         note_model_positions(
             kwargs.get("position_ids"),
-            kwargs.get("upipe_cu_seqlens"),
-            kwargs.get("upipe_max_seqlen"),
+            kwargs.get(CU_SEQLENS),
+            kwargs.get(MAX_SEQLEN),
             module,
         )
     return refuse_silent_misuse(module, args, kwargs)

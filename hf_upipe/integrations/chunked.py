@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_upipe.integrations.layout import mask_agrees
+from hf_upipe.integrations.mask_probe import mask_agrees
 from hf_upipe.ops.documents import DocumentKernel
 from hf_upipe.ops.kernels import get_kernel
 

@@ -46,22 +46,23 @@ from hf_upipe.architectures import (
     model_geometry,
     source_fingerprint,
 )
+from hf_upipe.batch_keys import CU_SEQLENS
 from hf_upipe.distributed import without_sequence_parallel
 from hf_upipe.integrations.call_checks import CACHE_NAMES
-from hf_upipe.integrations.layout import validate_layout, with_model_documents, without_documents
+from hf_upipe.integrations.layout import validate_layout, without_documents
+from hf_upipe.integrations.model_calls import with_model_documents
 from hf_upipe.integrations.probe import case_config, compare, model_pair, with_lora
 from hf_upipe.integrations.replaced import own_forward
 from hf_upipe.integrations.ring_seam import ring_kernel
-from hf_upipe.integrations.transformers import (
+from hf_upipe.integrations.sp_checks import (
     active_state,
+    attention_overridden,
     check_call,
     check_model,
     local_sequence_parallel,
-    overridden,
-    sp_kernel,
-    sp_window,
-    window_kernel,
 )
+from hf_upipe.integrations.sp_kernels import sp_kernel, sp_window, window_kernel
+from hf_upipe.integrations.zero3 import forget_children, gather_children
 from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.fused_attention import (
     AttentionWeights,
@@ -229,7 +230,7 @@ def _call_arguments(args: tuple, kwargs: dict) -> tuple:
 def fused_forward(self, hidden_states, *args, **kwargs):
     """Forward installed on known attention modules: the fused UPipe block under SP, the original otherwise."""
     state = active_state()
-    if state is None or overridden() or _autocast_other_dtype(self, hidden_states):
+    if state is None or attention_overridden() or _autocast_other_dtype(self, hidden_states):
         return type(self).forward(
             self, hidden_states, *args, **kwargs
         )  # without SP: "sdpa"; else registered
@@ -263,7 +264,7 @@ def fused_forward(self, hidden_states, *args, **kwargs):
             B,
             s,
             hidden_states.device,
-            kwargs.get("upipe_cu_seqlens"),
+            kwargs.get(CU_SEQLENS),
             hidden_states.dtype,
             not keeps_documents_apart(self.config),
         ):
@@ -291,11 +292,12 @@ def fused_forward(self, hidden_states, *args, **kwargs):
         kernel = window_kernel(
             kernel,
             window,
-            kwargs.get("upipe_cu_seqlens"),
+            kwargs.get(CU_SEQLENS),
             hidden_states.device,
             hidden_states.dtype,
         )
     cos, sin = position_embeddings
+    gather_children(self)  # ZeRO-3: q/k/v/o_proj are read here, not called
     y = fused_upipe_attention(
         hidden_states,
         cos,
@@ -309,7 +311,7 @@ def fused_forward(self, hidden_states, *args, **kwargs):
         kernel=kernel,
         scale=self.scaling,
         # LoRA dropout's masks are drawn by global token position (ring shards hold two chunks)
-        positions=ring_positions(
+        positions=lambda: ring_positions(
             state.sp_rank, s, state.sp_size, state.ring_size, hidden_states.device
         ),
         **self.__dict__.get(_OPTIONS, {}),
@@ -400,6 +402,7 @@ def remove_fused_attention(model: nn.Module) -> int:
         if _is_fused(module):
             del module.forward
             module.__dict__.pop(_OPTIONS, None)
+            forget_children(module)
             count += 1
     return count
 

@@ -37,8 +37,8 @@ from hf_upipe.integrations.call_checks import (
     refuse_generation,
     shard_length_refusal,
 )
-from hf_upipe.integrations.layout import is_adopted
 from hf_upipe.integrations.mixers import is_installed, supported
+from hf_upipe.integrations.model_calls import is_adopted
 from hf_upipe.integrations.support import config_refusal, model_refusal, refusal_error
 
 __all__ = ["sync_guard", "unprepared_refusal"]

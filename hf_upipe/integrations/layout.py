@@ -8,12 +8,8 @@ Entry points:
   model forward: later layers and checkpoint recomputes hand over the same objects and are not checked again.
   Returns whether attention keeps packed rows' documents apart (a model whose mask ignores them: no, and the caller
   drops them with `without_documents(kwargs)`).
-- `note_model_positions(position_ids, documents=None, max_seqlen=None, model=None)` / `model_positions()`: the
-  position_ids (and packed rows' documents) a prepared model was called with, for the models whose attention calls
-  do not receive them (the check then uses what the model received); `adopt_modules(model)` (and
-  `release_modules`, `is_adopted(module)`) and `with_model_documents(kwargs, module)`: an attention call's kwargs
-  with its own model's call's documents, when the call lacks them (Nemotron's decoder layers drop their kwargs).
-- `mask_agrees(mask_function, b, q_idx, kv_idx, expected)`: probe a transformers mask function at index pairs.
+  An attention call without position_ids is checked with those of its prepared model's call
+  (`hf_upipe.integrations.model_calls`).
 - `TensorCache`: tensor -> value by the tensor's identity, holding it weakly.
 
 Every rank computes a small int64 summary of what it sees; the all-gathered summaries decide, identically on every
@@ -28,64 +24,18 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from hf_upipe.batch_keys import DOCUMENT_KEYS
 from hf_upipe.distributed import validation_failed
+from hf_upipe.integrations.mask_probe import agrees_with_documents
+from hf_upipe.integrations.model_calls import model_positions
 from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
 from hf_upipe.ops.ring import ring_positions
 
 __all__ = [
     "TensorCache",
-    "adopt_modules",
-    "mask_agrees",
-    "model_positions",
-    "note_model_positions",
-    "release_modules",
     "validate_layout",
-    "with_model_documents",
     "without_documents",
 ]
-
-
-def mask_agrees(
-    mask_function, b: int, q_idx: torch.Tensor, kv_idx: torch.Tensor, expected: torch.Tensor
-) -> bool:
-    """Whether the vectorised mask function equals `expected` at the (q_idx, kv_idx) pairs [n] of row b."""
-    try:
-        got = mask_function(torch.full_like(q_idx, b), torch.zeros_like(q_idx), q_idx, kv_idx)
-    except (
-        IndexError,
-        RuntimeError,
-        TypeError,
-    ):  # a mask function that cannot be probed: no agreement
-        return False
-    return torch.equal(
-        torch.as_tensor(got, device=expected.device).bool().expand_as(expected), expected
-    )
-
-
-def _agrees_with_documents(mask_function, doc: torch.Tensor, max_points: int = 24) -> bool:
-    """Probe a mask function against causal masking inside the local documents `doc` [B, s] (document ids).
-
-    Points: the plain grid {0, 1, s/2, s-1} plus, per row, the local document starts and the tokens just before
-    them (at most `max_points` starts, evenly spaced), so the packed mask transformers builds from the local
-    position_ids passes and windows shorter than the shard or custom masks still fail.
-    """
-    B, s = doc.shape
-    doc = doc.cpu()  # [B, s]
-    for b in range(B):
-        row = doc[b]
-        starts = (
-            torch.nonzero(row[1:] != row[:-1]).flatten() + 1
-        ).tolist()  # local document starts
-        if len(starts) > max_points:
-            starts = [starts[i * len(starts) // max_points] for i in range(max_points)]
-        points = torch.tensor(
-            sorted(({0, 1, s // 2, s - 1} | set(starts) | {a - 1 for a in starts}) & set(range(s)))
-        )
-        q_idx, kv_idx = (t.flatten() for t in torch.meshgrid(points, points, indexing="ij"))
-        expected = (q_idx >= kv_idx) & (row[q_idx] == row[kv_idx])  # [n]
-        if not mask_agrees(mask_function, b, q_idx, kv_idx, expected):
-            return False
-    return True
 
 
 def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
@@ -185,7 +135,7 @@ def _layout_summary(
             and not mask.plain_causal
             and local is not None
             and mask.mask_function is not None
-            and _agrees_with_documents(mask.mask_function, local[0])
+            and agrees_with_documents(mask.mask_function, local[0])
         )
         mask_ok = mask is None or mask.plain_causal or agrees
         cu = documents.reshape(-1).to(torch.long)
@@ -443,76 +393,7 @@ def validate_layout(
 
 def without_documents(kwargs: dict) -> dict:
     """An attention call's kwargs without the packed rows' documents (`validate_layout` returned False)."""
-    return {k: v for k, v in kwargs.items() if k not in ("upipe_cu_seqlens", "upipe_max_seqlen")}
-
-
-_MODEL_POSITIONS: list = [
-    None
-]  # a weak reference to the position_ids of the latest call of a prepared model
-_MODEL_DOCUMENTS: list = [
-    None,
-    None,
-    None,
-]  # and to its upipe_cu_seqlens, its upipe_max_seqlen, and the model
-_OWNERS: weakref.WeakKeyDictionary = (
-    weakref.WeakKeyDictionary()
-)  # module of a prepared model -> weakref(model)
-
-
-def adopt_modules(model) -> None:
-    """Record `model` (a prepared model) as the owner of its modules, for `with_model_documents`."""
-    ref = weakref.ref(model)
-    for module in model.modules():
-        _OWNERS[module] = ref
-
-
-def is_adopted(module) -> bool:
-    """Whether `module` belongs to a model `prepare_model` prepared (and `unprepare_model` did not release)."""
-    return module in _OWNERS
-
-
-def release_modules(model) -> None:
-    """Forget `model` as the owner of its modules (`unprepare_model`)."""
-    for module in model.modules():
-        _OWNERS.pop(module, None)
-
-
-def note_model_positions(position_ids, documents=None, max_seqlen=None, model=None) -> None:
-    """Record the position_ids (and `upipe_cu_seqlens` / `upipe_max_seqlen`) a prepared model was called with
-    (`hf_upipe.prepare_model`'s pre-hook): the layout check uses them for attention calls that do not receive them
-    themselves. Kept weakly, so the tensors die with the batch; a checkpoint recompute finds the same tensors."""
-    _MODEL_POSITIONS[0] = (
-        weakref.ref(position_ids) if isinstance(position_ids, torch.Tensor) else None
-    )
-    _MODEL_DOCUMENTS[:] = (
-        [weakref.ref(documents), max_seqlen, None if model is None else weakref.ref(model)]
-        if isinstance(documents, torch.Tensor)
-        else [None, None, None]
-    )
-
-
-def with_model_documents(kwargs: dict, module=None) -> dict:
-    """An attention call's kwargs, with the model call's packed-row documents added when the call has none, its
-    position_ids are the model call's own tensor (or absent) and `module` belongs to that model: the same batch of
-    the same model, so the same documents."""
-    ref, owner = _MODEL_DOCUMENTS[0], _MODEL_DOCUMENTS[2]
-    documents = ref() if ref is not None else None
-    if documents is None or kwargs.get("upipe_cu_seqlens") is not None:
-        return kwargs
-    model = owner() if owner is not None else None
-    mine = _OWNERS.get(module) if module is not None else None
-    if model is None or mine is None or mine() is not model:
-        return kwargs
-    positions = kwargs.get("position_ids")
-    if positions is not None and positions is not model_positions():
-        return kwargs
-    return {**kwargs, "upipe_cu_seqlens": documents, "upipe_max_seqlen": _MODEL_DOCUMENTS[1]}
-
-
-def model_positions():
-    """The position_ids of the latest prepared model call, or None."""
-    ref = _MODEL_POSITIONS[0]
-    return ref() if ref is not None else None
+    return {k: v for k, v in kwargs.items() if k not in DOCUMENT_KEYS}
 
 
 def _check_ring_rows_trailing(state, mask, batch, local_len, device) -> None:

@@ -1,16 +1,18 @@
 """The causal-LM loss of one sequence shard from a transformers model, with or without the tiled lm_head + CE.
 
 Entry points:
-- `shard_loss_sum(model, inputs, shift_labels, *, tiled=True, chunk_tokens=None, ignore_index=-100)`: run the
-  model on this rank's shard and return the SUM of the token losses over its label tokens (fp32 scalar,
-  differentiable) and the model outputs. Normalising (by the label tokens of the whole batch) is the caller's job.
+- `shard_loss_sum(model, inputs, shift_labels, *, tiled=True, chunk_tokens=None, ignore_index=-100,
+  token_stats=None)`: run the model on this rank's shard and return the SUM of the token losses over its label
+  tokens (fp32 scalar, differentiable) and the model outputs; a `hf_upipe.ops.tiled_loss.TokenStats` also receives the
+  shard's summed entropy and argmax hits (TRL's `entropy` / `mean_token_accuracy`). Normalising (by the label
+  tokens of the whole batch) is the caller's job.
 - `output_head(model)`: the model's lm_head as a plain `nn.Linear` (through PEFT and DDP/FSDP wrappers), or an
   error naming why the tiled loss cannot use it.
 
 Tiled path: a forward pre-hook on the lm_head, registered for this one call and removed after it, records the
 final-norm hidden states [B, s, Dm] and hands the lm_head a zero-length slice [B, 0, Dm] instead, so the model
-computes no logits; `hf_upipe.ops.tiled_cross_entropy` then computes the loss chunk by chunk from the recorded
-hidden states and the lm_head weight, with the architecture's logit scaling (`hf_upipe.architectures.
+computes no logits; `hf_upipe.ops.tiled_loss.tiled_cross_entropy` then computes the loss chunk by chunk from the
+recorded hidden states and the lm_head weight, with the architecture's logit scaling (`hf_upipe.architectures.
 logit_multiplier`: Granite, Cohere) and Gemma-style soft-capping. The first call for an lm_head lets it compute
 the logits of 2 tokens and compares them with what the tiles compute (one flag agreed over the SP group); a model
 that changes its logits in another way is refused (NotImplementedError: use the untiled loss). The model call
@@ -31,8 +33,9 @@ from torch import nn
 from hf_upipe.architectures import logit_multiplier
 from hf_upipe.distributed import get_sequence_parallel_state, validation_failed
 from hf_upipe.integrations.peft import base_model
+from hf_upipe.integrations.zero3 import gathered_head, partitioned
 from hf_upipe.ops.fake import is_fake
-from hf_upipe.ops.tiled_loss import tiled_cross_entropy
+from hf_upipe.ops.tiled_loss import TokenStats, tiled_cross_entropy
 
 __all__ = ["output_head", "shard_loss_sum"]
 
@@ -101,7 +104,10 @@ def _record_head_input(head: nn.Module, probe: int = 0):
         # for unused parameters starts from the model's outputs.
         return (hidden[..., :probe, :].clone(),) + tuple(args[1:]), kwargs
 
-    handle = head.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    # ZeRO-3 wraps the head's input for its post-backward hook; the loss must read the input before that wrapping
+    # (its backward never reaches the head's own), so the hook runs first there
+    first = bool(partitioned(head.parameters()))
+    handle = head.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=first)
     try:
         yield recorded
     finally:
@@ -116,6 +122,7 @@ def shard_loss_sum(
     tiled: bool = True,
     chunk_tokens: int | None = None,
     ignore_index: int = -100,
+    token_stats: TokenStats | None = None,
 ):
     """Summed cross-entropy of this rank's shard, and the model outputs.
 
@@ -127,6 +134,8 @@ def shard_loss_sum(
         tiled: use the tiled lm_head + cross-entropy (no [B*s, V] logits).
         chunk_tokens: tokens per tile (default: `default_chunk_tokens(V)`).
         ignore_index: label that does not count.
+        token_stats: receives the entropy and argmax hits of the shard's label tokens (tiled: from the loss's
+            own tiles; untiled: from the model's logits, without gradient), or None.
 
     Returns:
         (loss_sum, outputs): fp32 scalar sum over the shard's label tokens (0 when it has none) and what the
@@ -140,6 +149,8 @@ def shard_loss_sum(
             num_items_in_batch=1,
             ignore_index=ignore_index,
         )
+        if token_stats is not None:
+            _stats_from_logits(token_stats, outputs.logits, shift_labels, ignore_index)
         return outputs.loss.float(), outputs
     head, called = output_head(model)
     ids = inputs.get("input_ids")
@@ -156,27 +167,43 @@ def shard_loss_sum(
     config = getattr(base_model(_unwrap(model)), "config", None)
     softcap = getattr(config, "final_logit_softcapping", None)
     scale = logit_multiplier(config) if config is not None else 1.0
-    if probe:
-        _check_logits(outputs, hidden[..., :probe, :], head, scale, softcap, config)
-        outputs["logits"] = outputs.logits[
-            ..., :0, :
-        ].clone()  # [B, 0, V] as on every later call (no view)
-    weight_dtype = head.weight.dtype
-    bias = head.bias if scale == 1.0 or head.bias is None else head.bias * scale
-    # scale * (h W^T + b) = (scale * h) W^T + scale * b: the model's logit scaling on the tiles' input
-    scaled = (
-        hidden.to(weight_dtype) if scale == 1.0 else hidden.to(weight_dtype) * scale
-    )  # [B, s, Dm]
-    loss_sum, _ = tiled_cross_entropy(
-        scaled,
-        head.weight,
-        shift_labels,
-        bias=bias,
-        chunk_tokens=chunk_tokens,
-        ignore_index=ignore_index,
-        logit_softcap=softcap,
-    )
+    # ZeRO-3: the head's weight is read here, after the model's forward (`hf_upipe.integrations.zero3`)
+    with gathered_head(hidden, (head.weight, head.bias)) as (hidden, finish):
+        if probe:
+            _check_logits(outputs, hidden[..., :probe, :], head, scale, softcap, config)
+            outputs["logits"] = outputs.logits[
+                ..., :0, :
+            ].clone()  # [B, 0, V] as on every later call (no view)
+        weight_dtype = head.weight.dtype
+        bias = head.bias if scale == 1.0 or head.bias is None else head.bias * scale
+        # scale * (h W^T + b) = (scale * h) W^T + scale * b: the model's logit scaling on the tiles' input
+        scaled = (
+            hidden.to(weight_dtype) if scale == 1.0 else hidden.to(weight_dtype) * scale
+        )  # [B, s, Dm]
+        loss_sum, _ = tiled_cross_entropy(
+            scaled,
+            head.weight,
+            shift_labels,
+            bias=bias,
+            chunk_tokens=chunk_tokens,
+            ignore_index=ignore_index,
+            logit_softcap=softcap,
+            token_stats=token_stats,
+        )
+        loss_sum = finish(loss_sum)
     return loss_sum, outputs
+
+
+def _stats_from_logits(stats: TokenStats, logits, shift_labels, ignore_index: int) -> None:
+    """The untiled path's statistics, from the model's logits [B, s, V] (what its loss used), without gradient."""
+    with torch.no_grad():
+        z = logits.detach().float().flatten(0, 1)  # [T, V]
+        labels = shift_labels.reshape(-1).to(z.device)  # [T]
+        valid = labels != ignore_index
+        stats._add(z, labels, valid)
+        row_max = z.amax(dim=1, keepdim=True)  # [T, 1]
+        probs = (z - row_max).exp_()  # [T, V] unnormalised
+        stats._add_entropy(probs, probs.sum(dim=1, keepdim=True), valid)
 
 
 _PROBE_TOKENS = 2

@@ -10,8 +10,10 @@ Entry points:
   neither `UPipeConfig.sp_size` nor `UPIPE_SP_SIZE` gives it (a copy; errors then name the parallelism config).
 - `parallelism_errors(config, sizes, world, deepspeed=...)`: what hf_upipe refuses, each error naming the numbers
   and the fix: DeepSpeed together with an SP degree (accelerate would stack DeepSpeed's Ulysses SP, its only
-  `sp_backend`, on hf_upipe's), `cp_size > 1` (context parallelism: another SP system), `tp_size > 1`, an
-  sp_size that disagrees with `UPipeConfig.sp_size`, and sp x dp sizes that do not make the world size.
+  `sp_backend`, on hf_upipe's), an SP degree with any `sp_backend` other than 'deepspeed' (accelerate 1.15 knows
+  no other; a backend of its own would shard the sequence a second time), `cp_size > 1` (context parallelism:
+  another SP system), `tp_size > 1`, an sp_size that disagrees with `UPipeConfig.sp_size`, and sp x dp sizes that
+  do not make the world size.
 - `accelerate_view(sizes, sp, world, fsdp)`: the `ParallelismConfig` accelerate and transformers get instead of the
   user's: no SP (hf_upipe runs it), the SP ranks folded into the data-parallel sizes (the gradients are averaged
   over all ranks), so neither sets up DeepSpeed SP, counts batches per SP size or computes a DeepSpeed SP loss.
@@ -41,6 +43,7 @@ ENV_SWITCH = "ACCELERATE_USE_PARALLELISM_CONFIG"
 _ENV = "PARALLELISM_CONFIG_"
 _DIMS = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
 _FROM_ENV = "the accelerate config"
+_SP_BACKEND = "deepspeed"  # accelerate's default and, in accelerate 1.15, its only sp_backend
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class ParallelismSizes:
     cp: int = 1
     sp: int = 1
     source: str = "ParallelismConfig"
+    sp_backend: str = "deepspeed"
 
     @property
     def total(self) -> int:
@@ -93,6 +97,7 @@ def find_parallelism(explicit=None, *, environ: dict | None = None) -> Paralleli
         return ParallelismSizes(
             **{d: _int(getattr(explicit, f"{d}_size", None) or 1, f"{d}_size") for d in _DIMS},
             source=_FROM_ENV if from_file and _matches_env(explicit, env) else "ParallelismConfig",
+            sp_backend=str(getattr(explicit, "sp_backend", None) or _SP_BACKEND),
         )
     if not from_file:
         return None
@@ -102,6 +107,7 @@ def find_parallelism(explicit=None, *, environ: dict | None = None) -> Paralleli
             for d in _DIMS
         },
         source=_FROM_ENV,
+        sp_backend=env.get(f"{_ENV}SP_BACKEND", _SP_BACKEND),
     )
 
 
@@ -133,6 +139,22 @@ def _stacking_errors(
     config: UPipeConfig, sizes: ParallelismSizes, deepspeed: bool
 ) -> list[Exception]:
     errors: list[Exception] = []
+    if sizes.sp > 1 and sizes.sp_backend != _SP_BACKEND:
+        where = (
+            f"parallelism_config_sp_backend: {sizes.sp_backend} "
+            f"({_ENV}SP_BACKEND={sizes.sp_backend})"
+            if sizes.source == _FROM_ENV
+            else f"{sizes.source}(sp_backend={sizes.sp_backend!r})"
+        )
+        errors.append(
+            ValueError(
+                f"{where} with {sizes.describe('sp')}: hf_upipe runs the sequence parallelism itself and "
+                f"takes only the degree from a parallelism config whose sp_backend is {_SP_BACKEND!r} (accelerate's "
+                f"default); the {sizes.sp_backend!r} backend would shard each sequence a second time. Drop "
+                "sp_backend (or set it to 'deepspeed') to run hf_upipe over those ranks, or drop hf_upipe to use "
+                f"accelerate's {sizes.sp_backend!r} backend."
+            )
+        )
     if deepspeed and sizes.sp > 1:
         errors.append(
             ValueError(

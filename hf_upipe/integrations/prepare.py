@@ -42,8 +42,8 @@ from hf_upipe.integrations.fused import (
     install_fused_attention,
     remove_fused_attention,
 )
-from hf_upipe.integrations.layout import adopt_modules, release_modules
 from hf_upipe.integrations.mixers import install_mixers, remove_mixers
+from hf_upipe.integrations.model_calls import adopt_modules, release_modules
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.rope import install_global_rope, installable, remove_global_rope
 from hf_upipe.integrations.support import model_refusal, refusal_error
@@ -60,8 +60,9 @@ _PREVIOUS = "_upipe_previous_attn_implementation"
 def _preparation(model: nn.Module, upipe_config) -> tuple:
     """((name, value, as shown), ...): what `prepare_model` does to `model` with `upipe_config`, and the model."""
     base = base_model(model)
-    total = sum(p.numel() for p in base.parameters())
-    trained = sum(p.numel() for p in base.parameters() if p.requires_grad)
+    # ds_numel: the whole size of a parameter ZeRO-3 partitions (its local tensor is empty)
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in base.parameters())
+    trained = sum(getattr(p, "ds_numel", p.numel()) for p in base.parameters() if p.requires_grad)
     described = (
         (type(base).__name__, total, trained),
         f"{type(base).__name__} with {total:,} parameters ({trained:,} trainable)",
@@ -140,6 +141,22 @@ def _preparations_differ(model: nn.Module, upipe_config, state) -> ValueError | 
     )
 
 
+def _language_implementation(config, implementation):
+    """`implementation` for the model and its language model; a multimodal model's other sub-models (a vision
+    tower, an audio encoder), which run on whole inputs, keep their own (transformers' dict form; a plain string
+    where the model has no such sub-model)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    subs = {k: getattr(config, k, None) for k in getattr(config, "sub_configs", {}) or {}}
+    subs = {k: c for k, c in subs.items() if c is not None}
+    if not any(c is not text for c in subs.values()):
+        return implementation
+    return {
+        "": implementation,
+        **{k: implementation for k, c in subs.items() if c is text},
+        **{k: c._attn_implementation for k, c in subs.items() if c is not text},
+    }
+
+
 def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
     """Install hf_upipe's adapters on `model` (see the module docstring).
 
@@ -193,8 +210,8 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
     config = getattr(base, "config", None)
     current = getattr(config, "_attn_implementation", None)
     if config is not None and current != "upipe" and hasattr(base, "set_attn_implementation"):
-        setattr(base, _PREVIOUS, current)
-        base.set_attn_implementation("upipe")
+        setattr(base, _PREVIOUS, _language_implementation(config, current))
+        base.set_attn_implementation(_language_implementation(config, "upipe"))
         logger.info("hf_upipe: attn_implementation set to 'upipe' (was %r)", current)
     if upipe_config is not None and not upipe_config.fused_attention:
         return model

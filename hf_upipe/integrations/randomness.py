@@ -33,7 +33,7 @@ the same `base`.
 
 Not covered here: the fused attention block's LoRA dropout draws its own masks, by global token position, the same
 as one process's (`hf_upipe.ops.lora_dropout`); attention-probability dropout is refused under SP
-(`hf_upipe.integrations.transformers.check_call`). Refused in training under SP (`random_refusal`): LayerDrop
+(`hf_upipe.integrations.sp_checks.check_call`). Refused in training under SP (`random_refusal`): LayerDrop
 (OPT's `config.layerdrop`: one draw per layer skips it for the whole sequence, so the shards must agree; with a
 stream per rank they would not, and a rank that skips a layer its neighbours run would wait for them forever), and
 NEFTune (the Trainer's `neftune_noise_alpha`: its noise scale is alpha / sqrt(length * width) with the shard's

@@ -82,6 +82,19 @@ def _defined_by(fn, cls: type) -> bool:
     ).startswith(f"{cls.__qualname__}.")
 
 
+def _trl_fused_head(func, cls: type) -> bool:
+    """Whether `func` is TRL's fused LM head over `cls.forward` (`trl.trainer.utils`, which DPOTrainer installs on
+    the model): the class's forward on the backbone, then per-token log-probabilities of the labels. Token-local
+    given `shift_labels` (the call checks refuse `labels=` without them under SP), so it is the class's forward."""
+    code = getattr(func, "__code__", None)
+    return (
+        code is not None
+        and code.co_name == "_fused_forward"
+        and getattr(func, "__globals__", {}).get("__name__") == "trl.trainer.utils"
+        and getattr(func, "__wrapped__", None) is getattr(cls, "forward", None)
+    )
+
+
 def _class_forward(cls: type) -> tuple[type, object] | None:
     """(the class in the MRO that defines `forward`, that forward); None for nn.Module's placeholder."""
     for owner in cls.__mro__:
@@ -108,7 +121,8 @@ def own_forward(module: nn.Module, path: str = "") -> Replacement | None:
         forward = module.__dict__.get("_upipe_wrapped_forward")
         func = getattr(forward, "__func__", forward)
     if forward is not None and not (
-        getattr(forward, "__self__", None) is module and func is getattr(cls, "forward", None)
+        getattr(forward, "__self__", None) is module
+        and (func is getattr(cls, "forward", None) or _trl_fused_head(func, cls))
     ):  # a bound copy of the class's own forward (a Hub kernel's fallback) is the class's forward
         return Replacement(path, name, _name(forward), "instance", local)
     if not cls.__module__.startswith(_KNOWN) and not cls.__module__.startswith(

@@ -193,9 +193,17 @@ def _layer_types_reason(other: list[str]) -> str:
 
 def _unverified_reason(config, model_type, scanned: bool) -> str:
     """The mechanism that refuses an unverified type, or that it is not verified (`config_refusal`)."""
+    from hf_upipe.vlm import REFUSED_VISION_TYPES, vlm_type_refusal
+
+    # a vision-language type that hf_upipe.vlm does not shard
+    vision = getattr(config, "vision_config", None) is not None
+    if vision and model_type in REFUSED_VISION_TYPES:
+        return vlm_type_refusal(model_type)
     mechanism = _MEASURED.get(model_type) or (None if scanned else _built_mechanism(config))
     if mechanism is not None:
         return mechanism
+    if vision:
+        return vlm_type_refusal(model_type)
     return (
         f"{_UNVERIFIED} {model_type!r} under sequence parallelism (it is not in the architecture registry, "
         "hf_upipe/architectures.py)"

@@ -55,6 +55,9 @@ __all__ = [
 ]
 
 TARGETS = ("none", "cpu", "disk")
+RESTORE_STREAM = "default"
+"""The CUDA stream whose allocator pool holds the "cpu" target's copies back to the device: the compute stream's
+(the copy itself runs on the side stream, into a block allocated on the compute stream)."""
 
 
 class _Handle:
@@ -249,10 +252,18 @@ class OffloadStore:
         stream = self._side_stream(handle.device)
         if stream is None:
             return handle.host.to(handle.device, copy=True)
+        # Allocated on the compute stream, so its block returns to the pool the compute stream reuses (a block
+        # allocated on the side stream would stay cached for the side stream only). The side stream first waits for
+        # the compute stream's queued work, which may still use that memory, then writes it.
+        out = torch.empty(handle.shape, dtype=handle.dtype, device=handle.device)
+        stream.wait_stream(torch.cuda.current_stream(handle.device))
         with torch.cuda.stream(stream):
             if handle.event is not None:
                 stream.wait_event(handle.event)
-            out = handle.host.to(handle.device, non_blocking=True)
+            out.copy_(handle.host, non_blocking=True)
+            out.record_stream(
+                stream
+            )  # a copy still in flight keeps its block (e.g. a prefetch never used)
             handle.event = torch.cuda.Event()
             handle.event.record(stream)
         return out
@@ -274,7 +285,6 @@ class OffloadStore:
         )
         if handle.event is not None:
             torch.cuda.current_stream(handle.device).wait_event(handle.event)
-            out.record_stream(torch.cuda.current_stream(handle.device))
         return out
 
     # ---- lifetime ----

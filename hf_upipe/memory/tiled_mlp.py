@@ -39,6 +39,7 @@ from hf_upipe.architectures import source_fingerprint, tiled_mlp_classes, tiled_
 from hf_upipe.distributed import without_sequence_parallel
 from hf_upipe.integrations.probe import case_config, compare, model_pair, with_lora
 from hf_upipe.integrations.replaced import own_forward, sequence_local
+from hf_upipe.integrations.zero3 import forget_children, gather_children
 from hf_upipe.ops.fake import chunk_starts
 from hf_upipe.verification import Verdict, verify
 
@@ -158,6 +159,9 @@ def _tiled_forward(self, x):
     """Installed as the instance's `forward`: the forward it replaced (a kernel's, verified per-token) or its
     class's own forward, run over sequence chunks."""
     chunk = self._upipe_mlp_chunk or default_chunk_tokens(x.shape[-1])
+    gather_children(
+        self
+    )  # ZeRO-3: whole gate/up/down_proj for the captured params and the backward's recompute
     params = [p for p in self.parameters() if p.requires_grad]
     inner = self.__dict__.get(_WRAPPED) or functools.partial(type(self).forward, self)
     return tiled_mlp(x, inner, params, chunk_tokens=chunk)
@@ -257,6 +261,7 @@ def remove_tiled_mlp(model: nn.Module) -> int:
             del module.forward, module._upipe_mlp_chunk
             if _WRAPPED in module.__dict__:  # the kernel's forward it ran, back as it was
                 module.forward = module.__dict__.pop(_WRAPPED)
+            forget_children(module)
             count += 1
     return count
 

@@ -53,6 +53,8 @@ synchronous schedule.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
@@ -207,6 +209,13 @@ class _FusedFunction(torch.autograd.Function):
         return (dx if ctx.needs_input_grad[0] else None, None, None, None, *grads.buf)
 
 
+def _positions(positions, group, x: torch.Tensor) -> torch.Tensor:
+    """The shard's global token indices [s]: given, returned by the given function, or contiguous shards'."""
+    if positions is None:
+        return shard_positions(group, x.shape[1], x.device)
+    return positions() if callable(positions) else positions
+
+
 def fused_upipe_attention(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -222,7 +231,7 @@ def fused_upipe_attention(
     scale: float | None = None,
     save_attention: bool = False,
     overlap: bool = False,
-    positions: torch.Tensor | None = None,
+    positions: torch.Tensor | Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The attention block (projections, QK-norm, RoPE, causal attention, o_proj) on a sequence shard.
 
@@ -239,7 +248,9 @@ def fused_upipe_attention(
             a backward follows, so they run during the neighbouring stage's kernel (module docstring): one more
             stage of buffers in the backward, the same result.
         positions: the global token indices [s] of the shard's tokens, which LoRA dropout draws its masks by
-            (`hf_upipe.ops.lora_dropout`); None: contiguous shards, rank r of `group` holding r*s .. r*s+s-1.
+            (`hf_upipe.ops.lora_dropout`), or a function that returns them (called only when LoRA dropout is
+            on, so nothing is allocated without it); None: contiguous shards, rank r of `group` holding
+            r*s .. r*s+s-1.
 
     Returns:
         y [B, s, Dm], the o_proj output (bias and LoRA included).
@@ -259,11 +270,12 @@ def fused_upipe_attention(
         kern,
         head_dim**-0.5 if scale is None else scale,
         head_dim,
-        shard_positions(group, x.shape[1], x.device) if positions is None else positions,
+        _positions(positions, group, x) if dropout else None,  # allocated only for dropout
         dropout,
         save_attention and backward,
         overlap and backward,  # nothing kept without backward
         overlap_forward=backward,
+        device=x.device,
     )
     if backward:
         return _FusedFunction.apply(x, cos, sin, (weights, plan), *tensors)

@@ -69,19 +69,21 @@ def make_plan(
     kernel,
     scale,
     D,
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
     dropout: bool,
     save: bool = False,
     overlap: bool = False,
     overlap_forward: bool = False,
+    device: torch.device | None = None,
 ) -> StagePlan:
     """The per-call constants of one fused block call, with each stage's model heads (rank-major). `overlap`: the
     backward's all-to-alls one stage ahead (and the forward's); `overlap_forward`: the forward's. `positions` [s]:
-    the global token indices of the shard, which the LoRA dropout masks are drawn by."""
+    the global token indices of the shard, which the LoRA dropout masks are drawn by (None without dropout: then
+    `device` is the block's)."""
     # the masks' seed, drawn from torch's generator: a new one every call, and the same one again when activation
     # checkpointing (which restores the generator's state) recomputes the call
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout else 0
-    device = positions.device
+    device = positions.device if positions is not None else device
     plan = StagePlan(
         layout,
         group,

@@ -1,8 +1,9 @@
 """Tiled lm_head + cross-entropy: the loss of a sequence shard without ever holding its full logits.
 
 Entry points:
-- `tiled_cross_entropy(hidden, weight, shift_labels, *, bias, chunk_tokens, ignore_index, logit_softcap)`: the
-  public op, returning (loss_sum, n_tokens) for this rank's shard.
+- `tiled_cross_entropy(hidden, weight, shift_labels, *, bias, chunk_tokens, ignore_index, logit_softcap,
+  token_stats)`: the public op, returning (loss_sum, n_tokens) for this rank's shard; with a `TokenStats`, also
+  the summed entropy and the correct next-token predictions of its label tokens, from the same tiles.
 - `sp_token_mean(loss_sum, n_tokens, group)`: the token-weighted mean over the ranks of a sequence-parallel group.
 - `TiledCrossEntropyFunction`: the autograd Function (ctx handling only).
 - `tiled_cross_entropy_forward(...)`: the plain chunk loop. `default_chunk_tokens(vocab_size)`: the default tile.
@@ -42,6 +43,7 @@ from hf_upipe.ops.fake import chunk_starts
 
 __all__ = [
     "TiledCrossEntropyFunction",
+    "TokenStats",
     "default_chunk_tokens",
     "sp_token_mean",
     "tiled_cross_entropy",
@@ -59,6 +61,33 @@ def default_chunk_tokens(vocab_size: int, logits_bytes: int = _CHUNK_LOGITS_BYTE
     return max(1, math.ceil(logits_bytes / (4 * vocab_size)))
 
 
+class TokenStats:
+    """Side output of the tiled loss: over the label tokens seen, the summed entropy of the next-token distribution
+    and the number of labels that are its argmax (first maximum, as `torch.argmax`): what TRL logs as `entropy` and
+    `mean_token_accuracy` once divided by the label tokens. Float64 scalars on `device`, added to by every call."""
+
+    def __init__(self, device=None):
+        self.entropy_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.correct = torch.zeros((), dtype=torch.float64, device=device)
+
+    def _add(self, logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> None:
+        """Count the argmax hits of a chunk's logits [c, V] (before they are overwritten)."""
+        hit = (logits.argmax(dim=1) == labels) & valid  # [c]
+        self.correct += hit.sum()
+
+    def _add_entropy(self, probs: torch.Tensor, denom: torch.Tensor, valid: torch.Tensor) -> None:
+        """Entropy of rows of unnormalised probabilities probs [c, V] = exp(z - max), denom [c, 1]:
+        H = log(denom) - sum(probs * log(probs)) / denom, by row blocks of about 32 MiB (no [c, V] temporary)."""
+        c, V = probs.shape
+        rows = max(1, _BLOCK_BYTES // (V * probs.element_size()))
+        plogp = torch.empty(c, dtype=probs.dtype, device=probs.device)  # [c]
+        for start in range(0, c, rows):
+            block = probs[start : start + rows]  # [r, V] view
+            plogp[start : start + rows] = torch.special.xlogy(block, block).sum(dim=1)
+        entropy = denom.squeeze(1).log() - plogp / denom.squeeze(1)  # [c]
+        self.entropy_sum += torch.where(valid, entropy, 0.0).sum().to(torch.float64)
+
+
 def _chunk_loss_and_grad(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -68,8 +97,10 @@ def _chunk_loss_and_grad(
     softcap: float | None,
     want_grad: bool,
     wide: torch.dtype,
+    stats: TokenStats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Summed CE of one chunk, x [c, Dm], labels [c]; with `want_grad`, also d loss / d logits [c, V] in `wide`."""
+    """Summed CE of one chunk, x [c, Dm], labels [c]; with `want_grad`, also d loss / d logits [c, V] in `wide`;
+    with `stats`, adds the chunk's entropy and argmax hits to it (the loss and gradient are unchanged)."""
     logits = F.linear(x, weight, bias).to(
         wide
     )  # [c, V] fp32 (no copy for fp32 inputs: fp64 stays fp64)
@@ -81,12 +112,16 @@ def _chunk_loss_and_grad(
     if softcap is not None:
         tanh = logits.div_(softcap).tanh_()  # [c, V], kept for the chain rule
         logits = tanh * softcap  # [c, V]
+    if stats is not None:
+        stats._add(logits, labels, valid)
     picked = logits.gather(1, target).squeeze(1)  # [c]
     row_max = logits.amax(dim=1, keepdim=True)  # [c, 1]
     probs = logits.sub_(row_max).exp_()  # [c, V], unnormalised, in place
     denom = probs.sum(dim=1, keepdim=True)  # [c, 1]
     lse = (row_max + denom.log()).squeeze(1)  # [c]
     loss = torch.where(valid, lse - picked, 0.0).sum()  # scalar; where, not *, so no inf * 0
+    if stats is not None:
+        stats._add_entropy(probs, denom, valid)
     if not want_grad:
         return loss, None
     grad = probs.div_(denom)  # [c, V] softmax
@@ -108,6 +143,7 @@ def tiled_cross_entropy_forward(
     ignore_index: int,
     logit_softcap: float | None,
     needs_grad: tuple[bool, bool, bool],
+    stats: TokenStats | None = None,
 ) -> tuple[
     torch.Tensor,
     torch.Tensor,
@@ -122,6 +158,7 @@ def tiled_cross_entropy_forward(
         hidden: [B, s, Dm]. weight: [V, Dm]. bias: [V] or None. shift_labels: [B, s] integer.
         chunk_tokens: c >= 1. ignore_index: label value that is skipped. logit_softcap: cap > 0 or None.
         needs_grad: whether to build the gradient of (hidden, weight, bias).
+        stats: a `TokenStats` to add the shard's entropy and argmax hits to, or None.
 
     Returns:
         loss_sum (fp32 scalar), n_tokens (int64 scalar), d hidden [B, s, Dm] (hidden dtype), d weight [V, Dm] and
@@ -156,6 +193,7 @@ def tiled_cross_entropy_forward(
             logit_softcap,
             want_grad,
             wide,
+            stats,
         )
         loss_sum += loss_c
         if grad is None:
@@ -246,6 +284,7 @@ class TiledCrossEntropyFunction(torch.autograd.Function):
         ignore_index,
         logit_softcap,
         needs_grad,
+        stats=None,
     ):
         loss_sum, n_tokens, grad_x, grad_w, grad_b, spare = tiled_cross_entropy_forward(
             hidden,
@@ -256,6 +295,7 @@ class TiledCrossEntropyFunction(torch.autograd.Function):
             ignore_index,
             logit_softcap,
             needs_grad,
+            stats,
         )
         ctx.save_for_backward(grad_x, grad_w, grad_b, spare)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -276,6 +316,7 @@ class TiledCrossEntropyFunction(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -288,6 +329,7 @@ def tiled_cross_entropy(
     chunk_tokens: int | None = None,
     ignore_index: int = -100,
     logit_softcap: float | None = None,
+    token_stats: TokenStats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed causal-LM cross-entropy of a shard, lm_head fused in, computed chunk by chunk.
 
@@ -303,6 +345,9 @@ def tiled_cross_entropy(
         chunk_tokens: tokens per chunk; default `default_chunk_tokens(V)` (about 256 MiB of fp32 logits).
         ignore_index: label value that does not count (default -100).
         logit_softcap: if set, logits = cap * tanh(logits / cap) before the softmax (Gemma-2 style), in fp32.
+        token_stats: a `TokenStats` that receives the entropy and argmax hits of the label tokens, computed from
+            the same chunks of logits (one argmax and one blockwise x log x pass per chunk; the loss and gradients
+            are bit-identical with or without it).
 
     Returns:
         (loss_sum, n_tokens): fp32 scalar sum of the loss over label tokens (differentiable) and the int64 scalar
@@ -357,6 +402,7 @@ def tiled_cross_entropy(
         ignore_index,
         logit_softcap,
         needs_grad,
+        token_stats,
     )
 
 

@@ -29,7 +29,7 @@ from hf_upipe.units import parse_size, parse_tokens
 __all__ = ["add_arguments", "run"]
 
 
-def _typed(parse):
+def argument_type(parse):
     """An argparse type from a parser of `hf_upipe.units`: a bad value is a usage error (exit 2) with the reason."""
 
     def convert(text):
@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu-memory",
         default="80GiB",
-        type=_typed(parse_size),
+        type=argument_type(parse_size),
         help="memory of one GPU with its unit: 80GiB, 80GB, 141GB (default 80GiB; a bare number is "
         "refused)",
     )
@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument(
         "--seq-len",
-        type=_typed(parse_tokens),
+        type=argument_type(parse_tokens),
         help="tokens per sequence, e.g. 1048576, 1024K or 1M (K = 1024, M = 1048576): does it fit, "
         "with which settings?",
     )
@@ -113,16 +113,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mlp-chunk-tokens", type=int)
     parser.add_argument("--loss-chunk-tokens", type=int)
     parser.add_argument(
+        "--allocator",
+        choices=("default", "expandable"),
+        help="the CUDA caching allocator's mode the reserve is predicted for (default: expandable when "
+        "PYTORCH_CUDA_ALLOC_CONF sets expandable_segments:True)",
+    )
+    parser.add_argument(
         "--margin",
         type=float,
-        default=0.10,
-        help="allocator share of the tensor peak (default 0.10)",
+        help="instead of predicting the allocator's reserve: a flat share of the tensor peak (with --reserved)",
     )
     parser.add_argument(
         "--reserved",
-        default="2GiB",
-        type=_typed(parse_size),
-        help="non-tensor GPU memory (default 2GiB)",
+        type=argument_type(parse_size),
+        help="with --margin: non-tensor GPU memory (default 2GiB)",
     )
     parser.add_argument(
         "--headroom",
@@ -134,13 +138,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host-memory",
         default=DEFAULT_HOST_MEMORY,
-        type=_typed(_host),
+        type=argument_type(_host),
         help=f"host memory of one node for offloaded checkpoints (default {DEFAULT_HOST_MEMORY}, a "
         "DGX H100's; 'none' to not check)",
     )
     parser.add_argument(
         "--step",
-        type=_typed(parse_tokens),
+        type=argument_type(parse_tokens),
         default=2**17,
         help="granularity of --max, tokens (default 128K)",
     )
@@ -225,7 +229,13 @@ def run(args: argparse.Namespace) -> int:
             settings=_fixed_settings(args, config, args.sp_size or args.gpus),
             impl=args.impl,
             sp_size=args.sp_size,
-            margin=Margin(args.margin, args.reserved),
+            margin=None
+            if args.margin is None and args.reserved is None
+            else Margin(
+                0.10 if args.margin is None else args.margin,
+                2 * 2**30 if args.reserved is None else args.reserved,
+            ),
+            allocator=args.allocator,
             step=args.step,
             exact=args.exact,
             host_memory=args.host_memory,

@@ -102,11 +102,9 @@ def format_plan(plan) -> str:
             plan.by_category.get(name, 0) >= 2**20
         ):  # rows of a few bytes (bookkeeping) would read 0.00
             lines.append(f"  {name:<12}{_gib(plan.by_category[name]):>9}   {what}")
-    m = plan.margin
+    lines.append(f"  {'tensors':<12}{_gib(plan.tensor_peak):>9}")
+    lines += _overhead_lines(plan)
     lines += [
-        f"  {'tensors':<12}{_gib(plan.tensor_peak):>9}",
-        f"  {'margin':<12}{_gib(m.bytes(plan.tensor_peak)):>9}   {m.fraction:.0%} of tensors (allocator) + "
-        f"{_gib(m.reserved)} GiB reserved (CUDA context, NCCL, workspaces): --margin, --reserved",
         f"  {'required':<12}{_gib(plan.required):>9}   of {_gib(plan.usable)} GiB usable "
         f"({'free' if plan.required <= plan.usable else 'short by'} "
         f"{_gib(abs(plan.usable - plan.required))} GiB)",
@@ -175,9 +173,40 @@ def assumptions(plan) -> str:
     )
     return (
         f"{plan.headroom:.0%} of each GPU kept free, usable {_gib(plan.usable)} of {_gib(plan.gpu_memory)} GiB "
-        f"(--headroom); margin {plan.margin.fraction:.0%} of tensors + {_gib(plan.margin.reserved)} GiB "
-        f"(--margin, --reserved); {host}"
+        f"(--headroom); {_overhead_assumption(plan)}; {host}"
     )
+
+
+def _overhead_lines(plan) -> list[str]:
+    """The rows between the tensors and the total: the predicted reserve and the allowance, or a flat margin."""
+    m = plan.margin
+    if m is not None:
+        return [
+            f"  {'margin':<12}{_gib(m.bytes(plan.tensor_peak)):>9}   {m.fraction:.0%} of tensors (allocator) + "
+            f"{_gib(m.reserved)} GiB reserved (CUDA context, NCCL, workspaces): --margin, --reserved"
+        ]
+    fix = plan.correction
+    how = (
+        f"calibrated x{fix['factor']:.3f} (hf-upipe calibrate: measured {_gib(fix['measured'])} GiB, "
+        f"predicted {_gib(fix['predicted'])} GiB)"
+        if fix
+        else "not calibrated (hf-upipe calibrate)"
+    )
+    return [
+        f"  {'reserved':<12}{_gib(plan.predicted_reserved):>9}   the caching allocator's predicted reserve "
+        f"({plan.allocator} segments), {how}",
+        f"  {'allowance':<12}{_gib(plan.allowance):>9}   CUDA context, NCCL buffers, cuBLAS and attention "
+        "workspaces",
+    ]
+
+
+def _overhead_assumption(plan) -> str:
+    if plan.margin is not None:
+        return (
+            f"margin {plan.margin.fraction:.0%} of tensors + {_gib(plan.margin.reserved)} GiB "
+            "(--margin, --reserved)"
+        )
+    return f"allocator reserve predicted for {plan.allocator} segments (--allocator)"
 
 
 def launch_lines(plan) -> list[str]:

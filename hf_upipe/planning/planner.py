@@ -12,7 +12,10 @@ Entry points:
 How a length is judged: `hf_upipe.planning.train_step` runs one FSDP2 training step of the real model code on fake
 tensors in a fake world of gpus x nodes ranks (rank 0), with 3 and with 4 decoder layers; every category of the
 peak is extrapolated linearly to the model's depth (exact: tests check the slope against deeper runs; `exact=True`
-simulates every layer). Required = tensor peak + margin; it fits when required <= usable = gpu_memory less the
+simulates every layer). Required = the caching allocator's predicted reserve (the simulated step's allocation trace
+replayed through `hf_upipe.planning.caching_allocator`, `hf_upipe.planning.reserved` for the depth rule) times a
+stored calibration factor if any, plus `Allowance` (CUDA context, NCCL, kernel workspaces); or, with a `Margin`,
+tensor peak + margin. It fits when required <= usable = gpu_memory less the
 headroom (5% by default: a length at the very edge is not recommended) and the offloaded checkpoints fit the host
 memory of a node (2 TiB by default, a DGX H100's).
 
@@ -45,9 +48,17 @@ from hf_upipe.models import resolve
 from hf_upipe.ops.head_layout import valid_sp_sizes
 from hf_upipe.planning.ladder import candidates, default_impl, ladder
 from hf_upipe.planning.plan_report import format_plan, launch_lines
+from hf_upipe.planning.reserved import (
+    Allowance,
+    allocator_mode,
+    correction_key,
+    extrapolate_reserved,
+    load_correction,
+    step_reserved,
+)
 from hf_upipe.planning.step_time import GPU, H100_SXM, StepTime, step_time
 from hf_upipe.planning.tracker import GiB
-from hf_upipe.planning.train_step import CATEGORIES, StepSettings, simulate_train_step
+from hf_upipe.planning.train_step import CATEGORIES, StepSettings
 from hf_upipe.units import parse_size
 
 __all__ = [
@@ -128,7 +139,8 @@ class Plan:
     gpu_memory: int
     settings: StepSettings
     by_category: dict
-    margin: Margin
+    # None: the allocator model (reserved, allowance); a Margin: tensors + margin
+    margin: Margin | None
     dtype: torch.dtype = torch.bfloat16
     exact: bool = False
     seconds: float = 0.0
@@ -146,6 +158,11 @@ class Plan:
     notes: list = dataclasses.field(
         default_factory=list
     )  # what the reader should know about the choice
+    reserved: int | None = None  # the allocator model's max_memory_reserved (before any correction)
+    # CUDA context, NCCL, kernel workspaces (hf_upipe.planning.reserved.Allowance)
+    allowance: int = 0
+    allocator: str = "default"  # the allocator mode predicted ("default" or "expandable" segments)
+    correction: dict | None = None  # the stored calibration applied (hf-upipe calibrate), or None
 
     @property
     def usable(self) -> int:
@@ -157,8 +174,17 @@ class Plan:
         return sum(self.by_category.values())
 
     @property
+    def predicted_reserved(self) -> int | None:
+        """The predicted reserve with the calibration's factor applied (None with a flat margin)."""
+        if self.reserved is None:
+            return None
+        return int(self.reserved * (self.correction["factor"] if self.correction else 1.0))
+
+    @property
     def required(self) -> int:
-        return self.tensor_peak + self.margin.bytes(self.tensor_peak)
+        if self.margin is not None:
+            return self.tensor_peak + self.margin.bytes(self.tensor_peak)
+        return self.predicted_reserved + self.allowance
 
     @property
     def host_fits(self) -> bool:
@@ -203,9 +229,14 @@ class Plan:
             "settings": dataclasses.asdict(self.settings),
             "by_category": dict(self.by_category),
             "tensor_peak": self.tensor_peak,
-            "margin": self.margin.bytes(self.tensor_peak),
-            "margin_fraction": self.margin.fraction,
-            "margin_reserved": self.margin.reserved,
+            "margin": None if self.margin is None else self.margin.bytes(self.tensor_peak),
+            "margin_fraction": None if self.margin is None else self.margin.fraction,
+            "margin_reserved": None if self.margin is None else self.margin.reserved,
+            "predicted_reserved": self.predicted_reserved,
+            "reserved_model": self.reserved,
+            "allowance": self.allowance if self.margin is None else None,
+            "allocator": self.allocator,
+            "correction": self.correction,
             "required": self.required,
             "fits": self.fits,
             "host_bytes_per_gpu": self.host_bytes_per_gpu,
@@ -275,12 +306,15 @@ class _Estimator:
         self._key = (_config_key(config), world, sp_size, str(dtype), self.lora)
 
     def _sim(self, settings, seq_len, layers) -> dict:
+        return self._step(settings, seq_len, layers)["by_category"]
+
+    def _step(self, settings, seq_len, layers) -> dict:
         key = (*self._key, settings, seq_len, layers)
         if key in _SIMULATIONS:
             _SIMULATIONS.move_to_end(key)
         else:
             try:
-                _SIMULATIONS[key] = simulate_train_step(
+                _SIMULATIONS[key] = step_reserved(
                     self.config,
                     settings,
                     seq_len=seq_len,
@@ -289,7 +323,7 @@ class _Estimator:
                     layers=layers,
                     dtype=self.dtype,
                     lora=self.lora,
-                )["by_category"]
+                )
             except (DataDependentOutputException, DynamicOutputShapeException) as err:
                 name = model_geometry(self.config)["model_type"]
                 raise ValueError(
@@ -309,6 +343,14 @@ class _Estimator:
         extra = self.layers - 4
         out = {c: c4.get(c, 0) + extra * (c4.get(c, 0) - c3.get(c, 0)) for c in CATEGORIES}
         return {c: v for c, v in out.items() if v}
+
+    def reserved(self, settings: StepSettings, seq_len: int, mode: str) -> int:
+        """The allocator's predicted `max_memory_reserved` (hf_upipe.planning.reserved: depth rule)."""
+        if self.exact or self.layers <= 4:
+            return self._step(settings, seq_len, self.layers)["reserved"][mode]
+        peak = sum(self(settings, seq_len).values())  # simulates 3 layers, then 4
+        four = self._step(settings, seq_len, 4)
+        return extrapolate_reserved(four["reserved"][mode], four["peak"], peak)
 
 
 def _search_max(required, limit: int, step: int, max_steps: int) -> int:
@@ -365,6 +407,7 @@ def plan(
     headroom: float = DEFAULT_HEADROOM,
     gpu: GPU = H100_SXM,
     ring_size: int = 1,
+    allocator: str | None = None,
 ) -> Plan:
     """Plan a training run (see the module docstring).
 
@@ -376,8 +419,10 @@ def plan(
         seq_len: tokens per sequence to judge. max_context: search the longest that fits instead (or as well).
         settings: fixed `StepSettings`; None chooses them (the ladder). impl: the attention implementation of the
             ladder (None: fused where supported; "ulysses" for our Ulysses mode; "deepspeed" for the peer).
-        sp_size: sequence-parallel degree (default: `gpus`, with a ring `gpus` x `ring_size`). margin: `Margin()`
-            by default.
+        sp_size: sequence-parallel degree (default: `gpus`, with a ring `gpus` x `ring_size`). margin: None (the
+            default) predicts the caching allocator's reserve from the simulated trace plus `Allowance()`, with a
+            stored calibration applied (`hf-upipe calibrate`); a `Margin` adds it to the tensor peak instead.
+        allocator: "default" or "expandable" (segments); None: what `PYTORCH_CUDA_ALLOC_CONF` says.
         ring_size: R > 1 plans ring attention across R ring shards of the SP group (UPipe over sp_size / R ranks
             inside each, `hf_upipe.ops.ring`): the SP degree can then exceed what the heads allow.
         step: granularity of the max search, tokens. max_seq_len: where the search stops.
@@ -436,7 +481,10 @@ def plan(
         raise ValueError(
             f"headroom={headroom} must be a share of the GPU memory in [0, 1), e.g. 0.05"
         )
-    gpu_bytes, margin = parse_size(gpu_memory), margin or Margin()
+    gpu_bytes, allowance = parse_size(gpu_memory), Allowance()
+    mode = allocator or allocator_mode()
+    if mode not in ("default", "expandable"):
+        raise ValueError(f"allocator={allocator!r}: choose 'default' or 'expandable' (segments)")
     limit = int(gpu_bytes * (1 - headroom))
     step = math.lcm(step, unit)
     estimate = _Estimator(config, world=world, sp_size=sp, dtype=dtype, exact=exact, lora=lora)
@@ -454,9 +502,16 @@ def plan(
 
     host = None if host_memory is None else parse_size(host_memory)
 
+    def correction(s):
+        return load_correction(correction_key(name, s, mode, dtype)) if margin is None else None
+
     def required(s, length):
-        peak = sum(estimate(s, length).values())
-        return peak + margin.bytes(peak)
+        if margin is not None:  # a flat margin over the tensors, as given
+            peak = sum(estimate(s, length).values())
+            return peak + margin.bytes(peak)
+        fix = correction(s)
+        reserved = estimate.reserved(s, length, mode) * (fix["factor"] if fix else 1.0)
+        return int(reserved) + allowance.bytes(config, s, length, sp)
 
     def host_ok(s, length):
         return host is None or _host_bytes(config, s, length, sp, dtype) * gpus <= host
@@ -520,6 +575,10 @@ def plan(
         settings=chosen,
         by_category=estimate(chosen, seq_len),
         margin=margin,
+        reserved=None if margin is not None else estimate.reserved(chosen, seq_len, mode),
+        allowance=0 if margin is not None else allowance.bytes(config, chosen, seq_len, sp),
+        allocator=mode,
+        correction=correction(chosen),
         dtype=dtype,
         exact=exact,
         seconds=time.perf_counter() - started,

@@ -225,9 +225,9 @@ def step_time(
     gpu: GPU = H100_SXM,
     efficiency: Efficiency = EFFICIENCY,
 ) -> StepTime:
-    """The predicted time of one training step with `settings` (`hf_upipe.planning.StepSettings`); see the module
-    docstring for what is counted. `lora`: None (full fine-tune) or (rank, targets): the frozen base computes no
-    weight gradients and reduces none."""
+    """The predicted time of one training step with `settings`
+    (`hf_upipe.planning.train_step.StepSettings`); see the module docstring for what is counted. `lora`: None
+    (full fine-tune) or (rank, targets): the frozen base computes no weight gradients and reduces none."""
     d = _dims(config)
     H, Hk, D, Dm, L, V = (
         d["heads"],

@@ -54,7 +54,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["GiB", "MiB", "MemoryTracker", "StorageRecord", "checkpoint_label", "storage_label"]
+__all__ = [
+    "GiB",
+    "MiB",
+    "MemoryTracker",
+    "StorageRecord",
+    "allocation_stream",
+    "checkpoint_label",
+    "storage_label",
+]
 
 GiB: int = 2**30
 """Bytes in one gibibyte."""
@@ -63,6 +71,9 @@ MiB: int = 2**20
 
 
 _LABEL_OVERRIDE: list[str] = []
+STREAM: list[
+    str
+] = []  # the stream allocations are made on, innermost last (hf_upipe.planning.alloc_trace)
 
 
 def checkpoint_label():
@@ -79,6 +90,16 @@ def storage_label(label: str) -> Iterator[None]:
         yield
     finally:
         _LABEL_OVERRIDE.pop()
+
+
+@contextlib.contextmanager
+def allocation_stream(name: str) -> Iterator[None]:
+    """Storages created inside are logged as allocated on stream `name` by trackers with ``record_events``."""
+    STREAM.append(name)
+    try:
+        yield
+    finally:
+        STREAM.pop()
 
 
 _ACTIVE: list[
@@ -156,15 +177,22 @@ class MemoryTracker(TorchDispatchMode):
             set each time memory is freed right after a new peak; meant for debugging.
         labeler: Called when a storage is first counted; its label is summed in :attr:`peak_by_label` (what was live
             at the peak, by label). :meth:`relabel` moves a storage to another label later.
+        record_events: Log every allocation and free in :attr:`events`, in order: ``("a", key, nbytes, stream)``
+            and ``("f", key)`` (``stream``: the innermost of ``STREAM``, else ``"default"``); a resize in place is
+            a free and an allocation. The allocator model replays them (hf_upipe.planning.caching_allocator).
 
     Attributes:
         phase_peaks: ``{name: peak bytes}`` filled by :meth:`mark`, in the order the phases were first marked.
     """
 
     def __init__(
-        self, snapshot_at_peak: bool = False, labeler: Callable[[], str] | None = None
+        self,
+        snapshot_at_peak: bool = False,
+        labeler: Callable[[], str] | None = None,
+        record_events: bool = False,
     ) -> None:
         super().__init__()
+        self.events: list[tuple] | None = [] if record_events else None
         self.snapshot_at_peak = snapshot_at_peak
         self.labeler = labeler
         self._at_peak = snapshot_at_peak or labeler is not None  # keep state as of the peak
@@ -273,6 +301,7 @@ class MemoryTracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         with self._lock:
             self._live[key] = nbytes
+            self._log_alloc(key, nbytes)
             if self.snapshot_at_peak:
                 self._records[key] = StorageRecord(tuple(t.shape), t.dtype, nbytes, op)
             if self.labeler is not None:
@@ -293,11 +322,18 @@ class MemoryTracker(TorchDispatchMode):
             if delta < 0 and self._snapshot_pending:
                 self._take_snapshot()
             self._live[key] = nbytes
+            if self.events is not None:
+                self.events.append(("f", key))
+                self._log_alloc(key, nbytes)
             if key in self._records:
                 self._records[key] = self._records[key]._replace(nbytes=nbytes)
             if key in self._label_of:
                 self._label_bytes[self._label_of[key]] += delta
             self._grow(delta)
+
+    def _log_alloc(self, key: int, nbytes: int) -> None:
+        if self.events is not None and nbytes:
+            self.events.append(("a", key, nbytes, STREAM[-1] if STREAM else "default"))
 
     def _grow(self, delta: int) -> None:
         self._current += delta
@@ -315,6 +351,8 @@ class MemoryTracker(TorchDispatchMode):
                 # The live set only grew since the last peak, so it *is* the live set at the peak.
                 self._take_snapshot()
             nbytes = self._live.pop(key)
+            if self.events is not None:
+                self.events.append(("f", key))
             self._current -= nbytes
             self._records.pop(key, None)
             label = self._label_of.pop(key, None)

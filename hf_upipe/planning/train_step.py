@@ -16,7 +16,8 @@ there when the step starts: steady state), and everything the step allocates: FS
 unsharded parameters, reduce-scatter buffers, activations, checkpointed inputs, the loss, the optimizer's
 temporaries. Returned by category (`CATEGORIES`): "parameters" (shards and unsharded copies), "gradients",
 "optimizer", and those of `hf_upipe.planning.categories` for the activations. Not counted (a GPU adds them; the
-planner's margin covers them): the CUDA context, NCCL buffers, kernel workspaces, allocator rounding.
+planner predicts them: hf_upipe.planning.reserved): the CUDA context, NCCL buffers, kernel workspaces, allocator
+rounding and caching.
 """
 
 from __future__ import annotations
@@ -32,7 +33,12 @@ from hf_upipe.ops.ring import ring_positions
 from hf_upipe.planning import categories as _cat
 from hf_upipe.planning.model_step import MODEL_IMPLEMENTATIONS, build_step_model, impl_context
 from hf_upipe.planning.simulate import fake_tensors, simulated_world
-from hf_upipe.planning.tracker import MemoryTracker, checkpoint_label, storage_label
+from hf_upipe.planning.tracker import (
+    MemoryTracker,
+    allocation_stream,
+    checkpoint_label,
+    storage_label,
+)
 
 __all__ = ["CATEGORIES", "StepSettings", "measure_train_step", "simulate_train_step"]
 
@@ -85,6 +91,15 @@ class StepSettings:
             )
 
 
+@contextlib.contextmanager
+def _restored_checkpoint():
+    """The offload's copies back to the device: counted as checkpoints, on the stream the offload allocates them."""
+    from hf_upipe.memory.offload import RESTORE_STREAM
+
+    with checkpoint_label(), allocation_stream(RESTORE_STREAM):
+        yield
+
+
 def _fsdp_labels(model) -> contextlib.ExitStack:
     """Labels FSDP2's allocations: unshard (all-gathers) -> "parameters", post-backward (reduce-scatter) -> "gradients".
 
@@ -116,7 +131,7 @@ def _fsdp_labels(model) -> contextlib.ExitStack:
     return stack
 
 
-def _mesh():
+def fsdp_mesh():
     """The 1-D FSDP mesh over all ranks (built outside fake mode: it reads tensor values)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -214,7 +229,7 @@ def measure_train_step(
                 fused_backward=settings.fused_backward,
                 overlap=settings.overlap,
             )
-            _shard(model, dtype, mesh if mesh is not None else _mesh())
+            _shard(model, dtype, mesh if mesh is not None else fsdp_mesh())
             optimizer = _optimizer_with_states(model)
             ids = torch.zeros(
                 1, s, dtype=torch.long
@@ -245,7 +260,7 @@ def measure_train_step(
                         tracker.track(*_local(tensors))
                     static[label] = tracker.current_bytes - before
                 with offload_checkpoints(
-                    model, settings.offload, min_bytes=0, restore_context=checkpoint_label
+                    model, settings.offload, min_bytes=0, restore_context=_restored_checkpoint
                 ):
                     loss, _ = shard_loss_sum(
                         model,
@@ -286,7 +301,7 @@ def simulate_train_step(
 ) -> dict:
     """`measure_train_step` as rank 0 of a fake `world_size`-rank world on fake tensors (one process, no data)."""
     with simulated_world(world_size):
-        mesh = _mesh()
+        mesh = fsdp_mesh()
         with fake_tensors(torch.float32):
             return measure_train_step(
                 model_config,

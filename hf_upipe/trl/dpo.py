@@ -56,6 +56,7 @@ from hf_upipe.integrations.prepare import prepare_model
 from hf_upipe.ops.reduce import sum_over_group
 from hf_upipe.trainer import UPipeTrainer
 from hf_upipe.trl.dpo_config import dpo_config_errors
+from hf_upipe.trl.sft import accelerator_parallelism_error
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,11 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
                 f"{self.router_aux_loss_coef}: UPipeDPOTrainer's loss has no auxiliary term; set "
                 "DPOConfig(router_aux_loss_coef=0.0)."
             )
+        why = accelerator_parallelism_error(
+            self.accelerator.parallelism_config
+        )  # also from an accelerate config
+        if why is not None:
+            raise NotImplementedError(why)
         peft_config = getattr(self.model, "peft_config", None) or {}
         if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
             raise NotImplementedError(

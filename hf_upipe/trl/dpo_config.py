@@ -35,16 +35,6 @@ def dpo_config_errors(args: DPOConfig, *, compute_metrics=None) -> list[Exceptio
         )
     checks = _loss_checks(args) + _setup_checks(args, compute_metrics)
     errors += [_no(setting, why) for bad, setting, why in checks if bad]
-    pc = getattr(args, "parallelism_config", None)
-    if pc is not None and (getattr(pc, "sp_enabled", False) or getattr(pc, "cp_enabled", False)):
-        errors.append(
-            _no(
-                "parallelism_config=...",
-                "it turns on accelerate's sequence/context parallelism, which would shard the sequence a "
-                "second time: hf_upipe does the sequence parallelism; drop parallelism_config (or its "
-                "sp_size/cp_size).",
-            )
-        )
     return errors
 
 

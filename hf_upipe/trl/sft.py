@@ -8,7 +8,8 @@ Composition: `class UPipeSFTTrainer(UPipeTrainer, SFTTrainer)`. The method resol
 UPipeTrainer -> SFTTrainer -> transformers.Trainer, so:
 - TRL builds everything that is data: model loading from a name, `peft_config`, the pad/eos tokens, tokenization,
   prompt-completion `completion_mask` -> `labels` (`completion_only_loss`), packing (`bfd`: documents of one row
-  told apart by restarting `position_ids`, which `hf_upipe.shard_batch` turns into `upipe_cu_seqlens`), its
+  told apart by restarting `position_ids`, which `hf_upipe.shard_batch` turns into `upipe_cu_seqlens`), the
+  chat template's `{% generation %}` assistant mask -> `labels` (`assistant_only_loss`), its
   collator (padding-free rows with `position_ids`/`cu_seq_lens_*`/`seq_idx`, or right-padded rows);
 - UPipeTrainer does everything that is SP: one `UPipeRuntime.setup`, the loaders' sharding re-pointed to the SP
   groups, every micro-batch cut by `shard_batch`, the token-weighted loss over the whole optimizer step through the
@@ -16,28 +17,42 @@ UPipeTrainer -> SFTTrainer -> transformers.Trainer, so:
   says so), the exact eval loss, the atomic checkpoints;
 - TRL's `log` still merges its metrics: `num_tokens` is counted on the full batches (the same count as TRL's: the
   attention mask's ones, or the padding-free row's length) and summed over the data-parallel replicas, so it equals
-  one process. `mean_token_accuracy` and `entropy` need the [tokens, vocab] logits, which the tiled loss never
-  builds: they are not logged in training (one log line says so), never logged as shard-local values.
+  one process. `mean_token_accuracy` and `entropy` come from the loss's own tiles (`hf_upipe.ops.tiled_loss.
+  TokenStats`: argmax hits and summed entropy of each shard's label tokens, no extra logits): per micro-batch the
+  shard sums and label-token counts are summed over every rank (the SP shards make the sequence, the replicas the
+  global batch), as TRL sums `gather_for_metrics` over the processes, then divided; `log` averages them as TRL
+  does. The exact eval loop sums the same statistics per round (each round is one process's eval batch), so
+  `eval_entropy`, `eval_mean_token_accuracy` and `eval_num_tokens` are TRL's too.
 
 Refused at construction, on every rank, before any collective (`sft_config_errors`): `loss_type='dft'`,
-`assistant_only_loss` (not verified under SP yet), `use_liger_kernel`, `activation_offloading` (use
-`UPipeConfig(offload='cpu')`), selective activation checkpointing, `label_smoothing_factor`, `compute_loss_func`,
-accelerate/DeepSpeed sequence or context parallelism; after TRL's setup: vision datasets and an MoE router
-auxiliary loss (the runtime's loss has no aux term).
+`use_liger_kernel`, `activation_offloading` (use
+`UPipeConfig(offload='cpu')`), selective activation checkpointing, `label_smoothing_factor`, `compute_loss_func`;
+after TRL's setup: vision datasets and an MoE router auxiliary loss (the runtime's loss has no aux term).
+`SFTConfig(parallelism_config=...)` and the accelerate config's `parallelism_config_*` keys are read as by
+`UPipeTrainer` (`hf_upipe.integrations.parallelism`): the SP degree is honoured, DeepSpeed's or accelerate's own
+sequence parallelism, context parallelism and disagreeing degrees are refused before TRL runs.
 """
 
 from __future__ import annotations
 
 import logging
 
+import torch
+import torch.distributed as dist
 from trl import SFTConfig, SFTTrainer
 
 from hf_upipe.config import UPipeConfig
+from hf_upipe.ops.tiled_loss import TokenStats
 from hf_upipe.trainer import UPipeTrainer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SFT_TRAINER_INTERNALS", "UPipeSFTTrainer", "sft_config_errors"]
+__all__ = [
+    "SFT_TRAINER_INTERNALS",
+    "UPipeSFTTrainer",
+    "accelerator_parallelism_error",
+    "sft_config_errors",
+]
 
 # trl.SFTTrainer methods UPipeSFTTrainer's composition runs through (UPipeTrainer's overrides call them via super()),
 # with the parameters they were written against (trl 1.16); tests/test_trl.py fails when trl changes one.
@@ -50,13 +65,14 @@ SFT_TRAINER_INTERNALS = {
 }
 
 
-def _parallelism_error(pc) -> str | None:
-    """Why accelerate's `ParallelismConfig` `pc` cannot run with hf_upipe (None when it can)."""
+def accelerator_parallelism_error(pc) -> str | None:
+    """Why the accelerator's `ParallelismConfig` `pc` still asks for accelerate's own sequence/context parallelism
+    after UPipeTrainer handed it a copy without (None when it does not)."""
     if pc is not None and (getattr(pc, "sp_enabled", False) or getattr(pc, "cp_enabled", False)):
         return (
-            "SFTConfig(parallelism_config=...) turns on accelerate's sequence/context parallelism, which would "
-            "shard the sequence a second time: hf_upipe does the sequence parallelism; drop parallelism_config "
-            "(or its sp_size/cp_size)."
+            "accelerate's sequence/context parallelism is configured on the accelerator, which would shard the "
+            "sequence a second time: hf_upipe does the sequence parallelism; drop the parallelism config's "
+            "sp_size/cp_size (or give the degree as UPipeConfig(sp_size=...))."
         )
     return None
 
@@ -73,13 +89,6 @@ def sft_config_errors(args: SFTConfig, compute_loss_func=None) -> list[Exception
                 "token-mean negative log-likelihood "
                 "with hf_upipe's tiled loss; the DFT weighting is not implemented under sequence parallelism. Use "
                 "loss_type='nll'."
-            )
-        )
-    if args.assistant_only_loss:
-        errors.append(
-            NotImplementedError(
-                "SFTConfig(assistant_only_loss=True) is not verified under hf_upipe's sequence parallelism yet; set "
-                "assistant_only_loss=False (completion_only_loss with prompt-completion data is supported)."
             )
         )
     if args.use_liger_kernel:
@@ -119,8 +128,6 @@ def sft_config_errors(args: SFTConfig, compute_loss_func=None) -> list[Exception
                 "it (the loss is the token-mean negative log-likelihood)."
             )
         )
-    if (why := _parallelism_error(getattr(args, "parallelism_config", None))) is not None:
-        errors.append(NotImplementedError(why))
     return errors
 
 
@@ -153,13 +160,9 @@ class UPipeSFTTrainer(UPipeTrainer, SFTTrainer):
         super().__init__(model, args, *pargs, upipe_config=upipe_config, **kwargs)
         self._refuse_after_setup()
         logger.info(
-            "UPipeSFTTrainer: the training loss is hf_upipe's %s loss (token mean over the optimizer step); "
-            "TRL's fused LM head is not used in training.",
+            "UPipeSFTTrainer: TRL's fused LM head (chunked log-probabilities) is replaced by hf_upipe's %s "
+            "loss (token mean over the optimizer step); mean_token_accuracy and entropy come from its tiles.",
             "tiled" if self.upipe.config.tiled_loss else "untiled",
-        )
-        logger.warning(
-            "UPipeSFTTrainer: mean_token_accuracy and entropy are not logged in training (they need the "
-            "full [tokens, vocab] logits, which the tiled loss never builds); num_tokens is."
         )
 
     def _refuse_after_setup(self) -> None:
@@ -175,7 +178,7 @@ class UPipeSFTTrainer(UPipeTrainer, SFTTrainer):
                 f"{self.router_aux_loss_coef}: hf_upipe's loss has no auxiliary term; set "
                 "SFTConfig(router_aux_loss_coef=0.0)."
             )
-        why = _parallelism_error(
+        why = accelerator_parallelism_error(
             self.accelerator.parallelism_config
         )  # also set through an accelerate config file
         if why is not None:
@@ -189,3 +192,41 @@ class UPipeSFTTrainer(UPipeTrainer, SFTTrainer):
         self._total_train_tokens += int(self._stats["tokens"] - before)
         self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return shards, count
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """UPipeTrainer's loss of a shard, and TRL's `entropy` / `mean_token_accuracy` of the micro-batch over
+        every rank (module docstring). Unsharded inputs take TRL's own `compute_loss`."""
+        if "shift_labels" not in inputs or "num_label_tokens" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        stats = TokenStats(device=inputs["shift_labels"].device)
+        result = self.upipe.loss(
+            model,
+            inputs,
+            num_items_in_batch,
+            return_outputs=return_outputs,
+            token_stats=stats,
+        )
+        self._log_token_stats(inputs["shift_labels"], stats)
+        return result
+
+    _eval_token_stats = True
+
+    def _record_eval_sums(self, sums) -> None:
+        """TRL's eval metrics from the exact eval loop's rounds: one ratio per round, as TRL appends one per eval
+        batch, and `num_tokens` as TRL sets it in evaluation (the training tokens so far)."""
+        metrics = self._metrics["eval"]
+        for n, entropy, correct in zip(sums.tokens, sums.entropy, sums.correct):
+            metrics["entropy"].append(entropy / n if n > 0 else 0.0)
+            metrics["mean_token_accuracy"].append(correct / n if n > 0 else 0.0)
+        metrics["num_tokens"] = [self._total_train_tokens]
+
+    def _log_token_stats(self, shift_labels: torch.Tensor, stats: TokenStats) -> None:
+        """Sum (label tokens, entropy, argmax hits) over all ranks, then append TRL's two ratios."""
+        valid = (shift_labels != -100).sum().to(torch.float64)
+        sums = torch.stack([valid, stats.entropy_sum, stats.correct])  # [3] float64
+        if self.upipe.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        n, entropy, correct = sums.tolist()
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["entropy"].append(entropy / n if n > 0 else 0.0)
+        self._metrics[mode]["mean_token_accuracy"].append(correct / n if n > 0 else 0.0)

@@ -4,7 +4,8 @@ rank, never wrong and never hung.
 
 One 2-rank job runs every type (`hf_upipe.matrix.matrix_rank`); the gate refuses an unverified type before any
 collective, so only the verified ones are compared in full. `benchmarks/architecture_matrix.py` also runs every
-unverified type opted in (what `hf-upipe selftest` shows a user) and writes the support table (docs/support.md).
+unverified type opted in (what `hf-upipe selftest` shows a user) and writes the results that docs/models.md's
+support table is generated from.
 Checked here:
 - no type is "wrong" (a silent mismatch) or "crashed" at SP 1 or SP 2, and the job finishes (no hang);
 - both ranks reach the same outcome for every type (a refusal is raised on every rank);

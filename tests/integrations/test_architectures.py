@@ -21,6 +21,7 @@ import hf_upipe
 from hf_upipe import architectures
 from hf_upipe.distributed import SequenceParallelState
 from hf_upipe.integrations import fused as fused_module
+from hf_upipe.integrations import sp_mask
 from hf_upipe.integrations import transformers as hf_transformers
 from hf_upipe.memory.tiled_mlp import tiled_verdict
 from hf_upipe.verification import VERIFIED_RELEASES, installed_release
@@ -36,6 +37,19 @@ def test_registry_covers_the_fused_architectures():
         f"{architectures.ARCHITECTURES[t].prefix}Attention" for t in fused
     }
     assert all(a.verified for a in architectures.ARCHITECTURES.values())
+
+
+def test_text_model_types_are_the_text_configs_types():
+    """`TEXT_MODEL_TYPES` (what the support table's "path" reads) names each multimodal type's text config."""
+    from hf_upipe.models import tiny_config as any_tiny_config
+
+    assert set(architectures.TEXT_MODEL_TYPES) == set(architectures.TEXT_ONLY)
+    for model_type, text_type in architectures.TEXT_MODEL_TYPES.items():
+        try:
+            config = any_tiny_config(model_type)
+        except (KeyError, ValueError):  # not in this release (gemma4_unified on 5.23)
+            continue
+        assert config.get_text_config().model_type == text_type, model_type
 
 
 @pytest.mark.parametrize("arch", ARCH_NAMES)
@@ -129,9 +143,11 @@ def test_fused_forward_equals_the_installed_original(arch, lora, one_rank_group,
     monkeypatch.setattr(
         fused_module, "active_state", lambda: state
     )  # the fused path, even on one rank
-    monkeypatch.setattr(
-        hf_transformers, "_active_state", lambda: state
-    )  # and its mask (a window: Gemma 3)
+    for module in (
+        sp_mask,
+        hf_transformers,
+    ):  # and its mask (a window: Gemma 3), and the registered path
+        monkeypatch.setattr(module, "active_state", lambda: state)
     calls = []
     real = fused_module.fused_upipe_attention
     monkeypatch.setattr(

@@ -54,6 +54,28 @@ def test_gate_sees_each_kind_of_replacement():
     assert replaced_forwards(K.simulate_hub_kernels(_model())) == []  # kernelize's CPU fallback
 
 
+def test_trls_fused_lm_head_is_the_class_forward_and_a_lookalike_is_not():
+    """TRL's DPOTrainer installs its fused LM head as the model's forward (functools.wraps of the class's): the gate
+    admits exactly that function; another wrapper that copies the same name is still a replacement."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    model = _model()
+    trl_utils.add_fused_lm_head(model)
+    assert "forward" in model.__dict__ and replaced_forwards(model) == []
+    import functools
+
+    cls_forward = type(model).forward
+
+    @functools.wraps(cls_forward)
+    def _fused_forward(self, *args, **kwargs):  # same name and __wrapped__, another module
+        return cls_forward(self, *args, **kwargs)
+
+    other = _model()
+    other.forward = types.MethodType(_fused_forward, other)
+    assert [(r.owner, r.kind) for r in replaced_forwards(other)] == [
+        ("LlamaForCausalLM", "instance")
+    ]
+
+
 def test_gate_verifies_per_token_replacements_by_behaviour():
     assert replacement_refusal(K.simulate_liger(_model())) is None
     mixing = replacement_refusal(K.simulate_liger(_model(), mlp=K.not_per_token_forward))

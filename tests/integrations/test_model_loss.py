@@ -75,3 +75,22 @@ def test_unknown_logit_transforms_are_refused(monkeypatch):
         match="logits of this 'granite' model are not its lm_head's output.*tiled_loss=False",
     ):
         _both(model)
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides", [("gemma2", {"final_logit_softcapping": 2.0}), ("llama", {})]
+)
+def test_token_stats_of_the_tiled_and_the_untiled_loss_agree(model_type, overrides):
+    """TRL's entropy / accuracy numerators: from the tiles, or from the model's own (soft-capped) logits."""
+    from hf_upipe.ops.tiled_loss import TokenStats
+
+    model = _model(model_type, **overrides)
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)  # [2, 12]
+    labels[0, :4] = -100
+    stats = {tiled: TokenStats() for tiled in (True, False)}
+    for tiled, s in stats.items():
+        shard_loss_sum(model, {"input_ids": ids}, labels, tiled=tiled, token_stats=s)
+    assert stats[True].correct.item() == stats[False].correct.item()
+    torch.testing.assert_close(stats[True].entropy_sum, stats[False].entropy_sum, rtol=1e-5, atol=0)
+    assert stats[True].entropy_sum > 0

@@ -208,7 +208,7 @@ class _Accelerator:
 def test_plugin_reads_the_accelerators_parallelism_config():
     from transformers import AutoModelForCausalLM
 
-    from hf_upipe.integrations.accelerate import UPipePlugin
+    from hf_upipe.plugin import UPipePlugin
     from tests.integrations._models import tiny_config
 
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
@@ -226,3 +226,33 @@ def test_plugin_reads_the_accelerators_parallelism_config():
         UPipePlugin().prepare(
             _Accelerator(ParallelismConfig(sp_size=2, dp_replicate_size=2)), model
         )
+
+
+def test_an_sp_backend_other_than_deepspeed_is_refused():
+    """accelerate 1.15 knows only sp_backend='deepspeed' (whose degree hf_upipe takes); any other backend, from the
+    accelerate config or a parallelism config object, would shard the sequence a second time: refused."""
+    env = find_parallelism(
+        None,
+        environ={
+            "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+            "PARALLELISM_CONFIG_SP_SIZE": "2",
+            "PARALLELISM_CONFIG_SP_BACKEND": "accelerate",
+        },
+    )
+    assert env.sp_backend == "accelerate"
+    (err,) = parallelism_errors(UPipeConfig(), env, 2)
+    message = str(err)
+    assert message.startswith(
+        "parallelism_config_sp_backend: accelerate (PARALLELISM_CONFIG_SP_BACKEND=accelerate) with "
+        "parallelism_config_sp_size: 2"
+    ), message
+    assert "set it to 'deepspeed'" in message
+
+    class FutureConfig:  # what a later accelerate's ParallelismConfig(sp_backend="accelerate") looks like
+        sp_size, sp_backend = 2, "accelerate"
+
+    (err,) = parallelism_errors(UPipeConfig(), find_parallelism(FutureConfig()), 2)
+    assert "ParallelismConfig(sp_backend='accelerate') with ParallelismConfig(sp_size=2)" in str(
+        err
+    )
+    assert parallelism_errors(UPipeConfig(), _sizes(sp=2), 2) == []  # accelerate's default backend

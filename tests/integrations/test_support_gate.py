@@ -149,7 +149,8 @@ def test_without_sp_upipe_refuses_what_sdpa_refuses():
 def test_a_window_must_be_found_where_the_config_says_it_is():
     """A sliding layer (config.layer_types) whose window is neither in its mask nor in its call is refused; the
     mask's window and the call's must agree; windows at least as long as the sequence change nothing."""
-    from hf_upipe.integrations.transformers import SequenceParallelMask, sp_window
+    from hf_upipe.integrations.sp_kernels import sp_window
+    from hf_upipe.integrations.sp_mask import SequenceParallelMask
 
     config = types.SimpleNamespace(
         layer_types=["full_attention", "sliding_attention"], sliding_window=4
@@ -449,7 +450,7 @@ def test_initialising_again():
 def test_attention_calls_without_documents_use_the_model_calls():
     """Nemotron's decoder layers drop the attention kwargs (upipe_cu_seqlens): the attention takes the documents of
     its own prepared model's call, for the same batch only (that call's position_ids tensor)."""
-    from hf_upipe.integrations.layout import (
+    from hf_upipe.integrations.model_calls import (
         adopt_modules,
         note_model_positions,
         with_model_documents,

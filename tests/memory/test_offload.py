@@ -162,3 +162,54 @@ def test_host_buffers_stay_on_the_host_under_a_default_device():
     ):  # stands for "cuda" on this CPU-only machine: any non-CPU default device
         buf = pool.take((4, 3), torch.bfloat16)
     assert buf.device.type == "cpu" and buf.shape == (4, 3) and buf.dtype == torch.bfloat16
+
+
+def test_copy_back_is_allocated_on_the_compute_stream(monkeypatch):
+    """The CUDA path of the "cpu" target's copy back, with the stream API replaced by recorders: the device tensor
+    is allocated outside the side stream's context (the compute stream's pool), the side stream waits for the
+    compute stream before writing it, and the values are the host buffer's, bit for bit."""
+    import contextlib
+
+    from hf_upipe.memory import offload
+    from hf_upipe.planning.tracker import allocation_stream
+
+    calls = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            calls.append(("wait_stream", self.name, other.name))
+
+        def wait_event(self, event):
+            calls.append(("wait_event", self.name))
+
+    class Event:
+        def record(self, stream):
+            calls.append(("record", stream.name))
+
+    side, main = Stream("side"), Stream("main")
+
+    @contextlib.contextmanager
+    def stream(s):
+        calls.append(("enter", s.name))
+        with allocation_stream(s.name):
+            yield
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: calls.append(("rs", s.name)))
+    store = offload.OffloadStore("cpu")
+    monkeypatch.setattr(store, "_side_stream", lambda device: side)
+    saved = torch.randn(3, 5, 7)
+    handle = offload._Handle(saved)
+    handle.host = saved.clone()
+    with MemoryTracker(record_events=True) as tracker:
+        out = store._copy_back(handle)
+    assert torch.equal(out, saved) and out.dtype == saved.dtype
+    (alloc,) = [e for e in tracker.events if e[0] == "a"]
+    assert alloc[3] == "default"  # not the side stream's pool
+    assert calls.index(("wait_stream", "side", "main")) < calls.index(("enter", "side"))
+    assert ("rs", "side") in calls and calls[-1] == ("record", "side")

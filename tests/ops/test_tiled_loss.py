@@ -13,7 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_upipe.ops.tiled_loss import default_chunk_tokens, sp_token_mean, tiled_cross_entropy
+from hf_upipe.ops.tiled_loss import (
+    TokenStats,
+    default_chunk_tokens,
+    sp_token_mean,
+    tiled_cross_entropy,
+)
 from hf_upipe.planning import MemoryTracker, fake_tensors
 from tests._dist import run_distributed
 
@@ -114,6 +119,39 @@ def test_softcap_and_batch_of_three(chunk):
     )
     for got, want in zip(out, ref):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk,softcap", [(1, None), (6, None), (1000, None), (5, 2.5)])
+def test_token_stats_equal_the_full_logits_and_leave_the_loss_bit_identical(chunk, softcap):
+    """TokenStats (TRL's entropy and mean_token_accuracy numerators) from the tiles equal those of the full logits,
+    over label tokens only; the loss and every gradient are bit-identical with and without them."""
+    hidden, weight, bias, labels = _inputs(4)
+    with torch.no_grad():  # half of the label tokens are the argmax: accuracy far from 0 and from 1
+        full = F.linear(hidden, weight, bias)  # [B, s, V]
+        if softcap is not None:
+            full = torch.tanh(full / softcap) * softcap
+        top = full.argmax(-1)
+        pick = (torch.arange(S) % 2 == 0).expand(B, S) & (labels != -100)
+        labels = torch.where(pick, top, labels)
+    valid = labels != -100
+    logp = full.double().log_softmax(-1)
+    want_entropy = -(logp.exp() * logp).sum(-1)[valid].sum()
+    want_correct = (top == labels)[valid].sum()
+    assert 0.3 < want_correct / valid.sum() < 0.9
+
+    def run(stats):
+        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        loss, _ = tiled_cross_entropy(
+            h, w, labels, bias=b, chunk_tokens=chunk, logit_softcap=softcap, token_stats=stats
+        )
+        loss.backward()
+        return [loss.detach(), h.grad, w.grad, b.grad]
+
+    stats = TokenStats()
+    for got, want in zip(run(stats), run(None)):
+        assert torch.equal(got, want)
+    assert stats.correct.item() == want_correct.item()
+    torch.testing.assert_close(stats.entropy_sum, want_entropy, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

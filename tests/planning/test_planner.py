@@ -127,8 +127,12 @@ def test_plan_picks_the_fastest_candidate_that_fits(monkeypatch):
     }
     monkeypatch.setattr(
         planner,
-        "simulate_train_step",
-        lambda config, settings, **kw: {"by_category": {"attention": table[settings]}},
+        "step_reserved",
+        lambda config, settings, **kw: {
+            "by_category": {"attention": table[settings]},
+            "peak": table[settings],
+            "reserved": {"default": table[settings], "expandable": table[settings]},
+        },
     )
     monkeypatch.setattr(
         planner, "_SIMULATIONS", collections.OrderedDict()
@@ -238,6 +242,8 @@ def test_command_line(tmp_path, capsys):
     assert main(base + ["--seq-len", "16384", "--gpu-memory", "64GiB"]) == 0
     out = capsys.readouterr().out
     assert "FITS" in out and "per-GPU peak" in out and "launch: UPIPE_SP_SIZE=2" in out
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
+    assert rows.index("tensors") < rows.index("reserved") < rows.index("allowance")
     assert (
         main(
             base
@@ -246,7 +252,15 @@ def test_command_line(tmp_path, capsys):
         == 1
     )
     data = json.loads(capsys.readouterr().out)
-    assert data["fits"] is False and data["required"] == data["tensor_peak"] + data["margin"]
+    assert data["fits"] is False and data["margin"] is None
+    assert data["required"] == data["predicted_reserved"] + data["allowance"] > data["tensor_peak"]
+    flat = base + ["--seq-len", "16384", "--margin", "0.1", "--reserved", "1MiB", "--json"]
+    assert main(flat) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (
+        data["required"] == data["tensor_peak"] + data["margin"]
+        and data["predicted_reserved"] is None
+    )
     assert (
         main(
             base + ["--seq-len", "16384", "--heads-per-chunk", "all", "--offload", "none", "--json"]

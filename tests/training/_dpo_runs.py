@@ -116,6 +116,7 @@ def dpo_run(rank: int, world: int, spec: dict) -> dict:
         gradient_checkpointing=spec.get("checkpointing", False),
         bf16=False,
         dataset_num_proc=None,
+        parallelism_config=_parallelism(spec, world),
     )
     peft_config = None
     if spec.get("lora"):
@@ -139,7 +140,9 @@ def dpo_run(rank: int, world: int, spec: dict) -> dict:
         kwargs["ref_model"] = _model(seed=11)
     if spec["trainer"] == "upipe":
         cfg = hf_upipe.UPipeConfig(
-            sp_size=spec["sp"], heads_per_chunk=1, tiled_mlp=spec.get("tiled_mlp", False)
+            sp_size=None if spec.get("parallelism_config") else spec["sp"],
+            heads_per_chunk=1,
+            tiled_mlp=spec.get("tiled_mlp", False),
         )
         hf_upipe.reset_sequence_parallel()  # one job runs several specs
         from hf_upipe.trl import UPipeDPOTrainer
@@ -184,6 +187,15 @@ def dpo_run(rank: int, world: int, spec: dict) -> dict:
             else None
         ),
     }
+
+
+def _parallelism(spec: dict, world: int):
+    """`DPOConfig(parallelism_config=ParallelismConfig(sp_size=...))` for an hf_upipe run that asks for it."""
+    if spec["trainer"] != "upipe" or not spec.get("parallelism_config"):
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+
+    return ParallelismConfig(sp_size=spec["sp"], dp_replicate_size=world // spec["sp"])
 
 
 def dpo_runs(rank: int, world: int, specs: list[dict]) -> list[dict]:

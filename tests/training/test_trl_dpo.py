@@ -33,7 +33,8 @@ CASES = {  # world: ranks of the UPipeDPOTrainer run (SP 2 x DP world/2); the re
     "sp2_full_checkpointing_tiled_mlp": dict(
         lora=False, world=2, checkpointing=True, tiled_mlp=True, optim="sgd", lr=1.0
     ),
-    "sp2_dp2_lora": dict(lora=True, world=4),
+    # the SP degree from DPOConfig(parallelism_config=ParallelismConfig(sp_size=2, dp_replicate_size=2))
+    "sp2_dp2_lora": dict(lora=True, world=4, parallelism_config=True),
 }
 
 

@@ -1,0 +1,150 @@
+"""Predicted GPU memory of a training step: what the CUDA caching allocator reserves, plus what it cannot see.
+
+Entry points:
+
+* `step_reserved(model_config, settings, *, seq_len, world_size, sp_size, layers, ...) -> dict`: simulates the step
+  (`hf_upipe.planning.alloc_trace.record_step_trace`), replays its trace through the allocator model in both modes
+  (`hf_upipe.planning.caching_allocator.replay`) and returns the tensor peak by category with
+  ``reserved = {"default": bytes, "expandable": bytes}``.
+* `extrapolate_reserved(reserved_4, peak_4, peak_L)`: the reserve of a deeper model (see below).
+* `Allowance`: the bytes the simulation cannot see, as stated constants and per-kernel functions.
+* `allocator_mode()`: "expandable" when `PYTORCH_CUDA_ALLOC_CONF` asks for expandable segments, else "default".
+* `calibration_file()`, `load_correction(key)`, `save_correction(key, measured, predicted)`: the correction that
+  `hf-upipe calibrate` measures on a GPU and `hf-upipe plan` applies.
+
+Depth. A trace of 3 and 4 layers is simulated; a deeper model adds, per layer, only persistent sharded state
+(parameters, gradients, AdamW states: allocated before the step, each in its own large segment) while the step's
+transient working set is the same for every layer. So the reserve of L layers is the 4-layer reserve plus the
+extra tensor bytes: ``reserved(L) = reserved(4) + peak(L) - peak(4)``. For Llama3-8B at 256K tokens on 8 GPUs
+this gives 29.49 GiB (default) and 29.25 GiB (expandable) for 32 layers, against 29.54 and 29.01 GiB from
+replaying the full 32-layer trace (`exact=True`). A straight line through the 3- and 4-layer reserves is not
+used: fragmentation makes them non-monotonic (18.82 GiB for 3 layers, 18.12 GiB for 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+
+from hf_upipe.planning.alloc_trace import record_step_trace
+from hf_upipe.planning.caching_allocator import replay
+
+__all__ = [
+    "Allowance",
+    "allocator_mode",
+    "calibration_file",
+    "extrapolate_reserved",
+    "load_correction",
+    "save_correction",
+    "step_reserved",
+]
+
+MiB, GiB = 2**20, 2**30
+MODES = ("default", "expandable")
+
+
+def allocator_mode(env: str | None = None) -> str:
+    """The allocator mode that `PYTORCH_CUDA_ALLOC_CONF` (or `env`) selects."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if env is None else env
+    return (
+        "expandable" if "expandable_segments:true" in conf.replace(" ", "").lower() else "default"
+    )
+
+
+def step_reserved(model_config, settings, **kw) -> dict:
+    """Tensor peak by category and the allocator's predicted reserve, in both modes (see the module docstring)."""
+    events, result = record_step_trace(model_config, settings, **kw)
+    return {
+        "by_category": result["by_category"],
+        "peak": result["peak"],
+        "reserved": {mode: replay(events, mode == "expandable").max_reserved for mode in MODES},
+    }
+
+
+def extrapolate_reserved(reserved_4: int, peak_4: int, peak_l: int) -> int:
+    """The reserve of a deeper model: the 4-layer reserve plus the extra (persistent) tensor bytes."""
+    return reserved_4 + peak_l - peak_4
+
+
+@dataclasses.dataclass(frozen=True)
+class Allowance:
+    """GPU memory outside the simulated tensors, added to the predicted reserve.
+
+    Attributes:
+        context: the CUDA context and the libraries' handles, outside the caching allocator (measured on an H100
+            with CUDA 13.0 and torch 2.11: 843 MiB, `benchmarks/results/gpu/memory_step_*.json`
+            "calibration.context_bytes"; 0.85 GiB here).
+        nccl: NCCL's communication buffers, allocated by NCCL outside the caching allocator (not measured: the GPU
+            runs used a fake process group); 1 GiB, a stated allowance for 8 GPUs per node.
+        cublas_per_stream: cuBLAS workspace per stream that runs matmuls, through the caching allocator (torch's
+            default on Hopper, `CUBLAS_WORKSPACE_CONFIG=:4096:8`: 32 MiB); the step's matmuls run on one stream.
+    """
+
+    context: int = int(0.85 * GiB)
+    nccl: int = 1 * GiB
+    cublas_per_stream: int = 32 * MiB
+
+    def attention_workspace(self, config, settings, seq_len: int, sp_size: int) -> int:
+        """The attention kernels' backward scratch, allocated inside the kernel call (invisible to the tracker):
+        an fp32 dq accumulator over the whole sequence for the heads of one stage (cuDNN and FlashAttention's
+        backward), [seq_len, heads per stage, head_dim] x 4 bytes."""
+        from hf_upipe.architectures import model_geometry
+
+        g = model_geometry(config)
+        heads = g["heads"] // sp_size if settings.impl in ("ulysses", "deepspeed") else None
+        if heads is None:
+            heads = settings.heads_per_chunk or g["heads"] // sp_size
+        ring = max(1, settings.ring_size)
+        head_dim = _get(config, "head_dim") or g["hidden"] // g["heads"]
+        return (seq_len // ring) * heads * head_dim * 4
+
+    def bytes(self, config, settings, seq_len: int, sp_size: int, device_only: bool = False) -> int:
+        """Everything added to the reserve; `device_only`: only what a single-GPU measurement holds in its
+        reserve (workspaces), for comparing with `max_memory_reserved`."""
+        work = self.cublas_per_stream + self.attention_workspace(config, settings, seq_len, sp_size)
+        return work if device_only else work + self.context + self.nccl
+
+
+def _get(config, name: str):
+    return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+
+
+def calibration_file() -> str:
+    folder = os.environ.get("HF_UPIPE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "hf_upipe"
+    )
+    return os.path.join(folder, "calibration.json")
+
+
+def _read() -> dict:
+    try:
+        with open(calibration_file()) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def load_correction(key: str) -> dict | None:
+    """The stored correction for `key` (`{"factor", "measured", "predicted", ...}`), or None."""
+    return _read().get(key)
+
+
+def save_correction(key: str, measured: int, predicted: int, **info) -> dict:
+    """Stores measured / predicted reserve for `key` (the planner multiplies its prediction by it)."""
+    if measured <= 0 or predicted <= 0:
+        raise ValueError(f"measured={measured} and predicted={predicted} must be positive bytes")
+    data = _read()
+    data[key] = dict(factor=measured / predicted, measured=measured, predicted=predicted, **info)
+    os.makedirs(os.path.dirname(calibration_file()), exist_ok=True)
+    with open(calibration_file(), "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    return data[key]
+
+
+def correction_key(model_name: str, settings, mode: str, dtype: torch.dtype) -> str:
+    """The calibration's key: model, settings that shape the step, allocator mode, dtype."""
+    fields = ",".join(f"{k}={v}" for k, v in sorted(dataclasses.asdict(settings).items()))
+    return f"{model_name}|{fields}|{mode}|{dtype}"
