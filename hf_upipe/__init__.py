@@ -16,6 +16,8 @@ Main entry points:
 - `shard_batch`, `ShardedDataLoader`, `sampler_kwargs`: per-rank sequence shards for custom training loops;
   `without_sequence_parallel()`: a context in which a model runs on whole sequences (under SP, a model called
   without `prepare_model` whose attention is not "upipe", or with token mixers, is refused).
+- `generate(model, input_ids, max_new_tokens=..., do_sample=False, ...)`: generation under SP, each rank prefilling
+  its shard of the prompt and keeping that shard's KV cache (`hf_upipe.generation`).
 - `MemoryTracker`: exact tensor-memory accounting (real or fake tensors), as used by the benchmarks.
 - `plan(model, *, gpus, gpu_memory, nodes=1, seq_len=None, max_context=False, ...)`: before launch, the per-GPU
   peak by category, whether it fits, the settings to use and the longest sequence that fits (`hf-upipe plan`).
@@ -55,6 +57,7 @@ _LAZY = {
     "UPipePlugin": "hf_upipe.plugin",
     "UPipeRuntime": "hf_upipe.runtime",
     "UPipeTrainer": "hf_upipe.trainer",
+    "generate": "hf_upipe.generation",
     "plan": "hf_upipe.planning.planner",
     "prepare_model": "hf_upipe.integrations.prepare",
     "unprepare_model": "hf_upipe.integrations.prepare",

@@ -3,7 +3,7 @@
 Layers, bottom to top (a module may import its own layer and the layers below):
   0 ops, architectures, verification, batch_keys, rank_layout, units: pure torch (ops import no transformers)
   1 data, distributed, exits, config, memory, integrations
-  2 runtime, checkpoint, auto_settings
+  2 runtime, checkpoint, auto_settings, generation
   3 trainer, plugin, trl: the two faces of the runtime, side by side (UPipeTrainer for transformers' Trainer,
     UPipePlugin for custom loops), and UPipeSFTTrainer on the trainer; integrations.accelerate only re-exports
     the plugin for older imports
@@ -40,7 +40,7 @@ LAYERS = [
         "hf_upipe.registration",
         "hf_upipe.models",
     ),
-    ("hf_upipe.runtime", "hf_upipe.checkpoint", "hf_upipe.auto_settings"),
+    ("hf_upipe.runtime", "hf_upipe.checkpoint", "hf_upipe.auto_settings", "hf_upipe.generation"),
     ("hf_upipe.trainer", "hf_upipe.plugin", "hf_upipe.trl", "hf_upipe.integrations.accelerate"),
     (
         "hf_upipe.planning",

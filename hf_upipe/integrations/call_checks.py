@@ -61,9 +61,10 @@ LABELS_UNDER_SP = (
     "the loss with hf_upipe's tiled loss."
 )
 GENERATE_UNDER_SP = (
-    "generate() under sequence parallelism is not offered: each rank holds a shard of the prompt, and the KV cache "
-    "would hold one shard's keys and values. Generate in one process on the whole prompt: `with "
-    "hf_upipe.without_sequence_parallel(): model.generate(input_ids)` (input_ids the whole prompt, on one rank)."
+    "model.generate() under sequence parallelism would run on one rank's shard of the prompt, with a KV cache of "
+    "that shard only. Use hf_upipe.generate(model, input_ids, max_new_tokens=...) (input_ids the whole prompt on "
+    "every rank: each rank prefills and caches its shard), or generate in one process: `with "
+    "hf_upipe.without_sequence_parallel(): model.generate(input_ids)`."
 )
 ATTENTIONS_UNDER_SP = (
     "output_attentions=True under sequence parallelism: no [S, S] attention weights are ever "
@@ -233,7 +234,7 @@ def refuse_silent_misuse(module, args, kwargs):
         raise NotImplementedError(
             "use_cache=True / a KV cache (past_key_values, cache) under sequence parallelism: "
             "the cache would hold one shard's keys and values. Call the model with "
-            "use_cache=False; generate without SP (one process)."
+            "use_cache=False; generate with hf_upipe.generate."
         )
     return None
 

@@ -56,6 +56,7 @@ from hf_upipe.integrations.replaced import own_forward
 from hf_upipe.integrations.ring_seam import ring_kernel
 from hf_upipe.integrations.sp_checks import (
     active_state,
+    attention_overridden,
     check_call,
     check_model,
     local_sequence_parallel,
@@ -229,7 +230,7 @@ def _call_arguments(args: tuple, kwargs: dict) -> tuple:
 def fused_forward(self, hidden_states, *args, **kwargs):
     """Forward installed on known attention modules: the fused UPipe block under SP, the original otherwise."""
     state = active_state()
-    if state is None or _autocast_other_dtype(self, hidden_states):
+    if state is None or attention_overridden() or _autocast_other_dtype(self, hidden_states):
         return type(self).forward(
             self, hidden_states, *args, **kwargs
         )  # without SP: "sdpa"; else registered
@@ -237,7 +238,7 @@ def fused_forward(self, hidden_states, *args, **kwargs):
     if cache is not None and cache.get_seq_length(self.layer_idx) > 0:
         raise NotImplementedError(
             "A KV cache with past tokens is not supported under sequence parallelism; "
-            "generate without SP (one process), or call the model with use_cache=False."
+            "generate with hf_upipe.generate, or call the model with use_cache=False."
         )
     dropout = self.attention_dropout if self.training else 0.0
     check_model(self.config, state, hidden_states.shape[1] * state.sp_size)

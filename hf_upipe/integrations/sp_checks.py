@@ -7,11 +7,17 @@ Entry points:
 - `check_model(config, state, seq_len=None)`: the support gate (`hf_upipe.integrations.support`) for a model.
 - `check_call(module, dropout, kwargs, handled=())`: causal attention, no attention weights, no dropout, no
   argument of `UNIMPLEMENTED_ARGUMENTS` but the `handled` ones (`SINK_ARGUMENTS`: implemented under SP).
+- `attention_override(fn)` / `attention_overridden()`: a context in which the "upipe" attention function returns
+  `fn(module, query, key, value, attention_mask, **kwargs)` instead (and the fused block takes the registered
+  path, so that its layers reach `fn` too); `hf_upipe.generation` records a shard's keys and values and attends to
+  them while decoding with it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+from typing import Callable
 
 from hf_upipe.distributed import SequenceParallelState, get_sequence_parallel_state
 from hf_upipe.integrations.call_checks import refuse_collected_attentions
@@ -21,6 +27,8 @@ __all__ = [
     "SINK_ARGUMENTS",
     "UNIMPLEMENTED_ARGUMENTS",
     "active_state",
+    "attention_override",
+    "attention_overridden",
     "check_call",
     "check_model",
     "local_sequence_parallel",
@@ -36,6 +44,27 @@ def active_state() -> SequenceParallelState | None:
 
 
 _LOCAL: list[SequenceParallelState] = []
+
+_OVERRIDE: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "upipe_attention_override", default=None
+)
+
+
+@contextlib.contextmanager
+def attention_override(fn: Callable | None):
+    """Inside, the "upipe" attention function returns `fn(module, query, key, value, attention_mask, dropout=,
+    scaling=, sliding_window=, **kwargs)` (None: its own path again, e.g. from inside `fn`)."""
+    token = _OVERRIDE.set(fn)
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def attention_overridden() -> Callable | None:
+    """The function of the innermost `attention_override`, or None (the fused block then takes the registered
+    path)."""
+    return _OVERRIDE.get()
 
 
 @contextlib.contextmanager

@@ -56,6 +56,7 @@ from hf_upipe.integrations.sp_checks import (
     SINK_ARGUMENTS,
     UNIMPLEMENTED_ARGUMENTS,
     active_state,
+    attention_overridden,
     check_call,
     check_model,
 )
@@ -73,8 +74,8 @@ def _check_kv_length(query, key) -> None:
     if key.shape[-2] != query.shape[-2]:
         raise NotImplementedError(
             f"key length {key.shape[-2]} != query length {query.shape[-2]}: a KV cache with past tokens "
-            "(generation) is not supported under sequence parallelism; generate without SP (one process), or "
-            "call the model with use_cache=False."
+            "(generation) is not supported in a model call under sequence parallelism: generate with "
+            "hf_upipe.generate, or call the model with use_cache=False."
         )
 
 
@@ -118,6 +119,11 @@ def upipe_attention_forward(
     Returns:
         (attn_output [B, s, H, D], None)
     """
+    if (
+        override := attention_overridden()
+    ) is not None:  # hf_upipe.generation's prefill and decode step
+        kw = dict(kwargs, dropout=dropout, scaling=scaling, sliding_window=sliding_window)
+        return override(module, query, key, value, attention_mask, **kw)
     state = active_state()
     config = getattr(module, "config", None)
     if state is None:
