@@ -6,7 +6,7 @@ Entry points:
 - `check_inputs(models, sp, heads_per_chunk)`: the input checks made before any process is started.
 - `hf-upipe selftest ...`, the command on top, and its table: `hf_upipe.selftest_command`.
 - `--model qwen2_vl` / `qwen2_5_vl`: a tiny vision-language model on images and text, merged whole and then
-  sharded (`hf_upipe.vlm_check.check_vlm`; SP 2).
+  sharded (`check_vlm`; SP 2).
 
 Per model, every rank builds the model twice from the same weights: a reference ("sdpa", whole sequence, one
 device) and the SP model (`prepare_model`: fused block or registered "upipe", `heads_per_chunk`). Two batches: a
@@ -171,7 +171,6 @@ def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
     from hf_upipe.integrations.loss import shard_loss_sum
     from hf_upipe.integrations.support import config_refusal, refusal_error
     from hf_upipe.vlm import VISION_TYPES
-    from hf_upipe.vlm_check import check_vlm
 
     if name in VISION_TYPES:  # images merged whole, then the sequence sharded (hf_upipe.vlm)
         return check_vlm(name, spec)
@@ -360,3 +359,26 @@ def run_selftest(
     except DistributedFailure as err:
         raise RuntimeError(f"selftest worker failed:\n{err}") from None
     return [Check(**c) for c in ranks[0]]
+
+
+def check_vlm(model_type: str, spec: dict) -> list:
+    """The self-test's rows for a vision-language type (`--lora`: LoRA on the language model, the vision tower
+    trained too): a tiny model, a padded batch with images and a video (`hf_upipe.vlm_check.vlm_step`)."""
+    from hf_upipe.integrations.prepare import prepare_model
+    from hf_upipe.vlm_check import tiny_batch, vlm_pair, vlm_step
+
+    ref, model = vlm_pair(model_type, spec.get("lora", False), seed=0)
+    prepare_model(model)
+    errors = vlm_step(model, ref, tiny_batch(1, padded=True, video=True))
+    grads = {k: v for k, v in errors.items() if k not in ("loss", "logits")}
+    worst = max(grads, key=grads.get)
+    vision = max(v for k, v in grads.items() if ".visual." in k)
+    batch = "images+video+text"
+    return [
+        Check(model_type, batch, "logits", errors["logits"], TOLERANCE["logits"]),
+        Check(model_type, batch, "train loss", errors["loss"], TOLERANCE["train loss"]),
+        Check(
+            model_type, batch, "gradients", grads[worst], TOLERANCE["gradients"], f"worst: {worst}"
+        ),
+        Check(model_type, batch, "vision-tower gradients", vision, TOLERANCE["gradients"]),
+    ]

@@ -8,8 +8,7 @@ Entry points:
 - `vlm_step(model, ref, batch)`: one training step of `ref` on the whole batch (one process) and of the prepared
   `model` on this rank's `hf_upipe.vlm.shard_multimodal_batch`: relative errors of the loss, the shard's logits
   on real tokens and every trainable gradient (summed over the SP group).
-- `check_vlm(model_type, spec)`: `hf-upipe selftest --model qwen2_vl` (`--lora`: LoRA on the language model,
-  the vision tower trained too): the step above as the self-test's `Check` rows.
+The self-test's rows for a VLM (`hf-upipe selftest --model qwen2_vl`) are `hf_upipe.selftest.check_vlm`.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_vlm", "tiny_batch", "tiny_vlm", "vlm_pair", "vlm_step"]
+__all__ = ["tiny_batch", "tiny_vlm", "vlm_pair", "vlm_step"]
 
 IMAGE, VIDEO, START, END = 60, 61, 62, 63  # the tiny vocabulary's special tokens
 
@@ -168,25 +167,3 @@ def vlm_step(model, ref, batch: dict) -> dict:
             dist.all_reduce(g, group=state.sp_group)
             errors[name] = _rel(g, torch.zeros_like(g) if want is None else want)
     return errors
-
-
-def check_vlm(model_type: str, spec: dict) -> list:
-    """The self-test's rows for a vision-language type: a tiny model, a padded batch with images."""
-    from hf_upipe.integrations.prepare import prepare_model
-    from hf_upipe.selftest import TOLERANCE, Check
-
-    ref, model = vlm_pair(model_type, spec.get("lora", False), seed=0)
-    prepare_model(model)
-    errors = vlm_step(model, ref, tiny_batch(1, padded=True, video=True))
-    grads = {k: v for k, v in errors.items() if k not in ("loss", "logits")}
-    worst = max(grads, key=grads.get)
-    vision = max(v for k, v in grads.items() if ".visual." in k)
-    batch = "images+video+text"
-    return [
-        Check(model_type, batch, "logits", errors["logits"], TOLERANCE["logits"]),
-        Check(model_type, batch, "train loss", errors["loss"], TOLERANCE["train loss"]),
-        Check(
-            model_type, batch, "gradients", grads[worst], TOLERANCE["gradients"], f"worst: {worst}"
-        ),
-        Check(model_type, batch, "vision-tower gradients", vision, TOLERANCE["gradients"]),
-    ]

@@ -2,12 +2,12 @@
 
 Layers, bottom to top (a module may import its own layer and the layers below):
   0 ops, architectures, verification, batch_keys, rank_layout, units: pure torch (ops import no transformers)
-  1 data, distributed, exits, config, memory, integrations
+  1 data, distributed, exits, config, memory, integrations, vlm
   2 runtime, checkpoint, auto_settings, generation
   3 trainer, plugin, trl: the two faces of the runtime, side by side (UPipeTrainer for transformers' Trainer,
     UPipePlugin for custom loops), and UPipeSFTTrainer on the trainer; integrations.accelerate only re-exports
     the plugin for older imports
-  4 planning, selftest, testing, cli (on top: they may import anything)
+  4 planning, selftest, vlm_check, testing, cli (on top: they may import anything)
 Every import statement counts, also those inside functions (a lazy import is still a dependency).
 """
 
@@ -39,6 +39,7 @@ LAYERS = [
         "hf_upipe.integrations",
         "hf_upipe.registration",
         "hf_upipe.models",
+        "hf_upipe.vlm",
     ),
     ("hf_upipe.runtime", "hf_upipe.checkpoint", "hf_upipe.auto_settings", "hf_upipe.generation"),
     ("hf_upipe.trainer", "hf_upipe.plugin", "hf_upipe.trl", "hf_upipe.integrations.accelerate"),
@@ -46,6 +47,7 @@ LAYERS = [
         "hf_upipe.planning",
         "hf_upipe.selftest",
         "hf_upipe.selftest_command",
+        "hf_upipe.vlm_check",
         "hf_upipe.matrix",
         "hf_upipe.testing",
         "hf_upipe.cli",
