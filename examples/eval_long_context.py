@@ -92,7 +92,7 @@ def load_model(args, vocab_size: int):
     return model.eval()
 
 
-def score_row(model, row: dict, state, length: int) -> dict[str, torch.Tensor]:
+def score_row(model, row: dict, state, length: int, device) -> dict[str, torch.Tensor]:
     """Teacher-forced: log-probability [n] of each answer digit and whether the argmax is it [n], in row order;
     the same on every rank of the SP group (each rank scores its shard, the answers are summed over the group)."""
     batch = default_data_collator([row])
@@ -102,30 +102,30 @@ def score_row(model, row: dict, state, length: int) -> dict[str, torch.Tensor]:
         labels = batch.pop("labels")  # [1, L]: the next token of position t is labels[t + 1]
         batch["shift_labels"] = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
         batch["position_ids"] = torch.arange(length)[None]
+    batch = {k: v.to(device) for k, v in batch.items()}
     targets = batch["shift_labels"][0]  # [s]: the next token of every local position, -100 if none
     inputs = {k: batch[k] for k in ("input_ids", "position_ids")}
     logits = model(**inputs).logits[0].float()  # [s, V]
     logprobs = torch.log_softmax(logits, -1)
     mine = torch.nonzero(targets != -100).flatten()  # local answer positions
     at = batch["position_ids"][0][mine]  # their global positions
-    size = length + (state.sp_size if state is not None else 0)  # room for the tail padded for SP
-    lp = torch.zeros(size, dtype=torch.float64)
-    hit = torch.zeros(size, dtype=torch.float64)
-    has = torch.zeros(size, dtype=torch.float64)
-    lp[at] = logprobs[mine, targets[mine]].double()
-    hit[at] = (logits[mine].argmax(-1) == targets[mine]).double()
-    has[at] = 1.0
-    stacked = torch.stack([lp, hit, has])  # [3, size]
+    pad = 2 * state.sp_size if state is not None else 0  # room for the tail padded for SP
+    stacked = torch.zeros(
+        3, length + pad, dtype=torch.float64, device=device
+    )  # log-prob, hit, present
+    stacked[0, at] = logprobs[mine, targets[mine]].double()
+    stacked[1, at] = (logits[mine].argmax(-1) == targets[mine]).double()
+    stacked[2, at] = 1.0
     if state is not None and state.sp_size > 1:
         dist.all_reduce(stacked, group=state.sp_group)  # each answer is on exactly one rank
     keep = stacked[2] > 0
-    return {"logprobs": stacked[0][keep], "hits": stacked[1][keep]}
+    return {"logprobs": stacked[0][keep].cpu(), "hits": stacked[1][keep].cpu()}
 
 
-def generate_row(model, row: dict, state, new_tokens: int) -> list[int]:
+def generate_row(model, row: dict, state, new_tokens: int, device) -> list[int]:
     """The row up to and including its first "?" as the prompt; the greedy tokens generated after it."""
     first = min(i for i, v in enumerate(row["labels"]) if v != -100)  # the first answer digit
-    prompt = torch.tensor([row["input_ids"][:first]])  # [1, first]: ends with "?"
+    prompt = torch.tensor([row["input_ids"][:first]], device=device)  # [1, first]: ends with "?"
     if state is not None and state.sp_size > 1:
         out = hf_upipe.generate(model, prompt, max_new_tokens=new_tokens, eos_token_id=[])
     else:
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     state = None
     if accelerator.num_processes > 1:
         state = hf_upipe.init_sequence_parallel(accelerator.num_processes)  # SP over every process
-    model = load_model(args, tokenizer.vocab_size)
+    model = load_model(args, tokenizer.vocab_size).to(accelerator.device)
     rows = passkey_dataset(args.rows, args.length, tokenizer, seed=10_000 + args.seed)
     sp = state.sp_size if state is not None else 1
     accelerator.print(
@@ -159,13 +159,13 @@ def main(argv=None) -> int:
     scored, t0 = [], time.perf_counter()
     with torch.no_grad():
         for row in rows:
-            scored.append(score_row(model, row, state, args.length))
+            scored.append(score_row(model, row, state, args.length, accelerator.device))
             bar.update(1)
     score_s = time.perf_counter() - t0
     generated, prompt_tokens, t0 = [], 0, time.perf_counter()
     with torch.no_grad():
         for row in rows:
-            generated.append(generate_row(model, row, state, args.new_tokens))
+            generated.append(generate_row(model, row, state, args.new_tokens, accelerator.device))
             prompt_tokens += min(i for i, v in enumerate(row["labels"]) if v != -100)
             bar.update(1)
     generate_s = time.perf_counter() - t0
