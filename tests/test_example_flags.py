@@ -94,3 +94,29 @@ def test_the_sample_data_file_is_readable():
     common = _script("_common")
     data = common.text_dataset(os.path.join(EXAMPLES, "sample.jsonl"), common.ByteTokenizer(), 256)
     assert len(data) > 10 and len(data[0]["input_ids"]) == 256
+
+
+def test_eval_example_help_and_its_input_errors(capsys, tmp_path):
+    """`examples/eval_long_context.py`: --help, and a missing adapter or a too-short length as one line, exit 2."""
+    script = _script("eval_long_context")
+    with pytest.raises(SystemExit):
+        script.main(["--help"])
+    out = capsys.readouterr().out
+    for text in (
+        "--adapter",
+        "--length",
+        "--rows",
+        "--new-tokens",
+        "--output",
+        "hf_upipe.generate",
+    ):
+        assert text in out, text
+    code, out = _exit_code(script, ["--adapter", str(tmp_path)], capsys)
+    assert code == 2
+    assert out.err.strip() == (
+        f"error: --adapter {tmp_path}: no adapter_config.json there; train first (the main example saves "
+        "runs/long_context/step-300/model) or pass the folder of a saved PEFT adapter"
+    )
+    code, out = _exit_code(script, ["--length", "8"], capsys)
+    assert code == 2
+    assert out.err.strip() == "error: --length 8: a passkey row needs at least 16 bytes"

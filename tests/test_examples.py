@@ -169,3 +169,49 @@ def test_a_bad_setting_is_one_line_from_one_rank(tmp_path):
     # every rank exits with 2 together (none stopped by the launcher), and the launcher's summary quotes the line
     assert re.findall(r"^\s+exitcode\s+: (-?\d+)", out, re.M) == ["2", "2"], out[-2000:]
     assert out.count(f"traceback : {lines[0]}") == 2, out[-2000:]
+
+
+def test_eval_example_two_processes_equal_one(tmp_path):
+    """`examples/eval_long_context.py` on an adapter of a short main-example run, at a length other than the trained
+    one (odd: the SP shards are padded): 2 processes (SP 2, `hf_upipe.generate`) give the generated tokens and the
+    teacher-forced log-probabilities of one process (`model.generate`), and the generated first token is the
+    teacher-forced argmax at the first answer (the same prefix)."""
+    _run(
+        "finetune_long_context.py",
+        COMMON + ["--output-dir", str(tmp_path / "train"), "--eval-rows", "0"],
+        tmp_path,
+        processes=1,
+    )
+    flags = ["--adapter", str(tmp_path / "train" / "step-4" / "model"), "--length", "301"]
+    flags += ["--rows", "4", "--new-tokens", "3"]
+    runs = {}
+    for processes in (1, 2):
+        out = _run(
+            "eval_long_context.py",
+            flags + ["--output", str(tmp_path / f"eval{processes}.json")],
+            tmp_path,
+            processes=processes,
+        )
+        assert out.count("teacher-forced: first answer") == 1, (
+            out
+        )  # printed once, from the first rank
+        with open(tmp_path / f"eval{processes}.json") as f:
+            runs[processes] = json.load(f)
+    one, two = runs[1], runs[2]
+    assert (one["sp_size"], two["sp_size"]) == (1, 2)
+    assert two["generated"]["tokens"] == one["generated"]["tokens"]
+    assert [len(t) for t in one["generated"]["tokens"]] == [3] * 4
+    assert two["generated"]["accuracy"] == one["generated"]["accuracy"]
+    lp1, lp2 = one["teacher_forced"]["answer_logprobs"], two["teacher_forced"]["answer_logprobs"]
+    assert (
+        [len(r) for r in lp1] == [len(r) for r in lp2] == [25] * 4
+    )  # the answers of 301-byte rows
+    for a, b in zip(sum(lp1, []), sum(lp2, [])):
+        assert abs(a - b) <= 1e-4 * abs(a) + 1e-7, (a, b)
+    tf1, tf2 = one["teacher_forced"], two["teacher_forced"]
+    assert (
+        abs(tf1["answer_perplexity"] - tf2["answer_perplexity"]) <= 1e-4 * tf1["answer_perplexity"]
+    )
+    for key in ("first_answer_accuracy", "all_answers_accuracy"):
+        assert tf1[key] == tf2[key], key
+    assert one["generated"]["accuracy"] == tf1["first_answer_accuracy"]
