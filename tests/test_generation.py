@@ -1,7 +1,7 @@
 """`hf_upipe.generate` under sequence parallelism against transformers' `generate` of the same model in one process
 (fp32, random non-symmetric weights, a prompt of 21 tokens split across the ranks, 32 new tokens):
 
-- greedy tokens equal token for token, on Llama, Qwen3 with LoRA and Mistral with a sliding window (5, shorter than
+- greedy tokens equal token for token, on Llama (plain and with LoRA), Qwen3 with LoRA and Mistral with a sliding window (5, shorter than
   the prompt and than a shard) with LoRA; 2 ranks here, 4 in the slow tier;
 - the logits before each generated token equal one process's teacher-forced logits on the generated sequence (the
   log-probabilities, rel 1e-4);
@@ -23,6 +23,7 @@ from tests._dist import run_distributed
 L, NEW, WINDOW = 21, 32, 5
 CASES = {
     "llama": ("llama", {}, False),
+    "llama lora": ("llama", {}, True),
     "qwen3 lora": ("qwen3", {}, True),
     "mistral window lora": ("mistral", {"sliding_window": WINDOW}, True),
 }
