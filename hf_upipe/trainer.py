@@ -310,8 +310,8 @@ class UPipeTrainer(Trainer):
         return share_batches_within_sp(loader, self.upipe.state, evaluation=exact)
 
     # ---- training loss -----------------------------------------------------------------------------------------
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """Collect the step's full batches, shard them, and count the step's label tokens over all ranks."""
+    def _next_batches(self, epoch_iterator, num_batches: int) -> list:
+        """The step's next `num_batches` full batches (fewer at the epoch's end); starts the tokens/s clock."""
         batches = []
         for _ in range(num_batches):
             try:
@@ -320,6 +320,11 @@ class UPipeTrainer(Trainer):
                 break
         if self._stats["since"] is None:
             self._stats["since"] = time.perf_counter()
+        return batches
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Collect the step's full batches, shard them, and count the step's label tokens over all ranks."""
+        batches = self._next_batches(epoch_iterator, num_batches)
         if not batches:
             return [], None
         shards = [self.upipe.shard(b) for b in batches]

@@ -1,8 +1,8 @@
 """`hf_upipe.generate` under sequence parallelism against transformers' `generate` of the same model in one process
 (fp32, random non-symmetric weights, a prompt of 21 tokens split across the ranks, 32 new tokens):
 
-- greedy tokens equal token for token, on Llama (plain and with LoRA), Qwen3 with LoRA and Mistral with a sliding window (5, shorter than
-  the prompt and than a shard) with LoRA; 2 ranks here, 4 in the slow tier;
+- greedy tokens equal token for token, on Llama (plain and with LoRA), Qwen3 with LoRA and Mistral with a
+  sliding window (5, shorter than the prompt and than a shard) with LoRA; 2 ranks here, 4 in the slow tier;
 - the logits before each generated token equal one process's teacher-forced logits on the generated sequence (the
   log-probabilities, rel 1e-4);
 - each rank caches 1/P of the one-process KV cache's elements; with a window, the ranks keep only the prompt's

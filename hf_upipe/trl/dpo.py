@@ -41,7 +41,6 @@ shard). `evaluate()` and `predict()` raise.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 import torch.nn.functional as F
@@ -190,14 +189,7 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Collect the step's full preference batches and shard them; count their real tokens over all ranks (for
         `tokens_per_second`). No item count: the loss is a mean over pairs per micro-batch."""
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
-        if self._stats["since"] is None:
-            self._stats["since"] = time.perf_counter()
+        batches = self._next_batches(epoch_iterator, num_batches)
         if not batches:
             return [], None
         pad = self.upipe.pad_token_id
