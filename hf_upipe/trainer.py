@@ -10,9 +10,10 @@ Entry points:
 What it does, with W processes and `sp_size` P (W = P x dp_size):
 1. setup, at construction, on every rank: `hf_upipe.runtime.UPipeRuntime.setup` checks the settings against the
    launch and the model (sp_size, heads, kv heads, heads_per_chunk, kernel, checkpointing for offload/auto, a
-   writable output_dir when checkpoints are saved) and raises the same error on every rank before training; then
-   auto settings, the SP groups (P neighbouring ranks, DP across them), the fused block and the tiled MLP. Each
-   training step runs inside `offload_checkpoints` (offload 'cpu'/'disk');
+   writable output_dir when checkpoints are saved; before `Trainer.__init__`, `hf_upipe.trainer_checks`) and raises
+   the same error on every rank before training; then auto settings, the SP groups (P neighbouring ranks, DP
+   across them), the fused block and the tiled MLP. Each training step runs inside `offload_checkpoints` (offload
+   'cpu'/'disk');
 2. data: the Trainer's own dataloaders, with accelerate's batch sharding re-pointed from W processes to the
    dp_size SP groups (`hf_upipe.integrations.loaders`), so sampler seeding, epochs and `skip_first_batches` on
    resume work unchanged. Each full batch is cut by `hf_upipe.shard_batch`;
@@ -30,13 +31,14 @@ What it does, with W processes and `sp_size` P (W = P x dp_size):
 5. checkpoints: written into a hidden staging folder, given a manifest (size and SHA-256 of every file,
    `hf_upipe.checkpoint`) and renamed to `checkpoint-N` once every rank has written its part, so an interrupted
    save never leaves a partial `checkpoint-N`; `train(resume_from_checkpoint=...)` verifies the manifest first and
-   refuses a corrupted or incomplete checkpoint, naming the file. PEFT models save plain PEFT adapters, others
-   plain transformers checkpoints;
+   refuses a corrupted or incomplete checkpoint, naming the file (`hf_upipe.trainer_checkpoints`). PEFT models
+   save plain PEFT adapters, others plain transformers checkpoints;
 6. Liger (`use_liger_kernel=True`): applied by hf_upipe before `prepare_model`, with its fused linear
    cross-entropy, cross-entropy and RoPE off (`hf_upipe.integrations.liger`; `docs/kernels.md`); the Trainer gets
    a copy of the arguments with `use_liger_kernel=False`, so it does not apply Liger again in `train()`;
 7. logs: `tokens_per_second` (real tokens of all ranks since the last log) and `peak_memory_gib` (the largest
-   per-rank peak: device allocations on CUDA, process peak RSS on CPU) on every training log line.
+   per-rank peak: device allocations on CUDA, process peak RSS on CPU) on every training log line
+   (`hf_upipe.trainer_logs`).
 """
 
 from __future__ import annotations
@@ -44,32 +46,17 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import resource
-import shutil
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from transformers import Trainer
-from transformers.trainer_utils import (
-    PREFIX_CHECKPOINT_DIR,
-    EvalLoopOutput,
-    get_last_checkpoint,
-    rotate_checkpoints,
-)
+from transformers.trainer_utils import EvalLoopOutput
 
-from hf_upipe.checkpoint import verify_checkpoint, write_manifest
 from hf_upipe.config import UPipeConfig, check_config
 from hf_upipe.integrations.liger import apply_liger
 from hf_upipe.integrations.loaders import share_batches_within_sp
-from hf_upipe.integrations.parallelism import (
-    accelerate_view,
-    find_parallelism,
-    parallelism_errors,
-    uses_deepspeed,
-    with_parallelism_sp,
-)
+from hf_upipe.integrations.parallelism import find_parallelism, uses_deepspeed
 from hf_upipe.integrations.predictions import (
     PredictionRecorder,
     concat_predictions,
@@ -77,7 +64,10 @@ from hf_upipe.integrations.predictions import (
     with_metrics,
 )
 from hf_upipe.integrations.prepare import prepare_model
-from hf_upipe.runtime import UPipeRuntime, agree_on_errors, output_dir_errors
+from hf_upipe.runtime import UPipeRuntime
+from hf_upipe.trainer_checkpoints import save_staged, verify_resume
+from hf_upipe.trainer_checks import check_metrics_options, check_trainer_options, early_checks
+from hf_upipe.trainer_logs import with_throughput
 
 logger = logging.getLogger(__name__)
 
@@ -116,16 +106,6 @@ TRAINER_INTERNALS = {
 }
 
 
-def _peak_memory_bytes(device: torch.device) -> int:
-    """This process's peak: device allocations (reset after reading) on CUDA, peak resident set size on CPU."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return peak
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
-
-
 class UPipeTrainer(Trainer):
     """A `transformers.Trainer` for long sequences: UPipe sequence parallelism, exact loss, tiled loss.
 
@@ -162,7 +142,7 @@ class UPipeTrainer(Trainer):
         parallelism = find_parallelism(getattr(args, "parallelism_config", None))
         deepspeed = uses_deepspeed(args)
         # before transformers creates the output folder (main rank only) and accelerate its groups or DeepSpeed SP
-        args = self._early_checks(args, config, parallelism, world, deepspeed)
+        args = early_checks(args, config, parallelism, world, deepspeed)
         # Liger is applied here, before prepare_model, not again by Trainer.train (hf_upipe.integrations.liger)
         self._liger = getattr(args, "use_liger_kernel", False)
         if self._liger:
@@ -171,16 +151,7 @@ class UPipeTrainer(Trainer):
         super().__init__(model, args, *pargs, **kwargs)
         if self._liger and self.model is not None:
             apply_liger(self.model, self.args.liger_kernel_config)
-        if self.args.label_smoothing_factor:
-            raise NotImplementedError(
-                "UPipeTrainer computes the causal-LM loss itself; label_smoothing_factor="
-                f"{self.args.label_smoothing_factor} is not supported (set it to 0)."
-            )
-        if self.compute_loss_func is not None:
-            raise NotImplementedError(
-                "UPipeTrainer computes the token-weighted causal-LM loss itself; drop "
-                "compute_loss_func (or use transformers.Trainer without sequence parallelism)."
-            )
+        check_trainer_options(self.args, self.compute_loss_func)
         if not self.args.average_tokens_across_devices:
             logger.warning(
                 "UPipeTrainer normalises the loss by the label tokens of all ranks "
@@ -206,50 +177,14 @@ class UPipeTrainer(Trainer):
         self._stats = {"tokens": 0, "since": None}
 
     def _metrics_checks(self, world: int) -> None:
-        """Refuse the metric options the multi-process evaluation does not offer (the same on every rank); in one
+        """Refuse the metric options the multi-process evaluation does not offer (`check_metrics_options`); in one
         process, predict as with more processes: the argmax ids, or `preprocess_logits_for_metrics` with the
         aligned targets, -100 on padding (`hf_upipe.integrations.predictions`)."""
-        args = self.args
-        if world > 1 and (args.batch_eval_metrics or args.include_for_metrics):
-            raise NotImplementedError(
-                "UPipeTrainer computes metrics on the whole evaluation set with more than one process: "
-                f"batch_eval_metrics={args.batch_eval_metrics} and include_for_metrics="
-                f"{args.include_for_metrics} are not supported (set batch_eval_metrics=False, "
-                "include_for_metrics=[])."
-            )
+        check_metrics_options(self.args, world)
         if world == 1:
             self.preprocess_logits_for_metrics = one_process_preprocess(
                 self.preprocess_logits_for_metrics, lambda: getattr(self, "_padding", None)
             )
-
-    @staticmethod
-    def _early_checks(args, config: UPipeConfig, parallelism, world: int, deepspeed: bool):
-        """The checks that must pass before `Trainer.__init__`, on every rank (one all_gather_object): a writable
-        output_dir, and accelerate's `ParallelismConfig` (`hf_upipe.integrations.parallelism`). Returns the
-        arguments transformers gets: with a parallelism config, a copy whose `parallelism_config` has no SP (the
-        SP ranks folded into data parallelism), so neither transformers nor accelerate applies its own SP."""
-        errors = (
-            output_dir_errors(args.output_dir)
-            if args is not None and args.save_strategy != "no"
-            else []
-        )
-        errors += parallelism_errors(config, parallelism, world, deepspeed=deepspeed)
-        sp = None
-        try:
-            sp = with_parallelism_sp(config, parallelism).resolve_sp_size(world)
-        except ValueError as err:
-            errors.append(err)
-        agree_on_errors(errors, world)
-        if parallelism is None:
-            return args
-        if args is None:  # what transformers' Trainer uses by default
-            from transformers import TrainingArguments
-
-            args = TrainingArguments(output_dir="trainer_output")
-        fsdp = bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-        args = copy.copy(args)
-        args.parallelism_config = accelerate_view(parallelism, sp, world, fsdp=fsdp)
-        return args
 
     @property
     def upipe_config(self) -> UPipeConfig:
@@ -266,13 +201,8 @@ class UPipeTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """The Trainer's `train`; a checkpoint to resume from is verified against its manifest first, on every
         rank (`hf_upipe.checkpoint.verify_checkpoint`; `UPipeConfig(verify_checkpoints=False)` skips it)."""
-        path = resume_from_checkpoint
-        if path is True:
-            path = get_last_checkpoint(
-                self.args.output_dir
-            )  # None: the Trainer raises its own error
-        if isinstance(path, (str, os.PathLike)) and self.upipe.config.verify_checkpoints:
-            verify_checkpoint(os.fspath(path))
+        if self.upipe.config.verify_checkpoints:
+            verify_resume(resume_from_checkpoint, self.args.output_dir)
         return super().train(
             resume_from_checkpoint=resume_from_checkpoint,
             trial=trial,
@@ -437,66 +367,23 @@ class UPipeTrainer(Trainer):
         run_dir = super()._get_output_dir(trial)
         return os.path.join(run_dir, self._staging) if getattr(self, "_staging", None) else run_dir
 
-    def _barrier(self) -> None:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
-
     def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's checkpoint, written into `<run_dir>/.staging-checkpoint-N/`, given its manifest, renamed."""
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        run_dir = super()._get_output_dir(trial)
-        staging_root = os.path.join(run_dir, f".staging-{name}")
-        if self.args.should_save and os.path.exists(staging_root):
-            shutil.rmtree(staging_root)  # left by an interrupted save
-        self._barrier()
-        self._staging = f".staging-{name}"
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._staging = None
-        self._barrier()  # every rank has written its files (RNG states, sharded optimizer states)
-        staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
-        best = self.state.best_model_checkpoint
-        if best and best.startswith(staging_root):
-            self.state.best_model_checkpoint = os.path.join(
-                run_dir, os.path.relpath(best, staging_root)
-            )
-            if self.args.should_save:
-                self.state.save_to_json(os.path.join(staged, "trainer_state.json"))
-        self._barrier()
-        write_manifest(staged)  # every rank hashes a share; returns once the manifest is written
-        if self.args.should_save:
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(staged, final)
-            shutil.rmtree(staging_root)
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=self.args.save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
-        self._barrier()
+        """The Trainer's checkpoint, written into `<run_dir>/.staging-checkpoint-N/`, given its manifest, renamed
+        (`hf_upipe.trainer_checkpoints.save_staged`)."""
+        save = super()._save_checkpoint
+
+        def write(staging: str) -> None:  # the Trainer's save, re-pointed by _get_output_dir
+            self._staging = staging
+            try:
+                save(model, trial)
+            finally:
+                self._staging = None
+
+        save_staged(write, run_dir=super()._get_output_dir(trial), args=self.args, state=self.state)
 
     # ---- logging -----------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add `tokens_per_second` and `peak_memory_gib` to training log lines (one all_reduce per log)."""
-        if (
-            "loss" in logs
-            and not any(k.startswith("eval_") for k in logs)
-            and self._stats["since"] is not None
-        ):
-            peak = torch.tensor(
-                [float(_peak_memory_bytes(self.args.device))], device=self.args.device
-            )
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            now = time.perf_counter()
-            rate = self._stats["tokens"] / max(now - self._stats["since"], 1e-9)
-            logs = {
-                **logs,
-                "tokens_per_second": round(rate, 1),
-                "peak_memory_gib": round(peak.item() / 2**30, 3),
-            }
-            self._stats = {"tokens": 0, "since": now}
+        """Add `tokens_per_second` and `peak_memory_gib` to training log lines (one all_reduce per log;
+        `hf_upipe.trainer_logs.with_throughput`)."""
+        logs, self._stats = with_throughput(logs, self._stats, self.args.device)
         super().log(logs, start_time)

@@ -3,10 +3,10 @@
 Layers, bottom to top (a module may import its own layer and the layers below):
   0 ops, architectures, verification, batch_keys, rank_layout, units: pure torch (ops import no transformers)
   1 data, distributed, exits, config, memory, integrations, vlm
-  2 runtime, checkpoint, auto_settings, generation
-  3 trainer, plugin, trl: the two faces of the runtime, side by side (UPipeTrainer for transformers' Trainer,
-    UPipePlugin for custom loops), and UPipeSFTTrainer on the trainer; integrations.accelerate only re-exports
-    the plugin for older imports
+  2 runtime (with runtime_checks, runtime_eval), checkpoint, auto_settings, generation
+  3 trainer (with trainer_checks, trainer_checkpoints, trainer_logs), plugin, trl: the two faces of the runtime,
+    side by side (UPipeTrainer for transformers' Trainer, UPipePlugin for custom loops), and UPipeSFTTrainer on
+    the trainer; integrations.accelerate only re-exports the plugin for older imports
   4 planning, selftest, vlm_check, testing, cli (on top: they may import anything)
 Every import statement counts, also those inside functions (a lazy import is still a dependency).
 """
@@ -41,8 +41,23 @@ LAYERS = [
         "hf_upipe.models",
         "hf_upipe.vlm",
     ),
-    ("hf_upipe.runtime", "hf_upipe.checkpoint", "hf_upipe.auto_settings", "hf_upipe.generation"),
-    ("hf_upipe.trainer", "hf_upipe.plugin", "hf_upipe.trl", "hf_upipe.integrations.accelerate"),
+    (
+        "hf_upipe.runtime",
+        "hf_upipe.runtime_checks",
+        "hf_upipe.runtime_eval",
+        "hf_upipe.checkpoint",
+        "hf_upipe.auto_settings",
+        "hf_upipe.generation",
+    ),
+    (
+        "hf_upipe.trainer",
+        "hf_upipe.trainer_checks",
+        "hf_upipe.trainer_checkpoints",
+        "hf_upipe.trainer_logs",
+        "hf_upipe.plugin",
+        "hf_upipe.trl",
+        "hf_upipe.integrations.accelerate",
+    ),
     (
         "hf_upipe.planning",
         "hf_upipe.selftest",
@@ -62,7 +77,12 @@ RUNTIME = (
     "hf_upipe.distributed",
     "hf_upipe.config",
     "hf_upipe.trainer",
+    "hf_upipe.trainer_checks",
+    "hf_upipe.trainer_checkpoints",
+    "hf_upipe.trainer_logs",
     "hf_upipe.runtime",
+    "hf_upipe.runtime_checks",
+    "hf_upipe.runtime_eval",
     "hf_upipe.checkpoint",
     "hf_upipe.auto_settings",
     "hf_upipe.architectures",

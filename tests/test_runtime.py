@@ -1,6 +1,7 @@
-"""The pieces of `hf_upipe.runtime` and `hf_upipe.integrations.loaders` that need no process group: settings named
-as the user wrote them, the settings every rank must share, the eval-loss arithmetic, the zero-token guard of the
-loss, and the evaluation loaders' records (no repeated examples, the examples of every round)."""
+"""The pieces of `hf_upipe.runtime` (with `hf_upipe.runtime_checks`, `hf_upipe.runtime_eval`) and
+`hf_upipe.integrations.loaders` that need no process group: settings named as the user wrote them, the settings
+every rank must share, the eval-loss arithmetic, the zero-token guard of the loss, and the evaluation loaders'
+records (no repeated examples, the examples of every round)."""
 
 import math
 from dataclasses import fields
@@ -12,7 +13,8 @@ from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
 
 from hf_upipe import UPipeConfig
 from hf_upipe.integrations.loaders import _ExactIterableShard, _RecordingBatchSampler, eval_rounds
-from hf_upipe.runtime import NO_SP, EvalSums, UPipeRuntime, _settings_error, shared_settings
+from hf_upipe.runtime import NO_SP, EvalSums, UPipeRuntime, shared_settings
+from hf_upipe.runtime_checks import settings_error
 
 
 def test_settings_are_named_as_the_user_wrote_them(monkeypatch):
@@ -37,11 +39,11 @@ def test_every_shared_setting_that_differs_between_ranks_is_named():
         "offload_path",
         "gpu_memory",
     }
-    assert _settings_error([base, base, base]) is None
+    assert settings_error([base, base, base]) is None
     for i, (name, value, described) in enumerate(base):
         other = list(base)
         other[i] = (name, ("not", value), "as rank 1 wrote it")
-        err = str(_settings_error([base, tuple(other), base]))
+        err = str(settings_error([base, tuple(other), base]))
         assert f"({name}: {described} on ranks 0, 2, as rank 1 wrote it on rank 1)" in err, err
 
 
