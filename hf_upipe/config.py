@@ -1,4 +1,4 @@
-"""The one set of hf_upipe settings, read by `UPipeTrainer` (and the accelerate plugin and CLI of later issues).
+"""The one set of hf_upipe settings, read by `UPipeTrainer`, `UPipePlugin` and the `hf-upipe` CLI.
 
 Entry points:
 - `UPipeConfig`: accelerate-style dataclass (help text per field, `UPIPE_*` environment fallbacks, validation in
@@ -9,9 +9,10 @@ Entry points:
   for the settings of a script's command-line flags (errors then name `--the-flag`).
 - `auto=True`: `hf_upipe.auto_settings.apply_auto_settings` returns a copy with the planner's memory settings
   (UPipeTrainer and UPipePlugin call it before anything else; the planner runs in a child process).
-- `settings_that_differ(every)` / `differing_settings_error(every, intro, advice)`: the lines, and the error, that
-  name each setting whose value differs between ranks (the runtime's, `init_sequence_parallel`'s and
-  `prepare_model`'s agreement checks).
+- `check_config(value, name)`: a ValueError naming a value that is neither None nor a `UPipeConfig`.
+- Re-exported: `settings_that_differ(every)` / `differing_settings_error(every, intro, advice)` and
+  `PER_RANK_SETTINGS` from `hf_upipe.config_validation`, which also resolves and checks each field
+  (`resolve_settings`); the `UPIPE_*` variables are read and values parsed by `hf_upipe.config_parsing`.
 
 Precedence: an explicit argument, then the `UPIPE_<FIELD>` environment variable, then the default. Validation
 that needs the world size (sp_size dividing it) happens in `resolve_sp_size`, on every rank, before any
@@ -25,47 +26,21 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
-from hf_upipe.ops.kernels import check_kernel_name
-from hf_upipe.units import parse_size, parse_tokens
+from hf_upipe.config_parsing import env_setting
+from hf_upipe.config_validation import (
+    PER_RANK_SETTINGS,
+    differing_settings_error,
+    resolve_settings,
+    settings_that_differ,
+)
 
-__all__ = ["UPipeConfig"]
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def _env(name: str) -> str | None:
-    value = os.environ.get(f"UPIPE_{name.upper()}")
-    return None if value is None or value.strip() == "" else value.strip()
-
-
-def _parse_bool(name: str, value) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).lower()
-    if text in _TRUE or text in _FALSE:
-        return text in _TRUE
-    raise ValueError(f"{name}={value!r} is not a boolean: use one of {_TRUE + _FALSE}.")
-
-
-def _parse_with(parse, name: str, value):
-    try:
-        return parse(value)
-    except ValueError as err:
-        raise ValueError(f"{name}={value!r}: {err}") from None
-
-
-def _parse_positive_int(name: str, value, allow_none: bool = False, minimum: int = 1):
-    if value is None and allow_none:
-        return None
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        number = None
-    if number is None or number < minimum or (isinstance(value, float) and value != number):
-        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        got = "" if isinstance(value, (int, str)) else f" is a {type(value).__name__}:"
-        raise ValueError(f"{name}={value!r}{got} must be {kind}.")
-    return number
+__all__ = [
+    "PER_RANK_SETTINGS",
+    "UPipeConfig",
+    "check_config",
+    "differing_settings_error",
+    "settings_that_differ",
+]
 
 
 def check_config(value, name: str = "upipe_config") -> None:
@@ -77,36 +52,6 @@ def check_config(value, name: str = "upipe_config") -> None:
         f"{name}={value!r} is a {type(value).__name__}: pass an hf_upipe.UPipeConfig (e.g. "
         f"UPipeConfig(sp_size=8)), or None for the defaults{hint}."
     )
-
-
-# settings a rank may hold on its own: its offload folder, and the GPU memory the planner is told (auto's choice is
-# broadcast from rank 0); every other setting decides which collectives run, so all ranks must share it
-PER_RANK_SETTINGS = ("offload_path", "gpu_memory")
-
-
-def settings_that_differ(every: list[tuple]) -> list[str]:
-    """every[rank] = ((name, value, as shown), ...), the same names in the same order on every rank -> one line per
-    setting whose value differs: "name: <shown> on ranks 0, 2, <shown> on rank 1" (empty when all agree)."""
-    lines = []
-    for i, (name, _, _) in enumerate(every[0]):
-        by_value: dict[str, tuple[str, list[int]]] = {}
-        for rank, settings in enumerate(every):
-            by_value.setdefault(repr(settings[i][1]), (settings[i][2], []))[1].append(rank)
-        if len(by_value) > 1:
-            lines.append(
-                f"{name}: "
-                + ", ".join(
-                    f"{shown} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
-                    for shown, r in by_value.values()
-                )
-            )
-    return lines
-
-
-def differing_settings_error(every: list[tuple], intro: str, advice: str) -> ValueError | None:
-    """`{intro} (<settings_that_differ lines>){advice}` when a setting of `every` differs between ranks, else None."""
-    differ = settings_that_differ(every)
-    return ValueError(f"{intro} ({'; '.join(differ)}){advice}") if differ else None
 
 
 @dataclass
@@ -310,7 +255,7 @@ class UPipeConfig:
     _origin: ClassVar[dict]
 
     def __post_init__(self):
-        env = {f.name: _env(f.name) for f in fields(self)}
+        env = {f.name: env_setting(f.name) for f in fields(self)}
         given = {f.name: getattr(self, f.name) for f in fields(self)}
         object.__setattr__(
             self,
@@ -324,91 +269,7 @@ class UPipeConfig:
                 for name in given
             },
         )
-        if self.sp_size is None and env["sp_size"] is not None:
-            self.sp_size = env["sp_size"]
-        self.sp_size = _parse_positive_int("sp_size", self.sp_size, allow_none=True)
-        ring = self.ring_size if self.ring_size is not None else env["ring_size"]
-        self.ring_size = 1 if ring is None else _parse_positive_int("ring_size", ring)
-
-        hpc = self.heads_per_chunk if self.heads_per_chunk is not None else env["heads_per_chunk"]
-        if hpc is None:
-            hpc = 1
-        if isinstance(hpc, str) and hpc.lower() in ("all", "none", "ulysses"):
-            hpc = "all"
-        else:
-            hpc = _parse_positive_int("heads_per_chunk", hpc)
-        self.heads_per_chunk = hpc
-
-        self.kernel = self.kernel or env["kernel"] or "auto"
-        check_kernel_name(self.kernel)
-        self.fused_backward = str(
-            self.fused_backward or env["fused_backward"] or "recompute"
-        ).lower()
-        if self.fused_backward not in ("recompute", "save"):
-            raise ValueError(
-                f"fused_backward={self.fused_backward!r}: use 'recompute' (the least memory) or 'save' "
-                "(no attention recompute in the backward; more memory)."
-            )
-        self.mixer_state_passing = str(
-            self.mixer_state_passing or env["mixer_state_passing"] or "parallel"
-        ).lower()
-        if self.mixer_state_passing not in ("parallel", "sequential"):
-            raise ValueError(
-                f"mixer_state_passing={self.mixer_state_passing!r}: use 'parallel' (every rank at once) "
-                "or 'sequential' (the least memory)."
-            )
-        for name, default in (
-            ("fused_attention", True),
-            ("tiled_loss", True),
-            ("tiled_mlp", False),
-            ("allow_unverified", False),
-            ("overlap_comm", False),
-        ):
-            value = getattr(self, name)
-            value = env[name] if value is None else value
-            setattr(self, name, default if value is None else _parse_bool(name, value))
-        for name in ("loss_chunk_tokens", "mlp_chunk_tokens"):
-            value = getattr(self, name) if getattr(self, name) is not None else env[name]
-            setattr(self, name, _parse_positive_int(name, value, allow_none=True))
-        self.offload = (self.offload or env["offload"] or "none").lower()
-        if self.offload not in ("none", "cpu", "disk"):
-            raise ValueError(
-                f"offload={self.offload!r}: use 'none', 'cpu' (pinned host memory, CUDA) or 'disk'."
-            )
-        self.offload_path = self.offload_path or env["offload_path"]
-        floor = (
-            self.offload_min_bytes
-            if self.offload_min_bytes is not None
-            else env["offload_min_bytes"]
-        )
-        self.offload_min_bytes = (
-            2**20 if floor is None else _parse_positive_int("offload_min_bytes", floor, minimum=0)
-        )
-        auto = self.auto if self.auto is not None else env["auto"]
-        self.auto = False if auto is None else _parse_bool("auto", auto)
-        length = self.plan_seq_len if self.plan_seq_len is not None else env["plan_seq_len"]
-        self.plan_seq_len = (
-            None if length is None else _parse_with(parse_tokens, "plan_seq_len", length)
-        )
-        self.gpu_memory = self.gpu_memory or env["gpu_memory"]
-        if self.gpu_memory is not None:
-            _parse_with(parse_size, "gpu_memory", self.gpu_memory)
-        self.verify_checkpoints = _parse_bool(
-            "verify_checkpoints",
-            self.verify_checkpoints
-            if self.verify_checkpoints is not None
-            else (env["verify_checkpoints"] or True),
-        )
-        if self.overlap_comm and not self.fused_attention:
-            raise ValueError(
-                f"{self.describe('overlap_comm')} overlaps the fused block's all-to-alls, but "
-                f"{self.describe('fused_attention')}: turn fused_attention on or overlap_comm off."
-            )
-        if self.auto and self.plan_seq_len is None:
-            raise ValueError(
-                "auto=True chooses settings for a sequence length: set plan_seq_len (UPIPE_PLAN_SEQ_LEN) "
-                "to the longest sequence of your data."
-            )
+        resolve_settings(self, env)
 
     def describe(self, name: str) -> str:
         """How the user set `name`, for error messages: `UPipeConfig(heads_per_chunk='all')`,

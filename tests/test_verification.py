@@ -18,7 +18,7 @@ import torch
 import hf_upipe
 from hf_upipe import architectures, verification
 from hf_upipe.integrations import fused as fused_module
-from hf_upipe.integrations import mixer_sources, rope
+from hf_upipe.integrations import fused_call, mixer_sources, rope
 from hf_upipe.integrations.probe import case_config, model_pair
 from hf_upipe.verification import VERIFIED_RELEASES, Verdict, verify
 
@@ -81,12 +81,12 @@ def test_a_changed_source_text_is_verified_by_behaviour(unseen, monkeypatch, cap
 def test_changed_attention_arithmetic_fails_and_keeps_the_registered_path(
     unseen, monkeypatch, caplog
 ):
-    real = fused_module.fused_upipe_attention
+    real = fused_call.fused_upipe_attention
 
     def scaled(*args, **kwargs):  # the fused block's attention scale 1% off
         return real(*args, **{**kwargs, "scale": kwargs["scale"] * 1.01})
 
-    monkeypatch.setattr(fused_module, "fused_upipe_attention", scaled)
+    monkeypatch.setattr(fused_call, "fused_upipe_attention", scaled)
     _, model = model_pair(case_config("qwen3"), "upipe", seed=2)
     with caplog.at_level(logging.INFO):
         hf_upipe.prepare_model(model)

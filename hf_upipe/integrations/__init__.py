@@ -6,7 +6,9 @@ Modules:
   (documents, window, chunks, soft-capping, ring); ``sp_checks``: the SP state of the attention paths and the
   checks of a model and a call that need no communication.
 - ``prepare``: ``prepare_model`` / ``unprepare_model`` over the registry of ``hf_upipe.architectures``.
-- ``fused``: the fused attention block on an attention module.
+- ``fused``: the fused attention block installed on (and removed from) attention modules; ``fused_call``: the
+  forward it installs; ``fused_weights``: what the block reads off a module, and why a module keeps the registered
+  path; ``fused_checks``: whether the block is verified on the installed transformers.
 - ``support``: the support gate, which models and calls run under SP; ``call_checks``: call arguments refused
   under SP for every model; ``guard``: refuses a model called on shards without hf_upipe; ``attention_tables``:
   models with their own table of attention classes refuse "upipe" by name; ``replaced``: forwards another library

@@ -2,8 +2,9 @@
 
 ``upipe_attention`` is the main API: headwise-chunked sequence-parallel causal attention. Building blocks:
 ``all_to_all`` (sequence <-> head layouts), ``head_layout`` (GQA geometry and its checks), ``kernels`` (inner
-attention kernels returning the log-sum-exp), ``ring`` (ring attention across ranks, as a kernel UPipe's stage
-loops call).
+attention kernels returning the log-sum-exp; the CUDA ones in ``kernels_cuda``, which re-exports ``kernels_aten``:
+torch's SDPA and cuDNN kernels, and ``kernels_flash_attn``: FlashAttention-2), ``ring`` (ring attention across
+ranks, as a kernel UPipe's stage loops call).
 """
 
 from hf_upipe.ops.all_to_all import all_to_all_head_to_seq, all_to_all_seq_to_head

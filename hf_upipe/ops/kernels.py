@@ -8,8 +8,9 @@ Entry points:
 Kernels registered here:
 - "sdpa" on CPU: `aten::_scaled_dot_product_flash_attention_for_cpu` (+ `_backward`), a real flash kernel that
   returns the log-sum-exp and takes it back in backward. Grouped-query attention (fewer k/v heads) is native.
-- CUDA kernels ("sdpa" on CUDA, "cudnn" and "flash_attn") live in `hf_upipe.ops.kernels_cuda`; they are registered here
-  with factories that import that module only when a CUDA kernel is asked for.
+- CUDA kernels ("sdpa" on CUDA, "cudnn" and "flash_attn") live in `hf_upipe.ops.kernels_aten` and
+  `hf_upipe.ops.kernels_flash_attn` (both re-exported by `hf_upipe.ops.kernels_cuda`); they are registered here with
+  factories that import those modules only when a CUDA kernel is asked for.
 
 Layout legend (every kernel): B batch, S full sequence, h query heads, hk k/v heads (h % hk == 0), D head dim.
 q: [B, S, h, D], k/v: [B, S, hk, D], any strides with stride(-1) == 1 (the all-to-all hands over views of its
@@ -159,10 +160,10 @@ def get_kernel(name: str, device: torch.device | str, dtype: torch.dtype) -> Att
 _CPU_SDPA = SdpaCpuKernel()
 
 
-# The CUDA kernels live in kernels_cuda, imported only when a CUDA kernel is asked for (that module imports nothing
-# from here: one direction only).
+# The CUDA kernels live in kernels_aten and kernels_flash_attn (both re-exported by kernels_cuda), imported only when a
+# CUDA kernel is asked for (those modules import nothing from here: one direction only).
 def _cuda_sdpa(device: torch.device) -> AttentionKernel:
-    from hf_upipe.ops.kernels_cuda import SdpaCudaKernel
+    from hf_upipe.ops.kernels_aten import SdpaCudaKernel
 
     return SdpaCudaKernel()
 
@@ -177,7 +178,7 @@ def _cuda_sdpa_available(device: torch.device, dtype: torch.dtype | None) -> boo
 
 
 def _flash_attn(device: torch.device) -> AttentionKernel:
-    from hf_upipe.ops.kernels_cuda import FlashAttnKernel
+    from hf_upipe.ops.kernels_flash_attn import FlashAttnKernel
 
     return FlashAttnKernel()
 
@@ -185,13 +186,13 @@ def _flash_attn(device: torch.device) -> AttentionKernel:
 def _flash_attn_available(device: torch.device, dtype: torch.dtype | None) -> bool:
     if device.type != "cuda":
         return False
-    from hf_upipe.ops.kernels_cuda import flash_attn_available
+    from hf_upipe.ops.kernels_flash_attn import flash_attn_available
 
     return flash_attn_available(device, dtype)
 
 
 def _cudnn(device: torch.device) -> AttentionKernel:
-    from hf_upipe.ops.kernels_cuda import CudnnKernel
+    from hf_upipe.ops.kernels_aten import CudnnKernel
 
     return CudnnKernel()
 
@@ -199,7 +200,7 @@ def _cudnn(device: torch.device) -> AttentionKernel:
 def _cudnn_available(device: torch.device, dtype: torch.dtype | None) -> bool:
     if device.type != "cuda":
         return False
-    from hf_upipe.ops.kernels_cuda import cudnn_available
+    from hf_upipe.ops.kernels_aten import cudnn_available
 
     return cudnn_available(device, dtype)
 

@@ -21,7 +21,7 @@ import hf_upipe
 from hf_upipe import architectures
 from hf_upipe.distributed import SequenceParallelState
 from hf_upipe.integrations import fused as fused_module
-from hf_upipe.integrations import sp_mask
+from hf_upipe.integrations import fused_call, sp_mask
 from hf_upipe.integrations import transformers as hf_transformers
 from hf_upipe.memory.tiled_mlp import tiled_verdict
 from hf_upipe.verification import VERIFIED_RELEASES, installed_release
@@ -141,7 +141,7 @@ def test_fused_forward_equals_the_installed_original(arch, lora, one_rank_group,
         kernel="sdpa",
     )  # 8 stages of one head
     monkeypatch.setattr(
-        fused_module, "active_state", lambda: state
+        fused_call, "active_state", lambda: state
     )  # the fused path, even on one rank
     for module in (
         sp_mask,
@@ -149,9 +149,9 @@ def test_fused_forward_equals_the_installed_original(arch, lora, one_rank_group,
     ):  # and its mask (a window: Gemma 3), and the registered path
         monkeypatch.setattr(module, "active_state", lambda: state)
     calls = []
-    real = fused_module.fused_upipe_attention
+    real = fused_call.fused_upipe_attention
     monkeypatch.setattr(
-        fused_module, "fused_upipe_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+        fused_call, "fused_upipe_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(2))
     want_logits, want_grads = _run(ref, ids)

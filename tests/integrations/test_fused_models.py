@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
 import hf_upipe
-import hf_upipe.integrations.fused as fused_mod
+import hf_upipe.integrations.fused_call as fused_call
 from tests._dist import run_distributed
 from tests.integrations._models import build_pair, tiny_config
 
@@ -81,8 +81,8 @@ def _case(rank, world, arch, geom, chunk, lora, dtype, ckpt, seed, save=False, o
     hf_upipe.prepare_model(model, settings)
     hf_upipe.prepare_model(model, settings)  # idempotent
     calls = []
-    original = fused_mod.fused_upipe_attention
-    fused_mod.fused_upipe_attention = lambda *a, **k: (
+    original = fused_call.fused_upipe_attention
+    fused_call.fused_upipe_attention = lambda *a, **k: (
         calls.append((k["save_attention"], k["overlap"])) or original(*a, **k)
     )
     try:
@@ -114,7 +114,7 @@ def _case(rank, world, arch, geom, chunk, lora, dtype, ckpt, seed, save=False, o
                 model(ids[:, sh], position_ids=pos).logits, ref_logits[:, sh]
             )
     finally:
-        fused_mod.fused_upipe_attention = original
+        fused_call.fused_upipe_attention = original
         hf_upipe.reset_sequence_parallel()
     layers = cfg.num_hidden_layers
     assert set(calls) == {(save, overlap)}, (

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_upipe.ops import kernels_cuda
+from hf_upipe.ops import kernels_flash_attn
 from hf_upipe.ops.documents import DocumentKernel, document_segments
 from hf_upipe.ops.kernels import SdpaCpuKernel
 from hf_upipe.ops.kernels_cuda import FlashAttnKernel
@@ -468,12 +468,12 @@ def flash_varlen(monkeypatch, request):
     pkg.flash_attn_interface = iface
     monkeypatch.setitem(sys.modules, "flash_attn", pkg)
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", iface)
-    kernels_cuda._flash_api.cache_clear()
-    kernels_cuda._flash_varlen_api.cache_clear()
+    kernels_flash_attn._flash_api.cache_clear()
+    kernels_flash_attn._flash_varlen_api.cache_clear()
     SEEN.clear()
     yield request.param
-    kernels_cuda._flash_api.cache_clear()
-    kernels_cuda._flash_varlen_api.cache_clear()
+    kernels_flash_attn._flash_api.cache_clear()
+    kernels_flash_attn._flash_varlen_api.cache_clear()
 
 
 @pytest.mark.parametrize("flash_varlen", sorted(FLAVOURS), indirect=True)
@@ -490,7 +490,7 @@ def test_flash_varlen_glue(flash_varlen, name, d):
     assert kernel.native
     _check(kernel, q, k, v, dout, d**-0.5, layout, lse_atol=1e-3)
     assert SEEN["fwd"] == 1 and SEEN["bwd"] == 1  # one call for all documents
-    assert kernels_cuda._flash_varlen_api()[2] is (flash_varlen != "2.6-tuple-window")
+    assert kernels_flash_attn._flash_varlen_api()[2] is (flash_varlen != "2.6-tuple-window")
 
 
 @pytest.mark.parametrize("flash_varlen", ["2.8-custom-op"], indirect=True)

@@ -1,4 +1,4 @@
-"""Attention kernels (hf_upipe.ops.kernels / kernels_cuda) on CPU.
+"""Attention kernels (hf_upipe.ops.kernels / kernels_cuda: kernels_aten, kernels_flash_attn) on CPU.
 
 (a) the CPU "sdpa" kernel against a float64 reference (F.scaled_dot_product_attention for out and grads, logsumexp
     of the masked score matrix for lse), MHA and GQA, strided inputs, fp32 and bf16;
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_upipe.ops import kernels, kernels_cuda
+from hf_upipe.ops import kernels, kernels_aten, kernels_cuda, kernels_flash_attn
 from hf_upipe.ops.kernels import SdpaCpuKernel, available_kernels, check_kernel_name, get_kernel
 from hf_upipe.ops.kernels_cuda import FlashAttnKernel, SdpaCudaKernel
 
@@ -314,12 +314,12 @@ class FakeAten:
 @pytest.fixture
 def fake_aten(monkeypatch):
     fake = FakeAten()
-    monkeypatch.setattr(kernels_cuda, "_aten_cudnn_fwd", fake.cudnn_fwd)
-    monkeypatch.setattr(kernels_cuda, "_aten_cudnn_bwd", fake.cudnn_bwd)
-    monkeypatch.setattr(kernels_cuda, "_aten_flash_fwd", fake.flash_fwd)
-    monkeypatch.setattr(kernels_cuda, "_aten_flash_bwd", fake.flash_bwd)
-    monkeypatch.setattr(kernels_cuda, "_aten_eff_fwd", fake.eff_fwd)
-    monkeypatch.setattr(kernels_cuda, "_aten_eff_bwd", fake.eff_bwd)
+    monkeypatch.setattr(kernels_aten, "_aten_cudnn_fwd", fake.cudnn_fwd)
+    monkeypatch.setattr(kernels_aten, "_aten_cudnn_bwd", fake.cudnn_bwd)
+    monkeypatch.setattr(kernels_aten, "_aten_flash_fwd", fake.flash_fwd)
+    monkeypatch.setattr(kernels_aten, "_aten_flash_bwd", fake.flash_bwd)
+    monkeypatch.setattr(kernels_aten, "_aten_eff_fwd", fake.eff_fwd)
+    monkeypatch.setattr(kernels_aten, "_aten_eff_bwd", fake.eff_bwd)
     return fake
 
 
@@ -336,7 +336,7 @@ def fake_aten(monkeypatch):
 )
 @pytest.mark.parametrize("h,hk", HEADS)
 def test_sdpa_cuda_glue(fake_aten, monkeypatch, dtype, cap, d, path, h, hk):
-    monkeypatch.setattr(kernels_cuda, "_device_capability", lambda device: cap)
+    monkeypatch.setattr(kernels_aten, "_device_capability", lambda device: cap)
     q, k, v, dout = _inputs(
         2, 19, h, hk, d, dtype, seed=hk
     )  # S=19: the efficient lse is padded to 32
@@ -345,7 +345,7 @@ def test_sdpa_cuda_glue(fake_aten, monkeypatch, dtype, cap, d, path, h, hk):
 
 
 def test_sdpa_cuda_glue_non_causal(fake_aten, monkeypatch):
-    monkeypatch.setattr(kernels_cuda, "_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(kernels_aten, "_device_capability", lambda device: (9, 0))
     q, k, v, dout = _inputs(1, 9, 4, 2, 8, torch.float32)
     _check(SdpaCudaKernel(), q, k, v, dout, scale=0.4, causal=False)
 
@@ -357,7 +357,7 @@ def test_sdpa_cuda_glue_non_causal(fake_aten, monkeypatch):
 def test_cudnn_glue(fake_aten, monkeypatch, d, max_s, path, h, hk):
     """cuDNN's stats [B,h,S,1] out as lse [B,h,S] and back; GQA; padded head dims; head dims above 128 and sequences
     above the verified length go to the flash / memory-efficient kernels, in forward and backward alike."""
-    monkeypatch.setattr(kernels_cuda, "_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(kernels_aten, "_device_capability", lambda device: (9, 0))
     kern = kernels_cuda.CudnnKernel()
     if max_s is not None:
         monkeypatch.setattr(kern, "MAX_S", max_s)
@@ -367,7 +367,7 @@ def test_cudnn_glue(fake_aten, monkeypatch, d, max_s, path, h, hk):
 
 
 def test_cudnn_glue_non_causal(fake_aten, monkeypatch):
-    monkeypatch.setattr(kernels_cuda, "_device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(kernels_aten, "_device_capability", lambda device: (9, 0))
     q, k, v, dout = _inputs(1, 9, 4, 2, 8, torch.float16)
     _check(kernels_cuda.CudnnKernel(), q, k, v, dout, scale=0.4, causal=False)
 
@@ -630,9 +630,9 @@ def _install_flash_attn(monkeypatch, version, fwd, bwd):
 
 @pytest.fixture
 def clear_flash_cache():
-    kernels_cuda._flash_api.cache_clear()
+    kernels_flash_attn._flash_api.cache_clear()
     yield
-    kernels_cuda._flash_api.cache_clear()
+    kernels_flash_attn._flash_api.cache_clear()
 
 
 @pytest.mark.parametrize("flavour", sorted(FLAVOURS))
@@ -644,7 +644,7 @@ def test_flash_attn_glue(monkeypatch, clear_flash_cache, flavour, h, hk, d):
     dp = (d + 7) // 8 * 8
     EXPECTED.update(q=(2, 17, h, dp), k=(2, 17, hk, dp), scale=1 / math.sqrt(d))
     _check(FlashAttnKernel(), q, k, v, dout, scale=1 / math.sqrt(d), lse_atol=1e-3)
-    assert kernels_cuda._flash_api()[2] is (flavour != "2.6-tuple-window")
+    assert kernels_flash_attn._flash_api()[2] is (flavour != "2.6-tuple-window")
 
 
 @pytest.mark.parametrize("flavour", sorted(FLAVOURS))
@@ -684,8 +684,9 @@ def test_flash_attn_too_old_is_refused(monkeypatch, clear_flash_cache):
         FlashAttnKernel().forward(q, k, v, scale=0.3)
 
 
-def test_flash_attn_not_imported_at_module_import():
-    src = open(kernels_cuda.__file__).read()
+@pytest.mark.parametrize("module", [kernels_cuda, kernels_aten, kernels_flash_attn])
+def test_flash_attn_not_imported_at_module_import(module):
+    src = open(module.__file__).read()
     assert (
         "\nimport flash_attn" not in src
         and "\nfrom flash_attn" not in src
@@ -713,9 +714,9 @@ def test_registry_cpu():
 @pytest.mark.parametrize("installed", [True, False])
 def test_registry_cuda_selection(monkeypatch, installed):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kernels_cuda, "_flash_attn_installed", lambda: installed)
+    monkeypatch.setattr(kernels_flash_attn, "_flash_attn_installed", lambda: installed)
     monkeypatch.setattr(
-        kernels_cuda, "_cudnn_installed", lambda: False
+        kernels_aten, "_cudnn_installed", lambda: False
     )  # cuDNN: test_registry_cudnn_on_hopper
     half = ["flash_attn", "sdpa"] if installed else ["sdpa"]
     assert available_kernels("cuda", torch.bfloat16) == half
@@ -737,9 +738,9 @@ def test_registry_cuda_selection(monkeypatch, installed):
 def test_registry_cudnn_on_hopper(monkeypatch, cap, cudnn):
     """ "auto" picks cuDNN for fp16/bf16 on sm90 (verified and faster there), never for fp32 or older GPUs."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kernels_cuda, "_flash_attn_installed", lambda: False)
-    monkeypatch.setattr(kernels_cuda, "_cudnn_installed", lambda: True)
-    monkeypatch.setattr(kernels_cuda, "_device_capability", lambda device: cap)
+    monkeypatch.setattr(kernels_flash_attn, "_flash_attn_installed", lambda: False)
+    monkeypatch.setattr(kernels_aten, "_cudnn_installed", lambda: True)
+    monkeypatch.setattr(kernels_aten, "_device_capability", lambda device: cap)
     assert available_kernels("cuda", torch.bfloat16) == (["cudnn", "sdpa"] if cudnn else ["sdpa"])
     assert available_kernels("cuda", torch.float32) == ["sdpa"]
     want = kernels_cuda.CudnnKernel if cudnn else SdpaCudaKernel
