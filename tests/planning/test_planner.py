@@ -375,3 +375,25 @@ def test_a_ring_plans_sp_across_nodes_beyond_the_heads(capsys):
         == 2
     )
     assert "sp_size=12 does not divide the 16 GPUs" in capsys.readouterr().err
+
+
+def test_plans_deepspeeds_ulysses_next_to_ours():
+    """The peer is planned as it runs (DeepSpeed's attention module in each layer, FSDP2 around them; hf_upipe's
+    guard does not refuse it), with the same stack as ours, and its own attention."""
+    pytest.importorskip("deepspeed")
+    cfg = dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        vocab_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+    stack = dict(tiled_mlp=True, offload="cpu")
+    kw = dict(gpus=4, seq_len=8192, gpu_memory="80GiB")
+    peer = plan(cfg, settings=StepSettings("deepspeed", None, **stack), **kw)
+    ours = plan(cfg, settings=StepSettings("fused", None, **stack), **kw)
+    assert peer.fits and ours.fits
+    assert peer.by_category["attention"] > 0 and ours.by_category["attention"] > 0
+    assert peer.by_category["attention"] != ours.by_category["attention"]
