@@ -185,26 +185,26 @@ def test_max_context_is_the_edge_of_fitting():
 
 
 @pytest.mark.slow
-def test_llama3_8b_upipe_fits_5m_where_ulysses_mode_does_not():
-    five = 5 * 2**20
+def test_llama3_8b_upipe_fits_4m_where_ulysses_mode_does_not():
+    four = 4 * 2**20
     stack = dict(tiled_mlp=True, offload="cpu")
     upipe = plan(
         "llama3-8b",
         gpus=8,
         gpu_memory="80GiB",
-        seq_len=five,
+        seq_len=four,
         settings=StepSettings("fused", 1, **stack),
     )
     ulysses = plan(
         "llama3-8b",
         gpus=8,
         gpu_memory="80GiB",
-        seq_len=five,
+        seq_len=four,
         settings=StepSettings("fused", None, **stack),
     )
     assert upipe.fits and not ulysses.fits
     assert upipe.by_category["attention"] < 0.6 * ulysses.by_category["attention"]
-    assert upipe.host_bytes_per_gpu == 31 * (five // 8) * 4096 * 2
+    assert upipe.host_bytes_per_gpu == 31 * (four // 8) * 4096 * 2
 
 
 def test_parse_bytes():
