@@ -96,13 +96,30 @@ def _trl_fused_head(func, cls: type) -> bool:
 
 
 def _class_forward(cls: type) -> tuple[type, object] | None:
-    """(the class in the MRO that defines `forward`, that forward); None for nn.Module's placeholder."""
-    for owner in cls.__mro__:
+    """(the class in the MRO that defines `forward`, that forward); None for nn.Module's placeholder. A subclass
+    whose forward is only transformers' checkpointing wrapper around its base's forward (what
+    `GradientCheckpointingLayer.__init_subclass__` gives every subclass, FSDP2's `FSDP<Layer>` classes included)
+    defines nothing new: the base is the owner."""
+    mro = [c for c in cls.__mro__ if "forward" in c.__dict__]
+    for i, owner in enumerate(mro):
         if owner is nn.Module:
             return None
-        if "forward" in owner.__dict__:
-            return owner, owner.__dict__["forward"]
+        fn = owner.__dict__["forward"]
+        base = mro[i + 1] if i + 1 < len(mro) else None
+        if base is None or not _checkpointing_wrapper(fn, base.__dict__["forward"]):
+            return owner, fn
     return None
+
+
+def _checkpointing_wrapper(fn, inner) -> bool:
+    """Whether `fn` is transformers' `forward_with_checkpointing` around `inner` (it only checkpoints `inner`)."""
+    code = getattr(fn, "__code__", None)
+    return (
+        code is not None
+        and code.co_name == "forward_with_checkpointing"
+        and getattr(fn, "__globals__", {}).get("__name__") == "transformers.modeling_layers"
+        and getattr(fn, "__wrapped__", None) is inner
+    )
 
 
 def own_forward(module: nn.Module, path: str = "") -> Replacement | None:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hf_upipe import distributed as _sp
+from hf_upipe.integrations.guard import sync_guard
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.models import PRESETS
 from hf_upipe.ops.fake import simulating
@@ -91,9 +92,11 @@ def impl_context(
         _sp.init_sequence_parallel(group=group, heads_per_chunk=hpc)
     try:
         with deepspeed_comm() if impl == "deepspeed" else contextlib.nullcontext():
+            if impl == "deepspeed":  # the peer measured as it runs: no hf_upipe guard on its model
+                sync_guard(False)
             yield
     finally:
-        _sp.set_sequence_parallel_state(previous)
+        _sp.set_sequence_parallel_state(previous)  # (the guard follows the state again)
 
 
 def _no_mask(*args, **kwargs):

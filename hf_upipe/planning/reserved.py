@@ -69,6 +69,33 @@ def extrapolate_reserved(reserved_4: int, peak_4: int, peak_l: int) -> int:
     return reserved_4 + peak_l - peak_4
 
 
+# Bytes the attention block allocates on the GPU beyond the tensors the simulation counts, per token of the
+# sequence its kernel sees, at head_dim 128 (`benchmarks/results/gpu/memory_blocks.json`, H100, torch 2.11, cuDNN
+# up to 512K tokens and the flash kernel above: max_memory_allocated minus the tracked tensor peak, at 512K and 1M
+# tokens). Every row is 16 MiB + rate x tokens to the byte; the rates are per implementation and heads per stage.
+UNSEEN_PER_TOKEN = {
+    ("fused", 1): 2501,  # the fused block, both backward modes
+    ("upipe", 1): 2629,
+    ("upipe", 2): 2121,
+    ("upipe", 4): 3153,  # our Ulysses mode: all 4 local heads in one stage
+    ("deepspeed", 4): 4929,  # DeepSpeed's Ulysses around sdpa
+}
+UNSEEN_BASE = {"deepspeed": 304 * MiB}  # the other rows' 16 MiB is within the cuBLAS allowance
+
+
+def unseen_rate(impl: str, heads: int) -> float:
+    """Bytes per token (head_dim 128) for `heads` per stage: the measured rate where there is one, else the line
+    through our block's measured extremes (2629 at 1 head, 3153 at 4: above every measured rate of 1 to 4 heads),
+    or DeepSpeed's measured 4 heads scaled by heads."""
+    if impl == "deepspeed":
+        return UNSEEN_PER_TOKEN.get((impl, heads), UNSEEN_PER_TOKEN[("deepspeed", 4)] * heads / 4)
+    measured = UNSEEN_PER_TOKEN.get(("fused" if impl.startswith("fused") else "upipe", heads))
+    if measured is not None:
+        return measured
+    lo, hi = UNSEEN_PER_TOKEN[("upipe", 1)], UNSEEN_PER_TOKEN[("upipe", 4)]
+    return lo + (hi - lo) * (heads - 1) / 3
+
+
 @dataclasses.dataclass(frozen=True)
 class Allowance:
     """GPU memory outside the simulated tensors, added to the predicted reserve.
@@ -88,9 +115,9 @@ class Allowance:
     cublas_per_stream: int = 32 * MiB
 
     def attention_workspace(self, config, settings, seq_len: int, sp_size: int) -> int:
-        """The attention kernels' backward scratch, allocated inside the kernel call (invisible to the tracker):
-        an fp32 dq accumulator over the whole sequence for the heads of one stage (cuDNN and FlashAttention's
-        backward), [seq_len, heads per stage, head_dim] x 4 bytes."""
+        """What the attention kernels allocate beyond the simulated tensors (their scratch, invisible to the
+        tracker): `unseen_rate` bytes per token of the sequence the kernel sees (the ring's shard), scaled by
+        head_dim / 128, plus DeepSpeed's measured constant."""
         from hf_upipe.architectures import model_geometry
 
         g = model_geometry(config)
@@ -99,7 +126,8 @@ class Allowance:
             heads = settings.heads_per_chunk or g["heads"] // sp_size
         ring = max(1, settings.ring_size)
         head_dim = _get(config, "head_dim") or g["hidden"] // g["heads"]
-        return (seq_len // ring) * heads * head_dim * 4
+        rate = unseen_rate(settings.impl, heads) * head_dim / 128
+        return int((seq_len // ring) * rate) + UNSEEN_BASE.get(settings.impl, 0)
 
     def bytes(self, config, settings, seq_len: int, sp_size: int, device_only: bool = False) -> int:
         """Everything added to the reserve; `device_only`: only what a single-GPU measurement holds in its

@@ -54,6 +54,33 @@ def test_gate_sees_each_kind_of_replacement():
     assert replaced_forwards(K.simulate_hub_kernels(_model())) == []  # kernelize's CPU fallback
 
 
+def test_fsdp2_layer_classes_are_the_layers_own_forward():
+    """FSDP2 swaps each sharded module's class for `FSDP<Layer>(FSDPModule, Layer)`, and transformers wraps every
+    subclass's forward in its checkpointing wrapper: that is still the layer's own forward. The same wrapper around
+    a replaced base forward is still seen."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers.models.llama import modeling_llama as ml
+
+    def fsdp_class(cls):  # as torch.distributed.fsdp's fully_shard builds it
+        dct = {"__module__": "torch.distributed.fsdp._fully_shard._fsdp_init"}
+        return type(f"FSDP{cls.__name__}", (FSDPModule, cls), dct)
+
+    model = _model()
+    layer = model.model.layers[0]
+    layer.__class__ = fsdp_class(ml.LlamaDecoderLayer)
+    assert type(layer).__dict__["forward"] is not ml.LlamaDecoderLayer.__dict__["forward"]
+    assert replaced_forwards(model) == []
+    forward = ml.LlamaDecoderLayer.forward
+    try:  # the wrapper around a replaced forward
+        ml.LlamaDecoderLayer.forward = K.liger_swiglu_forward
+        layer.__class__ = fsdp_class(ml.LlamaDecoderLayer)
+        found = {(r.path, r.owner, r.kind, r.by) for r in replaced_forwards(model)}
+        liger = f"{K.liger_swiglu_forward.__module__}.{K.liger_swiglu_forward.__qualname__}"
+        assert ("model.layers.0", "FSDPLlamaDecoderLayer", "class", liger) in found
+    finally:
+        ml.LlamaDecoderLayer.forward = forward
+
+
 def test_trls_fused_lm_head_is_the_class_forward_and_a_lookalike_is_not():
     """TRL's DPOTrainer installs its fused LM head as the model's forward (functools.wraps of the class's): the gate
     admits exactly that function; another wrapper that copies the same name is still a replacement."""

@@ -185,26 +185,26 @@ def test_max_context_is_the_edge_of_fitting():
 
 
 @pytest.mark.slow
-def test_llama3_8b_upipe_fits_5m_where_ulysses_mode_does_not():
-    five = 5 * 2**20
+def test_llama3_8b_upipe_fits_4m_where_ulysses_mode_does_not():
+    four = 4 * 2**20
     stack = dict(tiled_mlp=True, offload="cpu")
     upipe = plan(
         "llama3-8b",
         gpus=8,
         gpu_memory="80GiB",
-        seq_len=five,
+        seq_len=four,
         settings=StepSettings("fused", 1, **stack),
     )
     ulysses = plan(
         "llama3-8b",
         gpus=8,
         gpu_memory="80GiB",
-        seq_len=five,
+        seq_len=four,
         settings=StepSettings("fused", None, **stack),
     )
     assert upipe.fits and not ulysses.fits
     assert upipe.by_category["attention"] < 0.6 * ulysses.by_category["attention"]
-    assert upipe.host_bytes_per_gpu == 31 * (five // 8) * 4096 * 2
+    assert upipe.host_bytes_per_gpu == 31 * (four // 8) * 4096 * 2
 
 
 def test_parse_bytes():
@@ -375,3 +375,25 @@ def test_a_ring_plans_sp_across_nodes_beyond_the_heads(capsys):
         == 2
     )
     assert "sp_size=12 does not divide the 16 GPUs" in capsys.readouterr().err
+
+
+def test_plans_deepspeeds_ulysses_next_to_ours():
+    """The peer is planned as it runs (DeepSpeed's attention module in each layer, FSDP2 around them; hf_upipe's
+    guard does not refuse it), with the same stack as ours, and its own attention."""
+    pytest.importorskip("deepspeed")
+    cfg = dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        vocab_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
+    stack = dict(tiled_mlp=True, offload="cpu")
+    kw = dict(gpus=4, seq_len=8192, gpu_memory="80GiB")
+    peer = plan(cfg, settings=StepSettings("deepspeed", None, **stack), **kw)
+    ours = plan(cfg, settings=StepSettings("fused", None, **stack), **kw)
+    assert peer.fits and ours.fits
+    assert peer.by_category["attention"] > 0 and ours.by_category["attention"] > 0
+    assert peer.by_category["attention"] != ours.by_category["attention"]
