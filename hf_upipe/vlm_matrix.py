@@ -157,6 +157,8 @@ def _why(row: dict) -> str:
     why = row.get("sp2_why") or row.get("why") or ""
     for preamble in ("hf_upipe: ", "shard_multimodal_batch: "):
         why = why.split(preamble, 1)[-1]
+    if "forward with pixel_values" in row.get("refusals", {}):
+        why = f"verified for text input only; {why}"
     return why.split(". ")[0].replace("|", "/").replace("\n", " ")
 
 
