@@ -18,7 +18,8 @@ Entry points:
   or more runs (one per transformers release), as docs/models.md shows them (`benchmarks/support_table.py`).
 
 `benchmarks/architecture_matrix.py` runs it type by type in isolated processes (a hang is then one type's
-"hung"), writes `benchmarks/results/architecture_matrix.json` and prints the table.
+"hung"), writes `benchmarks/results/architecture_matrix.json` and prints the table. The vision-language
+(image-text-to-text) types, run with images, are `hf_upipe.vlm_matrix`'s rows of the same report.
 """
 
 from __future__ import annotations

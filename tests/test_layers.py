@@ -7,7 +7,7 @@ Layers, bottom to top (a module may import its own layer and the layers below):
   3 trainer (with trainer_checks, trainer_checkpoints, trainer_logs), plugin, trl: the two faces of the runtime,
     side by side (UPipeTrainer for transformers' Trainer, UPipePlugin for custom loops), and UPipeSFTTrainer on
     the trainer; integrations.accelerate only re-exports the plugin for older imports
-  4 planning, selftest, vlm_check, testing, cli (on top: they may import anything)
+  4 planning, selftest, vlm_check, matrix, vlm_matrix, testing, cli (on top: they may import anything)
 Every import statement counts, also those inside functions (a lazy import is still a dependency).
 """
 
@@ -66,6 +66,7 @@ LAYERS = [
         "hf_upipe.selftest_command",
         "hf_upipe.vlm_check",
         "hf_upipe.matrix",
+        "hf_upipe.vlm_matrix",
         "hf_upipe.testing",
         "hf_upipe.cli",
         "hf_upipe.__init__",
