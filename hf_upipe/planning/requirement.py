@@ -1,10 +1,9 @@
 """What a candidate needs at a length: the GPU memory, with the margin or the allowance applied, and the host memory.
 
 Entry points:
-- `Requirement(name, estimate, *, margin, mode, gpus, host)`: called with
-  (settings, length), the bytes a GPU must have; `Requirement.host_ok(settings, length)`: whether the offloaded
-  checkpoints fit a node's host memory; `Requirement.reserved`, `Requirement.allowance_bytes` and
-  `Requirement.correction`: the parts a `Plan` records.
+- `Requirement(name, estimate, *, margin, mode, gpus, host)`: called with (settings, length), the bytes a GPU must
+  have; `Requirement.host_ok(settings, length)`: whether the offloaded checkpoints fit a node's host memory;
+  `Requirement.reserved`, `Requirement.allowance_bytes` and `Requirement.correction`: the parts a `Plan` records.
 
 GPU memory: with `margin=None`, the caching allocator's predicted reserve (`hf_upipe.planning.estimator.Estimator`)
 times the stored calibration factor for this model, settings, allocator mode and dtype if any (`hf-upipe
