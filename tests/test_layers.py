@@ -1,7 +1,8 @@
 """The package's layers import only downward, with no circles, and `import hf_upipe` stays light.
 
 Layers, bottom to top (a module may import its own layer and the layers below):
-  0 ops, architectures, verification, batch_keys, rank_layout, units: pure torch (ops import no transformers)
+  0 ops, architectures, families, geometry, verification, batch_keys, rank_layout, units: pure torch (ops import
+    no transformers)
   1 data, distributed, exits, config (+ config_parsing, config_validation), memory, integrations, vlm
   2 runtime (with runtime_checks, runtime_eval), checkpoint, auto_settings, generation
   3 trainer (with trainer_checks, trainer_checkpoints, trainer_logs), plugin, trl: the two faces of the runtime,
@@ -23,6 +24,8 @@ LAYERS = [
     (
         "hf_upipe.ops",
         "hf_upipe.architectures",
+        "hf_upipe.families",
+        "hf_upipe.geometry",
         "hf_upipe.verification",
         "hf_upipe.integrations.peft",
         "hf_upipe.units",
@@ -91,6 +94,8 @@ RUNTIME = (
     "hf_upipe.checkpoint",
     "hf_upipe.auto_settings",
     "hf_upipe.architectures",
+    "hf_upipe.families",
+    "hf_upipe.geometry",
     "hf_upipe.registration",
 )
 

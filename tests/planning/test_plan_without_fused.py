@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from hf_upipe.cli import main
-from hf_upipe.planning import planner
+from hf_upipe.planning import estimator, planner
 from hf_upipe.planning.ladder import default_impl
 from hf_upipe.planning.train_step import StepSettings
 
@@ -54,7 +54,7 @@ def no_fused(monkeypatch, tmp_path):
     from transformers import LlamaConfig
 
     _without_fused_block(monkeypatch)
-    monkeypatch.setattr(planner, "_SIMULATIONS", collections.OrderedDict())
+    monkeypatch.setattr(estimator, "_SIMULATIONS", collections.OrderedDict())
     LlamaConfig(**TINY, tie_word_embeddings=False).save_pretrained(tmp_path)
     return [
         "plan",

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from hf_upipe.cli import main
-from hf_upipe.planning.planner import Margin, _search_max, candidates, ladder, parse_bytes, plan
+from hf_upipe.planning.fit_search import search_max
+from hf_upipe.planning.planner import Margin, candidates, ladder, parse_bytes, plan
 from hf_upipe.planning.step_time import step_time
 from hf_upipe.planning.train_step import StepSettings
 from tests.planning.test_train_step import CASES, LAYERS, TINY, WORLD, S, real_runs
@@ -115,7 +116,7 @@ def test_the_ladder_saves_memory():
 def test_plan_picks_the_fastest_candidate_that_fits(monkeypatch):
     """The choice, against every candidate's memory: simulated bytes replaced by a table (each rung less than the one
     before, each variant more than its rung), so every budget can be checked exhaustively in no time."""
-    import hf_upipe.planning.planner as planner
+    import hf_upipe.planning.estimator as estimator
 
     cfg, seq = _tiny_model(), 16384
     pairs = candidates(cfg, 2)
@@ -126,7 +127,7 @@ def test_plan_picks_the_fastest_candidate_that_fits(monkeypatch):
         for c, r in pairs
     }
     monkeypatch.setattr(
-        planner,
+        estimator,
         "step_reserved",
         lambda config, settings, **kw: {
             "by_category": {"attention": table[settings]},
@@ -135,7 +136,7 @@ def test_plan_picks_the_fastest_candidate_that_fits(monkeypatch):
         },
     )
     monkeypatch.setattr(
-        planner, "_SIMULATIONS", collections.OrderedDict()
+        estimator, "_SIMULATIONS", collections.OrderedDict()
     )  # none of the real ones cached before
 
     def secs(c):
@@ -170,7 +171,7 @@ def test_max_context_search_equals_brute_force():
             return int(1000 * (a + b * length + q * length * length))
 
         want = max([k for k in range(1, steps + 1) if required(k) <= limit] or [0])
-        assert _search_max(required, limit, 1, steps) == want
+        assert search_max(required, limit, 1, steps) == want
 
 
 @pytest.mark.slow
