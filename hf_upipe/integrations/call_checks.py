@@ -220,6 +220,15 @@ def refuse_silent_misuse(module, args, kwargs):
                 f"{other or 'positional inputs after input_ids'}: image, video or audio inputs would be scattered "
                 "into each rank's shard of the tokens. Train on text, or without sequence parallelism."
             )
+    elif arch is None:  # an unverified type, run opted in: only what a text model takes
+        other = sorted(k for k, v in kwargs.items() if k not in _TEXT_INPUTS and _has_tensor(v))
+        if other:
+            raise NotImplementedError(
+                f"{getattr(module.config, 'model_type', type(module).__name__)} is not in hf_upipe's architecture "
+                f"registry, and this call passes {other}: inputs other than text (images, video, audio) would "
+                "be scattered into each rank's shard of the tokens, and allow_unverified does not cover them. "
+                "Train on text, or without sequence parallelism."
+            )
     if (
         module.training
         and torch.is_grad_enabled()

@@ -512,6 +512,24 @@ def _text_only_worker(rank, world):
         )
     )
     hf_upipe.reset_sequence_parallel()
+    # the same type unregistered, run opted in: its images are refused all the same
+    from hf_upipe.architectures import ARCHITECTURES
+
+    entries = {t: ARCHITECTURES.pop(t) for t in ("gemma3", "gemma3_text")}
+    try:
+        hf_upipe.init_sequence_parallel(world, allow_unverified=True)
+        model = AutoModelForCausalLM.from_config(tiny_config("gemma3"), attn_implementation="upipe")
+        hf_upipe.prepare_model(model)
+        out["opted in, pixels"] = _outcome(
+            lambda: model(
+                input_ids=shard["input_ids"],
+                position_ids=shard["position_ids"],
+                pixel_values=torch.zeros(1, 3, 8, 8),
+            )
+        )
+    finally:
+        ARCHITECTURES.update(entries)
+        hf_upipe.reset_sequence_parallel()
     return out
 
 
@@ -587,3 +605,7 @@ def test_multimodal_types_run_text_only():
             "NotImplementedError: gemma3 is verified under sequence parallelism for text "
             "input only, and this call passes ['pixel_values']"
         ), out["pixels"]
+        assert out["opted in, pixels"].startswith(
+            "NotImplementedError: gemma3 is not in hf_upipe's architecture registry, and this call passes "
+            "['pixel_values']"
+        ), out["opted in, pixels"]
