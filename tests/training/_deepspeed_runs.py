@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from tests.training._runs import _dataset, _model
+from tests.training._runs import RUN_ARGS, _dataset, _model
 
 
 def ds_config(stage: int, offload: str | None = None, ds_adam: bool = False) -> dict:
@@ -81,18 +81,8 @@ def _args(spec: dict):
         gradient_accumulation_steps=spec.get("ga", 2),
         max_steps=spec.get("steps", 3),
         learning_rate=2e-3,
-        lr_scheduler_type="linear",
-        warmup_steps=1,
-        weight_decay=0.01,
-        max_grad_norm=1.0,
-        logging_steps=1,
+        **RUN_ARGS,
         save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=3,
-        data_seed=5,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         activation_checkpointing=spec.get("checkpointing", False),
         deepspeed=None
         if spec.get("stage") is None

@@ -13,7 +13,8 @@ import os
 
 import torch
 
-from tests.training._trl_runs import VOCAB, _model, tokenizer
+from tests.training._runs import RUN_ARGS
+from tests.training._trl_runs import VOCAB, _model, lora_config, tokenizer
 
 METRICS = (
     "loss",
@@ -98,19 +99,9 @@ def dpo_run(rank: int, world: int, spec: dict) -> dict:
         max_steps=spec.get("steps", 3),
         learning_rate=spec.get("lr", 2e-3),
         optim=spec.get("optim", "adamw_torch"),
-        lr_scheduler_type="linear",
-        warmup_steps=1,
-        weight_decay=0.01,
-        max_grad_norm=1.0,
-        logging_steps=1,
+        **RUN_ARGS,
         save_strategy="steps" if spec.get("save") else "no",
         save_steps=3,
-        report_to=[],
-        use_cpu=True,
-        seed=3,
-        data_seed=5,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         max_length=spec.get("max_length", 24),
         beta=0.5,
         gradient_checkpointing=spec.get("checkpointing", False),
@@ -118,17 +109,7 @@ def dpo_run(rank: int, world: int, spec: dict) -> dict:
         dataset_num_proc=None,
         parallelism_config=_parallelism(spec, world),
     )
-    peft_config = None
-    if spec.get("lora"):
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(
-            r=4,
-            lora_alpha=8,
-            lora_dropout=0.0,
-            init_lora_weights=False,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"],
-        )
+    peft_config = lora_config() if spec.get("lora") else None
     kwargs = dict(
         model=_model(seed=11),
         args=args,

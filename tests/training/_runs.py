@@ -96,6 +96,22 @@ def _corrupt(
         torch.distributed.barrier()
 
 
+# The settings every training run of the tests shares (schedule, clipping, logging, seeds, CPU), beside its own.
+RUN_ARGS = dict(
+    lr_scheduler_type="linear",
+    warmup_steps=1,
+    weight_decay=0.01,
+    max_grad_norm=1.0,
+    logging_steps=1,
+    report_to=[],
+    use_cpu=True,
+    seed=3,
+    data_seed=5,
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+)
+
+
 def _parallelism(sizes: dict | None):
     """accelerate's ParallelismConfig with these sizes (`{"sp": 2}` -> sp_size=2), or None."""
     if sizes is None:
@@ -120,21 +136,11 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
         gradient_accumulation_steps=spec.get("ga", 2),
         max_steps=spec.get("steps", 4),
         learning_rate=2e-3,
-        lr_scheduler_type="linear",
-        warmup_steps=1,
-        weight_decay=0.01,
-        max_grad_norm=1.0,
-        logging_steps=1,
+        **RUN_ARGS,
         eval_strategy="steps" if spec.get("eval_steps") else "no",
         eval_steps=spec.get("eval_steps"),
         save_strategy="steps" if spec.get("save_steps") else "no",
         save_steps=spec.get("save_steps"),
-        report_to=[],
-        use_cpu=True,
-        seed=3,
-        data_seed=5,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         activation_checkpointing=spec.get("checkpointing", False),
         train_sampling_strategy="sequential" if spec.get("unlabeled") else "random",
         accelerator_config={"dispatch_batches": False} if spec.get("iterable_eval") else None,

@@ -14,10 +14,25 @@ import os
 
 import torch
 
+from tests.training._runs import RUN_ARGS
+
 VOCAB = 96
 
 
 EVAL_METRICS = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens")
+
+
+def lora_config():
+    """The adapters of the TRL runs: r=4 on the projections, initialised non-zero (so they change the logits)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"],
+    )
 
 
 def tokenizer():
@@ -109,18 +124,8 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
         gradient_accumulation_steps=spec.get("ga", 2),
         max_steps=spec.get("steps", 4),
         learning_rate=2e-3,
-        lr_scheduler_type="linear",
-        warmup_steps=1,
-        weight_decay=0.01,
-        max_grad_norm=1.0,
-        logging_steps=1,
+        **RUN_ARGS,
         save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=3,
-        data_seed=5,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
         max_length=spec.get("max_length", 40),
         packing=spec.get("packing", True),
         padding_free=spec.get("padding_free", False),
@@ -132,17 +137,7 @@ def sft_run(rank: int, world: int, spec: dict) -> dict:
         dataset_num_proc=None,
         parallelism_config=_parallelism(spec),
     )
-    peft_config = None
-    if spec.get("lora"):
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(
-            r=4,
-            lora_alpha=8,
-            lora_dropout=0.0,
-            init_lora_weights=False,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"],
-        )
+    peft_config = lora_config() if spec.get("lora") else None
     kwargs = dict(
         model=_model(seed=11),
         args=args,
