@@ -7,7 +7,8 @@ Entry points:
   (`hf_upipe.planning.caching_allocator.replay`) and returns the tensor peak by category with
   ``reserved = {"default": bytes, "expandable": bytes}``.
 * `extrapolate_reserved(reserved_4, peak_4, peak_L)`: the reserve of a deeper model (see below).
-* `Allowance`: the bytes the simulation cannot see, as stated constants and per-kernel functions.
+* `Allowance`: the bytes the simulation cannot see, as stated constants and per-kernel functions; its attention
+  term is `unseen_rate(impl, heads)` bytes per token (`UNSEEN_PER_TOKEN`, `UNSEEN_BASE`: measured on an H100).
 * `allocator_mode()`: "expandable" when `PYTORCH_CUDA_ALLOC_CONF` asks for expandable segments, else "default".
 * `calibration_file()`, `load_correction(key)`, `save_correction(key, measured, predicted)`: the correction that
   `hf-upipe calibrate` measures on a GPU and `hf-upipe plan` applies.
@@ -33,6 +34,8 @@ from hf_upipe.planning.alloc_trace import record_step_trace
 from hf_upipe.planning.caching_allocator import replay
 
 __all__ = [
+    "UNSEEN_BASE",
+    "UNSEEN_PER_TOKEN",
     "Allowance",
     "allocator_mode",
     "calibration_file",
@@ -40,6 +43,7 @@ __all__ = [
     "load_correction",
     "save_correction",
     "step_reserved",
+    "unseen_rate",
 ]
 
 MiB, GiB = 2**20, 2**30
