@@ -12,7 +12,8 @@ between the real and the hollow step where both finish (`benchmarks/gpu/max_cont
 **The outputs of a hollow kernel are garbage by design** (uninitialised memory): loss, gradients and weights of a
 step with one are meaningless. Hence the guard: a hollow kernel can only be built, and only runs, inside
 `hollow_attention()`, the scope a memory measurement opens (`hf-upipe calibrate --hollow-attention`, the GPU
-max-context benchmark). Outside it, `get_kernel("hollow-...")` and every call of a hollow kernel raise; "auto"
+max-context benchmark). Outside it, `get_kernel("hollow-...")` raises ValueError (so a run's kernel check
+reports it with the other configuration errors) and every call of a hollow kernel raises RuntimeError; "auto"
 never picks one (`hf_upipe.ops.kernels.register_kernel(..., auto=False)`), and `available_kernels()` does not list
 them. A configuration naming one for training therefore fails at its kernel check, before any step.
 
@@ -74,9 +75,9 @@ def hollow_name(name: str) -> str:
     return f"hollow-{name}"
 
 
-def _require_scope(what: str) -> None:
+def _require_scope(what: str, error: type[Exception] = RuntimeError) -> None:
     if not measuring():
-        raise RuntimeError(
+        raise error(
             f"{what}: hollow attention kernels compute nothing (their outputs are uninitialised memory) and serve "
             "memory measurement only; they run inside `hf_upipe.ops.kernels_hollow.hollow_attention()`. For "
             "training, choose kernel='auto' or a real kernel."
@@ -202,7 +203,9 @@ class HollowFlashAttnKernel(_Guarded, FlashAttnKernel):
 
 def build_hollow(name: str, device: torch.device) -> object:
     """The hollow twin of the kernel registered as `name`, for `device` (inside `hollow_attention()` only)."""
-    _require_scope(f"attention kernel {hollow_name(name)!r}")
+    _require_scope(
+        f"attention kernel {hollow_name(name)!r}", ValueError
+    )  # the runtime checks report it
     device = torch.device(device)
     if name == "sdpa":
         return HollowSdpaCpuKernel() if device.type == "cpu" else HollowSdpaCudaKernel()

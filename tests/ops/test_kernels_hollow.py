@@ -159,7 +159,7 @@ def test_hollow_is_never_auto_and_refused_outside_measurement():
     assert all(not n.startswith("hollow") for n in available_kernels())
     assert all(not n.startswith("hollow") for n in available_kernels("cpu", torch.float32))
     check_kernel_name("hollow-cudnn")  # a registered name
-    with pytest.raises(RuntimeError, match="memory measurement only"):
+    with pytest.raises(ValueError, match="memory measurement only"):
         get_kernel("hollow-sdpa", "cpu", torch.float32)
     with hollow_attention():
         assert isinstance(get_kernel("auto", "cpu", torch.float32), SdpaCpuKernel)
