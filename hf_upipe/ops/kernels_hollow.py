@@ -2,15 +2,17 @@
 
 A hollow kernel is the twin of a real one: the real kernel's own wrapper code runs unchanged (the head-dim padding,
 the k/v expansion for grouped-query attention, the transposes, the contiguous copies, the dk/dv sums), and only
-the call into aten or flash-attn is replaced by `torch.empty` allocations of the outputs that call returns, with
-the same shapes, strides and dtypes, in the same order. So a training step with a hollow kernel allocates every
-tensor the real step allocates, at the cost of the projections, the MLP and the loss alone: a step at millions
-of tokens takes seconds instead of hours of attention arithmetic. What the real call allocates *inside* (its
-workspace, e.g. the flash backward's fp32 accumulator of dq) is not allocated here: measure it as the difference
-between the real and the hollow step where both finish (`benchmarks/gpu/max_context.py --check-lengths`).
+the call into aten or flash-attn is replaced by allocations of the outputs that call returns, with the same
+shapes, strides and dtypes, in the same order (zero-filled: a memset, no other allocation, and the numbers
+downstream stay finite, so the step's checks on values, such as the tiled loss's, still pass). So a training
+step with a hollow kernel allocates every tensor the real step allocates, at the cost of the projections, the MLP
+and the loss alone: a step at millions of tokens takes seconds to minutes instead of hours of attention
+arithmetic. What the real call allocates *inside* (its workspace, e.g. the flash backward's fp32 accumulator of
+dq) is not allocated here: measure it as the difference between the real and the hollow step where both finish
+(`benchmarks/gpu/max_context.py --check-lengths`).
 
-**The outputs of a hollow kernel are garbage by design** (uninitialised memory): loss, gradients and weights of a
-step with one are meaningless. Hence the guard: a hollow kernel can only be built, and only runs, inside
+**The outputs of a hollow kernel are garbage by design** (zeros, whatever the inputs): loss, gradients and weights
+of a step with one are meaningless. Hence the guard: a hollow kernel can only be built, and only runs, inside
 `hollow_attention()`, the scope a memory measurement opens (`hf-upipe calibrate --hollow-attention`, the GPU
 max-context benchmark). Outside it, `get_kernel("hollow-...")` raises ValueError (so a run's kernel check
 reports it with the other configuration errors) and every call of a hollow kernel raises RuntimeError; "auto"
@@ -78,7 +80,7 @@ def hollow_name(name: str) -> str:
 def _require_scope(what: str, error: type[Exception] = RuntimeError) -> None:
     if not measuring():
         raise error(
-            f"{what}: hollow attention kernels compute nothing (their outputs are uninitialised memory) and serve "
+            f"{what}: hollow attention kernels compute nothing (their outputs are meaningless zeros) and serve "
             "memory measurement only; they run inside `hf_upipe.ops.kernels_hollow.hollow_attention()`. For "
             "training, choose kernel='auto' or a real kernel."
         )
@@ -86,16 +88,16 @@ def _require_scope(what: str, error: type[Exception] = RuntimeError) -> None:
 
 # ----------------------------------------------------------------------------------------------- allocations
 def _bshd_as_bhsd(b: int, h: int, s: int, d: int, like: torch.Tensor) -> torch.Tensor:
-    """[B, h, S, D] as a view of a new contiguous [B, S, h, D] tensor: the layout the aten kernels return."""
-    return torch.empty(b, s, h, d, dtype=like.dtype, device=like.device).transpose(1, 2)
+    """[B, h, S, D] as a view of a new contiguous [B, S, h, D] tensor (zeros): the layout aten's kernels return."""
+    return torch.zeros(b, s, h, d, dtype=like.dtype, device=like.device).transpose(1, 2)
 
 
 def _f32(*shape: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(shape, dtype=torch.float32, device=like.device)
+    return torch.zeros(shape, dtype=torch.float32, device=like.device)
 
 
 def _i64(*shape: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(shape, dtype=torch.int64, device=like.device)
+    return torch.zeros(shape, dtype=torch.int64, device=like.device)
 
 
 def _grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -125,7 +127,7 @@ class HollowSdpaCpuKernel(_Guarded, SdpaCpuKernel):
     @staticmethod
     def _fwd(q, k, v, dropout_p, is_causal, *, scale):
         b, h, s, _ = q.shape
-        return torch.empty_like(q), _f32(b, s, h, like=q).transpose(1, 2)
+        return torch.zeros_like(q), _f32(b, s, h, like=q).transpose(1, 2)
 
     @staticmethod
     def _bwd(dout, q, k, v, out, lse, dropout_p, is_causal, *, scale):
@@ -175,7 +177,7 @@ def _fa_forward(q, k, v, dropout_p, scale, causal, wl, wr, softcap, alibi, retur
     """flash-attn >= 2.7 `_flash_attn_forward`'s outputs: out [B,S,h,D] contiguous, lse [B,h,S] fp32, the (empty)
     softmax debug tensor, rng_state int64 [2]."""
     b, s, h, d = q.shape
-    out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device)
+    out = torch.zeros(b, s, h, d, dtype=q.dtype, device=q.device)
     lse = _f32(b, h, s, like=q)
     return out, lse, torch.empty(0, dtype=q.dtype, device=q.device), _i64(2, like=q)
 
