@@ -9,8 +9,8 @@ decoder layers, bf16 compute, fp32 master weights, FSDP2 over 8, AdamW, checkpoi
 `hf_upipe.planning.train_step.measure_train_step`, with the settings `hf_upipe.plan` chooses at its longest
 length for each implementation: "upipe" (the planner's default ladder: the fused UPipe block), "ulysses" (our
 Ulysses mode) and "deepspeed" (DeepSpeed's `UlyssesSPAttentionHF`, when importable). Every measured step runs in
-its own process (a fresh CUDA context and allocator): one warm-up step, then the measured step, whose
-`max_memory_reserved` is read after the cache is emptied and the peak reset where it starts.
+its own process (`max_context_step.py`: a fresh CUDA context and allocator): one warm-up step, then the measured
+step, whose `max_memory_reserved` is read after the cache is emptied and the peak reset where it starts.
 
 The attention is hollow (`hf_upipe.ops.kernels_hollow`: the twin of the kernel "auto" picks allocates that
 kernel's outputs and skips its arithmetic; DeepSpeed's torch SDPA goes through `hf_upipe.planning.hollow_step`),
@@ -22,9 +22,14 @@ where the CUDA context (with the libraries' handles) is measured in the step's p
 the allocator's reserve), NCCL's 1 GiB is the planner's stated allowance (`Allowance.nccl`: a fake group has no
 NCCL buffers), and the attention workspace (what the real kernel allocates inside, absent from a hollow step) is
 the planner's measured rate (`Allowance.attention_workspace`). The search walks from the planner's `--max` in
-`--step` units (up while it fits, down while it does not, doubling), then bisects. A length whose offloaded
-checkpoints do not fit this machine's free host memory is not run (`host_memory_short`): rank 0 of 8 alone
-offloads what one GPU of the real run would (`hf_upipe.planning.plan_result.host_bytes`).
+`--step` units (up while it fits, down while it does not, doubling), then bisects.
+
+Host memory. Rank 0 offloads what one GPU of the real run would (`hf_upipe.planning.plan_result.host_bytes`):
+at 32 layers 31 x shard x hidden x 2 bytes, about 124 GiB at 4M tokens, more than a 128 GiB machine has. By
+default (`--host-offload shared`) the offloaded inputs share one pinned host buffer per shape (`SharedHostPool`):
+every device allocation and copy of the offload is as in the real step, only the host keeps one layer input.
+With `--host-offload real` each input has its own buffer, and a length whose inputs do not fit 90% of the free
+host memory is not run (`host_memory_short`).
 
 Sections (written into <out>/max_context.json after every step, `--resume` reuses its measured steps):
 1. check (`--check-lengths`): the real and the hollow step at lengths where both finish, for each implementation:
@@ -54,9 +59,7 @@ per probe); they can be filled in later on any machine with `--sections predict 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import json
 import os
 import subprocess
@@ -65,94 +68,22 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 from common import (  # noqa: E402
     GiB,
     Results,
     deepspeed_importable,
-    fake_rank,
-    llama3_8b,
     parse,
     parse_len,
     parser,
-    sync,
 )
+from max_context_step import model_config  # noqa: E402
 
 P = 8
 NCCL = 1 * GiB  # the planner's stated NCCL allowance for 8 GPUs per node (Allowance.nccl)
-PLANNER_IMPL = {
-    "upipe": None,
-    "ulysses": "ulysses",
-    "deepspeed": "deepspeed",
-}  # `hf_upipe.plan(impl=...)`
+PLANNER_IMPL = dict(upipe=None, ulysses="ulysses", deepspeed="deepspeed")  # hf_upipe.plan(impl=...)
 DRY = dict(step=1024, layers=2, max_probes=3, check=[2048])
-
-
-def model_config(dry: bool, layers: int) -> dict:
-    cfg = llama3_8b(dry)
-    cfg["num_hidden_layers"] = layers
-    return cfg
-
-
-# ----------------------------------------------------------------------------------------------- the child
-def _step(spec: dict, cfg: dict, settings, kernel: str, seq_len: int, device, around=None) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from hf_upipe.planning.train_step import measure_train_step
-
-    mesh = init_device_mesh(device.type, (P,))
-    t0 = time.perf_counter()
-    result = measure_train_step(
-        cfg, settings, seq_len=seq_len, sp_size=P, layers=spec["layers"], mesh=mesh,
-        around_step=around, kernel=kernel,
-    )  # fmt: skip
-    sync(device)
-    return dict(tracked_peak=result["peak"], wall_s=round(time.perf_counter() - t0, 2))
-
-
-@contextlib.contextmanager
-def _step_start(device):
-    """Where the measured step starts: the cache emptied and the peaks reset (what was allocated stays)."""
-    if device.type == "cuda":
-        sync(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    yield
-
-
-def child(spec: dict) -> dict:
-    """One warm-up step and one measured step in this (fresh) process; the measured step's memory."""
-    from hf_upipe.ops.kernels_hollow import hollow_attention
-    from hf_upipe.planning.hollow_step import hollow_twin
-    from hf_upipe.planning.train_step import StepSettings
-
-    device = torch.device("cpu" if spec["dry"] else "cuda")
-    cfg, settings = model_config(spec["dry"], spec["layers"]), StepSettings(**spec["settings"])
-    kernel = hollow_twin("auto", device, torch.bfloat16) if spec["hollow"] else "auto"
-    row = dict(kernel=kernel)
-    scope = hollow_attention() if spec["hollow"] else contextlib.nullcontext()
-    try:
-        with fake_rank(P, device), scope:
-            warm = _step(spec, cfg, settings, kernel, spec["warmup_len"], device)
-            gc.collect()
-            measured = _step(
-                spec, cfg, settings, kernel, spec["seq_len"], device, _step_start(device)
-            )
-    except torch.OutOfMemoryError as err:
-        return dict(row, oom=True, error=str(err)[:300])
-    row.update(warmup_wall_s=warm["wall_s"], step_wall_s=measured["wall_s"])
-    row["tracked_peak"] = measured["tracked_peak"]
-    if device.type == "cuda":
-        row["max_allocated"] = torch.cuda.max_memory_allocated(device)
-        row["max_reserved"] = torch.cuda.max_memory_reserved(device)
-        gc.collect()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        row["context"] = total - free - torch.cuda.memory_reserved(device)
-        row["gpu_total"] = total
-    else:  # dry run: no allocator; the tracked tensor peak stands in for both
-        row.update(max_allocated=row["tracked_peak"], max_reserved=row["tracked_peak"], context=0)
-    return row
 
 
 # ----------------------------------------------------------------------------------------------- the parent
@@ -167,7 +98,7 @@ def _host_available() -> int:
 
 def run_child(spec: dict, timeout: int) -> dict:
     """`child(spec)` in a fresh process: its row, or {"error": ...}."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)]
+    cmd = [sys.executable, os.path.join(HERE, "max_context_step.py"), json.dumps(spec)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -205,12 +136,13 @@ class Search:
         row.update(hollow=hollow, workspace=self._workspace(cfg, settings, seq_len, hollow))
         host = host_bytes(cfg, StepSettings(**settings), seq_len, P, torch.bfloat16)
         row["host_bytes"] = host
-        if not self.dry and host > 0.9 * _host_available():
+        if self.args.host_offload == "real" and not self.dry and host > 0.9 * _host_available():
             row.update(host_memory_short=True, fits=False)
         else:
             spec = dict(
                 dry=self.dry, settings=settings, seq_len=seq_len, layers=self.args.layers,
                 hollow=hollow, warmup_len=self.args.warmup_len or seq_len,
+                host_offload=self.args.host_offload,
             )  # fmt: skip
             row.update(run_child(spec, self.args.probe_timeout))
             row["fits"] = self._fits(row)
@@ -366,6 +298,12 @@ def arguments():
         "--resume", action="store_true", help="reuse the measured steps of <out>/max_context.json"
     )
     ap.add_argument("--no-predict", dest="predict", action="store_false")
+    ap.add_argument(
+        "--host-offload",
+        choices=("shared", "real"),
+        default="shared",
+        help="offloaded inputs in one shared pinned buffer per shape (default), or each in its own",
+    )
     return ap
 
 
@@ -434,7 +372,4 @@ def _dry_gpu(res, args, impl) -> int:
 
 
 if __name__ == "__main__":
-    if "--child" in sys.argv:
-        print(json.dumps(child(json.loads(sys.argv[sys.argv.index("--child") + 1]))), flush=True)
-        raise SystemExit(0)
     raise SystemExit(main())

@@ -1,5 +1,6 @@
 """benchmarks/gpu/max_context.py on CPU: its search, and its whole control flow as a dry run (toy model, real
-measuring subprocesses, the planner's predictions, the JSON), which is all a machine without a GPU can check."""
+measuring subprocesses of benchmarks/gpu/max_context_step.py, the planner's predictions, the JSON), which is all a
+machine without a GPU can check."""
 
 import importlib.util
 import json
@@ -95,3 +96,15 @@ def test_dry_run_everything(script, tmp_path):
         assert doc["sections"]["max_context"][impl]["longest"] > 0
     assert doc["sections"]["max_context"]["upipe"]["longest"] == 3 * 1024  # the toy GPU's 3 units
     assert doc["sections"]["max_context"]["ulysses"]["ratio_to_ulysses"] == 1.0
+
+
+def test_shared_host_pool_hands_one_buffer_per_shape(script):
+    import torch
+    from max_context_step import SharedHostPool  # (the script put its folder on sys.path)
+
+    pool = SharedHostPool()
+    a = pool.take((4, 8), torch.bfloat16)
+    pool.give(a)
+    assert pool.take((4, 8), torch.bfloat16) is a
+    assert pool.take((4, 8), torch.float32) is not a and pool.take((2, 8), torch.bfloat16) is not a
+    assert a.device.type == "cpu" and a.shape == (4, 8)
