@@ -63,7 +63,7 @@ def test_hollow_deepspeed_step_reaches_the_same_peak():
         _, hollow = record_step_trace(TINY, settings, kernel="hollow-sdpa", **STEP)
     assert hollow["peak"] == real["peak"] > 0
     assert torch.nn.functional.scaled_dot_product_attention is original  # restored
-    with pytest.raises(ValueError, match="memory measurement only"):
+    with pytest.raises(RuntimeError, match="memory measurement only"):
         record_step_trace(TINY, settings, kernel="hollow-sdpa", **STEP)
 
 
@@ -72,12 +72,23 @@ def test_step_attention_choices():
     assert hollow_twin("hollow-cudnn", "cuda", torch.bfloat16) == "hollow-cudnn"
     with pytest.raises(ValueError, match="DeepSpeed's Ulysses runs torch's own SDPA"):
         step_attention("deepspeed", "sdpa")
-    with pytest.raises(ValueError, match="hollow kernel"):
-        with hollow_torch_sdpa("sdpa"):
-            pass
-    q = torch.randn(1, 2, 8, 8)
-    with hollow_attention(), hollow_torch_sdpa("hollow-sdpa"):
-        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-        assert out.shape == q.shape
+    q = torch.randn(1, 4, 8, 8, requires_grad=True)  # [B, h, S, D]
+    k, v = (torch.randn(1, 1, 8, 8, requires_grad=True) for _ in range(2))  # one k/v head
+    with hollow_attention(), hollow_torch_sdpa():
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        )
+        assert out.shape == q.shape and out.stride() == (
+            128,
+            8,
+            32,
+            1,
+        )  # a [B, S, h, D] tensor's view
+        out.sum().backward()
+        assert q.grad.shape == q.shape and k.grad.shape == v.grad.shape == k.shape  # not expanded
         with pytest.raises(NotImplementedError, match="causal attention without a mask"):
-            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=False)
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=False)
+        with pytest.raises(ValueError, match="enable_gqa"):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with hollow_torch_sdpa(), pytest.raises(RuntimeError, match="memory measurement only"):
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
