@@ -208,15 +208,15 @@ def planned(res: Results, args, dry: bool, impl: str) -> dict:
     """The planner's settings and `--max` for `impl` at the measured depth (kept in the JSON for --resume)."""
     from hf_upipe.planning.planner import plan
 
-    done = res.doc["sections"].setdefault("planned", {})
-    if impl not in done:
+    done, key = res.doc["sections"].setdefault("planned", {}), f"{impl}@{args.layers}"
+    if key not in done:
         p = plan(
             model_config(dry, args.layers), gpus=P, gpu_memory=args.gpu_memory, max_context=True,
             impl=PLANNER_IMPL[impl], step=args.step, **({"max_seq_len": 8 * args.step} if dry else {}),
         )  # fmt: skip
-        done[impl] = dict(settings=dataclasses.asdict(p.settings), max_seq_len=p.max_seq_len)
+        done[key] = dict(settings=dataclasses.asdict(p.settings), max_seq_len=p.max_seq_len)
         res.put("planned", done)
-    return done[impl]
+    return done[key]
 
 
 def bisect(search, impl: str, settings: dict, start: int, step: int, max_probes: int) -> dict:
@@ -330,35 +330,46 @@ def main(argv=None) -> int:
     if dry:  # a toy GPU: the simulated tensor peak of the first impl's step at 3 units (the dry run's "reserve")
         search.gpu_total = _dry_gpu(res, args, impls[0])
     sections = args.sections.split(",")
-    start = time.perf_counter()
+    start, first_new = time.perf_counter(), len(search.rows)
     if "check" in sections and checks:
         check(search, res, args, dry, impls, checks)
     if "bisect" in sections:
-        found = res.doc["sections"].setdefault("max_context", {})
-        for impl in impls:
-            plan_ = planned(res, args, dry, impl)
-            start_len = 2 * args.step if dry else plan_["max_seq_len"] or args.step
-            found[impl] = dict(
-                planner_max=plan_["max_seq_len"],
-                **bisect(search, impl, plan_["settings"], start_len, args.step, args.max_probes),
-            )
-            res.put("max_context", found)
-            print("max_context", impl, found[impl], flush=True)
-        base = (found.get("ulysses") or {}).get("longest")
-        for impl, row in found.items():
-            row["ratio_to_ulysses"] = row["longest"] / base if base and row.get("longest") else None
-        res.put("max_context", found)
+        search_all(search, res, args, dry, impls)
     if "predict" in sections:
         for row in search.rows:
             row["predicted"] = predict(dry, args, row["settings"], row["seq_len"])
         res.put("probes", search.rows)
     res.doc["wall_time_s"] = round(time.perf_counter() - start, 1)
     res.write()
-    errors = [r for r in search.rows if r.get("error") and not r.get("oom")]
+    errors = [r for r in search.rows[first_new:] if r.get("error")]
     print(
         f"\nmax_context: {len(errors)} failed probes; wrote {res.path} ({res.doc['wall_time_s']} s)"
     )
     return 1 if errors else 0
+
+
+def search_all(search: Search, res: Results, args, dry: bool, impls: list[str]) -> None:
+    """The longest fitting length of each implementation at `--layers`, the planner's `--max` and the ratios to
+    our Ulysses mode's, into the "max_context" section (keyed "impl@layers")."""
+    found = res.doc["sections"].setdefault("max_context", {})
+    for impl in impls:
+        plan_ = planned(res, args, dry, impl)
+        start_len = 2 * args.step if dry else plan_["max_seq_len"] or args.step
+        found[f"{impl}@{args.layers}"] = dict(
+            impl=impl, layers=args.layers, planner_max=plan_["max_seq_len"],
+            **bisect(search, impl, plan_["settings"], start_len, args.step, args.max_probes),
+        )  # fmt: skip
+        res.put("max_context", found)
+    base = (found.get(f"ulysses@{args.layers}") or {}).get("longest")
+    print(f"\n{'impl':<10} {'layers':>6} {'longest':>10} {'planner --max':>14} {'x ulysses':>10}")
+    for row in found.values():
+        if row["layers"] == args.layers:
+            row["ratio_to_ulysses"] = row["longest"] / base if base and row["longest"] else None
+        ratio = f"{row['ratio_to_ulysses']:.2f}" if row.get("ratio_to_ulysses") else "-"
+        longest = f"{row['longest'] / 2**10:.0f}K" if row["longest"] is not None else "failed"
+        planner = f"{(row['planner_max'] or 0) / 2**10:.0f}K"
+        print(f"{row['impl']:<10} {row['layers']:>6} {longest:>10} {planner:>14} {ratio:>10}")
+    res.put("max_context", found)
 
 
 def _dry_gpu(res, args, impl) -> int:

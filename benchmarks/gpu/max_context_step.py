@@ -88,7 +88,12 @@ def child(spec: dict) -> dict:
         offload.HOST_POOL = SharedHostPool()
     cfg, settings = model_config(spec["dry"], spec["layers"]), StepSettings(**spec["settings"])
     kernel = hollow_twin("auto", device, torch.bfloat16) if spec["hollow"] else "auto"
-    row = dict(kernel=kernel)
+    torch_sdpa = (
+        settings.impl == "deepspeed"
+    )  # DeepSpeed's attention is torch's SDPA (hf_upipe.planning.hollow_step)
+    row = dict(
+        kernel=("hollow torch SDPA" if spec["hollow"] else "torch SDPA") if torch_sdpa else kernel
+    )
     scope = hollow_attention() if spec["hollow"] else contextlib.nullcontext()
     try:
         with fake_rank(P, device), scope:

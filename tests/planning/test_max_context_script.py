@@ -68,7 +68,7 @@ def test_dry_run_bisects_in_fresh_processes(script, tmp_path, monkeypatch):
     args += ["--out", out]
     assert script.main(args) == 0
     doc = json.load(open(os.path.join(out, "cpu-dry-run", "max_context.json")))
-    found = doc["sections"]["max_context"]["upipe"]
+    found = doc["sections"]["max_context"]["upipe@2"]
     assert found["longest"] == 3 * 1024 and found["planner_max"] > 0
     probes = doc["sections"]["probes"]
     assert [p["seq_len"] for p in probes] == [2048, 3072]
@@ -92,10 +92,11 @@ def test_dry_run_everything(script, tmp_path):
     assert {"upipe", "ulysses"} <= impls
     for row in doc["sections"]["check"]:
         assert row["max_allocated_diff"] == 0 and row["max_allocated_real"] > 0
+    found = doc["sections"]["max_context"]
     for impl in impls:
-        assert doc["sections"]["max_context"][impl]["longest"] > 0
-    assert doc["sections"]["max_context"]["upipe"]["longest"] == 3 * 1024  # the toy GPU's 3 units
-    assert doc["sections"]["max_context"]["ulysses"]["ratio_to_ulysses"] == 1.0
+        assert found[f"{impl}@2"]["longest"] > 0
+    assert found["upipe@2"]["longest"] == 3 * 1024  # the toy GPU's 3 units
+    assert found["ulysses@2"]["ratio_to_ulysses"] == 1.0
 
 
 def test_shared_host_pool_hands_one_buffer_per_shape(script):
