@@ -1,7 +1,7 @@
 """Max context on one GPU, measured: the longest sequence whose training step fits, per implementation.
 
     python benchmarks/gpu/max_context.py [--impls upipe,ulysses,deepspeed] [--layers 32] [--step 128K]
-        [--check-lengths 128K,256K] [--sections check,bisect] [--max-probes 6] [--resume] [--no-predict]
+        [--check-lengths 256K,640K] [--sections check,bisect] [--max-probes 6] [--resume] [--no-predict]
         [--warmup-len LEN] [--out benchmarks/results/gpu] [--cpu-dry-run]
 
 Rank 0 of a fake 8-rank group on real CUDA tensors (`common.fake_rank`), Llama3-8B geometry with `--layers`
@@ -47,8 +47,9 @@ hollow kernel the 32-layer step at 3-4M tokens is dominated by the projections a
 shard (about 1-2 minutes each), so a 32-layer probe there takes 3-5 minutes and a full bisection of one
 implementation 10-20 minutes. Order within a 30-minute budget:
   a. `--cpu-dry-run` on any machine first (seconds; checks the script, no numbers).
-  b. `--sections check --layers 4 --impls upipe --check-lengths 128K,256K` (about 2-3 minutes): the workspace
-     and the hollow twin's fidelity, before trusting any hollow number.
+  b. `--sections check --layers 4 --impls upipe --check-lengths 256K,640K` (about 2-3 minutes): the workspace
+     and the hollow twin's fidelity, before trusting any hollow number. One length on each side of 512K: above
+     it the cuDNN kernel hands over to the flash kernel (`CudnnKernel.MAX_S`), whose workspace differs.
   c. `--sections bisect --layers 4 --impls upipe,ulysses` (about 5 minutes): the search at 4 layers.
   d. `--sections bisect --layers 32 --impls upipe --resume --max-probes 3 --warmup-len 128K` per call (each call
      under 10 minutes; `--resume` carries the probes over), then ulysses, then deepspeed.
