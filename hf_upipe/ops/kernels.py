@@ -3,7 +3,7 @@
 Entry points:
 - `AttentionKernel`: the interface every kernel implements.
 - `get_kernel(name, device, dtype)`: resolve "auto" (or a name) to a kernel instance.
-- `available_kernels()`, `check_kernel_name(name)`, `register_kernel(name, factory, available)`.
+- `available_kernels()`, `check_kernel_name(name)`, `register_kernel(name, factory, available, priority, auto)`.
 
 Kernels registered here:
 - "sdpa" on CPU: `aten::_scaled_dot_product_flash_attention_for_cpu` (+ `_backward`), a real flash kernel that
@@ -11,6 +11,10 @@ Kernels registered here:
 - CUDA kernels ("sdpa" on CUDA, "cudnn" and "flash_attn") live in `hf_upipe.ops.kernels_aten` and
   `hf_upipe.ops.kernels_flash_attn` (both re-exported by `hf_upipe.ops.kernels_cuda`); they are registered here with
   factories that import those modules only when a CUDA kernel is asked for.
+- "hollow-<name>": each kernel's hollow twin, registered by `hf_upipe.ops.kernels_hollow` (imported by
+  `hf_upipe.ops`) with `auto=False`: it allocates the kernel's outputs without computing them, for memory
+  measurement only, never chosen by "auto" nor listed by `available_kernels`, usable only inside
+  `hollow_attention()`.
 
 Layout legend (every kernel): B batch, S full sequence, h query heads, hk k/v heads (h % hk == 0), D head dim.
 q: [B, S, h, D], k/v: [B, S, hk, D], any strides with stride(-1) == 1 (the all-to-all hands over views of its
@@ -72,15 +76,19 @@ class SdpaCpuKernel:
 
     name = "sdpa"
 
+    # the aten calls, overridden by the hollow twin (hf_upipe.ops.kernels_hollow)
+    _fwd = staticmethod(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
+    _bwd = staticmethod(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+
     def forward(self, q, k, v, *, scale, causal=True):
         # aten wants [B, h, S, D]; a transposed view costs no copy. out comes back in q's physical layout.
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        out, lse = self._fwd(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale
         )
         return out.transpose(1, 2), lse  # [B, S, h, D], [B, h, S]
 
     def backward(self, dout, q, k, v, out, lse, *, scale, causal=True):
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dq, dk, dv = self._bwd(
             dout.transpose(1, 2),
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -94,11 +102,15 @@ class SdpaCpuKernel:
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-# name -> (factory(device) -> kernel, available(device, dtype) -> bool, priority for "auto": lower first)
+# name -> (factory(device) -> kernel, available(device, dtype) -> bool, priority for "auto": lower first,
+#          whether "auto" may pick it)
 _REGISTRY: dict[
     str,
     tuple[
-        Callable[[torch.device], AttentionKernel], Callable[[torch.device, torch.dtype], bool], int
+        Callable[[torch.device], AttentionKernel],
+        Callable[[torch.device, torch.dtype], bool],
+        int,
+        bool,
     ],
 ] = {}
 
@@ -108,22 +120,30 @@ def register_kernel(
     factory: Callable[[torch.device], AttentionKernel],
     available: Callable[[torch.device, torch.dtype], bool],
     priority: int = 100,
+    auto: bool = True,
 ) -> None:
-    """Add a kernel. `available(device, dtype)` says whether it can run there; "auto" picks the lowest priority."""
-    _REGISTRY[name] = (factory, available, priority)
+    """Add a kernel. `available(device, dtype)` says whether it can run there; "auto" picks the lowest priority
+    among those registered with `auto=True` (the hollow kernels of `hf_upipe.ops.kernels_hollow` are not)."""
+    _REGISTRY[name] = (factory, available, priority, auto)
 
 
 def available_kernels(
     device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> list[str]:
-    """Names of registered kernels; with a device (and dtype), only those that can run there."""
+    """Names of the kernels "auto" may pick; with a device (and dtype), only those that can run there, in "auto"'s
+    order. (The hollow twins are registered too but not listed: `hf_upipe.ops.kernels_hollow`.)"""
     if device is None:
-        return sorted(_REGISTRY)
-    device = torch.device(device)
+        return sorted(n for n, entry in _REGISTRY.items() if entry[3])
+    return _usable(torch.device(device), dtype, auto_only=True)
+
+
+def _usable(device: torch.device, dtype: torch.dtype | None, auto_only: bool = False) -> list[str]:
+    """The registered kernels (with `auto_only`, those "auto" may pick) that can run on `device` with `dtype`, by
+    priority."""
     return [
         n
-        for n, (_, ok, _) in sorted(_REGISTRY.items(), key=lambda kv: kv[1][2])
-        if ok(device, dtype)
+        for n, (_, ok, _, auto) in sorted(_REGISTRY.items(), key=lambda kv: kv[1][2])
+        if (auto or not auto_only) and ok(device, dtype)
     ]
 
 
@@ -143,14 +163,15 @@ def get_kernel(name: str, device: torch.device | str, dtype: torch.dtype) -> Att
     """
     check_kernel_name(name)
     device = torch.device(device)
-    usable = available_kernels(device, dtype)
     if name == "auto":
+        usable = available_kernels(device, dtype)
         if not usable:
             raise ValueError(
                 f"No attention kernel can run on {device} with {dtype}; registered: {available_kernels()}"
             )
         name = usable[0]
-    elif name not in usable:
+    elif name not in _usable(device, dtype):
+        usable = available_kernels(device, dtype)
         raise ValueError(
             f"Attention kernel {name!r} cannot run on {device} with {dtype}; usable there: {usable or 'none'}."
         )

@@ -11,7 +11,8 @@ Entry points:
   at the aten level, with the flash kernel's fallbacks for what was not measured (see the class).
 - `cudnn_available(device, dtype)`: whether `CudnnKernel` can run.
 - `HALF_DTYPES`, `padded_head_dim(d)`, `pad_head_dim(x, dp)`: the half dtypes and the head-dim padding these
-  kernels and `hf_upipe.ops.kernels_flash_attn` share.
+  kernels and `hf_upipe.ops.kernels_flash_attn` share; `efficient_lse_len(s)`: the memory-efficient kernel's
+  log-sum-exp row length (also for `hf_upipe.ops.kernels_hollow`).
 
 Indirections (module-level, looked up at call time, patched by the CPU tests): `_aten_flash_fwd`, `_aten_flash_bwd`,
 `_aten_eff_fwd`, `_aten_eff_bwd`, `_aten_cudnn_fwd`, `_aten_cudnn_bwd`, `_device_capability`, `_cudnn_installed`.
@@ -35,6 +36,7 @@ __all__ = [
     "CudnnKernel",
     "SdpaCudaKernel",
     "cudnn_available",
+    "efficient_lse_len",
     "pad_head_dim",
     "padded_head_dim",
 ]
@@ -184,7 +186,7 @@ def _zero_scalar(device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
-def _eff_lse_len(s: int) -> int:
+def efficient_lse_len(s: int) -> int:
     """Length of the efficient kernel's log_sumexp rows: S rounded up to 32 on CUDA (kAlignLSE), S on ROCm."""
     return s if getattr(torch.version, "hip", None) else (s + 31) // 32 * 32
 
@@ -194,6 +196,20 @@ class SdpaCudaKernel:
     """torch SDPA's flash / memory-efficient CUDA kernels at the aten level (see the module docstring)."""
 
     name = "sdpa"
+
+    # The aten calls, one method each: `hf_upipe.ops.kernels_hollow` overrides them (and only them) with allocations
+    # of the same outputs; here they go to the module-level indirections (looked up at call time).
+    def _flash_fwd(self, *args, **kwargs):
+        return _aten_flash_fwd(*args, **kwargs)
+
+    def _flash_bwd(self, *args, **kwargs):
+        return _aten_flash_bwd(*args, **kwargs)
+
+    def _eff_fwd(self, *args, **kwargs):
+        return _aten_eff_fwd(*args, **kwargs)
+
+    def _eff_bwd(self, *args, **kwargs):
+        return _aten_eff_bwd(*args, **kwargs)
 
     @staticmethod
     def _use_flash(q: torch.Tensor) -> bool:
@@ -209,9 +225,9 @@ class SdpaCudaKernel:
         qp, kp, vp = (pad_head_dim(x, dp) for x in (q, _expand_kv(k, h), _expand_kv(v, h)))
         qt, kt, vt = (x.transpose(1, 2) for x in (qp, kp, vp))  # [B, h, S, D] views
         if self._use_flash(q):
-            out, lse = _aten_flash_fwd(qt, kt, vt, 0.0, causal, False, scale=scale)[:2]
+            out, lse = self._flash_fwd(qt, kt, vt, 0.0, causal, False, scale=scale)[:2]
         else:
-            out, lse = _aten_eff_fwd(qt, kt, vt, None, True, 0.0, causal, scale=scale)[:2]
+            out, lse = self._eff_fwd(qt, kt, vt, None, True, 0.0, causal, scale=scale)[:2]
             lse = lse[:, :, :s]  # drop the padding along S
         return out.transpose(1, 2)[..., :d], lse  # [B, S, h, D], [B, h, S] fp32
 
@@ -224,7 +240,7 @@ class SdpaCudaKernel:
         qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in (qp, kp, vp, op, dop))
         zero = _zero_scalar(q.device)
         if self._use_flash(q):
-            dq, dk, dv = _aten_flash_bwd(
+            dq, dk, dv = self._flash_bwd(
                 dot,
                 qt,
                 kt,
@@ -242,9 +258,9 @@ class SdpaCudaKernel:
                 scale=scale,
             )
         else:
-            lse_p = lse.new_zeros(b, h, _eff_lse_len(s))
+            lse_p = lse.new_zeros(b, h, efficient_lse_len(s))
             lse_p[:, :, :s] = lse
-            dq, dk, dv, _ = _aten_eff_bwd(
+            dq, dk, dv, _ = self._eff_bwd(
                 dot,
                 qt,
                 kt,
@@ -278,10 +294,21 @@ class CudnnKernel:
     name = "cudnn"
     _MAX_D = 128
     MAX_S = 2**19
+    _fallback_class = (
+        SdpaCudaKernel  # the hollow twin falls back to the hollow twin of SdpaCudaKernel
+    )
 
     def __init__(self):
-        self._fallback = SdpaCudaKernel()
+        self._fallback = self._fallback_class()
         self._stats_4d = True
+
+    def _cudnn_fwd(
+        self, *args, **kwargs
+    ):  # overridden by the hollow twin, as SdpaCudaKernel's calls
+        return _aten_cudnn_fwd(*args, **kwargs)
+
+    def _cudnn_bwd(self, *args, **kwargs):
+        return _aten_cudnn_bwd(*args, **kwargs)
 
     def _measured(self, q: torch.Tensor) -> bool:
         return padded_head_dim(q.shape[-1]) <= self._MAX_D and q.shape[1] <= self.MAX_S
@@ -294,7 +321,7 @@ class CudnnKernel:
         qt, kt, vt = (
             pad_head_dim(x, dp).transpose(1, 2) for x in (q, _expand_kv(k, h), _expand_kv(v, h))
         )  # [B,h,S,D]
-        res = _aten_cudnn_fwd(qt, kt, vt, causal, scale=scale)
+        res = self._cudnn_fwd(qt, kt, vt, causal, scale=scale)
         out, stats = res[0], res[1]
         self._stats_4d = stats.dim() == 4
         return out.transpose(1, 2)[..., :d], stats.reshape(b, h, s)  # [B, S, h, D], [B, h, S] fp32
@@ -314,7 +341,7 @@ class CudnnKernel:
             dot = torch.empty_like(ot).copy_(dot)
         stats = lse.reshape(b, h, s, 1) if self._stats_4d else lse.reshape(b, h, s)
         zero = _zero_scalar(q.device)
-        dq, dk, dv = _aten_cudnn_bwd(
+        dq, dk, dv = self._cudnn_bwd(
             dot, qt, kt, vt, ot, stats.contiguous(), zero, zero, s, k.shape[1], causal, scale=scale
         )
         dq, dk, dv = (x.transpose(1, 2)[..., :d] for x in (dq, dk, dv))

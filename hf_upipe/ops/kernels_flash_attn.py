@@ -112,8 +112,12 @@ class FlashAttnKernel:
     name = "flash_attn"
     supports_window = True  # `window=w`: flash-attn's window_size (w - 1, 0), keys i-w+1 .. i (hf_upipe.ops.windowed)
 
+    def _api(self):
+        """(forward, backward, split_window): the installed package's (overridden by the hollow twin)."""
+        return _flash_api()
+
     def forward(self, q, k, v, *, scale, causal=True, window=None):
-        fwd, _, split = _flash_api()
+        fwd, _, split = self._api()
         d, qp, kp, vp = _flash_padded(q, k, v)
         left, right = _window_size(window, causal)
         if split:
@@ -124,7 +128,7 @@ class FlashAttnKernel:
         return out[..., :d], lse  # [B, S, h, D], [B, h, S] fp32
 
     def backward(self, dout, q, k, v, out, lse, *, scale, causal=True, window=None):
-        _, bwd, split = _flash_api()
+        _, bwd, split = self._api()
         d = q.shape[-1]
         dp = padded_head_dim(d)
         qp, kp, vp, op, dop = (pad_head_dim(x, dp) for x in (q, k, v, out, dout))

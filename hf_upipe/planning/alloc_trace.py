@@ -92,11 +92,12 @@ def record_step_trace(
     layers: int,
     dtype: torch.dtype = torch.bfloat16,
     lora=None,
+    kernel: str = "auto",
 ) -> tuple[list[tuple], dict]:
     """(events, result): the allocation trace of rank 0's build and step, and `measure_train_step`'s result.
 
     Events: ``("a", key, nbytes, stream)``, ``("f", key)``, ``("mark", "step" | "end")``; a key is reused only
-    after its free.
+    after its free. `kernel`: the attention kernel (`measure_train_step`'s).
     """
     from hf_upipe.planning.train_step import fsdp_mesh, measure_train_step
 
@@ -114,5 +115,6 @@ def record_step_trace(
                     mesh=mesh,
                     lora=lora,
                     around_step=_StepMark(recorder),
+                    kernel=kernel,
                 )
     return recorder.events, result

@@ -10,6 +10,13 @@ Entry points:
   multiplies its predicted reserve by that factor for the same key and says so.
 - `measure_reserved(spec) -> int`: the child's measurement (runs on CUDA only).
 
+With `--hollow-attention` the measured step runs the hollow twin of the planned attention kernel
+(`hf_upipe.ops.kernels_hollow`: the kernel's outputs allocated, its arithmetic skipped), so a step at a long shard
+length takes seconds instead of hours; everything else in the step is real. The attention kernels' own workspace
+is then not in the measurement, so the prediction it is compared with leaves out the attention workspace
+allowance too (`Allowance.attention_workspace`), and the stored correction says `hollow_attention: true` with the
+kernel it stood for (`hf-upipe plan` names it).
+
 Without CUDA the command says so and exits 2. The measurement runs in a fresh process, so nothing allocated before
 (and no allocator state) is carried into it; the fake group has no NCCL buffers, so the allowance's NCCL and CUDA
 context shares are not part of what is corrected.
@@ -50,12 +57,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gpu-memory", default="80GiB", type=argument_type(parse_size))
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the measured step")
+    parser.add_argument(
+        "--hollow-attention",
+        action="store_true",
+        help="measure with the hollow twin of the planned attention kernel (its outputs allocated, no "
+        "arithmetic): seconds instead of hours at long lengths; the attention workspace is then left out of "
+        "both the measurement and the prediction",
+    )
 
 
 def measure_reserved(spec: dict) -> int:
     """max_memory_reserved of one real step on this GPU as rank 0 of a fake `spec["world"]`-rank group."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from hf_upipe.ops.kernels_hollow import hollow_attention
     from hf_upipe.planning.planner import resolve_model
     from hf_upipe.planning.simulate import simulated_world
     from hf_upipe.planning.train_step import StepSettings, measure_train_step
@@ -71,7 +86,9 @@ def measure_reserved(spec: dict) -> int:
         yield
         torch.cuda.synchronize(device)
 
-    with simulated_world(spec["world"]), device:
+    kernel = spec.get("kernel", "auto")
+    hollow = hollow_attention() if kernel.startswith("hollow-") else contextlib.nullcontext()
+    with simulated_world(spec["world"]), device, hollow:
         mesh = init_device_mesh("cuda", (spec["world"],))
         measure_train_step(
             config,
@@ -81,6 +98,7 @@ def measure_reserved(spec: dict) -> int:
             layers=spec["layers"],
             mesh=mesh,
             around_step=step_start(),
+            kernel=kernel,
         )
         return torch.cuda.max_memory_reserved(device)
 
@@ -95,6 +113,13 @@ def _measure_in_fresh_process(spec: dict) -> int:
     if out.returncode != 0:
         raise RuntimeError(f"the measuring process failed:\n{out.stderr[-4000:]}")
     return int(out.stdout.strip().splitlines()[-1])
+
+
+def _hollow_kernel(dtype: torch.dtype) -> str:
+    """The hollow twin of the kernel "auto" picks on this GPU for `dtype` (the planned run's)."""
+    from hf_upipe.planning.hollow_step import hollow_twin
+
+    return hollow_twin("auto", torch.device("cuda", torch.cuda.current_device()), dtype)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory=args.gpu_memory,
     )
     world, mode = args.gpus * args.nodes, allocator_mode()
+    hollow = getattr(args, "hollow_attention", False)
     spec = dict(
         model=args.model,
         world=world,
@@ -130,7 +156,9 @@ def run(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         layers=args.layers,
         settings=dataclasses.asdict(p.settings),
+        kernel=_hollow_kernel(p.dtype) if hollow else "auto",
     )
+    allowance = Allowance()
     predicted = step_reserved(
         config,
         p.settings,
@@ -138,14 +166,20 @@ def run(args: argparse.Namespace) -> int:
         world_size=world,
         sp_size=p.sp_size,
         layers=args.layers,
-    )["reserved"][mode] + Allowance().bytes(
-        config, p.settings, args.seq_len, p.sp_size, device_only=True
+    )["reserved"][mode] + (
+        allowance.cublas_per_stream  # no attention workspace in a hollow step
+        if hollow
+        else allowance.bytes(config, p.settings, args.seq_len, p.sp_size, device_only=True)
     )
     measured = _measure_in_fresh_process(spec)
     key = correction_key(name, p.settings, mode, p.dtype)
-    fix = save_correction(key, measured, predicted, seq_len=args.seq_len, layers=args.layers)
+    info = dict(seq_len=args.seq_len, layers=args.layers)
+    if hollow:
+        info.update(hollow_attention=True, kernel=spec["kernel"])
+    fix = save_correction(key, measured, predicted, **info)
     gib = 2**30
-    print(f"measured reserve  {measured / gib:9.2f} GiB  ({args.layers} layers, {mode} segments)")
+    how = f"{args.layers} layers, {mode} segments" + (f", {spec['kernel']}" if hollow else "")
+    print(f"measured reserve  {measured / gib:9.2f} GiB  ({how})")
     print(f"predicted reserve {predicted / gib:9.2f} GiB")
     print(
         f"correction        x{fix['factor']:.3f}, stored for `hf-upipe plan` (same model and settings)"

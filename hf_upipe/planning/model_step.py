@@ -70,10 +70,17 @@ def llama_config(name: str) -> dict:
 
 @contextlib.contextmanager
 def impl_context(
-    impl: str, group, seq_len: int, sp_size: int, heads_per_chunk: int | None, ring_size: int = 1
+    impl: str,
+    group,
+    seq_len: int,
+    sp_size: int,
+    heads_per_chunk: int | None,
+    ring_size: int = 1,
+    kernel: str = "auto",
 ):
     """Validate, install the SP defaults for our impls (DeepSpeed's communicator for the peer), restore on exit.
-    With `ring_size` > 1 the SP groups are built anew (`init_sequence_parallel(sp_size, ring_size=...)`)."""
+    With `ring_size` > 1 the SP groups are built anew (`init_sequence_parallel(sp_size, ring_size=...)`).
+    `kernel`: our impls' inner attention kernel (`init_sequence_parallel`'s)."""
     if impl not in MODEL_IMPLEMENTATIONS:
         raise ValueError(f"impl={impl!r}: choose one of {MODEL_IMPLEMENTATIONS}")
     if seq_len % (sp_size * (2 if ring_size > 1 else 1)):
@@ -87,9 +94,9 @@ def impl_context(
     hpc = None if impl == "ulysses" else heads_per_chunk
     if ring_size > 1:
         _sp.set_sequence_parallel_state(None)
-        _sp.init_sequence_parallel(sp_size, ring_size=ring_size, heads_per_chunk=hpc)
+        _sp.init_sequence_parallel(sp_size, ring_size=ring_size, heads_per_chunk=hpc, kernel=kernel)
     elif impl != "deepspeed":
-        _sp.init_sequence_parallel(group=group, heads_per_chunk=hpc)
+        _sp.init_sequence_parallel(group=group, heads_per_chunk=hpc, kernel=kernel)
     try:
         with deepspeed_comm() if impl == "deepspeed" else contextlib.nullcontext():
             if impl == "deepspeed":  # the peer measured as it runs: no hf_upipe guard on its model

@@ -187,8 +187,9 @@ def _overhead_lines(plan) -> list[str]:
         ]
     fix = plan.correction
     how = (
-        f"calibrated x{fix['factor']:.3f} (hf-upipe calibrate: measured {_gib(fix['measured'])} GiB, "
-        f"predicted {_gib(fix['predicted'])} GiB)"
+        f"calibrated x{fix['factor']:.3f} (hf-upipe calibrate"
+        f"{' --hollow-attention' if fix.get('hollow_attention') else ''}: measured "
+        f"{_gib(fix['measured'])} GiB, predicted {_gib(fix['predicted'])} GiB)"
         if fix
         else "not calibrated (hf-upipe calibrate)"
     )

@@ -3,12 +3,12 @@
 Entry points:
 - `StepSettings`: the knobs of a step (attention implementation, head chunk, tiled MLP and loss with their tiles,
   offload of checkpointed inputs).
-- `measure_train_step(model_config, settings, *, seq_len, sp_size, layers, dtype=torch.bfloat16)`: on this rank of
-  an initialised world, builds the model with `layers` decoder layers, shards it with FSDP2 (`fully_shard` on every
-  decoder layer and on the root, over all ranks; fp32 master weights, `dtype` compute with fp32 gradient reduction
-  unless `dtype` is fp32; or LoRA adapters on a frozen base), creates AdamW's states, then runs one step under
-  `MemoryTracker`: forward and backward of this rank's sequence shard with activation checkpointing on every
-  layer, then `optimizer.step()`.
+- `measure_train_step(model_config, settings, *, seq_len, sp_size, layers, dtype=torch.bfloat16, kernel="auto")`:
+  on this rank of an initialised world, builds the model with `layers` decoder layers, shards it with FSDP2
+  (`fully_shard` on every decoder layer and on the root, over all ranks; fp32 master weights, `dtype` compute
+  with fp32 gradient reduction unless `dtype` is fp32; or LoRA adapters on a frozen base), creates AdamW's
+  states, then runs one step under `MemoryTracker`: forward and backward of this rank's sequence shard with
+  activation checkpointing on every layer, then `optimizer.step()`.
 - `simulate_train_step(...)`: the same as rank 0 of a fake `world_size`-rank world on fake tensors, in one process.
 
 What is counted, per rank: the FSDP2 shards of the parameters, their gradients and the optimizer states (already
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from hf_upipe import distributed as _sp
 from hf_upipe.ops.ring import ring_positions
 from hf_upipe.planning import categories as _cat
+from hf_upipe.planning.hollow_step import step_attention
 from hf_upipe.planning.model_step import MODEL_IMPLEMENTATIONS, build_step_model, impl_context
 from hf_upipe.planning.simulate import fake_tensors, simulated_world
 from hf_upipe.planning.tracker import (
@@ -184,6 +185,7 @@ def measure_train_step(
     mesh=None,
     lora=None,
     around_step=None,
+    kernel: str = "auto",
 ) -> dict:
     """One tracked FSDP2 training step on this rank (see the module docstring).
 
@@ -197,6 +199,10 @@ def measure_train_step(
         mesh: the FSDP device mesh over all ranks (default: built here; under fake tensors build it before).
         lora: None for a full fine-tune (fp32 master weights); (rank, target module names) for LoRA: the frozen base
             in `dtype`, fp32 adapters, AdamW on the adapters only.
+        around_step: a context entered around the step (after the build and the optimizer's states).
+        kernel: the inner attention kernel of our impls (`init_sequence_parallel`'s `kernel`); a hollow one
+            ("hollow-<name>", inside `hf_upipe.ops.kernels_hollow.hollow_attention()`) measures the step's memory
+            without the attention's arithmetic, also for "deepspeed" (`hf_upipe.planning.hollow_step`).
 
     Returns:
         {"peak": bytes, "by_category": {category: bytes live at the peak}, "phase_peaks": {"forward", "backward",
@@ -208,12 +214,24 @@ def measure_train_step(
     if seq_len % sp_size:
         raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp_size}")
     previous = _sp.get_sequence_parallel_state()
-    state = _sp.init_sequence_parallel(sp_size, heads_per_chunk=settings.heads_per_chunk)
+    attention = step_attention(settings.impl, kernel)  # (validates kernel for DeepSpeed's impl)
+    state = _sp.init_sequence_parallel(
+        sp_size, heads_per_chunk=settings.heads_per_chunk, kernel=kernel
+    )
     group = state.sp_group if state.sp_group is not None else dist.group.WORLD
     s, r = seq_len // sp_size, state.sp_rank
     try:
-        with impl_context(
-            settings.impl, group, seq_len, sp_size, settings.heads_per_chunk, settings.ring_size
+        with (
+            impl_context(
+                settings.impl,
+                group,
+                seq_len,
+                sp_size,
+                settings.heads_per_chunk,
+                settings.ring_size,
+                kernel=kernel,
+            ),
+            attention,
         ):
             model = build_step_model(
                 settings.impl,

@@ -22,9 +22,11 @@ TINY = dict(
 )
 
 
-def test_calibrate_without_cuda_exits_2(monkeypatch, capsys):
+@pytest.mark.parametrize("extra", [[], ["--hollow-attention"]])
+def test_calibrate_without_cuda_exits_2(monkeypatch, capsys, extra):
     monkeypatch.setattr(calibrate, "_cuda_available", lambda: False)
-    assert main(["calibrate", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "1M"]) == 2
+    args = ["calibrate", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "1M", *extra]
+    assert main(args) == 2
     assert "no CUDA device" in capsys.readouterr().err
 
 
@@ -66,3 +68,62 @@ def test_save_correction_refuses_nonsense(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_UPIPE_CACHE_DIR", str(tmp_path))
     with pytest.raises(ValueError, match="positive"):
         reserved.save_correction("k", 0, 10)
+
+
+def test_hollow_attention_calibration(monkeypatch, tmp_path, capsys):
+    """--hollow-attention: the child measures with the hollow twin of the planned kernel, the prediction leaves out
+    the attention workspace (the hollow step has none), and the stored correction says so; `plan` names it."""
+    monkeypatch.setenv("HF_UPIPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(TINY))
+    specs = []
+
+    def fake_measure(spec):
+        specs.append(spec)
+        return 100 * 2**20
+
+    monkeypatch.setattr(calibrate, "_cuda_available", lambda: True)
+    monkeypatch.setattr(calibrate, "_measure_in_fresh_process", fake_measure)
+    monkeypatch.setattr(calibrate, "_hollow_kernel", lambda dtype: "hollow-cudnn")
+    args = ["calibrate", "--model", str(model), "--gpus", "2", "--seq-len", "64K", "--layers", "2"]
+    assert main(args) == 0
+    (plain,) = json.loads((tmp_path / "calibration.json").read_text()).values()
+    assert main(args + ["--hollow-attention"]) == 0
+    assert [s["kernel"] for s in specs] == ["auto", "hollow-cudnn"]
+    assert {k: v for k, v in specs[0].items() if k != "kernel"} == {
+        k: v for k, v in specs[1].items() if k != "kernel"
+    }
+    (entry,) = json.loads((tmp_path / "calibration.json").read_text()).values()
+    assert entry["hollow_attention"] is True and entry["kernel"] == "hollow-cudnn"
+    assert "hollow_attention" not in plain
+    p = plan(str(model), gpus=2, seq_len=65536, gpu_memory="80GiB")
+    workspace = reserved.Allowance().attention_workspace(TINY, p.settings, 65536, p.sp_size)
+    assert workspace > 0 and plain["predicted"] - entry["predicted"] == workspace
+    assert "hollow-cudnn" in capsys.readouterr().out
+    main(["plan", "--model", str(model), "--gpus", "2", "--seq-len", "64K"])
+    assert "hf-upipe calibrate --hollow-attention: measured" in capsys.readouterr().out
+
+
+def test_measure_reserved_runs_the_hollow_kernel_in_scope(monkeypatch):
+    """The child opens the measurement scope for a hollow kernel and hands the kernel to the step."""
+    seen = {}
+
+    def fake_step(*args, kernel, **kwargs):
+        from hf_upipe.ops.kernels_hollow import measuring
+
+        seen.update(kernel=kernel, measuring=measuring())
+        return {}
+
+    monkeypatch.setattr("hf_upipe.planning.train_step.measure_train_step", fake_step)
+    monkeypatch.setattr("torch.distributed.device_mesh.init_device_mesh", lambda *a: None)
+    monkeypatch.setattr(calibrate.torch.cuda, "current_device", lambda: 0)
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(calibrate.torch.cuda, name, lambda *a: None)
+    monkeypatch.setattr(calibrate.torch.cuda, "max_memory_reserved", lambda *a: 123)
+    spec = dict(
+        model="llama3-8b", world=2, sp_size=2, seq_len=1024, layers=1, settings={}, kernel=""
+    )
+    for kernel, scope in (("hollow-cudnn", True), ("auto", False)):
+        assert calibrate.measure_reserved(dict(spec, kernel=kernel)) == 123
+        assert seen == {"kernel": kernel, "measuring": scope}
