@@ -37,7 +37,8 @@ sys.path.insert(
 import transformers  # noqa: E402
 
 import hf_upipe  # noqa: E402,F401
-from hf_upipe.planning.model_step import llama_config, simulate_layer_step, simulate_model_step  # noqa: E402
+from hf_upipe.planning.activation_step import simulate_layer_step, simulate_model_step  # noqa: E402
+from hf_upipe.planning.model_step import llama_config  # noqa: E402
 
 GiB = 2**30
 IMPLS = (

@@ -1,27 +1,22 @@
-"""Per-rank activation memory of a full training step of a Llama model under sequence parallelism.
+"""The model of a simulated or measured training step: a Llama (or any causal LM config) with the attention
+implementation under test, prepared as a run prepares it.
 
 Entry points:
-- `measure_model_step(impl, *, model_config, seq_len, sp_size, layers, group, heads_per_chunk=1, tiled_mlp=False,
-  offload="none", tiled_loss=True, dtype=torch.bfloat16)`: one forward + backward of a `LlamaForCausalLM` with
-  `layers` decoder layers on this rank's shard, with activation checkpointing on every layer (non-reentrant), under
-  `MemoryTracker`. Works on real tensors in a real process group or on fake tensors in a simulated world.
-- `simulate_model_step(...)`: the same as rank 0 of a fake `sp_size`-rank world, in one process, at any length.
-- `measure_layer_step(...)` / `simulate_layer_step(...)`: forward + backward of ONE decoder layer alone (no
-  checkpointing, no embeddings or loss); like the attention-block benchmark, the layer input x and the incoming
-  gradient are not counted.
-- `llama_config(name)`: the geometries of the presets ("llama3-8b", "qwen3-32b-shape", "llama3-70b").
+- `build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_mlp, ...)`: the model with `layers`
+  decoder layers, activation checkpointing, the tiled MLP, LoRA, and for our impls `prepare_model`.
+- `impl_context(impl, group, seq_len, sp_size, heads_per_chunk, ring_size=1, ...)`: validates and installs the SP
+  defaults of an impl (DeepSpeed's communicator for the peer); restores them on exit.
+- `step_config(model_config, layers, seq_len)`, `llama_config(name)`: the configs (presets: "llama3-8b",
+  "qwen3-32b-shape", "llama3-70b").
 
 `impl`: "deepspeed" (DeepSpeed 0.19.8 `UlyssesSPAttentionHF` around sdpa, the peer), "ulysses" (our registered
 path with all local heads in one chunk), "upipe" (registered, `heads_per_chunk`), "fused" (the fused block); each
 of ours prepared as a run prepares it (`prepare_model`: global RoPE, a hybrid's mixers, the input checks).
 Every impl gets the same stack around attention: activation checkpointing of every layer, optional tiled MLP
 (`hf_upipe.memory.tiled_mlp`, chunks of `hidden_size` tokens), optional offload of the checkpointed layer inputs
-("cpu": to host memory, the last layer's input kept on the device), and the tiled loss.
-
-Counted: every tensor created during the step: embeddings, checkpointed layer inputs, one layer's recompute and
-backward, the loss, all-to-all buffers and transient weight gradients. Not counted: parameters, and persistent
-parameter gradients and optimizer states (each weight gradient is dropped as soon as it is accumulated, as FSDP2
-does after its reduce-scatter; their sharded sizes are the planner's business). So "peak" is the activation peak.
+("cpu": to host memory, the last layer's input kept on the device), and the tiled loss. The activation
+measurements on this model are in `hf_upipe.planning.activation_step`, the whole step's in
+`hf_upipe.planning.train_step`.
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ import contextlib
 import copy
 
 import torch
-import torch.distributed as dist
 
 from hf_upipe import distributed as _sp
 from hf_upipe.integrations.guard import sync_guard
@@ -43,18 +37,13 @@ from hf_upipe.planning.attention_block import (
     deepspeed_comm,
     require_deepspeed,
 )
-from hf_upipe.planning.simulate import fake_tensors, is_fake, simulated_world
-from hf_upipe.planning.tracker import MemoryTracker, checkpoint_label
+from hf_upipe.planning.simulate import is_fake
 
 __all__ = [
     "MODEL_IMPLEMENTATIONS",
     "PRESETS",
     "build_step_model",
     "llama_config",
-    "measure_layer_step",
-    "measure_model_step",
-    "simulate_layer_step",
-    "simulate_model_step",
     "step_config",
 ]
 
@@ -283,170 +272,3 @@ def build_step_model(
         ):  # persistent gradients are not activations: drop each one once accumulated
             p.register_post_accumulate_grad_hook(lambda param: setattr(param, "grad", None))
     return model
-
-
-def measure_model_step(
-    impl: str,
-    *,
-    model_config: dict,
-    seq_len: int,
-    sp_size: int,
-    layers: int,
-    group: dist.ProcessGroup | None = None,
-    heads_per_chunk: int | None = 1,
-    tiled_mlp: bool = False,
-    offload: str = "none",
-    tiled_loss: bool = True,
-    dtype: torch.dtype = torch.bfloat16,
-    snapshot: bool = False,
-    mlp_chunk_tokens: int | None = None,
-    loss_chunk_tokens: int | None = None,
-    categories: bool = False,
-) -> dict:
-    """Tracked training step (forward + backward) of a `layers`-layer Llama on this rank's shard.
-
-    `mlp_chunk_tokens` / `loss_chunk_tokens`: the tiles (None: the defaults). With `categories`, also
-    `"by_category"`: what was live at the peak, by `hf_upipe.planning.categories.CATEGORIES`.
-
-    Returns:
-        {"forward_peak", "peak", "unit"} in bytes; unit = s * hidden * bytes, one local activation.
-    """
-    from hf_upipe.integrations.loss import shard_loss_sum
-    from hf_upipe.memory.offload import offload_checkpoints
-    from hf_upipe.planning.categories import StepCategories
-
-    group = dist.group.WORLD if group is None else group
-    s, rank = seq_len // sp_size, dist.get_rank(group)
-    with impl_context(impl, group, seq_len, sp_size, heads_per_chunk):
-        model = build_step_model(
-            impl,
-            model_config,
-            layers,
-            seq_len,
-            dtype,
-            group,
-            tiled_mlp,
-            mlp_chunk_tokens=mlp_chunk_tokens,
-        )
-        ids = torch.zeros(1, s, dtype=torch.long)  # not counted: token ids, positions, labels
-        positions = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)  # [1, s] global
-        labels = torch.zeros(1, s, dtype=torch.long)
-        # an all-ones 2-D mask: transformers then builds no packed-sequence mask from the (fake) positions
-        mask = torch.ones(1, s, dtype=torch.long)
-        inputs = {"input_ids": ids, "position_ids": positions, "attention_mask": mask}
-        labels_ctx = StepCategories(model) if categories else contextlib.nullcontext()
-        with (
-            labels_ctx as cats,
-            MemoryTracker(snapshot_at_peak=snapshot, labeler=cats and cats.label) as tracker,
-            offload_checkpoints(model, offload, min_bytes=0, restore_context=checkpoint_label),
-        ):
-            if cats:
-                cats.attach(tracker)
-            loss, _ = shard_loss_sum(
-                model, inputs, labels, tiled=tiled_loss, chunk_tokens=loss_chunk_tokens
-            )
-            if cats:
-                cats.label_loss(loss)
-            tracker.mark("forward")
-            loss.backward()
-            tracker.mark("backward")
-            del loss
-    result = {
-        "forward_peak": tracker.phase_peaks["forward"],
-        "peak": tracker.peak_bytes,
-        "unit": s * model_config["hidden_size"] * torch.finfo(dtype).bits // 8,
-    }
-    if snapshot:
-        result["peak_snapshot"] = tracker.peak_snapshot
-    if categories:
-        result["by_category"] = tracker.peak_by_label
-    return result
-
-
-def measure_layer_step(
-    impl: str,
-    *,
-    model_config: dict,
-    seq_len: int,
-    sp_size: int,
-    group: dist.ProcessGroup | None = None,
-    heads_per_chunk: int | None = 1,
-    tiled_mlp: bool = False,
-    dtype: torch.dtype = torch.bfloat16,
-) -> dict:
-    """Tracked forward + backward of one decoder layer on this rank's shard.
-
-    Returns:
-        {"forward_peak", "peak", "unit"} in bytes (x and the incoming gradient not counted).
-    """
-    group = dist.group.WORLD if group is None else group
-    s, rank = seq_len // sp_size, dist.get_rank(group)
-    with impl_context(impl, group, seq_len, sp_size, heads_per_chunk):
-        model = build_step_model(
-            impl, model_config, 1, seq_len, dtype, group, tiled_mlp, checkpointing=False
-        )
-        layer = model.model.layers[0]
-        x = torch.randn(1, s, model_config["hidden_size"], dtype=dtype, requires_grad=True)
-        positions = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)  # [1, s] global
-        cos, sin = model.model.rotary_emb(x, positions)
-        grad_y = torch.ones_like(x)
-        with MemoryTracker() as tracker:
-            y = layer(
-                x, attention_mask=None, position_ids=positions, position_embeddings=(cos, sin)
-            )
-            y = y[0] if isinstance(y, tuple) else y  # [1, s, hidden]
-            tracker.mark("forward")
-            y.backward(grad_y)
-            tracker.mark("backward")
-            del y
-    return {
-        "forward_peak": tracker.phase_peaks["forward"],
-        "peak": tracker.peak_bytes,
-        "unit": s * model_config["hidden_size"] * torch.finfo(dtype).bits // 8,
-    }
-
-
-def simulate_layer_step(
-    impl: str,
-    *,
-    model_config: dict,
-    seq_len: int,
-    sp_size: int,
-    dtype: torch.dtype = torch.bfloat16,
-    **kwargs,
-) -> dict:
-    """`measure_layer_step` as rank 0 of a fake sp_size-rank world on fake tensors."""
-    with simulated_world(sp_size) as world, fake_tensors(dtype):
-        return measure_layer_step(
-            impl,
-            model_config=model_config,
-            seq_len=seq_len,
-            sp_size=sp_size,
-            group=world,
-            dtype=dtype,
-            **kwargs,
-        )
-
-
-def simulate_model_step(
-    impl: str,
-    *,
-    model_config: dict,
-    seq_len: int,
-    sp_size: int,
-    layers: int,
-    dtype: torch.dtype = torch.bfloat16,
-    **kwargs,
-) -> dict:
-    """`measure_model_step` as rank 0 of a fake sp_size-rank world on fake tensors (one process, no data)."""
-    with simulated_world(sp_size) as world, fake_tensors(dtype):
-        return measure_model_step(
-            impl,
-            model_config=model_config,
-            seq_len=seq_len,
-            sp_size=sp_size,
-            layers=layers,
-            group=world,
-            dtype=dtype,
-            **kwargs,
-        )

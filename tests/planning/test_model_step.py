@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_upipe.planning.model_step import (
+from hf_upipe.planning.activation_step import (
     measure_layer_step,
     measure_model_step,
     simulate_layer_step,

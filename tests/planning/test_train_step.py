@@ -184,7 +184,7 @@ def test_categories_add_up_and_count_checkpoints():
 def test_labeling_does_not_change_the_memory_it_measures(impl, offload):
     """Categories are kept in the autograd nodes' own metadata and nothing of the step is referenced from outside, so
     the peak with labels equals the peak without."""
-    from hf_upipe.planning.model_step import simulate_model_step
+    from hf_upipe.planning.activation_step import simulate_model_step
 
     cfg = dict(
         TINY, hidden_size=128, intermediate_size=256, vocab_size=64
