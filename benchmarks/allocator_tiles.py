@@ -24,7 +24,7 @@ import argparse
 import re
 import time
 
-from allocator_trace import SETTINGS, STEP, _trace
+from allocator_trace import SETTINGS, STEP, labelled_trace
 
 from hf_upipe.models import PRESETS
 from hf_upipe.ops.tiled_loss import default_chunk_tokens as loss_tile
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     for seq in args.seq_len:
         t0 = time.time()
         STEP["seq_len"] = seq
-        events, _ = _trace("default", False)
+        events, _ = labelled_trace("default", False)
         shard = seq // STEP["sp_size"]
         loops = _last_tiles(shard, cfg["hidden_size"], cfg["vocab_size"])
         changed, count, added = _rounded(events, loops)

@@ -109,7 +109,9 @@ def _traced(label_ops: bool = True):
     return _add, _log_alloc, original_add, original_log
 
 
-def _trace(restore_stream: str, shard_embeddings: bool):
+def labelled_trace(restore_stream: str, shard_embeddings: bool):
+    """The step's trace, each allocation labelled with its request; the offload's copies back on `restore_stream`,
+    the embeddings sharded alone with `shard_embeddings` (also used by allocator_tiles.py)."""
     new_add, new_log, old_add, old_log = _traced()
     old_stream, old_shard = offload.RESTORE_STREAM, train_step._shard
 
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
         "+ embeddings sharded alone": ("default", True),
     }
     for name, (stream, embeddings) in variants.items():
-        events, result = _trace(stream, embeddings)
+        events, result = labelled_trace(stream, embeddings)
         row = {"tensor_peak": result["peak"]}
         for mode in ("default", "expandable"):
             m = _replay_named(events, mode == "expandable")
