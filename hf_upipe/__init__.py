@@ -34,7 +34,8 @@ import os
 from importlib import import_module
 
 from hf_upipe.config import UPipeConfig
-from hf_upipe.data import ShardedDataLoader, sampler_kwargs, shard_batch
+from hf_upipe.data import shard_batch
+from hf_upipe.data_loader import ShardedDataLoader, sampler_kwargs
 from hf_upipe.distributed import (
     SequenceParallelState,
     get_sequence_parallel_state,

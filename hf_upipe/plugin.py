@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from torch.utils.data import DataLoader
 
 from hf_upipe.config import UPipeConfig
-from hf_upipe.data import ShardedDataLoader
+from hf_upipe.data_loader import ShardedDataLoader
 from hf_upipe.integrations.loaders import share_batches_within_sp
 from hf_upipe.integrations.parallelism import find_parallelism
 from hf_upipe.runtime import UPipeRuntime, activation_checkpointing

@@ -3,7 +3,8 @@
 Layers, bottom to top (a module may import its own layer and the layers below):
   0 ops, architectures, families, geometry, verification, batch_keys, rank_layout, units: pure torch (ops import
     no transformers)
-  1 data, distributed, exits, config (+ config_parsing, config_validation), memory, integrations, vlm
+  1 data (+ data_loader), distributed, exits, config (+ config_parsing, config_validation), memory, integrations,
+    vlm
   2 runtime (with runtime_checks, runtime_eval), checkpoint, auto_settings, generation
   3 trainer (with trainer_checks, trainer_checkpoints, trainer_logs), plugin, trl: the two faces of the runtime,
     side by side (UPipeTrainer for transformers' Trainer, UPipePlugin for custom loops), and UPipeSFTTrainer on
@@ -34,6 +35,7 @@ LAYERS = [
     ),
     (
         "hf_upipe.data",
+        "hf_upipe.data_loader",
         "hf_upipe.distributed",
         "hf_upipe.exits",
         "hf_upipe.agreement",
@@ -80,6 +82,7 @@ RUNTIME = (
     "hf_upipe.memory",
     "hf_upipe.integrations",
     "hf_upipe.data",
+    "hf_upipe.data_loader",
     "hf_upipe.distributed",
     "hf_upipe.config",
     "hf_upipe.config_parsing",
