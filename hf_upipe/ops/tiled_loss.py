@@ -4,7 +4,8 @@ Entry points:
 - `tiled_cross_entropy(hidden, weight, shift_labels, *, bias, chunk_tokens, ignore_index, logit_softcap,
   token_stats)`: the public op, returning (loss_sum, n_tokens) for this rank's shard; with a `TokenStats`, also
   the summed entropy and the correct next-token predictions of its label tokens, from the same tiles.
-- `sp_token_mean(loss_sum, n_tokens, group)`: the token-weighted mean over the ranks of a sequence-parallel group.
+- `sp_token_mean(loss_sum, n_tokens, group)`: the token-weighted mean over the ranks of a sequence-parallel group
+  (`hf_upipe.ops.reduce`, re-exported here).
 - `TiledCrossEntropyFunction`: the autograd Function (ctx handling only).
 - `tiled_cross_entropy_forward(...)`: the plain chunk loop. `default_chunk_tokens(vocab_size)`: the default tile.
 
@@ -35,11 +36,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from hf_upipe.ops.fake import chunk_starts
+from hf_upipe.ops.reduce import sp_token_mean
 
 __all__ = [
     "TiledCrossEntropyFunction",
@@ -404,45 +405,3 @@ def tiled_cross_entropy(
         needs_grad,
         token_stats,
     )
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """all_reduce(SUM) in forward; identity in backward (each rank keeps the gradient of its own share)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        total = x.detach().clone().contiguous()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def sp_token_mean(
-    loss_sum: torch.Tensor, n_tokens: torch.Tensor | int, group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
-    """Token-weighted mean of the loss over the ranks of `group`: sum of loss_sum / max(sum of n_tokens, 1).
-
-    Every rank returns the same global mean. Gradient convention: rank r gets d mean / d loss_sum_r = 1 / N, so
-    each shard's activation gradients equal the single-process ones and the parameter gradients, summed over the
-    group, equal the single-process gradients. (`torch.distributed.nn.functional.all_reduce` / `all_gather` would
-    give P / N instead: their backward sums the P ranks' identical upstream gradients, a factor meant to be undone
-    by a gradient reducer that averages over the SP ranks too.)
-
-    Args:
-        loss_sum: scalar sum of the loss over this rank's label tokens (differentiable).
-        n_tokens: number of label tokens on this rank (scalar tensor on the collective's device, or int).
-        group: the sequence-parallel group; None (or a group of one rank) means no reduction.
-
-    Returns:
-        The scalar mean, 0 (not NaN) when no rank has a label token.
-    """
-    if not torch.is_tensor(n_tokens):
-        n_tokens = torch.tensor(n_tokens, device=loss_sum.device)
-    n_total = n_tokens.detach().to(torch.int64).clone()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(n_total, op=dist.ReduceOp.SUM, group=group)
-        loss_sum = _SumOverRanks.apply(loss_sum, group)
-    return loss_sum / n_total.clamp(min=1).to(loss_sum.dtype)
