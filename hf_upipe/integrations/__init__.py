@@ -14,7 +14,8 @@ Modules:
   models with their own table of attention classes refuse "upipe" by name; ``replaced``: forwards another library
   replaced (Liger, Hub kernels), verified per token or refused; ``liger``: Liger applied before ``prepare_model``.
 - ``randomness``: a random stream per SP rank in a training forward.
-- ``layout``: the layout check, do the ranks of an SP group hold shards of the same batch; ``model_calls``: what
+- ``layout``: the layout check, do the ranks of an SP group hold shards of the same batch; ``layout_rows``: the
+  per-row facts of a shard it reads and padding across ranks; ``model_calls``: what
   a prepared model's latest call carried, for attention layers that do not receive it.
 - ``chunked``: sliding-window and chunked masks under SP; ``mask_probe``: probes of a model's mask
   function against causal masking; ``rope``: length-dependent RoPE from the global
