@@ -18,7 +18,7 @@ import torch
 
 import hf_upipe
 from hf_upipe.generation import ShardKVCache
-from tests._dist import run_distributed
+from tests._dist import run_distributed, settle_collectives
 
 L, NEW, WINDOW = 21, 32, 5
 CASES = {
@@ -234,6 +234,7 @@ def test_refusals():
 def _tracked_worker(rank, world):
     from hf_upipe.planning.tracker import MemoryTracker
 
+    settle_collectives()
     hf_upipe.init_sequence_parallel(world)
     ids = torch.randint(3, 96, (1, L), generator=torch.Generator().manual_seed(11))
     ref, model = _models("llama")

@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,74 +19,15 @@ from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.ops.upipe_attention import upipe_attention
 from hf_upipe.planning import MemoryTracker, fake_tensors, simulated_world
 from hf_upipe.planning.attention_block import measure_attention_block, simulate_attention_block
-from tests._dist import run_distributed
+from tests._dist import run_distributed, settle_collectives
 
 SMALL = dict(hidden=128, heads=8, kv_heads=2, head_dim=16, seq_len=2048)  # P = 2: s = 1024
 CHUNKS = (1, 2, None)
 
 
-def _sync_all_to_all() -> None:
-    """Make `dist.all_to_all_single` return only once gloo's worker thread has let go of both buffers.
-
-    gloo's `wait()` returns as soon as the exchange is done, but its worker thread drops its references to the
-    send/receive tensors a moment later. A send buffer the op has already discarded then dies on that thread, after
-    the next stage's buffers were allocated, and the tracked peak of the real run is one send buffer higher on some
-    runs (seen: +0.25 MiB, i.e. +0.5 u, in about 1 run of 10 for heads_per_chunk=None; and with the fused block's
-    overlapped forward, +64 KiB in 2 of 5 runs of the model-step test). The simulation has no threads; this wait
-    gives the real run the same, deterministic lifetimes (the ordering a blocking collective implies). An exchange
-    asked for asynchronously runs blocking here too; its buffers still live until the caller waits, as they do in
-    the simulation, whose collectives finish at once.
-    """
-    original = dist.all_to_all_single
-
-    def settle(output, input, before):
-        deadline = time.monotonic() + 10
-        while (
-            output._use_count() > before[0] or input._use_count() > before[1]
-        ) and time.monotonic() < deadline:
-            time.sleep(0)  # release the GIL until the worker thread has dropped its references
-
-    class Done:
-        """A finished exchange, for a caller that asked for an asynchronous one (the overlap): the caller's `Pending`
-        still holds the send buffer until it waits, as in the simulation, whose collectives finish at once."""
-
-        def wait(self):
-            return True
-
-    def all_to_all_single(output, input, *args, **kwargs):
-        before = output._use_count(), input._use_count()
-        asynchronous = kwargs.pop("async_op", False)
-        work = original(output, input, *args, **kwargs)  # blocking, then settled
-        settle(output, input, before)
-        return Done() if asynchronous else work
-
-    dist.all_to_all_single = all_to_all_single  # this spawned worker process only
-
-
-def _settle_pending() -> None:
-    """The same for the asynchronous all-to-alls of the overlap schedule: `Pending.wait()` returns only once gloo's
-    worker thread has let go of the send buffer (the only reference left is then the one taken here), as the
-    simulation's immediate collectives imply. Without it, a loaded machine (two test workers) sometimes saw the
-    real peak one stage's buffer higher."""
-    from hf_upipe.ops.all_to_all import Pending
-
-    original = Pending.wait
-
-    def wait(self):
-        send = self._send
-        result = original(self)
-        deadline = time.monotonic() + 10
-        while send is not None and send._use_count() > 1 and time.monotonic() < deadline:
-            time.sleep(0)
-        return result
-
-    Pending.wait = wait
-
-
 def _real_worker(rank, world, impl, chunks, dims):
     """Real fp32 tensors on a gloo group: (forward_peak, peak, unit) per heads_per_chunk."""
-    _sync_all_to_all()
-    _settle_pending()
+    settle_collectives()
     out = []
     for c in chunks:
         r = measure_attention_block(
@@ -119,7 +58,7 @@ def test_upipe_simulation_equals_real_gloo_run() -> None:
     sim = _simulated("upipe", CHUNKS, SMALL)
     # Exact: the tracker counts op outputs, whose storages have the same bytes on fake and real tensors. The real
     # run's layout check (a tiny all-gather, skipped on fake tensors) happens after RoPE, below every peak. Without
-    # `_sync_all_to_all` the real peak is sometimes one send buffer higher (gloo's thread frees it late).
+    # `settle_collectives` the real peak is sometimes one send buffer higher (gloo's thread frees it late).
     assert real[0] == sim
     assert real[1] == real[0]  # both ranks hold the same buffers
     unit = 1024 * 128 * 4

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_upipe.planning.mixer_memory import mixer_module, mixer_peak
-from tests._dist import run_distributed
+from tests._dist import run_distributed, settle_collectives
 from tests.integrations._models import hybrid_config
 
 S = 256
@@ -27,6 +27,7 @@ def _real_worker(rank, world):
     from hf_upipe.integrations.mixers import install_mixers
     from hf_upipe.planning.tracker import MemoryTracker
 
+    settle_collectives()
     hf_upipe.init_sequence_parallel(world)
     out = {}
     try:

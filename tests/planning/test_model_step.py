@@ -18,8 +18,7 @@ from hf_upipe.planning.activation_step import (
     simulate_layer_step,
     simulate_model_step,
 )
-from tests._dist import run_distributed
-from tests.planning.test_attention_block import _sync_all_to_all
+from tests._dist import run_distributed, settle_collectives
 
 TINY = dict(
     hidden_size=64,
@@ -37,7 +36,7 @@ S, P = 512, 2
 def _real(rank, world):
     import torch.distributed as dist
 
-    _sync_all_to_all()
+    settle_collectives()
     out = []
     for impl, tiled in CASES:
         r = measure_model_step(

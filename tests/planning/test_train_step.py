@@ -27,8 +27,7 @@ from hf_upipe.planning.train_step import (
     measure_train_step,
     simulate_train_step,
 )
-from tests._dist import run_distributed
-from tests.planning.test_attention_block import _sync_all_to_all
+from tests._dist import run_distributed, settle_collectives
 
 TINY = dict(
     hidden_size=64,
@@ -86,7 +85,7 @@ def _small_blocks():
 def _real(rank, world, cases):
     import hf_upipe.memory.offload as offload
 
-    _sync_all_to_all()
+    settle_collectives()
     _small_blocks()
     # CPU tensors are already in host memory, so the "cpu" target would keep them: force its host-copy path, the
     # one a GPU takes. A first step fills the host buffer pool, which later steps reuse, as in training.
