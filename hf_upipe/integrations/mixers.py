@@ -233,7 +233,7 @@ def _halo_forward(self, hidden_states, attention_mask, kwargs, group, rank, rank
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     if reach == 0:
         return type(self).forward(self, hidden_states, None, None, **kwargs)
-    # [B, reach + s, Dm] through the module
+    # [B, reach + s, Dm] through the module (rank 0: [B, s, Dm], no halo)
     out = type(self).forward(
         self, Halo.apply(hidden_states, group, rank, tuple(ranks), reach), None, None, **kwargs
     )
