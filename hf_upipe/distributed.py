@@ -188,6 +188,52 @@ def _create_groups(layout: RankLayout, rank: int) -> dict:
     return mine
 
 
+def _check_arguments(sp_size, ring_size, heads_per_chunk, kernel, allow_unverified) -> None:
+    """The argument types of `init_sequence_parallel`, the kernel name, and that torch.distributed is up."""
+    from hf_upipe.ops.kernels import (
+        check_kernel_name,
+    )  # local: keeps distributed.py importable alone
+
+    check_type("sp_size", sp_size, "an int that divides the world size, or None for all ranks")
+    check_type("ring_size", ring_size, "a positive int (1: no ring)", none=False)
+    check_type("kernel", kernel, "a kernel name such as 'auto' or 'sdpa'", kind=str, none=False)
+    check_type("allow_unverified", allow_unverified, "True or False", kind=bool, none=False)
+    _check_heads_per_chunk(heads_per_chunk)
+    check_kernel_name(kernel)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "init_sequence_parallel() needs torch.distributed: launch with torchrun or `accelerate launch`, "
+            "or call torch.distributed.init_process_group() first."
+        )
+
+
+def _given_group_state(
+    group, rank, sp_size, heads_per_chunk, kernel, allow_unverified
+) -> SequenceParallelState:
+    """The state of an explicit SP `group` (no DP group), after checking that `rank` is in it and `sp_size` fits."""
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"rank {rank} is not a member of the given group: pass every rank its own sequence-parallel group "
+            "(or use sp_size to let hf_upipe build contiguous groups)."
+        )
+    size = dist.get_world_size(group)
+    if sp_size is not None and sp_size != size:
+        raise ValueError(
+            f"sp_size={sp_size} but the given group has {size} ranks: pass one of them, not both."
+        )
+    return SequenceParallelState(
+        sp_group=group,
+        sp_size=size,
+        sp_rank=dist.get_rank(group),
+        dp_group=None,
+        dp_size=1,
+        dp_rank=0,
+        heads_per_chunk=heads_per_chunk,
+        kernel=kernel,
+        allow_unverified=allow_unverified,
+    )
+
+
 def init_sequence_parallel(
     sp_size: int | None = None,
     *,
@@ -223,21 +269,7 @@ def init_sequence_parallel(
             rank.
         RuntimeError: another rank did not reach this call within the validation timeout.
     """
-    from hf_upipe.ops.kernels import (
-        check_kernel_name,
-    )  # local: keeps distributed.py importable alone
-
-    check_type("sp_size", sp_size, "an int that divides the world size, or None for all ranks")
-    check_type("ring_size", ring_size, "a positive int (1: no ring)", none=False)
-    check_type("kernel", kernel, "a kernel name such as 'auto' or 'sdpa'", kind=str, none=False)
-    check_type("allow_unverified", allow_unverified, "True or False", kind=bool, none=False)
-    _check_heads_per_chunk(heads_per_chunk)
-    check_kernel_name(kernel)
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "init_sequence_parallel() needs torch.distributed: launch with torchrun or `accelerate launch`, "
-            "or call torch.distributed.init_process_group() first."
-        )
+    _check_arguments(sp_size, ring_size, heads_per_chunk, kernel, allow_unverified)
     world = dist.get_world_size()
     rank = dist.get_rank()
 
@@ -248,28 +280,8 @@ def init_sequence_parallel(
             "ring_size > 1 builds its own Ulysses and ring groups: pass sp_size, not group."
         )
     if group is not None:
-        if dist.get_rank(group) < 0:
-            raise ValueError(
-                f"rank {rank} is not a member of the given group: pass every rank its own sequence-parallel group "
-                "(or use sp_size to let hf_upipe build contiguous groups)."
-            )
-        size = dist.get_world_size(group)
-        if sp_size is not None and sp_size != size:
-            raise ValueError(
-                f"sp_size={sp_size} but the given group has {size} ranks: pass one of them, not both."
-            )
         return _install(
-            SequenceParallelState(
-                sp_group=group,
-                sp_size=size,
-                sp_rank=dist.get_rank(group),
-                dp_group=None,
-                dp_size=1,
-                dp_rank=0,
-                heads_per_chunk=heads_per_chunk,
-                kernel=kernel,
-                allow_unverified=allow_unverified,
-            )
+            _given_group_state(group, rank, sp_size, heads_per_chunk, kernel, allow_unverified)
         )
 
     sp_size = world if sp_size is None else sp_size

@@ -30,13 +30,12 @@ from hf_upipe.distributed import validation_failed
 from hf_upipe.integrations.layout_rows import (
     check_ring_rows_trailing,
     check_rows_trailing,
-    local_documents,
+    document_facts,
     padding_facts,
     restarts,
     usable_padding,
     usable_positions,
 )
-from hf_upipe.integrations.mask_probe import agrees_with_documents
 from hf_upipe.integrations.model_calls import model_positions
 from hf_upipe.ops.ring import ring_positions
 
@@ -51,9 +50,8 @@ def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
     """[n] on every rank -> [P, n] (a small int64 vector; gloo wants a flat output buffer)."""
     P = dist.get_world_size(group)
     out = torch.empty(P * t.numel(), dtype=t.dtype, device=t.device)
-    gather = (
-        getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    )  # torch >= 2.13 renames it
+    # torch >= 2.13 renames it
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, t.contiguous(), group=group)
     return out.view(P, t.numel())
 
@@ -61,9 +59,8 @@ def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
 def _gather_checked(t: torch.Tensor, state) -> torch.Tensor:
     """`_all_gather` of a small int64 summary over the SP group's validation twin (gloo, CPU, bounded wait)."""
     group = state.check_group if state.check_group is not None else state.sp_group
-    if (
-        group is None and state.sp_size == 1
-    ):  # a rank of its own (`local_sequence_parallel`): nothing to gather
+    # a rank of its own (`local_sequence_parallel`): nothing to gather
+    if group is None and state.sp_size == 1:
         return t.reshape(1, -1)
     try:
         out = _all_gather(t.cpu() if state.check_group is not None else t, group)
@@ -83,32 +80,6 @@ def _dtype_code(dtype) -> int:
     )  # deterministic
 
 
-def _document_facts(state, documents, pos, mask, batch, s, device, expected):
-    """(mask ok, positions ok, documents given, their two checksums, the mask agrees with the documents)."""
-    if documents is None:
-        mask_ok = mask is None or mask.plain_causal
-        pos_ok = pos is not None and bool((pos == expected).all())
-        return mask_ok, pos_ok, 0, (0, 0), None
-    local = local_documents(
-        documents, state.sp_rank, s, state.sp_size, batch, pos.device if pos is not None else device
-    )  # [2, B, s] or None
-    pos_ok = local is not None and pos is not None and bool((pos == local[1]).all())
-    agrees = (
-        mask is not None
-        and not mask.plain_causal
-        and local is not None
-        and mask.mask_function is not None
-        and agrees_with_documents(mask.mask_function, local[0])
-    )
-    mask_ok = mask is None or mask.plain_causal or agrees
-    cu = documents.reshape(-1).to(torch.long)  # [N+1]
-    sums = (
-        int(cu.numel()),
-        int((cu * (torch.arange(cu.numel(), device=cu.device) % 7919 + 1)).sum()),
-    )
-    return mask_ok, pos_ok, 1, sums, agrees
-
-
 def _layout_summary(
     state, position_ids, mask, batch, local_len, device, documents, dtype=None
 ) -> torch.Tensor:
@@ -123,13 +94,12 @@ def _layout_summary(
         r, s, state.sp_size, state.ring_size, pos.device if pos is not None else device
     )  # [s]
     restart = restarts(pos, pad, expected)
-    mask_ok, pos_ok, given, sums, agrees = _document_facts(
+    mask_ok, pos_ok, given, sums, agrees = document_facts(
         state, documents, pos, mask, batch, s, device, expected
     )
     across = apart = False
-    if (
-        documents is not None and restart and mask is not None
-    ):  # the model's mask met a document start here
+    # the model's mask met a document start here
+    if documents is not None and restart and mask is not None:
         # (given a 2-D attention_mask transformers never looks for documents, in any model: the mask tells nothing)
         across, apart = mask.plain_causal and not mask.mask_given, agrees
     form_ok, any_pad, all_pad = padding_facts(pad)
@@ -375,9 +345,8 @@ def validate_layout(
     restart under a plain causal mask) attends across the documents of a packed row on one device; the caller then
     drops `upipe_cu_seqlens`, so that SP computes exactly that, and a warning says so once.
     """
-    if (
-        position_ids is None
-    ):  # an attention call without them (GPT-BigCode, Persimmon, CTRL...): the model's own
+    # an attention call without them (GPT-BigCode, Persimmon, CTRL...): the model's own
+    if position_ids is None:
         position_ids = model_positions()
     seen = _VALIDATED.get(position_ids) if isinstance(position_ids, torch.Tensor) else None
     if (

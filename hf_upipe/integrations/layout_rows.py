@@ -4,6 +4,8 @@ Entry points:
 - `usable_padding(mask, s)`, `usable_positions(position_ids, s, batch)`: the padding [B, s] and position_ids
   [B, s] the check reads, or None.
 - `local_documents(cu, r, s, P, B, device)`: document ids and per-document positions of rank r's tokens.
+- `document_facts(state, documents, pos, mask, batch, s, device, expected)`: whether the mask and the positions
+  fit the documents (`upipe_cu_seqlens`, or none), and checksums of them.
 - `restarts(pos, pad, expected)`: whether positions restart between real tokens (a new document).
 - `padding_facts(pad)`: padding only at the end of each row here, any padding, all padding.
 - `check_ring_rows_trailing(state, mask, batch, local_len, device, gather)`,
@@ -15,12 +17,14 @@ from __future__ import annotations
 
 import torch
 
+from hf_upipe.integrations.mask_probe import agrees_with_documents
 from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
 from hf_upipe.ops.ring import ring_positions
 
 __all__ = [
     "check_ring_rows_trailing",
     "check_rows_trailing",
+    "document_facts",
     "local_documents",
     "padding_facts",
     "restarts",
@@ -43,6 +47,32 @@ def local_documents(
     )  # [B, s] flat index
     doc = torch.searchsorted(cu, g, right=True) - 1  # [B, s]
     return torch.stack([doc, g - cu[doc]])  # [2, B, s]
+
+
+def document_facts(state, documents, pos, mask, batch, s, device, expected):
+    """(mask ok, positions ok, documents given, their two checksums, the mask agrees with the documents)."""
+    if documents is None:
+        mask_ok = mask is None or mask.plain_causal
+        pos_ok = pos is not None and bool((pos == expected).all())
+        return mask_ok, pos_ok, 0, (0, 0), None
+    local = local_documents(
+        documents, state.sp_rank, s, state.sp_size, batch, pos.device if pos is not None else device
+    )  # [2, B, s] or None
+    pos_ok = local is not None and pos is not None and bool((pos == local[1]).all())
+    agrees = (
+        mask is not None
+        and not mask.plain_causal
+        and local is not None
+        and mask.mask_function is not None
+        and agrees_with_documents(mask.mask_function, local[0])
+    )
+    mask_ok = mask is None or mask.plain_causal or agrees
+    cu = documents.reshape(-1).to(torch.long)  # [N+1]
+    sums = (
+        int(cu.numel()),
+        int((cu * (torch.arange(cu.numel(), device=cu.device) % 7919 + 1)).sum()),
+    )
+    return mask_ok, pos_ok, 1, sums, agrees
 
 
 def usable_padding(mask, s: int):

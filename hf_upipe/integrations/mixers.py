@@ -115,9 +115,8 @@ class _Receive(torch.autograd.Function):
     def forward(ctx, anchor, group, src, device, kept):
         ctx.group, ctx.src, ctx.device = group, src, device
         halo, state = _recv(src, group, device=device), _recv(src, group, device=device)
-        ctx.like = [
-            (t.shape, t.dtype) for t in (halo, state)
-        ]  # not the outputs: that would be a reference cycle
+        # not the outputs: that would be a reference cycle
+        ctx.like = [(t.shape, t.dtype) for t in (halo, state)]
         if kept is not None:
             kept.tensors, ctx.kept = (halo.detach(), state.detach()), kept
         return halo, state
@@ -143,9 +142,8 @@ class _Give(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, group, dst, tail, final):
         ctx.group, ctx.dst, ctx.device = group, dst, tail.device
-        ctx.like = [
-            (t.shape, t.dtype) for t in (tail, final)
-        ]  # not the tensors: they need not live until backward
+        # not the tensors: they need not live until backward
+        ctx.like = [(t.shape, t.dtype) for t in (tail, final)]
         ctx.save_for_backward(anchor)
         _send(tail, dst, group, header=True)
         _send(final, dst, group, header=True)
@@ -193,68 +191,62 @@ def sharded_mixer_forward(self, hidden_states, *args, **kwargs):
             "a cache under sequence parallelism: call the model with use_cache=False."
         )
     reach = getattr(self, "conv_kernel_size", 1) - 1
-    if hidden_states.shape[1] < max(
-        reach, 2
-    ):  # every rank (equal shards), before any send or receive
+    # every rank (equal shards), before any send or receive
+    if hidden_states.shape[1] < max(reach, 2):
         raise NotImplementedError(
             f"a shard of {hidden_states.shape[1]} tokens is shorter than the convolution's "
             f"reach ({reach} tokens) or than 2 tokens: use fewer ranks or longer sequences."
         )
     kwargs = {k: v for k, v in kwargs.items() if not k.startswith("upipe_")}
-    group, rank, size = state.sp_group, state.sp_rank, state.sp_size
+    group, rank = state.sp_group, state.sp_rank
     ranks = dist.get_process_group_ranks(group)
-    if (
-        type(self).__name__ in HALO_MIXERS
-    ):  # parallel: [halo; shard] through the module, the shard's outputs kept
-        if (
-            attention_mask is not None
-        ):  # [B, s] padding mask (transformers gives one only where a row pads)
-            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != tuple(
-                hidden_states.shape[:2]
-            ):
-                raise NotImplementedError(
-                    f"{type(self).__name__}: a mask of shape {tuple(attention_mask.shape)} "
-                    f"for a shard of shape {tuple(hidden_states.shape[:2])}."
-                )
-            # what the module does first, done before the exchange so the halo carries it too
-            hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
-        if reach == 0:
-            return type(self).forward(self, hidden_states, None, None, **kwargs)
-        out = type(self).forward(
-            self, Halo.apply(hidden_states, group, rank, tuple(ranks), reach), None, None, **kwargs
-        )
-        return out[:, reach:] if rank > 0 else out
+    if type(self).__name__ in HALO_MIXERS:
+        return _halo_forward(self, hidden_states, attention_mask, kwargs, group, rank, ranks, reach)
     parallel = _passing(self) == "parallel"
-    if (
-        torch._C._current_graph_task_id() != -1
-    ):  # activation checkpointing's recompute, inside the backward:
-        if parallel:  # no communication: what the forward received
+    # activation checkpointing's recompute, inside the backward: no communication
+    if torch._C._current_graph_task_id() != -1:
+        if parallel:  # what the forward received
+            kept = stashed(self, call_key())
             return parallel_delta_forward(
-                self,
-                hidden_states,
-                attention_mask,
-                kwargs,
-                group,
-                rank,
-                ranks,
-                True,
-                stashed(self, call_key()),
+                self, hidden_states, attention_mask, kwargs, group, rank, ranks, True, kept
             )
-        return _recompute(
-            self, hidden_states, attention_mask, rank, kwargs
-        )  # no communication (see there)
+        return _recompute(self, hidden_states, attention_mask, rank, kwargs)  # (see there)
     key = call_key() if torch.is_grad_enabled() and may_recompute() else None  # every rank alike
     if parallel:
         kept = stash(self, key, Kept()) if key is not None else None
         return parallel_delta_forward(
             self, hidden_states, attention_mask, kwargs, group, rank, ranks, False, kept
         )
+    return _chain_forward(self, hidden_states, attention_mask, kwargs, state, ranks, key)
+
+
+def _halo_forward(self, hidden_states, attention_mask, kwargs, group, rank, ranks, reach):
+    """A short convolution, all ranks at once: [halo; shard] through the module, the shard's outputs kept."""
+    # [B, s] padding mask (transformers gives one only where a row pads)
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape != hidden_states.shape[:2]:
+            raise NotImplementedError(
+                f"{type(self).__name__}: a mask of shape {tuple(attention_mask.shape)} "
+                f"for a shard of shape {tuple(hidden_states.shape[:2])}."
+            )
+        # what the module does first, done before the exchange so the halo carries it too
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    if reach == 0:
+        return type(self).forward(self, hidden_states, None, None, **kwargs)
+    # [B, reach + s, Dm] through the module (rank 0: [B, s, Dm], no halo)
+    out = type(self).forward(
+        self, Halo.apply(hidden_states, group, rank, tuple(ranks), reach), None, None, **kwargs
+    )
+    return out[:, reach:] if rank > 0 else out  # [B, s, Dm]
+
+
+def _chain_forward(self, hidden_states, attention_mask, kwargs, state, ranks, key):
+    """The rank chain: wait for the previous rank's (halo, state), run the module, give the next rank its own."""
+    group, rank, size = state.sp_group, state.sp_rank, state.sp_size
     anchor = torch.zeros((), device=hidden_states.device, requires_grad=torch.is_grad_enabled())
     halo = start = None
     if rank > 0:
-        kept = (
-            stash(self, key, Kept()) if key is not None else None
-        )  # what a recompute of this call will need
+        kept = stash(self, key, Kept()) if key is not None else None  # what its recompute will need
         halo, start = _Receive.apply(anchor, group, ranks[rank - 1], hidden_states.device, kept)
     cache = ShardCache(halo, start)
     out = type(self).forward(self, hidden_states, cache, attention_mask, **kwargs)
@@ -290,9 +282,8 @@ def _recompute(self, hidden_states, attention_mask, rank, kwargs):
             t.detach().requires_grad_(torch.is_grad_enabled()) for t in stashed(self, key).tensors
         )
     out = type(self).forward(self, hidden_states, ShardCache(halo, start), attention_mask, **kwargs)
-    if (
-        rank < get_sequence_parallel_state().sp_size - 1
-    ):  # where the forward gave, the same saved tensor
+    # where the forward gave, the same saved tensor
+    if rank < get_sequence_parallel_state().sp_size - 1:
         anchor = torch.zeros((), device=hidden_states.device, requires_grad=torch.is_grad_enabled())
         out = out + _Mark.apply(anchor).to(out.dtype)
     return out
@@ -307,13 +298,9 @@ def reentrant_refusal(model: nn.Module) -> str | None:
         if not getattr(layer, "gradient_checkpointing", False) or fn is None:
             continue
         keywords = getattr(fn, "keywords", None) or {}
-        bad = (
-            "use_reentrant=True"
-            if keywords.get("use_reentrant", False)
-            else "preserve_rng_state=False"
-            if not keywords.get("preserve_rng_state", True)
-            else None
-        )
+        bad = "use_reentrant=True" if keywords.get("use_reentrant", False) else None
+        if bad is None and not keywords.get("preserve_rng_state", True):
+            bad = "preserve_rng_state=False"
         if bad and any(is_installed(m) and type(m).__name__ in MIXERS for m in layer.modules()):
             return (
                 f"{type(layer).__name__} is checkpointed with {bad} around a recurrent mixer run across shards; "
