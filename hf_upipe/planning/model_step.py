@@ -141,6 +141,106 @@ def _to_unless_unchanged(module, *args, **kwargs):
     return _MODULE_TO(module, *args, **kwargs)
 
 
+def _new_model(config, dtype):
+    """The model of `config` with its parameters in `dtype` (no initialisation on fake tensors)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # module.to(dtype) fails under fake mode
+    try:
+        # fake weights need no values (and some initialisations read them: truncated normals, Gemma 3's vision)
+        with no_init_weights() if simulating() else contextlib.nullcontext():
+            return AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _attach_deepspeed(model, config, layers, group) -> None:
+    """DeepSpeed's `UlyssesSPAttentionHF` on every attention module of `model` (the peer)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    ds_cls = require_deepspeed()
+    for layer in model.model.layers:
+        layer.self_attn.ds_ulysses = ds_cls(
+            attn=sdpa_attention_forward,
+            batch_size=1,
+            attn_head_count=config.num_attention_heads,
+            attn_head_size=config.head_dim,
+            kv_head_count=config.num_key_value_heads,
+            num_hidden_layers=layers,
+            process_group=group,
+            seq_length_is_variable=True,
+        )
+
+
+def _with_lora(model, lora, dtype):
+    """`model` wrapped with PEFT LoRA adapters of `lora` = (rank, target module names)."""
+    from peft import LoraConfig
+
+    from hf_upipe.integrations.peft import get_peft_model
+
+    rank, targets = lora
+    previous = torch.get_default_dtype()
+    # On fake tensors: PEFT moves each new adapter to its base layer's device and dtype with module.to(), which
+    # cannot swap fake parameters. Made on the base's device in the base's dtype, the adapters need no move, so
+    # those calls are skipped; PEFT then casts the adapters to fp32 itself (autocast_adapter_dtype) by assigning
+    # new parameters. Real tensors take PEFT's own path untouched.
+    torch.set_default_dtype(dtype)
+    if is_fake(next(model.parameters())):
+        torch.nn.Module.to = _to_unless_unchanged
+    try:
+        return get_peft_model(
+            model,
+            LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(targets)),
+        )
+    finally:
+        torch.nn.Module.to = _MODULE_TO
+        torch.set_default_dtype(previous)
+
+
+def _prepare_ours(model, config, impl, fused_backward, overlap) -> None:
+    """`prepare_model` as a run calls it: the fused block (impl "fused"), global RoPE, mixers, the checks."""
+    from hf_upipe.config import UPipeConfig
+    from hf_upipe.integrations.fused import count_fused, fused_unavailable
+    from hf_upipe.integrations.prepare import prepare_model
+
+    # impl "fused" must measure the fused block, or its figures would be the registered path's under its name
+    if impl == "fused" and (why := fused_unavailable(config)) is not None:
+        raise ValueError(
+            f"the fused attention block cannot be planned for this model: {why}. Plan the "
+            "registered path instead (impl 'upipe')."
+        )
+    # (explicit values: the planner's settings, not the environment's UPIPE_*; tiling is applied by the caller)
+    prepare_model(
+        model,
+        UPipeConfig(
+            fused_attention=impl == "fused",
+            fused_backward=fused_backward,
+            overlap_comm=overlap,
+            tiled_mlp=False,
+            auto=False,
+        ),
+    )
+    if impl == "fused" and not count_fused(model):
+        raise ValueError(
+            "the fused attention block cannot be planned for this model: prepare_model installed "
+            "it on none of its attention modules (they keep the registered 'upipe' path). Plan "
+            "that path instead (impl 'upipe')."
+        )
+
+
+def _enable_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer, or ValueError if the model has none."""
+    if not getattr(base_model(model), "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"{type(base_model(model)).__name__} does not support activation checkpointing, which "
+            "every step hf_upipe plans (and its Trainer runs) uses on every decoder layer: the "
+            "planner cannot plan it."
+        )
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
 def build_step_model(
     impl,
     model_config,
@@ -164,8 +264,7 @@ def build_step_model(
     frozen), as a LoRA fine-tune loads it. `fused_backward`: the fused block's backward mode ("recompute" or "save");
     `overlap`: its all-to-alls one stage ahead.
     """
-    from transformers import AttentionInterface, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
+    from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     config = step_config(model_config, layers, seq_len)
@@ -175,96 +274,19 @@ def build_step_model(
         AttentionMaskInterface.register(
             DS_ATTN_NAME, _no_mask
         )  # DeepSpeed's sdpa runs is_causal=True
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # module.to(dtype) fails under fake mode
-    try:
-        # fake weights need no values (and some initialisations read them: truncated normals, Gemma 3's vision)
-        with no_init_weights() if simulating() else contextlib.nullcontext():
-            model = AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.set_default_dtype(previous)
+    model = _new_model(config, dtype)
     if impl == "deepspeed":
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        ds_cls = require_deepspeed()
-        for layer in model.model.layers:
-            layer.self_attn.ds_ulysses = ds_cls(
-                attn=sdpa_attention_forward,
-                batch_size=1,
-                attn_head_count=config.num_attention_heads,
-                attn_head_size=config.head_dim,
-                kv_head_count=config.num_key_value_heads,
-                num_hidden_layers=layers,
-                process_group=group,
-                seq_length_is_variable=True,
-            )
+        _attach_deepspeed(model, config, layers, group)
     if lora is not None:
-        from peft import LoraConfig
-
-        from hf_upipe.integrations.peft import get_peft_model
-
-        rank, targets = lora
-        # On fake tensors: PEFT moves each new adapter to its base layer's device and dtype with module.to(), which
-        # cannot swap fake parameters. Made on the base's device in the base's dtype, the adapters need no move, so
-        # those calls are skipped; PEFT then casts the adapters to fp32 itself (autocast_adapter_dtype) by assigning
-        # new parameters. Real tensors take PEFT's own path untouched.
-        torch.set_default_dtype(dtype)
-        if is_fake(next(model.parameters())):
-            torch.nn.Module.to = _to_unless_unchanged
-        try:
-            model = get_peft_model(
-                model,
-                LoraConfig(
-                    r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(targets)
-                ),
-            )
-        finally:
-            torch.nn.Module.to = _MODULE_TO
-            torch.set_default_dtype(previous)
-    if (
-        impl != "deepspeed"
-    ):  # as a run prepares it: the fused block (impl "fused"), global RoPE, mixers, the checks
-        from hf_upipe.config import UPipeConfig
-        from hf_upipe.integrations.fused import count_fused, fused_unavailable
-        from hf_upipe.integrations.prepare import prepare_model
-
-        # impl "fused" must measure the fused block, or its figures would be the registered path's under its name
-        if impl == "fused" and (why := fused_unavailable(config)) is not None:
-            raise ValueError(
-                f"the fused attention block cannot be planned for this model: {why}. Plan the "
-                "registered path instead (impl 'upipe')."
-            )
-        # (explicit values: the planner's settings, not the environment's UPIPE_*; tiling is applied below)
-        prepare_model(
-            model,
-            UPipeConfig(
-                fused_attention=impl == "fused",
-                fused_backward=fused_backward,
-                overlap_comm=overlap,
-                tiled_mlp=False,
-                auto=False,
-            ),
-        )
-        if impl == "fused" and not count_fused(model):
-            raise ValueError(
-                "the fused attention block cannot be planned for this model: prepare_model installed "
-                "it on none of its attention modules (they keep the registered 'upipe' path). Plan "
-                "that path instead (impl 'upipe')."
-            )
+        model = _with_lora(model, lora, dtype)
+    if impl != "deepspeed":  # as a run prepares it
+        _prepare_ours(model, config, impl, fused_backward, overlap)
     if tiled_mlp:
         from hf_upipe.memory.tiled_mlp import apply_tiled_mlp
 
         apply_tiled_mlp(model, mlp_chunk_tokens)
     if checkpointing:
-        if not getattr(base_model(model), "supports_gradient_checkpointing", False):
-            raise ValueError(
-                f"{type(base_model(model)).__name__} does not support activation checkpointing, which "
-                "every step hf_upipe plans (and its Trainer runs) uses on every decoder layer: the "
-                "planner cannot plan it."
-            )
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False}
-        )
+        _enable_checkpointing(model)
     model.train()
     if drop_grads:
         for p in (

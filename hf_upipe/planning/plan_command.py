@@ -46,6 +46,16 @@ def _host(text):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `hf-upipe plan`, in the order `--help` lists them."""
+    _add_model_and_hardware(parser)
+    _add_parallelism(parser)
+    _add_step_settings(parser)
+    _add_memory(parser)
+    _add_search_and_output(parser)
+
+
+def _add_model_and_hardware(parser: argparse.ArgumentParser) -> None:
+    """The model, the hardware and the length to judge (or --max)."""
     parser.add_argument(
         "--model",
         required=True,
@@ -71,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument(
         "--max", action="store_true", help="the longest sequence that fits, and its settings"
     )
+
+
+def _add_parallelism(parser: argparse.ArgumentParser) -> None:
+    """The sequence-parallel layout and the attention implementation."""
     parser.add_argument(
         "--sp-size", type=int, help="sequence-parallel degree (default: --gpus, x --ring)"
     )
@@ -87,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="attention implementation (default: fused where supported); 'ulysses' plans our Ulysses "
         "mode, 'deepspeed' the peer",
     )
+
+
+def _add_step_settings(parser: argparse.ArgumentParser) -> None:
+    """Fixed step settings instead of the planner's choice."""
     parser.add_argument(
         "--heads-per-chunk", help="fix the head chunk (a number or 'all') instead of choosing it"
     )
@@ -112,6 +130,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--mlp-chunk-tokens", type=int)
     parser.add_argument("--loss-chunk-tokens", type=int)
+
+
+def _add_memory(parser: argparse.ArgumentParser) -> None:
+    """What is added to the tensor peak, the headroom and the host memory."""
     parser.add_argument(
         "--allocator",
         choices=("default", "expandable"),
@@ -142,6 +164,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"host memory of one node for offloaded checkpoints (default {DEFAULT_HOST_MEMORY}, a "
         "DGX H100's; 'none' to not check)",
     )
+
+
+def _add_search_and_output(parser: argparse.ArgumentParser) -> None:
+    """The --max search, the simulation, the kind of fine-tune and the output."""
     parser.add_argument(
         "--step",
         type=argument_type(parse_tokens),

@@ -65,9 +65,9 @@ def describe(settings) -> str:
     return ", ".join(parts)
 
 
-def format_plan(plan) -> str:
-    g = model_geometry(plan.config)
-    lines = [
+def _header_line(plan, g: dict) -> str:
+    """The model, the hardware, the parallelism, the dtype and the kind of fine-tune, on one line."""
+    return (
         f"model {plan.model}: {g['layers']} layers, hidden {g['hidden']}, {g['heads']}/{g['kv_heads']} heads, "
         f"vocab {g['vocab']}; {plan.nodes} node(s) x {plan.gpus} GPUs of {_gib(plan.gpu_memory)} GiB; "
         f"SP {plan.sp_size}"
@@ -83,20 +83,12 @@ def format_plan(plan) -> str:
             if plan.lora is None
             else f"LoRA rank {plan.lora[0]} on {','.join(plan.lora[1])}"
         )
-    ]
-    if plan.max_seq_len is not None:
-        lines.append(
-            f"longest sequence that fits: {plan.max_seq_len:,} tokens ({format_tokens(plan.max_seq_len)})"
-            if plan.max_seq_len
-            else "nothing fits, not even the shortest step: see the table below"
-        )
-    verdict = "FITS" if plan.fits else "DOES NOT FIT"
-    lines += [
-        f"sequence {plan.seq_len:,} tokens ({format_tokens(plan.seq_len)}), {plan.seq_len // plan.sp_size:,} per "
-        f"GPU: {verdict}",
-        f"settings: {describe(plan.settings)}",
-    ]
-    lines += [f"note: {note}" for note in plan.notes] + ["", f"{'per-GPU peak':<14}{'GiB':>9}"]
+    )
+
+
+def _memory_lines(plan) -> list[str]:
+    """The per-GPU table: the categories, the tensors, the overhead rows and the required total."""
+    lines = [f"{'per-GPU peak':<14}{'GiB':>9}"]
     for name, what in _ROWS:
         if (
             plan.by_category.get(name, 0) >= 2**20
@@ -109,19 +101,67 @@ def format_plan(plan) -> str:
         f"({'free' if plan.required <= plan.usable else 'short by'} "
         f"{_gib(abs(plan.usable - plan.required))} GiB)",
     ]
-    if plan.host_bytes_per_gpu:
-        host = (
-            ""
-            if plan.host_memory is None
-            else (
-                f" of {_gib(plan.host_memory)} GiB" + ("" if plan.host_fits else ": DOES NOT FIT")
-            )
+    return lines
+
+
+def _host_line(plan) -> str:
+    """The pinned host memory the offloaded checkpoints take, and whether it fits."""
+    host = (
+        ""
+        if plan.host_memory is None
+        else (f" of {_gib(plan.host_memory)} GiB" + ("" if plan.host_fits else ": DOES NOT FIT"))
+    )
+    return (
+        f"host memory for offloaded checkpoints: {_gib(plan.host_bytes_per_gpu)} GiB per GPU, "
+        f"{_gib(plan.host_bytes_per_gpu * plan.gpus)} GiB per node (pinned)"
+        + (host or " (--host-memory checks it)")
+    )
+
+
+def _tried_lines(plan) -> list[str]:
+    """The settings the planner judged, fastest first, with their step time and memory."""
+    lines = [
+        "",
+        f"settings judged at {format_tokens(plan.seq_len)}, fastest first (predicted step, tokens/s per "
+        "GPU, required GiB; '-': not simulated, it needs more memory than a setting that does not fit):",
+    ]
+    for s, need, host, secs in plan.tried:
+        verdict = (
+            "-   "
+            if need is None
+            else "fits"
+            if need <= plan.usable and host
+            else "host"
+            if not host
+            else "no  "
         )
         lines.append(
-            f"host memory for offloaded checkpoints: {_gib(plan.host_bytes_per_gpu)} GiB per GPU, "
-            f"{_gib(plan.host_bytes_per_gpu * plan.gpus)} GiB per node (pinned)"
-            + (host or " (--host-memory checks it)")
+            f"  {_secs(secs):>9} {plan.seq_len / secs / plan.sp_size:>9,.0f} "
+            f"{'-' if need is None else _gib(need):>9}  {verdict}  {describe(s)}"
         )
+    return lines
+
+
+def format_plan(plan) -> str:
+    """The text `hf-upipe plan` prints: the verdict, the per-GPU table, the settings judged, how to launch."""
+    g = model_geometry(plan.config)
+    lines = [_header_line(plan, g)]
+    if plan.max_seq_len is not None:
+        lines.append(
+            f"longest sequence that fits: {plan.max_seq_len:,} tokens ({format_tokens(plan.max_seq_len)})"
+            if plan.max_seq_len
+            else "nothing fits, not even the shortest step: see the table below"
+        )
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    lines += [
+        f"sequence {plan.seq_len:,} tokens ({format_tokens(plan.seq_len)}), {plan.seq_len // plan.sp_size:,} per "
+        f"GPU: {verdict}",
+        f"settings: {describe(plan.settings)}",
+    ]
+    lines += [f"note: {note}" for note in plan.notes] + [""]
+    lines += _memory_lines(plan)
+    if plan.host_bytes_per_gpu:
+        lines.append(_host_line(plan))
     if plan.step_time is not None:
         t = plan.step_time
         lines.append(
@@ -129,25 +169,7 @@ def format_plan(plan) -> str:
             f"{plan.gpu.name} (a model of FLOPs and bytes, not a measurement: hf_upipe.planning.step_time)"
         )
     if plan.tried:
-        lines += [
-            "",
-            f"settings judged at {format_tokens(plan.seq_len)}, fastest first (predicted step, tokens/s per "
-            "GPU, required GiB; '-': not simulated, it needs more memory than a setting that does not fit):",
-        ]
-        for s, need, host, secs in plan.tried:
-            verdict = (
-                "-   "
-                if need is None
-                else "fits"
-                if need <= plan.usable and host
-                else "host"
-                if not host
-                else "no  "
-            )
-            lines.append(
-                f"  {_secs(secs):>9} {plan.seq_len / secs / plan.sp_size:>9,.0f} "
-                f"{'-' if need is None else _gib(need):>9}  {verdict}  {describe(s)}"
-            )
+        lines += _tried_lines(plan)
     lines += [
         "",
         "assumed: " + assumptions(plan),

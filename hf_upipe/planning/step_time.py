@@ -213,6 +213,87 @@ def _all_to_all_calls(impl: str, fused_backward: str, stages: int, groups: int) 
     return 2 * forward + backward
 
 
+def _gemm_seconds(d: dict, settings, s: int, frozen: bool, gpu: GPU, eff: Efficiency) -> float:
+    """Seconds of one layer's GEMM FLOPs: forward, recompute, backward (d input, and d weight unless frozen)."""
+    H, Hk, D, Dm = d["heads"], d["kv_heads"], d["head_dim"], d["hidden"]
+    fused = settings.impl == "fused"
+    proj_qkv, proj_o, mlp = (
+        2 * s * Dm * (H + 2 * Hk) * D,
+        2 * s * H * D * Dm,
+        6 * s * Dm * d["mlp_active"],
+    )
+    runs = 2 + (1 if frozen else 2)
+    rerun = (
+        (proj_qkv if settings.fused_backward == "recompute" else 2 * s * Dm * H * D) if fused else 0
+    )
+    gemm = (proj_qkv + proj_o + mlp) * runs + rerun + (mlp if settings.tiled_mlp else 0)
+    return gemm / (gpu.flops * eff.gemm)
+
+
+def _all_to_all_seconds(
+    settings,
+    layout: HeadLayout,
+    d: dict,
+    *,
+    s: int,
+    U: int,
+    gpus_per_node: int,
+    attention_fwd: float,
+    t_attention: float,
+    gpu: GPU,
+    eff: Efficiency,
+) -> float:
+    """Exposed seconds of one layer's all-to-alls over `U` ranks, with every call's fixed latency."""
+    H, D = d["heads"], d["head_dim"]
+    impl, fused = settings.impl, settings.impl == "fused"
+    stages, kc = layout.num_stages, layout.kv_per_stage
+    Hkv = layout.kv_per_rank * U  # k/v heads after replication up to one per rank
+    sp_bandwidth = gpu.nvlink if U <= gpus_per_node else gpu.network
+    seconds_per_unit = s * D * 2 * (U - 1) / U / (sp_bandwidth * eff.all_to_all)
+    units = _all_to_all_units(impl, settings.fused_backward, H, Hkv, U, stages, kc)
+    t_fwd = (
+        2 * _forward_units(H, Hkv) * seconds_per_unit
+    )  # the forward's and the checkpoint recompute's
+    t_bwd = (units - 2 * _forward_units(H, Hkv)) * seconds_per_unit
+    if (
+        fused and stages > 1
+    ):  # the fused forward always sends one stage ahead; its backward does with `overlap`
+        t_fwd = _exposed(t_fwd, stages, 2 * attention_fwd / (gpu.flops * eff.attention_forward))
+        if settings.overlap:
+            t_bwd = _exposed(
+                t_bwd, stages, t_attention - 2 * attention_fwd / (gpu.flops * eff.attention_forward)
+            )
+    t_a2a = t_fwd + t_bwd
+    groups = layout.kv_per_rank // layout.kv_per_stage
+    t_a2a += (
+        _all_to_all_calls(impl, settings.fused_backward, stages, groups) * gpu.all_to_all_latency
+    )
+    return t_a2a
+
+
+def _ring_seconds(
+    layout: HeadLayout,
+    *,
+    S: int,
+    R: int,
+    D: int,
+    P: int,
+    recompute: bool,
+    gpus_per_node: int,
+    t_attention: float,
+    gpu: GPU,
+    eff: Efficiency,
+) -> float:
+    """Exposed seconds of one layer's ring passes (0 without a ring): each stage's k/v block around the ring
+    (the network when the SP group spans nodes), behind the kernels."""
+    if R <= 1:
+        return 0.0
+    forward_run, backward = _ring_bytes(S, R, D, layout.num_stages, layout.kv_per_stage)
+    ring_bytes = forward_run * (3 if recompute else 2) + backward  # forward, recompute(s), backward
+    t_ring = ring_bytes / ((gpu.network if P > gpus_per_node else gpu.nvlink) * eff.all_to_all)
+    return max(0.0, t_ring - t_attention * (R - 1) / R)
+
+
 def step_time(
     config,
     settings,
@@ -243,57 +324,38 @@ def step_time(
     U = P // R  # the ranks UPipe's all-to-alls run over (all P without a ring)
     fused, impl = settings.impl == "fused", settings.impl
     layout = HeadLayout(H, Hk, U, settings.heads_per_chunk if impl in ("fused", "upipe") else None)
-    stages, kc = layout.num_stages, layout.kv_per_stage
-    Hkv = layout.kv_per_rank * U  # k/v heads after replication up to one per rank
     frozen = lora is not None
 
-    # GEMM FLOPs per layer: forward, recompute, backward (d input, and d weight unless frozen)
-    proj_qkv, proj_o, mlp = (
-        2 * s * Dm * (H + 2 * Hk) * D,
-        2 * s * H * D * Dm,
-        6 * s * Dm * d["mlp_active"],
-    )
-    runs = 2 + (1 if frozen else 2)
-    rerun = (
-        (proj_qkv if settings.fused_backward == "recompute" else 2 * s * Dm * H * D) if fused else 0
-    )
-    gemm = (proj_qkv + proj_o + mlp) * runs + rerun + (mlp if settings.tiled_mlp else 0)
+    t_gemm = _gemm_seconds(d, settings, s, frozen, gpu, eff)
     attention_fwd = 2 * S * S * (H // P) * D  # causal: half of 4 S^2 h D
     recompute = fused and settings.fused_backward == "recompute"
-    t_gemm = gemm / (gpu.flops * eff.gemm)
     t_attention = attention_fwd * (3 if recompute else 2) / (
         gpu.flops * eff.attention_forward
     ) + 2.5 * attention_fwd / (gpu.flops * eff.attention_backward)
-    sp_bandwidth = gpu.nvlink if U <= gpus_per_node else gpu.network
-    seconds_per_unit = s * D * 2 * (U - 1) / U / (sp_bandwidth * eff.all_to_all)
-    units = _all_to_all_units(impl, settings.fused_backward, H, Hkv, U, stages, kc)
-    t_fwd = (
-        2 * _forward_units(H, Hkv) * seconds_per_unit
-    )  # the forward's and the checkpoint recompute's
-    t_bwd = (units - 2 * _forward_units(H, Hkv)) * seconds_per_unit
-    if (
-        fused and stages > 1
-    ):  # the fused forward always sends one stage ahead; its backward does with `overlap`
-        t_fwd = _exposed(t_fwd, stages, 2 * attention_fwd / (gpu.flops * eff.attention_forward))
-        if settings.overlap:
-            t_bwd = _exposed(
-                t_bwd, stages, t_attention - 2 * attention_fwd / (gpu.flops * eff.attention_forward)
-            )
-    t_a2a = t_fwd + t_bwd
-    groups = layout.kv_per_rank // layout.kv_per_stage
-    t_a2a += (
-        _all_to_all_calls(impl, settings.fused_backward, stages, groups) * gpu.all_to_all_latency
+    t_a2a = _all_to_all_seconds(
+        settings,
+        layout,
+        d,
+        s=s,
+        U=U,
+        gpus_per_node=gpus_per_node,
+        attention_fwd=attention_fwd,
+        t_attention=t_attention,
+        gpu=gpu,
+        eff=eff,
     )
-    t_ring = 0.0
-    if (
-        R > 1
-    ):  # each stage's k/v block around the ring (network when the SP group spans nodes), behind the kernels
-        forward_run, backward = _ring_bytes(S, R, D, stages, kc)
-        ring_bytes = (
-            forward_run * (3 if recompute else 2) + backward
-        )  # forward, recompute(s), backward
-        t_ring = ring_bytes / ((gpu.network if P > gpus_per_node else gpu.nvlink) * eff.all_to_all)
-        t_ring = max(0.0, t_ring - t_attention * (R - 1) / R)
+    t_ring = _ring_seconds(
+        layout,
+        S=S,
+        R=R,
+        D=D,
+        P=P,
+        recompute=recompute,
+        gpus_per_node=gpus_per_node,
+        t_attention=t_attention,
+        gpu=gpu,
+        eff=eff,
+    )
 
     # overlapped with the layer's compute: FSDP2's gathers and reduce-scatters, the offloaded input over PCIe
     layer_params = Dm * (H + 2 * Hk) * D + H * D * Dm + 3 * Dm * d["mlp_total"]

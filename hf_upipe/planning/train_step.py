@@ -174,6 +174,51 @@ def _optimizer_with_states(model) -> torch.optim.Optimizer:
     return optimizer
 
 
+def _step_model(model_config, settings: StepSettings, layers, seq_len, dtype, group, lora):
+    """`build_step_model` for a tracked FSDP2 step: fp32 master weights (LoRA: the base in `dtype`), gradients kept."""
+    return build_step_model(
+        settings.impl,
+        model_config,
+        layers,
+        seq_len,
+        torch.float32 if lora is None else dtype,
+        group,
+        settings.tiled_mlp,
+        mlp_chunk_tokens=settings.mlp_chunk_tokens,
+        drop_grads=False,
+        lora=lora,
+        fused_backward=settings.fused_backward,
+        overlap=settings.overlap,
+    )
+
+
+def _step_inputs(rank: int, s: int, sp_size: int, ring_size: int) -> tuple[dict, torch.Tensor]:
+    """(inputs, labels) of this rank's `s` tokens; not counted: token ids, positions, labels, mask."""
+    ids = torch.zeros(1, s, dtype=torch.long)  # [1, s]
+    positions = ring_positions(rank, s, sp_size, ring_size)  # [s]: contiguous, or in ring order
+    inputs = {
+        "input_ids": ids,
+        "position_ids": positions.unsqueeze(0),  # [1, s]
+        "attention_mask": torch.ones(1, s, dtype=torch.long),
+    }
+    labels = torch.zeros(1, s, dtype=torch.long)
+    return inputs, labels
+
+
+def _track_static(tracker: MemoryTracker, model, optimizer) -> dict:
+    """Tracks this rank's parameter and optimizer-state shards, already there when the step starts: their bytes."""
+    static = {}
+    for label, tensors in (
+        ("parameters", list(model.parameters())),
+        ("optimizer", [t for st in optimizer.state.values() for t in st.values()]),
+    ):
+        before = tracker.current_bytes
+        with storage_label(label):
+            tracker.track(*_local(tensors))
+        static[label] = tracker.current_bytes - before
+    return static
+
+
 def measure_train_step(
     model_config,
     settings: StepSettings,
@@ -233,34 +278,10 @@ def measure_train_step(
             ),
             attention,
         ):
-            model = build_step_model(
-                settings.impl,
-                model_config,
-                layers,
-                seq_len,
-                torch.float32 if lora is None else dtype,
-                group,
-                settings.tiled_mlp,
-                mlp_chunk_tokens=settings.mlp_chunk_tokens,
-                drop_grads=False,
-                lora=lora,
-                fused_backward=settings.fused_backward,
-                overlap=settings.overlap,
-            )
+            model = _step_model(model_config, settings, layers, seq_len, dtype, group, lora)
             _shard(model, dtype, mesh if mesh is not None else fsdp_mesh())
             optimizer = _optimizer_with_states(model)
-            ids = torch.zeros(
-                1, s, dtype=torch.long
-            )  # not counted: token ids, positions, labels, mask
-            positions = ring_positions(
-                r, s, sp_size, settings.ring_size
-            )  # [s]: contiguous, or in ring order
-            inputs = {
-                "input_ids": ids,
-                "position_ids": positions.unsqueeze(0),
-                "attention_mask": torch.ones(1, s, dtype=torch.long),
-            }
-            labels = torch.zeros(1, s, dtype=torch.long)
+            inputs, labels = _step_inputs(r, s, sp_size, settings.ring_size)
             with (
                 around_step if around_step is not None else contextlib.nullcontext(),
                 _cat.StepCategories(model) as cats,
@@ -268,15 +289,7 @@ def measure_train_step(
                 _fsdp_labels(model),
             ):
                 cats.attach(tracker)
-                static = {}
-                for label, tensors in (
-                    ("parameters", list(model.parameters())),
-                    ("optimizer", [t for st in optimizer.state.values() for t in st.values()]),
-                ):
-                    before = tracker.current_bytes
-                    with storage_label(label):
-                        tracker.track(*_local(tensors))
-                    static[label] = tracker.current_bytes - before
+                static = _track_static(tracker, model, optimizer)
                 with offload_checkpoints(
                     model, settings.offload, min_bytes=0, restore_context=_restored_checkpoint
                 ):
