@@ -26,8 +26,8 @@ from hf_upipe.memory import offload
 from hf_upipe.models import PRESETS
 from hf_upipe.planning import caching_allocator as ca
 from hf_upipe.planning import categories as cat
+from hf_upipe.planning import storage_labels, train_step
 from hf_upipe.planning import tracker as tr
-from hf_upipe.planning import train_step
 from hf_upipe.planning.alloc_trace import record_step_trace
 from hf_upipe.planning.reserved import Allowance
 
@@ -98,7 +98,8 @@ def _traced(label_ops: bool = True):
     last = {}
 
     def _add(self, key, storage, t, op):
-        last["what"] = (tr._LABEL_OVERRIDE[-1] if tr._LABEL_OVERRIDE else None, op, tuple(t.shape))
+        override = storage_labels.LABEL_OVERRIDE
+        last["what"] = (override[-1] if override else None, op, tuple(t.shape))
         return original_add(self, key, storage, t, op)
 
     def _log_alloc(self, key, nbytes):

@@ -6,7 +6,8 @@ Entry points:
   followed by the generated tokens, [1, L + n], on every rank; `model` prepared with `hf_upipe.prepare_model`
   ("upipe" attention) after `hf_upipe.init_sequence_parallel`.
 - `ShardKVCache`: one rank's cache (keys and values of all layers and heads, for the tokens this rank holds, with
-  their global positions); pass one as `kv_cache=` to see what a rank kept (`numel()`, `nbytes()`).
+  their global positions); pass one as `kv_cache=` to see what a rank kept (`numel()`, `nbytes()`). It lives in
+  `hf_upipe.generation_cache`, with the schedule of which rank caches which token.
 
 The flow, on every rank of the SP group (P ranks):
 1. prefill: the rank's shard of the prompt (`hf_upipe.shard_batch`: global position_ids) runs through the model on
@@ -30,85 +31,19 @@ attention sinks, soft-capped logits, bidirectional attention and attention dropo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 
 from hf_upipe.data import shard_batch
 from hf_upipe.distributed import get_sequence_parallel_state, without_sequence_parallel
+from hf_upipe.generation_cache import ShardKVCache, token_schedule
 from hf_upipe.integrations.sp_checks import attention_override
 from hf_upipe.integrations.sp_kernels import sp_window
 from hf_upipe.integrations.transformers import upipe_attention_forward
-from hf_upipe.ops.ring import ring_positions
 
 __all__ = ["ShardKVCache", "generate"]
 
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention")
-
-
-@dataclass
-class ShardKVCache:
-    """One rank's KV cache, allocated once at its final size: the global positions [capacity] of the rank's prompt
-    tokens and of the new tokens it will hold (ascending; the first `tokens` filled), and per layer keys
-    [Hk, capacity - first, D] and values [Hk, capacity - first, Dv] of those from index `first[layer]` on: a layer
-    with a sliding window of W does not keep the prompt tokens that no new token sees (positions <= L - W).
-    `key(layer)`, `value(layer)` and `layer_positions(layer)` are views of the filled part."""
-
-    keys: dict[int, torch.Tensor] = field(default_factory=dict)
-    values: dict[int, torch.Tensor] = field(default_factory=dict)
-    positions: torch.Tensor | None = None
-    tokens: int = 0
-    first: dict[int, int] = field(default_factory=dict)  # per layer: its first kept token
-    windows: dict[int, int | None] = field(
-        default_factory=dict
-    )  # per layer: the prefill mask's window
-
-    def start(self, positions: torch.Tensor, capacity: int) -> None:
-        """Hold the prompt tokens at global `positions` [n] (ascending; their keys come per layer: `fill`), room
-        for `capacity` tokens in all."""
-        self.positions = positions.new_zeros(capacity)
-        self.positions[: len(positions)] = positions
-        self.tokens = len(positions)
-
-    def fill(self, layer: int, key: torch.Tensor, value: torch.Tensor, first: int = 0) -> None:
-        """The prompt tokens' key [Hk, n, D] and value [Hk, n, Dv] of `layer`, copied into its buffers from token
-        `first` on."""
-        size, kept = len(self.positions) - first, key.shape[1] - first
-        self.first[layer] = first
-        self.keys[layer] = key.new_empty(key.shape[0], size, key.shape[2])
-        self.values[layer] = value.new_empty(value.shape[0], size, value.shape[2])
-        self.keys[layer][:, :kept] = key[:, first:]
-        self.values[layer][:, :kept] = value[:, first:]
-
-    def append_position(self, position: int) -> None:
-        """A new token at global `position` (its keys come per layer: `put`)."""
-        self.positions[self.tokens] = position
-        self.tokens += 1
-
-    def put(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """The newest token's key [Hk, D] and value [Hk, Dv] of `layer`."""
-        self.keys[layer][:, self.tokens - 1 - self.first[layer]] = key
-        self.values[layer][:, self.tokens - 1 - self.first[layer]] = value
-
-    def key(self, layer: int) -> torch.Tensor:
-        return self.keys[layer][:, : self.tokens - self.first[layer]]  # [Hk, n, D]
-
-    def value(self, layer: int) -> torch.Tensor:
-        return self.values[layer][:, : self.tokens - self.first[layer]]  # [Hk, n, Dv]
-
-    def layer_positions(self, layer: int) -> torch.Tensor:
-        return self.positions[self.first[layer] : self.tokens]  # [n]
-
-    def numel(self) -> int:
-        """Elements of the filled keys and values (all layers)."""
-        return sum(self.key(i).numel() + self.value(i).numel() for i in self.keys)
-
-    def nbytes(self) -> int:
-        """Bytes allocated for keys and values (all layers, the whole capacity)."""
-        return sum(
-            t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values())
-        )
 
 
 def _check_arguments(model, input_ids, max_new_tokens: int, state) -> None:
@@ -173,26 +108,6 @@ def _refuse_unexact(module, kwargs: dict) -> None:
             f"hf_upipe.generate: layer {getattr(module, 'layer_idx', '?')} uses {', '.join(map(str, unexact))}, "
             "which its decode step does not compute. Generate in one process."
         )
-
-
-def _schedule(L: int, state, max_new_tokens: int) -> tuple[list, int, list]:
-    """Where the tokens live, computed alike on every rank without communication: the prompt tokens each rank
-    holds (the shards `hf_upipe.shard_batch` cuts from a prompt of L tokens, without their padded tail), the rank
-    holding the last prompt token, and the rank caching each fed-back new token (the fewest cached tokens; ties:
-    the lowest rank)."""
-    P, R = state.sp_size, state.ring_size
-    multiple = P * (2 if R > 1 else 1)  # shard_batch pads to this (a ring cuts 2R chunks)
-    s = -(-L // multiple) * multiple // P  # tokens per shard, padding included
-    counts, last = [], None
-    for rank in range(P):
-        positions = ring_positions(rank, s, P, R)  # [s] global positions of the rank's tokens
-        counts.append(int((positions < L).sum()))
-        last = rank if bool((positions == L - 1).any()) else last
-    held, owners = list(counts), []
-    for _ in range(max_new_tokens - 1):  # the last generated token is not fed back
-        owners.append(min(range(P), key=lambda r: (held[r], r)))
-        held[owners[-1]] += 1
-    return counts, last, owners
 
 
 def _prefill(model, input_ids: torch.Tensor, state, cache: ShardKVCache, capacity: int, last: int):
@@ -407,7 +322,7 @@ def generate(
     cache = kv_cache if kv_cache is not None else ShardKVCache()
     eos = _eos_ids(model, eos_token_id)
     warpers = _warpers(temperature, top_k, top_p) if do_sample else []
-    counts, last, owners = _schedule(input_ids.shape[1], state, max_new_tokens)
+    counts, last, owners = token_schedule(input_ids.shape[1], state, max_new_tokens)
     capacity = counts[state.sp_rank] + owners.count(state.sp_rank)
     logits = _prefill(model, input_ids, state, cache, capacity, last)
     ids, scores = input_ids.long(), []

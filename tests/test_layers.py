@@ -5,7 +5,7 @@ Layers, bottom to top (a module may import its own layer and the layers below):
     no transformers)
   1 data (+ data_loader), distributed, exits, config (+ config_parsing, config_validation), memory, integrations,
     vlm
-  2 runtime (with runtime_checks, runtime_eval), checkpoint, auto_settings, generation
+  2 runtime (with runtime_checks, runtime_eval), checkpoint, auto_settings, generation (with generation_cache)
   3 trainer (with trainer_checks, trainer_checkpoints, trainer_logs), plugin, trl: the two faces of the runtime,
     side by side (UPipeTrainer for transformers' Trainer, UPipePlugin for custom loops), and UPipeSFTTrainer on
     the trainer; integrations.accelerate only re-exports the plugin for older imports
@@ -55,6 +55,7 @@ LAYERS = [
         "hf_upipe.checkpoint",
         "hf_upipe.auto_settings",
         "hf_upipe.generation",
+        "hf_upipe.generation_cache",
     ),
     (
         "hf_upipe.trainer",

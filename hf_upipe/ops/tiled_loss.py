@@ -102,13 +102,10 @@ def _chunk_loss_and_grad(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Summed CE of one chunk, x [c, Dm], labels [c]; with `want_grad`, also d loss / d logits [c, V] in `wide`;
     with `stats`, adds the chunk's entropy and argmax hits to it (the loss and gradient are unchanged)."""
-    logits = F.linear(x, weight, bias).to(
-        wide
-    )  # [c, V] fp32 (no copy for fp32 inputs: fp64 stays fp64)
+    # [c, V] fp32 (no copy for fp32 inputs: fp64 stays fp64)
+    logits = F.linear(x, weight, bias).to(wide)
     valid = labels != ignore_index  # [c]
-    target = (
-        torch.where(valid, labels, 0).long().unsqueeze(1)
-    )  # [c, 1], ignored rows point at class 0
+    target = torch.where(valid, labels, 0).long().unsqueeze(1)  # [c, 1], ignored rows: class 0
     tanh = None
     if softcap is not None:
         tanh = logits.div_(softcap).tanh_()  # [c, V], kept for the chain rule
@@ -127,9 +124,8 @@ def _chunk_loss_and_grad(
         return loss, None
     grad = probs.div_(denom)  # [c, V] softmax
     grad.mul_(valid.unsqueeze(1))  # ignored rows contribute nothing
-    grad.scatter_add_(
-        1, target, valid.unsqueeze(1).to(grad.dtype).neg()
-    )  # - one_hot(label) on label rows
+    # - one_hot(label) on label rows
+    grad.scatter_add_(1, target, valid.unsqueeze(1).to(grad.dtype).neg())
     if tanh is not None:
         grad.mul_(tanh.square_().neg_().add_(1.0))  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
     return loss, grad
@@ -171,63 +167,54 @@ def tiled_cross_entropy_forward(
     labels = shift_labels.reshape(B * s)  # [T]
     need_x, need_w, need_b = needs_grad[0], needs_grad[1], needs_grad[2] and bias is not None
     want_grad = need_x or need_w or need_b
-    wide = torch.promote_types(
-        hidden.dtype, torch.float32
-    )  # loss math and accumulators: fp32 (fp64 for fp64)
-    grad_x = torch.empty_like(x) if need_x else None  # [T, Dm], every row written below
-    grad_w = (
-        torch.empty(weight.shape, dtype=wide, device=weight.device) if need_w else None
-    )  # [V, Dm], set by chunk 0
-    grad_b = torch.zeros(bias.shape, dtype=wide, device=bias.device) if need_b else None  # [V]
-    partial = (
-        torch.empty_like(weight) if need_w and weight.dtype != wide else None
-    )  # [V, Dm], reused by chunks
+    wide = torch.promote_types(hidden.dtype, torch.float32)  # loss math, accumulators: fp32 (fp64)
+    grad_x, grad_w, grad_b, partial = _grad_buffers(x, weight, bias, need_x, need_w, need_b, wide)
     loss_sum = torch.zeros((), dtype=wide, device=hidden.device)
     for start in chunk_starts(B * s, chunk_tokens, x):
         x_c = x[start : start + chunk_tokens]  # [c, Dm] view
+        labels_c = labels[start : start + chunk_tokens]  # [c] view
         loss_c, grad = _chunk_loss_and_grad(
-            x_c,
-            weight,
-            bias,
-            labels[start : start + chunk_tokens],
-            ignore_index,
-            logit_softcap,
-            want_grad,
-            wide,
-            stats,
+            x_c, weight, bias, labels_c, ignore_index, logit_softcap, want_grad, wide, stats
         )
         loss_sum += loss_c
         if grad is None:
             continue
         if grad_b is not None:
             grad_b += grad.sum(dim=0)  # [V]
-        grad_in = grad.to(
-            weight.dtype
-        )  # [c, V], 16-bit for bf16/fp16 GEMMs as in the plain path (else no copy)
+        # [c, V], 16-bit for bf16/fp16 GEMMs as in the plain path (else no copy)
+        grad_in = grad.to(weight.dtype)
         del grad
-        if grad_x is not None:
-            torch.mm(grad_in, weight, out=grad_x[start : start + chunk_tokens])  # [c, V] @ [V, Dm]
-        if partial is None and grad_w is not None:
-            grad_w.addmm_(
-                grad_in.t(), x_c, beta=1 if start else 0
-            )  # [V, c] @ [c, Dm]; chunk 0 overwrites
-        elif partial is not None:
-            torch.mm(
-                grad_in.t(), x_c, out=partial
-            )  # [V, Dm] chunk partial, rounded once, summed in fp32
-            _blockwise(grad_w, partial, add=True) if start else grad_w.copy_(partial)
+        _chunk_gemms(grad_in, x_c, weight, start, grad_x, grad_w, partial)
         del grad_in
     if grad_w is not None and B * s == 0:
         grad_w.zero_()  # no chunk ran
     n_tokens = (labels != ignore_index).sum()  # int64 scalar
-    return (
-        loss_sum,
-        n_tokens,
-        None if grad_x is None else grad_x.view(B, s, Dm),
-        grad_w,
-        grad_b,
-        partial,
-    )
+    grad_x = None if grad_x is None else grad_x.view(B, s, Dm)  # [B, s, Dm]
+    return loss_sum, n_tokens, grad_x, grad_w, grad_b, partial
+
+
+def _grad_buffers(x, weight, bias, need_x: bool, need_w: bool, need_b: bool, wide: torch.dtype):
+    """The chunk loop's gradient buffers, each None where not needed: d hidden [T, Dm] (every row written by a
+    chunk), d weight [V, Dm] in `wide` (set by chunk 0), d bias [V] in `wide` (zeros), and the [V, Dm] chunk-partial
+    buffer in the weight's dtype (only for a trainable weight narrower than `wide`), reused by every chunk."""
+    grad_x = torch.empty_like(x) if need_x else None  # [T, Dm]
+    grad_w = torch.empty(weight.shape, dtype=wide, device=weight.device) if need_w else None
+    grad_b = torch.zeros(bias.shape, dtype=wide, device=bias.device) if need_b else None  # [V]
+    partial = torch.empty_like(weight) if need_w and weight.dtype != wide else None  # [V, Dm]
+    return grad_x, grad_w, grad_b, partial
+
+
+def _chunk_gemms(grad_in, x_c, weight, start: int, grad_x, grad_w, partial) -> None:
+    """A chunk's GEMMs from grad_in [c, V] and x_c [c, Dm]: its rows of d hidden, its d weight partial summed."""
+    if grad_x is not None:
+        torch.mm(grad_in, weight, out=grad_x[start : start + x_c.shape[0]])  # [c, V] @ [V, Dm]
+    if partial is None and grad_w is not None:
+        # [V, c] @ [c, Dm]; chunk 0 overwrites
+        grad_w.addmm_(grad_in.t(), x_c, beta=1 if start else 0)
+    elif partial is not None:
+        # [V, Dm] chunk partial, rounded once, summed in fp32
+        torch.mm(grad_in.t(), x_c, out=partial)
+        _blockwise(grad_w, partial, add=True) if start else grad_w.copy_(partial)
 
 
 def _blockwise(
@@ -312,13 +299,44 @@ class TiledCrossEntropyFunction(torch.autograd.Function):
             _scaled(grad_x, grad_loss, dx),
             _scaled(grad_w, grad_loss, dw, out=spare),
             _scaled(grad_b, grad_loss, db),
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
+        ) + (None,) * 6  # no gradient for the labels and the options
+
+
+def _check_inputs(hidden, weight, shift_labels, bias, chunk_tokens, logit_softcap) -> int:
+    """Raise ValueError (the numbers and the fix) on inputs `tiled_cross_entropy` does not take; returns the
+    tokens per chunk (`default_chunk_tokens(V)` for None)."""
+    if hidden.dim() != 3:
+        raise ValueError(
+            f"hidden must be [B, s, Dm], got shape {tuple(hidden.shape)}; reshape it to 3 dims"
         )
+    B, s, Dm = hidden.shape
+    if weight.dim() != 2 or weight.shape[1] != Dm:
+        raise ValueError(
+            f"weight must be [V, Dm={Dm}] (lm_head.weight), got shape {tuple(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise ValueError(
+            f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast hidden to the lm_head dtype"
+        )
+    if tuple(shift_labels.shape) != (B, s):
+        raise ValueError(
+            f"shift_labels must be [B, s] = [{B}, {s}] like hidden, got {tuple(shift_labels.shape)}"
+        )
+    if shift_labels.is_floating_point() or shift_labels.is_complex():
+        raise ValueError(
+            f"shift_labels must be integer class ids, got {shift_labels.dtype}; use .long()"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(weight.shape[0])
+    if chunk_tokens < 1:
+        raise ValueError(
+            f"chunk_tokens must be >= 1, got {chunk_tokens}; pass None for the default"
+        )
+    if logit_softcap is not None and not logit_softcap > 0:
+        raise ValueError(f"logit_softcap must be > 0 or None, got {logit_softcap}")
+    return chunk_tokens
 
 
 def tiled_cross_entropy(
@@ -357,37 +375,7 @@ def tiled_cross_entropy(
     Raises:
         ValueError: on shapes, dtypes or options that do not fit, with the numbers and the fix.
     """
-    if hidden.dim() != 3:
-        raise ValueError(
-            f"hidden must be [B, s, Dm], got shape {tuple(hidden.shape)}; reshape it to 3 dims"
-        )
-    B, s, Dm = hidden.shape
-    if weight.dim() != 2 or weight.shape[1] != Dm:
-        raise ValueError(
-            f"weight must be [V, Dm={Dm}] (lm_head.weight), got shape {tuple(weight.shape)}"
-        )
-    if weight.dtype != hidden.dtype:
-        raise ValueError(
-            f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast hidden to the lm_head dtype"
-        )
-    if tuple(shift_labels.shape) != (B, s):
-        raise ValueError(
-            f"shift_labels must be [B, s] = [{B}, {s}] like hidden, got {tuple(shift_labels.shape)}"
-        )
-    if shift_labels.is_floating_point() or shift_labels.is_complex():
-        raise ValueError(
-            f"shift_labels must be integer class ids, got {shift_labels.dtype}; use .long()"
-        )
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got shape {tuple(bias.shape)}")
-    if chunk_tokens is None:
-        chunk_tokens = default_chunk_tokens(weight.shape[0])
-    if chunk_tokens < 1:
-        raise ValueError(
-            f"chunk_tokens must be >= 1, got {chunk_tokens}; pass None for the default"
-        )
-    if logit_softcap is not None and not logit_softcap > 0:
-        raise ValueError(f"logit_softcap must be > 0 or None, got {logit_softcap}")
+    chunk_tokens = _check_inputs(hidden, weight, shift_labels, bias, chunk_tokens, logit_softcap)
     grad_on = torch.is_grad_enabled()
     needs_grad = (
         grad_on and hidden.requires_grad,

@@ -7,7 +7,8 @@ Entry points:
   with :meth:`MemoryTracker.mark`.
 * :class:`StorageRecord`: one live storage as recorded by ``snapshot_at_peak=True``.
 * :func:`storage_label`: a context manager naming the label of the storages created inside it, over any labeler
-  (code that knows what it allocates, such as the offload's copy back of a checkpoint, says so).
+  (code that knows what it allocates, such as the offload's copy back of a checkpoint, says so); with
+  :func:`checkpoint_label` and :func:`allocation_stream`, defined in `hf_upipe.planning.storage_labels`.
 * :data:`GiB` / :data:`MiB`: byte units for reporting.
 
 What is counted, exactly:
@@ -44,7 +45,6 @@ the order that does not rely on this.)
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -53,6 +53,14 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
+
+from hf_upipe.planning.storage_labels import (
+    LABEL_OVERRIDE,
+    STREAM,
+    allocation_stream,
+    checkpoint_label,
+    storage_label,
+)
 
 __all__ = [
     "GiB",
@@ -70,41 +78,8 @@ MiB: int = 2**20
 """Bytes in one mebibyte."""
 
 
-_LABEL_OVERRIDE: list[str] = []
-STREAM: list[
-    str
-] = []  # the stream allocations are made on, innermost last (hf_upipe.planning.alloc_trace)
-
-
-def checkpoint_label():
-    """`storage_label("checkpoints")`: the planner passes it as the offload's `restore_context`, so the layer inputs
-    copied back to the device in backward are counted as checkpoints (hf_upipe.planning.categories)."""
-    return storage_label("checkpoints")
-
-
-@contextlib.contextmanager
-def storage_label(label: str) -> Iterator[None]:
-    """Storages created inside get `label` in every labeling `MemoryTracker`, whatever its labeler says."""
-    _LABEL_OVERRIDE.append(label)
-    try:
-        yield
-    finally:
-        _LABEL_OVERRIDE.pop()
-
-
-@contextlib.contextmanager
-def allocation_stream(name: str) -> Iterator[None]:
-    """Storages created inside are logged as allocated on stream `name` by trackers with ``record_events``."""
-    STREAM.append(name)
-    try:
-        yield
-    finally:
-        STREAM.pop()
-
-
-_ACTIVE: list[
-    MemoryTracker
-] = []  # trackers inside their `with` block, which follow storage resizes
+# trackers inside their `with` block, which follow storage resizes
+_ACTIVE: list[MemoryTracker] = []
 _RESIZE_LOCK = threading.Lock()
 _C_RESIZE = torch._C.StorageBase.resize_
 
@@ -305,7 +280,7 @@ class MemoryTracker(TorchDispatchMode):
             if self.snapshot_at_peak:
                 self._records[key] = StorageRecord(tuple(t.shape), t.dtype, nbytes, op)
             if self.labeler is not None:
-                label = _LABEL_OVERRIDE[-1] if _LABEL_OVERRIDE else self.labeler()
+                label = LABEL_OVERRIDE[-1] if LABEL_OVERRIDE else self.labeler()
                 self._label_of[key] = label
                 self._label_bytes[label] = self._label_bytes.get(label, 0) + nbytes
             self._grow(nbytes)
