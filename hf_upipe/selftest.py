@@ -236,8 +236,7 @@ def _check_batch(
     rank: int,
     world: int,
 ) -> list[Check]:
-    """Train loss, gradients, logits and eval loss of one batch: the SP model on `shard` against `ref` on
-    `full`."""
+    """One batch's train loss, gradients, logits and eval loss: SP model on `shard`, `ref` on `full`."""
     from hf_upipe import without_sequence_parallel
     from hf_upipe.integrations.loss import shard_loss_sum
 
