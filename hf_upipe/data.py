@@ -196,6 +196,45 @@ def _check_tensors(batch: dict, ids) -> tuple[int, int]:
     return B, S
 
 
+def _ring_size(sp_rank: int, sp_size: int, ring_size: int | None) -> int:
+    """The ring size to shard for (None: the installed state's, else 1), after checking the rank is this rank's."""
+    state = get_sequence_parallel_state()
+    if state is not None and sp_size > 1 and (state.sp_size, state.sp_rank) != (sp_size, sp_rank):
+        raise ValueError(
+            f"shard_batch(sp_rank={sp_rank}, sp_size={sp_size}) but this rank is SP rank {state.sp_rank} "
+            f"of {state.sp_size} (init_sequence_parallel): the shards would not cover the sequence. Pass "
+            "state.sp_rank and state.sp_size."
+        )
+    if ring_size is None:
+        ring_size = state.ring_size if state is not None and state.sp_size == sp_size else 1
+    if not isinstance(ring_size, int) or ring_size < 1 or sp_size % ring_size:
+        raise ValueError(
+            f"ring_size={ring_size!r} must be a positive integer dividing sp_size={sp_size}."
+        )
+    return ring_size
+
+
+def _shard_length(S: int, sp_size: int, ring_size: int) -> int:
+    """Tokens per rank s: S right-padded to a multiple of sp_size (2 * sp_size with a ring), over sp_size."""
+    # a ring cuts the sequence into 2R chunks of U*s/2 tokens
+    step = sp_size * (2 if ring_size > 1 else 1)
+    return -(-S // step) * step // sp_size
+
+
+def _slice_sequences(out: dict, take, B: int, S: int, pad: int, fill: dict) -> None:
+    """In place: every [B or 1, S, ...] tensor of `out` right-padded by `pad` (with `fill`, else 0;
+    `position_ids` are [B, S + pad] already) and cut to this rank's tokens `take`."""
+    for key, value in out.items():
+        if not _is_sequence(value, B, S + pad if key == "position_ids" else S):
+            continue
+        if pad and key != "position_ids":
+            tail = value.new_full(
+                (value.shape[0], pad, *value.shape[2:]), fill.get(key, 0)
+            )  # [B|1, pad, ...]
+            value = torch.cat([value, tail], dim=1)  # [B|1, S_padded, ...]
+        out[key] = value[:, take].contiguous()  # [B|1, s, ...]
+
+
 def shard_batch(
     batch: dict,
     sp_rank: int,
@@ -246,19 +285,7 @@ def shard_batch(
             (position_ids, seq_idx, cu_seq_lens_q/k) that disagree.
     """
     _check_arguments(batch, sp_rank, sp_size, ring_size, pad_token_id, ignore_index)
-    state = get_sequence_parallel_state()
-    if state is not None and sp_size > 1 and (state.sp_size, state.sp_rank) != (sp_size, sp_rank):
-        raise ValueError(
-            f"shard_batch(sp_rank={sp_rank}, sp_size={sp_size}) but this rank is SP rank {state.sp_rank} "
-            f"of {state.sp_size} (init_sequence_parallel): the shards would not cover the sequence. Pass "
-            "state.sp_rank and state.sp_size."
-        )
-    if ring_size is None:
-        ring_size = state.ring_size if state is not None and state.sp_size == sp_size else 1
-    if not isinstance(ring_size, int) or ring_size < 1 or sp_size % ring_size:
-        raise ValueError(
-            f"ring_size={ring_size!r} must be a positive integer dividing sp_size={sp_size}."
-        )
+    ring_size = _ring_size(sp_rank, sp_size, ring_size)
     ids = batch.get("input_ids")
     B, S = _check_tensors(batch, ids)
     pos = batch.get("position_ids")
@@ -301,10 +328,7 @@ def shard_batch(
 
     # (2) right-pad to a multiple of sp_size; (3) global positions, or per-document ones continuing the last
     # document of each row over the padding (also replacing any given ones on padding)
-    step = sp_size * (
-        2 if ring_size > 1 else 1
-    )  # a ring cuts the sequence into 2R chunks of U*s/2 tokens
-    s = -(-S // step) * step // sp_size
+    s = _shard_length(S, sp_size, ring_size)
     pad = s * sp_size - S
     fill = {"input_ids": pad_token_id, "shift_labels": ignore_index, "attention_mask": 0}
     if packed:
@@ -321,13 +345,5 @@ def shard_batch(
         if ring_size == 1
         else ring_positions(sp_rank, s, sp_size, ring_size, ids.device)
     )
-    for key, value in out.items():
-        if not _is_sequence(value, B, S + pad if key == "position_ids" else S):
-            continue
-        if pad and key != "position_ids":
-            tail = value.new_full(
-                (value.shape[0], pad, *value.shape[2:]), fill.get(key, 0)
-            )  # [B|1, pad, ...]
-            value = torch.cat([value, tail], dim=1)  # [B|1, S_padded, ...]
-        out[key] = value[:, take].contiguous()  # [B|1, s, ...]
+    _slice_sequences(out, take, B, S, pad, fill)
     return out

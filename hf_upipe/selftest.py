@@ -160,29 +160,17 @@ def gradient_error(got: torch.Tensor, want: torch.Tensor, scale: float) -> float
     )
 
 
-def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
-    from hf_upipe import (
-        UPipeConfig,
-        get_sequence_parallel_state,
-        prepare_model,
-        shard_batch,
-        without_sequence_parallel,
-    )
-    from hf_upipe.integrations.loss import shard_loss_sum
+def _model_pair(name: str, spec: dict, state):
+    """(reference, SP model) of `name` in train mode, from the same weights (`spec["lora"]`: with LoRA)."""
+    from hf_upipe import UPipeConfig, prepare_model
     from hf_upipe.integrations.support import config_refusal, refusal_error
-    from hf_upipe.vlm import VISION_TYPES
 
-    if name in VISION_TYPES:  # images merged whole, then the sequence sharded (hf_upipe.vlm)
-        return check_vlm(name, spec)
-    state = get_sequence_parallel_state()
     reason = config_refusal(
         runnable_config(name)[1],
         allow_unverified=state is not None and state.allow_unverified,
         prepared=True,
     )
-    if (
-        reason is not None
-    ):  # what prepare_model would refuse, before building anything (same message)
+    if reason is not None:  # prepare_model's refusal (same message), before building
         raise refusal_error(reason)
     ref = _build(name)
     if spec["lora"]:
@@ -197,6 +185,99 @@ def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
     sp_model = prepare_model(copy.deepcopy(ref), UPipeConfig(fused_attention=spec["fused"]))
     ref.train()
     sp_model.train()
+    return ref, sp_model
+
+
+def _shift_inside_shards(labels: torch.Tensor, mine: torch.Tensor, pad: int) -> torch.Tensor:
+    """The classic SP bug (`breakage="shard-shift"`): this rank's [B, s] labels shifted inside its shard."""
+    padded = torch.nn.functional.pad(labels, (0, pad), value=-100)  # [B, s * world]
+    local = padded[:, mine]  # [B, s]
+    return torch.cat([local[:, 1:], torch.full_like(local[:, :1], -100)], dim=1)  # [B, s]
+
+
+def _gradient_check(name: str, batch_name: str, ref, sp_model) -> Check:
+    """Every parameter gradient of `sp_model` summed over the ranks against `ref`'s: the worst one."""
+    worst, where = 0.0, ""
+    pairs = [
+        (pname, p.grad, q.grad)
+        for (pname, p), (_, q) in zip(ref.named_parameters(), sp_model.named_parameters())
+        if p.grad is not None
+    ]
+    scale = max(float(want.abs().max()) for _, want, _ in pairs)
+    for pname, want, got in pairs:
+        g = got.clone() if got is not None else torch.zeros_like(want)
+        dist.all_reduce(g)
+        err = gradient_error(g, want, scale)
+        worst, where = (err, pname) if err > worst else (worst, where)
+    return Check(name, batch_name, "gradients", worst, TOLERANCE["gradients"], f"worst: {where}")
+
+
+def _logits_check(
+    name: str, batch_name: str, logits: torch.Tensor, ref_logits: torch.Tensor, full: dict, mine
+) -> Check:
+    """This rank's [B, s, V] shard logits on its real tokens against the reference's [B, S, V]."""
+    S = full["input_ids"].shape[1]
+    # local indices of this rank's tokens of the unpadded batch
+    here = torch.nonzero(mine < S).flatten()
+    mask = full.get("attention_mask", torch.ones_like(full["input_ids"]))[:, mine[here]].bool()
+    want = ref_logits[:, mine[here]][mask]
+    return Check(name, batch_name, "logits", _rel(logits[:, here][mask], want), TOLERANCE["logits"])
+
+
+def _check_batch(
+    name: str,
+    batch_name: str,
+    full: dict,
+    shard: dict,
+    ref,
+    sp_model,
+    spec: dict,
+    state,
+    rank: int,
+    world: int,
+) -> list[Check]:
+    """One batch's train loss, gradients, logits and eval loss: SP model on `shard`, `ref` on `full`."""
+    from hf_upipe import without_sequence_parallel
+    from hf_upipe.integrations.loss import shard_loss_sum
+
+    with without_sequence_parallel():  # one process, the whole sequence
+        out = ref(**full)  # transformers' loss: mean over the label tokens of the whole batch
+    out.loss.backward()
+    s, S = shard["input_ids"].shape[1], full["input_ids"].shape[1]
+    # this rank's tokens (contiguous without a ring)
+    mine = ring_positions(rank, s, world, state.ring_size)
+    if spec.get("breakage") == "shard-shift":  # the classic bug: labels shifted inside each shard
+        shard["shift_labels"] = _shift_inside_shards(full["labels"], mine, s * world - S)
+    inputs = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}
+    n = float(shard["num_label_tokens"])
+    loss_sum, _ = shard_loss_sum(sp_model, inputs, shard["shift_labels"])
+    (loss_sum / n).backward()
+    total = loss_sum.detach().clone()
+    dist.all_reduce(total)
+    train_err = _rel(total / n, out.loss.detach())
+    checks = [Check(name, batch_name, "train loss", train_err, TOLERANCE["train loss"])]
+    checks.append(_gradient_check(name, batch_name, ref, sp_model))
+    with torch.no_grad():
+        logits = sp_model(**inputs).logits  # [B, s, V]
+        checks.append(_logits_check(name, batch_name, logits, out.logits.detach(), full, mine))
+        eval_sum, _ = shard_loss_sum(sp_model, inputs, shard["shift_labels"])
+        dist.all_reduce(eval_sum)
+        with without_sequence_parallel():
+            ref_eval = ref(**full).loss
+        eval_err = _rel(eval_sum / n, ref_eval)
+        checks.append(Check(name, batch_name, "eval loss", eval_err, TOLERANCE["eval loss"]))
+    return checks
+
+
+def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
+    """This rank's checks of one model: per batch, the SP model against one device (`_check_batch`)."""
+    from hf_upipe import get_sequence_parallel_state, shard_batch
+    from hf_upipe.vlm import VISION_TYPES
+
+    if name in VISION_TYPES:  # images merged whole, then the sequence sharded (hf_upipe.vlm)
+        return check_vlm(name, spec)
+    state = get_sequence_parallel_state()
+    ref, sp_model = _model_pair(name, spec, state)
     vocab = base_model(ref).get_output_embeddings().weight.shape[0]
     checks = []
     for batch_name, full in _batches(vocab, spec["seq_len"]).items():
@@ -204,84 +285,16 @@ def check_model(name: str, spec: dict, rank: int, world: int) -> list[Check]:
         sp_model.zero_grad()
         try:
             shard = shard_batch(full, rank, world)
-        except (
-            ValueError
-        ) as err:  # a ring refuses packed rows: check that it says so (on every rank alike)
+        except ValueError as err:  # a ring refuses packed rows: check it says so (on every rank)
             if state.ring_size == 1:
                 raise
             checks.append(
                 Check(name, batch_name, "refused clearly", 0.0, 0.0, note=str(err).split(":")[0])
             )
             continue
-        with without_sequence_parallel():  # one process, the whole sequence
-            out = ref(**full)  # transformers' loss: mean over the label tokens of the whole batch
-        out.loss.backward()
-        s, S = shard["input_ids"].shape[1], full["input_ids"].shape[1]
-        mine = ring_positions(
-            rank, s, world, state.ring_size
-        )  # this rank's tokens (contiguous without a ring)
-        if (
-            spec.get("breakage") == "shard-shift"
-        ):  # the classic bug: shifting the labels inside each shard
-            padded = torch.nn.functional.pad(full["labels"], (0, s * world - S), value=-100)
-            local = padded[:, mine]
-            shard["shift_labels"] = torch.cat(
-                [local[:, 1:], torch.full_like(local[:, :1], -100)], dim=1
-            )
-        inputs = {k: v for k, v in shard.items() if k not in ("shift_labels", "num_label_tokens")}
-        n = float(shard["num_label_tokens"])
-        loss_sum, _ = shard_loss_sum(sp_model, inputs, shard["shift_labels"])
-        (loss_sum / n).backward()
-        total = loss_sum.detach().clone()
-        dist.all_reduce(total)
-        train_err = _rel(total / n, out.loss.detach())
-        checks.append(Check(name, batch_name, "train loss", train_err, TOLERANCE["train loss"]))
-        worst, where = 0.0, ""
-        pairs = [
-            (pname, p.grad, q.grad)
-            for (pname, p), (_, q) in zip(ref.named_parameters(), sp_model.named_parameters())
-            if p.grad is not None
-        ]
-        scale = max(float(want.abs().max()) for _, want, _ in pairs)
-        for pname, want, got in pairs:
-            g = got.clone() if got is not None else torch.zeros_like(want)
-            dist.all_reduce(g)
-            err = gradient_error(g, want, scale)
-            worst, where = (err, pname) if err > worst else (worst, where)
-        checks.append(
-            Check(name, batch_name, "gradients", worst, TOLERANCE["gradients"], f"worst: {where}")
+        checks += _check_batch(
+            name, batch_name, full, shard, ref, sp_model, spec, state, rank, world
         )
-        with torch.no_grad():
-            logits = sp_model(**inputs).logits  # [B, s, V]
-            here = torch.nonzero(
-                mine < S
-            ).flatten()  # local indices of this rank's tokens of the unpadded batch
-            mask = full.get("attention_mask", torch.ones_like(full["input_ids"]))[
-                :, mine[here]
-            ].bool()
-            want = out.logits.detach()[:, mine[here]][mask]
-            checks.append(
-                Check(
-                    name,
-                    batch_name,
-                    "logits",
-                    _rel(logits[:, here][mask], want),
-                    TOLERANCE["logits"],
-                )
-            )
-            eval_sum, _ = shard_loss_sum(sp_model, inputs, shard["shift_labels"])
-            dist.all_reduce(eval_sum)
-            with without_sequence_parallel():
-                ref_eval = ref(**full).loss
-            checks.append(
-                Check(
-                    name,
-                    batch_name,
-                    "eval loss",
-                    _rel(eval_sum / n, ref_eval),
-                    TOLERANCE["eval loss"],
-                )
-            )
     return checks
 
 
