@@ -12,6 +12,11 @@ from tests._dist import run_distributed, settle_collectives
 from tests.integrations._models import hybrid_config
 
 S = 256
+# Each real peak is the least of REPEATS runs. A thread of the backend (gloo) can only make a tensor die later than
+# the program says, never earlier, so a late free can only raise a real run's peak: the least of a few runs is the
+# program's own lifetimes, which the simulation must equal to the byte. (settle_collectives removes the known
+# late frees; this keeps a rare one on a loaded CI machine from failing the check.)
+REPEATS = 2
 # model type -> the modes measured on every rank, and on rank 0 only
 TYPES = {
     "qwen3_next": (("parallel", "alone"), ("sequential",)),
@@ -21,11 +26,28 @@ TYPES = {
 }
 
 
+def _measure(mixer, config, world, measured, mode):
+    """The tracked peak of one forward + backward on a fresh shard, or None where this rank only takes part."""
+    from hf_upipe.planning.tracker import MemoryTracker
+
+    x = torch.randn(1, S // world, config.hidden_size, requires_grad=True)
+    dy = torch.randn_like(x)
+    mixer.zero_grad(set_to_none=True)  # every run allocates its gradients, as a simulation's does
+    if not measured:  # takes part in rank 0's run, unmeasured
+        mixer(x).backward(dy)
+        return None
+    with MemoryTracker() as tracker:
+        y = type(mixer).forward(mixer, x) if mode == "alone" else mixer(x)
+        y = y[0] if isinstance(y, tuple) else y
+        y.backward(dy)
+        del y
+    return tracker.peak_bytes
+
+
 def _real_worker(rank, world):
     """The tracked peak of the same forward + backward on real tensors, per (type, mode)."""
     import hf_upipe
     from hf_upipe.integrations.mixers import install_mixers
-    from hf_upipe.planning.tracker import MemoryTracker
 
     settle_collectives()
     hf_upipe.init_sequence_parallel(world)
@@ -39,20 +61,12 @@ def _real_worker(rank, world):
                 install_mixers(
                     mixer, state_passing="sequential" if mode == "sequential" else "parallel"
                 )
-                x = torch.randn(1, S // world, config.hidden_size, requires_grad=True)
-                dy = torch.randn_like(x)
-                mixer.zero_grad(
-                    set_to_none=True
-                )  # every run allocates its gradients, as a simulation's does
-                if mode in first and rank > 0:  # takes part in rank 0's run, unmeasured
-                    mixer(x).backward(dy)
-                    continue
-                with MemoryTracker() as tracker:
-                    y = type(mixer).forward(mixer, x) if mode == "alone" else mixer(x)
-                    y = y[0] if isinstance(y, tuple) else y
-                    y.backward(dy)
-                    del y
-                out[(model_type, mode)] = tracker.peak_bytes
+                peaks = [
+                    _measure(mixer, config, world, measured=mode in every or rank == 0, mode=mode)
+                    for _ in range(REPEATS)
+                ]
+                if mode in every or rank == 0:
+                    out[(model_type, mode)] = min(peaks)
     finally:
         hf_upipe.reset_sequence_parallel()
     return out
