@@ -219,7 +219,7 @@ class _Backward:
         """Stage i's inputs, in flight together: q (k/v), d a, and in save mode its output."""
         plan = self.plan
         if not (self.ov or plan.save):
-            # recompute mode, in order: d a is sent with the output, after the kernel forward
+            # recompute mode, in order: the output, then d a, after the kernel forward
             return self.send_qkv(i), None, None
         # in this order: the output's buffers after q's projection's peak
         qkv, dout = self.send_qkv(i), self.send_dout(i)
@@ -234,8 +234,8 @@ class _Backward:
     # its first wait) rather than once per tensor; each group is what the memory peak allows (the simulation in
     # benchmarks/attention_memory.py shows every peak as with one tensor at a time). Without overlap each stage
     # runs in order: save mode {q, d a, saved output}, o_proj's gradients, kernel backward, {dq}, {dk, dv} at a k/v
-    # chunk's end; recompute mode {q (k, v)}, kernel forward, {output, d a}, o_proj's gradients, kernel backward,
-    # {dq}, {dk, dv}. With overlap, stage i+1's inputs are in flight during stage i's kernel, and stage i's
+    # chunk's end; recompute mode {q (k, v)}, kernel forward, {output}, o_proj's gradients, {d a}, kernel
+    # backward, {dq}, {dk, dv}. With overlap, stage i+1's inputs are in flight during stage i's kernel, and stage i's
     # gradients (and output) during stage i+1's.
     def stage_loop(self) -> None:
         """Every stage's kernel backward, with its all-to-alls and the gradients of its rows."""
@@ -258,6 +258,11 @@ class _Backward:
                 oh, lse = plan.kernel.forward(qh, self.kh, self.vh, scale=plan.scale, causal=True)
             if self.needs_out and out_sent is None:
                 out_sent = start_head_to_seq(oh, self.group, True)
+            if not (ov or plan.save) and out_sent is not None:
+                # recompute in order: the output's buffers go before d a's come (one chunk's at a time: with all
+                # of a rank's heads in one chunk, both at once would add a [S, c, D] buffer to the step's peak)
+                self.o_grads(i, out_sent.wait().reshape(N, -1))
+                out_sent = None
             dout_sent = dout_sent or self.send_dout(i)
             doh = dout_sent.wait()
             if not ov:

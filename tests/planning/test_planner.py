@@ -205,6 +205,10 @@ def test_llama3_8b_upipe_fits_4m_where_ulysses_mode_does_not():
     )
     assert upipe.fits and not ulysses.fits
     assert upipe.by_category["attention"] < 0.6 * ulysses.by_category["attention"]
+    # tensor peaks only go down: issuing the recompute backward's output and d a all-to-alls together once added a
+    # [S, c, D] bf16 buffer (4 GiB here, c = 4 local heads) to Ulysses mode's peak (30.14 GiB of attention)
+    assert ulysses.by_category["attention"] <= 28_068_325_376, ulysses.by_category
+    assert upipe.tensor_peak <= 52_224_965_780, upipe.tensor_peak
     assert upipe.host_bytes_per_gpu == 31 * (four // 8) * 4096 * 2
 
 
