@@ -198,6 +198,17 @@ class UPipeConfig:
         default=None,
         metadata={"help": ("Layer inputs smaller than this stay on the device. Default 1 MiB.")},
     )
+    model_offload: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "Where FSDP2 keeps the model's state: 'none' (default: on the GPU) or 'cpu' (FSDP2's "
+                "CPUOffloadPolicy: fp32 parameter shards, gradient shards and AdamW's states in host memory, the "
+                "optimizer step on the CPU; each layer's shard is copied to the GPU for its all-gather). Needs "
+                "FSDP2 (refused under DDP and DeepSpeed: docs/memory-stack.md)."
+            )
+        },
+    )
     auto: bool | None = field(
         default=None,
         metadata={

@@ -101,11 +101,17 @@ def _resolve_features(config, env: dict) -> None:
 
 
 def _resolve_offload(config, env: dict) -> None:
-    """offload ('none', 'cpu' or 'disk'), offload_path and offload_min_bytes."""
+    """offload ('none', 'cpu' or 'disk'), model_offload ('none' or 'cpu'), offload_path and offload_min_bytes."""
     config.offload = (config.offload or env["offload"] or "none").lower()
     if config.offload not in ("none", "cpu", "disk"):
         raise ValueError(
             f"offload={config.offload!r}: use 'none', 'cpu' (pinned host memory, CUDA) or 'disk'."
+        )
+    config.model_offload = (config.model_offload or env["model_offload"] or "none").lower()
+    if config.model_offload not in ("none", "cpu"):
+        raise ValueError(
+            f"model_offload={config.model_offload!r}: use 'none' (the model's state on the GPU) or 'cpu' "
+            "(FSDP2's host offload of parameters, gradients and the optimizer step)."
         )
     config.offload_path = config.offload_path or env["offload_path"]
     floor = (

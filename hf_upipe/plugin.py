@@ -24,8 +24,10 @@ by FSDP2 and ZeRO-3; under DeepSpeed, windows of one batch: `docs/deepspeed.md`)
 every rank, before any other collective (sp_size, heads, kv heads, heads_per_chunk, kernel, checkpointing for
 offload/auto); auto settings; `init_sequence_parallel` (SP groups of `sp_size` neighbouring ranks, data parallel
 across them); `prepare_model` (fused block, tiled MLP); then `accelerator.prepare(model, optimizer, loader,
-*others)`, re-points the loaders' sharding from all processes to the SP groups, and wraps the training loader so
-it yields `shard_batch` shards. The plugin itself stays plain settings: nothing is stored on it.
+*others)` (with model_offload='cpu', accelerate's FSDP2 plugin gets the host-offload policy first:
+`hf_upipe.integrations.model_offload`), re-points the loaders' sharding from all processes to the SP groups, and
+wraps the training loader so it yields `shard_batch` shards. The plugin itself stays plain settings: nothing is
+stored on it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch.utils.data import DataLoader
 from hf_upipe.config import UPipeConfig
 from hf_upipe.data_loader import ShardedDataLoader
 from hf_upipe.integrations.loaders import share_batches_within_sp
+from hf_upipe.integrations.model_offload import apply_model_offload, check_model_offload
 from hf_upipe.integrations.parallelism import find_parallelism
 from hf_upipe.runtime import UPipeRuntime, activation_checkpointing
 
@@ -82,8 +85,9 @@ class UPipePlugin(UPipeConfig):
             disagree with sp_size or do not make the number of processes; `hf_upipe.integrations.parallelism`),
             offload or auto without activation checkpointing (call `model.activation_checkpointing_enable()`
             first), a kernel that cannot run here, heads that do not split, an output_dir that cannot be written,
-            an FSDP config accelerate cannot honour, a DeepSpeed config with gradient_accumulation_steps > 1
-            (its engine would divide the window's token-mean loss again: docs/deepspeed.md).
+            an FSDP config accelerate cannot honour, model_offload='cpu' without FSDP2, a DeepSpeed config with
+            gradient_accumulation_steps > 1 (its engine would divide the window's token-mean loss again:
+            docs/deepspeed.md).
         """
         wants_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
         if wants_fsdp and str(accelerator.distributed_type) != "DistributedType.FSDP":
@@ -95,6 +99,13 @@ class UPipePlugin(UPipeConfig):
         deepspeed = str(accelerator.distributed_type) == "DistributedType.DEEPSPEED"
         if deepspeed:  # the same config on every rank: the same error, before any collective
             _deepspeed_accumulation_check(accelerator)
+        fsdp = str(accelerator.distributed_type) == "DistributedType.FSDP"
+        fsdp_plugin = getattr(accelerator.state, "fsdp_plugin", None) if fsdp else None
+        check_model_offload(
+            self,
+            fsdp_version=getattr(fsdp_plugin, "fsdp_version", 1) if fsdp else None,
+            deepspeed=deepspeed,
+        )
         checkpointing = activation_checkpointing(model)
         parallelism = find_parallelism(getattr(accelerator, "parallelism_config", None))
         upipe = UPipeRuntime.setup(
@@ -112,6 +123,9 @@ class UPipePlugin(UPipeConfig):
             parallelism=parallelism,
             deepspeed=deepspeed,
         )
+        apply_model_offload(
+            fsdp_plugin, upipe.config
+        )  # before accelerator.prepare shards the model
         given = [x for x in (model, optimizer, dataloader, *others) if x is not None]
         prepared = (
             list(accelerator.prepare(*given)) if len(given) > 1 else [accelerator.prepare(*given)]

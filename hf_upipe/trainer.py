@@ -11,8 +11,10 @@ What it does, with W processes and `sp_size` P (W = P x dp_size):
 1. setup, at construction, on every rank: `hf_upipe.runtime.UPipeRuntime.setup` checks the settings against the
    launch and the model (sp_size, heads, kv heads, heads_per_chunk, kernel, checkpointing for offload/auto, a
    writable output_dir when checkpoints are saved; before `Trainer.__init__`, `hf_upipe.trainer_checks`) and raises
-   the same error on every rank before training; then auto settings, the SP groups (P neighbouring ranks, DP
-   across them), the fused block and the tiled MLP. Each training step runs inside `offload_checkpoints` (offload
+   the same error on every rank before training (model_offload='cpu' without FSDP2 too); then auto settings,
+   the SP groups (P neighbouring ranks, DP across them), the fused block and the tiled MLP; with
+   model_offload='cpu', accelerate's FSDP2 plugin gets the host-offload policy
+   (`hf_upipe.integrations.model_offload`). Each training step runs inside `offload_checkpoints` (offload
    'cpu'/'disk');
 2. data: the Trainer's own dataloaders, with accelerate's batch sharding re-pointed from W processes to the
    dp_size SP groups (`hf_upipe.integrations.loaders`), so sampler seeding, epochs and `skip_first_batches` on
@@ -56,6 +58,11 @@ from transformers.trainer_utils import EvalLoopOutput
 from hf_upipe.config import UPipeConfig, check_config
 from hf_upipe.integrations.liger import apply_liger
 from hf_upipe.integrations.loaders import share_batches_within_sp
+from hf_upipe.integrations.model_offload import (
+    apply_model_offload,
+    check_model_offload,
+    trainer_fsdp_version,
+)
 from hf_upipe.integrations.parallelism import find_parallelism, uses_deepspeed
 from hf_upipe.integrations.predictions import (
     PredictionRecorder,
@@ -143,6 +150,7 @@ class UPipeTrainer(Trainer):
         deepspeed = uses_deepspeed(args)
         # before transformers creates the output folder (main rank only) and accelerate its groups or DeepSpeed SP
         args = early_checks(args, config, parallelism, world, deepspeed)
+        check_model_offload(config, fsdp_version=trainer_fsdp_version(args), deepspeed=deepspeed)
         # Liger is applied here, before prepare_model, not again by Trainer.train (hf_upipe.integrations.liger)
         self._liger = getattr(args, "use_liger_kernel", False)
         if self._liger:
@@ -173,6 +181,8 @@ class UPipeTrainer(Trainer):
             parallelism=parallelism,
             deepspeed=deepspeed,
         )
+        if self.is_fsdp_enabled:  # before train() prepares (shards) the model
+            apply_model_offload(self.accelerator.state.fsdp_plugin, self.upipe.config)
         self._metrics_checks(world)
         self._stats = {"tokens": 0, "since": None}
 
