@@ -27,7 +27,7 @@ Modules:
 - ``loss``: the tiled loss of a model's shard; ``predictions``: per-token predictions of a shard for metrics;
   ``loaders``: accelerate loaders under SP; ``parallelism``: accelerate's ``ParallelismConfig``; ``peft``: the
   base model of a PEFT model; ``zero3``: whole weights under DeepSpeed ZeRO-3 for the fused block, the tiled MLP
-  and the tiled loss.
+  and the tiled loss; ``model_offload``: FSDP2's host offload of the model's state (``model_offload='cpu'``).
 - ``accelerate``: re-exports ``UPipePlugin`` for older imports; it lives in ``hf_upipe.plugin`` (layer 3, beside
   the trainer: both build on ``UPipeRuntime``).
 """

@@ -2,7 +2,8 @@
 
 Entry points:
 - `Estimator(config, *, world, sp_size, dtype, exact, lora=None)`: called with (settings, seq_len), the tensor peak
-  by category; `Estimator.reserved(settings, seq_len, mode)`, the caching allocator's predicted reserve.
+  by category; `Estimator.reserved(settings, seq_len, mode)`, the caching allocator's predicted reserve;
+  `Estimator.host(settings, seq_len)`, the host memory of the model's state under model_offload='cpu' (0 else).
 
 A simulation is one FSDP2 training step of the real model code on fake tensors in a fake world of `world` ranks
 (`hf_upipe.planning.reserved.step_reserved`), with 3 and with 4 decoder layers; every category of the peak is
@@ -95,6 +96,17 @@ class Estimator:
         extra = self.layers - 4
         out = {c: c4.get(c, 0) + extra * (c4.get(c, 0) - c3.get(c, 0)) for c in CATEGORIES}
         return {c: v for c, v in out.items() if v}
+
+    def host(self, settings: StepSettings, seq_len: int) -> int:
+        """Host memory per GPU of the model's state with model_offload='cpu' (the simulated step's host peak:
+        parameter and gradient shards, AdamW's states and its step), extrapolated to the depth; 0 without it."""
+        if settings.model_offload == "none":
+            return 0
+        if self.exact or self.layers <= 4:
+            return self._step(settings, seq_len, self.layers)["host_peak"]
+        h3 = self._step(settings, seq_len, 3)["host_peak"]
+        h4 = self._step(settings, seq_len, 4)["host_peak"]
+        return h4 + (self.layers - 4) * (h4 - h3)
 
     def reserved(self, settings: StepSettings, seq_len: int, mode: str) -> int:
         """The allocator's predicted `max_memory_reserved` (hf_upipe.planning.reserved: depth rule)."""

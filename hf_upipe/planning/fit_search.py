@@ -63,13 +63,18 @@ def longest_fit(
     need: Requirement, rung: StepSettings, *, limit: int, step: int, max_seq_len: int
 ) -> int:
     """The longest multiple of `step` (up to `max_seq_len`) at which `rung` needs at most `limit` bytes of GPU memory
-    and its offloaded checkpoints fit the host memory; 0 if not even `step` fits."""
+    and its offloaded checkpoints (and model state, model_offload='cpu') fit the host memory; 0 if not even `step`
+    fits."""
     steps = max_seq_len // step
     per_step = (
         host_bytes(need.config, rung, step, need.sp_size, need.dtype) * need.gpus
     )  # host memory is linear in the length
-    if need.host is not None and per_step:
-        steps = min(steps, need.host // per_step)
+    fixed = (
+        need.estimate.host(rung, step) * need.gpus
+    )  # the model's state: the same at every length
+    if need.host is not None and (per_step or fixed):
+        steps = min(steps, max(0, need.host - fixed) // per_step if per_step else steps)
+        steps = 0 if fixed > need.host else steps
     return search_max(lambda length: need(rung, length), limit, step, steps)
 
 

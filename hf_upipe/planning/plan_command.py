@@ -128,6 +128,13 @@ def _add_step_settings(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="fix whether the fused block's all-to-alls are overlapped instead of choosing it",
     )
+    parser.add_argument(
+        "--model-offload",
+        choices=("cpu", "none"),
+        help="fix FSDP2's host offload of the parameter, gradient and optimizer shards (UPIPE_MODEL_OFFLOAD) "
+        "instead of choosing it (default: chosen where nothing else fits, and for --max where it lengthens "
+        "the fit at under 2%% of the predicted step)",
+    )
     parser.add_argument("--mlp-chunk-tokens", type=int)
     parser.add_argument("--loss-chunk-tokens", type=int)
 
@@ -268,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
             headroom=args.headroom,
             ring_size=args.ring,
             lora=None if not args.lora_rank else (args.lora_rank, args.lora_targets.split(",")),
+            model_offload=args.model_offload,
         )
     except ValueError as err:
         print(f"hf-upipe plan: error: {err}", file=sys.stderr)

@@ -62,6 +62,8 @@ def describe(settings) -> str:
         if settings.offload == "cpu"
         else "checkpoints kept on the GPU"
     )
+    if settings.model_offload == "cpu":
+        parts.append("model state offloaded to host (parameters, gradients, AdamW step)")
     return ", ".join(parts)
 
 
@@ -118,6 +120,21 @@ def _host_line(plan) -> str:
     )
 
 
+def _model_host_line(plan) -> str:
+    """The host memory the model's state takes with model_offload='cpu' (checked with the checkpoints')."""
+    total = (plan.host_bytes_per_gpu + plan.model_host_bytes) * plan.gpus
+    host = (
+        " (--host-memory checks it)"
+        if plan.host_memory is None
+        else f", {_gib(total)} GiB per node with the checkpoints, of {_gib(plan.host_memory)} GiB"
+        + ("" if plan.host_fits else ": DOES NOT FIT")
+    )
+    return (
+        f"host memory for the model's state (model offload: fp32 parameter and gradient shards, AdamW's states "
+        f"and step): {_gib(plan.model_host_bytes)} GiB per GPU{host}"
+    )
+
+
 def _tried_lines(plan) -> list[str]:
     """The settings the planner judged, fastest first, with their step time and memory."""
     lines = [
@@ -162,6 +179,8 @@ def format_plan(plan) -> str:
     lines += _memory_lines(plan)
     if plan.host_bytes_per_gpu:
         lines.append(_host_line(plan))
+    if plan.model_host_bytes:
+        lines.append(_model_host_line(plan))
     if plan.step_time is not None:
         t = plan.step_time
         lines.append(
@@ -245,6 +264,8 @@ def launch_lines(plan) -> list[str]:
         env["UPIPE_FUSED_BACKWARD"] = cfg.fused_backward
     if cfg.overlap_comm:
         env["UPIPE_OVERLAP_COMM"] = "true"
+    if cfg.model_offload != "none":
+        env["UPIPE_MODEL_OFFLOAD"] = cfg.model_offload
     if cfg.ring_size > 1:
         env["UPIPE_RING_SIZE"] = cfg.ring_size
     for name in ("mlp_chunk_tokens", "loss_chunk_tokens"):
@@ -265,6 +286,7 @@ def launch_lines(plan) -> list[str]:
         ]
         + (["fused_backward"] if "UPIPE_FUSED_BACKWARD" in env else [])
         + (["overlap_comm"] if cfg.overlap_comm else [])
+        + (["model_offload"] if cfg.model_offload != "none" else [])
         + (["ring_size"] if cfg.ring_size > 1 else [])
     )
     fields = ", ".join(f"{k}={getattr(cfg, k)!r}" for k in names if getattr(cfg, k) is not None)

@@ -97,6 +97,9 @@ class Plan:
     allowance: int = 0
     allocator: str = "default"  # the allocator mode predicted ("default" or "expandable" segments)
     correction: dict | None = None  # the stored calibration applied (hf-upipe calibrate), or None
+    model_host_bytes: int = (
+        0  # host memory per GPU of the model's state (model_offload='cpu'), simulated
+    )
 
     @property
     def usable(self) -> int:
@@ -122,7 +125,8 @@ class Plan:
 
     @property
     def host_fits(self) -> bool:
-        return self.host_memory is None or self.host_bytes_per_gpu * self.gpus <= self.host_memory
+        per_gpu = self.host_bytes_per_gpu + self.model_host_bytes
+        return self.host_memory is None or per_gpu * self.gpus <= self.host_memory
 
     @property
     def fits(self) -> bool:
@@ -150,6 +154,7 @@ class Plan:
             offload=s.offload,
             fused_backward=s.fused_backward,
             overlap_comm=s.overlap,
+            model_offload=s.model_offload,
         )
 
     def to_dict(self) -> dict:
@@ -174,6 +179,7 @@ class Plan:
             "required": self.required,
             "fits": self.fits,
             "host_bytes_per_gpu": self.host_bytes_per_gpu,
+            "model_host_bytes_per_gpu": self.model_host_bytes,
             "exact": self.exact,
             "seconds": self.seconds,
             "max_seq_len": self.max_seq_len,

@@ -34,6 +34,12 @@ fits. A variant whose rung does not fit is not simulated (it needs at least the 
 the longest length the last rung fits is searched (in steps of `step` tokens), then the fastest candidate that fits
 that length is chosen. The sequence-parallel degree defaults to the GPUs of one node; FSDP2 shards the model over
 all GPUs.
+
+Model offload (`model_offload`; `StepSettings.model_offload`, FSDP2's host offload of the parameter, gradient and
+optimizer shards): None (default) adds every candidate again with it, after the others, so it is chosen only
+where nothing without it fits (it is slower: the AdamW step on the host). With `max_context` the longest length is
+then searched with it; if it costs `MODEL_OFFLOAD_MAX_COST` (2%) of the predicted step or more there, the search
+is redone without it. "cpu" or "none" fixes it.
 """
 
 from __future__ import annotations
@@ -73,6 +79,9 @@ __all__ = [
 ]
 
 DEFAULT_HEADROOM = 0.05  # share of each GPU a plan keeps free beyond its margin (--headroom)
+MODEL_OFFLOAD_MAX_COST = (
+    0.02  # the share of the predicted step model offload may cost when the planner chooses it
+)
 DEFAULT_HOST_MEMORY = (
     "2TiB"  # host memory of one node offloaded checkpoints may use (--host-memory): a DGX H100
 )
@@ -111,6 +120,7 @@ def plan(
     gpu: GPU = H100_SXM,
     ring_size: int = 1,
     allocator: str | None = None,
+    model_offload: str | None = None,
 ) -> Plan:
     """Plan a training run (see the module docstring).
 
@@ -137,6 +147,8 @@ def plan(
         gpu: the hardware figures of the predicted step time (`hf_upipe.planning.step_time.H100_SXM` by default).
         lora: None plans a full fine-tune (fp32 master weights, gradients and AdamW states for every parameter);
             (rank, target module names) plans LoRA: the frozen base in `dtype`, fp32 adapters, AdamW on them.
+        model_offload: None lets the planner choose FSDP2's host offload of the model's state (the module
+            docstring); "cpu" or "none" fixes it (also over given `settings`).
 
     Raises:
         ValueError: with the numbers and the fix, for sizes that cannot work (heads not dividing the SP degree, a
@@ -148,22 +160,38 @@ def plan(
     _check_length(seq_len, max_context, unit=unit, sp=sp, ring_size=ring_size)
     gpu_bytes, limit, mode = _check_memory(gpu_memory, headroom, allocator)
     estimate = Estimator(config, world=world, sp_size=sp, dtype=dtype, exact=exact, lora=lora)
-    pairs = _pairs(config, settings, sp // ring_size, impl, ring_size)
+    if settings is not None and model_offload is None:  # fixed settings: their own model_offload
+        model_offload = settings.model_offload
+    pairs = _with_model_offload(
+        _pairs(config, settings, sp // ring_size, impl, ring_size), model_offload
+    )
     host = None if host_memory is None else parse_size(host_memory)
     need = Requirement(name, estimate, margin=margin, mode=mode, gpus=gpus, host=host)
-    step, longest = math.lcm(step, unit), None
-    if max_context:
-        longest = longest_fit(
-            need, last_rung(pairs), limit=limit, step=step, max_seq_len=max_seq_len
-        )
-        seq_len = longest or step if seq_len is None else seq_len
-
     predict = functools.partial(  # the predicted step time of settings at a length
         step_time, config, sp_size=sp, world=world, gpus_per_node=gpus, lora=estimate.lora, gpu=gpu
     )
-    chosen, tried = fastest_fit(
-        need, pairs, lambda s, n: predict(s, seq_len=n).seconds, limit=limit, seq_len=seq_len
+    search = functools.partial(
+        _search,
+        need,
+        predict=predict,
+        limit=limit,
+        step=math.lcm(step, unit),
+        max_seq_len=max_seq_len,
     )
+    longest, length, chosen, tried = search(pairs, seq_len, max_context)
+    cost = _model_offload_cost(predict, chosen, length)
+    if (
+        model_offload is None
+        and max_context
+        and cost is not None
+        and cost >= MODEL_OFFLOAD_MAX_COST
+    ):
+        pairs = [
+            p for p in pairs if p[0].model_offload == "none"
+        ]  # too dear: the longest without it
+        longest, length, chosen, tried = search(pairs, seq_len, max_context)
+    seq_len = length
+    notes = [] if cost is None else [_model_offload_note(cost, chosen)]
     return _plan_of(
         need,
         chosen,
@@ -176,6 +204,63 @@ def plan(
         headroom=headroom,
         step_time=predict(chosen, seq_len=seq_len),
         gpu=gpu,
+        extra_notes=notes,
+    )
+
+
+def _search(need, pairs, seq_len, max_context, *, predict, limit, step, max_seq_len):
+    """(longest or None, the length judged, the fastest candidate that fits it, what was tried): with
+    `max_context`, the longest length the last rung fits first (`seq_len`, if given, is judged instead)."""
+    longest = None
+    if max_context:
+        longest = longest_fit(
+            need, last_rung(pairs), limit=limit, step=step, max_seq_len=max_seq_len
+        )
+        seq_len = longest or step if seq_len is None else seq_len
+    chosen, tried = fastest_fit(
+        need, pairs, lambda s, n: predict(s, seq_len=n).seconds, limit=limit, seq_len=seq_len
+    )
+    return longest, seq_len, chosen, tried
+
+
+def _with_model_offload(pairs: list, model_offload: str | None) -> list:
+    """The (candidate, rung) pairs for `model_offload`: all with it ("cpu"), none ("none"), or (None: the planner
+    chooses) each pair again with it after all the others; never for DeepSpeed's peer (ZeRO-3 runs it)."""
+    if model_offload not in (None, "none", "cpu"):
+        raise ValueError(
+            f"model_offload={model_offload!r}: choose 'none', 'cpu' or None (the planner chooses)"
+        )
+
+    def offloaded(pair):
+        return tuple(dataclasses.replace(s, model_offload="cpu") for s in pair)
+
+    deepspeed = any(c.impl == "deepspeed" for c, _ in pairs)
+    if model_offload == "cpu" and deepspeed:
+        raise ValueError(
+            "model_offload='cpu' is FSDP2's host offload; DeepSpeed's Ulysses runs under ZeRO-3, whose own "
+            "offload this planner does not model: leave --model-offload out with --impl deepspeed."
+        )
+    if model_offload == "cpu":
+        return [offloaded(p) for p in pairs]
+    if model_offload == "none" or deepspeed:
+        return [tuple(dataclasses.replace(s, model_offload="none") for s in p) for p in pairs]
+    return pairs + [offloaded(p) for p in pairs if p[0].model_offload == "none"]
+
+
+def _model_offload_cost(predict, chosen: StepSettings, seq_len: int) -> float | None:
+    """The share of the predicted step that model offload adds to `chosen` (None when it is not chosen)."""
+    if chosen.model_offload != "cpu":
+        return None
+    with_it = predict(chosen, seq_len=seq_len).seconds
+    without = predict(dataclasses.replace(chosen, model_offload="none"), seq_len=seq_len).seconds
+    return with_it / without - 1
+
+
+def _model_offload_note(cost: float, chosen: StepSettings) -> str:
+    return (
+        f"model offload (FSDP2's host offload of the parameter, gradient and optimizer shards) costs a predicted "
+        f"{cost:.2%} of the step"
+        + ("" if chosen.model_offload == "cpu" else "; not chosen (over 2%)")
     )
 
 
@@ -262,7 +347,7 @@ def _plan_of(need: Requirement, chosen: StepSettings, seq_len: int, **fields) ->
         [f"the fused attention block is not planned: {why}"]
         if (chosen.impl == "upipe" and arch is not None and arch.fused and why is not None)
         else []
-    )
+    ) + fields.pop("extra_notes", [])
     return Plan(
         model=need.name,
         config=config,
@@ -279,6 +364,7 @@ def _plan_of(need: Requirement, chosen: StepSettings, seq_len: int, **fields) ->
         dtype=need.dtype,
         exact=estimate.exact,
         host_memory=need.host,
+        model_host_bytes=estimate.host(chosen, seq_len),
         lora=estimate.lora,
         notes=notes,
         **fields,

@@ -76,8 +76,9 @@ class Requirement:
         return self.allowance.bytes(self.config, settings, length, self.sp_size)
 
     def host_ok(self, settings: StepSettings, length: int) -> bool:
-        """Whether the offloaded checkpoints of all of a node's GPUs fit its host memory."""
+        """Whether the offloaded checkpoints and model state (model_offload='cpu') of all of a node's GPUs fit its
+        host memory."""
         if self.host is None:
             return True
         per_gpu = host_bytes(self.config, settings, length, self.sp_size, self.dtype)
-        return per_gpu * self.gpus <= self.host
+        return (per_gpu + self.estimate.host(settings, length)) * self.gpus <= self.host

@@ -64,6 +64,9 @@ def step_reserved(model_config, settings, **kw) -> dict:
     return {
         "by_category": result["by_category"],
         "peak": result["peak"],
+        "host_peak": result.get(
+            "host_peak", 0
+        ),  # model_offload='cpu': the model's state in host memory
         "reserved": {mode: replay(events, mode == "expandable").max_reserved for mode in MODES},
     }
 

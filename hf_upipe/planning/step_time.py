@@ -32,6 +32,11 @@ step is):
 - Overlapped with the layer's compute (the larger of the two counts): FSDP2's all-gathers (bf16 weights, forward
   and backward) and reduce-scatters (fp32 gradients); the offloaded input's copies over PCIe.
 - Per step: the lm_head and loss (three GEMMs, two for a frozen head), AdamW over the local shard (HBM-bound).
+- With `model_offload='cpu'` (FSDP2's host offload), instead of the GPU's AdamW: AdamW on the host over the local
+  shard (`HOST_ADAMW_SECONDS_PER_PARAM`, exposed: it runs after the backward), and the copies over the host link
+  (`HOST_LINK_BYTES_PER_S` per GPU): each layer's parameter shard to the GPU twice (forward and backward
+  all-gathers; fp32, a LoRA base in the compute dtype) and its fp32 gradient shard back, overlapped with the
+  layer's compute like the checkpoint offload's copies; the root's (embeddings, lm_head) exposed.
 Not modelled: kernel launch latency, small-message all-to-all latency, the optimizer's all-reduce of the loss,
 memory-allocator stalls. Calibrate `EFFICIENCY` on a GPU before trusting absolute seconds; the ratios between
 settings depend mostly on the counts.
@@ -102,6 +107,18 @@ class Efficiency:
 
 
 EFFICIENCY = Efficiency()
+
+# Host AdamW (model_offload='cpu'), seconds per parameter of a GPU's shard, on the host cores that GPU gets.
+# Measured: torch 2.13's CPU AdamW (fp32, foreach) takes 4.65 ns per parameter on one core of this project's
+# build machine (an Intel Xeon VM, 2^24 parameters, best of 5: see docs/memory-stack.md for the command). Assumed:
+# a DGX H100's 112 cores over 8 GPUs give each 14 cores, of which the memory-bound step reaches about a third of
+# linear scaling: 4.65 / (14 / 3) ~ 1.0 ns per parameter (28 bytes moved per parameter at 1 ns: 28 GB/s per GPU,
+# 224 GB/s per node, within two sockets' DDR5). DeepSpeed's CPU Adam (AVX-512) is faster than torch's.
+HOST_ADAMW_SECONDS_PER_PARAM = 1.0e-9
+# Host <-> GPU copies of the model offload, bytes/s per GPU per direction: PCIe Gen5 x16 is 64 GB/s, but the 8 GPUs
+# of a node share the host's PCIe switches and memory bandwidth (and the checkpoint offload's copies); 25 GB/s
+# effective per GPU is assumed, not measured.
+HOST_LINK_BYTES_PER_S = 25e9
 
 # tokens/s per GPU, Llama3-8B on 8 x H100 (the paper's project page; ../shared/reference/upipe-method.md section 3)
 PAPER_ULYSSES_TOKENS_PER_S = {
@@ -294,6 +311,14 @@ def _ring_seconds(
     return max(0.0, t_ring - t_attention * (R - 1) / R)
 
 
+def _host_copy_bytes(params: int, world: int, frozen: bool) -> float:
+    """Bytes a GPU copies over the host link per step for `params` parameters under FSDP2's host offload: its shard
+    in for the forward's and the backward's all-gathers (fp32; a frozen LoRA base in bf16), the fp32 gradient
+    shard out (none for a frozen base)."""
+    shard = params / world
+    return 2 * shard * (2 if frozen else 4) + (0 if frozen else shard * 4)
+
+
 def step_time(
     config,
     settings,
@@ -363,6 +388,11 @@ def step_time(
     gathered = 2 * layer_params * 2 * share + (0 if frozen else layer_params * 4 * share)
     t_fsdp = gathered / ((gpu.nvlink if world <= gpus_per_node else gpu.network) * eff.gather)
     t_offload = 2 * s * Dm * 2 / (gpu.pcie * eff.pcie) if settings.offload == "cpu" else 0.0
+    model_offload = getattr(settings, "model_offload", "none") == "cpu"
+    if (
+        model_offload
+    ):  # the layer's shard in twice (fp32; a LoRA base in bf16), its gradient shard out once
+        t_offload += _host_copy_bytes(layer_params, world, frozen) / HOST_LINK_BYTES_PER_S
     compute = t_gemm + t_attention + t_a2a + t_ring
     hidden_behind = max(compute, t_fsdp, t_offload) - compute
 
@@ -373,6 +403,11 @@ def step_time(
     t_optimizer = (
         trained / world * 16 * 2 / (gpu.hbm * eff.hbm)
     )  # fp32 master, grad, m, v read and written
+    if (
+        model_offload
+    ):  # the step on the host; the root's copies (embeddings, lm_head) are not hidden
+        t_optimizer = trained / world * HOST_ADAMW_SECONDS_PER_PARAM
+        t_optimizer += _host_copy_bytes(2 * Dm * V, world, frozen) / HOST_LINK_BYTES_PER_S
     parts = {
         "gemm": L * t_gemm,
         "attention": L * t_attention,

@@ -8,7 +8,10 @@ Entry points:
 * `checkpoint_label()`: `storage_label("checkpoints")`, the planner's restore context for the offload.
 * `allocation_stream(name)`: a context manager; storages created inside are logged as allocated on stream `name`
   by trackers with ``record_events`` (`hf_upipe.planning.alloc_trace`).
-* `LABEL_OVERRIDE` / `STREAM`: the stacks of those names, innermost last, which `hf_upipe.planning.tracker` reads.
+* `host_memory()`: a context manager; storages created (or `track`-ed) inside are host memory: trackers count them
+  apart from the device (`MemoryTracker.host_bytes`), as FSDP2's host offload keeps the model's state there.
+* `LABEL_OVERRIDE` / `STREAM` / `HOST`: the stacks of those scopes, innermost last, which `hf_upipe.planning.tracker`
+  reads.
 """
 
 from __future__ import annotations
@@ -16,10 +19,19 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-__all__ = ["LABEL_OVERRIDE", "STREAM", "allocation_stream", "checkpoint_label", "storage_label"]
+__all__ = [
+    "HOST",
+    "LABEL_OVERRIDE",
+    "STREAM",
+    "allocation_stream",
+    "checkpoint_label",
+    "host_memory",
+    "storage_label",
+]
 
 LABEL_OVERRIDE: list[str] = []  # the label of storages created now, innermost last
 STREAM: list[str] = []  # the stream allocations are made on, innermost last
+HOST: list[bool] = []  # non-empty: storages created now are host memory
 
 
 def checkpoint_label():
@@ -46,3 +58,13 @@ def allocation_stream(name: str) -> Iterator[None]:
         yield
     finally:
         STREAM.pop()
+
+
+@contextlib.contextmanager
+def host_memory() -> Iterator[None]:
+    """Storages created (or `track`-ed) inside are host memory: trackers count them apart from the device."""
+    HOST.append(True)
+    try:
+        yield
+    finally:
+        HOST.pop()

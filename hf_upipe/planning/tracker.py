@@ -9,6 +9,12 @@ Entry points:
 * :func:`storage_label`: a context manager naming the label of the storages created inside it, over any labeler
   (code that knows what it allocates, such as the offload's copy back of a checkpoint, says so); with
   :func:`checkpoint_label` and :func:`allocation_stream`, defined in `hf_upipe.planning.storage_labels`.
+* :func:`host_memory` (from `hf_upipe.planning.storage_labels`) and :func:`to_host`: host memory apart from the
+  device. Storages created (or :meth:`MemoryTracker.track` -ed) inside ``host_memory()`` count in
+  :attr:`MemoryTracker.host_bytes` / :attr:`MemoryTracker.host_peak_bytes`, never in the device's counters or
+  events; ``to_host(*tensors)`` moves tracked device storages there (a copy to the host and the device's copy freed,
+  as FSDP2's host offload does with each reduced gradient shard). This is how a CPU step (real or simulated), where
+  the host and the device are the same memory, accounts for what a GPU keeps on the host.
 * :data:`GiB` / :data:`MiB`: byte units for reporting.
 
 What is counted, exactly:
@@ -55,10 +61,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 from hf_upipe.planning.storage_labels import (
+    HOST,
     LABEL_OVERRIDE,
     STREAM,
     allocation_stream,
     checkpoint_label,
+    host_memory,
     storage_label,
 )
 
@@ -69,7 +77,9 @@ __all__ = [
     "StorageRecord",
     "allocation_stream",
     "checkpoint_label",
+    "host_memory",
     "storage_label",
+    "to_host",
 ]
 
 GiB: int = 2**30
@@ -91,6 +101,13 @@ def _tracked_resize(storage, size):
     for tracker in list(_ACTIVE):
         tracker._on_resize(storage)
     return out
+
+
+def to_host(*tensors: torch.Tensor) -> None:
+    """In every active tracker: the tracked device storages of `tensors` become host memory (see the module
+    docstring)."""
+    for tracker in list(_ACTIVE):
+        tracker.move_to_host(*tensors)
 
 
 def _inner_tensors(leaves) -> Iterator[torch.Tensor]:
@@ -176,6 +193,11 @@ class MemoryTracker(TorchDispatchMode):
         self._peak_labels: dict[str, int] = {}
         self.phase_peaks: dict[str, int] = {}
         self._live: dict[int, int] = {}  # storage key -> nbytes
+        self._host_live: dict[
+            int, int
+        ] = {}  # host memory: storage key -> nbytes (`host_memory`, `to_host`)
+        self._host_current = 0
+        self._host_peak = 0
         self._records: dict[int, StorageRecord] = {}  # only with snapshot_at_peak
         self._current = 0
         self._peak = 0
@@ -194,6 +216,26 @@ class MemoryTracker(TorchDispatchMode):
     def peak_bytes(self) -> int:
         """Highest ``current_bytes`` since the tracker was created or :meth:`reset_peak` was last called."""
         return self._peak
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of live host-memory storages (`host_memory`, `to_host`), not in ``current_bytes``."""
+        return self._host_current
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """Highest ``host_bytes`` since the tracker was created."""
+        return self._host_peak
+
+    def move_to_host(self, *tensors: torch.Tensor) -> None:
+        """The tracked device storages of `tensors` become host memory (freed on the device, at the same size)."""
+        for t in _inner_tensors(tensors):
+            found = _storage_key(t)
+            if found is None or found[0] not in self._live:
+                continue
+            with self._lock:
+                nbytes = self._drop_device(found[0])
+                self._add_host(found[0], nbytes)
 
     @property
     def num_live_storages(self) -> int:
@@ -255,14 +297,15 @@ class MemoryTracker(TorchDispatchMode):
     def track(self, *tensors: torch.Tensor) -> None:
         """Counts already existing tensors (inputs, parameters) as if they had been created inside the tracker.
 
-        Storages that are already tracked, and tensors without a storage, are ignored.
+        Storages that are already tracked, and tensors without a storage, are ignored. Inside ``host_memory()``
+        they count as host memory.
 
         Args:
             *tensors: Tensors whose storages should be counted until they are freed.
         """
         for t in _inner_tensors(tensors):
             found = _storage_key(t)
-            if found is not None and found[0] not in self._live:
+            if found is not None and found[0] not in self._live and found[0] not in self._host_live:
                 self._add(found[0], found[1], t, "track")
 
     def summary(self) -> str:
@@ -274,6 +317,11 @@ class MemoryTracker(TorchDispatchMode):
     # ------------------------------------------------------------------ bookkeeping
     def _add(self, key: int, storage: torch.UntypedStorage, t: torch.Tensor, op: str) -> None:
         nbytes = storage.nbytes()
+        if HOST:
+            with self._lock:
+                self._add_host(key, nbytes)
+            weakref.finalize(storage, self._free, key).atexit = False
+            return
         with self._lock:
             self._live[key] = nbytes
             self._log_alloc(key, nbytes)
@@ -320,19 +368,30 @@ class MemoryTracker(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         with self._lock:
-            if key not in self._live:
-                return
-            if self._snapshot_pending:
-                # The live set only grew since the last peak, so it *is* the live set at the peak.
-                self._take_snapshot()
-            nbytes = self._live.pop(key)
-            if self.events is not None:
-                self.events.append(("f", key))
-            self._current -= nbytes
-            self._records.pop(key, None)
-            label = self._label_of.pop(key, None)
-            if label is not None:
-                self._label_bytes[label] -= nbytes
+            if key in self._host_live:
+                self._host_current -= self._host_live.pop(key)
+            elif key in self._live:
+                self._drop_device(key)
+
+    def _add_host(self, key: int, nbytes: int) -> None:
+        self._host_live[key] = nbytes
+        self._host_current += nbytes
+        self._host_peak = max(self._host_peak, self._host_current)
+
+    def _drop_device(self, key: int) -> int:
+        """Removes a live device storage from the device's counts (a free); its bytes."""
+        if self._snapshot_pending:
+            # The live set only grew since the last peak, so it *is* the live set at the peak.
+            self._take_snapshot()
+        nbytes = self._live.pop(key)
+        if self.events is not None:
+            self.events.append(("f", key))
+        self._current -= nbytes
+        self._records.pop(key, None)
+        label = self._label_of.pop(key, None)
+        if label is not None:
+            self._label_bytes[label] -= nbytes
+        return nbytes
 
     def _take_snapshot(self) -> None:
         if self.snapshot_at_peak:
@@ -362,7 +421,7 @@ class MemoryTracker(TorchDispatchMode):
         key = storage._cdata
         if key in self._live:
             self._resize(key, storage)
-        elif storage.nbytes() > 0:
+        elif storage.nbytes() > 0 and key not in self._host_live:
             self._add(
                 key,
                 storage,
@@ -392,6 +451,6 @@ class MemoryTracker(TorchDispatchMode):
             key, storage = found
             if key in self._live:
                 self._resize(key, storage)  # no-op unless an in-place op / out= changed its size
-            elif key not in inputs and not _pinned_host(t):
+            elif key not in inputs and key not in self._host_live and not _pinned_host(t):
                 self._add(key, storage, t, str(func))
         return out

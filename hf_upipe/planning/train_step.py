@@ -38,7 +38,9 @@ from hf_upipe.planning.tracker import (
     MemoryTracker,
     allocation_stream,
     checkpoint_label,
+    host_memory,
     storage_label,
+    to_host,
 )
 
 __all__ = ["CATEGORIES", "StepSettings", "measure_train_step", "simulate_train_step"]
@@ -57,6 +59,8 @@ class StepSettings:
         tiled_mlp: tile the MLPs and RMSNorms over `mlp_chunk_tokens` (None: `hidden_size` tokens).
         tiled_loss: compute the loss in chunks of `loss_chunk_tokens` (None: about 256 MiB of fp32 logits).
         offload: "none" or "cpu": checkpointed layer inputs go to host memory (the last layer's stays).
+        model_offload: "none" or "cpu": FSDP2's host offload (`UPipeConfig.model_offload`): the parameter shards,
+            the reduced gradient shards, AdamW's states and its step in host memory (`_host_model_state`).
         fused_backward: the fused block's backward mode, "recompute" (least memory) or "save" (`UPipeConfig`).
         overlap: the fused block's all-to-alls issued one stage ahead (`UPipeConfig.overlap_comm`).
         ring_size: ring attention across R ring shards of the SP group (`UPipeConfig.ring_size`; our impls only):
@@ -73,6 +77,7 @@ class StepSettings:
     fused_backward: str = "recompute"
     overlap: bool = False
     ring_size: int = 1
+    model_offload: str = "none"
 
     def __post_init__(self):
         if self.impl not in MODEL_IMPLEMENTATIONS:
@@ -82,6 +87,8 @@ class StepSettings:
                 f"offload={self.offload!r}: the planner models 'none' or 'cpu' (disk: like cpu on the "
                 "device, without the host memory)"
             )
+        if self.model_offload not in ("none", "cpu"):
+            raise ValueError(f"model_offload={self.model_offload!r}: choose 'none' or 'cpu'")
         if self.fused_backward not in ("recompute", "save"):
             raise ValueError(
                 f"fused_backward={self.fused_backward!r}: choose 'recompute' or 'save'"
@@ -132,6 +139,61 @@ def _fsdp_labels(model) -> contextlib.ExitStack:
     return stack
 
 
+@contextlib.contextmanager
+def _host_model_state(model, model_offload: str):
+    """With model_offload='cpu', what a GPU does under FSDP2's `CPUOffloadPolicy` that a CPU step cannot show, since
+    its host and device are the same memory: each parameter shard's copy to the device before its all-gather (a
+    `clone` where the CPU's `.to(device)` returns the shard itself; freed once cast or gathered, as on the GPU), and
+    each reduced gradient shard moved to host memory after its group's post-backward (`to_host`: the GPU copies it
+    to the host and frees the device's). Nothing with 'none'."""
+    if model_offload != "cpu":
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _to_dtype_if_needed
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
+
+    original = FSDPParam.all_gather_inputs
+
+    def all_gather_inputs(self):
+        if self.sharded_state != ShardedState.SHARDED or hasattr(
+            self._sharded_local_tensor, "fsdp_pre_all_gather"
+        ):
+            return original.fget(self)
+        return [_to_dtype_if_needed(self._sharded_param_data.clone(), self.param_dtype)]
+
+    groups = []
+    for module in model.modules():
+        group = (
+            module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        )
+        if group is not None:
+            groups.append((group, group.__dict__.get("post_backward")))
+
+            def post_backward(*args, _group=group, _original=group.post_backward, **kwargs):
+                out = _original(*args, **kwargs)
+                to_host(
+                    *(
+                        p.sharded_param.grad
+                        for p in _group.fsdp_params
+                        if p.sharded_param.grad is not None
+                    )
+                )
+                return out
+
+            group.post_backward = post_backward
+    FSDPParam.all_gather_inputs = property(all_gather_inputs)
+    try:
+        yield
+    finally:
+        FSDPParam.all_gather_inputs = original
+        for group, previous in groups:  # the wrapper of `_fsdp_labels` again, or the class method
+            if previous is None:
+                del group.post_backward
+            else:
+                group.post_backward = previous
+
+
 def fsdp_mesh():
     """The 1-D FSDP mesh over all ranks (built outside fake mode: it reads tensor values)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -139,17 +201,21 @@ def fsdp_mesh():
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-def _shard(model, dtype: torch.dtype, mesh) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _shard(model, dtype: torch.dtype, mesh, model_offload: str = "none") -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     mp = (
         MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         if dtype != torch.float32
         else MixedPrecisionPolicy()
     )
+    # the policy a run gets (hf_upipe.integrations.model_offload), unpinned: fake tensors cannot be pinned
+    offload = (
+        {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if model_offload == "cpu" else {}
+    )
     for layer in _cat.decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, **offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, **offload)
 
 
 def _local(tensors) -> list[torch.Tensor]:
@@ -205,17 +271,18 @@ def _step_inputs(rank: int, s: int, sp_size: int, ring_size: int) -> tuple[dict,
     return inputs, labels
 
 
-def _track_static(tracker: MemoryTracker, model, optimizer) -> dict:
-    """Tracks this rank's parameter and optimizer-state shards, already there when the step starts: their bytes."""
+def _track_static(tracker: MemoryTracker, model, optimizer, on_host: bool = False) -> dict:
+    """Tracks this rank's parameter and optimizer-state shards, already there when the step starts (in host memory
+    when `on_host`): their bytes."""
     static = {}
     for label, tensors in (
         ("parameters", list(model.parameters())),
         ("optimizer", [t for st in optimizer.state.values() for t in st.values()]),
     ):
-        before = tracker.current_bytes
-        with storage_label(label):
+        before = tracker.current_bytes + tracker.host_bytes
+        with storage_label(label), host_memory() if on_host else contextlib.nullcontext():
             tracker.track(*_local(tensors))
-        static[label] = tracker.current_bytes - before
+        static[label] = tracker.current_bytes + tracker.host_bytes - before
     return static
 
 
@@ -251,7 +318,9 @@ def measure_train_step(
 
     Returns:
         {"peak": bytes, "by_category": {category: bytes live at the peak}, "phase_peaks": {"forward", "backward",
-        "optimizer"}, "static": {"parameters", "gradients", "optimizer": bytes of this rank's shards}}.
+        "optimizer"}, "static": {"parameters", "gradients", "optimizer": bytes of this rank's shards},
+        "host_peak": the peak of host memory (`settings.model_offload='cpu'`: the shards, the optimizer's step;
+        else 0)}. With model_offload='cpu' the device's numbers exclude what is in host memory.
     """
     from hf_upipe.integrations.loss import shard_loss_sum
     from hf_upipe.memory.offload import offload_checkpoints
@@ -279,7 +348,7 @@ def measure_train_step(
             attention,
         ):
             model = _step_model(model_config, settings, layers, seq_len, dtype, group, lora)
-            _shard(model, dtype, mesh if mesh is not None else fsdp_mesh())
+            _shard(model, dtype, mesh if mesh is not None else fsdp_mesh(), settings.model_offload)
             optimizer = _optimizer_with_states(model)
             inputs, labels = _step_inputs(r, s, sp_size, settings.ring_size)
             with (
@@ -287,9 +356,11 @@ def measure_train_step(
                 _cat.StepCategories(model) as cats,
                 MemoryTracker(labeler=cats.label) as tracker,
                 _fsdp_labels(model),
+                _host_model_state(model, settings.model_offload),
             ):
                 cats.attach(tracker)
-                static = _track_static(tracker, model, optimizer)
+                on_host = settings.model_offload == "cpu"
+                static = _track_static(tracker, model, optimizer, on_host)
                 with offload_checkpoints(
                     model, settings.offload, min_bytes=0, restore_context=_restored_checkpoint
                 ):
@@ -306,7 +377,10 @@ def measure_train_step(
                     del loss
                     tracker.mark("backward")
                 static["gradients"] = _storage_bytes(_local(p.grad for p in model.parameters()))
-                with storage_label("optimizer"):
+                with (
+                    storage_label("optimizer"),
+                    host_memory() if on_host else contextlib.nullcontext(),
+                ):
                     optimizer.step()
                 tracker.mark("optimizer")
     finally:
@@ -316,6 +390,7 @@ def measure_train_step(
         "by_category": tracker.peak_by_label,
         "phase_peaks": dict(tracker.phase_peaks),
         "static": static,
+        "host_peak": tracker.host_peak_bytes,
     }
 
 
