@@ -14,10 +14,12 @@ Entry points:
 What is counted, per rank: the FSDP2 shards of the parameters, their gradients and the optimizer states (already
 there when the step starts: steady state), and everything the step allocates: FSDP2's all-gather buffers and
 unsharded parameters, reduce-scatter buffers, activations, checkpointed inputs, the loss, the optimizer's
-temporaries. Returned by category (`CATEGORIES`): "parameters" (shards and unsharded copies), "gradients",
-"optimizer", and those of `hf_upipe.planning.categories` for the activations. Not counted (a GPU adds them; the
-planner predicts them: hf_upipe.planning.reserved): the CUDA context, NCCL buffers, kernel workspaces, allocator
-rounding and caching.
+temporaries. With `StepSettings.model_offload='cpu'` (FSDP2's `CPUOffloadPolicy`) the shards, the reduced
+gradient shards, AdamW's states and its step are counted in host memory instead (`host_peak`), and each shard's
+copy to the device for its all-gather on the device (`_host_model_state`). Returned by category (`CATEGORIES`):
+"parameters" (shards and unsharded copies), "gradients", "optimizer", and those of `hf_upipe.planning.categories` for
+the activations. Not counted (a GPU adds them; the planner predicts them: hf_upipe.planning.reserved): the CUDA
+context, NCCL buffers, kernel workspaces, allocator rounding and caching.
 """
 
 from __future__ import annotations

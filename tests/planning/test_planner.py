@@ -144,7 +144,15 @@ def test_plan_picks_the_fastest_candidate_that_fits(monkeypatch):
 
     margin = Margin(0.0, 0)
     for memory in sorted(set(table.values())) + [min(table.values()) - 1]:
-        p = plan(cfg, gpus=2, seq_len=seq, margin=margin, gpu_memory=memory, headroom=0)
+        p = plan(
+            cfg,
+            gpus=2,
+            seq_len=seq,
+            margin=margin,
+            gpu_memory=memory,
+            headroom=0,
+            model_offload="none",
+        )
         judged = [t for _, _, _, t in p.tried]
         assert judged == sorted(judged)  # fastest first
         fitting = [c for c in table if table[c] <= memory]
