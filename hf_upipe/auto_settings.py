@@ -92,6 +92,9 @@ def _run_planner(model, config, world_size: int, local_world_size: int) -> dict:
             "--seq-len",
             str(config.plan_seq_len),
             "--json",
+            # the user's model offload, not the planner's choice: auto does not switch FSDP2's policy
+            "--model-offload",
+            config.model_offload,
         ]
         if config.sp_size:
             command += ["--sp-size", str(config.sp_size)]

@@ -175,6 +175,21 @@ def test_plugin_refuses_without_fsdp_and_sets_fsdp2_plugin():
     assert isinstance(fsdp.cpu_offload, CPUOffloadPolicy)
 
 
+def test_trainer_refuses_without_fsdp(tmp_path):
+    from transformers import TrainingArguments
+
+    from hf_upipe import UPipeTrainer
+    from tests.training._runs import _model
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(
+        ValueError, match="UPipeConfig\\(model_offload='cpu'\\).*not sharded by FSDP"
+    ):
+        UPipeTrainer(
+            model=_model(False, 1), args=args, upipe_config=UPipeConfig(model_offload="cpu")
+        )
+
+
 def test_trainer_fsdp_version():
     from types import SimpleNamespace
 
