@@ -168,7 +168,7 @@ def _add_memory(parser: argparse.ArgumentParser) -> None:
         "--host-memory",
         default=DEFAULT_HOST_MEMORY,
         type=argument_type(_host),
-        help=f"host memory of one node for offloaded checkpoints (default {DEFAULT_HOST_MEMORY}, a "
+        help=f"host memory of one node for offloaded checkpoints and model state (default {DEFAULT_HOST_MEMORY}, a "
         "DGX H100's; 'none' to not check)",
     )
 

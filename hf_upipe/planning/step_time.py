@@ -108,13 +108,14 @@ class Efficiency:
 
 EFFICIENCY = Efficiency()
 
-# Host AdamW (model_offload='cpu'), seconds per parameter of a GPU's shard, on the host cores that GPU gets.
-# Measured: torch 2.13's CPU AdamW (fp32, foreach) takes 4.65 ns per parameter on one core of this project's
-# build machine (an Intel Xeon VM, 2^24 parameters, best of 5: see docs/memory-stack.md for the command). Assumed:
-# a DGX H100's 112 cores over 8 GPUs give each 14 cores, of which the memory-bound step reaches about a third of
-# linear scaling: 4.65 / (14 / 3) ~ 1.0 ns per parameter (28 bytes moved per parameter at 1 ns: 28 GB/s per GPU,
-# 224 GB/s per node, within two sockets' DDR5). DeepSpeed's CPU Adam (AVX-512) is faster than torch's.
-HOST_ADAMW_SECONDS_PER_PARAM = 1.0e-9
+# Host AdamW (model_offload='cpu'), seconds per parameter of a GPU's shard, all 8 GPUs of a node stepping at once.
+# The step is bound by host memory bandwidth: torch's AdamW reads the parameter, gradient, m and v and writes three
+# of them (28 bytes per parameter), about twice that with its foreach temporaries; at 28 GB/s per GPU (230 GB/s per
+# node, 37% of a DGX H100's two sockets of 8-channel DDR5-4800, 614 GB/s) that is 2 ns per parameter. The same
+# order as one core here: torch 2.13's CPU AdamW (fp32, foreach) took 4.65 ns per parameter on one core of this
+# project's build machine (benchmarks/host_adamw.py), and a DGX H100 gives each GPU 14 of its 112 cores. Assumed,
+# not measured on such a host; DeepSpeed's CPU Adam (AVX-512) is faster than torch's.
+HOST_ADAMW_SECONDS_PER_PARAM = 2.0e-9
 # Host <-> GPU copies of the model offload, bytes/s per GPU per direction: PCIe Gen5 x16 is 64 GB/s, but the 8 GPUs
 # of a node share the host's PCIe switches and memory bandwidth (and the checkpoint offload's copies); 25 GB/s
 # effective per GPU is assumed, not measured.
