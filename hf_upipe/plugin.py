@@ -40,7 +40,11 @@ from torch.utils.data import DataLoader
 from hf_upipe.config import UPipeConfig
 from hf_upipe.data_loader import ShardedDataLoader
 from hf_upipe.integrations.loaders import share_batches_within_sp
-from hf_upipe.integrations.model_offload import apply_model_offload, check_model_offload
+from hf_upipe.integrations.model_offload import (
+    apply_model_offload,
+    check_cpu_collectives,
+    check_model_offload,
+)
 from hf_upipe.integrations.parallelism import find_parallelism
 from hf_upipe.runtime import UPipeRuntime, activation_checkpointing
 
@@ -106,6 +110,7 @@ class UPipePlugin(UPipeConfig):
             fsdp_version=getattr(fsdp_plugin, "fsdp_version", 1) if fsdp else None,
             deepspeed=deepspeed,
         )
+        check_cpu_collectives(self)
         checkpointing = activation_checkpointing(model)
         parallelism = find_parallelism(getattr(accelerator, "parallelism_config", None))
         upipe = UPipeRuntime.setup(

@@ -60,6 +60,7 @@ from hf_upipe.integrations.liger import apply_liger
 from hf_upipe.integrations.loaders import share_batches_within_sp
 from hf_upipe.integrations.model_offload import (
     apply_model_offload,
+    check_cpu_collectives,
     check_model_offload,
     trainer_fsdp_version,
 )
@@ -157,6 +158,8 @@ class UPipeTrainer(Trainer):
             args = copy.copy(args)
             args.use_liger_kernel = False
         super().__init__(model, args, *pargs, **kwargs)
+        # the process group exists now, before the runtime's collectives
+        check_cpu_collectives(config)
         if self._liger and self.model is not None:
             apply_liger(self.model, self.args.liger_kernel_config)
         check_trainer_options(self.args, self.compute_loss_func)

@@ -7,6 +7,9 @@ Entry points:
   'cpu', `{}` for 'none'): for scripts that call `fully_shard` themselves.
 - `check_model_offload(config, *, fsdp_version, deepspeed)`: a ValueError, raised the same on every rank before any
   collective, where the setting cannot apply: no FSDP (DDP, one process), DeepSpeed, FSDP1.
+- `check_cpu_collectives(config)`: a ValueError where model_offload='cpu' meets a process group with no CPU backend
+  (NCCL alone): the gradient shards then live on the host, and collectives over them (gradient clipping's norm)
+  need one, as accelerate sets up (`cuda:nccl,cpu:gloo`) when its FSDP config offloads parameters.
 - `apply_model_offload(fsdp_plugin, config)`: sets accelerate's FSDP2 plugin (`accelerator.state.fsdp_plugin`) to
   the policy before `accelerator.prepare` shards the model; `UPipePlugin.prepare` and `UPipeTrainer` call it.
 - `trainer_fsdp_version(args)`: the FSDP version a `TrainingArguments` asks for (None: no FSDP).
@@ -24,6 +27,7 @@ import torch
 
 __all__ = [
     "apply_model_offload",
+    "check_cpu_collectives",
     "check_model_offload",
     "fsdp_kwargs",
     "offload_policy",
@@ -61,6 +65,32 @@ def check_model_offload(config, *, fsdp_version: int | None, deepspeed: bool) ->
         f"but {where}. Use an FSDP2 accelerate config (fsdp_version: 2, e.g. "
         "accelerate_configs/fsdp2_1node_8gpu.yaml; Trainer: fsdp='full_shard' with fsdp_config={'version': 2}), "
         f"or {config.spell('model_offload', 'none')}."
+    )
+
+
+def _has_cpu_backend() -> bool:
+    """Whether the default process group can run collectives on CPU tensors (gloo, or `cuda:nccl,cpu:gloo`)."""
+    import torch.distributed as dist
+
+    try:
+        dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    except RuntimeError:  # "No backend type associated with device type cpu"
+        return False
+    return True
+
+
+def check_cpu_collectives(config) -> None:
+    """Refuse model_offload='cpu' under a process group without a CPU backend (the same on every rank)."""
+    import torch.distributed as dist
+
+    if config.model_offload != "cpu" or not dist.is_initialized() or _has_cpu_backend():
+        return
+    raise ValueError(
+        f"{config.describe('model_offload')} keeps the gradient shards in host memory, and collectives over them "
+        f"(gradient clipping's norm) need a CPU backend, but the process group ({dist.get_backend()}) has none. "
+        "Set fsdp_offload_params: true in the accelerate FSDP config (or FSDP_OFFLOAD_PARAMS=true before the "
+        "Accelerator is created): accelerate then initialises cuda:nccl,cpu:gloo; or call "
+        "torch.distributed.init_process_group('cuda:nccl,cpu:gloo') yourself first."
     )
 
 

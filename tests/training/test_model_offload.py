@@ -15,7 +15,9 @@ import torch
 
 from hf_upipe import UPipeConfig
 from hf_upipe.integrations.model_offload import (
+    _has_cpu_backend,
     apply_model_offload,
+    check_cpu_collectives,
     check_model_offload,
     fsdp_kwargs,
     trainer_fsdp_version,
@@ -79,6 +81,8 @@ def offload_run(rank: int, world: int, lora: bool, model_offload: str) -> dict:
     cfg = UPipeConfig(sp_size=2, loss_chunk_tokens=7, model_offload=model_offload)
     state = init_sequence_parallel(2)
     prepare_model(model, cfg)
+    assert _has_cpu_backend()  # gloo reduces CPU tensors: accepted
+    check_cpu_collectives(cfg)
     mesh = init_device_mesh("cpu", (world,))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     for layer in base.model.layers:
@@ -188,6 +192,23 @@ def test_trainer_refuses_without_fsdp(tmp_path):
         UPipeTrainer(
             model=_model(False, 1), args=args, upipe_config=UPipeConfig(model_offload="cpu")
         )
+
+
+def test_refused_without_a_cpu_backend(monkeypatch):
+    """An NCCL-only process group (stood in for here: a CPU machine has no NCCL) cannot reduce the host-resident
+    gradient shards (gradient clipping's norm): refused with the fix."""
+    import torch.distributed as dist
+
+    import hf_upipe.integrations.model_offload as model_offload
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(model_offload, "_has_cpu_backend", lambda: False)
+    with pytest.raises(
+        ValueError, match="process group \\(nccl\\) has none.*fsdp_offload_params: true"
+    ):
+        check_cpu_collectives(UPipeConfig(model_offload="cpu"))
+    check_cpu_collectives(UPipeConfig())  # 'none': nothing on the host
 
 
 def test_trainer_fsdp_version():
