@@ -293,7 +293,10 @@ def launch_lines(plan) -> list[str]:
     return [
         "launch: "
         + " ".join(f"{k}={v}" for k, v in env.items())
-        + f" accelerate launch --config_file accelerate_configs/{config_file} your_script.py"
+        + f" accelerate launch --config_file accelerate_configs/{config_file}"
+        # model offload: accelerate's FSDP2 host offload, and a process group with a CPU backend (cuda:nccl,cpu:gloo)
+        + (" --fsdp_offload_params true" if cfg.model_offload == "cpu" else "")
+        + " your_script.py"
         + ("" if plan.settings.offload == "none" else "  (activation checkpointing on)"),
         f"or in Python: hf_upipe.UPipeConfig({fields})",
     ]

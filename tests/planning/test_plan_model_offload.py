@@ -46,6 +46,7 @@ def test_fixed_model_offload_moves_state_to_the_host(capsys):
     assert off.model_host_bytes >= plain.by_category["optimizer"] // 2 * 3 * 0.9
     assert off.upipe_config().model_offload == "cpu"
     assert "UPIPE_MODEL_OFFLOAD=cpu" in off.launch() and "model_offload='cpu'" in off.launch()
+    assert "--fsdp_offload_params true your_script.py" in off.launch()
     assert "MODEL_OFFLOAD" not in plain.launch()
     assert "host memory for the model's state" in off.table()
     node = (off.host_bytes_per_gpu + off.model_host_bytes) * 2
