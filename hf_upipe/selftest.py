@@ -24,7 +24,6 @@ shard, the classic SP bug, to show that the test fails loudly.
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass
 
 import torch
@@ -356,10 +355,9 @@ def _rank(rank: int, world: int, spec: dict) -> list[dict]:
 
 def raised_by_hf_upipe(err: BaseException) -> bool:
     """Whether the innermost frame of `err`'s traceback is hf_upipe's own code (a deliberate refusal)."""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and f"{os.sep}hf_upipe{os.sep}" in tb.tb_frame.f_code.co_filename
+    from hf_upipe.exits import raised_in_hf_upipe
+
+    return raised_in_hf_upipe(err)
 
 
 def size_models(models, run: RunShape, report=None) -> dict:
