@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hf_upipe.models import model_names, runnable_config
+from hf_upipe.models import runnable_config
 from hf_upipe.selftest import Check, RanksFailed, run_selftest
 from hf_upipe.selftest_size import DoesNotFit
 
@@ -79,8 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help=f"comma-separated: {', '.join(model_names())} (presets run at a tiny width and depth "
-        "with their own head geometry), a config.json, a model folder, or a Hub id 'org/name'",
+        help="comma-separated: names `hf-upipe plan --model` takes (presets run at a tiny width and depth with "
+        "their own head geometry; an architecture's model_type, e.g. llama or qwen3, built tiny), a config.json, a "
+        "model folder, or a Hub id 'org/name'",
     )
     parser.add_argument("--sp", type=int, default=2, help="sequence-parallel ranks to launch")
     parser.add_argument(
