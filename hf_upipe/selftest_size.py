@@ -3,7 +3,8 @@ the full size on request, and either one only when the machine's free memory hol
 
 Entry points:
 - `size_model(name, config, run)`: the `Sized` model the self-test's ranks build for one model: `config` reduced by
-  `reduced_config` (or whole with `run.full_size`), its parameter count, and the memory the run needs.
+  `reduced_config` (or whole with `run.full_size`; an architecture that does not build narrower is reduced in depth
+  and vocabulary only), its parameter count, and the memory the run needs.
 - `reduced_config(config, run)`: (a copy of `config` at a size a CPU runs in seconds, the changes as
   "what: old -> new" strings). Same model type and every other key; what the sequence-parallel path depends on
   kept: head_dim, query heads per key-value head, whether the key-value heads are split over the ranks or
@@ -207,17 +208,23 @@ def _reduce_vocab(config, t, changes: list) -> None:
                 setattr(holder, key, None)
 
 
-def reduced_config(config, run: RunShape) -> tuple[object, tuple[str, ...]]:
-    """(reduced copy of `config`, its changes): module docstring. The copy passes its config class's own checks
-    (rebuilt from its dict); `config` is not changed."""
+_STEPS = ("layers", "widths", "experts", "vocabulary")
+
+
+def reduced_config(config, run: RunShape, steps=_STEPS) -> tuple[object, tuple[str, ...]]:
+    """(reduced copy of `config`, its changes): module docstring; `steps` picks the reductions. The copy passes its
+    config class's own checks (rebuilt from its dict); `config` is not changed."""
     reduced = copy.deepcopy(config)
     t = _text(reduced)
     changes: list[str] = []
-    if isinstance(getattr(t, "num_hidden_layers", None), int):
+    if "layers" in steps and isinstance(getattr(t, "num_hidden_layers", None), int):
         _reduce_layers(t, changes)
-    _reduce_widths(t, run, changes)
-    _reduce_experts(t, changes)
-    _reduce_vocab(reduced, t, changes)
+    if "widths" in steps:
+        _reduce_widths(t, run, changes)
+    if "experts" in steps:
+        _reduce_experts(t, changes)
+    if "vocabulary" in steps:
+        _reduce_vocab(reduced, t, changes)
     if not changes:
         return config, ()
     reduced = type(reduced).from_dict(
@@ -278,9 +285,20 @@ def available_memory() -> tuple[int | None, str]:
 
 
 def size_model(name: str, config, run: RunShape) -> Sized:
-    """The model the self-test builds for `name` (`config`, the user's): reduced unless `run.full_size`."""
-    built, changes = (config, ()) if run.full_size else reduced_config(config, run)
-    params = parameter_count(built)
+    """The model the self-test builds for `name` (`config`, the user's): reduced unless `run.full_size`. An
+    architecture whose config or model refuses the narrower widths keeps them (fewer layers and a smaller
+    vocabulary only), and one that refuses those too is built at full size (then the memory check decides)."""
+    params = None
+    for steps in (_STEPS, ("layers", "vocabulary")) if not run.full_size else ():
+        try:
+            built, changes = reduced_config(config, run, steps)
+            params = parameter_count(built)
+            break
+        except Exception:  # noqa: BLE001  (this architecture does not build at that size: reduce less)
+            continue
+    if params is None:
+        built, changes = config, ()
+        params = parameter_count(built)
     per_rank = memory_needed(params, built, run)
     return Sized(name, built, changes, params, per_rank, per_rank * run.ranks)
 

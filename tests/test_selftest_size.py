@@ -135,6 +135,24 @@ def test_hybrid_layer_patterns_and_moe_keep_every_kind_of_layer():
     assert small.qk_rope_head_dim == deepseek.qk_rope_head_dim
 
 
+def test_an_architecture_that_refuses_narrower_widths_keeps_them(tmp_path, monkeypatch):
+    """A model class that cannot be built with fewer heads (here: refused by a stand-in check) keeps its widths and
+    is reduced in depth and vocabulary only."""
+    import hf_upipe.selftest_size as sizing
+
+    count = sizing.parameter_count
+
+    def strict(config):
+        if config.num_attention_heads != 32:
+            raise ValueError("this architecture needs its 32 heads")
+        return count(config)
+
+    monkeypatch.setattr(sizing, "parameter_count", strict)
+    sized = sizing.size_model("x", _config(_folder(tmp_path)), RunShape(ranks=2))
+    assert sized.changes == ("layers: 32 -> 2", "vocabulary: 128256 -> 1024")
+    assert sized.config.num_attention_heads == 32 and sized.config.hidden_size == 4096
+
+
 def test_full_size_is_refused_with_the_numbers_before_anything_is_built(tmp_path, capsys):
     start = time.monotonic()
     assert main(["selftest", "--model", _folder(tmp_path), "--full-size"]) == 3
