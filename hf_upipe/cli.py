@@ -87,6 +87,7 @@ def collect_env(checked: bool = True) -> dict:
                 "transformers",
                 "accelerate",
                 "peft",
+                "trl",
                 "datasets",
                 "deepspeed",
                 "flash-attn",
@@ -249,19 +250,40 @@ register_command(
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of `hf-upipe`, one sub-parser per registered command."""
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help ("(default: ...)"), except where the help already says it, or where
+    there is none to show (a flag's False, an unset None)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of `hf-upipe`, one sub-parser per registered command; with `command`, only that one's flags are
+    declared (the others' modules are not imported: `hf-upipe selftest --help` loads no planner, and so on); with
+    "", none."""
     parser = argparse.ArgumentParser(
-        prog="hf-upipe", description="UPipe sequence parallelism for Hugging Face models"
+        prog="hf-upipe",
+        description="UPipe sequence parallelism for Hugging Face models",
+        formatter_class=_HelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_arguments, _) in _COMMANDS.items():
-        add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        child = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=_HelpFormatter
+        )
+        if command is None or command == name:
+            add_arguments(child)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    # `hf-upipe --help` or an unknown command: no command's flags are needed
+    args = build_parser(command if command in _COMMANDS else "").parse_args(argv)
     return _COMMANDS[args.command][2](args)
 
 

@@ -95,7 +95,10 @@ class UPipeConfig:
         default=None,
         metadata={
             "help": (
-                "Inner attention kernel: 'auto' (default), 'sdpa', or 'flash_attn' (see hf_upipe.ops.kernels)."
+                "Inner attention kernel: 'auto' (the fastest one usable on the device: flash_attn, then cudnn, "
+                "then sdpa), 'sdpa' (torch's own flash-attention kernels, CPU and CUDA), "
+                "'cudnn' (torch's cuDNN attention, CUDA only) or 'flash_attn' (the flash-attn package, CUDA only); "
+                "see hf_upipe.ops.kernels."
             )
         },
     )

@@ -29,7 +29,13 @@ import sys
 import time
 from datetime import timedelta
 
-__all__ = ["WAIT_S", "exit_with_error", "is_setting_error", "report_setting_errors"]
+__all__ = [
+    "WAIT_S",
+    "exit_with_error",
+    "is_setting_error",
+    "raised_in_hf_upipe",
+    "report_setting_errors",
+]
 
 WAIT_S = 10.0  # how long a rank other than the first waits for the first rank's line
 # keys of the launcher's store, per attempt (a restarted run starts afresh)
@@ -38,14 +44,25 @@ _SAID = f"hf_upipe/{_ATTEMPT}/setting_error_said"  # the first rank printed its 
 _EXITING = f"hf_upipe/{_ATTEMPT}/setting_error_exiting"  # how many ranks are about to exit
 
 
-def is_setting_error(err: BaseException) -> bool:
-    """A ValueError, TypeError or NotImplementedError raised by hf_upipe's own code (its innermost frame)."""
-    if not isinstance(err, (ValueError, TypeError, NotImplementedError)):
-        return False
+_PACKAGE = os.path.dirname(
+    os.path.abspath(__file__)
+)  # this package's folder, wherever it is installed or cloned
+
+
+def raised_in_hf_upipe(err: BaseException) -> bool:
+    """Whether the innermost frame of `err`'s traceback is in this package's own files (not a user's file in some
+    folder that happens to be named hf_upipe, nor the tests or examples of a clone named so)."""
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb is not None and f"{os.sep}hf_upipe{os.sep}" in tb.tb_frame.f_code.co_filename
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(
+        _PACKAGE + os.sep
+    )
+
+
+def is_setting_error(err: BaseException) -> bool:
+    """A ValueError, TypeError or NotImplementedError raised by hf_upipe's own code (its innermost frame)."""
+    return isinstance(err, (ValueError, TypeError, NotImplementedError)) and raised_in_hf_upipe(err)
 
 
 def _store():

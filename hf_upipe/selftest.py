@@ -1,8 +1,11 @@
 """`hf-upipe selftest`: check on YOUR model that sequence-parallel training equals training on one device.
 
 Entry points:
-- `run_selftest(models, *, sp=2, lora=False, seq_len=61, heads_per_chunk=1, fused=True, breakage=None, ring=1)`:
-  spawns `sp` processes (gloo on CPU; NCCL when there are `sp` GPUs) and returns one `Check` per comparison and model.
+- `run_selftest(models, *, sp=2, lora=False, seq_len=61, heads_per_chunk=1, fused=True, breakage=None, ring=1,
+  full_size=False, report=None)`: sizes each model to this machine (`size_models`: a reduced copy of its
+  architecture unless `full_size`, refused with the numbers when the free memory cannot hold it), spawns `sp`
+  processes (gloo on CPU; NCCL when there are `sp` GPUs) and returns one `Check` per comparison and model; a rank
+  that raises, dies or hangs raises `RanksFailed` (within seconds of a death).
 - `check_inputs(models, sp, heads_per_chunk)`: the input checks made before any process is started.
 - `hf-upipe selftest ...`, the command on top, and its table: `hf_upipe.selftest_command`.
 - `--model qwen2_vl` / `qwen2_5_vl`: a tiny vision-language model on images and text, merged whole and then
@@ -21,7 +24,6 @@ shard, the classic SP bug, to show that the test fails loudly.
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +33,36 @@ from hf_upipe.integrations.peft import base_model
 from hf_upipe.models import runnable_config
 from hf_upipe.ops.head_layout import geometry_error, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.ops.ring import ring_positions
+from hf_upipe.selftest_size import (
+    RunShape,
+    available_memory,
+    check_fits,
+    model_has_weights,
+    size_model,
+)
 from hf_upipe.testing import DistributedFailure, run_distributed
 
-__all__ = ["Check", "check_model", "raised_by_hf_upipe", "run_selftest"]
+__all__ = [
+    "Check",
+    "RanksFailed",
+    "check_model",
+    "raised_by_hf_upipe",
+    "run_selftest",
+    "size_models",
+]
 
 TOLERANCE = {"logits": 1e-4, "train loss": 2e-5, "eval loss": 2e-5, "gradients": 1e-4}
 GRADIENT_FLOOR = 1e-2  # see gradient_error
+
+
+class RanksFailed(RuntimeError):
+    """A rank of the self-test raised, died (`died`: rank -> exit code; -9: killed, likely out of memory) or did
+    not answer: no numerical verdict. The message names each rank and the cause."""
+
+    def __init__(self, message: str, ranks=(), died=None):
+        super().__init__(message)
+        self.ranks = list(ranks)
+        self.died = dict(died or {})
 
 
 @dataclass
@@ -57,17 +83,18 @@ class Check:
         return not self.refused and not self.crashed and self.error <= self.tolerance
 
 
-def _build(model: str):
+def _build(model: str, config=None):
+    """`model` in fp32: `config` (sized by the caller: `hf_upipe.selftest_size`) with random weights, else the
+    folder's weights, else the name's config."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    if os.path.isdir(model) and any(
-        f.endswith((".safetensors", ".bin")) for f in os.listdir(model)
-    ):
+    if config is None and model_has_weights(model):
         return AutoModelForCausalLM.from_pretrained(
             model, attn_implementation="sdpa", dtype=torch.float32
         )
-    _, config = runnable_config(model)
+    if config is None:
+        _, config = runnable_config(model)
     try:
         return AutoModelForCausalLM.from_config(
             config, attn_implementation="sdpa", dtype=torch.float32
@@ -165,14 +192,15 @@ def _model_pair(name: str, spec: dict, state):
     from hf_upipe import UPipeConfig, prepare_model
     from hf_upipe.integrations.support import config_refusal, refusal_error
 
+    config = spec.get("configs", {}).get(name)
     reason = config_refusal(
-        runnable_config(name)[1],
+        config if config is not None else runnable_config(name)[1],
         allow_unverified=state is not None and state.allow_unverified,
         prepared=True,
     )
     if reason is not None:  # prepare_model's refusal (same message), before building
         raise refusal_error(reason)
-    ref = _build(name)
+    ref = _build(name, config)
     if spec["lora"]:
         from peft import LoraConfig
 
@@ -327,10 +355,44 @@ def _rank(rank: int, world: int, spec: dict) -> list[dict]:
 
 def raised_by_hf_upipe(err: BaseException) -> bool:
     """Whether the innermost frame of `err`'s traceback is hf_upipe's own code (a deliberate refusal)."""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and f"{os.sep}hf_upipe{os.sep}" in tb.tb_frame.f_code.co_filename
+    from hf_upipe.exits import raised_in_hf_upipe
+
+    return raised_in_hf_upipe(err)
+
+
+def size_models(models, run: RunShape, report=None) -> dict:
+    """{name: the config its ranks build} for the text models among `models`, each sized to this machine
+    (`hf_upipe.selftest_size`: a reduced copy unless `run.full_size`) and checked against the memory available
+    before anything is built; `report(line)` gets what is built and the memory it needs.
+
+    Raises:
+        DoesNotFit: a model needs more memory than this machine has free (a ValueError; the numbers).
+    """
+    from hf_upipe.vlm import VISION_TYPES
+
+    available, source = available_memory()
+    configs = {}
+    for name in models:
+        if name in VISION_TYPES:  # a tiny model by construction (hf_upipe.vlm_check)
+            continue
+        sized = size_model(name, runnable_config(name)[1], run)
+        line = check_fits(sized, run, available, source)
+        if sized.changes:
+            weights = (
+                "; random weights (the folder's are loaded with --full-size)"
+                if model_has_weights(name)
+                else ""
+            )
+            line += (
+                f"\n{name}: testing a reduced copy of its architecture, which runs the same code: "
+                f"{', '.join(sized.changes)}; every other setting as configured{weights}. "
+                "--full-size tests the model at its own size."
+            )
+        if report is not None:
+            report(line)
+        # a folder with weights at full size: its weights are loaded (`_build`)
+        configs[name] = None if not sized.changes and model_has_weights(name) else sized.config
+    return configs
 
 
 def run_selftest(
@@ -347,17 +409,28 @@ def run_selftest(
     start_method: str = "spawn",
     allow_unverified: bool = True,
     ring: int = 1,
+    full_size: bool = False,
+    report=None,
 ) -> list[Check]:
     """Spawn `sp` ranks and compare each model under SP with one device; returns rank 0's checks (the gradients,
     losses and eval losses are global; logits are rank 0's shard, and every rank asserts nothing on its own).
 
+    Each model is sized first (`size_models`: a reduced copy of its architecture unless `full_size`, refused with
+    `DoesNotFit` when this machine's free memory cannot hold it; `report(line)` hears what is built).
     `allow_unverified=True` (the default: checking a model the registry does not list is what the self-test is for)
-    runs an architecture hf_upipe has not verified; every other refusal of the support gate still applies."""
+    runs an architecture hf_upipe has not verified; every other refusal of the support gate still applies.
+
+    Raises:
+        ValueError: bad input (`check_inputs`), or `DoesNotFit`.
+        RanksFailed: a rank raised, died or did not answer (within seconds of a death, not after `timeout`).
+    """
     if breakage not in (None, "shard-shift"):
         raise ValueError(f"breakage={breakage!r}: the only deliberate breakage is 'shard-shift'.")
     check_inputs(models, sp, heads_per_chunk, ring)
+    shape = RunShape(sp, heads_per_chunk, ring, lora, seq_len, full_size)
     spec = dict(
         models=list(models),
+        configs=size_models(models, shape, report),
         lora=lora,
         seq_len=seq_len,
         heads_per_chunk=heads_per_chunk,
@@ -370,7 +443,7 @@ def run_selftest(
     try:
         ranks = run_distributed(_rank, sp, spec, timeout=timeout, start_method=start_method)
     except DistributedFailure as err:
-        raise RuntimeError(f"selftest worker failed:\n{err}") from None
+        raise RanksFailed(f"selftest worker failed:\n{err}", err.ranks, err.died) from None
     return [Check(**c) for c in ranks[0]]
 
 

@@ -7,13 +7,15 @@ Entry points:
 - `parse_tokens(value)`: a sequence length from "1M", "512K", "1.5M", "1048576"; K = 2**10 and M = 2**20 tokens,
   as `hf-upipe plan` prints lengths. A length that is not a whole number of tokens is refused.
 - `format_tokens(n)`: the short form `parse_tokens` reads back ("7M", "4.62M", "131072" -> "128K").
+- `argument_type(parse)`: an argparse `type=` from one of the parsers above: a bad value is a usage error (exit 2)
+  with the reason.
 
 This module imports only the standard library.
 """
 
 from __future__ import annotations
 
-__all__ = ["format_tokens", "parse_size", "parse_tokens"]
+__all__ = ["argument_type", "format_tokens", "parse_size", "parse_tokens"]
 
 _SIZE_UNITS = {
     "b": 1,
@@ -92,3 +94,16 @@ def format_tokens(n: int) -> str:
         if n >= size and n % (size // 8) == 0:
             return f"{n / size:g}{unit}"
     return f"{n:,}"
+
+
+def argument_type(parse):
+    """An argparse type from a parser of this module: a bad value is a usage error (exit 2) with the reason."""
+    import argparse
+
+    def convert(text):
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return convert

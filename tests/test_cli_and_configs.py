@@ -17,6 +17,11 @@ def test_env_json(capsys, monkeypatch):
     assert main(["env", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["packages"]["torch"] and info["packages"]["transformers"]
+    from importlib.metadata import version
+
+    assert info["packages"]["trl"] == version(
+        "trl"
+    )  # the TRL entry point's peer is listed with the others
     assert "sdpa" in info["attention_kernels_bf16"]["cpu"]
     assert info["distributed_backends"]["gloo"] is True
     assert info["upipe_settings"]["heads_per_chunk"] == 2

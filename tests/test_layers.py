@@ -70,6 +70,7 @@ LAYERS = [
         "hf_upipe.planning",
         "hf_upipe.selftest",
         "hf_upipe.selftest_command",
+        "hf_upipe.selftest_size",
         "hf_upipe.vlm_check",
         "hf_upipe.matrix",
         "hf_upipe.vlm_matrix",

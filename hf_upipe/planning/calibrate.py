@@ -41,8 +41,7 @@ def _cuda_available() -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hf_upipe.planning.plan_command import argument_type
-    from hf_upipe.units import parse_size, parse_tokens
+    from hf_upipe.units import argument_type, parse_size, parse_tokens
 
     parser.add_argument(
         "--model", required=True, help="a preset, config.json, model folder or Hub id"

@@ -24,21 +24,9 @@ from hf_upipe.planning.planner import (
     resolve_model,
 )
 from hf_upipe.planning.train_step import StepSettings
-from hf_upipe.units import parse_size, parse_tokens
+from hf_upipe.units import argument_type, parse_size, parse_tokens
 
 __all__ = ["add_arguments", "run"]
-
-
-def argument_type(parse):
-    """An argparse type from a parser of `hf_upipe.units`: a bad value is a usage error (exit 2) with the reason."""
-
-    def convert(text):
-        try:
-            return parse(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-
-    return convert
 
 
 def _host(text):

@@ -11,6 +11,7 @@ only in `hf_upipe/integrations/layout.py` and `layout_rows.py` (the once-per-for
 """
 
 import collections
+import os
 import traceback
 
 import pytest
@@ -21,18 +22,23 @@ import hf_upipe
 from tests._dist import run_distributed
 from tests.integrations._models import build_pair, tiny_config
 
+_PACKAGE = os.path.dirname(
+    os.path.abspath(hf_upipe.__file__)
+)  # wherever the clone is, whatever its folder name
+
 
 def _where() -> str:
     """The code that read the value: the innermost frame outside torch and this file, as "hf_upipe/<file>:<function>"
-    or "<package>/<file>:<function>" (transformers' own code, e.g. its packed-sequence probe of position_ids)."""
+    (relative to the package's own folder, not to the working directory or the clone's name) or
+    "<package>/<file>:<function>" (transformers' own code, e.g. its packed-sequence probe of position_ids)."""
     for frame in reversed(traceback.extract_stack()):
-        path = frame.filename
-        if "/torch/" in path or path.endswith("test_no_host_sync.py"):
+        path = os.path.abspath(frame.filename)
+        if f"{os.sep}torch{os.sep}" in path or path.endswith("test_no_host_sync.py"):
             continue
-        for root in ("/hf_upipe/", "/site-packages/"):
-            if root in path:
-                package = "hf_upipe/" if root == "/hf_upipe/" else ""
-                return f"{package}{path.split(root)[-1]}:{frame.name}"
+        if path.startswith(_PACKAGE + os.sep):
+            return f"hf_upipe/{os.path.relpath(path, _PACKAGE).replace(os.sep, '/')}:{frame.name}"
+        if f"{os.sep}site-packages{os.sep}" in path:
+            return f"{path.split(os.sep + 'site-packages' + os.sep)[-1]}:{frame.name}"
         return f"{path}:{frame.name}"
     return "unknown"
 
