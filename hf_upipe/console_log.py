@@ -4,9 +4,9 @@ Entry point: `install_console_handler()`, called once by `import hf_upipe`. It a
 logger and sets that logger to INFO, unless the user already gave that logger a level or a handler. The handler
 writes each message (each names hf_upipe or its class) to stderr, only while nobody configured logging (the root
 logger has no handler) and only on rank 0 (the initialized process group's rank, else the launcher's RANK
-variable). Records still propagate: once the user configures logging (`logging.basicConfig`, a framework, pytest's
-capture), their handlers get the records and this one stays silent, so no line is printed twice.
-`logging.getLogger("hf_upipe").setLevel(logging.WARNING)` silences the INFO lines.
+variable; never in the planner's simulated ranks). Records still propagate: once the user configures logging
+(`logging.basicConfig`, a framework, pytest's capture), their handlers get the records and this one stays silent,
+so no line is printed twice. `logging.getLogger("hf_upipe").setLevel(logging.WARNING)` silences the INFO lines.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ LOGGER_NAME = "hf_upipe"
 
 
 def _is_first_rank() -> bool:
+    """Rank 0 of a real run; False inside the planner's simulated ranks (a "fake" process group), whose setup
+    lines (SP groups, fused blocks of the simulated model) are not the user's run."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
+        return dist.get_rank() == 0 and dist.get_backend() != "fake"
     return os.environ.get("RANK", "0") == "0"
 
 

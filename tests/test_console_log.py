@@ -58,3 +58,14 @@ def test_hf_upipe_info_lines_on_the_console(setup, env, expected):
 def test_debug_lines_stay_hidden():
     err = _stderr("import hf_upipe, logging\nlogging.getLogger('hf_upipe.x').debug('debug line')\n")
     assert "debug line" not in err
+
+
+def test_the_planners_simulated_ranks_stay_silent():
+    """The planner builds models on simulated ranks (a "fake" process group): their setup lines are not the run's."""
+    code = (
+        "import logging, hf_upipe\nfrom hf_upipe.planning.simulate import simulated_world\n"
+        "with simulated_world(2):\n    logging.getLogger('hf_upipe.x').info('simulated line')\n"
+        "logging.getLogger('hf_upipe.x').info('real line')\n"
+    )
+    err = _stderr(code)
+    assert "simulated line" not in err and "real line" in err
