@@ -83,7 +83,9 @@ def test_custom_loop_two_processes_equal_one(tmp_path, mode):
         assert sorted(one) == [1, 2, 3, 4]
         for step in one:
             assert abs(sp2[step] - one[step]) <= 1e-4 * abs(one[step]), (step, sp2, one)
-    assert sorted(os.listdir(tmp_path / "sp2")) == ["step-2", "step-4"]  # no staging folder left
+    # no staging folder left; the loss curve, and a LoRA run's base (saved for its adapters)
+    expected = ["loss.png", "step-2", "step-4"] + (["base"] if mode == "lora" else [])
+    assert sorted(os.listdir(tmp_path / "sp2")) == sorted(expected)
     state = set(os.listdir(tmp_path / "sp2" / "step-2" / "accelerate_state"))
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= state, state  # every rank's part is in
     if mode == "full":
