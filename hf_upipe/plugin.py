@@ -94,9 +94,10 @@ class UPipePlugin(UPipeConfig):
                 f"{accelerator.distributed_type} (accelerate runs FSDP on accelerators only): on CPU "
                 "use a DDP config such as accelerate_configs/cpu_2proc.yaml."
             )
-        # the processes of the launch (torchrun / accelerate launch), the same on every rank: before any collective
+        # fewer processes than the launch started (torchrun / accelerate launch) would leave ranks unsynchronised;
+        # the same on every rank: raised before any collective
         launched = _launched_processes()
-        if accelerator.num_processes != launched:
+        if accelerator.num_processes < launched:
             raise ValueError(
                 f"{launched} processes were launched but accelerate set up {accelerator.num_processes} "
                 f"({accelerator.distributed_type}), so it would not synchronise them: on CPU create the "
