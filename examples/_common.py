@@ -9,6 +9,10 @@ Entry points:
   local model directory; LoRA through PEFT when asked.
 - `add_common_flags(parser)` / `upipe_settings(args)`: the flags both examples share (`--flag` / `--no-flag` for
   every switch; `--help` lists the choices); `learning_rate(args, step)`: the warmup + cosine schedule.
+- `run_dir(args, example)` / `clear_run_dir(...)`: the run's folder (runs/<example>-<lora|full> by default; an
+  earlier run there is refused without --overwrite or --resume); `save_base` / `point_adapter_to_base`: a LoRA
+  run's base saved in the run's folder and named by its adapters, so they load without hf_upipe;
+  `plot_losses(...)`: the loss curve as a PNG.
 - `passkey_accuracy(model, rows, upipe)`: the share of held-out answers the model gets right, over every rank's
   shard (the first answer of a row can only be read from the passkey, in the first rank's shard).
 - `run(main)`: runs a script's main; an input error (a bad flag, a bad data file, settings that cannot work) is
@@ -19,9 +23,11 @@ Entry points:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
+import shutil
 
 import torch
 from datasets import Dataset, load_dataset
@@ -214,7 +220,17 @@ def add_common_flags(ap) -> None:
         default=False,
         help="activation checkpointing (non-reentrant)",
     )
-    ap.add_argument("--output-dir", default="runs/long_context")
+    ap.add_argument(
+        "--output-dir",
+        default=None,
+        help="the run's folder (default: runs/<example>-<lora|full>); an earlier run there is refused unless "
+        "--overwrite or --resume",
+    )
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete an earlier run in --output-dir before training (default: refuse to overwrite it)",
+    )
     ap.add_argument(
         "--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)"
     )
@@ -281,6 +297,97 @@ def upipe_settings(args) -> dict:
         )
     names = ("sp_size", "heads_per_chunk", "kernel", "tiled_mlp", "offload", "offload_path")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def run_dir(args, example: str) -> str:
+    """The run's folder: --output-dir, or runs/<example>-<lora|full>.
+
+    Raises:
+        ValueError: the folder holds an earlier run (anything in it) and neither --overwrite nor --resume was
+            given; the same on every rank, before any process group exists.
+    """
+    path = args.output_dir or os.path.join("runs", f"{example}-{'full' if args.full else 'lora'}")
+    found = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    if found and not (args.overwrite or args.resume):
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        raise ValueError(
+            f"--output-dir {path} holds an earlier run ({shown}): pass --overwrite to replace it, --resume "
+            "latest to continue it, or another --output-dir"
+        )
+    return path
+
+
+def clear_run_dir(path: str, args, is_main: bool, wait_for_everyone) -> None:
+    """With --overwrite, the first rank deletes the earlier run; every rank waits for it (a collective)."""
+    if args.overwrite:
+        if is_main and os.path.isdir(path):
+            shutil.rmtree(path)
+        wait_for_everyone()
+
+
+def save_base(args, vocab_size: int, output_dir: str) -> str | None:
+    """A LoRA run's base model, as training starts from it, in `<output_dir>/base` (config and weights), when it
+    exists nowhere else (`needs_saved_base`); its absolute path, or None. First rank only. The default base is
+    seed-built, so it is built again (the RNG state is kept), not read off the PEFT model."""
+    if not needs_saved_base(args):
+        return None
+    folder = os.path.abspath(os.path.join(output_dir, "base"))
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        with torch.random.fork_rng(devices=[]):
+            base = build_model(args.model, vocab_size, lora=False, lora_rank=0, seed=args.seed)
+        base.config._attn_implementation = "sdpa"  # "upipe" needs hf_upipe: the saved base must not
+        base.save_pretrained(folder)
+    return folder
+
+
+def point_adapter_to_base(model_dir: str, base_dir: str | None) -> None:
+    """Set the `base_model_name_or_path` of the adapter saved in `model_dir` to `base_dir` (left as PEFT wrote it
+    when None), so that `AutoPeftModelForCausalLM.from_pretrained(model_dir)` loads without hf_upipe or the Hub."""
+    if base_dir is None:
+        return
+    path = os.path.join(model_dir, "adapter_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["base_model_name_or_path"] = base_dir
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def needs_saved_base(args) -> bool:
+    """A LoRA run on a base that exists nowhere else: built from a config (the default, or --model config.json)."""
+    if args.full:
+        return False
+    path = args.model
+    return path is None or not (
+        os.path.isdir(path) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
+    )
+
+
+def plot_losses(losses: dict[int, float], path: str, guess: float | None) -> str | None:
+    """The loss curve as a PNG at `path` (None, and nothing drawn, without matplotlib: pip install matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = sorted(losses)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [losses[s] for s in steps], lw=1, label="training loss")
+    if guess is not None:
+        ax.axhline(
+            guess, ls="--", c="gray", lw=1, label=f"guessing the digit (ln 10 = {guess:.3f})"
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (token mean, all ranks)")
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def learning_rate(args, step: int) -> float:

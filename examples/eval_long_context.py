@@ -2,11 +2,11 @@
 
 Run after the main example (2 CPU processes, one sequence-parallel group; or `python` for one process):
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml examples/eval_long_context.py \
-        --adapter runs/long_context/step-300/model --length 1024 --rows 16
+        --adapter runs/long_context-lora/step-300/model --length 1024 --rows 16
 
-It rebuilds the main example's base model (the tiny Llama from its config and `--seed`), loads the PEFT adapter
-the main example saved, and scores held-out passkey rows of `--length` bytes (the main example's held-out seed,
-10000 + `--seed`) two ways:
+It loads the base model the adapter names (the main example saves it in its run's folder; else it rebuilds the
+tiny Llama from its config and `--seed`) and the PEFT adapter the main example saved, and scores held-out passkey
+rows of `--length` bytes (the main example's held-out seed, 10000 + `--seed`) two ways:
 - teacher-forced: one sharded forward pass per row ("upipe" attention across the SP group); the log-probability
   of each answer digit (the digit after "?"), the perplexity over the answer tokens, and accuracy = the argmax is
   the digit, of the first answer of each row (readable only from the passkey near the start) and of all answers;
@@ -45,7 +45,7 @@ def parse_args(argv):
     )
     ap.add_argument(
         "--adapter",
-        default="runs/long_context/step-300/model",
+        default="runs/long_context-lora/step-300/model",
         help="the PEFT adapter folder the main example saved (default: its 300-step run)",
     )
     ap.add_argument(
@@ -73,16 +73,20 @@ def parse_args(argv):
     if not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
         raise ValueError(
             f"--adapter {args.adapter}: no adapter_config.json there; train first (the main example saves "
-            "runs/long_context/step-300/model) or pass the folder of a saved PEFT adapter"
+            "runs/long_context-lora/step-300/model) or pass the folder of a saved PEFT adapter"
         )
     return args
 
 
 def load_model(args, vocab_size: int):
-    """The main example's base model (same config and seed), with the saved adapter, in eval mode."""
+    """The adapter's base (the folder its `base_model_name_or_path` names, which the main example saves in its
+    run's folder; else the main example's base rebuilt from its config and seed), with the adapter, in eval mode."""
     from peft import PeftModel
 
-    base = build_model(None, vocab_size, lora=False, lora_rank=0, seed=args.seed)
+    with open(os.path.join(args.adapter, "adapter_config.json")) as f:
+        saved = json.load(f).get("base_model_name_or_path")
+    path = saved if saved and os.path.isfile(os.path.join(saved, "config.json")) else None
+    base = build_model(path, vocab_size, lora=False, lora_rank=0, seed=args.seed)
     with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_checkpointing
         warnings.filterwarnings(
             "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning

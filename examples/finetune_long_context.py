@@ -45,10 +45,15 @@ from _common import (  # noqa: E402
     ByteTokenizer,
     add_common_flags,
     build_model,
+    clear_run_dir,
     learning_rate,
     passkey_accuracy,
     passkey_dataset,
+    plot_losses,
+    point_adapter_to_base,
     run,
+    run_dir,
+    save_base,
     text_dataset,
     upipe_settings,
 )
@@ -57,8 +62,9 @@ from hf_upipe import UPipePlugin  # noqa: E402
 from hf_upipe.checkpoint import verify_checkpoint, write_manifest  # noqa: E402
 
 
-def save_checkpoint(accelerator, model, path: str, step: int) -> None:
-    """Model files (plain transformers/PEFT) + accelerate state, into a staging folder renamed at the end."""
+def save_checkpoint(accelerator, model, path: str, step: int, base: str | None = None) -> None:
+    """Model files (plain transformers/PEFT; a LoRA adapter names its `base` folder) + accelerate state, into a
+    staging folder renamed at the end."""
     staging = os.path.join(os.path.dirname(path), f".staging-{os.path.basename(path)}")
     if accelerator.is_main_process and os.path.exists(staging):
         shutil.rmtree(staging)
@@ -68,6 +74,7 @@ def save_checkpoint(accelerator, model, path: str, step: int) -> None:
         accelerator.unwrap_model(model).save_pretrained(
             os.path.join(staging, "model"), state_dict=state_dict
         )
+        point_adapter_to_base(os.path.join(staging, "model"), base)
     accelerator.save_state(os.path.join(staging, "accelerate_state"))
     if accelerator.is_main_process:
         with open(os.path.join(staging, "step.json"), "w") as f:
@@ -104,12 +111,16 @@ def main(argv=None) -> int:
         data = text_dataset(args.data, tokenizer, args.seq_len)
     else:
         data = passkey_dataset(args.rows, args.seq_len, tokenizer, seed=args.seed)
+    output_dir = run_dir(
+        args, "long_context"
+    )  # an earlier run: refused without --overwrite / --resume
     # CPU: MULTI_CPU over gloo; a seedable sampler gives the same order whatever the number of processes
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     set_seed(args.seed)
+    clear_run_dir(output_dir, args, accelerator.is_main_process, accelerator.wait_for_everyone)
     plugin = UPipePlugin.from_flags(
         **settings
     )  # validated here, on every rank; errors name the flags
@@ -120,6 +131,10 @@ def main(argv=None) -> int:
         lora=not args.full,
         lora_rank=args.lora_rank,
         seed=args.seed,
+    )
+    # a LoRA run's base, saved once in the run's folder (first rank); every adapter names it
+    base = (
+        save_base(args, tokenizer.vocab_size, output_dir) if accelerator.is_main_process else None
     )
     if args.checkpointing:
         model.activation_checkpointing_enable(
@@ -138,12 +153,12 @@ def main(argv=None) -> int:
         optimizer,
         loader,
         pad_token_id=tokenizer.pad_token_id,
-        output_dir=args.output_dir,
+        output_dir=output_dir,
         checkpointing_fix="add --checkpointing",
     )
 
     step, epoch, skip, losses = 0, 0, 0, {}
-    resume = latest_checkpoint(args.output_dir) if args.resume == "latest" else args.resume
+    resume = latest_checkpoint(output_dir) if args.resume == "latest" else args.resume
     if resume:
         verify_checkpoint(resume)  # every file as written (manifest), before anything is loaded
         accelerator.load_state(os.path.join(resume, "accelerate_state"))
@@ -208,13 +223,13 @@ def main(argv=None) -> int:
             bar.update(1)
             if args.save_every and step % args.save_every == 0 and step < args.steps:
                 save_checkpoint(
-                    accelerator, model, os.path.join(args.output_dir, f"step-{step}"), step
+                    accelerator, model, os.path.join(output_dir, f"step-{step}"), step, base
                 )
             if step >= args.steps:
                 break
         epoch, skip = epoch + 1, 0
     bar.close()
-    save_checkpoint(accelerator, model, os.path.join(args.output_dir, f"step-{step}"), step)
+    save_checkpoint(accelerator, model, os.path.join(output_dir, f"step-{step}"), step, base)
     accuracy = None
     if not args.data and args.eval_rows:
         held_out = passkey_dataset(args.eval_rows, args.seq_len, tokenizer, seed=10_000 + args.seed)
@@ -223,10 +238,14 @@ def main(argv=None) -> int:
         first = [losses[s] for s in sorted(losses)[:10]]
         last = [losses[s] for s in sorted(losses)[-10:]]
         guess = "" if args.data else " (guessing the digit: ln 10 = 2.303)"
+        plot = plot_losses(
+            losses, os.path.join(output_dir, "loss.png"), None if args.data else 2.303
+        )
         print(
             f"loss: first {len(first)} steps {sum(first) / len(first):.3f}, last {len(last)} steps "
-            f"{sum(last) / len(last):.3f}{guess}; saved {args.output_dir}/step-{step}/model (plain "
+            f"{sum(last) / len(last):.3f}{guess}; saved {output_dir}/step-{step}/model (plain "
             f"{'transformers' if args.full else 'PEFT'} files)"
+            + (f", curve {plot}" if plot else " (pip install matplotlib: a loss curve)")
         )
         if accuracy is not None:
             print(

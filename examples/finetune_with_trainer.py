@@ -11,8 +11,11 @@ The Trainer does the rest: progress bar, logging (loss, tokens_per_second, peak_
 same warmup and cosine decay as the custom loop), gradient clipping and accumulation, activation checkpointing,
 checkpoints every `--save-every` steps (`checkpoint-N`: plain transformers/PEFT files plus optimizer state, written
 atomically with a manifest) and `--resume` (a checkpoint folder or 'latest', verified before loading). The final
-model is saved to `<output-dir>/final` (plain files, loadable without hf_upipe), and the passkey answers of held-out
-rows are measured as in the custom loop.
+model is saved to `<output-dir>/final` (plain files, loadable without hf_upipe; a LoRA adapter names its base,
+saved in `<output-dir>/base`), and the passkey answers of held-out rows are measured as in the custom loop. The
+run's folder is `runs/trainer-lora` (`runs/trl-lora` with `--trl`; `-full` with `--full`) unless `--output-dir`
+says otherwise; an earlier run there is refused without `--overwrite` or `--resume`. `--report-to tensorboard`
+(or wandb, all) passes through to the Trainer's trackers.
 """
 
 from __future__ import annotations
@@ -30,14 +33,25 @@ from _common import (  # noqa: E402
     ByteTokenizer,
     add_common_flags,
     build_model,
+    clear_run_dir,
     passkey_accuracy,
     passkey_dataset,
+    point_adapter_to_base,
     run,
+    run_dir,
+    save_base,
     text_dataset,
     upipe_settings,
 )
 
 from hf_upipe import UPipeConfig, UPipeTrainer  # noqa: E402
+
+
+def _clear_run_dir(output_dir: str, args, training_args) -> None:
+    """`clear_run_dir` once the training arguments have set up the process group (`.device`)."""
+    training_args.device  # noqa: B018  (under accelerate launch, the process group is up after this)
+    barrier = torch.distributed.barrier if torch.distributed.is_initialized() else lambda: None
+    clear_run_dir(output_dir, args, training_args.process_index == 0, barrier)
 
 
 def main(argv=None) -> int:
@@ -50,6 +64,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="train with TRL's SFTTrainer (hf_upipe.trl.UPipeSFTTrainer, an SFTConfig); needs trl",
     )
+    ap.add_argument(
+        "--report-to",
+        nargs="+",
+        default=["none"],
+        help="the Trainer's trackers: none, all, or names such as tensorboard wandb (installed separately; "
+        "default: none)",
+    )
     args = ap.parse_args(argv)
     config = UPipeConfig.from_flags(**upipe_settings(args))  # errors name the flags
     tokenizer = ByteTokenizer()
@@ -58,6 +79,8 @@ def main(argv=None) -> int:
         if args.data
         else passkey_dataset(args.rows, args.seq_len, tokenizer, seed=args.seed)
     )
+    # an earlier run is refused without --overwrite / --resume: the Trainer and TRL runs have folders of their own
+    output_dir = run_dir(args, "trl" if args.trl else "trainer")
     model = build_model(
         args.model,
         tokenizer.vocab_size,
@@ -66,7 +89,7 @@ def main(argv=None) -> int:
         seed=args.seed,
     )
     settings = dict(
-        output_dir=args.output_dir,
+        output_dir=output_dir,
         max_steps=args.steps,
         per_device_train_batch_size=1,
         gradient_accumulation_steps=args.grad_accum,
@@ -80,7 +103,7 @@ def main(argv=None) -> int:
         save_strategy="steps" if args.save_every else "no",
         save_steps=args.save_every or None,
         seed=args.seed,
-        report_to=[],
+        report_to=args.report_to,
         use_cpu=not torch.cuda.is_available(),
         bf16=torch.cuda.is_available(),
         activation_checkpointing=args.checkpointing,
@@ -96,6 +119,7 @@ def main(argv=None) -> int:
         from hf_upipe.trl import UPipeSFTTrainer
 
         sft = SFTConfig(**settings, max_length=None, packing=False, gradient_checkpointing=False)
+        _clear_run_dir(output_dir, args, sft)
         trainer = UPipeSFTTrainer(
             model=model,
             args=sft,
@@ -104,16 +128,21 @@ def main(argv=None) -> int:
             upipe_config=config,
         )
     else:
+        training_args = TrainingArguments(**settings)
+        _clear_run_dir(output_dir, args, training_args)
         trainer = UPipeTrainer(
             model=model,
-            args=TrainingArguments(**settings),
+            args=training_args,
             train_dataset=data,
             data_collator=default_data_collator,
             upipe_config=config,
         )
     resume = True if args.resume == "latest" else args.resume
     trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model(os.path.join(args.output_dir, "final"))
+    trainer.save_model(os.path.join(output_dir, "final"))
+    if trainer.is_world_process_zero():  # a LoRA run's base beside it, named by the adapter
+        base = save_base(args, tokenizer.vocab_size, output_dir)
+        point_adapter_to_base(os.path.join(output_dir, "final"), base)
     accuracy = None
     if not args.data and args.eval_rows:
         held_out = passkey_dataset(args.eval_rows, args.seq_len, tokenizer, seed=10_000 + args.seed)
@@ -122,7 +151,7 @@ def main(argv=None) -> int:
     if trainer.is_world_process_zero():
         print(
             f"loss: first log {history[0]['loss']:.3f}, last log {history[-1]['loss']:.3f}; saved "
-            f"{args.output_dir}/final ({'transformers' if args.full else 'PEFT'} files)"
+            f"{output_dir}/final ({'transformers' if args.full else 'PEFT'} files)"
         )
         if accuracy is not None:
             print(

@@ -34,6 +34,7 @@ import os
 from importlib import import_module
 
 from hf_upipe.config import UPipeConfig
+from hf_upipe.console_log import install_console_handler
 from hf_upipe.data import shard_batch
 from hf_upipe.data_loader import ShardedDataLoader, sampler_kwargs
 from hf_upipe.distributed import (
@@ -82,6 +83,7 @@ __all__ = [
 ]
 
 register_with_transformers()
+install_console_handler()  # hf_upipe's INFO lines on the console, rank 0, unless logging is configured
 if "TORCHELASTIC_RUN_ID" in os.environ:  # started by accelerate launch / torchrun
     report_setting_errors()  # an uncaught setting error: one line from the first rank, exit status 2
 

@@ -26,6 +26,8 @@ the "upipe" attention function through transformers' kwargs).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from hf_upipe.batch_keys import CU_SEQLENS, MAX_SEQLEN
@@ -284,6 +286,9 @@ def shard_batch(
             position_ids that are not global (or, packed, not 0.. per document), or document descriptions
             (position_ids, seq_idx, cu_seq_lens_q/k) that disagree.
     """
+    # a collator's BatchEncoding (DataCollatorForLanguageModeling) is a Mapping, not a dict
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        batch = dict(batch)
     _check_arguments(batch, sp_rank, sp_size, ring_size, pad_token_id, ignore_index)
     ring_size = _ring_size(sp_rank, sp_size, ring_size)
     ids = batch.get("input_ids")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from hf_upipe.config import UPipeConfig
@@ -83,7 +84,8 @@ class UPipePlugin(UPipeConfig):
             (model, optimizer, dataloader yielding shards, *others, UPipeRuntime), with None for what was not given.
 
         Raises:
-            ValueError / NotImplementedError on every rank before any collective: sp_size not dividing the number
+            ValueError / NotImplementedError on every rank before any collective: an accelerator that set up
+            fewer processes than were launched (CPU without `cpu=True`), sp_size not dividing the number
             of processes, an accelerate `ParallelismConfig` hf_upipe cannot honour (its sp_size is the SP degree
             when the plugin gives none; refused: DeepSpeed with its sp_size, cp_size or tp_size > 1, sizes that
             disagree with sp_size or do not make the number of processes; `hf_upipe.integrations.parallelism`),
@@ -99,6 +101,15 @@ class UPipePlugin(UPipeConfig):
                 f"The accelerate config asks for FSDP but accelerate set up "
                 f"{accelerator.distributed_type} (accelerate runs FSDP on accelerators only): on CPU "
                 "use a DDP config such as accelerate_configs/cpu_2proc.yaml."
+            )
+        # fewer processes than the launch started (torchrun / accelerate launch) would leave ranks unsynchronised;
+        # the same on every rank: raised before any collective
+        launched = _launched_processes()
+        if accelerator.num_processes < launched:
+            raise ValueError(
+                f"{launched} processes were launched but accelerate set up {accelerator.num_processes} "
+                f"({accelerator.distributed_type}), so it would not synchronise them: on CPU create the "
+                "Accelerator with cpu=True (accelerate launch with accelerate_configs/cpu_2proc.yaml does)."
             )
         deepspeed = str(accelerator.distributed_type) == "DistributedType.DEEPSPEED"
         if deepspeed:  # the same config on every rank: the same error, before any collective
@@ -148,6 +159,13 @@ class UPipePlugin(UPipeConfig):
                 loader, upipe.state, pad_token_id=pad_token_id, check_same_batch=True
             )
         return (*out, upipe)
+
+
+def _launched_processes() -> int:
+    """The process group's size if one is up, else the launcher's WORLD_SIZE (1 without a launcher)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _deepspeed_accumulation_check(accelerator) -> None:

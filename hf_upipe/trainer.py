@@ -65,6 +65,7 @@ from hf_upipe.integrations.model_offload import (
     trainer_fsdp_version,
 )
 from hf_upipe.integrations.parallelism import find_parallelism, uses_deepspeed
+from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.predictions import (
     PredictionRecorder,
     concat_predictions,
@@ -205,6 +206,23 @@ class UPipeTrainer(Trainer):
         return self.upipe.config
 
     # ---- setup -------------------------------------------------------------------------------------------------
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        """transformers' DDP rule for a plain model (look for unused parameters only without activation
+        checkpointing), applied to a PEFT model's transformers model too: transformers otherwise makes DDP search a
+        PEFT model's graph every step, and DDP warns that it found nothing. An explicit
+        `ddp_find_unused_parameters` is kept."""
+        built = super()._build_accelerator_args(**kwargs)
+        base = base_model(self.model) if self.model is not None else None
+        if self.args.ddp_find_unused_parameters is None and base is not self.model:
+            checkpointing = getattr(base, "is_activation_checkpointing", None)
+            if isinstance(checkpointing, bool):
+                for handler in built.get("kwargs_handlers", []):
+                    if hasattr(handler, "find_unused_parameters"):
+                        handler.find_unused_parameters = not (
+                            checkpointing or bool(self.args.activation_checkpointing)
+                        )
+        return built
+
     def call_model_init(self, trial=None):
         model = super().call_model_init(trial)
         if getattr(self, "_liger", False):

@@ -115,8 +115,68 @@ def test_eval_example_help_and_its_input_errors(capsys, tmp_path):
     assert code == 2
     assert out.err.strip() == (
         f"error: --adapter {tmp_path}: no adapter_config.json there; train first (the main example saves "
-        "runs/long_context/step-300/model) or pass the folder of a saved PEFT adapter"
+        "runs/long_context-lora/step-300/model) or pass the folder of a saved PEFT adapter"
     )
     code, out = _exit_code(script, ["--length", "8"], capsys)
     assert code == 2
     assert out.err.strip() == "error: --length 8: a passkey row needs at least 16 bytes"
+
+
+def test_an_earlier_run_is_refused_without_overwrite(script, capsys, tmp_path):
+    """A rerun into the same folder must not overwrite its checkpoints silently: one line, exit 2."""
+    (tmp_path / "run" / "step-300").mkdir(parents=True)
+    argv = ["--output-dir", str(tmp_path / "run"), "--rows", "2", "--seq-len", "64"]
+    code, out = _exit_code(script, argv, capsys)
+    assert code == 2
+    assert out.err.strip() == (
+        f"error: --output-dir {tmp_path / 'run'} holds an earlier run (step-300): pass --overwrite to replace "
+        "it, --resume latest to continue it, or another --output-dir"
+    )
+
+
+def test_each_run_has_a_folder_of_its_own(tmp_path):
+    """The default folders name the example and the mode: the Trainer and --trl runs keep their own `final`."""
+    common = _script("_common")
+    import argparse
+
+    folders = []
+    for example, extra in (
+        ("long_context", []),
+        ("long_context", ["--full"]),
+        ("trainer", []),
+        ("trl", []),
+        ("trl", ["--full"]),
+    ):
+        parser = argparse.ArgumentParser()
+        common.add_common_flags(parser)
+        folders.append(common.run_dir(parser.parse_args(extra), example))
+    assert folders == [
+        os.path.join("runs", name)
+        for name in (
+            "long_context-lora",
+            "long_context-full",
+            "trainer-lora",
+            "trl-lora",
+            "trl-full",
+        )
+    ]
+
+
+def test_report_to_reaches_the_trainer(monkeypatch, tmp_path):
+    """`--report-to` is the Trainer's `report_to` (default none: CI needs no tracker installed)."""
+    script = _script("finetune_with_trainer")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_trainer(*, args, **kwargs):
+        seen.append(args.report_to)
+        raise Stop
+
+    monkeypatch.setattr(script, "UPipeTrainer", fake_trainer)
+    small = ["--rows", "2", "--seq-len", "64", "--steps", "1"]
+    for i, extra in enumerate(([], ["--report-to", "tensorboard", "wandb"])):
+        with pytest.raises(Stop):
+            script.main(small + ["--output-dir", str(tmp_path / str(i))] + extra)
+    assert seen == [[], ["tensorboard", "wandb"]]  # "none" is transformers' empty list

@@ -83,7 +83,9 @@ def test_custom_loop_two_processes_equal_one(tmp_path, mode):
         assert sorted(one) == [1, 2, 3, 4]
         for step in one:
             assert abs(sp2[step] - one[step]) <= 1e-4 * abs(one[step]), (step, sp2, one)
-    assert sorted(os.listdir(tmp_path / "sp2")) == ["step-2", "step-4"]  # no staging folder left
+    # no staging folder left; the loss curve, and a LoRA run's base (saved for its adapters)
+    expected = ["loss.png", "step-2", "step-4"] + (["base"] if mode == "lora" else [])
+    assert sorted(os.listdir(tmp_path / "sp2")) == sorted(expected)
     state = set(os.listdir(tmp_path / "sp2" / "step-2" / "accelerate_state"))
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= state, state  # every rank's part is in
     if mode == "full":
@@ -215,3 +217,65 @@ def test_eval_example_two_processes_equal_one(tmp_path):
     for key in ("first_answer_accuracy", "all_answers_accuracy"):
         assert tf1[key] == tf2[key], key
     assert one["generated"]["accuracy"] == tf1["first_answer_accuracy"]
+
+
+LOAD_WITHOUT_HF_UPIPE = """
+import sys, torch
+from peft import AutoPeftModelForCausalLM
+model = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+assert "hf_upipe" not in sys.modules, "loading the adapter imported hf_upipe"
+with torch.no_grad():
+    torch.save(model(torch.arange(3, 259)[None]).logits, sys.argv[2])
+"""
+
+
+def test_a_saved_adapter_loads_without_hf_upipe_and_runs_are_kept(tmp_path):
+    """The main example's LoRA adapter names the base saved in its run's folder: `AutoPeftModelForCausalLM` loads
+    it in a process that never imports hf_upipe, from another folder, offline, with the logits of the trained
+    model (its seed-built base plus the adapter, as examples/eval_long_context.py rebuilt it). The loss curve is
+    drawn beside it; a rerun into the folder is refused, and --overwrite replaces the run."""
+    run = tmp_path / "run"
+    flags = ["--steps", "4", "--seq-len", "64", "--rows", "4", "--lr", "1e-3"]
+    flags += ["--output-dir", str(run), "--eval-rows", "0"]
+    out = _run("finetune_long_context.py", flags, tmp_path, processes=1)
+    adapter = run / "step-4" / "model"
+    assert f"saved {run}/step-4/model (plain PEFT files), curve {run}/loss.png" in out
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with open(adapter / "adapter_config.json") as f:
+        assert json.load(f)["base_model_name_or_path"] == str(run / "base")
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD_WITHOUT_HF_UPIPE, str(adapter), str(tmp_path / "logits.pt")],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    import torch
+    from peft import PeftModel
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        from _common import build_model
+    finally:
+        sys.path.pop(0)
+    base = build_model(None, 259, lora=False, lora_rank=0, seed=0)
+    ids = torch.arange(3, 259)[None]
+    with torch.no_grad():
+        untrained = base(ids).logits
+        trained = PeftModel.from_pretrained(base, str(adapter)).eval()(ids).logits
+    loaded = torch.load(tmp_path / "logits.pt")
+    torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)
+    assert (trained - untrained).abs().max() > 1e-2  # the adapter is in the loaded model
+
+    refused = _run("finetune_long_context.py", flags, tmp_path, processes=1, fails=True)
+    assert f"error: --output-dir {run} holds an earlier run (base, loss.png, step-4)" in refused
+    _run("finetune_long_context.py", flags + ["--steps", "2", "--overwrite"], tmp_path, processes=1)
+    assert sorted(os.listdir(run)) == ["base", "loss.png", "step-2"]

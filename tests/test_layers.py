@@ -32,6 +32,7 @@ LAYERS = [
         "hf_upipe.units",
         "hf_upipe.batch_keys",
         "hf_upipe.rank_layout",
+        "hf_upipe.console_log",
     ),
     (
         "hf_upipe.data",

@@ -41,6 +41,8 @@ shard). `evaluate()` and `predict()` raise.
 from __future__ import annotations
 
 import logging
+import warnings
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +118,25 @@ class _DPOKeywordInit(DPOTrainer):
         DPOTrainer.__init__(self, model, ref_model=ref_model, args=args, **kwargs)
 
 
+@contextmanager
+def _checkpointing_off(model, kwargs: dict | None):
+    """TRL's `disable_gradient_checkpointing` by transformers 5's names (TRL 1.16 calls the deprecated
+    `is_gradient_checkpointing` / `gradient_checkpointing_*`, which warn on every reference pass); TRL's own on a
+    transformers without them."""
+    enabled = getattr(model, "is_activation_checkpointing", None)
+    if enabled is None:
+        with disable_gradient_checkpointing(model, kwargs):
+            yield
+        return
+    if enabled:
+        model.activation_checkpointing_disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            model.activation_checkpointing_enable(kwargs)
+
+
 class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
     """`trl.DPOTrainer` (sigmoid loss) with UPipe sequence parallelism: every chosen and rejected sequence sharded,
     the sequence log-probabilities summed over the SP group before the loss (module docstring).
@@ -148,7 +169,15 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
             errors = dpo_config_errors(args, compute_metrics=kwargs.get("compute_metrics"))
             if errors:  # the same on every rank: raised before TRL or hf_upipe run any collective
                 raise errors[0]
-        super().__init__(model, args, ref_model=ref_model, upipe_config=upipe_config, **kwargs)
+        with warnings.catch_warnings():
+            # inside TRL's setup: peft 0.21 (get_peft_model for `peft_config`) reads transformers' deprecated
+            # `is_gradient_checkpointing`; neither hf_upipe nor the user can avoid that read
+            warnings.filterwarnings(
+                "ignore",
+                message="`is_gradient_checkpointing` is deprecated",
+                category=FutureWarning,
+            )
+            super().__init__(model, args, ref_model=ref_model, upipe_config=upipe_config, **kwargs)
         self._refuse_after_setup()
         if (
             self.ref_model is not None
@@ -211,7 +240,7 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
         """The reference model's per-sequence log-probabilities [2B], summed over the SP group (no gradient)."""
         with (
             torch.no_grad(),
-            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+            _checkpointing_off(self.model, self.args.gradient_checkpointing_kwargs),
         ):
             if (
                 self.ref_model is None

@@ -36,6 +36,7 @@ sequence parallelism, context parallelism and disagreeing degrees are refused be
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -164,7 +165,15 @@ class UPipeSFTTrainer(UPipeTrainer, SFTTrainer):
             errors = sft_config_errors(args, kwargs.get("compute_loss_func"))
             if errors:  # the same on every rank: raised before TRL or hf_upipe run any collective
                 raise errors[0]
-        super().__init__(model, args, *pargs, upipe_config=upipe_config, **kwargs)
+        with warnings.catch_warnings():
+            # inside TRL's setup: peft 0.21 (get_peft_model for `peft_config`) reads transformers' deprecated
+            # `is_gradient_checkpointing`; neither hf_upipe nor the user can avoid that read
+            warnings.filterwarnings(
+                "ignore",
+                message="`is_gradient_checkpointing` is deprecated",
+                category=FutureWarning,
+            )
+            super().__init__(model, args, *pargs, upipe_config=upipe_config, **kwargs)
         self._refuse_after_setup()
         logger.info(
             "UPipeSFTTrainer: TRL's fused LM head (chunked log-probabilities) is replaced by hf_upipe's %s "
