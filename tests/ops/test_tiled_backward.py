@@ -149,3 +149,37 @@ def _count_tiled(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(tb, "tiles", counting)
     return count
+
+
+def _ring_worker_with_tiles(rank, world, U, R):
+    """test_ring's worker with tiles of 3 tokens (set in the rank: its forkserver may predate the test's env)."""
+    import os
+
+    from tests.ops import test_ring as ring
+
+    os.environ[tb.ENV] = "3"
+    counted = [0]
+    tiles = tb.tiles
+
+    def counting(*args, **kwargs):
+        yes = tiles(*args, **kwargs)
+        counted[0] += yes
+        return yes
+
+    tb.tiles = counting
+    try:
+        return ring._worker(rank, world, U, R), counted[0]
+    finally:
+        tb.tiles = tiles
+        del os.environ[tb.ENV]
+
+
+@pytest.mark.slow
+def test_ring_with_tiles_matches_one_process():
+    from tests._dist import run_distributed
+    from tests.ops import test_ring as ring
+
+    for per_rank, tiled in run_distributed(_ring_worker_with_tiles, 2, 1, 2, timeout=300):
+        assert tiled > 0
+        for what, errs, base in per_rank:
+            ring._check(errs, base, what)
