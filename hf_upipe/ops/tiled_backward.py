@@ -17,12 +17,15 @@ kernel here, on a square call) tiles above the diagonal see nothing and are skip
 (`causal=False`), and a diagonal tile is itself a square causal call (i0 == j0). Every kernel call is therefore one
 of the two kinds the kernels already serve, and no call is longer than one tile.
 
-Loop and memory: keys outer, queries inner. dq is accumulated over key tiles in a [B, S, h, D] buffer of float32
-(q's dtype when that is float32 or float64), cast to q's dtype at the end; each key tile's dk/dv are accumulated
-over its query tiles in [B, T, hk, D] float32 buffers and written into dk/dv [B, S, hk, D] (k's dtype). These are
-ordinary tensors, so the memory tracker and the planner's simulation see them; the kernel's own workspace (the
-flash backward's dq accumulator and the like) is that of a call of T tokens. Loops over fake tensors run the first
-three and the last two tiles of each loop (`hf_upipe.ops.fake.chunk_starts`: every tile allocates the same).
+Loops and memory: one side's gradients are accumulated in float32 (q's dtype when that is float32 or float64) over
+the whole call, the other's over one tile. With h query heads and hk k/v heads, when h <= 2 hk (the fused block's
+one or two heads per stage) the key tiles are outer: dq [B, S, h, D] is summed over key tiles and cast at the end,
+each key tile's dk/dv [B, T, hk, D] over its query tiles and written into dk/dv [B, S, hk, D]. Otherwise (all local
+heads of a GQA model in one stage) the query tiles are outer: dk/dv [B, S, hk, D] are summed and cast one after the
+other at the end, each query tile's dq over its key tiles. These are ordinary tensors, so the memory tracker and the
+planner's simulation see them; the kernel's own workspace (the flash backward's dq accumulator and the like) is
+that of a call of T tokens. Loops over fake tensors run the first three and the last two tiles of each loop
+(`hf_upipe.ops.fake.chunk_starts`: every tile allocates the same).
 
 Which calls are tiled: those of the plain registered kernels ("sdpa" on CPU and CUDA, "cudnn", "flash_attn", and
 their hollow twins), longer than one tile, square when causal. Wrapped kernels (documents, windows, soft-capping,
@@ -37,6 +40,7 @@ accumulators' reads and writes (`hf_upipe.planning.step_time` charges them).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -106,35 +110,78 @@ def tiled_backward(
     block = backward_block() if block is None else block
     if not tiles(kernel, q, k, causal, block):
         return kernel.backward(dout, q, k, v, out, lse, scale=scale, causal=causal)
-    kernel = getattr(kernel, "tile_kernel", lambda _q: kernel)(q)
-    sq, sk = q.shape[1], k.shape[1]
+    call = _Call(getattr(kernel, "tile_kernel", lambda _q: kernel)(q), scale, causal, block)
+    if q.shape[2] <= 2 * k.shape[2]:  # the smaller accumulator: dq's, or dk's and dv's
+        return _keys_outer(call, dout, q, k, v, out, lse)
+    return _queries_outer(call, dout, q, k, v, out, lse)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """What every tile of one tiled call shares: the kernel, its scale, causality and the tile length."""
+
+    kernel: AttentionKernel
+    scale: float
+    causal: bool
+    block: int
+
+    def tile(self, dout, q, k, v, out, lse, rows: tuple[int, int], keys: tuple[int, int]):
+        """The kernel's backward of query rows [i0, i1) against keys [j0, j1): causal on the diagonal."""
+        (i0, i1), (j0, j1) = rows, keys
+        return self.kernel.backward(
+            dout[:, i0:i1],
+            q[:, i0:i1],
+            k[:, j0:j1],
+            v[:, j0:j1],
+            out[:, i0:i1],
+            lse[:, :, i0:i1].contiguous(),
+            scale=self.scale,
+            causal=self.causal and i0 == j0,
+        )
+
+
+def _keys_outer(call: _Call, dout, q, k, v, out, lse):
+    """Key tiles outer: dq [B, Sq, h, D] accumulated in float32 over them, each key tile's dk/dv [B, T, hk, D] over
+    its query tiles (at and below the diagonal when causal) and written once."""
+    sq, sk, T = q.shape[1], k.shape[1], call.block
     acc = torch.promote_types(q.dtype, torch.float32)  # float32, float64 for float64 inputs
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [B, Sq, h, D]
     dk, dv = torch.empty_like(k), torch.empty_like(v)  # [B, Sk, hk, D]
-    for j0 in chunk_starts(sk, block, q):
-        j1 = min(j0 + block, sk)
-        first = j0 if causal else 0  # causal: the query tiles at and below the diagonal
-        dk_j = dv_j = None  # [B, j1 - j0, hk, D] in `acc`
-        for i0 in [first + i for i in chunk_starts(sq - first, block, q)]:
-            i1 = min(i0 + block, sq)
-            dq_t, dk_t, dv_t = kernel.backward(
-                dout[:, i0:i1],
-                q[:, i0:i1],
-                k[:, j0:j1],
-                v[:, j0:j1],
-                out[:, i0:i1],
-                lse[:, :, i0:i1].contiguous(),
-                scale=scale,
-                causal=causal and i0 == j0,
-            )
-            dq[:, i0:i1] += dq_t
+    for j0 in chunk_starts(sk, T, q):
+        keys, first = (j0, min(j0 + T, sk)), j0 if call.causal else 0
+        dk_j = dv_j = None  # [B, T, hk, D] in `acc`
+        for i0 in [first + i for i in chunk_starts(sq - first, T, q)]:
+            dq_t, dk_t, dv_t = call.tile(dout, q, k, v, out, lse, (i0, min(i0 + T, sq)), keys)
+            dq[:, i0 : i0 + T] += dq_t
             if dk_j is None:
                 dk_j, dv_j = dk_t.to(acc), dv_t.to(acc)
             else:
                 dk_j += dk_t
                 dv_j += dv_t
             del dq_t, dk_t, dv_t
-        dk[:, j0:j1] = dk_j
-        dv[:, j0:j1] = dv_j
+        dk[:, keys[0] : keys[1]] = dk_j
+        dv[:, keys[0] : keys[1]] = dv_j
         del dk_j, dv_j
     return dq.to(q.dtype), dk, dv
+
+
+def _queries_outer(call: _Call, dout, q, k, v, out, lse):
+    """Query tiles outer: dk/dv [B, Sk, hk, D] accumulated in float32 over them, each query tile's dq [B, T, h, D]
+    over its key tiles (at and left of the diagonal when causal) and written once."""
+    sq, sk, T = q.shape[1], k.shape[1], call.block
+    acc = torch.promote_types(q.dtype, torch.float32)
+    dq = torch.empty_like(q)  # [B, Sq, h, D]
+    dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))  # [B, Sk, hk, D]
+    for i0 in chunk_starts(sq, T, q):
+        rows = (i0, min(i0 + T, sq))
+        dq_i = None  # [B, T, h, D] in `acc`
+        for j0 in chunk_starts(rows[1] if call.causal else sk, T, q):
+            dq_t, dk_t, dv_t = call.tile(dout, q, k, v, out, lse, rows, (j0, min(j0 + T, sk)))
+            dk[:, j0 : j0 + T] += dk_t
+            dv[:, j0 : j0 + T] += dv_t
+            dq_i = dq_t.to(acc) if dq_i is None else dq_i.add_(dq_t)
+            del dq_t, dk_t, dv_t
+        dq[:, rows[0] : rows[1]] = dq_i
+        del dq_i
+    dk = dk.to(k.dtype)  # one cast at a time: the float32 dk goes before dv's cast
+    return dq, dk, dv.to(v.dtype)

@@ -43,8 +43,20 @@ def _rel(a, b):
 
 @pytest.mark.parametrize(
     "Sq,Sk,H,Hk,causal,block",
-    [(37, 37, 4, 2, True, 8), (37, 37, 2, 2, True, 37 // 3), (20, 37, 4, 1, False, 7)],
-    ids=["causal-gqa", "causal-mha", "rect-gqa"],
+    [
+        (37, 37, 4, 2, True, 8),
+        (37, 37, 2, 2, True, 37 // 3),
+        (37, 37, 4, 1, True, 8),
+        (20, 37, 4, 1, False, 7),
+        (37, 20, 2, 2, False, 7),
+    ],
+    ids=[
+        "causal-gqa",
+        "causal-mha",
+        "causal-queries-outer",
+        "rect-queries-outer",
+        "rect-keys-outer",
+    ],
 )
 def test_tiles_match_the_kernel_and_plain_attention_fp32(Sq, Sk, H, Hk, causal, block):
     kern = get_kernel("sdpa", "cpu", torch.float32)

@@ -56,10 +56,12 @@ def test_step_time_charges_the_tiles(monkeypatch):
     assert 0 < extra < 0.002 * whole.seconds
 
 
-def test_simulation_holds_the_fp32_dq_accumulator():
+@pytest.mark.parametrize("h,hk", [(1, 1), (4, 1)], ids=["keys-outer", "queries-outer"])
+def test_simulation_holds_the_fp32_accumulators(h, hk):
     """On fake tensors the tiled backward allocates what it allocates on a GPU, each tile's outputs and
-    accumulators and the [B, S, h, D] fp32 dq buffer, so the planner's simulated tensors count them; its peak is
-    the end, dq fp32 beside its bf16 cast and dk, dv, against dq, dk, dv of the kernel's own call."""
+    accumulators and the float32 buffer of one side, so the planner's simulated tensors count them: with one
+    head (keys outer) the peak is the end, dq fp32 beside its bf16 cast and dk, dv; with four query heads on one
+    k/v head (queries outer) it is in the loop; against dq, dk, dv of the kernel's own call."""
     from hf_upipe.ops.kernels import get_kernel
     from hf_upipe.ops.tiled_backward import tiled_backward
     from hf_upipe.planning.simulate import fake_tensors
@@ -69,8 +71,9 @@ def test_simulation_holds_the_fp32_dq_accumulator():
     S, T, D = 2**14, 2**11, 128
     peaks = {}
     with fake_tensors():
-        q, k, v, dout, out = (torch.empty(1, S, 1, D, dtype=torch.bfloat16) for _ in range(5))
-        lse = torch.empty(1, 1, S)
+        q, dout, out = (torch.empty(1, S, h, D, dtype=torch.bfloat16) for _ in range(3))
+        k, v = (torch.empty(1, S, hk, D, dtype=torch.bfloat16) for _ in range(2))
+        lse = torch.empty(1, h, S)
         for block in (0, T):
             with MemoryTracker() as tracker:
                 grads = tiled_backward(
@@ -78,5 +81,9 @@ def test_simulation_holds_the_fp32_dq_accumulator():
                 )
                 del grads
             peaks[block] = tracker.peak_bytes
-    assert peaks[0] == 3 * S * D * 2
-    assert peaks[T] == S * D * (4 + 2 + 2 + 2)
+    assert peaks[0] == S * D * 2 * (h + 2 * hk)
+    if h <= 2 * hk:
+        assert peaks[T] == S * D * (4 * h + 2 * h + 2 * 2 * hk)
+    else:
+        # in the loop: dq, dk and dv fp32, and one tile's dq, dk, dv, its fp32 dq and log-sum-exp rows
+        assert peaks[T] == S * D * (2 * h + 8 * hk) + T * D * (2 * h + 4 * hk + 4 * h) + T * h * 4
