@@ -28,9 +28,10 @@ that of a call of T tokens. Loops over fake tensors run the first three and the 
 (`hf_upipe.ops.fake.chunk_starts`: every tile allocates the same).
 
 Which calls are tiled: those of the plain registered kernels ("sdpa" on CPU and CUDA, "cudnn", "flash_attn", and
-their hollow twins), longer than one tile, square when causal. Wrapped kernels (documents, windows, soft-capping,
-chunked attention) are called as they are: their own loops bound their calls differently. The ring calls its inner
-kernel through this function, so each ring step is tiled. `CudnnKernel` chooses its fallback kernel by the call's
+their hollow twins), longer than one tile, square when causal. Wrapped kernels (windows, soft-capping, chunked
+attention, documents) are called as they are; the ring and `DocumentKernel`'s per-document loop call their inner
+kernel through this function, so each ring step and each long document is tiled (flash-attn's varlen call for
+packed rows is not). `CudnnKernel` chooses its fallback kernel by the call's
 length: a tiled call uses the kernel that the untiled call of the whole length would (`tile_kernel`), so the
 log-sum-exp handed back is the one the forward computed with the same kernel.
 

@@ -109,6 +109,23 @@ def test_which_calls_are_tiled(monkeypatch):
             tb.backward_block()
 
 
+def test_documents_in_the_loop_tile_each_document(monkeypatch):
+    """Packed rows through `DocumentKernel`'s loop: each document's call is tiled, the result is the untiled one."""
+    kern = get_kernel("sdpa", "cpu", torch.float32)
+    q, k, v, dout = _inputs(11, 1, 40, 40, 2, 1, 8, torch.float32)
+    docs = DocumentKernel(kern, torch.tensor([0, 7, 31, 40]), 40)
+    out, lse = docs.forward(q, k, v, scale=0.3)
+    whole = docs.backward(dout, q, k, v, out, lse, scale=0.3)
+    monkeypatch.setenv(tb.ENV, "5")
+    tiled_calls = _count_tiled(monkeypatch)
+    tiled = docs.backward(dout, q, k, v, out, lse, scale=0.3)
+    assert tiled_calls[0] == 3  # documents of 7, 24 and 9 tokens, each longer than a tile
+    ref = _reference(q[:, 7:31], k[:, 7:31], v[:, 7:31], dout[:, 7:31], 0.3, True)
+    assert _rel(tiled[0][:, 7:31], ref[1]) < 1e-5
+    for name, a, b in zip(("dq", "dk", "dv"), tiled, whole):
+        assert _rel(a, b) < 1e-5, name
+
+
 def test_cudnn_tiles_run_the_kernel_of_the_whole_call():
     kern = CudnnKernel()
     short = torch.empty(1, CudnnKernel.MAX_S, 1, 128, device="meta")
