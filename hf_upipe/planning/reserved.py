@@ -155,9 +155,15 @@ def kernel_call_tokens(config, settings, seq_len: int) -> int:
     tokens = seq_len // max(1, settings.ring_size)
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    wrapped = any(
-        _get(config, n)
-        for n in ("sliding_window", "attn_logit_softcapping", "attention_chunk_size")
+    types = _get(config, "layer_types")
+    if isinstance(types, (list, tuple)):  # transformers' per-layer kinds say where a window applies
+        window = any(t != "full_attention" for t in types)
+    else:
+        window = (
+            bool(_get(config, "sliding_window")) and _get(config, "use_sliding_window") is not False
+        )
+    wrapped = window or any(
+        _get(config, n) for n in ("attn_logit_softcapping", "attention_chunk_size")
     )
     block = backward_block()
     if settings.impl == "deepspeed" or wrapped or block <= 0:

@@ -33,6 +33,12 @@ def test_allowance_counts_one_tile(monkeypatch):
     assert kernel_call_tokens(cfg, deepspeed, M8) == M8  # not ours: not tiled
     windowed = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg, sliding_window=4096)
     assert kernel_call_tokens(windowed, fused, M8) == M8  # a window wraps the kernel: not tiled
+    # a window switched off (Qwen's use_sliding_window=False), or layer kinds all full attention: tiled
+    assert kernel_call_tokens(dict(windowed, use_sliding_window=False), fused, M8) == 2**18
+    full = dict(windowed, layer_types=["full_attention"] * 32)
+    assert kernel_call_tokens(full, fused, M8) == 2**18
+    mixed = dict(windowed, layer_types=["sliding_attention", "full_attention"] * 16)
+    assert kernel_call_tokens(mixed, fused, M8) == M8
     monkeypatch.setenv(ENV, "0")
     assert Allowance().attention_workspace(cfg, fused, M8, 8) == M8 * rate
     monkeypatch.setenv(ENV, str(2**20))
