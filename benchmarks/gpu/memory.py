@@ -49,6 +49,7 @@ from common import (  # noqa: E402
 )
 
 import hf_upipe  # noqa: E402,F401
+from hf_upipe.ops.tiled_backward import backward_block  # noqa: E402
 from hf_upipe.planning.attention_block import (  # noqa: E402
     BENCHMARK_ROWS,
     measure_attention_block,
@@ -271,6 +272,8 @@ def main(argv=None) -> int:
     res.doc["environment"]["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get(
         "PYTORCH_CUDA_ALLOC_CONF", ""
     )
+    # the attention backward's tile (hf_upipe.ops.tiled_backward): the blocks' unseen bytes are per token of a tile
+    res.doc["environment"]["UPIPE_BACKWARD_BLOCK"] = backward_block()
     sections = args.sections.split(",")
     start = time.perf_counter()
     if "block" in sections:

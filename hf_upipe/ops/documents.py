@@ -17,7 +17,8 @@ Two paths, same results:
   one call on the flattened tokens [B * S, h, D], lse [h, B * S];
 - loop: otherwise, one `inner.forward` / `inner.backward` call per document on the slices q[b:b+1, a:e] etc.,
   written into preallocated outputs. Rows holding one document are not split (a batch of such rows is one call).
-  Cost: one kernel launch per document, no [S, S] mask and no extra memory beyond the outputs.
+  Cost: one kernel launch per document, no [S, S] mask and no extra memory beyond the outputs. A document longer
+  than a tile runs its backward in tiles (`hf_upipe.ops.tiled_backward`, with its float32 accumulator).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from hf_upipe.ops.kernels import AttentionKernel
+from hf_upipe.ops.tiled_backward import tiled_backward
 
 __all__ = ["DocumentKernel", "cu_seqlens_error", "document_segments", "left_padded_rows"]
 
@@ -184,10 +186,11 @@ class DocumentKernel:
             return dq.view(B, S, h, D), dk.view(B, S, hk, D), dv.view(B, S, hk, -1)
         segs = self.segments(B)
         if len(segs) == B:
-            return self.inner.backward(dout, q, k, v, out, lse, scale=scale, causal=causal)
+            return tiled_backward(self.inner, dout, q, k, v, out, lse, scale=scale, causal=causal)
         dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
         for b, a, e in segs:
-            g = self.inner.backward(
+            g = tiled_backward(  # a long document's backward in tiles (hf_upipe.ops.tiled_backward)
+                self.inner,
                 dout[b : b + 1, a:e],
                 q[b : b + 1, a:e],
                 k[b : b + 1, a:e],

@@ -28,6 +28,7 @@ from hf_upipe.ops.fused_stages import (
     projection_features,
 )
 from hf_upipe.ops.head_transforms import correction, post, post_backward
+from hf_upipe.ops.tiled_backward import tiled_backward
 
 __all__ = ["Grads", "fused_backward", "linear_backward"]
 
@@ -269,8 +270,8 @@ class _Backward:
                 if out_sent is not None:
                     self.o_grads(i, out_sent.wait().reshape(N, -1))
                 out_sent = None
-            dqh, dkh, dvh = plan.kernel.backward(
-                doh, qh, self.kh, self.vh, oh, lse, scale=plan.scale, causal=True
+            dqh, dkh, dvh = tiled_backward(
+                plan.kernel, doh, qh, self.kh, self.vh, oh, lse, scale=plan.scale, causal=True
             )
             del qh, oh, doh
             items = self.stage_gradients(i, dqh, dkh, dvh)

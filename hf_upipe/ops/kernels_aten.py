@@ -313,6 +313,11 @@ class CudnnKernel:
     def _measured(self, q: torch.Tensor) -> bool:
         return padded_head_dim(q.shape[-1]) <= self._MAX_D and q.shape[1] <= self.MAX_S
 
+    def tile_kernel(self, q: torch.Tensor):
+        """The kernel that `hf_upipe.ops.tiled_backward` runs on each tile of a call with q [B, S, h, D]: the one
+        this call's forward runs (cuDNN, or the fallback beyond what was measured), whatever the tile's length."""
+        return self if self._measured(q) else self._fallback
+
     def forward(self, q, k, v, *, scale, causal=True):
         b, s, h, d = q.shape
         if not self._measured(q):

@@ -29,6 +29,10 @@ Entry points:
   and memory-efficient SDPA kernels), `HollowCudnnKernel` (of `CudnnKernel`), `HollowFlashAttnKernel` (of
   `FlashAttnKernel`; dense attention only, no flash-attn package needed).
 
+A long call's backward is tiled around a hollow twin as around its kernel (`hf_upipe.ops.tiled_backward`: the
+twin's class is its kernel's subclass, and `HollowCudnnKernel.tile_kernel` gives the twin of the fallback), so a
+hollow step allocates each tile's outputs and the tiles' accumulators as the real step does.
+
 The allocations stand for the real ops' outputs as `tests/ops/test_kernels.py`'s CPU fakes return them (which
 that file checks against the wrappers), and, on CPU, as aten's CPU flash kernel returns them.
 """

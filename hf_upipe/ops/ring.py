@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hf_upipe.ops.kernels import AttentionKernel
+from hf_upipe.ops.tiled_backward import tiled_backward
 
 __all__ = ["RingKernel", "ring_positions", "zigzag_order"]
 
@@ -158,7 +159,8 @@ class RingKernel:
         for j in range(self.size):
             hop = _Pass(kv, self.group, self.rank, self.size) if j + 1 < self.size else None
             rows, cols, mask = self._blocks(j, m)
-            dq_j, dk_j, dv_j = self.inner.backward(
+            dq_j, dk_j, dv_j = tiled_backward(
+                self.inner,
                 dout[:, rows],
                 q[:, rows],
                 kv[0][:, cols],

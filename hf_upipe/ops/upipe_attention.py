@@ -48,6 +48,7 @@ from torch.autograd.function import once_differentiable
 from hf_upipe.ops.all_to_all import group_size, head_to_seq, seq_to_head
 from hf_upipe.ops.head_layout import HeadLayout
 from hf_upipe.ops.kernels import AttentionKernel, get_kernel
+from hf_upipe.ops.tiled_backward import tiled_backward
 
 __all__ = [
     "UPipeAttentionFunction",
@@ -200,7 +201,9 @@ def upipe_attention_backward(
         qh = seq_to_head(_q_stage(q, layout, i), group)  # [B, S, c, D]
         oh = seq_to_head(_q_stage(out, layout, i), group)
         doh = seq_to_head(_q_stage(dout, layout, i), group)
-        dqh, dkh_i, dvh_i = kernel.backward(doh, qh, kh, vh, oh, lses[i], scale=scale, causal=True)
+        dqh, dkh_i, dvh_i = tiled_backward(
+            kernel, doh, qh, kh, vh, oh, lses[i], scale=scale, causal=True
+        )
         if (
             dsinks is not None
         ):  # d s_h = -sum_i exp(s_h - lse'_i) * rowsum(dO * O)_i  (module docstring)

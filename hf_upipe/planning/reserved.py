@@ -8,7 +8,9 @@ Entry points:
   ``reserved = {"default": bytes, "expandable": bytes}``.
 * `extrapolate_reserved(reserved_4, peak_4, peak_L)`: the reserve of a deeper model (see below).
 * `Allowance`: the bytes the simulation cannot see, as stated constants and per-kernel functions; its attention
-  term is `unseen_rate(impl, heads)` bytes per token (`UNSEEN_PER_TOKEN`, `UNSEEN_BASE`: measured on an H100).
+  term is `unseen_rate(impl, heads)` bytes per token of one kernel call (`UNSEEN_PER_TOKEN`, `UNSEEN_BASE`:
+  measured on an H100), over `kernel_call_tokens(config, settings, seq_len)` tokens (one tile of the tiled
+  backward, `hf_upipe.ops.tiled_backward`, where it applies).
 * `allocator_mode()`: "expandable" when `PYTORCH_CUDA_ALLOC_CONF` asks for expandable segments, else "default".
 * `calibration_file()`, `load_correction(key)`, `save_correction(key, measured, predicted)`: the correction that
   `hf-upipe calibrate` measures on a GPU and `hf-upipe plan` applies.
@@ -40,6 +42,7 @@ __all__ = [
     "allocator_mode",
     "calibration_file",
     "extrapolate_reserved",
+    "kernel_call_tokens",
     "load_correction",
     "save_correction",
     "step_reserved",
@@ -123,24 +126,52 @@ class Allowance:
 
     def attention_workspace(self, config, settings, seq_len: int, sp_size: int) -> int:
         """What the attention kernels allocate beyond the simulated tensors (their scratch, invisible to the
-        tracker): `unseen_rate` bytes per token of the sequence the kernel sees (the ring's shard), scaled by
-        head_dim / 128, plus DeepSpeed's measured constant."""
+        tracker): `unseen_rate` bytes per token of one kernel call, scaled by head_dim / 128, plus DeepSpeed's
+        measured constant. A call covers the sequence the kernel sees (the ring's shard), or one tile of
+        `kernel_call_tokens` where hf_upipe tiles the backward."""
         from hf_upipe.architectures import model_geometry
 
         g = model_geometry(config)
         heads = g["heads"] // sp_size if settings.impl in ("ulysses", "deepspeed") else None
         if heads is None:
             heads = settings.heads_per_chunk or g["heads"] // sp_size
-        ring = max(1, settings.ring_size)
         head_dim = _get(config, "head_dim") or g["hidden"] // g["heads"]
         rate = unseen_rate(settings.impl, heads) * head_dim / 128
-        return int((seq_len // ring) * rate) + UNSEEN_BASE.get(settings.impl, 0)
+        tokens = kernel_call_tokens(config, settings, seq_len)
+        return int(tokens * rate) + UNSEEN_BASE.get(settings.impl, 0)
 
     def bytes(self, config, settings, seq_len: int, sp_size: int, device_only: bool = False) -> int:
         """Everything added to the reserve; `device_only`: only what a single-GPU measurement holds in its
         reserve (workspaces), for comparing with `max_memory_reserved`."""
         work = self.cublas_per_stream + self.attention_workspace(config, settings, seq_len, sp_size)
         return work if device_only else work + self.context + self.nccl
+
+
+def kernel_call_tokens(config, settings, seq_len: int) -> int:
+    """Tokens of the longest attention backward call: the sequence the kernel sees (the ring's shard), or one tile of
+    `hf_upipe.ops.tiled_backward.backward_block()` for hf_upipe's impls on plain causal attention (the tiles'
+    fp32 accumulators are simulated tensors). DeepSpeed's attention and models whose attention goes through a
+    wrapping kernel (a sliding window, soft-capped scores, chunked attention) are not tiled. The forward kernels
+    are taken to allocate nothing beyond their output and log-sum-exp (both simulated)."""
+    from hf_upipe.ops.tiled_backward import backward_block
+
+    tokens = seq_len // max(1, settings.ring_size)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    types = _get(config, "layer_types")
+    if isinstance(types, (list, tuple)):  # transformers' per-layer kinds say where a window applies
+        window = any(t != "full_attention" for t in types)
+    else:
+        window = (
+            bool(_get(config, "sliding_window")) and _get(config, "use_sliding_window") is not False
+        )
+    wrapped = window or any(
+        _get(config, n) for n in ("attn_logit_softcapping", "attention_chunk_size")
+    )
+    block = backward_block()
+    if settings.impl == "deepspeed" or wrapped or block <= 0:
+        return tokens
+    return min(tokens, block)
 
 
 def _get(config, name: str):

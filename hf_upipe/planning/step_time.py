@@ -37,9 +37,12 @@ step is):
   (`HOST_LINK_BYTES_PER_S` per GPU): each layer's parameter shard to the GPU twice (forward and backward
   all-gathers; fp32, a LoRA base in the compute dtype) and its fp32 gradient shard back, overlapped with the
   layer's compute like the checkpoint offload's copies; the root's (embeddings, lm_head) exposed.
-Not modelled: kernel launch latency, small-message all-to-all latency, the optimizer's all-reduce of the loss,
-memory-allocator stalls. Calibrate `EFFICIENCY` on a GPU before trusting absolute seconds; the ratios between
-settings depend mostly on the counts.
+- The tiled attention backward (`hf_upipe.ops.tiled_backward`, calls longer than `UPIPE_BACKWARD_BLOCK` tokens):
+  its accumulators' reads and writes in HBM and a fixed latency per extra kernel call (`TILE_LATENCY`); the
+  arithmetic is the untiled call's.
+Not modelled: kernel launch latency (beyond the tiles'), small-message all-to-all latency, the optimizer's
+all-reduce of the loss, memory-allocator stalls. Calibrate `EFFICIENCY` on a GPU before trusting absolute
+seconds; the ratios between settings depend mostly on the counts.
 """
 
 from __future__ import annotations
@@ -320,6 +323,34 @@ def _host_copy_bytes(params: int, world: int, frozen: bool) -> float:
     return 2 * shard * (2 if frozen else 4) + (0 if frozen else shard * 4)
 
 
+# seconds each extra kernel call of the tiled attention backward costs beyond its bytes (its launches and the
+# accumulators' adds; a typical CUDA launch latency, not measured here)
+TILE_LATENCY = 20e-6
+
+
+def _tile_seconds(
+    layout: HeadLayout, *, S: int, R: int, D: int, gpu: GPU, eff: Efficiency
+) -> float:
+    """Seconds one layer's tiled attention backward (`hf_upipe.ops.tiled_backward`) adds: per stage and ring
+    step, each of its tiles (n (n + 1) / 2 of a causal call of n tiles; n^2 / 2 for each other step of a ring) reads
+    its bf16 dq, dk, dv and adds them into float32 accumulators (read and written), each key tile's dk/dv is written
+    back and dq cast once, and every tile call beyond the first pays `TILE_LATENCY`. 0 when the calls are not
+    tiled (one tile or fewer, or `UPIPE_BACKWARD_BLOCK=0`)."""
+    from hf_upipe.ops.tiled_backward import backward_block
+
+    block, tokens = backward_block(), S // R
+    if block <= 0 or tokens <= block:
+        return 0.0
+    n = -(-tokens // block)
+    h, hk = layout.chunk, layout.kv_per_stage
+    # per stage: the ring's causal step, and its R - 1 others of half the rows (or keys) each
+    tiles = n * (n + 1) // 2 + (R - 1) * (n * n + 1) // 2
+    per_tile = block * D * (h + 2 * hk) * (2 + 4 + 4)  # bf16 read, fp32 read and write
+    final = tokens * D * (h + 2 * hk) * (4 + 2) * R  # dq cast, dk/dv written out, per ring step
+    stage = (tiles * per_tile + final) / (gpu.hbm * eff.hbm) + (tiles - R) * TILE_LATENCY
+    return layout.num_stages * stage
+
+
 def step_time(
     config,
     settings,
@@ -390,11 +421,11 @@ def step_time(
     t_fsdp = gathered / ((gpu.nvlink if world <= gpus_per_node else gpu.network) * eff.gather)
     t_offload = 2 * s * Dm * 2 / (gpu.pcie * eff.pcie) if settings.offload == "cpu" else 0.0
     model_offload = getattr(settings, "model_offload", "none") == "cpu"
-    if (
-        model_offload
-    ):  # the layer's shard in twice (fp32; a LoRA base in bf16), its gradient shard out once
+    if model_offload:
+        # the layer's shard in twice (fp32; a LoRA base in bf16), its gradient shard out once
         t_offload += _host_copy_bytes(layer_params, world, frozen) / HOST_LINK_BYTES_PER_S
-    compute = t_gemm + t_attention + t_a2a + t_ring
+    t_tiles = _tile_seconds(layout, S=S, R=R, D=D, gpu=gpu, eff=eff) if impl != "deepspeed" else 0.0
+    compute = t_gemm + t_attention + t_tiles + t_a2a + t_ring
     hidden_behind = max(compute, t_fsdp, t_offload) - compute
 
     head = 2 * s * Dm * V * (2 if frozen else 3)
@@ -404,14 +435,14 @@ def step_time(
     t_optimizer = (
         trained / world * 16 * 2 / (gpu.hbm * eff.hbm)
     )  # fp32 master, grad, m, v read and written
-    if (
-        model_offload
-    ):  # the step on the host; the root's copies (embeddings, lm_head) are not hidden
+    if model_offload:
+        # the step on the host; the root's copies (embeddings, lm_head) are not hidden
         t_optimizer = trained / world * HOST_ADAMW_SECONDS_PER_PARAM
         t_optimizer += _host_copy_bytes(2 * Dm * V, world, frozen) / HOST_LINK_BYTES_PER_S
     parts = {
         "gemm": L * t_gemm,
         "attention": L * t_attention,
+        "attention_tiles": L * t_tiles,
         "all_to_all": L * t_a2a,
         "ring": L * t_ring,
         "fsdp_offload_exposed": L * hidden_behind,
