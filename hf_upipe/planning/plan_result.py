@@ -97,6 +97,8 @@ class Plan:
     allowance: int = 0
     allocator: str = "default"  # the allocator mode predicted ("default" or "expandable" segments)
     correction: dict | None = None  # the stored calibration applied (hf-upipe calibrate), or None
+    # what fits instead, when it does not fit (hf_upipe.planning.no_fit: `hf-upipe plan` fills it)
+    advice: list = dataclasses.field(default_factory=list)
 
     @property
     def usable(self) -> int:
@@ -183,6 +185,7 @@ class Plan:
             "headroom": self.headroom,
             "usable": self.usable,
             "notes": list(self.notes),
+            "advice": list(self.advice),
             "lora": None
             if self.lora is None
             else {"rank": self.lora[0], "targets": list(self.lora[1])},
