@@ -404,7 +404,11 @@ def _unknown(spec) -> ValueError:
     text = str(spec).lower()
     close = difflib.get_close_matches(text, model_names(), n=4, cutoff=0.4)
     close += [n for n in model_names() if n.startswith(text.split("-")[0]) and n not in close][:4]
-    hint = f"closest presets: {', '.join(close[:6])}" if close else "presets: hf-upipe plan --help"
+    hint = (
+        f"closest presets: {', '.join(close[:6])}"
+        if close
+        else f"none close; hf-upipe plan --help lists the {len(PRESETS)} presets"
+    )
     tiny = (
         f"; for a tiny random test model of that type: {TINY_PREFIX}{spec}"
         if spec in ARCHITECTURES or _is_causal_lm_type(spec)

@@ -141,3 +141,14 @@ def test_tiny_models_have_tiny_names():
     assert resolve("Qwen3-8B")[0] == "qwen3-8b"
     with pytest.raises(ValueError, match="not a preset"):
         resolve("tiny-no_such_type")
+
+
+def test_sliding_and_full_attention_layers_hold_the_same_bytes():
+    """Gemma 3's first layers are all sliding-window ones (5 of every 6), so the 3- and 4-layer simulations see no
+    full-attention layer: extrapolating them is exact only because both kinds hold the same bytes. (gemma3-4b-text's
+    heads and head dim, narrower.)"""
+    row = dict(PRESETS["gemma3-4b-text"], hidden_size=512, intermediate_size=1024, vocab_size=1024)
+    row["num_hidden_layers"] = 4
+    sliding = _plan(dict(row, layer_types=["sliding_attention"] * 4, sliding_window=512), exact=True)
+    full = _plan(dict(row, layer_types=["full_attention"] * 4), exact=True)
+    assert sliding.by_category == full.by_category and sliding.reserved == full.reserved
