@@ -77,7 +77,8 @@ def test_config_reads_lengths_and_sizes_the_same_way():
 def test_plan_and_selftest_share_the_model_names():
     names = model_names()
     assert {"llama3-8b", "qwen3-8b", "qwen3-32b", "llama3-70b", "mixtral-8x7b"} <= set(names)
-    assert not {"llama", "mistral", "qwen2", "qwen3"} & set(names)  # no tiny model under a real name
+    # no tiny model under a real name
+    assert not {"llama", "mistral", "qwen2", "qwen3"} & set(names)
     for name in names:
         assert resolve(name)[0] == name
         _, config = runnable_config(
@@ -87,7 +88,11 @@ def test_plan_and_selftest_share_the_model_names():
     _, small = runnable_config("llama3-8b")
     assert (small.num_attention_heads, small.num_key_value_heads) == (32, 8)
     assert runnable_config("qwen3-30b-a3b")[1].model_type == "qwen3_moe"
-    assert runnable_config("tiny-qwen3")[1].hidden_size == runnable_config("qwen3")[1].hidden_size == 64
+    assert (
+        runnable_config("tiny-qwen3")[1].hidden_size
+        == runnable_config("qwen3")[1].hidden_size
+        == 64
+    )
 
 
 def test_unknown_names_are_refused_without_the_network(monkeypatch):

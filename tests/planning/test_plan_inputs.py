@@ -56,7 +56,9 @@ def test_the_configs_dtype_does_not_change_the_plan():
     # every dimension divides by 8: FSDP2's shards carry no padding. AdamW keeps m and v (fp32) per parameter and a
     # 4-byte step count per parameter tensor
     assert without.by_category["optimizer"] == 2 * 4 * n // WORLD + 4 * tensors
-    assert without.by_category["parameters"] == 4 * n // WORLD  # the peak is in the backward: shards alone
+    assert (
+        without.by_category["parameters"] == 4 * n // WORLD
+    )  # the peak is in the backward: shards alone
     table = bf16.table()
     assert "AdamW m and v shards (fp32)" in table and "gathered layers and root (bfloat16)" in table
 
@@ -65,25 +67,33 @@ def test_tied_embeddings_are_counted_once():
     untied = _plan(QWEN3_8B)
     tied = _plan(dict(QWEN3_8B, tie_word_embeddings=True))
     head = QWEN3_8B["vocab_size"] * QWEN3_8B["hidden_size"]
-    assert untied.by_category["optimizer"] - tied.by_category["optimizer"] == 2 * 4 * head // WORLD + 4
-    assert tied.by_category["optimizer"] == 2 * 4 * _params(QWEN3_8B, tied=True)[0] // WORLD + 4 * (
-        _params(QWEN3_8B, tied=True)[1]
+    assert (
+        untied.by_category["optimizer"] - tied.by_category["optimizer"] == 2 * 4 * head // WORLD + 4
+    )
+    assert (
+        tied.by_category["optimizer"]
+        == 2 * 4 * _params(QWEN3_8B, tied=True)[0] // WORLD + 4 * (_params(QWEN3_8B, tied=True)[1])
     )
 
 
 def test_a_quantized_config_is_refused_for_a_full_fine_tune_and_noted_for_lora():
     quant = dict(quant_method="bitsandbytes", load_in_4bit=True)
     small = dict(QWEN3_8B, hidden_size=256, intermediate_size=512, head_dim=32, vocab_size=1024)
-    with pytest.raises(ValueError, match=r"quantization_config \(bitsandbytes 4-bit\).*--lora-rank"):
+    with pytest.raises(
+        ValueError, match=r"quantization_config \(bitsandbytes 4-bit\).*--lora-rank"
+    ):
         _plan(dict(small, quantization_config=quant))
     p = _plan(dict(small, quantization_config=quant), lora=(8, ("q_proj", "v_proj")))
-    assert any("quantized (bitsandbytes 4-bit)" in note and "upper bound" in note for note in p.notes)
+    assert any(
+        "quantized (bitsandbytes 4-bit)" in note and "upper bound" in note for note in p.notes
+    )
     table = p.table()
     assert "frozen base shards (bfloat16) + fp32 adapter shards" in table
 
 
-# the published parameter counts of the model cards, exact or as the card rounds them (Gemma 3: Keras Hub's presets, whose vocabulary is the text
-# model's 262,144; the Hub's 4B/12B/27B text_config has 262,208 rows, 64 more per hidden unit)
+# the published parameter counts of the model cards, exact or as the card rounds them (Gemma 3: Keras Hub's
+# presets, whose vocabulary is the text model's 262,144; the Hub's 4B/12B/27B text_config has 262,208 rows, 64
+# more per hidden unit)
 PUBLISHED = {
     "llama3-8b": 8_030_261_248,
     "llama3-70b": 70_553_706_496,
@@ -149,6 +159,8 @@ def test_sliding_and_full_attention_layers_hold_the_same_bytes():
     heads and head dim, narrower.)"""
     row = dict(PRESETS["gemma3-4b-text"], hidden_size=512, intermediate_size=1024, vocab_size=1024)
     row["num_hidden_layers"] = 4
-    sliding = _plan(dict(row, layer_types=["sliding_attention"] * 4, sliding_window=512), exact=True)
+    sliding = _plan(
+        dict(row, layer_types=["sliding_attention"] * 4, sliding_window=512), exact=True
+    )
     full = _plan(dict(row, layer_types=["full_attention"] * 4), exact=True)
     assert sliding.by_category == full.by_category and sliding.reserved == full.reserved
