@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         required=True,
         help=f"comma-separated: {', '.join(model_names())} (presets run at a tiny width and depth "
-        "with their own head geometry), a config.json, a model folder, or a Hub id 'org/name'",
+        "with their own type and head geometry), tiny-<model_type> (any causal LM type, e.g. tiny-llama), a "
+        "config.json, a model folder, or a Hub id 'org/name'",
     )
     parser.add_argument(
         "--sp", type=int, default=2, help="sequence-parallel ranks to launch (default 2)"

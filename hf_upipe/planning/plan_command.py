@@ -272,7 +272,9 @@ def run(args: argparse.Namespace) -> int:
             lora=None if not args.lora_rank else (args.lora_rank, args.lora_targets.split(",")),
         )
         result = plan(args.model, **kwargs)
-        if not result.fits:  # no launch line: the longest that fits and what fits the length asked
+        # no launch line on a no-fit: the longest that fits and what fits the length asked (not for --json:
+        # auto settings' child stays quick)
+        if not result.fits and not args.json:
             result.advice = advice(args.model, kwargs, result)
     except ValueError as err:
         print(f"hf-upipe plan: error: {err}", file=sys.stderr)

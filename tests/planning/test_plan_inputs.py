@@ -4,6 +4,8 @@ presets `--model` lists are real models' published shapes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoConfig
 
@@ -46,11 +48,22 @@ def _plan(values: dict, **kw):
     return plan(config, gpus=WORLD, seq_len=8192, settings=SETTINGS, gpu_memory="80GiB", **kw)
 
 
-def test_the_configs_dtype_does_not_change_the_plan():
-    """A Hub config's "dtype": "bfloat16" plans exactly as without it: fp32 master weights and AdamW states, as a
-    run holds them (transformers' from_config would otherwise build bf16 ones and halve both rows)."""
-    without = _plan(QWEN3_8B)
-    bf16 = _plan(dict(QWEN3_8B, dtype="bfloat16"))
+def _folder(tmp_path, name: str, values: dict) -> str:
+    """A model folder holding `values` as its config.json, as a Hub download has it."""
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(values))
+    return str(folder)
+
+
+def test_the_configs_dtype_does_not_change_the_plan(tmp_path):
+    """A model folder whose config.json says "dtype": "bfloat16" plans exactly as without it: fp32 master weights
+    and AdamW states, as a run holds them (transformers' from_config would otherwise build bf16 ones and halve
+    both rows)."""
+    kw = dict(gpus=WORLD, seq_len=8192, settings=SETTINGS, gpu_memory="80GiB")
+    without = plan(_folder(tmp_path, "fp32", QWEN3_8B), **kw)
+    bf16 = plan(_folder(tmp_path, "bf16", dict(QWEN3_8B, dtype="bfloat16")), **kw)
+    assert str(bf16.config.dtype).endswith("bfloat16")  # the key was read
     assert bf16.by_category == without.by_category and bf16.required == without.required
     n, tensors = _params(QWEN3_8B)
     # every dimension divides by 8: FSDP2's shards carry no padding. AdamW keeps m and v (fp32) per parameter and a
