@@ -177,3 +177,18 @@ def test_sliding_and_full_attention_layers_hold_the_same_bytes():
     )
     full = _plan(dict(row, layer_types=["full_attention"] * 4), exact=True)
     assert sliding.by_category == full.by_category and sliding.reserved == full.reserved
+
+
+@pytest.mark.slow
+def test_a_plan_that_does_not_fit_prints_no_launch_line_but_what_fits(capsys):
+    argv = ["plan", "--model", "tiny-llama", "--gpus", "2", "--gpu-memory", "48MiB", "--step", "8K"]
+    argv += ["--margin", "0.1", "--reserved", "1MiB"]
+    assert main([*argv, "--seq-len", "64K"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "launch:" not in out and "UPipeConfig(" not in out
+    assert "no launch line: this does not fit." in out
+    assert "longest that fits on these GPUs: 57,344 tokens (56K)" in out
+    assert "fits 64K with: --nodes 2 --ring 2 (required" in out
+    # the advice is the planner's own answer: 56K fits, and 64K fits on twice the nodes with a ring
+    assert main([*argv, "--seq-len", "56K"]) == 0
+    assert main([*argv, "--seq-len", "64K", "--nodes", "2", "--ring", "2"]) == 0
