@@ -39,13 +39,26 @@ PAPER = {
     "qwen3-32b-shape": {"UPipe 8u2r": 4 * M, "Ulysses 8u2r": 2 * M, "Ring 1u16r": 2 * M},
 }
 LAYOUTS = (("SP 8 x DP 2", 1), ("SP 16 = UPipe 8 x ring 2", 2))
+# the paper's Qwen3-32B geometry as a Llama (this table's row; the real Qwen3-32B is the preset "qwen3-32b")
+GEOMETRIES = {
+    "qwen3-32b-shape": dict(
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_hidden_layers=64,
+        vocab_size=151936,
+    )
+}
 
 
 def _row(model, label, ring, paper_len):
     t0 = time.perf_counter()
     flat = Margin()  # the flat margin this table was made with (docs/planner.md: predicted-reserve lengths beside)
-    best = plan(model, gpus=8, nodes=2, max_context=True, ring_size=ring, margin=flat)
-    at_paper = plan(model, gpus=8, nodes=2, seq_len=paper_len, ring_size=ring, margin=flat)
+    spec = GEOMETRIES.get(model, model)
+    best = plan(spec, gpus=8, nodes=2, max_context=True, ring_size=ring, margin=flat)
+    at_paper = plan(spec, gpus=8, nodes=2, seq_len=paper_len, ring_size=ring, margin=flat)
     return {
         "model": model,
         "layout": label,

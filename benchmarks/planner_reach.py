@@ -34,16 +34,14 @@ def main() -> int:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from hf_upipe.architectures import ARCHITECTURES
-    from hf_upipe.models import model_names, runnable_config
+    from hf_upipe.models import runnable_config
     from hf_upipe.planning.planner import plan
 
     # every verified causal-LM type (multimodal ones planned for text; their text configs are built inside them)
     types = sorted(
         t
-        for t in set(model_names()) | {t for t, a in ARCHITECTURES.items() if a.text_only}
-        if t in ARCHITECTURES
-        and ARCHITECTURES[t].verified
-        and t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        for t in ARCHITECTURES
+        if ARCHITECTURES[t].verified and t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     )
     start, results = time.time(), {}
     for model_type in types:

@@ -1,27 +1,29 @@
 """The model names every command understands, and how a name, a file or a Hub id becomes a transformers config.
 
 Entry points:
-- `PRESETS`: full-size geometries for planning ("llama3-8b", "qwen3-32b-shape", "llama3-70b"; Llama-shaped).
-- `TINY`: the tiny geometry of the self-test; every architecture of the registry (`hf_upipe.architectures`:
-  "llama", "mistral", "qwen3_moe", "deepseek_v3", ...; not the multimodal types verified for text only) is a name
-  too, built at that size.
-- `model_names()`: all of the above, sorted (what `--help` and errors list).
-- `resolve(spec)`: (name, config) for `hf-upipe plan`: a preset (its geometry dict), a tiny architecture name, a
-  transformers config, a config.json, a local model folder, or a Hub id.
+- `PRESETS`: full-size presets, each a real model's published config.json values (the source named beside each
+  row): Llama 3 8B/70B and 3.2 1B/3B, Qwen3 0.6B to 32B and 30B-A3B (MoE), Mistral 7B, Mixtral 8x7B, Gemma 3 1B
+  and the language models of 4B/12B/27B, Phi-3-mini and Phi-4. `preset_config(name)`: one as a transformers config.
+- `TINY`: the tiny geometry of the self-test. Tiny test models are named "tiny-<model_type>" ("tiny-llama",
+  "tiny-qwen3_moe", ...: any causal LM type of the installed transformers), never by a real model's name.
+- `model_names()`: the presets, sorted (what `--help` lists); `tiny_names()`: the registry's tiny names.
+- `resolve(spec)`: (name, config) for `hf-upipe plan`: a preset, a tiny name, a transformers config, a config.json,
+  a local model folder, or a Hub id. A bare model_type ("qwen3") is refused with the closest presets.
 - `runnable_config(spec)`: (name, config) for `hf-upipe selftest`, which runs the model on CPU: a preset keeps its
-  architecture and head geometry at `TINY`'s width and depth; a tiny name or a file is used as it is; any other
-  causal-LM `model_type` of the installed transformers ("gpt2", "qwen3_next", ...) is built by `tiny_config`.
+  architecture and head geometry at a tiny width and depth; a tiny name, or a bare model_type (the self-test's
+  architecture names, always tiny there), at `SMALL`'s size; a file is used as it is.
 - `tiny_config(model_type)`: any causal LM type of the installed transformers at a tiny size (`SMALL`: the usual
   names of widths, depths, heads, experts, latent-attention ranks and state sizes; text sub-configs too), for the
   architecture matrix. Some types do not build this small; they raise.
 
 Names are looked up first, then local paths; only a spec of the form "org/name" that is neither can be a Hugging
 Face Hub id, and the Hub is tried only then, after saying so on stderr (`HF_HUB_OFFLINE=1` keeps it offline).
-Anything else is an error listing the names.
+Anything else is an error naming the closest presets (difflib).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -29,37 +31,290 @@ import sys
 
 from hf_upipe.architectures import ARCHITECTURES
 
-__all__ = ["PRESETS", "SMALL", "TINY", "model_names", "resolve", "runnable_config", "tiny_config"]
+__all__ = [
+    "PRESETS",
+    "SMALL",
+    "TINY",
+    "TINY_PREFIX",
+    "model_names",
+    "preset_config",
+    "resolve",
+    "runnable_config",
+    "tiny_config",
+    "tiny_names",
+]
 
-PRESETS = {  # hidden, intermediate, heads, kv_heads, head_dim, layers, vocab (keys of transformers.LlamaConfig)
-    "llama3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        num_hidden_layers=32,
-        vocab_size=128256,
+# Full-size presets: each row is the published config.json of a real model (the keys that decide what is built and
+# how big: widths, depths, heads, vocabulary, tied embeddings, sliding windows, experts; RoPE scaling and theta
+# change no tensor's size and are left at the type's default). model_type first, then the values.
+_PRESET_ROWS = {
+    # meta-llama/Meta-Llama-3-8B (= Llama-3.1-8B's shape), config.json
+    "llama3-8b": (
+        "llama",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_hidden_layers=32,
+            vocab_size=128256,
+        ),
     ),
-    "qwen3-32b-shape": dict(
-        hidden_size=5120,
-        intermediate_size=25600,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        num_hidden_layers=64,
-        vocab_size=151936,
+    # meta-llama/Meta-Llama-3-70B (= Llama-3.1/3.3-70B's shape), config.json
+    "llama3-70b": (
+        "llama",
+        dict(
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_hidden_layers=80,
+            vocab_size=128256,
+        ),
     ),
-    "llama3-70b": dict(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=128,
-        num_hidden_layers=80,
-        vocab_size=128256,
+    # meta-llama/Llama-3.2-1B, config.json (tied embeddings)
+    "llama3.2-1b": (
+        "llama",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            num_hidden_layers=16,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # meta-llama/Llama-3.2-3B, config.json (tied embeddings)
+    "llama3.2-3b": (
+        "llama",
+        dict(
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_hidden_layers=28,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # Qwen/Qwen3-0.6B, -1.7B, -4B (tied embeddings), -8B, -14B, -32B: config.json
+    "qwen3-0.6b": (
+        "qwen3",
+        dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_hidden_layers=28,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-1.7b": (
+        "qwen3",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_hidden_layers=28,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-4b": (
+        "qwen3",
+        dict(
+            hidden_size=2560,
+            intermediate_size=9728,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_hidden_layers=36,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-8b": (
+        "qwen3",
+        dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_hidden_layers=36,
+            vocab_size=151936,
+        ),
+    ),
+    "qwen3-14b": (
+        "qwen3",
+        dict(
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_attention_heads=40,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_hidden_layers=40,
+            vocab_size=151936,
+        ),
+    ),
+    "qwen3-32b": (
+        "qwen3",
+        dict(
+            hidden_size=5120,
+            intermediate_size=25600,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_hidden_layers=64,
+            vocab_size=151936,
+        ),
+    ),
+    # Qwen/Qwen3-30B-A3B, config.json: 128 experts of 768, 8 per token, every layer sparse
+    "qwen3-30b-a3b": (
+        "qwen3_moe",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_hidden_layers=48,
+            vocab_size=151936,
+        ),
+    ),
+    # mistralai/Mistral-7B-v0.3, config.json (no sliding window)
+    "mistral-7b": (
+        "mistral",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_hidden_layers=32,
+            vocab_size=32768,
+            sliding_window=None,
+        ),
+    ),
+    # mistralai/Mixtral-8x7B-v0.1, config.json: 8 experts, 2 per token
+    "mixtral-8x7b": (
+        "mixtral",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_hidden_layers=32,
+            vocab_size=32000,
+            sliding_window=None,
+        ),
+    ),
+    # google/gemma-3-1b-pt, config.json (text only; 512-token sliding windows, 5 of every 6 layers)
+    "gemma3-1b": (
+        "gemma3_text",
+        dict(
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            num_hidden_layers=26,
+            vocab_size=262144,
+            sliding_window=512,
+            query_pre_attn_scalar=256,
+        ),
+    ),
+    # google/gemma-3-4b-pt, -12b-pt, -27b-pt: their config.json's text_config, the language model alone (a model
+    # folder of the full model also counts its vision tower)
+    "gemma3-4b-text": (
+        "gemma3_text",
+        dict(
+            hidden_size=2560,
+            intermediate_size=10240,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            num_hidden_layers=34,
+            vocab_size=262208,
+            sliding_window=1024,
+            query_pre_attn_scalar=256,
+        ),
+    ),
+    "gemma3-12b-text": (
+        "gemma3_text",
+        dict(
+            hidden_size=3840,
+            intermediate_size=15360,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=256,
+            num_hidden_layers=48,
+            vocab_size=262208,
+            sliding_window=1024,
+            query_pre_attn_scalar=256,
+        ),
+    ),
+    "gemma3-27b-text": (
+        "gemma3_text",
+        dict(
+            hidden_size=5376,
+            intermediate_size=21504,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            head_dim=128,
+            num_hidden_layers=62,
+            vocab_size=262208,
+            sliding_window=1024,
+            query_pre_attn_scalar=168,
+        ),
+    ),
+    # microsoft/Phi-3-mini-4k-instruct, config.json (sliding window 2047)
+    "phi3-mini": (
+        "phi3",
+        dict(
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            num_hidden_layers=32,
+            vocab_size=32064,
+            sliding_window=2047,
+        ),
+    ),
+    # microsoft/phi-4, config.json (model_type phi3)
+    "phi4": (
+        "phi3",
+        dict(
+            hidden_size=5120,
+            intermediate_size=17920,
+            num_attention_heads=40,
+            num_key_value_heads=10,
+            num_hidden_layers=40,
+            vocab_size=100352,
+            sliding_window=None,
+        ),
     ),
 }
+# name -> the preset's config keys, with its model_type (a dict `resolve` turns into the transformers config)
+PRESETS = {name: {"model_type": t, **values} for name, (t, values) in _PRESET_ROWS.items()}
+# self-test and test models: "tiny-<model_type>" (e.g. "tiny-llama"), any causal LM type at TINY's size
+TINY_PREFIX = "tiny-"
 TINY = dict(
     vocab_size=128,
     hidden_size=64,
@@ -122,27 +377,47 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def model_names() -> list[str]:
-    """The presets and the registry's text models (multimodal types verified for text only are built by
-    `runnable_config` like any other causal-LM type, not planned by name; nor are the text configs of multimodal
-    types, e.g. emu3_text_model, which transformers builds only inside their multimodal type)."""
-    return sorted(PRESETS) + sorted(
-        t for t, a in ARCHITECTURES.items() if not a.text_only and _is_causal_lm_type(t)
+    """The presets, sorted: every one a real model's published shape (what `--help` lists). Tiny test models are
+    named "tiny-<model_type>" (`tiny_names()`), never by a real model's name."""
+    return sorted(PRESETS)
+
+
+def tiny_names() -> list[str]:
+    """ "tiny-<model_type>" of every text model of the registry (`hf_upipe.architectures`); any other causal-LM type
+    of the installed transformers is accepted under the same prefix."""
+    return sorted(
+        TINY_PREFIX + t
+        for t, a in ARCHITECTURES.items()
+        if not a.text_only and _is_causal_lm_type(t)
     )
+
+
+def _tiny_type(spec) -> str | None:
+    """The model_type of a "tiny-<model_type>" name, else None."""
+    if isinstance(spec, str) and spec.startswith(TINY_PREFIX):
+        return spec[len(TINY_PREFIX) :]
+    return None
 
 
 def _unknown(spec) -> ValueError:
-    return ValueError(
-        f"model {spec!r} is not a name hf_upipe knows ({', '.join(model_names())}), a config.json or a "
-        "model folder on this machine, or a Hugging Face Hub id of the form 'org/name'"
+    """The error of a name that is neither a preset, a tiny name, a path nor a Hub id: the closest presets."""
+    text = str(spec).lower()
+    close = difflib.get_close_matches(text, model_names(), n=4, cutoff=0.4)
+    close += [n for n in model_names() if n.startswith(text.split("-")[0]) and n not in close][:4]
+    hint = (
+        f"closest presets: {', '.join(close[:6])}"
+        if close
+        else f"none close; hf-upipe plan --help lists the {len(PRESETS)} presets"
     )
-
-
-def _tiny(model_type: str, **overrides):
-    from transformers import AutoConfig
-
-    config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
-    _no_dropout(config)
-    return config
+    tiny = (
+        f"; for a tiny random test model of that type: {TINY_PREFIX}{spec}"
+        if spec in ARCHITECTURES or _is_causal_lm_type(spec)
+        else ""
+    )
+    return ValueError(
+        f"model {spec!r} is not a preset ({hint}{tiny}), a config.json or a model folder on this machine, or a "
+        "Hugging Face Hub id of the form 'org/name'"
+    )
 
 
 def _from_path_or_hub(spec: str):
@@ -170,18 +445,31 @@ def _from_path_or_hub(spec: str):
         ) from None
 
 
+def preset_config(name: str):
+    """The transformers config of a preset (`PRESETS`), at its published size."""
+    from transformers import AutoConfig
+
+    values = dict(PRESETS[name])
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
 def resolve(spec):
-    """(name, config) for planning: a preset's geometry dict, else a transformers config (module docstring)."""
+    """(name, config) for planning: a preset's transformers config, "tiny-<model_type>", a file, a folder or a Hub
+    id (module docstring). A bare model_type ("qwen3") is refused, with the closest presets."""
     from transformers import PretrainedConfig
 
     if isinstance(spec, PretrainedConfig):
         return spec.model_type, spec
     if isinstance(spec, dict):
         return "custom", dict(spec)
-    if spec in PRESETS:
-        return spec, dict(PRESETS[spec])
-    if spec in ARCHITECTURES or _is_causal_lm_type(spec):
-        return spec, tiny_config(spec)
+    if isinstance(spec, str) and spec.lower() in PRESETS:  # (case aside: "Qwen3-8B")
+        return spec.lower(), preset_config(spec.lower())
+    if (tiny := _tiny_type(spec)) is not None:
+        if not (tiny in ARCHITECTURES or _is_causal_lm_type(tiny)):
+            raise _unknown(spec)
+        return spec, tiny_config(tiny)
+    if not os.path.exists(str(spec)) and (spec in ARCHITECTURES or _is_causal_lm_type(spec)):
+        raise _unknown(spec)
     return spec, _from_path_or_hub(str(spec))
 
 
@@ -283,15 +571,21 @@ def _no_dropout(config) -> None:
 
 
 def runnable_config(spec: str):
-    """(name, config) for a run on CPU: presets shrunk to `TINY`'s width and depth with their own head geometry."""
-    if spec in PRESETS:
+    """(name, config) for a run on CPU: presets shrunk to `TINY`'s width and depth with their own type and head
+    geometry; "tiny-<model_type>" and a bare model_type (the self-test's architecture names) at `SMALL`'s size;
+    files, folders and Hub ids as they are."""
+    if isinstance(spec, str) and spec.lower() in PRESETS:
+        spec = spec.lower()
         g = PRESETS[spec]
-        return spec, _tiny(
-            "llama",
-            num_attention_heads=g["num_attention_heads"],
-            num_key_value_heads=g["num_key_value_heads"],
-            hidden_size=TINY["head_dim"] * g["num_attention_heads"],
-        )
+        config = tiny_config(g["model_type"])
+        text = config.get_text_config()
+        heads, kv = g["num_attention_heads"], g["num_key_value_heads"]
+        text.num_attention_heads, text.num_key_value_heads = heads, kv
+        text.head_dim = TINY["head_dim"]
+        text.hidden_size = TINY["head_dim"] * heads
+        return spec, config
+    if not os.path.exists(str(spec)) and (spec in ARCHITECTURES or _is_causal_lm_type(spec)):
+        spec = TINY_PREFIX + spec
     name, config = resolve(spec)
     config.use_cache = False
     return name, config

@@ -80,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         required=True,
         help="comma-separated: names `hf-upipe plan --model` takes (presets run at a tiny width and depth with "
-        "their own head geometry; an architecture's model_type, e.g. llama or qwen3, built tiny), a config.json, a "
-        "model folder, or a Hub id 'org/name'",
+        "their own type and head geometry), tiny-<model_type> (any causal-LM type built tiny, e.g. tiny-llama), a "
+        "config.json, a model folder, or a Hub id 'org/name'",
     )
     parser.add_argument("--sp", type=int, default=2, help="sequence-parallel ranks to launch")
     parser.add_argument(

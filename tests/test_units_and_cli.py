@@ -76,23 +76,23 @@ def test_config_reads_lengths_and_sizes_the_same_way():
 
 def test_plan_and_selftest_share_the_model_names():
     names = model_names()
-    assert {
-        "llama3-8b",
-        "qwen3-32b-shape",
-        "llama3-70b",
-        "llama",
-        "mistral",
-        "qwen2",
-        "qwen3",
-    } <= set(names)
+    assert {"llama3-8b", "qwen3-8b", "qwen3-32b", "llama3-70b", "mixtral-8x7b"} <= set(names)
+    # no tiny model under a real name
+    assert not {"llama", "mistral", "qwen2", "qwen3"} & set(names)
     for name in names:
         assert resolve(name)[0] == name
         _, config = runnable_config(
             name
-        )  # what the self-test builds: small, with the preset's head geometry
+        )  # what the self-test builds: small, with the preset's type and head geometry
         assert config.hidden_size <= 512
     _, small = runnable_config("llama3-8b")
     assert (small.num_attention_heads, small.num_key_value_heads) == (32, 8)
+    assert runnable_config("qwen3-30b-a3b")[1].model_type == "qwen3_moe"
+    assert (
+        runnable_config("tiny-qwen3")[1].hidden_size
+        == runnable_config("qwen3")[1].hidden_size
+        == 64
+    )
 
 
 def test_unknown_names_are_refused_without_the_network(monkeypatch):
@@ -102,7 +102,7 @@ def test_unknown_names_are_refused_without_the_network(monkeypatch):
         raise AssertionError("the Hub must not be tried for a name that cannot be a Hub id")
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_network)
-    with pytest.raises(ValueError, match="not a name hf_upipe knows .*llama3-8b.*org/name"):
+    with pytest.raises(ValueError, match="not a preset .closest presets: llama3-8b.*org/name"):
         resolve("llama3-8B-typo")
 
 
@@ -118,7 +118,7 @@ def test_plan_input_errors_exit_2_with_the_whole_message(capsys):
         "'80' has no unit: write 80GiB (2**30 bytes each) or 80GB (10**9), or 80B for bytes" in err
     )
     assert main(["plan", "--model", "no-such-model", "--gpus", "8", "--seq-len", "1M"]) == 2
-    assert "is not a name hf_upipe knows" in capsys.readouterr().err
+    assert "is not a preset" in capsys.readouterr().err
     assert _exit(["plan", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "1.3K"]) == 2
     assert "not a whole number" in capsys.readouterr().err
 
@@ -129,7 +129,7 @@ def test_plan_reads_lengths_and_states_its_assumptions(capsys):
             [
                 "plan",
                 "--model",
-                "llama",
+                "tiny-llama",
                 "--gpus",
                 "2",
                 "--seq-len",

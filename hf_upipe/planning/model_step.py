@@ -6,8 +6,8 @@ Entry points:
   decoder layers, activation checkpointing, the tiled MLP, LoRA, and for our impls `prepare_model`.
 - `impl_context(impl, group, seq_len, sp_size, heads_per_chunk, ring_size=1, ...)`: validates and installs the SP
   defaults of an impl (DeepSpeed's communicator for the peer); restores them on exit.
-- `step_config(model_config, layers, seq_len)`, `llama_config(name)`: the configs (presets: "llama3-8b",
-  "qwen3-32b-shape", "llama3-70b").
+- `step_config(model_config, layers, seq_len)`, `llama_config(name)`: the configs (presets of
+  `hf_upipe.models.PRESETS`: "llama3-8b", "qwen3-8b", ...).
 
 `impl`: "deepspeed" (DeepSpeed 0.19.8 `UlyssesSPAttentionHF` around sdpa, the peer), "ulysses" (our registered
 path with all local heads in one chunk), "upipe" (registered, `heads_per_chunk`), "fused" (the fused block); each
@@ -100,8 +100,9 @@ def _no_mask(*args, **kwargs):
 
 
 def step_config(model_config, layers: int, seq_len: int):
-    """A transformers config with `layers` decoder layers: from a Llama geometry dict, or a copy of a config."""
-    from transformers import LlamaConfig, PretrainedConfig
+    """A transformers config with `layers` decoder layers: from a geometry dict (Llama's keys, or a preset's row
+    with its model_type), or a copy of a config."""
+    from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(model_config, PretrainedConfig):
         config = copy.deepcopy(model_config)
@@ -116,11 +117,14 @@ def step_config(model_config, layers: int, seq_len: int):
                 0, layers - len(text.layer_types)
             )
         return config
-    return LlamaConfig(
-        **{**model_config, "num_hidden_layers": layers},
+    values = dict(model_config)  # a geometry dict: Llama's keys, or a preset's with its model_type
+    model_type = values.pop("model_type", "llama")
+    values = {"tie_word_embeddings": False, **values, "num_hidden_layers": layers}
+    return AutoConfig.for_model(
+        model_type,
+        **values,
         max_position_embeddings=seq_len,
         attention_dropout=0.0,
-        tie_word_embeddings=False,
         use_cache=False,
     )
 
@@ -142,7 +146,11 @@ def _to_unless_unchanged(module, *args, **kwargs):
 
 
 def _new_model(config, dtype):
-    """The model of `config` with its parameters in `dtype` (no initialisation on fake tensors)."""
+    """The model of `config` with its parameters in `dtype` (no initialisation on fake tensors).
+
+    `dtype` is passed to `from_config`: a config's own `dtype` (a Hub config's "bfloat16") would otherwise win over
+    the default dtype set here, and the step would hold bf16 master weights where a run holds fp32. Tied weights
+    are tied here (skipping the initialisation skips transformers' tying)."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -151,7 +159,11 @@ def _new_model(config, dtype):
     try:
         # fake weights need no values (and some initialisations read them: truncated normals, Gemma 3's vision)
         with no_init_weights() if simulating() else contextlib.nullcontext():
-            return AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        # without initialisation transformers ties no weights: tie them as a run's model has them (one tensor for
+        # the embeddings and the lm_head where the config says tie_word_embeddings)
+        model.tie_weights()
+        return model
     finally:
         torch.set_default_dtype(previous)
 

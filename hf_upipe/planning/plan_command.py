@@ -2,8 +2,9 @@
 
 Entry points:
 - `add_arguments(parser)`: the flags.
-- `run(args)`: plans and prints the table (or JSON); exit 0 if it fits, 1 if not, 2 on bad input (the whole message
-  on stderr; argparse reports bad flag values the same way).
+- `run(args)`: plans and prints the table (or JSON); exit 0 if it fits, 1 if not (no launch line then: the longest
+  length that fits and what would fit the length asked, `hf_upipe.planning.no_fit`), 2 on bad input (the whole
+  message on stderr; argparse reports bad flag values the same way).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 
 from hf_upipe.integrations.fused import fused_unavailable
 from hf_upipe.models import model_names
+from hf_upipe.planning.no_fit import advice
 from hf_upipe.planning.plan_report import LORA_TARGETS
 from hf_upipe.planning.planner import (
     DEFAULT_HEADROOM,
@@ -47,8 +49,9 @@ def _add_model_and_hardware(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help=f"one of {', '.join(model_names())}; a config.json or a local model folder; or a Hugging "
-        "Face Hub id 'org/name' (its config is read from the Hub, which is said first)",
+        help=f"a preset (a real model's published shape): {', '.join(model_names())}; a config.json or a "
+        "local model folder; or a Hugging Face Hub id 'org/name' (its config is read from the Hub, which is said "
+        "first); tiny test models: tiny-<model_type>, e.g. tiny-llama",
     )
     parser.add_argument("--gpus", type=int, required=True, help="GPUs per node")
     parser.add_argument(
@@ -240,8 +243,7 @@ def run(args: argparse.Namespace) -> int:
         _, config = resolve_model(args.model)
         if (error := _fused_flags_error(args, config)) is not None:
             raise ValueError(error)
-        result = plan(
-            args.model,
+        kwargs = dict(
             gpus=args.gpus,
             gpu_memory=args.gpu_memory,
             nodes=args.nodes,
@@ -265,6 +267,11 @@ def run(args: argparse.Namespace) -> int:
             lora=None if not args.lora_rank else (args.lora_rank, args.lora_targets.split(",")),
             model_offload=args.model_offload,
         )
+        result = plan(args.model, **kwargs)
+        # no launch line on a no-fit: the longest that fits and what fits the length asked (not for --json:
+        # auto settings' child stays quick)
+        if not result.fits and not args.json:
+            result.advice = advice(args.model, kwargs, result)
     except ValueError as err:
         print(f"hf-upipe plan: error: {err}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ __all__ = ["LORA_TARGETS", "assumptions", "describe", "format_plan", "launch_lin
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 _ROWS = (
-    ("parameters", "FSDP2 shards (fp32) + gathered layers and root (compute dtype)"),
+    ("parameters", "FSDP2 shards (fp32) + gathered layers and root ({compute})"),
     ("gradients", "FSDP2 gradient shards (fp32) + reduce-scatter buffers"),
     ("optimizer", "AdamW m and v shards (fp32) + foreach temporaries"),
     ("checkpoints", "checkpointed layer inputs on the GPU"),
@@ -29,6 +29,21 @@ _ROWS = (
     ("loss", "lm_head + loss (tiled: gradients of the head)"),
     ("other", "embeddings, final norm, RoPE tables"),
 )
+
+
+_LORA_ROWS = {  # what the static rows hold under LoRA: a frozen base in the compute dtype, fp32 adapters
+    "parameters": "frozen base shards ({compute}) + fp32 adapter shards + gathered layers and root ({compute})",
+    "gradients": "adapter gradient shards (fp32) + reduce-scatter buffers",
+    "optimizer": "AdamW m and v of the adapters (fp32) + foreach temporaries",
+}
+
+
+def _row_labels(plan) -> list[tuple[str, str]]:
+    """(category, what it holds) with the dtypes the simulation built: fp32 master weights, gradients and AdamW
+    states (whatever the model's config says: the planner builds them in fp32), the compute dtype gathered."""
+    compute = str(plan.dtype).replace("torch.", "")
+    rows = [(n, _LORA_ROWS.get(n, w) if plan.lora else w) for n, w in _ROWS]
+    return [(n, w.format(compute=compute)) for n, w in rows]
 
 
 def _gib(n: int) -> str:
@@ -91,7 +106,7 @@ def _header_line(plan, g: dict) -> str:
 def _memory_lines(plan) -> list[str]:
     """The per-GPU table: the categories, the tensors, the overhead rows and the required total."""
     lines = [f"{'per-GPU peak':<14}{'GiB':>9}"]
-    for name, what in _ROWS:
+    for name, what in _row_labels(plan):
         if (
             plan.by_category.get(name, 0) >= 2**20
         ):  # rows of a few bytes (bookkeeping) would read 0.00
@@ -189,12 +204,8 @@ def format_plan(plan) -> str:
         )
     if plan.tried:
         lines += _tried_lines(plan)
+    lines += ["", "assumed: " + assumptions(plan), "", *_launch_or_advice(plan), ""]
     lines += [
-        "",
-        "assumed: " + assumptions(plan),
-        "",
-        *launch_lines(plan),
-        "",
         f"planned in {plan.seconds:.1f} s: one FSDP2 training step of the model code on fake tensors, "
         + (
             f"all {g['layers']} layers"
@@ -203,6 +214,13 @@ def format_plan(plan) -> str:
         ),
     ]
     return "\n".join(lines)
+
+
+def _launch_or_advice(plan) -> list[str]:
+    """How to launch a plan that fits; for one that does not, no launch line but what would fit instead."""
+    if plan.fits:
+        return launch_lines(plan)
+    return ["no launch line: this does not fit."] + [f"  {line}" for line in plan.advice]
 
 
 def assumptions(plan) -> str:

@@ -100,6 +100,8 @@ class Plan:
     model_host_bytes: int = (
         0  # host memory per GPU of the model's state (model_offload='cpu'), simulated
     )
+    # what fits instead, when it does not fit (hf_upipe.planning.no_fit: `hf-upipe plan` fills it)
+    advice: list = dataclasses.field(default_factory=list)
 
     @property
     def usable(self) -> int:
@@ -189,6 +191,7 @@ class Plan:
             "headroom": self.headroom,
             "usable": self.usable,
             "notes": list(self.notes),
+            "advice": list(self.advice),
             "lora": None
             if self.lora is None
             else {"rank": self.lora[0], "targets": list(self.lora[1])},

@@ -156,6 +156,7 @@ def plan(
     """
     started = time.perf_counter()
     name, config = resolve_model(model)
+    _check_quantized(config, lora)
     sp, world, unit = _check_layout(config, gpus, nodes, sp_size, ring_size, impl, settings)
     _check_length(seq_len, max_context, unit=unit, sp=sp, ring_size=ring_size)
     gpu_bytes, limit, mode = _check_memory(gpu_memory, headroom, allocator)
@@ -296,6 +297,35 @@ def _check_layout(config, gpus, nodes, sp_size, ring_size, impl, settings) -> tu
     return sp, world, unit
 
 
+def _quantization(config) -> str | None:
+    """The quantization a config's `quantization_config` names ("bitsandbytes 4-bit", "fp8", ...), else None."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    q = (
+        config.get("quantization_config")
+        if isinstance(config, dict)
+        else getattr(config, "quantization_config", None)
+        or getattr(text, "quantization_config", None)
+    )
+    if not q:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    bits = "4-bit" if q.get("load_in_4bit") else "8-bit" if q.get("load_in_8bit") else q.get("bits")
+    return " ".join(str(x) for x in (q.get("quant_method", "quantized"), bits) if x)
+
+
+def _check_quantized(config, lora) -> None:
+    """A full fine-tune of a quantized config is refused: the planner builds the model from its config, in fp32
+    master weights, which a quantized checkpoint's training does not hold (LoRA plans the base unquantized, in the
+    compute dtype: an upper bound, said in the plan's notes)."""
+    if lora is None and (q := _quantization(config)) is not None:
+        raise ValueError(
+            f"the model's config carries quantization_config ({q}): its weights cannot be fully fine-tuned "
+            "quantized, and the planner would plan an unquantized model under its name. Plan a LoRA fine-tune "
+            "(--lora-rank; the base is then planned unquantized, an upper bound), or remove quantization_config "
+            "from the config.json to plan a full fine-tune of the unquantized model."
+        )
+
+
 def _check_length(seq_len, max_context: bool, *, unit: int, sp: int, ring_size: int) -> None:
     """A length to judge, a multiple of `unit`, or max_context (ValueError otherwise)."""
     if seq_len is None and not max_context:
@@ -348,6 +378,11 @@ def _plan_of(need: Requirement, chosen: StepSettings, seq_len: int, **fields) ->
         if (chosen.impl == "upipe" and arch is not None and arch.fused and why is not None)
         else []
     ) + fields.pop("extra_notes", [])
+    if (q := _quantization(config)) is not None:  # (LoRA only: _check_quantized)
+        notes.append(
+            f"the base is quantized ({q}) and planned unquantized in {str(need.dtype).replace('torch.', '')}: "
+            "its parameters are an upper bound"
+        )
     return Plan(
         model=need.name,
         config=config,

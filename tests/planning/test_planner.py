@@ -241,7 +241,7 @@ def test_bad_inputs_name_the_numbers_and_the_fix():
         plan(cfg, gpus=2, seq_len=1001)
     with pytest.raises(ValueError, match="does not divide the 4 GPUs"):
         plan(cfg, gpus=2, nodes=2, sp_size=3, seq_len=3 * 1024)
-    with pytest.raises(ValueError, match="not a name hf_upipe knows"):
+    with pytest.raises(ValueError, match="not a preset"):
         plan("no-such-model", gpus=2, seq_len=1024)
 
 
