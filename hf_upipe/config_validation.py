@@ -101,12 +101,15 @@ def _resolve_features(config, env: dict) -> None:
 
 
 def _resolve_offload(config, env: dict) -> None:
-    """offload ('none', 'cpu' or 'disk'), offload_path and offload_min_bytes."""
+    """offload ('none', 'cpu' or 'disk'), offload_path, offload_min_bytes and the allocator mode."""
     config.offload = (config.offload or env["offload"] or "none").lower()
     if config.offload not in ("none", "cpu", "disk"):
         raise ValueError(
             f"offload={config.offload!r}: use 'none', 'cpu' (pinned host memory, CUDA) or 'disk'."
         )
+    from hf_upipe.memory.allocator import check_setting
+
+    config.allocator = check_setting(config.allocator or env["allocator"] or "expandable")
     config.offload_path = config.offload_path or env["offload_path"]
     floor = (
         config.offload_min_bytes

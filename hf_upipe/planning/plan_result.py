@@ -150,6 +150,7 @@ class Plan:
             offload=s.offload,
             fused_backward=s.fused_backward,
             overlap_comm=s.overlap,
+            allocator=self.allocator,
         )
 
     def to_dict(self) -> dict:
