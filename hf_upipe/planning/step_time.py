@@ -30,7 +30,8 @@ step is):
   third), and in the backward R-1 times with its fp32 dk/dv accumulator passing R times; over the network when the
   SP group spans nodes. It runs during the ring's kernels: what exceeds (R-1)/R of the attention time is exposed.
 - Overlapped with the layer's compute (the larger of the two counts): FSDP2's all-gathers (bf16 weights, forward
-  and backward) and reduce-scatters (fp32 gradients); the offloaded input's copies over PCIe.
+  and backward) and reduce-scatters (fp32 gradients); the offloaded input's copy to the host over PCIe. Its copy
+  back in the backward is waited for (`offload_restore`: one layer input on the device at a time, no prefetch).
 - Per step: the lm_head and loss (three GEMMs, two for a frozen head), AdamW over the local shard (HBM-bound).
 Not modelled: kernel launch latency, small-message all-to-all latency, the optimizer's all-reduce of the loss,
 memory-allocator stalls. Calibrate `EFFICIENCY` on a GPU before trusting absolute seconds; the ratios between
@@ -362,7 +363,9 @@ def step_time(
     share = (world - 1) / world
     gathered = 2 * layer_params * 2 * share + (0 if frozen else layer_params * 4 * share)
     t_fsdp = gathered / ((gpu.nvlink if world <= gpus_per_node else gpu.network) * eff.gather)
-    t_offload = 2 * s * Dm * 2 / (gpu.pcie * eff.pcie) if settings.offload == "cpu" else 0.0
+    # the forward's copy to the host hides behind the layer; the backward's copy back is waited for (no prefetch:
+    # one layer input on the device at a time, hf_upipe.memory.offload), for every layer but the kept last one
+    t_offload = s * Dm * 2 / (gpu.pcie * eff.pcie) if settings.offload == "cpu" else 0.0
     compute = t_gemm + t_attention + t_a2a + t_ring
     hidden_behind = max(compute, t_fsdp, t_offload) - compute
 
@@ -379,6 +382,7 @@ def step_time(
         "all_to_all": L * t_a2a,
         "ring": L * t_ring,
         "fsdp_offload_exposed": L * hidden_behind,
+        "offload_restore": (L - 1) * t_offload,
         "loss": head / (gpu.flops * eff.gemm),
         "optimizer": t_optimizer,
     }
