@@ -9,9 +9,9 @@ same stack around its attention, so only attention differs:
   input and incoming gradient are not counted (as in the attention-block benchmark);
 - model table: a full step of the 32-layer model (embeddings, activation checkpointing of every layer, tiled loss)
   with (a) checkpointing only, (b) + tiled MLP, (c) + tiled MLP + layer inputs offloaded to host memory (the last
-  layer's kept on the device, one prefetched in backward). Parameters, and persistent gradients and optimizer
-  states, are not activations and not counted (each weight gradient is dropped once accumulated, as FSDP2 does
-  after its reduce-scatter); transient ones are.
+  layer's kept on the device, each copied back when its layer's backward needs it). Parameters, and persistent
+  gradients and optimizer states, are not activations and not counted (each weight gradient is dropped once
+  accumulated, as FSDP2 does after its reduce-scatter); transient ones are.
 
     python benchmarks/layer_memory.py [--seq-lens 128K,...,5M] [--model-seq-lens 3M] [--layers 32]
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hf_upipe.integrations.peft import base_model
+from hf_upipe.memory.allocator import conf_mode
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ def _run_planner(model, config, world_size: int, local_world_size: int) -> dict:
             # the user's model offload, not the planner's choice: auto does not switch FSDP2's policy
             "--model-offload",
             config.model_offload,
+            "--allocator",  # the mode in force (hf_upipe.memory.allocator.arrange_allocator has run)
+            conf_mode(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")),
         ]
         if config.sp_size:
             command += ["--sp-size", str(config.sp_size)]

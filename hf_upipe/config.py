@@ -212,6 +212,17 @@ class UPipeConfig:
             )
         },
     )
+    allocator: str | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "The CUDA caching allocator's mode, set in PYTORCH_CUDA_ALLOC_CONF before CUDA initialises "
+                "(hf_upipe.memory.allocator): 'expandable' (default: expandable segments, the longest planned fit), "
+                "'default' (the allocator's own segments) or 'keep' (leave the variable as it is). If CUDA is "
+                "already initialised in another mode, that is said once and the plan for that mode applies."
+            )
+        },
+    )
     auto: bool | None = field(
         default=None,
         metadata={

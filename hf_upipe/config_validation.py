@@ -101,7 +101,8 @@ def _resolve_features(config, env: dict) -> None:
 
 
 def _resolve_offload(config, env: dict) -> None:
-    """offload ('none', 'cpu' or 'disk'), model_offload ('none' or 'cpu'), offload_path and offload_min_bytes."""
+    """offload ('none', 'cpu' or 'disk'), model_offload ('none' or 'cpu'), offload_path, offload_min_bytes and
+    the allocator mode."""
     config.offload = (config.offload or env["offload"] or "none").lower()
     if config.offload not in ("none", "cpu", "disk"):
         raise ValueError(
@@ -113,6 +114,9 @@ def _resolve_offload(config, env: dict) -> None:
             f"model_offload={config.model_offload!r}: use 'none' (the model's state on the GPU) or 'cpu' "
             "(FSDP2's host offload of parameters, gradients and the optimizer step)."
         )
+    from hf_upipe.memory.allocator import check_setting
+
+    config.allocator = check_setting(config.allocator or env["allocator"] or "expandable")
     config.offload_path = config.offload_path or env["offload_path"]
     floor = (
         config.offload_min_bytes

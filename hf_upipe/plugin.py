@@ -47,6 +47,7 @@ from hf_upipe.integrations.model_offload import (
     check_model_offload,
 )
 from hf_upipe.integrations.parallelism import find_parallelism
+from hf_upipe.memory.allocator import arrange_allocator
 from hf_upipe.runtime import UPipeRuntime, activation_checkpointing
 
 __all__ = ["UPipePlugin"]
@@ -55,6 +56,12 @@ __all__ = ["UPipePlugin"]
 @dataclass
 class UPipePlugin(UPipeConfig):
     """UPipe settings for `accelerate launch` scripts (all fields of `hf_upipe.UPipeConfig`), and `prepare`."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        arrange_allocator(
+            self.allocator
+        )  # built before the model goes to the GPU: the mode can still be set
 
     def prepare(
         self,

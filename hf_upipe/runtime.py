@@ -49,6 +49,7 @@ from hf_upipe.distributed import (
 from hf_upipe.integrations.loss import shard_loss_sum
 from hf_upipe.integrations.parallelism import ParallelismSizes
 from hf_upipe.integrations.prepare import prepare_model
+from hf_upipe.memory.allocator import arrange_allocator
 from hf_upipe.memory.offload import offload_checkpoints
 from hf_upipe.runtime_checks import (
     activation_checkpointing,
@@ -149,6 +150,7 @@ class UPipeRuntime:
         Raises:
             ValueError / NotImplementedError on every rank before any collective but the one that shares them.
         """
+        arrange_allocator(config.allocator)  # before prepare_model puts anything on the GPU
         config, sp = check_setup(
             config,
             model,

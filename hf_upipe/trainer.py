@@ -73,6 +73,7 @@ from hf_upipe.integrations.predictions import (
     with_metrics,
 )
 from hf_upipe.integrations.prepare import prepare_model
+from hf_upipe.memory.allocator import arrange_allocator
 from hf_upipe.runtime import UPipeRuntime
 from hf_upipe.trainer_checkpoints import save_staged, verify_resume
 from hf_upipe.trainer_checks import check_metrics_options, check_trainer_options, early_checks
@@ -148,6 +149,7 @@ class UPipeTrainer(Trainer):
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_config(upipe_config)
         config = upipe_config if upipe_config is not None else UPipeConfig()
+        arrange_allocator(config.allocator)  # before the Trainer moves the model to the GPU
         parallelism = find_parallelism(getattr(args, "parallelism_config", None))
         deepspeed = uses_deepspeed(args)
         # before transformers creates the output folder (main rank only) and accelerate its groups or DeepSpeed SP

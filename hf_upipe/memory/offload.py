@@ -1,12 +1,13 @@
 """Offload the layer inputs that activation checkpointing keeps: to host memory (CUDA) or to files (any device).
 
 Entry points:
-- `offload_checkpoints(model, target="disk", *, path=None, keep_last=True, min_bytes=1 MiB, max_pending=2)`: a
+- `offload_checkpoints(model, target="disk", *, path=None, keep_last=True, min_bytes=1 MiB, max_pending=2,
+  prefetch=False)`: a
   context manager around ONE training step (forward and backward). While it is active, the model's checkpointed
   layers (transformers' `GradientCheckpointingLayer`s with activation checkpointing on, non-reentrant) save their
   inputs through `OffloadStore`; on exit (normal or exception) the layers get their own checkpoint function back,
   and every file and host buffer of the step is released.
-- `OffloadStore(target, path=None, min_bytes=..., max_pending=2)`: the pack/unpack pair for
+- `OffloadStore(target, path=None, min_bytes=..., max_pending=2, prefetch=False)`: the pack/unpack pair for
   `torch.autograd.graph.saved_tensors_hooks`, usable on its own.
 
 How: non-reentrant `torch.utils.checkpoint` saves a checkpointed layer's inputs as ordinary saved tensors, before
@@ -21,7 +22,11 @@ Targets:
   recomputes the layer; the round trip is bit-exact. Files are deleted as soon as autograd frees the saved input,
   and the step's folder on exit.
 - "cpu": copies into pinned host buffers (`HOST_POOL`, reused across steps, bounded) on a side CUDA stream; in
-  backward, unpacking layer i starts the copy back of layer i-1's input (prefetch). For tensors already in host
+  backward each input is copied back when its layer's recompute needs it, so one offloaded layer input is on the
+  device at a time. With `prefetch=True`, unpacking layer i also starts the copy back of layer i-1's input, which
+  hides that copy behind layer i's backward but holds two layer inputs on the device through it (at 573,440 tokens
+  of hidden 4096 in bf16, 4.375 GiB more at the step's peak, for about 0.09 s per layer of PCIe time: the planner
+  prices the unhidden copy in `hf_upipe.planning.step_time`). For tensors already in host
   memory this target is a no-op, except fake tensors (`hf_upipe.ops.fake`), which stand for device
   memory: their "copy" frees the device tensor and the copy back allocates a new one, so the simulation counts
   exactly what a GPU would hold.
@@ -134,6 +139,8 @@ class OffloadStore:
         max_pending: disk writes in flight at once (each holds its tensor until written).
         restore_context: a factory of the context each copy back to the device runs in (a re-allocation an
             observer may want to see, e.g. the planner's memory label); default none.
+        prefetch: "cpu" target: also start copying back the previous layer's input when a layer's is unpacked
+            (two inputs on the device through each layer's backward instead of one; module docstring).
     """
 
     def __init__(
@@ -144,6 +151,7 @@ class OffloadStore:
         min_bytes: int = 2**20,
         max_pending: int = 2,
         restore_context: Callable[[], ContextManager] | None = None,
+        prefetch: bool = False,
     ):
         if target not in ("cpu", "disk"):
             raise ValueError(
@@ -151,7 +159,7 @@ class OffloadStore:
             )
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
-        self.target, self.min_bytes = target, min_bytes
+        self.target, self.min_bytes, self.prefetch = target, min_bytes, prefetch
         self.restore_context = restore_context or contextlib.nullcontext
         self.folder = None
         if target == "disk":
@@ -191,7 +199,8 @@ class OffloadStore:
         if self.target == "disk":
             obj.future.result()  # re-raises a failed write
             return torch.load(obj.path, weights_only=True).to(obj.device)
-        self._prefetch_previous(obj)
+        if self.prefetch:
+            self._prefetch_previous(obj)
         return self._from_host(obj)
 
     # ---- disk ----
@@ -327,6 +336,7 @@ def offload_checkpoints(
     min_bytes: int = 2**20,
     max_pending: int = 2,
     restore_context: Callable[[], ContextManager] | None = None,
+    prefetch: bool = False,
 ):
     """Offload the checkpointed layers' saved inputs for the forward and backward run inside this block.
 
@@ -337,7 +347,7 @@ def offload_checkpoints(
         keep_last: keep the last checkpointed layer's input where it is.
         min_bytes: inputs smaller than this stay where they are.
         max_pending: disk writes in flight at once.
-        restore_context: see `OffloadStore`.
+        restore_context, prefetch: see `OffloadStore`.
 
     Yields:
         The `OffloadStore` (None for "none"): `files_written`, `bytes_offloaded`.
@@ -358,7 +368,12 @@ def offload_checkpoints(
             "activation_checkpointing=True)), or use offload target 'none'."
         )
     store = OffloadStore(
-        target, path, min_bytes=min_bytes, max_pending=max_pending, restore_context=restore_context
+        target,
+        path,
+        min_bytes=min_bytes,
+        max_pending=max_pending,
+        restore_context=restore_context,
+        prefetch=prefetch,
     )
     originals = [(layer, layer._gradient_checkpointing_func) for layer in layers]
     try:

@@ -135,8 +135,9 @@ def _add_memory(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allocator",
         choices=("default", "expandable"),
-        help="the CUDA caching allocator's mode the reserve is predicted for (default: expandable when "
-        "PYTORCH_CUDA_ALLOC_CONF sets expandable_segments:True)",
+        help="the CUDA caching allocator's mode the reserve is predicted for, and the launch line sets "
+        "(default: expandable, which hf_upipe sets before CUDA initialises; UPIPE_ALLOCATOR=default or keep "
+        "changes it: keep plans for what PYTORCH_CUDA_ALLOC_CONF says)",
     )
     parser.add_argument(
         "--margin",

@@ -278,6 +278,10 @@ def launch_lines(plan) -> list[str]:
         "UPIPE_TILED_MLP": str(cfg.tiled_mlp).lower(),
         "UPIPE_OFFLOAD": cfg.offload,
     }
+    if plan.allocator == "expandable":  # read once, when CUDA initialises: set before anything runs
+        env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **env}
+    else:
+        env["UPIPE_ALLOCATOR"] = "default"
     if cfg.fused_attention and cfg.fused_backward != "recompute":
         env["UPIPE_FUSED_BACKWARD"] = cfg.fused_backward
     if cfg.overlap_comm:
@@ -306,6 +310,7 @@ def launch_lines(plan) -> list[str]:
         + (["overlap_comm"] if cfg.overlap_comm else [])
         + (["model_offload"] if cfg.model_offload != "none" else [])
         + (["ring_size"] if cfg.ring_size > 1 else [])
+        + (["allocator"] if cfg.allocator != "expandable" else [])
     )
     fields = ", ".join(f"{k}={getattr(cfg, k)!r}" for k in names if getattr(cfg, k) is not None)
     return [

@@ -157,6 +157,7 @@ class Plan:
             fused_backward=s.fused_backward,
             overlap_comm=s.overlap,
             model_offload=s.model_offload,
+            allocator=self.allocator,
         )
 
     def to_dict(self) -> dict:

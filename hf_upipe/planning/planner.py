@@ -53,6 +53,7 @@ import torch
 
 from hf_upipe.architectures import ARCHITECTURES, model_geometry
 from hf_upipe.integrations.fused import fused_unavailable
+from hf_upipe.memory.allocator import launch_mode
 from hf_upipe.models import resolve
 from hf_upipe.ops.head_layout import valid_sp_sizes
 from hf_upipe.planning.estimator import Estimator
@@ -60,7 +61,6 @@ from hf_upipe.planning.fit_search import fastest_fit, last_rung, longest_fit
 from hf_upipe.planning.ladder import candidates, default_impl, ladder
 from hf_upipe.planning.plan_result import Margin, Plan
 from hf_upipe.planning.requirement import Requirement
-from hf_upipe.planning.reserved import allocator_mode
 from hf_upipe.planning.step_time import GPU, H100_SXM, step_time
 from hf_upipe.planning.train_step import StepSettings
 from hf_upipe.units import parse_size
@@ -135,7 +135,9 @@ def plan(
         sp_size: sequence-parallel degree (default: `gpus`, with a ring `gpus` x `ring_size`). margin: None (the
             default) predicts the caching allocator's reserve from the simulated trace plus `Allowance()`, with a
             stored calibration applied (`hf-upipe calibrate`); a `Margin` adds it to the tensor peak instead.
-        allocator: "default" or "expandable" (segments); None: what `PYTORCH_CUDA_ALLOC_CONF` says.
+        allocator: "default" or "expandable" (segments); None: the mode the launch runs in, the one the launch
+            line sets (`UPIPE_ALLOCATOR`, default "expandable"; "keep": what `PYTORCH_CUDA_ALLOC_CONF` says;
+            `hf_upipe.memory.allocator.launch_mode`).
         ring_size: R > 1 plans ring attention across R ring shards of the SP group (UPipe over sp_size / R ranks
             inside each, `hf_upipe.ops.ring`): the SP degree can then exceed what the heads allow.
         step: granularity of the max search, tokens. max_seq_len: where the search stops.
@@ -348,7 +350,7 @@ def _check_memory(gpu_memory, headroom: float, allocator: str | None) -> tuple[i
             f"headroom={headroom} must be a share of the GPU memory in [0, 1), e.g. 0.05"
         )
     gpu_bytes = parse_size(gpu_memory)
-    mode = allocator or allocator_mode()
+    mode = allocator or launch_mode()
     if mode not in ("default", "expandable"):
         raise ValueError(f"allocator={allocator!r}: choose 'default' or 'expandable' (segments)")
     return gpu_bytes, int(gpu_bytes * (1 - headroom)), mode

@@ -32,6 +32,7 @@ import os
 
 import torch
 
+from hf_upipe.memory.allocator import conf_mode
 from hf_upipe.planning.alloc_trace import record_step_trace
 from hf_upipe.planning.caching_allocator import replay
 
@@ -55,10 +56,7 @@ MODES = ("default", "expandable")
 
 def allocator_mode(env: str | None = None) -> str:
     """The allocator mode that `PYTORCH_CUDA_ALLOC_CONF` (or `env`) selects."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if env is None else env
-    return (
-        "expandable" if "expandable_segments:true" in conf.replace(" ", "").lower() else "default"
-    )
+    return conf_mode(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if env is None else env)
 
 
 def step_reserved(model_config, settings, **kw) -> dict:

@@ -30,7 +30,8 @@ step is):
   third), and in the backward R-1 times with its fp32 dk/dv accumulator passing R times; over the network when the
   SP group spans nodes. It runs during the ring's kernels: what exceeds (R-1)/R of the attention time is exposed.
 - Overlapped with the layer's compute (the larger of the two counts): FSDP2's all-gathers (bf16 weights, forward
-  and backward) and reduce-scatters (fp32 gradients); the offloaded input's copies over PCIe.
+  and backward) and reduce-scatters (fp32 gradients); the offloaded input's copy to the host over PCIe. Its copy
+  back in the backward is waited for (`offload_restore`: one layer input on the device at a time, no prefetch).
 - Per step: the lm_head and loss (three GEMMs, two for a frozen head), AdamW over the local shard (HBM-bound).
 - With `model_offload='cpu'` (FSDP2's host offload), instead of the GPU's AdamW: AdamW on the host over the local
   shard (`HOST_ADAMW_SECONDS_PER_PARAM`, exposed: it runs after the backward), and the copies over the host link
@@ -419,7 +420,10 @@ def step_time(
     share = (world - 1) / world
     gathered = 2 * layer_params * 2 * share + (0 if frozen else layer_params * 4 * share)
     t_fsdp = gathered / ((gpu.nvlink if world <= gpus_per_node else gpu.network) * eff.gather)
-    t_offload = 2 * s * Dm * 2 / (gpu.pcie * eff.pcie) if settings.offload == "cpu" else 0.0
+    # the forward's copy to the host hides behind the layer; the backward's copy back is waited for (no prefetch:
+    # one layer input on the device at a time, hf_upipe.memory.offload), for every layer but the kept last one
+    t_checkpoint = s * Dm * 2 / (gpu.pcie * eff.pcie) if settings.offload == "cpu" else 0.0
+    t_offload = t_checkpoint
     model_offload = getattr(settings, "model_offload", "none") == "cpu"
     if model_offload:
         # the layer's shard in twice (fp32; a LoRA base in bf16), its gradient shard out once
@@ -446,6 +450,7 @@ def step_time(
         "all_to_all": L * t_a2a,
         "ring": L * t_ring,
         "fsdp_offload_exposed": L * hidden_behind,
+        "offload_restore": (L - 1) * t_checkpoint,
         "loss": head / (gpu.flops * eff.gemm),
         "optimizer": t_optimizer,
     }

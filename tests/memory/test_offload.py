@@ -213,3 +213,31 @@ def test_copy_back_is_allocated_on_the_compute_stream(monkeypatch):
     assert alloc[3] == "default"  # not the side stream's pool
     assert calls.index(("wait_stream", "side", "main")) < calls.index(("enter", "side"))
     assert ("rs", "side") in calls and calls[-1] == ("record", "side")
+
+
+def test_without_prefetch_one_layer_input_less_at_the_backwards_peak(monkeypatch):
+    """The "cpu" target copies each input back when its layer needs it (the default): bit-identical gradients to
+    no offload and to the prefetching store, and the tracker's backward peak is exactly one layer input lower
+    (the prefetched previous input no longer waits beside the layer's backward). Run on CPU tensors through the
+    host-copy path; the host buffers come from the warmed pool, so only the copies back are counted."""
+    from hf_upipe.memory import offload as mod
+
+    monkeypatch.setattr(
+        mod.OffloadStore, "stays", lambda self, t: t.numel() * t.element_size() < self.min_bytes
+    )
+    model = _model()
+    ref, _ = _grads(model, offload_checkpoints(model, "none"))
+    peak, grads = {}, {}
+    for prefetch in (True, False, True, False):  # the first two warm the host pool
+        # the gradients exist already: the peak is inside a layer's backward
+        model.zero_grad(set_to_none=False)
+        with offload_checkpoints(model, "cpu", min_bytes=0, prefetch=prefetch):
+            loss = model(**_batch()).loss
+            with MemoryTracker() as tracker:
+                loss.backward()
+        peak[prefetch] = tracker.peak_bytes
+        grads[prefetch] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name in ref:
+        assert torch.equal(grads[False][name], ref[name]), name
+        assert torch.equal(grads[True][name], ref[name]), name
+    assert peak[True] - peak[False] == B * S * HIDDEN * 4, peak

@@ -254,7 +254,8 @@ def test_command_line(tmp_path, capsys):
     base = ["plan", "--model", str(tmp_path / "config.json"), "--gpus", "2"]
     assert main(base + ["--seq-len", "16384", "--gpu-memory", "64GiB"]) == 0
     out = capsys.readouterr().out
-    assert "FITS" in out and "per-GPU peak" in out and "launch: UPIPE_SP_SIZE=2" in out
+    launch = next(line for line in out.splitlines() if line.startswith("launch: "))
+    assert "FITS" in out and "per-GPU peak" in out and " UPIPE_SP_SIZE=2 " in launch
     rows = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
     assert rows.index("tensors") < rows.index("reserved") < rows.index("allowance")
     assert (
