@@ -3,6 +3,7 @@
 Entry points:
 - `ALLOCATOR_SETTINGS`: the values of `UPipeConfig.allocator` ("expandable", the default; "default"; "keep").
 - `conf_mode(conf)`: the mode a `PYTORCH_CUDA_ALLOC_CONF` value selects ("expandable" or "default").
+- `with_mode(conf, mode)`: a `PYTORCH_CUDA_ALLOC_CONF` value for `mode`, the other entries of `conf` kept.
 - `launch_mode(setting=None)`: the mode a launch with this setting runs in (None: `UPIPE_ALLOCATOR`, else
   "expandable"); what the planner plans for and the plan's launch line sets.
 - `arrange_allocator(setting)`: sets `PYTORCH_CUDA_ALLOC_CONF` for the setting while CUDA is not yet initialised;
@@ -20,7 +21,7 @@ import os
 
 import torch
 
-__all__ = ["ALLOCATOR_SETTINGS", "arrange_allocator", "conf_mode", "launch_mode"]
+__all__ = ["ALLOCATOR_SETTINGS", "arrange_allocator", "conf_mode", "launch_mode", "with_mode"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def launch_mode(setting: str | None = None) -> str:
     return conf_mode(os.environ.get(VARIABLE)) if value == "keep" else value
 
 
-def _with_mode(conf: str | None, mode: str) -> str:
+def with_mode(conf: str | None, mode: str) -> str:
     """`conf` with its expandable_segments entry replaced by the one `mode` needs (other entries kept)."""
     kept = [
         e
@@ -72,7 +73,7 @@ def arrange_allocator(setting: str) -> str:
         return current  # nothing to arrange: kept as it is, or no CUDA allocator on this machine
     if not torch.cuda.is_initialized():
         if current != value:
-            os.environ[VARIABLE] = _with_mode(os.environ.get(VARIABLE), value)
+            os.environ[VARIABLE] = with_mode(os.environ.get(VARIABLE), value)
         return value
     if current != value and (value, current) not in _logged:
         _logged.add((value, current))
@@ -89,6 +90,6 @@ def arrange_allocator(setting: str) -> str:
             current,
             current,
             VARIABLE,
-            _with_mode(os.environ.get(VARIABLE), value),
+            with_mode(os.environ.get(VARIABLE), value),
         )
     return current

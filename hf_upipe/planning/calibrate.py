@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -103,8 +104,17 @@ def measure_reserved(spec: dict) -> int:
 
 
 def _measure_in_fresh_process(spec: dict) -> int:
+    """What the step of `spec` reserves, measured in a new process whose allocator runs in `spec["allocator"]`'s
+    mode (the one the launch will set: `hf_upipe.memory.allocator.launch_mode`)."""
+    from hf_upipe.memory.allocator import with_mode
+
+    env = dict(os.environ)
+    env["PYTORCH_CUDA_ALLOC_CONF"] = with_mode(
+        env.get("PYTORCH_CUDA_ALLOC_CONF"), spec["allocator"]
+    )
     out = subprocess.run(
         [sys.executable, "-m", "hf_upipe.planning.calibrate", json.dumps(spec)],
+        env=env,
         capture_output=True,
         text=True,
         check=False,
@@ -129,10 +139,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from hf_upipe.memory.allocator import launch_mode
     from hf_upipe.planning.planner import plan, resolve_model
     from hf_upipe.planning.reserved import (
         Allowance,
-        allocator_mode,
         correction_key,
         save_correction,
         step_reserved,
@@ -146,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         gpu_memory=args.gpu_memory,
     )
-    world, mode = args.gpus * args.nodes, allocator_mode()
+    world, mode = args.gpus * args.nodes, launch_mode()
     hollow = getattr(args, "hollow_attention", False)
     spec = dict(
         model=args.model,
@@ -156,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         layers=args.layers,
         settings=dataclasses.asdict(p.settings),
         kernel=_hollow_kernel(p.dtype) if hollow else "auto",
+        allocator=mode,
     )
     allowance = Allowance()
     predicted = step_reserved(
