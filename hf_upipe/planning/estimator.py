@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from hf_upipe.architectures import model_geometry
 from hf_upipe.planning.reserved import extrapolate_reserved, step_reserved
-from hf_upipe.planning.train_step import CATEGORIES, StepSettings
+from hf_upipe.planning.train_step import CATEGORIES, StepSettings, device_twin
 
 __all__ = ["Estimator"]
 
@@ -62,6 +62,7 @@ class Estimator:
         return self._step(settings, seq_len, layers)["by_category"]
 
     def _step(self, settings, seq_len, layers) -> dict:
+        settings = device_twin(settings)  # offload="disk" holds on the device what "cpu" does
         key = (*self._key, settings, seq_len, layers)
         if key in _SIMULATIONS:
             _SIMULATIONS.move_to_end(key)

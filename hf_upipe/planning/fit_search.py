@@ -59,6 +59,14 @@ def last_rung(pairs: list) -> StepSettings:
     return [rung for cand, rung in pairs if cand == rung][-1]
 
 
+def _fallback(need: Requirement, pairs: list, seq_len: int) -> StepSettings:
+    """What a plan reports when nothing fits: the last rung without disk offload, unless its checkpoints do not fit
+    the host memory (then the last rung)."""
+    kept = [p for p in pairs if p[0].offload != "disk"]
+    rung = last_rung(kept) if kept else last_rung(pairs)
+    return rung if need.host_ok(rung, seq_len) else last_rung(pairs)
+
+
 def longest_fit(
     need: Requirement, rung: StepSettings, *, limit: int, step: int, max_seq_len: int
 ) -> int:
@@ -84,13 +92,21 @@ def fastest_fit(
     """(chosen settings, tried) at `seq_len`: `pairs` are (candidate, its rung); `seconds(settings, seq_len)`, a
     candidate's predicted step seconds.
 
-    The first that fits, fastest first (the ladder's order among equal times), is chosen; if none fits, the last
-    rung. `tried`: (settings, required bytes or None when not simulated, host ok, seconds) of each judged.
+    The first that fits, fastest first (the ladder's order among equal times), is chosen, candidates with
+    offload="disk" judged only after all others (they are chosen only where the host memory binds); if none fits,
+    the last rung (the last without disk where that one's checkpoints fit the host). `tried`: (settings, required
+    bytes or None when not simulated, host ok, seconds) of each judged; a candidate whose host memory does not fit
+    is not simulated.
     """
     times = [seconds(cand, seq_len) for cand, _ in pairs]
-    tried, chosen, fits_of = [], last_rung(pairs), {}
-    for k in sorted(range(len(pairs)), key=lambda k: (times[k], k)):
+    tried, chosen, fits_of = [], _fallback(need, pairs, seq_len), {}
+    disk = [cand.offload == "disk" for cand, _ in pairs]
+    for k in sorted(range(len(pairs)), key=lambda k: (disk[k], times[k], k)):
         (cand, rung), t = pairs[k], times[k]
+        if not need.host_ok(cand, seq_len):
+            fits_of[cand] = False
+            tried.append((cand, None, False, t))  # its offloaded bytes do not fit the host
+            continue
         if rung != cand:
             if rung not in fits_of:
                 fits_of[rung] = need(rung, seq_len) <= limit and need.host_ok(rung, seq_len)

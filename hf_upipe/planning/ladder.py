@@ -28,7 +28,8 @@ def default_impl(config) -> str:
 
 
 def ladder(config, sp_size: int, impl: str | None = None) -> list[StepSettings]:
-    """The candidate settings for this model and SP degree, cheapest first (`hf_upipe.planning.planner`'s docstring).
+    """The candidate settings for this model and SP degree, cheapest first (`hf_upipe.planning.planner`'s docstring),
+    then each checkpoint-offload rung with offload="disk" (no host memory for the checkpoints).
 
     `impl`: None picks `default_impl(config)` (fused where a run installs the fused block); "ulysses" or "deepspeed"
     keep all heads in one chunk (their ladder has the tiled MLP and offload rungs only).
@@ -56,7 +57,9 @@ def ladder(config, sp_size: int, impl: str | None = None) -> list[StepSettings]:
             loss_chunk_tokens=max(1, math.ceil(2**24 / g["vocab"])),
         )
     )  # 64 MiB fp32 logits
-    return rungs
+    # where the host memory binds: the offload rungs' checkpoints to disk, the same device memory as "cpu", judged
+    # only after every "cpu" candidate (`fastest_fit`); the last rung is the smallest one's disk twin (`--max`)
+    return rungs + [dataclasses.replace(r, offload="disk") for r in rungs if r.offload == "cpu"]
 
 
 def candidates(

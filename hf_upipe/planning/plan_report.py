@@ -73,9 +73,9 @@ def describe(settings) -> str:
     if settings.tiled_loss:
         parts.append(f"tiled loss ({settings.loss_chunk_tokens or 'default'} tokens)")
     parts.append(
-        "checkpoints offloaded to host"
-        if settings.offload == "cpu"
-        else "checkpoints kept on the GPU"
+        {"cpu": "checkpoints offloaded to host", "disk": "checkpoints offloaded to disk"}.get(
+            settings.offload, "checkpoints kept on the GPU"
+        )
     )
     if settings.model_offload == "cpu":
         parts.append("model state offloaded to host (parameters, gradients, AdamW step)")
@@ -135,6 +135,15 @@ def _host_line(plan) -> str:
     )
 
 
+def _disk_line(plan) -> str:
+    """Where offload="disk" puts the checkpoints: the disk space per GPU and per node (no host memory held)."""
+    return (
+        f"disk for offloaded checkpoints: {_gib(plan.disk_bytes_per_gpu)} GiB per GPU, "
+        f"{_gib(plan.disk_bytes_per_gpu * plan.gpus)} GiB per node, in files under UPIPE_OFFLOAD_PATH (a fast "
+        "local NVMe disk per GPU; no pinned host memory, the page cache the writes fill is reclaimable)"
+    )
+
+
 def _model_host_line(plan) -> str:
     """The host memory the model's state takes with model_offload='cpu' (checked with the checkpoints')."""
     total = (plan.host_bytes_per_gpu + plan.model_host_bytes) * plan.gpus
@@ -159,12 +168,12 @@ def _tried_lines(plan) -> list[str]:
     ]
     for s, need, host, secs in plan.tried:
         verdict = (
-            "-   "
+            "host"
+            if not host
+            else "-   "
             if need is None
             else "fits"
-            if need <= plan.usable and host
-            else "host"
-            if not host
+            if need <= plan.usable
             else "no  "
         )
         lines.append(
@@ -194,6 +203,8 @@ def format_plan(plan) -> str:
     lines += _memory_lines(plan)
     if plan.host_bytes_per_gpu:
         lines.append(_host_line(plan))
+    if plan.disk_bytes_per_gpu:
+        lines.append(_disk_line(plan))
     if plan.model_host_bytes:
         lines.append(_model_host_line(plan))
     if plan.step_time is not None:
@@ -278,6 +289,8 @@ def launch_lines(plan) -> list[str]:
         "UPIPE_TILED_MLP": str(cfg.tiled_mlp).lower(),
         "UPIPE_OFFLOAD": cfg.offload,
     }
+    if cfg.offload == "disk":  # a placeholder: the user names a fast local disk
+        env["UPIPE_OFFLOAD_PATH"] = "/path/to/nvme"
     if plan.allocator == "expandable":  # read once, when CUDA initialises: set before anything runs
         env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", **env}
     else:
@@ -313,6 +326,8 @@ def launch_lines(plan) -> list[str]:
         + (["allocator"] if cfg.allocator != "expandable" else [])
     )
     fields = ", ".join(f"{k}={getattr(cfg, k)!r}" for k in names if getattr(cfg, k) is not None)
+    if cfg.offload == "disk":
+        fields += ", offload_path='/path/to/nvme'"
     return [
         "launch: "
         + " ".join(f"{k}={v}" for k, v in env.items())
@@ -322,4 +337,12 @@ def launch_lines(plan) -> list[str]:
         + " your_script.py"
         + ("" if plan.settings.offload == "none" else "  (activation checkpointing on)"),
         f"or in Python: hf_upipe.UPipeConfig({fields})",
-    ]
+    ] + (
+        [
+            f"UPIPE_OFFLOAD_PATH (offload_path): a folder on a fast local disk (NVMe) with at least "
+            f"{_gib(plan.disk_bytes_per_gpu)} GiB free per GPU ({_gib(plan.disk_bytes_per_gpu * plan.gpus)} GiB "
+            "per node): /path/to/nvme is a placeholder"
+        ]
+        if cfg.offload == "disk"
+        else []
+    )

@@ -5,7 +5,8 @@ Entry points:
   not, host memory for offload, the settings and how to launch them (`Plan.table()`, `Plan.launch()`,
   `Plan.upipe_config()`, `Plan.to_dict()`).
 - `Margin`: what is added to the tensor peak for memory that tensor accounting cannot see.
-- `host_bytes(config, settings, seq_len, sp_size, dtype)`: pinned host memory per GPU of offloaded checkpoints.
+- `host_bytes(config, settings, seq_len, sp_size, dtype)`: pinned host memory per GPU of offloaded checkpoints;
+  `disk_bytes(...)`: the disk space per GPU of checkpoints offloaded to files (offload="disk").
 
 `hf_upipe.planning.planner.plan` builds a `Plan`; `hf_upipe.planning.plan_report` formats one.
 """
@@ -22,7 +23,7 @@ from hf_upipe.planning.step_time import GPU, H100_SXM, StepTime
 from hf_upipe.planning.tracker import GiB
 from hf_upipe.planning.train_step import StepSettings
 
-__all__ = ["Margin", "Plan", "host_bytes"]
+__all__ = ["Margin", "Plan", "disk_bytes", "host_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +54,25 @@ class Margin:
 def host_bytes(
     config, settings: StepSettings, seq_len: int, sp_size: int, dtype: torch.dtype
 ) -> int:
-    """Pinned host memory per GPU for the offloaded layer inputs: all layers but the last, [s, hidden] each."""
-    if settings.offload == "none":
+    """Pinned host memory per GPU for the offloaded layer inputs: all layers but the last, [s, hidden] each. 0 for
+    offload="disk": its bytes are in files (`disk_bytes`); the host holds at most `max_pending` (2) layer inputs in
+    flight to the disk, and the page cache the writes fill is reclaimable."""
+    if settings.offload != "cpu":
         return 0
+    return checkpoint_bytes(config, seq_len, sp_size, dtype)
+
+
+def disk_bytes(
+    config, settings: StepSettings, seq_len: int, sp_size: int, dtype: torch.dtype
+) -> int:
+    """Disk space per GPU for the offloaded layer inputs with offload="disk" (0 otherwise)."""
+    if settings.offload != "disk":
+        return 0
+    return checkpoint_bytes(config, seq_len, sp_size, dtype)
+
+
+def checkpoint_bytes(config, seq_len: int, sp_size: int, dtype: torch.dtype) -> int:
+    """The offloaded layer inputs of one GPU: all layers but the last, [seq_len / sp_size, hidden] each."""
     g = model_geometry(config)
     return (g["layers"] - 1) * (seq_len // sp_size) * g["hidden"] * torch.finfo(dtype).bits // 8
 
@@ -133,6 +150,11 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.required <= self.usable and self.host_fits
+
+    @property
+    def disk_bytes_per_gpu(self) -> int:
+        """Disk space the offloaded checkpointed inputs take per GPU with offload="disk" (0 otherwise)."""
+        return disk_bytes(self.config, self.settings, self.seq_len, self.sp_size, self.dtype)
 
     @property
     def host_bytes_per_gpu(self) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from hf_upipe.planning.estimator import Estimator
 from hf_upipe.planning.plan_result import Margin, host_bytes
 from hf_upipe.planning.reserved import Allowance, correction_key, load_correction
-from hf_upipe.planning.train_step import StepSettings
+from hf_upipe.planning.train_step import StepSettings, device_twin
 
 __all__ = ["Requirement"]
 
@@ -51,7 +51,8 @@ class Requirement:
         """The stored calibration of these settings (None with a margin, or when none is stored)."""
         if self.margin is not None:
             return None
-        return load_correction(correction_key(self.name, settings, self.mode, self.dtype))
+        twin = device_twin(settings)  # offload="disk": the device memory (and calibration) of "cpu"
+        return load_correction(correction_key(self.name, twin, self.mode, self.dtype))
 
     def __call__(self, settings: StepSettings, length: int) -> int:
         """The GPU memory `settings` need at `length` tokens, bytes."""

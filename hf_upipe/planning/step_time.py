@@ -32,6 +32,9 @@ step is):
 - Overlapped with the layer's compute (the larger of the two counts): FSDP2's all-gathers (bf16 weights, forward
   and backward) and reduce-scatters (fp32 gradients); the offloaded input's copy to the host over PCIe. Its copy
   back in the backward is waited for (`offload_restore`: one layer input on the device at a time, no prefetch).
+- With `offload='disk'`: the pack's copy to the host is synchronous (`disk_offload_copy`, exposed), the file write
+  (`DISK_BYTES_PER_S` per GPU) overlaps the layer's compute, and the backward waits for the file's read and the
+  copy back (`offload_restore`).
 - Per step: the lm_head and loss (three GEMMs, two for a frozen head), AdamW over the local shard (HBM-bound).
 - With `model_offload='cpu'` (FSDP2's host offload), instead of the GPU's AdamW: AdamW on the host over the local
   shard (`HOST_ADAMW_SECONDS_PER_PARAM`, exposed: it runs after the backward), and the copies over the host link
@@ -54,6 +57,7 @@ from hf_upipe.architectures import model_geometry
 from hf_upipe.ops.head_layout import HeadLayout
 
 __all__ = [
+    "DISK_BYTES_PER_S",
     "EFFICIENCY",
     "GPU",
     "H100_SXM",
@@ -124,6 +128,12 @@ HOST_ADAMW_SECONDS_PER_PARAM = 2.0e-9
 # of a node share the host's PCIe switches and memory bandwidth (and the checkpoint offload's copies); 25 GB/s
 # effective per GPU is assumed, not measured.
 HOST_LINK_BYTES_PER_S = 25e9
+
+# Checkpoint offload to disk (offload="disk"), bytes/s per GPU for the file write and for the read back: a DGX H100
+# has 8 x 3.84 TB NVMe U.2 data drives, about one per GPU, rated about 7 GB/s sequential read and 4 GB/s write each
+# (the drives' spec sheets); 3 GB/s each way is a conservative figure for torch.save / torch.load of one layer input
+# through the page cache, assumed, not measured.
+DISK_BYTES_PER_S = 3e9
 
 # tokens/s per GPU, Llama3-8B on 8 x H100 (the paper's project page; ../shared/reference/upipe-method.md section 3)
 PAPER_ULYSSES_TOKENS_PER_S = {
@@ -422,8 +432,13 @@ def step_time(
     t_fsdp = gathered / ((gpu.nvlink if world <= gpus_per_node else gpu.network) * eff.gather)
     # the forward's copy to the host hides behind the layer; the backward's copy back is waited for (no prefetch:
     # one layer input on the device at a time, hf_upipe.memory.offload), for every layer but the kept last one
-    t_checkpoint = s * Dm * 2 / (gpu.pcie * eff.pcie) if settings.offload == "cpu" else 0.0
-    t_offload = t_checkpoint
+    t_checkpoint = (
+        s * Dm * 2 / (gpu.pcie * eff.pcie) if settings.offload in ("cpu", "disk") else 0.0
+    )
+    # offload="disk": the pack's copy to the host is synchronous (exposed); the file write runs in a background
+    # thread behind the layer's compute; in the backward the file is read, then copied back (both waited for)
+    t_disk = s * Dm * 2 / DISK_BYTES_PER_S if settings.offload == "disk" else 0.0
+    t_offload = t_disk if settings.offload == "disk" else t_checkpoint
     model_offload = getattr(settings, "model_offload", "none") == "cpu"
     if model_offload:
         # the layer's shard in twice (fp32; a LoRA base in bf16), its gradient shard out once
@@ -450,8 +465,12 @@ def step_time(
         "all_to_all": L * t_a2a,
         "ring": L * t_ring,
         "fsdp_offload_exposed": L * hidden_behind,
-        "offload_restore": (L - 1) * t_checkpoint,
+        "offload_restore": (L - 1) * (t_checkpoint + t_disk),
         "loss": head / (gpu.flops * eff.gemm),
         "optimizer": t_optimizer,
     }
+    if settings.offload == "disk":
+        parts["disk_offload_copy"] = (
+            L - 1
+        ) * t_checkpoint  # the forward's synchronous copy to the host
     return StepTime(parts=parts, seq_len=S, sp_size=P)

@@ -45,7 +45,13 @@ from hf_upipe.planning.tracker import (
     to_host,
 )
 
-__all__ = ["CATEGORIES", "StepSettings", "measure_train_step", "simulate_train_step"]
+__all__ = [
+    "CATEGORIES",
+    "StepSettings",
+    "device_twin",
+    "measure_train_step",
+    "simulate_train_step",
+]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", *_cat.CATEGORIES)
 
@@ -60,7 +66,11 @@ class StepSettings:
         heads_per_chunk: query heads per rank per UPipe stage (ignored by "ulysses" and "deepspeed").
         tiled_mlp: tile the MLPs and RMSNorms over `mlp_chunk_tokens` (None: `hidden_size` tokens).
         tiled_loss: compute the loss in chunks of `loss_chunk_tokens` (None: about 256 MiB of fp32 logits).
-        offload: "none" or "cpu": checkpointed layer inputs go to host memory (the last layer's stays).
+        offload: "none", "cpu" or "disk": checkpointed layer inputs go to host memory or to files (the last
+            layer's stays). On the device "disk" is "cpu": the disk store copies each input to the host before its
+            background write (`OffloadStore._write`: the pending writes hold host copies, not device tensors) and
+            reads it back onto the compute stream when its layer is recomputed, one at a time; it is simulated as
+            "cpu" (`device_twin`).
         model_offload: "none" or "cpu": FSDP2's host offload (`UPipeConfig.model_offload`): the parameter shards,
             the reduced gradient shards, AdamW's states and its step in host memory (`_host_model_state`).
         fused_backward: the fused block's backward mode, "recompute" (least memory) or "save" (`UPipeConfig`).
@@ -84,11 +94,8 @@ class StepSettings:
     def __post_init__(self):
         if self.impl not in MODEL_IMPLEMENTATIONS:
             raise ValueError(f"impl={self.impl!r}: choose one of {MODEL_IMPLEMENTATIONS}")
-        if self.offload not in ("none", "cpu"):
-            raise ValueError(
-                f"offload={self.offload!r}: the planner models 'none' or 'cpu' (disk: like cpu on the "
-                "device, without the host memory)"
-            )
+        if self.offload not in ("none", "cpu", "disk"):
+            raise ValueError(f"offload={self.offload!r}: choose 'none', 'cpu' or 'disk'")
         if self.model_offload not in ("none", "cpu"):
             raise ValueError(f"model_offload={self.model_offload!r}: choose 'none' or 'cpu'")
         if self.fused_backward not in ("recompute", "save"):
@@ -99,6 +106,15 @@ class StepSettings:
             raise ValueError(
                 f"overlap and fused_backward are settings of the fused block, not of impl={self.impl!r}"
             )
+
+
+def device_twin(settings: StepSettings) -> StepSettings:
+    """The settings whose device memory `settings` has: offload="disk" holds on the device what "cpu" holds (the
+    input leaves the device at pack, synchronously copied to the host for the background write; one is copied back
+    per recomputed layer), so it is simulated, calibrated and cached as "cpu"."""
+    if settings.offload == "disk":
+        return dataclasses.replace(settings, offload="cpu")
+    return settings
 
 
 @contextlib.contextmanager
@@ -407,13 +423,14 @@ def simulate_train_step(
     dtype: torch.dtype = torch.bfloat16,
     lora=None,
 ) -> dict:
-    """`measure_train_step` as rank 0 of a fake `world_size`-rank world on fake tensors (one process, no data)."""
+    """`measure_train_step` as rank 0 of a fake `world_size`-rank world on fake tensors (one process, no data).
+    offload="disk" is simulated as its `device_twin` (fake tensors cannot be written to files)."""
     with simulated_world(world_size):
         mesh = fsdp_mesh()
         with fake_tensors(torch.float32):
             return measure_train_step(
                 model_config,
-                settings,
+                device_twin(settings),
                 seq_len=seq_len,
                 sp_size=sp_size,
                 layers=layers,
