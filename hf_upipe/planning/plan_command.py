@@ -106,7 +106,7 @@ def _add_step_settings(parser: argparse.ArgumentParser) -> None:
         help="fix the tiled MLP on or off instead of choosing it",
     )
     parser.add_argument(
-        "--offload", choices=("none", "cpu"), help="fix the offload instead of choosing it"
+        "--offload", choices=("none", "cpu", "disk"), help="fix the offload instead of choosing it"
     )
     parser.add_argument(
         "--fused-backward",
