@@ -2,6 +2,7 @@
 
 import functools
 import os
+import time
 
 import pytest
 import torch
@@ -75,10 +76,14 @@ def test_offload_removes_checkpointed_inputs_from_memory(tmp_path):
                 loss = model(**_batch()).loss
                 live[target] = tracker.current_bytes  # after forward: what the backward will need
             if store is not None:
+                # the writes run on a background thread: wait (bounded) for them to land
+                deadline = time.monotonic() + 60
+                while len(os.listdir(store.folder)) < LAYERS - 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert len(os.listdir(store.folder)) == LAYERS - 1
                 on_disk = sum(
                     os.path.getsize(os.path.join(store.folder, f)) for f in os.listdir(store.folder)
                 )
-                assert len(os.listdir(store.folder)) == LAYERS - 1
             loss.backward()
     one_input = B * S * HIDDEN * 4
     assert live["none"] - live["disk"] == (LAYERS - 1) * one_input

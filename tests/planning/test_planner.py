@@ -201,30 +201,32 @@ def test_max_context_is_the_edge_of_fitting():
 
 
 @pytest.mark.slow
-def test_llama3_8b_upipe_fits_4m_where_ulysses_mode_does_not():
-    four = 4 * 2**20
+def test_llama3_8b_upipe_fits_5m_where_ulysses_mode_does_not():
+    five = 5 * 2**20
     stack = dict(tiled_mlp=True, offload="cpu")
     upipe = plan(
         "llama3-8b",
         gpus=8,
         gpu_memory="80GiB",
-        seq_len=four,
+        seq_len=five,
         settings=StepSettings("fused", 1, **stack),
     )
     ulysses = plan(
         "llama3-8b",
         gpus=8,
         gpu_memory="80GiB",
-        seq_len=four,
+        seq_len=five,
         settings=StepSettings("fused", None, **stack),
     )
     assert upipe.fits and not ulysses.fits
     assert upipe.by_category["attention"] < 0.6 * ulysses.by_category["attention"]
     # tensor peaks only go down: issuing the recompute backward's output and d a all-to-alls together once added a
-    # [S, c, D] bf16 buffer (4 GiB here, c = 4 local heads) to Ulysses mode's peak (30.14 GiB of attention)
-    assert ulysses.by_category["attention"] <= 28_068_325_376, ulysses.by_category
-    assert upipe.tensor_peak <= 52_224_965_780, upipe.tensor_peak
-    assert upipe.host_bytes_per_gpu == 31 * (four // 8) * 4096 * 2
+    # [S, c, D] bf16 buffer (5 GiB here, c = 4 local heads) to Ulysses mode's peak; the tiled backward's float32
+    # dk/dv sums (Ulysses mode on this GQA model) and dq sum (UPipe) are in these figures (33.91 and 17.60 GiB of
+    # attention measured)
+    assert ulysses.by_category["attention"] <= 36_406_568_960, ulysses.by_category
+    assert upipe.tensor_peak <= 55_903_378_580, upipe.tensor_peak
+    assert upipe.host_bytes_per_gpu == 31 * (five // 8) * 4096 * 2
 
 
 def test_parse_bytes():
