@@ -63,7 +63,7 @@ from hf_upipe.planning.plan_result import Margin, Plan
 from hf_upipe.planning.requirement import Requirement
 from hf_upipe.planning.step_time import GPU, H100_SXM, step_time
 from hf_upipe.planning.train_step import StepSettings
-from hf_upipe.units import parse_size
+from hf_upipe.units import parse_size, parse_tokens
 
 __all__ = [
     "DEFAULT_HEADROOM",
@@ -104,7 +104,7 @@ def plan(
     gpus: int,
     gpu_memory="80GiB",
     nodes: int = 1,
-    seq_len: int | None = None,
+    seq_len: int | str | None = None,
     max_context: bool = False,
     settings: StepSettings | None = None,
     impl: str | None = None,
@@ -157,6 +157,7 @@ def plan(
             length not divisible by it, neither seq_len nor max_context).
     """
     started = time.perf_counter()
+    seq_len = None if seq_len is None else parse_tokens(seq_len)  # 1048576, "1024K" and "1M" alike
     name, config = resolve_model(model)
     _check_quantized(config, lora)
     sp, world, unit = _check_layout(config, gpus, nodes, sp_size, ring_size, impl, settings)

@@ -26,19 +26,25 @@ CHUNKS = (1, 2, None)
 
 
 def _real_worker(rank, world, impl, chunks, dims):
-    """Real fp32 tensors on a gloo group: (forward_peak, peak, unit) per heads_per_chunk."""
+    """Real fp32 tensors on a gloo group: (forward_peak, peak, unit) per heads_per_chunk, the least of two runs: a
+    gloo worker thread can free a tensor later than the program does (on a busy machine), never earlier."""
     settle_collectives()
     out = []
     for c in chunks:
-        r = measure_attention_block(
-            impl,
-            **dims,
-            sp_size=world,
-            dtype=torch.float32,
-            group=dist.group.WORLD,
-            heads_per_chunk=c,
+        runs = [
+            measure_attention_block(
+                impl,
+                **dims,
+                sp_size=world,
+                dtype=torch.float32,
+                group=dist.group.WORLD,
+                heads_per_chunk=c,
+            )
+            for _ in range(2)
+        ]
+        out.append(
+            (min(r["forward_peak"] for r in runs), min(r["peak"] for r in runs), runs[0]["unit"])
         )
-        out.append((r["forward_peak"], r["peak"], r["unit"]))
     assert get_sequence_parallel_state() is None  # measure restored the (absent) SP defaults
     return out
 
