@@ -31,6 +31,14 @@ Targets:
   memory: their "copy" frees the device tensor and the copy back allocates a new one, so the simulation counts
   exactly what a GPU would hold.
 `keep_last` leaves the last checkpointed layer's input on the device: the backward needs it first.
+
+A frozen embedding (LoRA) makes the first layer's input a tensor that needs no gradient, so transformers'
+`enable_input_require_grads` hook (which `activation_checkpointing_enable` installs) turns it into a leaf that
+requires one. A leaf is held by its gradient accumulator, and so by the autograd graph, until the backward ends:
+offloaded or not, its device memory stayed (one layer input more on the device through the whole backward than a
+full fine-tune). While `offload_checkpoints` is active, the input embeddings' output is instead handed on as a
+non-leaf alias that requires grad (`_GradientRoot`, rooted at an empty anchor), which nothing in the graph holds;
+the gradient of that leaf was never read (the embedding is frozen), so every other gradient is unchanged.
 """
 
 from __future__ import annotations
@@ -376,6 +384,10 @@ def offload_checkpoints(
         prefetch=prefetch,
     )
     originals = [(layer, layer._gradient_checkpointing_func) for layer in layers]
+    embeddings = _input_embeddings(model)
+    rooted = (
+        None if embeddings is None else embeddings.register_forward_hook(_unpinned_embedding_output)
+    )
     try:
         for layer, original in originals[:-1] if keep_last else originals:
             layer._gradient_checkpointing_func = _offloading(original, store)
@@ -383,7 +395,40 @@ def offload_checkpoints(
     finally:
         for layer, original in originals:
             layer._gradient_checkpointing_func = original
+        if rooted is not None:
+            rooted.remove()
         store.close()
+
+
+class _GradientRoot(torch.autograd.Function):
+    """x's alias that requires grad through an empty `anchor` leaf, so the graph holds no tensor of x's size."""
+
+    @staticmethod
+    def forward(ctx, anchor, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+def _unpinned_embedding_output(module, args, output):
+    """Forward hook (after transformers' `enable_input_require_grads`): a leaf output that requires grad (a frozen
+    embedding made to) becomes a non-leaf alias, so the graph does not keep it for the whole backward (module
+    docstring). Any other output is left as it is."""
+    if isinstance(output, torch.Tensor) and output.requires_grad and output.grad_fn is None:
+        anchor = torch.empty(0, device=output.device, requires_grad=True)
+        return _GradientRoot.apply(anchor, output.detach())
+    return None
+
+
+def _input_embeddings(model: nn.Module) -> nn.Module | None:
+    """The model's input embedding module (plain, PEFT or wrapped), or None."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        return get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
 
 
 def _offloading(checkpoint_fn, store: OffloadStore):

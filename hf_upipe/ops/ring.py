@@ -23,9 +23,15 @@ share of dq, dk, dv (its softmax is the global one). dq accumulates here (float3
 a float32 accumulator of its dk/dv, which after R steps is one hop from home and makes that hop alone.
 
 Communication per call and rank: R-1 sends of the k/v block (2 [B, 2m, hk, D]) forward; in backward R-1 sends of
-the k/v block and R of its dk/dv accumulators (float32). Each send is issued before the step's kernel and waited
+the k/v block and R of its dk/dv accumulators (float32). Each k/v send is issued before the step's kernel and waited
 after it (isend/irecv: NCCL overlaps them with the kernel; gloo runs them on its thread): one more k/v block in
-flight per step.
+flight per step. The accumulators travel after the step's kernel, in `PASS_PIECES` pieces one after another
+(`_pass_in_place`), so one piece's receive buffer is in flight, not a second copy of both.
+
+Memory of the backward beyond its inputs: the float32 dq and dk/dv accumulators, the next k/v block and one tile's
+kernel backward; each step's backward adds into the accumulators itself (`tiled_backward(..., into=...)`), so no
+step holds float32 sums or gradients of its own (with tiles shorter than the step: the tile's; untiled, the
+kernel's dq, dk, dv of the step, added and freed).
 """
 
 from __future__ import annotations
@@ -80,10 +86,11 @@ def ring_positions(
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_j: torch.Tensor) -> None:
-    """In place: (out [B, n, h, D], lse [B, h, n]) (fp32 or fp64) <- their log-sum-exp merge with (o, lse_j)."""
+    """In place: (out [B, n, h, D], lse [B, h, n]) (fp32 or fp64) <- their log-sum-exp merge with (o, lse_j).
+    `o` (the kernel's dtype) is scaled and added in one `addcmul_`: no float32 copy or product of it."""
     new = torch.logaddexp(lse, lse_j.to(lse.dtype))
     out.mul_((lse - new).exp().transpose(1, 2).unsqueeze(-1))
-    out.add_(o.to(out.dtype) * (lse_j.to(lse.dtype) - new).exp().transpose(1, 2).unsqueeze(-1))
+    out.addcmul_(o, (lse_j.to(lse.dtype) - new).exp().transpose(1, 2).unsqueeze(-1))
     lse.copy_(new)
 
 
@@ -104,6 +111,25 @@ class _Pass:
             work.wait()
         self._sent = self._works = None
         return self.received
+
+
+PASS_PIECES = 8
+"""The pieces (along the sequence) each travelling dk/dv accumulator is passed in: one piece's receive buffer is in
+flight at a time, an eighth of an accumulator, instead of a second copy of both."""
+
+
+def _pass_in_place(tensors: list, group, rank: int, size: int, pieces: int = PASS_PIECES) -> None:
+    """In place: each of `tensors` [B, n, ...] becomes the previous ring rank's, sent to the next rank and received
+    piece by piece along dim 1 (at most `pieces` pieces): the same values as `_Pass(tensors, ...).wait()`, with one
+    piece's buffers in flight instead of a copy of every tensor."""
+    for t in tensors:
+        n = t.shape[1]
+        step = -(-n // pieces)
+        for a in range(0, n, step):
+            piece = t[:, a : a + step]
+            (got,) = _Pass([piece], group, rank, size).wait()
+            piece.copy_(got)
+            del got
 
 
 class RingKernel:
@@ -150,7 +176,11 @@ class RingKernel:
         return out.to(q.dtype), lse
 
     def backward(self, dout, q, k, v, out, lse, *, scale, causal=True):
-        """Gradients dq [B, 2m, h, D], dk/dv [B, 2m, hk, D] (inputs' dtypes) of this rank's shard."""
+        """Gradients dq [B, 2m, h, D], dk/dv [B, 2m, hk, D] (inputs' dtypes) of this rank's shard.
+
+        Each step's kernel backward adds its gradients straight into the float32 accumulators (`tiled_backward`'s
+        `into`); the dk/dv accumulators travel in pieces (`_pass_in_place`); the casts at the end free each float32
+        accumulator before the next is cast."""
         m = q.shape[1] // 2
         acc = torch.promote_types(q.dtype, torch.float32)  # float32, float64 for float64 inputs
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -159,7 +189,7 @@ class RingKernel:
         for j in range(self.size):
             hop = _Pass(kv, self.group, self.rank, self.size) if j + 1 < self.size else None
             rows, cols, mask = self._blocks(j, m)
-            dq_j, dk_j, dv_j = tiled_backward(
+            tiled_backward(
                 self.inner,
                 dout[:, rows],
                 q[:, rows],
@@ -169,13 +199,13 @@ class RingKernel:
                 lse[:, :, rows].contiguous(),
                 scale=scale,
                 causal=mask,
+                into=(dq[:, rows], dkv[0][:, cols], dkv[1][:, cols]),
             )
-            dq[:, rows] += dq_j
-            dkv[0][:, cols] += dk_j
-            dkv[1][:, cols] += dv_j
-            del dq_j, dk_j, dv_j
             # the accumulators of the block just used go on to the next rank (after the last step: home)
-            dkv = _Pass(dkv, self.group, self.rank, self.size).wait()
+            _pass_in_place(dkv, self.group, self.rank, self.size)
             if hop is not None:
                 kv = hop.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        del kv
+        dq = dq.to(q.dtype)
+        dk = dkv.pop(0).to(k.dtype)
+        return dq, dk, dkv.pop(0).to(v.dtype)

@@ -5,8 +5,10 @@ Entry points:
   tile). Read at every call, so the runtime and the planner (`hf_upipe.planning.reserved`,
   `hf_upipe.planning.step_time`) see the same value.
 - `tiles(kernel, q, k, causal, block=None) -> bool`: whether `tiled_backward` tiles this call.
-- `tiled_backward(kernel, dout, q, k, v, out, lse, *, scale, causal, block=None)`: `kernel.backward` of one call,
-  tiled when `tiles` says so, else the kernel's own backward unchanged.
+- `tiled_backward(kernel, dout, q, k, v, out, lse, *, scale, causal, block=None, into=None)`: `kernel.backward` of
+  one call, tiled when `tiles` says so, else the kernel's own backward unchanged. With `into` (float32 dq, dk, dv
+  accumulators of the call's shapes, e.g. views of a ring's), the gradients are added there instead of returned:
+  a tiled call then sums its tiles straight into them, with no float32 sum or gradient of the call's own.
 
 Why it is exact. Given the forward's output and log-sum-exp, a flash backward's softmax of query row r over the keys
 of a tile is exp(s_rc - lse_r), and its row term is rowsum(dout_r * out_r): both need only the row's own out and lse,
@@ -104,17 +106,24 @@ def tiled_backward(
     scale: float,
     causal: bool,
     block: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """`kernel.backward(dout, q, k, v, out, lse)` (layouts of `hf_upipe.ops.kernels`), in tiles of `block` tokens
     (default `backward_block()`) when `tiles` says so: dq [B, Sq, h, D], dk/dv [B, Sk, hk, D] in the inputs'
-    dtypes."""
+    dtypes; or, with `into` = (dq, dk, dv) accumulators of those shapes in float32 (float64 for float64 inputs),
+    added to them in place, and None returned."""
     block = backward_block() if block is None else block
     if not tiles(kernel, q, k, causal, block):
-        return kernel.backward(dout, q, k, v, out, lse, scale=scale, causal=causal)
+        grads = kernel.backward(dout, q, k, v, out, lse, scale=scale, causal=causal)
+        if into is None:
+            return grads
+        for acc, g in zip(into, grads):
+            acc += g
+        return None
     call = _Call(getattr(kernel, "tile_kernel", lambda _q: kernel)(q), scale, causal, block)
     if q.shape[2] <= 2 * k.shape[2]:  # the smaller accumulator: dq's, or dk's and dv's
-        return _keys_outer(call, dout, q, k, v, out, lse)
-    return _queries_outer(call, dout, q, k, v, out, lse)
+        return _keys_outer(call, dout, q, k, v, out, lse, into)
+    return _queries_outer(call, dout, q, k, v, out, lse, into)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,13 +150,16 @@ class _Call:
         )
 
 
-def _keys_outer(call: _Call, dout, q, k, v, out, lse):
+def _keys_outer(call: _Call, dout, q, k, v, out, lse, into=None):
     """Key tiles outer: dq [B, Sq, h, D] accumulated in float32 over them, each key tile's dk/dv [B, T, hk, D] over
-    its query tiles (at and below the diagonal when causal) and written once."""
+    its query tiles (at and below the diagonal when causal) and written once (added once to `into`'s)."""
     sq, sk, T = q.shape[1], k.shape[1], call.block
     acc = torch.promote_types(q.dtype, torch.float32)  # float32, float64 for float64 inputs
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [B, Sq, h, D]
-    dk, dv = torch.empty_like(k), torch.empty_like(v)  # [B, Sk, hk, D]
+    if into is None:
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # [B, Sq, h, D]
+        dk, dv = torch.empty_like(k), torch.empty_like(v)  # [B, Sk, hk, D]
+    else:
+        dq, dk, dv = into  # float32 [B, Sq, h, D], [B, Sk, hk, D]: summed into
     for j0 in chunk_starts(sk, T, q):
         keys, first = (j0, min(j0 + T, sk)), j0 if call.causal else 0
         dk_j = dv_j = None  # [B, T, hk, D] in `acc`
@@ -160,19 +172,28 @@ def _keys_outer(call: _Call, dout, q, k, v, out, lse):
                 dk_j += dk_t
                 dv_j += dv_t
             del dq_t, dk_t, dv_t
-        dk[:, keys[0] : keys[1]] = dk_j
-        dv[:, keys[0] : keys[1]] = dv_j
+        if into is None:
+            dk[:, keys[0] : keys[1]] = dk_j
+            dv[:, keys[0] : keys[1]] = dv_j
+        else:
+            dk[:, keys[0] : keys[1]] += dk_j
+            dv[:, keys[0] : keys[1]] += dv_j
         del dk_j, dv_j
-    return dq.to(q.dtype), dk, dv
+    return None if into is not None else (dq.to(q.dtype), dk, dv)
 
 
-def _queries_outer(call: _Call, dout, q, k, v, out, lse):
+def _queries_outer(call: _Call, dout, q, k, v, out, lse, into=None):
     """Query tiles outer: dk/dv [B, Sk, hk, D] accumulated in float32 over them, each query tile's dq [B, T, h, D]
-    over its key tiles (at and left of the diagonal when causal) and written once."""
+    over its key tiles (at and left of the diagonal when causal) and written once (added once to `into`'s)."""
     sq, sk, T = q.shape[1], k.shape[1], call.block
     acc = torch.promote_types(q.dtype, torch.float32)
-    dq = torch.empty_like(q)  # [B, Sq, h, D]
-    dk, dv = (torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))  # [B, Sk, hk, D]
+    if into is None:
+        dq = torch.empty_like(q)  # [B, Sq, h, D]
+        dk, dv = (
+            torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v)
+        )  # [B, Sk, hk, D]
+    else:
+        dq, dk, dv = into  # float32 [B, Sq, h, D], [B, Sk, hk, D]: summed into
     for i0 in chunk_starts(sq, T, q):
         rows = (i0, min(i0 + T, sq))
         dq_i = None  # [B, T, h, D] in `acc`
@@ -182,7 +203,12 @@ def _queries_outer(call: _Call, dout, q, k, v, out, lse):
             dv[:, j0 : j0 + T] += dv_t
             dq_i = dq_t.to(acc) if dq_i is None else dq_i.add_(dq_t)
             del dq_t, dk_t, dv_t
-        dq[:, rows[0] : rows[1]] = dq_i
+        if into is None:
+            dq[:, rows[0] : rows[1]] = dq_i
+        else:
+            dq[:, rows[0] : rows[1]] += dq_i
         del dq_i
+    if into is not None:
+        return None
     dk = dk.to(k.dtype)  # one cast at a time: the float32 dk goes before dv's cast
     return dq, dk, dv.to(v.dtype)

@@ -246,3 +246,38 @@ def test_without_prefetch_one_layer_input_less_at_the_backwards_peak(monkeypatch
         assert torch.equal(grads[False][name], ref[name]), name
         assert torch.equal(grads[True][name], ref[name]), name
     assert peak[True] - peak[False] == B * S * HIDDEN * 4, peak
+
+
+def _lora_model():
+    from peft import LoraConfig
+
+    from hf_upipe.integrations.peft import get_peft_model
+
+    model = get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    # as a run enables it: transformers then makes the frozen embedding's output require grad (a leaf)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def test_lora_first_layer_input_leaves_memory_like_the_others(tmp_path):
+    """With a frozen embedding (LoRA) the first layer's input is a leaf that requires grad, which the autograd graph
+    held through the whole backward, offloaded or not; it is now handed on as a non-leaf alias: every offloaded
+    input leaves memory (tracked on a real step), and the adapters' gradients stay bit-identical."""
+    model = _lora_model()
+    emb = model.get_input_embeddings()(_batch()["input_ids"])
+    assert emb.requires_grad and emb.grad_fn is None  # the case: a leaf that requires grad
+    live, grads = {}, {}
+    for target in ("none", "disk"):
+        model.zero_grad()
+        with offload_checkpoints(model, target, path=str(tmp_path), min_bytes=0) as store:
+            with MemoryTracker() as tracker:
+                loss = model(**_batch()).loss
+                for ref in store._order if store is not None else []:  # the writes have landed
+                    ref().future.result()
+                live[target] = tracker.current_bytes  # after forward: what the backward will need
+            loss.backward()
+        grads[target] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert live["none"] - live["disk"] == (LAYERS - 1) * B * S * HIDDEN * 4
+    assert grads["none"].keys() == grads["disk"].keys() and len(grads["none"]) == 2 * LAYERS * 2
+    for name, g in grads["none"].items():
+        assert torch.equal(grads["disk"][name], g), name
