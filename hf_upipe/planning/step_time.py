@@ -28,7 +28,8 @@ step is):
 - Ring attention (`ring_size` R > 1; the all-to-alls above then run over U = P/R ranks): each stage's k/v block
   [S/R, kc, D] passes R-1 ranks per forward run (the forward, the checkpoint's recompute, the recompute mode's
   third), and in the backward R-1 times with its fp32 dk/dv accumulator passing R times; over the network when the
-  SP group spans nodes. It runs during the ring's kernels: what exceeds (R-1)/R of the attention time is exposed.
+  SP group spans nodes. It runs during the ring's kernels: what exceeds (R-1)/R of the attention time is exposed;
+  the accumulators pass in `hf_upipe.ops.ring.PASS_PIECES` pieces, each beyond the first a latency more.
 - Overlapped with the layer's compute (the larger of the two counts): FSDP2's all-gathers (bf16 weights, forward
   and backward) and reduce-scatters (fp32 gradients); the offloaded input's copy to the host over PCIe. Its copy
   back in the backward is waited for (`offload_restore`: one layer input on the device at a time, no prefetch).
@@ -320,10 +321,14 @@ def _ring_seconds(
     (the network when the SP group spans nodes), behind the kernels."""
     if R <= 1:
         return 0.0
+    from hf_upipe.ops.ring import PASS_PIECES
+
     forward_run, backward = _ring_bytes(S, R, D, layout.num_stages, layout.kv_per_stage)
     ring_bytes = forward_run * (3 if recompute else 2) + backward  # forward, recompute(s), backward
     t_ring = ring_bytes / ((gpu.network if P > gpus_per_node else gpu.nvlink) * eff.all_to_all)
-    return max(0.0, t_ring - t_attention * (R - 1) / R)
+    # the dk/dv accumulators pass in pieces, one after another: each piece's latency beyond the first is exposed
+    pieces = layout.num_stages * R * 2 * (PASS_PIECES - 1) * gpu.all_to_all_latency
+    return max(0.0, t_ring - t_attention * (R - 1) / R) + pieces
 
 
 def _host_copy_bytes(params: int, world: int, frozen: bool) -> float:
