@@ -13,8 +13,10 @@ predicted step (`hf_upipe.planning.step_time`) costs with it. Levers (where the 
 - head chunks: all local heads in one chunk (`heads_per_chunk=None`) instead of the plan's chunk;
 - tiled MLP: off.
 Checkpoints on disk instead of host memory save host memory, not GPU memory: the row gives the disk and host bytes.
-`all off` is the step with none of the first four (and the checkpoints in host memory): the headline's predicted
-step against it is the cost of all the levers together.
+`all off` is the step without model offload and the tiled attention backward, and with the checkpoints in host
+memory instead of on disk (the head chunks and the tiled MLP kept: they are UPipe's own stack): the headline's
+predicted step against it is what those levers cost together. `--retime` recomputes it for the JSON files written
+(the step time alone, no simulation).
 
 Writes benchmarks/results/lever_table_<row>.json. A row takes 5 to 20 minutes on a busy 2-core machine (one
 `--max` search, then one simulation per lever).
@@ -111,11 +113,47 @@ def _levers(s, impl: str) -> dict:
 def _all_off(s):
     """The headline's settings with every lever of the table off (checkpoints in host memory instead of disk)."""
     return dataclasses.replace(
-        s,
-        model_offload="none",
-        heads_per_chunk=None,
-        offload="cpu" if s.offload == "disk" else s.offload,
+        s, model_offload="none", offload="cpu" if s.offload == "disk" else s.offload
     )
+
+
+def _all_off_time(config, settings, seq_len: int, kw: dict) -> dict:
+    """The predicted step without the levers (`_all_off`) against the headline's."""
+    gpus, nodes = kw["gpus"], kw.get("nodes", 1)
+    common = dict(
+        seq_len=seq_len,
+        sp_size=gpus * kw.get("ring_size", 1),
+        world=gpus * nodes,
+        gpus_per_node=gpus,
+        lora=None if kw.get("lora") is None else (kw["lora"][0], tuple(kw["lora"][1])),
+    )
+    with _backward_block("0"):  # the step time alone: no simulation needed
+        t = step_time(config, _all_off(settings), **common).seconds
+    with _backward_block(None):
+        h = step_time(config, settings, **common).seconds
+    return {
+        "step_s": round(t, 1),
+        "headline_step_s": round(h, 1),
+        "costs_s": round(h - t, 1),
+        "costs_share": round(h / t - 1, 4),
+        "settings": repr(_all_off(settings)),
+    }
+
+
+def retime() -> None:
+    """Recompute `all_off` of every JSON file written (the headline's settings, read back)."""
+    from hf_upipe.models import resolve
+    from hf_upipe.planning.train_step import StepSettings
+
+    for path in sorted(OUT.glob("lever_table_*.json")):
+        r = json.loads(path.read_text())
+        row, _, impl = r["row"].partition(":")
+        kw = dict(ROWS[row])
+        settings = eval(r["headline"]["settings"], {"StepSettings": StepSettings})  # our own repr
+        _, config = resolve(kw["model"])
+        r["all_off"] = _all_off_time(config, settings, r["headline"]["seq_len"], kw)
+        path.write_text(json.dumps(r, indent=1) + "\n")
+        print(path.name, r["all_off"])
 
 
 def run_row(name: str) -> dict:
@@ -143,22 +181,7 @@ def run_row(name: str) -> dict:
             "costs_s": round(head.step_time.seconds - p.step_time.seconds, 1),
             "without": _summary(p),
         }
-    with _backward_block("0"):  # the step time alone: no simulation needed
-        t = step_time(
-            head.config,
-            _all_off(head.settings),
-            seq_len=head.seq_len,
-            sp_size=head.sp_size,
-            world=head.gpus * head.nodes,
-            gpus_per_node=head.gpus,
-            lora=head.lora,
-        ).seconds
-    out["all_off"] = {
-        "step_s": round(t, 1),
-        "costs_s": round(head.step_time.seconds - t, 1),
-        "costs_share": round(head.step_time.seconds / t - 1, 4),
-        "settings": repr(_all_off(head.settings)),
-    }
+    out["all_off"] = _all_off_time(head.config, head.settings, head.seq_len, kw)
     out["seconds"] = round(time.perf_counter() - started, 1)
     return out
 
@@ -202,7 +225,15 @@ def main(argv=None) -> None:
         "rows", nargs="*", help=f"of {sorted(ROWS)}, each optionally with :deepspeed"
     )
     parser.add_argument("--table", action="store_true", help="print the table of the JSON files")
+    parser.add_argument(
+        "--retime",
+        action="store_true",
+        help="recompute the step without the levers in the JSON files",
+    )
     args = parser.parse_args(argv)
+    if args.retime:
+        retime()
+        return
     if args.table:
         print(table())
         return
