@@ -87,6 +87,8 @@ def _summary(p) -> dict:
         "fits": p.fits,
         "required_gib": round(p.required / GiB, 2),
         "tensors_gib": round(p.tensor_peak / GiB, 2),
+        "reserved_gib": round((p.predicted_reserved or 0) / GiB, 2),
+        "allowance_gib": round(p.allowance / GiB, 2),
         "step_s": round(p.step_time.seconds, 1),
         "by_category_gib": {k: round(v / GiB, 2) for k, v in p.by_category.items()},
         "settings": repr(p.settings),
