@@ -2,10 +2,10 @@
 
 One FSDP2 run per lever, 3 AdamW steps of a 4-layer tiny Llama in fp32 with activation checkpointing, SP over all
 ranks (2 and 4 gloo ranks), the same global batches:
-- the tiled attention backward (`UPIPE_BACKWARD_BLOCK=5`: the kernel calls see 32 tokens, so 7 tiles a side, counted)
-  against the untiled run: the tiles sum dq over key tiles in float32, a legitimate reordering, so losses agree
-  to rtol 1e-6 and final weights to 1e-6 (measured: at most 5.1e-7, a few float32 ulps, where 3 AdamW steps of lr
-  2e-3 move a weight by up to 6e-3), not bit for bit;
+- the tiled attention backward (`UPIPE_BACKWARD_BLOCK=5`: the kernel calls see 30 or 32 tokens, 6 or 7 tiles a
+  side; counted) against the untiled run: the tiles sum dq over key tiles in float32, a legitimate reordering, so
+  losses agree to rtol 1e-6 and final weights to atol 1e-6 (measured: at most 5.1e-7, a few float32 ulps, where 3
+  AdamW steps of lr 2e-3 move a weight by up to 6e-3), not bit for bit;
 - checkpoint offload to host without prefetch (the default) against with prefetch, and against no offload;
 - checkpoint offload to disk against offload to host;
   all three bit for bit (the offload only moves the saved inputs).
@@ -197,14 +197,12 @@ def _same(a: dict, b: dict, exact: bool, where) -> None:
 def test_tiled_attention_backward_is_exact_in_training(lever_runs):
     for world, ranks in lever_runs.items():
         for rank, out in enumerate(ranks):
-            assert out["tiled"]["tiled"] >= 3 * LAYERS, (
-                world,
-                rank,
-            )  # every layer's backward, tiled
+            # every layer's backward was tiled, in every step
+            assert out["tiled"]["tiled"] >= 3 * LAYERS, (world, rank)
             assert out["plain"]["tiled"] == 0
             _same(out["tiled"], out["plain"], exact=False, where=(world, rank))
             # the tracker sees tensors only: the tiles' float32 gradients (at most five of one tile, one head, every
-            # row) are all the tiling adds; the kernel scratch it saves is not a tensor (measured on a GPU)
+            # row) are all the tiling adds; the kernel scratch it saves is not a tensor (a GPU measurement)
             tiled, plain = out["tiled"]["seen"], out["plain"]["seen"]
             assert tiled["device_after_forward"] == plain["device_after_forward"]
             tile = 5 * ROWS * BLOCK * 8 * 4  # head_dim 8
