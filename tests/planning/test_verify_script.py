@@ -7,8 +7,27 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
+
+
+@pytest.fixture
+def verify():
+    """benchmarks/gpu/verify.py imported with its folder on sys.path, both undone afterwards (that folder holds
+    modules named `common`, `kernels`, `memory`, which must not shadow other imports of the test session)."""
+    path, modules = list(sys.path), set(sys.modules)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
+    try:
+        import verify as module
+
+        yield module
+    finally:
+        sys.path[:] = path
+        bench = os.path.join(ROOT, "benchmarks")
+        for name in set(sys.modules) - modules:  # only the scripts' own modules
+            if (getattr(sys.modules[name], "__file__", None) or "").startswith(bench):
+                del sys.modules[name]
 
 
 def test_dry_run_runs_every_stage(tmp_path):
@@ -46,9 +65,7 @@ def test_dry_run_runs_every_stage(tmp_path):
     assert offload["cpu"]["settings"]["model_offload"] == "cpu"
 
 
-def test_budget_skips_a_stage_that_no_longer_fits(tmp_path):
-    import verify
-
+def test_budget_skips_a_stage_that_no_longer_fits(tmp_path, verify):
     run = verify.Run(False, str(tmp_path), {}, "80GiB", time.time() + 30)
     got = verify.run_script(run, "speed", ["--help"], cap=100, reserve=25)
     assert got["status"].startswith("skipped: ") and "25 s reserved" in got["status"]
