@@ -254,9 +254,22 @@ def parse_len(text: str) -> int:
 
 
 def llama3_8b(dry: bool) -> dict:
-    """Llama3-8B's geometry (`hf_upipe.models.PRESETS`), or for a dry run its head geometry at a small width."""
+    """Llama3-8B's geometry (`hf_upipe.models.PRESETS`), or for a dry run its head geometry at a small width (with
+    HF_UPIPE_GPU_DRY=tiny, as `verify.py --cpu-dry-run` sets it: 8 heads at width 128, vocab 512)."""
     from hf_upipe.models import PRESETS
 
+    if (
+        dry and os.environ.get("HF_UPIPE_GPU_DRY") == "tiny"
+    ):  # verify.py --cpu-dry-run: the smallest that runs
+        return dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            head_dim=16,
+            num_hidden_layers=32,
+            vocab_size=512,
+        )
     if dry:
         return dict(
             hidden_size=512,

@@ -65,7 +65,7 @@ class StepSettings:
             all local heads in one chunk) or "deepspeed" (DeepSpeed's `UlyssesSPAttentionHF`, the peer).
         heads_per_chunk: query heads per rank per UPipe stage (ignored by "ulysses" and "deepspeed").
         tiled_mlp: tile the MLPs and RMSNorms over `mlp_chunk_tokens` (None: `hidden_size` tokens).
-        tiled_loss: compute the loss in chunks of `loss_chunk_tokens` (None: about 256 MiB of fp32 logits).
+        tiled_loss: compute the loss in chunks of `loss_chunk_tokens` (None: about 512 MiB of fp32 logits).
         offload: "none", "cpu" or "disk": checkpointed layer inputs go to host memory or to files (the last
             layer's stays). On the device "disk" is "cpu": the disk store copies each input to the host before its
             background write (`OffloadStore._write`: the pending writes hold host copies, not device tensors) and
