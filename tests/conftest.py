@@ -31,9 +31,9 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-# the longest files (minutes each on 2 cores, measured with --durations): handed out first, one to each worker, so
-# that neither is left with one of them at the end
-LONGEST = ("test_examples.py", "test_docs_snippets.py")
+# the longest files (minutes each on 2 cores, measured): handed out first, so that neither worker is left with one
+# of them at the end (the dry run of benchmarks/gpu/max_context.py starts a process per probe)
+LONGEST = ("test_examples.py", "test_docs_snippets.py", "planning/test_max_context_script.py")
 
 
 def pytest_collection_modifyitems(config, items):
