@@ -45,6 +45,21 @@ def _run(script, args, tmp_path, processes=2, fails=False):
     return proc.stdout + proc.stderr if fails else proc.stdout
 
 
+@pytest.fixture(scope="module")
+def adapter_run(tmp_path_factory):
+    """One 1-process run of the main example (LoRA, no held-out eval) whose adapter two tests read: the eval example
+    and the adapter loaded without hf_upipe. (run folder, its output)"""
+    where = tmp_path_factory.mktemp("adapter_run")
+    run = where / "train"
+    out = _run(
+        "finetune_long_context.py",
+        COMMON + ["--output-dir", str(run), "--eval-rows", "0"],
+        where,
+        processes=1,
+    )
+    return run, out
+
+
 def _losses(path):
     with open(path) as f:
         return {int(k): v for k, v in json.load(f)["losses"].items()}
@@ -173,18 +188,12 @@ def test_a_bad_setting_is_one_line_from_one_rank(tmp_path):
     assert out.count(f"traceback : {lines[0]}") == 2, out[-2000:]
 
 
-def test_eval_example_two_processes_equal_one(tmp_path):
+def test_eval_example_two_processes_equal_one(tmp_path, adapter_run):
     """`examples/eval_long_context.py` on an adapter of a short main-example run, at a length other than the trained
     one (odd: the SP shards are padded): 2 processes (SP 2, `hf_upipe.generate`) give the generated tokens and the
     teacher-forced log-probabilities of one process (`model.generate`), and the generated first token is the
     teacher-forced argmax at the first answer (the same prefix)."""
-    _run(
-        "finetune_long_context.py",
-        COMMON + ["--output-dir", str(tmp_path / "train"), "--eval-rows", "0"],
-        tmp_path,
-        processes=1,
-    )
-    flags = ["--adapter", str(tmp_path / "train" / "step-4" / "model"), "--length", "301"]
+    flags = ["--adapter", str(adapter_run[0] / "step-4" / "model"), "--length", "301"]
     flags += ["--rows", "4", "--new-tokens", "3"]
     runs = {}
     for processes in (1, 2):
@@ -229,15 +238,12 @@ with torch.no_grad():
 """
 
 
-def test_a_saved_adapter_loads_without_hf_upipe_and_runs_are_kept(tmp_path):
+def test_a_saved_adapter_loads_without_hf_upipe_and_runs_are_kept(tmp_path, adapter_run):
     """The main example's LoRA adapter names the base saved in its run's folder: `AutoPeftModelForCausalLM` loads
     it in a process that never imports hf_upipe, from another folder, offline, with the logits of the trained
     model (its seed-built base plus the adapter, as examples/eval_long_context.py rebuilt it). The loss curve is
     drawn beside it; a rerun into the folder is refused, and --overwrite replaces the run."""
-    run = tmp_path / "run"
-    flags = ["--steps", "4", "--seq-len", "64", "--rows", "4", "--lr", "1e-3"]
-    flags += ["--output-dir", str(run), "--eval-rows", "0"]
-    out = _run("finetune_long_context.py", flags, tmp_path, processes=1)
+    run, out = adapter_run  # (shared with the eval example's test: the run is not changed here)
     adapter = run / "step-4" / "model"
     assert f"saved {run}/step-4/model (plain PEFT files), curve {run}/loss.png" in out
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -275,7 +281,12 @@ def test_a_saved_adapter_loads_without_hf_upipe_and_runs_are_kept(tmp_path):
     torch.testing.assert_close(loaded, trained, rtol=1e-5, atol=1e-5)
     assert (trained - untrained).abs().max() > 1e-2  # the adapter is in the loaded model
 
+    # a copy of the run for the rerun and the overwrite, which change it
+    run = tmp_path / "run"
+    shutil.copytree(adapter_run[0], run)
+    flags = ["--steps", "2", "--seq-len", "64", "--rows", "4", "--lr", "1e-3"]
+    flags += ["--output-dir", str(run), "--eval-rows", "0"]
     refused = _run("finetune_long_context.py", flags, tmp_path, processes=1, fails=True)
     assert f"error: --output-dir {run} holds an earlier run (base, loss.png, step-4)" in refused
-    _run("finetune_long_context.py", flags + ["--steps", "2", "--overwrite"], tmp_path, processes=1)
+    _run("finetune_long_context.py", flags + ["--overwrite"], tmp_path, processes=1)
     assert sorted(os.listdir(run)) == ["base", "loss.png", "step-2"]

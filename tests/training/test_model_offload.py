@@ -1,6 +1,6 @@
 """model_offload='cpu' (FSDP2's host offload of parameters, gradients and the optimizer step).
 
-- Exact: 3 AdamW steps of a tiny Llama under FSDP2 (`fully_shard` with `fsdp_kwargs(config)`, what accelerate's
+- Exact: 2 AdamW steps of a tiny Llama under FSDP2 (`fully_shard` with `fsdp_kwargs(config)`, what accelerate's
   FSDP2 plugin gets from `apply_model_offload` on GPUs) at SP 2 and SP 2 x DP 2 (parameters sharded over all 4
   ranks), full fine-tune and LoRA, fp32 on gloo: the same losses and final weights with and without the offload,
   and the offload policy really in force (every FSDP parameter offloaded to the host, its gradient there).
@@ -42,7 +42,7 @@ def _policy_in_force(model) -> list[bool]:
 
 
 def _steps(model, cfg, state, world: int) -> list[float]:
-    """3 AdamW steps of the token-weighted SP loss on the same global batches of 4 rows; the global losses."""
+    """2 AdamW steps of the token-weighted SP loss on the same global batches of 4 rows; the global losses."""
     from hf_upipe import shard_batch
     from hf_upipe.runtime import UPipeRuntime
     from tests.training._plugin_runs import _batches
@@ -50,7 +50,7 @@ def _steps(model, cfg, state, world: int) -> list[float]:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
     upipe = UPipeRuntime(cfg, state, world_size=world, device="cpu")
     rows, losses = 4 // state.dp_size, []
-    for full in _batches(3, 4):
+    for full in _batches(2, 4):
         mine = {k: v[state.dp_rank * rows : (state.dp_rank + 1) * rows] for k, v in full.items()}
         shard = shard_batch(mine, state.sp_rank, state.sp_size)
         loss = upipe.loss(model, shard, upipe.count([shard]))
