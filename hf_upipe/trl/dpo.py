@@ -21,21 +21,22 @@ The loss of one micro-batch of 2B rows (B pairs), on each of the P ranks of an S
    run on the shard with `fused_lm_head=True` and `shift_labels`: per-token log-probabilities [2B, s], summed over
    the shard's completion tokens -> [2B];
 3. `hf_upipe.ops.reduce.sum_over_group` sums them over the SP group (all_reduce in forward and in backward): every
-   rank holds the sequences' log-probabilities, computes the same sigmoid DPO loss (mean over the B pairs) and
-   returns it. Backward gives each rank P x the gradient of its share; DDP/FSDP average over all W = P x dp_size
-   ranks, so the update is that of the mean over the dp_size groups' losses, the one-process update. The logged
+   rank holds the sequences' log-probabilities, computes the same DPO loss (`hf_upipe.trl.dpo_losses`: TRL's
+   loss types and f-divergences from those sums and each sequence's completion token count) and returns it.
+   Backward gives each rank P x the gradient of its share; DDP/FSDP average over all W = P x dp_size ranks, so
+   the update is that of the mean over the dp_size groups' losses, the one-process update. The logged
    loss (mean over all ranks) is that mean too. Gradient accumulation divides by the steps, as TRL does
    (`loss_is_scaled_for_ga = False`).
 TRL's metrics (`rewards/*`, `logps/*`, `logits/*`, `entropy`, `mean_token_accuracy`, `num_tokens`) are sums on the
 shards (token metrics) or on SP rank 0 (pair metrics), added over all ranks in one all_reduce per micro-batch, and
 divided as TRL divides: equal to one process.
 
-Refused at construction, on every rank, before any collective (`dpo_config_errors`): loss types other than
-'sigmoid', f-divergences other than 'reverse_kl', `ld_alpha`, `use_weighting`, `precompute_ref_log_probs`,
-`padding_free`, `use_liger_kernel`, `activation_offloading`, `sync_ref_model`, selective checkpointing,
-evaluation (`eval_strategy`, `compute_metrics`), accelerate/DeepSpeed sequence or context parallelism; after TRL's
-setup: vision data, an MoE router auxiliary loss, prompt-learning PEFT (its virtual tokens would be added to every
-shard). `evaluate()` and `predict()` raise.
+Refused at construction, on every rank, before any collective (`dpo_config_errors`): `ld_alpha`,
+`use_weighting`, `precompute_ref_log_probs`, `padding_free`, `use_liger_kernel`, `activation_offloading`,
+`sync_ref_model`, selective checkpointing, evaluation (`eval_strategy`, `compute_metrics`), accelerate/DeepSpeed
+sequence or context parallelism; after TRL's setup: vision data, an MoE router auxiliary loss, prompt-learning PEFT
+(its virtual tokens would be added to every shard). `evaluate()` and `predict()` raise. docs/trl-dpo.md names the
+mechanism each would need.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ import warnings
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from trl import DPOConfig, DPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
@@ -57,6 +57,7 @@ from hf_upipe.integrations.prepare import prepare_model
 from hf_upipe.ops.reduce import sum_over_group
 from hf_upipe.trainer import UPipeTrainer
 from hf_upipe.trl.dpo_config import dpo_config_errors
+from hf_upipe.trl.dpo_losses import DPOLossSettings, PairLogps, dpo_loss
 from hf_upipe.trl.sft import accelerator_parallelism_error
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,13 @@ DPO_TRAINER_INTERNALS = {
 }
 
 _BATCH_KEYS = ("input_ids", "attention_mask", "completion_mask")
-_NOT_MODEL_INPUTS = ("shift_labels", "num_label_tokens", "upipe_pairs")
+_NOT_MODEL_INPUTS = (
+    "shift_labels",
+    "num_label_tokens",
+    "upipe_pairs",
+    "upipe_completion_tokens",
+    "upipe_target_tokens",
+)
 
 
 def shard_preference_batch(
@@ -86,7 +93,9 @@ def shard_preference_batch(
     """This rank's shard of a collated preference batch (`input_ids`, `attention_mask`, `completion_mask`, [2B, S]:
     B chosen rows then B rejected rows, right-padded) -> `hf_upipe.shard_batch`'s shard (`input_ids`,
     `attention_mask`, `position_ids` [2B, s], `shift_labels` [2B, s]: the next token where it is a completion
-    token, else -100) plus `upipe_pairs` = B.
+    token, else -100) plus `upipe_pairs` = B and each whole sequence's completion tokens [2B]
+    (`upipe_completion_tokens`: `completion_mask` sums; `upipe_target_tokens`: the shifted mask's, the tokens
+    scored), which the length-normalised loss types read.
 
     Raises:
         ValueError: keys other than those three (reference log-probs, images...), or an odd number of rows."""
@@ -107,6 +116,8 @@ def shard_preference_batch(
     full = {"input_ids": ids, "attention_mask": batch["attention_mask"], "labels": labels}
     shard = shard_batch(full, state.sp_rank, state.sp_size, pad_token_id=pad_token_id)
     shard["upipe_pairs"] = ids.shape[0] // 2
+    shard["upipe_completion_tokens"] = batch["completion_mask"].sum(dim=1)  # [2B]
+    shard["upipe_target_tokens"] = batch["completion_mask"][:, 1:].sum(dim=1)  # [2B]
     return shard
 
 
@@ -138,8 +149,9 @@ def _checkpointing_off(model, kwargs: dict | None):
 
 
 class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
-    """`trl.DPOTrainer` (sigmoid loss) with UPipe sequence parallelism: every chosen and rejected sequence sharded,
-    the sequence log-probabilities summed over the SP group before the loss (module docstring).
+    """`trl.DPOTrainer` (its loss types and f-divergences) with UPipe sequence parallelism: every chosen and
+    rejected sequence sharded, the sequence log-probabilities summed over the SP group before the loss (module
+    docstring).
 
     Args:
         model, ref_model, args, ...: as for `trl.DPOTrainer` (a `DPOConfig`, `peft_config`, ...), by keyword after
@@ -254,7 +266,7 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
         return logps
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The sigmoid DPO loss of the micro-batch's B pairs, the same on every rank of the SP group."""
+        """The DPO loss of the micro-batch's B pairs, the same on every rank of the SP group."""
         if "upipe_pairs" not in inputs:
             raise NotImplementedError(
                 "UPipeDPOTrainer computes the DPO loss on the shards of its own training loop only; evaluate() "
@@ -270,12 +282,19 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
             2, dim=0
         )  # [B] each: the batch is [chosen, rejected]
         ref_chosen_logps, ref_rejected_logps = ref_logps.chunk(2, dim=0)
+        tokens = inputs["upipe_completion_tokens"].chunk(2, dim=0)  # [B] each
+        pair = PairLogps(
+            chosen=chosen_logps,
+            rejected=rejected_logps,
+            ref_chosen=ref_chosen_logps,
+            ref_rejected=ref_rejected_logps,
+            chosen_tokens=tokens[0],
+            rejected_tokens=tokens[1],
+            chosen_targets=inputs["upipe_target_tokens"].chunk(2, dim=0)[0],
+        )
+        loss = dpo_loss(DPOLossSettings.from_trainer(self), pair)
         chosen_logratios = chosen_logps - ref_chosen_logps
         rejected_logratios = rejected_logps - ref_rejected_logps
-        delta_score = chosen_logratios - rejected_logratios
-        loss = 0.0
-        for loss_weight in self.loss_weights:  # one loss type: 'sigmoid' (dpo_config_errors)
-            loss += -F.logsigmoid(self.beta * delta_score).mean() * loss_weight
         self._record_metrics(inputs, outputs, logps, chosen_logratios, rejected_logratios)
         return loss
 

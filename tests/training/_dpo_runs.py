@@ -108,6 +108,7 @@ def dpo_run(rank: int, world: int, spec: dict) -> dict:
         bf16=False,
         dataset_num_proc=None,
         parallelism_config=_parallelism(spec, world),
+        **spec.get("dpo", {}),  # loss types, label smoothing, f-divergence
     )
     peft_config = lora_config() if spec.get("lora") else None
     kwargs = dict(
