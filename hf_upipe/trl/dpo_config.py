@@ -57,12 +57,6 @@ def _loss_checks(args: DPOConfig) -> list[tuple[bool, str, str]]:
             "WPO weights need the fused head's log-sum of squared probabilities per token, summed over the SP "
             "group beside the log-probabilities (not implemented); set use_weighting=False.",
         ),
-        (
-            args.precompute_ref_log_probs,
-            "precompute_ref_log_probs=True",
-            "TRL precomputes them with unsharded forwards, which hf_upipe's sequence-parallel model cannot "
-            "run; set it to False (the reference model then runs under the same sequence parallelism).",
-        ),
     ]
 
 

@@ -156,6 +156,7 @@ def dpo_run(rank: int, world: int, spec: dict) -> dict:
         },
         "logs": {name: {h["step"]: h.get(name) for h in history} for name in METRICS},
         "evaluate_refused": refused,
+        "precomputed": "ref_chosen_logps" in trainer.train_dataset.column_names,
         "saved": sorted(os.listdir(spec["output_dir"])) if spec.get("save") and rank == 0 else None,
         "keys": sorted({k for h in history for k in h}),
         "initial": initial if rank == 0 else None,  # trainable or not, before the first step

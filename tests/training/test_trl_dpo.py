@@ -12,8 +12,9 @@ rewards/margins, logps/chosen, logps/rejected, logits/chosen, logits/rejected, e
 num_tokens exactly) on every rank, and the final trainable parameters (relative 1e-4), for LoRA through
 `peft_config` (reference: the base model, adapters disabled; AdamW; a checkpoint saved), a full fine-tune with a
 separate reference model, activation checkpointing and the tiled MLP (SGD: the weight changes, i.e. the clipped
-gradients, are compared), LoRA with every loss type TRL 1.16 offers weighted and summed (label smoothing 0.1), and
-LoRA on SP 2 x DP 2 (AdamW). Each loss type alone and each f-divergence: against TRL's `_compute_loss` in one
+gradients, are compared), LoRA with every loss type TRL 1.16 offers weighted and summed (label smoothing 0.1),
+LoRA with `precompute_ref_log_probs=True` (the columns checked present on both sides), and LoRA on SP 2 x DP 2
+(AdamW). Each loss type alone and each f-divergence: against TRL's `_compute_loss` in one
 process (fast).
 """
 
@@ -46,6 +47,8 @@ CASES = {  # world: ranks of the UPipeDPOTrainer run (SP 2 x DP world/2); the re
             label_smoothing=0.1,
         ),
     ),
+    # the reference log-probabilities precomputed before training (sharded, after hf_upipe's setup)
+    "sp2_lora_precompute": dict(lora=True, world=2, dpo=dict(precompute_ref_log_probs=True)),
     # the SP degree from DPOConfig(parallelism_config=ParallelismConfig(sp_size=2, dp_replicate_size=2))
     "sp2_dp2_lora": dict(lora=True, world=4, parallelism_config=True),
 }
@@ -102,6 +105,10 @@ def test_upipe_dpo_trainer_equals_single_process_dpo_trainer(runs, name):
     ].items():  # the reference runs under the same SP
         assert attn == "upipe" and (n_tiled > 0) == tiled, (name, model, attn, n_tiled)
     assert all("does not evaluate" in (out["evaluate_refused"] or "") for out in got)
+    precomputed = CASES[name].get("dpo", {}).get("precompute_ref_log_probs", False)
+    assert (
+        all(out["precomputed"] == precomputed for out in got) and ref["precomputed"] == precomputed
+    )
     if CASES[name].get(
         "save"
     ):  # UPipeTrainer's atomic checkpoint, through DPOTrainer's (model card)
@@ -148,7 +155,6 @@ REFUSED = {
     "loss_type": (dict(loss_type=["bogus"]), "loss_type"),
     "ld_alpha": (dict(ld_alpha=0.5), "ld_alpha"),
     "use_weighting": (dict(use_weighting=True), "use_weighting"),
-    "precompute": (dict(precompute_ref_log_probs=True), "precompute_ref_log_probs"),
     "padding_free": (dict(padding_free=True), "padding_free"),
     "liger": (dict(use_liger_kernel=True), "use_liger_kernel"),
     "offloading": (dict(activation_offloading=True), "activation_offloading"),
@@ -224,8 +230,15 @@ def test_shard_preference_batch_covers_each_completion_once():
     assert torch.equal(labels[:, : want.shape[1]], want)
     assert (labels[:, want.shape[1] :] == -100).all()
     assert all(s["upipe_pairs"] == 2 for s in shards)
-    with pytest.raises(ValueError, match="ref_chosen_logps"):
-        shard_preference_batch({**batch, "ref_chosen_logps": torch.zeros(2)}, _state(0, P))
+    with pytest.raises(ValueError, match="pixel_values"):
+        shard_preference_batch({**batch, "pixel_values": torch.zeros(2)}, _state(0, P))
+    # precomputed reference log-probabilities [B] each ride along whole, [chosen, rejected]
+    ref = {
+        "ref_chosen_logps": torch.tensor([1.0, 2.0]),
+        "ref_rejected_logps": torch.tensor([3.0, 4.0]),
+    }
+    shard = shard_preference_batch({**batch, **ref}, _state(0, P))
+    assert shard["upipe_ref_logps"].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 def _state(rank, P):
