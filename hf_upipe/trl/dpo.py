@@ -34,11 +34,12 @@ shards (token metrics) or on SP rank 0 (pair metrics), added over all ranks in o
 divided as TRL divides: equal to one process.
 
 Refused at construction, on every rank, before any collective (`dpo_config_errors`): `ld_alpha`,
-`use_weighting`, `padding_free`, `use_liger_kernel`, `activation_offloading`,
+`use_weighting`, `use_liger_kernel`, `activation_offloading`,
 `sync_ref_model`, selective checkpointing, evaluation (`eval_strategy`, `compute_metrics`), accelerate/DeepSpeed
 sequence or context parallelism; after TRL's setup: vision data, an MoE router auxiliary loss, prompt-learning PEFT
-(its virtual tokens would be added to every shard). `evaluate()` and `predict()` raise. docs/trl-dpo.md names the
-mechanism each would need.
+(its virtual tokens would be added to every shard), packing (`padding_free` where TRL keeps it on: TRL 1.16
+turns it off itself, and so runs the trainer, equal to TRL). `evaluate()` and `predict()` raise.
+docs/trl-dpo.md names the mechanism each would need.
 """
 
 from __future__ import annotations
@@ -228,6 +229,11 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
         )  # also from an accelerate config
         if why is not None:
             raise NotImplementedError(why)
+        if getattr(self, "padding_free", False):  # TRL 1.16 turns it off itself (it warns and pads)
+            raise NotImplementedError(
+                "DPOConfig(padding_free=True): this TRL packs each batch into one row, which UPipeDPOTrainer does "
+                "not shard (the shards would need the document boundaries); set padding_free=False."
+            )
         peft_config = getattr(self.model, "peft_config", None) or {}
         if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
             raise NotImplementedError(

@@ -64,12 +64,6 @@ def _setup_checks(args: DPOConfig, compute_metrics) -> list[tuple[bool, str, str
     """(refused?, the setting, why and the fix) for the data layout, kernels, offload, evaluation."""
     return [
         (
-            args.padding_free,
-            "padding_free=True",
-            "set padding_free=False (TRL itself falls back to padding; under sequence parallelism each "
-            "chosen and rejected sequence is its own right-padded row).",
-        ),
-        (
             args.use_liger_kernel,
             "use_liger_kernel=True",
             "Liger's kernels replace the modules hf_upipe's fused attention and tiled MLP adapt; set it to False.",

@@ -13,7 +13,8 @@ num_tokens exactly) on every rank, and the final trainable parameters (relative 
 `peft_config` (reference: the base model, adapters disabled; AdamW; a checkpoint saved), a full fine-tune with a
 separate reference model, activation checkpointing and the tiled MLP (SGD: the weight changes, i.e. the clipped
 gradients, are compared), LoRA with every loss type TRL 1.16 offers weighted and summed (label smoothing 0.1),
-LoRA with `precompute_ref_log_probs=True` (the columns checked present on both sides), and LoRA on SP 2 x DP 2
+LoRA with `precompute_ref_log_probs=True` (the columns checked present on both sides) and `padding_free=True`
+(which TRL 1.16 turns off itself), and LoRA on SP 2 x DP 2
 (AdamW). Each loss type alone and each f-divergence: against TRL's `_compute_loss` in one
 process (fast).
 """
@@ -48,7 +49,10 @@ CASES = {  # world: ranks of the UPipeDPOTrainer run (SP 2 x DP world/2); the re
         ),
     ),
     # the reference log-probabilities precomputed before training (sharded, after hf_upipe's setup)
-    "sp2_lora_precompute": dict(lora=True, world=2, dpo=dict(precompute_ref_log_probs=True)),
+    # and padding_free=True, which TRL 1.16 turns off itself (it warns and pads): the same on both sides
+    "sp2_lora_precompute": dict(
+        lora=True, world=2, dpo=dict(precompute_ref_log_probs=True, padding_free=True)
+    ),
     # the SP degree from DPOConfig(parallelism_config=ParallelismConfig(sp_size=2, dp_replicate_size=2))
     "sp2_dp2_lora": dict(lora=True, world=4, parallelism_config=True),
 }
@@ -155,7 +159,6 @@ REFUSED = {
     "loss_type": (dict(loss_type=["bogus"]), "loss_type"),
     "ld_alpha": (dict(ld_alpha=0.5), "ld_alpha"),
     "use_weighting": (dict(use_weighting=True), "use_weighting"),
-    "padding_free": (dict(padding_free=True), "padding_free"),
     "liger": (dict(use_liger_kernel=True), "use_liger_kernel"),
     "offloading": (dict(activation_offloading=True), "activation_offloading"),
     "sync_ref": (dict(sync_ref_model=True), "sync_ref_model"),
