@@ -1,35 +1,44 @@
 """Generation under sequence parallelism: each rank prefills its shard of the prompt and keeps that shard's KV cache.
 
 Entry points:
-- `generate(model, input_ids, *, max_new_tokens, do_sample=False, temperature=1.0, top_k=None, top_p=None,
-  eos_token_id=None, kv_cache=None, generator=None)`: the prompt [1, L] (the same on every rank of the SP group)
-  followed by the generated tokens, [1, L + n], on every rank; `model` prepared with `hf_upipe.prepare_model`
-  ("upipe" attention) after `hf_upipe.init_sequence_parallel`.
+- `generate(model, input_ids, *, max_new_tokens, attention_mask=None, num_return_sequences=1, do_sample=False,
+  temperature=1.0, top_k=None, top_p=None, eos_token_id=None, pad_token_id=None, kv_cache=None, generator=None)`:
+  the left-padded prompts [B, L] (the same on every rank of the SP group), each repeated num_return_sequences times,
+  followed by the generated tokens, [B * num_return_sequences, L + n], on every rank; `model` prepared with
+  `hf_upipe.prepare_model` ("upipe" attention) after `hf_upipe.init_sequence_parallel`.
 - `ShardKVCache`: one rank's cache (keys and values of all layers and heads, for the tokens this rank holds, with
   their global positions); pass one as `kv_cache=` to see what a rank kept (`numel()`, `nbytes()`). It lives in
   `hf_upipe.generation_cache`, with the schedule of which rank caches which token.
 
-The flow, on every rank of the SP group (P ranks):
+The flow, on every rank of the SP group (P ranks), for each row (its prompt without its left padding, at positions
+0..L_row - 1, as one process's `generate` numbers them from the attention mask; each sampled draw of a prompt with
+its own copy of the prompt's cache; greedy draws of one prompt are decoded once and repeated):
 1. prefill: the rank's shard of the prompt (`hf_upipe.shard_batch`: global position_ids) runs through the model on
    the training path ("upipe" attention under SP), while `attention_override` records each layer's keys and values
    of the shard (RoPE applied) before the attention's all-to-all. The cache is never gathered: a rank holds
    L / P prompt tokens. The rank holding the last prompt token broadcasts its logits (one [V] vector).
-2. decode: every rank runs the new token through the model on its own (embeddings, norms and MLPs are per token),
-   with an attention that lets the token's query attend to the rank's cached keys; the partial outputs [H, Dv]
-   and their log-sum-exps [H] are all-gathered over the SP group and merged (exact softmax over all keys). The
-   token's own keys and values are appended on one rank: the one with the fewest cached tokens (ties: the lowest
-   rank), so the caches stay balanced. Positions are global (L + step). Sliding windows mask keys by global
+2. decode: every rank runs the running rows' new tokens [b, 1] through the model in one forward, on its own
+   (embeddings, norms and MLPs are per token), with an attention that lets each row's query attend to the row's
+   cached keys on this rank; the partial outputs [b, H, Dv] and their log-sum-exps [b, H] are all-gathered over the
+   SP group (one all-gather per layer) and merged (exact softmax over all keys). A token's own keys and values are
+   appended on one rank: the one with the fewest cached tokens of its row (ties: the lowest rank), so the caches
+   stay balanced. Positions are global (L_row + step). Sliding windows mask keys by global
    position (key t seen by query i when i - t < window).
-3. the next token: the argmax (greedy) or a draw from the processed distribution (transformers' temperature,
-   top-k, top-p warpers, in that order), decided on SP rank 0 and broadcast, so every rank holds the same sequence. It
-   stops after `max_new_tokens` or at an `eos_token_id`.
+3. the next tokens [B']: the argmax (greedy) or one draw over the whole batch from the processed distribution
+   (transformers' temperature, top-k, top-p warpers, in that order; `torch.multinomial` on [B', V], as one process
+   draws), decided on SP rank 0 and broadcast, so every rank holds the same sequences. A row stops at an
+   `eos_token_id` and is padded after it with `pad_token_id`; generation stops after `max_new_tokens` or when every
+   row has stopped.
 
-Refused on every rank before any collective: a batch of more than one row, a model in training mode, a model
-whose attention is not "upipe", models with token mixers other than attention (hybrid layers), chunked attention,
-attention sinks, soft-capped logits, bidirectional attention and attention dropout.
+Refused on every rank before any collective: a row not left-padded, a KV cache to show for more than one row, a
+model in training mode, a model whose attention is not "upipe", models with token mixers other than attention
+(hybrid layers), chunked attention, attention sinks, soft-capped logits, bidirectional attention and attention
+dropout.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -46,21 +55,45 @@ __all__ = ["ShardKVCache", "generate"]
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 
 
-def _check_arguments(model, input_ids, max_new_tokens: int, state) -> None:
+def _check_arguments(
+    model, input_ids, attention_mask, max_new_tokens: int, returns: int, state
+) -> None:
     """Raise when `generate` cannot run exactly here (the same verdict on every rank: same model, same arguments)."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)
         raise ValueError(
-            f"hf_upipe.generate takes one prompt, input_ids of shape [1, L] (the same on every rank); got "
-            f"{shape}. Generate the rows one at a time."
+            f"hf_upipe.generate takes input_ids of shape [B, L] (the same on every rank); got {shape}."
         )
-    if input_ids.shape[1] < 1 or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(
-            f"hf_upipe.generate needs a non-empty prompt and max_new_tokens >= 1 (got {max_new_tokens!r})."
+            f"hf_upipe.generate: attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+            f"{tuple(input_ids.shape)}; they must match."
         )
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"hf_upipe.generate needs max_new_tokens >= 1 (got {max_new_tokens!r}).")
+    if not isinstance(returns, int) or returns < 1:
+        raise ValueError(f"hf_upipe.generate needs num_return_sequences >= 1 (got {returns!r}).")
     why = _refusal(model, state)
     if why is not None:
         raise NotImplementedError(why)
+
+
+def _prompt_starts(input_ids: torch.Tensor, attention_mask) -> list[int]:
+    """Per row of [B, L], the index of its first prompt token: rows are left-padded (mask 0...0 1...1)."""
+    if attention_mask is None:
+        return [0] * input_ids.shape[0]
+    mask = attention_mask.bool()  # [B, L]
+    starts = []
+    for row, m in enumerate(mask):
+        start = int(m.long().argmax()) if bool(m.any()) else m.numel()
+        if start == m.numel() or not bool(m[start:].all()):
+            raise ValueError(
+                f"hf_upipe.generate: row {row} of attention_mask is {m.long().tolist()}: each row must be left-"
+                "padded (zeros, then at least one 1, then only ones). Pad on the left (tokenizer.padding_side = "
+                "'left')."
+            )
+        starts.append(start)
+    return starts
 
 
 def _refusal(model, state) -> str | None:
@@ -204,61 +237,81 @@ def _partial(q, k, v, visible, scaling: float) -> tuple[torch.Tensor, torch.Tens
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, group, size: int) -> torch.Tensor:
-    """The exact attention output [H, Dv] from every rank's partial (out [H, Dv], lse [H]): one all-gather."""
-    packed = torch.cat([out, lse[:, None]], dim=-1).contiguous()  # [H, Dv + 1]
+    """The exact attention output [b, H, Dv] from every rank's partials (out [b, H, Dv], lse [b, H]): one
+    all-gather."""
+    packed = torch.cat([out, lse[..., None]], dim=-1).contiguous()  # [b, H, Dv + 1]
     every = [torch.empty_like(packed) for _ in range(size)]
     dist.all_gather(every, packed, group=group)
-    stacked = torch.stack(every)  # [P, H, Dv + 1]
-    lses = stacked[..., -1]  # [P, H]
+    stacked = torch.stack(every)  # [P, b, H, Dv + 1]
+    lses = stacked[..., -1]  # [P, b, H]
     weights = torch.exp(
         lses - lses.max(dim=0).values
-    )  # [P, H]; a rank with no visible key weighs 0
-    return (weights[..., None] * stacked[..., :-1]).sum(0) / weights.sum(0)[:, None]  # [H, Dv]
+    )  # [P, b, H]; a rank with no visible key weighs 0
+    return (weights[..., None] * stacked[..., :-1]).sum(0) / weights.sum(0)[..., None]  # [b, H, Dv]
 
 
-def _decode_step(model, token: int, position: int, owner: bool, state, cache: ShardKVCache):
-    """Logits [V] of `token` at global `position`, attending to the whole cache across the SP group; its keys and
-    values are appended to this rank's cache when `owner`."""
-    device = cache.positions.device
-    if owner:
-        cache.append_position(position)
+@dataclass(frozen=True)
+class _Step:
+    """One decode step of the rows still running: their tokens [b], global positions, and whether this rank caches
+    each token's keys and values; `caches` are the rows' caches."""
+
+    tokens: torch.Tensor
+    positions: list
+    owners: list
+    caches: list
+
+
+def _decode_step(model, step: _Step, state) -> torch.Tensor:
+    """Logits [b, V] of the step's tokens (one batched forward), each row attending to its whole cache across the
+    SP group; a token's keys and values are appended to this rank's cache where it is the owner."""
+    for cache, owner, position in zip(step.caches, step.owners, step.positions):
+        if owner:
+            cache.append_position(position)
 
     def attend(module, query, key, value, attention_mask, **kwargs):
-        _refuse_unexact(module, kwargs)
-        layer = module.layer_idx
-        window = _window(module, kwargs, cache.windows.get(layer))
-        if owner:
-            cache.put(layer, key[0, :, 0], value[0, :, 0])  # [Hk, D]
-        positions = cache.layer_positions(layer)  # [n]
-        visible = torch.ones_like(positions, dtype=torch.bool)
-        if window is not None:
-            visible = position - positions < window
+        _refuse_unexact(module, kwargs)  # query [b, H, 1, D], key [b, Hk, 1, D]
+        layer, outs, lses = module.layer_idx, [], []
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        out, lse = _partial(query[0, :, 0], cache.key(layer), cache.value(layer), visible, scaling)
-        out = _merge(out, lse, state.sp_group, state.sp_size)  # [H, Dv]
-        return out[None, None].to(query.dtype), None  # [1, 1, H, Dv]
+        for row, cache in enumerate(step.caches):
+            window = _window(module, kwargs, cache.windows.get(layer))
+            if step.owners[row]:
+                cache.put(layer, key[row, :, 0], value[row, :, 0])  # [Hk, D]
+            positions = cache.layer_positions(layer)  # [n]
+            visible = torch.ones_like(positions, dtype=torch.bool)
+            if window is not None:
+                visible = step.positions[row] - positions < window
+            out, lse = _partial(
+                query[row, :, 0], cache.key(layer), cache.value(layer), visible, scaling
+            )
+            outs.append(out)
+            lses.append(lse)
+        out = _merge(
+            torch.stack(outs), torch.stack(lses), state.sp_group, state.sp_size
+        )  # [b, H, Dv]
+        return out[:, None].to(query.dtype), None  # [b, 1, H, Dv]
 
-    ids = torch.tensor([[token]], device=device)
+    device = step.tokens.device
+    positions = torch.tensor(step.positions, device=device)[:, None]  # [b, 1]
     with without_sequence_parallel(), attention_override(attend):
-        out = model(
-            input_ids=ids, position_ids=torch.tensor([[position]], device=device), use_cache=False
-        )
-    return out.logits[0, -1].float()  # [V]
+        out = model(input_ids=step.tokens[:, None], position_ids=positions, use_cache=False)
+    return out.logits[:, -1].float()  # [b, V]
 
 
-def _next_token(logits, ids, do_sample: bool, warpers: list, state, generator) -> int:
-    """The argmax, or a draw, decided on SP rank 0 and shared with the group (so the ranks never disagree, even
-    where their logits differ in the last bit)."""
-    token = torch.zeros(1, dtype=torch.long, device=logits.device)
+def _next_tokens(logits, ids, do_sample: bool, warpers: list, state, generator) -> torch.Tensor:
+    """The rows' next tokens [B]: the argmax, or one draw over the whole [B, V] as one process's `generate` draws,
+    decided on SP rank 0 and shared with the group (so the ranks never disagree, even where their logits differ in
+    the last bit)."""
+    tokens = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     if state.sp_rank == 0 and not do_sample:
-        token = logits.argmax().reshape(1)
+        tokens = logits.argmax(-1)
     elif state.sp_rank == 0:
-        scores = logits[None]  # [1, V]
+        scores = logits  # [B, V]
         for warp in warpers:
             scores = warp(ids, scores)
-        token = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)[0]
-    dist.broadcast(token, src=dist.get_global_rank(state.sp_group, 0), group=state.sp_group)
-    return int(token)
+        tokens = torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)[:, 0]
+    tokens = tokens.contiguous()
+    dist.broadcast(tokens, src=dist.get_global_rank(state.sp_group, 0), group=state.sp_group)
+    return tokens
 
 
 def _warpers(temperature: float, top_k, top_p) -> list:
@@ -278,12 +331,64 @@ def _warpers(temperature: float, top_k, top_p) -> list:
     return warpers
 
 
-def _eos_ids(model, eos_token_id) -> set[int]:
+def _eos_ids(model, eos_token_id) -> list[int]:
     if eos_token_id is None:
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos_token_id is None:
-        return set()
-    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(e) for e in eos_token_id}
+        return []
+    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(e) for e in eos_token_id]
+
+
+def _pad_id(model, pad_token_id, eos: list[int]) -> int:
+    """The token after a row's eos (as `model.generate`: the generation config's pad token, else the first eos)."""
+    if pad_token_id is None:
+        pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = eos[0] if eos else 0
+    return int(pad_token_id)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """The rows decoded: per row its prompt length, its cache, the rank caching each fed-back token; and the
+    logits [B', V] after the prompts."""
+
+    lengths: list
+    caches: list
+    owners: list
+    logits: torch.Tensor
+
+
+def _prefill_rows(
+    model, input_ids, starts: list, copies: int, state, max_new_tokens: int, kv_cache
+) -> _Rows:
+    """Prefill each row's prompt (its left padding dropped) once; `copies` independent caches per row (the draws of
+    num_return_sequences), in the order of `repeat_interleave`."""
+    lengths, caches, owners, logits = [], [], [], []
+    for row, start in enumerate(starts):
+        prompt = input_ids[row : row + 1, start:]  # [1, L_row]
+        counts, last, owner = token_schedule(prompt.shape[1], state, max_new_tokens)
+        capacity = counts[state.sp_rank] + owner.count(state.sp_rank)
+        cache = kv_cache if kv_cache is not None else ShardKVCache()
+        first = _prefill(model, prompt, state, cache, capacity, last)  # [V]
+        for copy in range(copies):
+            twin = cache
+            if copy:
+                twin = ShardKVCache()
+                twin.copy_from(cache)
+            lengths.append(prompt.shape[1])
+            caches.append(twin)
+            owners.append(owner)
+            logits.append(first)
+    return _Rows(lengths, caches, owners, torch.stack(logits))
+
+
+def _check_cache_argument(kv_cache, rows: int) -> None:
+    if kv_cache is not None and rows != 1:
+        raise ValueError(
+            f"hf_upipe.generate: kv_cache= shows one row's cache; this call decodes {rows} rows. Pass it with one "
+            "prompt and one return sequence."
+        )
 
 
 @torch.no_grad()
@@ -292,46 +397,74 @@ def generate(
     input_ids: torch.Tensor,
     *,
     max_new_tokens: int,
+    attention_mask: torch.Tensor | None = None,
+    num_return_sequences: int = 1,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
     eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
     kv_cache: ShardKVCache | None = None,
     generator: torch.Generator | None = None,
     return_scores: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Generate after a prompt under sequence parallelism, each rank caching its shard (module docstring).
+    """Generate after prompts under sequence parallelism, each rank caching its shard (module docstring).
 
     Args:
         model: a causal LM (plain or PEFT) prepared with `hf_upipe.prepare_model`, in eval mode.
-        input_ids: [1, L] the whole prompt, the same on every rank of the SP group.
+        input_ids: [B, L] the prompts, left-padded, the same on every rank of the SP group.
         max_new_tokens: how many tokens to generate at most.
+        attention_mask: [B, L] 0 on the left padding, 1 on the prompts (default: no padding).
+        num_return_sequences: rows returned per prompt (in `repeat_interleave` order); greedy rows are decoded once.
         do_sample: draw from the distribution (after `temperature`, `top_k`, `top_p`) instead of the argmax.
-        eos_token_id: stop after generating one of these (default: the model's generation_config's).
-        kv_cache: a `ShardKVCache` to fill (to inspect what this rank kept); a new one by default.
+        eos_token_id: stop a row after one of these (default: the model's generation_config's).
+        pad_token_id: what follows a stopped row's eos (default: the generation config's, else the first eos).
+        kv_cache: a `ShardKVCache` to fill (one prompt, one return sequence): to inspect what this rank kept.
         generator: the random generator of the draws (used on SP rank 0).
-        return_scores: also return the model's logits [n, V] (fp32) before each generated token.
+        return_scores: also return the model's logits [n, B * num_return_sequences, V] (fp32) before each
+            generated token (zeros for rows that had stopped).
 
     Returns:
-        [1, L + n] the prompt and the n <= max_new_tokens generated tokens, the same on every rank (with
-        `return_scores`: that and the logits).
+        [B * num_return_sequences, L + n] the prompts (with their padding) and the n <= max_new_tokens generated
+        tokens, the same on every rank (with `return_scores`: that and the logits).
     """
     state = get_sequence_parallel_state()
-    _check_arguments(model, input_ids, max_new_tokens, state)
-    cache = kv_cache if kv_cache is not None else ShardKVCache()
+    _check_arguments(model, input_ids, attention_mask, max_new_tokens, num_return_sequences, state)
+    starts = _prompt_starts(input_ids, attention_mask)
+    copies = num_return_sequences if do_sample else 1  # greedy draws of one prompt are equal
+    _check_cache_argument(kv_cache, len(starts) * copies)
     eos = _eos_ids(model, eos_token_id)
+    pad = _pad_id(model, pad_token_id, eos)
     warpers = _warpers(temperature, top_k, top_p) if do_sample else []
-    counts, last, owners = token_schedule(input_ids.shape[1], state, max_new_tokens)
-    capacity = counts[state.sp_rank] + owners.count(state.sp_rank)
-    logits = _prefill(model, input_ids, state, cache, capacity, last)
-    ids, scores = input_ids.long(), []
+    rows = _prefill_rows(model, input_ids, starts, copies, state, max_new_tokens, kv_cache)
+    ids = input_ids.long().repeat_interleave(copies, 0)  # [B', L]
+    logits, scores = rows.logits, []
+    running = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)  # [B']
     for step in range(max_new_tokens):
         scores.append(logits)
-        token = _next_token(logits, ids, do_sample, warpers, state, generator)
-        ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)  # [1, L + step + 1]
-        if token in eos or step == max_new_tokens - 1:
+        tokens = _next_tokens(logits, ids, do_sample, warpers, state, generator)  # [B']
+        tokens = torch.where(running, tokens, pad)
+        ids = torch.cat([ids, tokens[:, None]], dim=1)  # [B', L + step + 1]
+        running &= ~torch.isin(tokens, tokens.new_tensor(eos))
+        if not bool(running.any()) or step == max_new_tokens - 1:
             break
-        owner = owners[step] == state.sp_rank  # this rank caches the token
-        logits = _decode_step(model, token, ids.shape[1] - 1, owner, state, cache)
-    return (ids, torch.stack(scores)) if return_scores else ids
+        live = running.nonzero()[:, 0].tolist()
+        logits = torch.zeros_like(logits)
+        logits[live] = _decode_step(model, _live_step(rows, live, tokens, step, state), state)
+    scores = torch.stack(scores)  # [n, B', V]
+    if copies != num_return_sequences:
+        ids = ids.repeat_interleave(num_return_sequences, 0)
+        scores = scores.repeat_interleave(num_return_sequences, 1)
+    return (ids, scores) if return_scores else ids
+
+
+def _live_step(rows: _Rows, live: list, tokens: torch.Tensor, step: int, state) -> _Step:
+    """The decode step of the running rows `live`: the token each generated at `step` (global position L_row +
+    step), and whether this rank caches it."""
+    return _Step(
+        tokens=tokens[live],
+        positions=[rows.lengths[r] + step for r in live],
+        owners=[rows.owners[r][step] == state.sp_rank for r in live],
+        caches=[rows.caches[r] for r in live],
+    )

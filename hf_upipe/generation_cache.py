@@ -72,6 +72,13 @@ class ShardKVCache:
     def layer_positions(self, layer: int) -> torch.Tensor:
         return self.positions[self.first[layer] : self.tokens]  # [n]
 
+    def copy_from(self, other: ShardKVCache) -> None:
+        """Become an independent copy of `other` (a row's cache shared by its num_return_sequences draws)."""
+        self.keys = {layer: t.clone() for layer, t in other.keys.items()}
+        self.values = {layer: t.clone() for layer, t in other.values.items()}
+        self.positions = other.positions.clone()
+        self.tokens, self.first, self.windows = other.tokens, dict(other.first), dict(other.windows)
+
     def numel(self) -> int:
         """Elements of the filled keys and values (all layers)."""
         return sum(self.key(i).numel() + self.value(i).numel() for i in self.keys)

@@ -9,8 +9,11 @@
   last W - 1 tokens (and the new tokens);
 - seeded sampling (temperature, top-k, top-p) draws the same tokens as one process with the same seed; stopping
   at an eos token and a one-token prompt (a rank starting with an empty cache) equal one process too;
-- refusals: a batch of two rows, a model in training mode, a model whose attention is not "upipe", no sequence
-  parallelism.
+- a batch of 4 left-padded prompts of different lengths with num_return_sequences=2 equals one process's batched
+  `generate` token for token: greedy (with and without an eos that stops the rows at different steps, padded
+  after it) and seeded sampling (one draw over the whole batch per step, on SP rank 0, as one process draws);
+- refusals: a right-padded row, a KV cache to fill for several rows, a model in training mode, a model whose
+  attention is not "upipe", no sequence parallelism.
 """
 
 import pytest
@@ -77,7 +80,7 @@ def _worker(rank, world, cases, ring_size=1):
             "equal": got.tolist() == want.sequences.tolist(),
             "new": got.shape[1] - L,
             "distinct": len(set(got[0, L:].tolist())),
-            "logprobs": _rel(scores.log_softmax(-1), forced.log_softmax(-1)),
+            "logprobs": _rel(scores[:, 0].log_softmax(-1), forced.log_softmax(-1)),
             "cache": cache.numel(),
             "tokens": cache.tokens,
             "reference cache": _cache_numel(want.past_key_values),
@@ -214,7 +217,17 @@ def _refusal_worker(rank, world):
     attempt("no sp", lambda: hf_upipe.generate(model, ids, max_new_tokens=2))
     hf_upipe.init_sequence_parallel(world)
     hf_upipe.prepare_model(model)
-    attempt("batch", lambda: hf_upipe.generate(model, ids.repeat(2, 1), max_new_tokens=2))
+    right = torch.tensor([[1] * 6 + [0] * 2, [1] * 8])  # the first row padded on the right
+    attempt(
+        "right padding",
+        lambda: hf_upipe.generate(model, ids.repeat(2, 1), attention_mask=right, max_new_tokens=2),
+    )
+    attempt(
+        "cache of two rows",
+        lambda: hf_upipe.generate(
+            model, ids.repeat(2, 1), max_new_tokens=2, kv_cache=ShardKVCache()
+        ),
+    )
     attempt("not upipe", lambda: hf_upipe.generate(ref, ids, max_new_tokens=2))
     attempt("model.generate", lambda: model.generate(ids, max_new_tokens=2))
     attempt("training", lambda: hf_upipe.generate(model.train(), ids, max_new_tokens=2))
@@ -225,7 +238,8 @@ def _refusal_worker(rank, world):
 def test_refusals():
     for errors in run_distributed(_refusal_worker, 2):
         assert "init_sequence_parallel" in errors["no sp"], errors
-        assert "shape [1, L]" in errors["batch"] and "(2, 8)" in errors["batch"], errors
+        assert "row 0" in errors["right padding"] and "left" in errors["right padding"], errors
+        assert "2 rows" in errors["cache of two rows"], errors
         assert "prepare_model" in errors["not upipe"] and "'sdpa'" in errors["not upipe"], errors
         assert "hf_upipe.generate" in errors["model.generate"], errors
         assert "model.eval()" in errors["training"], errors
@@ -269,3 +283,82 @@ def test_tracked_cache_memory_is_one_over_p():
         assert got["rank"] == got["cache"], got
         assert got["rank"] * total == got["one process"] * got["tokens"], got
     assert sum(g["rank"] for g in results) == results[0]["one process"]
+
+
+PROMPTS = (21, 9, 14, 5)  # the batch's prompt lengths (left-padded to 21)
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 96, (len(PROMPTS), max(PROMPTS)), generator=gen)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(PROMPTS):
+        mask[row, -n:] = 1
+    return ids.masked_fill(mask == 0, 0), mask  # [4, 21]: pad 0 on the left
+
+
+def _batched_worker(rank, world, case="qwen3 lora"):
+    hf_upipe.init_sequence_parallel(world)
+    ids, mask = _batch()
+    ref, model = _models(case)
+    common = dict(max_new_tokens=12, pad_token_id=0)
+    out = {}
+    with hf_upipe.without_sequence_parallel():
+        greedy = ref.generate(
+            ids.repeat_interleave(2, 0),
+            attention_mask=mask.repeat_interleave(2, 0),
+            eos_token_id=None,
+            **common,
+        )
+    got = hf_upipe.generate(
+        model, ids, attention_mask=mask, num_return_sequences=2, eos_token_id=[], **common
+    )
+    out["greedy"] = (got.tolist(), greedy.tolist())
+    stop = int(greedy[0, max(PROMPTS) + 3])  # row 0's 4th token: the rows stop at different steps
+    with hf_upipe.without_sequence_parallel():
+        want = ref.generate(
+            ids.repeat_interleave(2, 0),
+            attention_mask=mask.repeat_interleave(2, 0),
+            eos_token_id=stop,
+            **common,
+        )
+    got = hf_upipe.generate(
+        model, ids, attention_mask=mask, num_return_sequences=2, eos_token_id=stop, **common
+    )
+    out["eos"] = (got.tolist(), want.tolist())
+    sampling = dict(
+        do_sample=True, temperature=0.7, top_k=20, top_p=0.9, num_return_sequences=2, **common
+    )
+    torch.manual_seed(123)
+    with hf_upipe.without_sequence_parallel():
+        want = ref.generate(ids, attention_mask=mask, eos_token_id=stop, **sampling)
+    torch.manual_seed(123 if rank == 0 else 7)  # only SP rank 0 draws
+    got = hf_upipe.generate(model, ids, attention_mask=mask, eos_token_id=stop, **sampling)
+    out["sampled"] = (got.tolist(), want.tolist())
+    hf_upipe.reset_sequence_parallel()
+    return out
+
+
+def _check_batched(results):
+    for got in results:
+        for name in ("greedy", "eos", "sampled"):
+            assert got[name][0] == got[name][1] == results[0][name][1], (name, got[name])
+        greedy, eos, sampled = (got[n][1] for n in ("greedy", "eos", "sampled"))
+        assert len(greedy) == 2 * len(PROMPTS) and greedy[0] == greedy[1]
+        assert len({tuple(r) for r in greedy}) == len(PROMPTS)  # the prompts' rows differ
+        L, stop = max(PROMPTS), eos[0][max(PROMPTS) + 3]
+        # row 0 stopped at its 4th token and is padded after it while another row ran on
+        assert len(eos[0]) > L + 4 and set(eos[0][L + 4 :]) == {0}, eos
+        assert any(r[L + 4] != 0 for r in eos) and stop != 0, eos
+        assert (
+            sampled != greedy and sampled[0] != sampled[1]
+        )  # draws, not the argmax; the two draws differ
+
+
+def test_batched_left_padded_num_return_sequences_two_ranks():
+    _check_batched(run_distributed(_batched_worker, 2, timeout=300))
+
+
+@pytest.mark.slow
+def test_batched_four_ranks():
+    _check_batched(run_distributed(_batched_worker, 4, "llama", timeout=600))

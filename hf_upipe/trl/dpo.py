@@ -21,21 +21,25 @@ The loss of one micro-batch of 2B rows (B pairs), on each of the P ranks of an S
    run on the shard with `fused_lm_head=True` and `shift_labels`: per-token log-probabilities [2B, s], summed over
    the shard's completion tokens -> [2B];
 3. `hf_upipe.ops.reduce.sum_over_group` sums them over the SP group (all_reduce in forward and in backward): every
-   rank holds the sequences' log-probabilities, computes the same sigmoid DPO loss (mean over the B pairs) and
-   returns it. Backward gives each rank P x the gradient of its share; DDP/FSDP average over all W = P x dp_size
-   ranks, so the update is that of the mean over the dp_size groups' losses, the one-process update. The logged
+   rank holds the sequences' log-probabilities, computes the same DPO loss (`hf_upipe.trl.dpo_losses`: TRL's
+   loss types and f-divergences from those sums and each sequence's completion token count) and returns it.
+   Backward gives each rank P x the gradient of its share; DDP/FSDP average over all W = P x dp_size ranks, so
+   the update is that of the mean over the dp_size groups' losses, the one-process update. The logged
    loss (mean over all ranks) is that mean too. Gradient accumulation divides by the steps, as TRL does
    (`loss_is_scaled_for_ga = False`).
+`precompute_ref_log_probs`: TRL's pass (inside `DPOTrainer.__init__`, before SP exists) is deferred to the end
+of `__init__` and run on the shards (`_sharded_ref_logps`); the columns ride in each batch as `upipe_ref_logps`.
 TRL's metrics (`rewards/*`, `logps/*`, `logits/*`, `entropy`, `mean_token_accuracy`, `num_tokens`) are sums on the
 shards (token metrics) or on SP rank 0 (pair metrics), added over all ranks in one all_reduce per micro-batch, and
 divided as TRL divides: equal to one process.
 
-Refused at construction, on every rank, before any collective (`dpo_config_errors`): loss types other than
-'sigmoid', f-divergences other than 'reverse_kl', `ld_alpha`, `use_weighting`, `precompute_ref_log_probs`,
-`padding_free`, `use_liger_kernel`, `activation_offloading`, `sync_ref_model`, selective checkpointing,
-evaluation (`eval_strategy`, `compute_metrics`), accelerate/DeepSpeed sequence or context parallelism; after TRL's
-setup: vision data, an MoE router auxiliary loss, prompt-learning PEFT (its virtual tokens would be added to every
-shard). `evaluate()` and `predict()` raise.
+Refused at construction, on every rank, before any collective (`dpo_config_errors`): `ld_alpha`,
+`use_weighting`, `use_liger_kernel`, `activation_offloading`,
+`sync_ref_model`, selective checkpointing, evaluation (`eval_strategy`, `compute_metrics`), accelerate/DeepSpeed
+sequence or context parallelism; after TRL's setup: vision data, an MoE router auxiliary loss, prompt-learning PEFT
+(its virtual tokens would be added to every shard), packing (`padding_free` where TRL keeps it on: TRL 1.16
+turns it off itself, and so runs the trainer, equal to TRL). `evaluate()` and `predict()` raise.
+docs/trl-dpo.md names the mechanism each would need.
 """
 
 from __future__ import annotations
@@ -45,7 +49,6 @@ import warnings
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from trl import DPOConfig, DPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
@@ -57,6 +60,7 @@ from hf_upipe.integrations.prepare import prepare_model
 from hf_upipe.ops.reduce import sum_over_group
 from hf_upipe.trainer import UPipeTrainer
 from hf_upipe.trl.dpo_config import dpo_config_errors
+from hf_upipe.trl.dpo_losses import DPOLossSettings, PairLogps, dpo_loss
 from hf_upipe.trl.sft import accelerator_parallelism_error
 
 logger = logging.getLogger(__name__)
@@ -77,7 +81,15 @@ DPO_TRAINER_INTERNALS = {
 }
 
 _BATCH_KEYS = ("input_ids", "attention_mask", "completion_mask")
-_NOT_MODEL_INPUTS = ("shift_labels", "num_label_tokens", "upipe_pairs")
+_REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")  # precompute_ref_log_probs: [B] each
+_NOT_MODEL_INPUTS = (
+    "shift_labels",
+    "num_label_tokens",
+    "upipe_pairs",
+    "upipe_completion_tokens",
+    "upipe_target_tokens",
+    "upipe_ref_logps",
+)
 
 
 def shard_preference_batch(
@@ -86,17 +98,18 @@ def shard_preference_batch(
     """This rank's shard of a collated preference batch (`input_ids`, `attention_mask`, `completion_mask`, [2B, S]:
     B chosen rows then B rejected rows, right-padded) -> `hf_upipe.shard_batch`'s shard (`input_ids`,
     `attention_mask`, `position_ids` [2B, s], `shift_labels` [2B, s]: the next token where it is a completion
-    token, else -100) plus `upipe_pairs` = B.
+    token, else -100) plus `upipe_pairs` = B and each whole sequence's completion tokens [2B]
+    (`upipe_completion_tokens`: `completion_mask` sums; `upipe_target_tokens`: the shifted mask's, the tokens
+    scored), which the length-normalised loss types read.
 
     Raises:
         ValueError: keys other than those three (reference log-probs, images...), or an odd number of rows."""
-    extra = sorted(k for k in batch if k not in _BATCH_KEYS)
+    extra = sorted(k for k in batch if k not in _BATCH_KEYS + _REF_KEYS)
     missing = [k for k in _BATCH_KEYS if batch.get(k) is None]
     if extra or missing:
         raise ValueError(
             f"UPipeDPOTrainer shards text preference batches with keys {list(_BATCH_KEYS)}; got extra keys "
-            f"{extra} and no {missing}: use TRL's DataCollatorForPreference (no precomputed reference "
-            "log-probs, no images)."
+            f"{extra} and no {missing}: use TRL's DataCollatorForPreference (no images)."
         )
     ids = batch["input_ids"]  # [2B, S]
     if ids.dim() != 2 or ids.shape[0] % 2:
@@ -107,6 +120,10 @@ def shard_preference_batch(
     full = {"input_ids": ids, "attention_mask": batch["attention_mask"], "labels": labels}
     shard = shard_batch(full, state.sp_rank, state.sp_size, pad_token_id=pad_token_id)
     shard["upipe_pairs"] = ids.shape[0] // 2
+    shard["upipe_completion_tokens"] = batch["completion_mask"].sum(dim=1)  # [2B]
+    shard["upipe_target_tokens"] = batch["completion_mask"][:, 1:].sum(dim=1)  # [2B]
+    if all(k in batch for k in _REF_KEYS):  # precomputed: per pair, not sharded
+        shard["upipe_ref_logps"] = torch.cat([batch[k] for k in _REF_KEYS])  # [2B]
     return shard
 
 
@@ -138,8 +155,9 @@ def _checkpointing_off(model, kwargs: dict | None):
 
 
 class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
-    """`trl.DPOTrainer` (sigmoid loss) with UPipe sequence parallelism: every chosen and rejected sequence sharded,
-    the sequence log-probabilities summed over the SP group before the loss (module docstring).
+    """`trl.DPOTrainer` (its loss types and f-divergences) with UPipe sequence parallelism: every chosen and
+    rejected sequence sharded, the sequence log-probabilities summed over the SP group before the loss (module
+    docstring).
 
     Args:
         model, ref_model, args, ...: as for `trl.DPOTrainer` (a `DPOConfig`, `peft_config`, ...), by keyword after
@@ -183,6 +201,10 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
             self.ref_model is not None
         ):  # the reference runs under the same SP: same attention, same sharding
             prepare_model(self.accelerator.unwrap_model(self.ref_model), self.upipe.config)
+        if self._pending_precompute is not None:  # TRL's precompute, deferred until SP is set up
+            self.train_dataset = self._sharded_ref_logps(
+                self.train_dataset, self._pending_precompute
+            )
         logger.info(
             "UPipeDPOTrainer: per-token log-probabilities come from TRL's fused LM head on each sequence shard; "
             "the per-sequence sums are added over the %d ranks of the SP group before the DPO loss.",
@@ -207,6 +229,11 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
         )  # also from an accelerate config
         if why is not None:
             raise NotImplementedError(why)
+        if getattr(self, "padding_free", False):  # TRL 1.16 turns it off itself (it warns and pads)
+            raise NotImplementedError(
+                "DPOConfig(padding_free=True): this TRL packs each batch into one row, which UPipeDPOTrainer does "
+                "not shard (the shards would need the document boundaries); set padding_free=False."
+            )
         peft_config = getattr(self.model, "peft_config", None) or {}
         if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
             raise NotImplementedError(
@@ -226,6 +253,42 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
         self._stats["tokens"] += self.upipe.world_sum(sum(self._real_tokens(b) for b in batches))[0]
         return shards, None
 
+    # ---- precomputed reference log-probabilities ---------------------------------------------------------------
+    # the batch size of TRL's train-set precompute, deferred until SP is set up
+    _pending_precompute = None
+
+    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+        """TRL calls this inside `DPOTrainer.__init__`, before hf_upipe's SP exists: note the train set's batch
+        size and return the dataset unchanged; `_sharded_ref_logps` runs at the end of `__init__`. An eval set is
+        returned as it is (evaluation is refused)."""
+        if name == "train":
+            self._pending_precompute = batch_size
+        return dataset
+
+    def _sharded_ref_logps(self, dataset, batch_size: int):
+        """The dataset with TRL's `ref_chosen_logps` / `ref_rejected_logps` columns, computed under SP: every rank
+        runs every batch (each rank its shard; the sums are added over the SP group; data-parallel groups compute
+        the same values), with the reference of a training step (a separate reference model, the PEFT base, or the
+        initial policy)."""
+        from torch.utils.data import DataLoader
+
+        loader = DataLoader(
+            dataset, batch_size=batch_size, collate_fn=self.data_collator, shuffle=False
+        )
+        device, pad = self.args.device, self.upipe.pad_token_id
+        chosen, rejected = [], []
+        for batch in loader:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            logps = self._reference_logps(
+                shard_preference_batch(batch, self.upipe.state, pad)
+            )  # [2B]
+            c, r = logps.float().cpu().chunk(2)
+            chosen += c.tolist()
+            rejected += r.tolist()
+        return dataset.add_column("ref_chosen_logps", chosen).add_column(
+            "ref_rejected_logps", rejected
+        )
+
     # ---- loss --------------------------------------------------------------------------------------------------
     def _shard_logps(self, model, shard: dict):
         """(per-sequence log-probability sums over the SP group [2B], the fused head's per-token outputs)."""
@@ -242,7 +305,12 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
             torch.no_grad(),
             _checkpointing_off(self.model, self.args.gradient_checkpointing_kwargs),
         ):
+            peft = hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
             if (
+                self.ref_model is None and not peft
+            ):  # precompute without a reference: the initial policy
+                logps, _ = self._shard_logps(self.model, shard)
+            elif (
                 self.ref_model is None
             ):  # PEFT: the base model, or the initial adapter loaded as "ref"
                 unwrapped = self.accelerator.unwrap_model(self.model)
@@ -254,7 +322,7 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
         return logps
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The sigmoid DPO loss of the micro-batch's B pairs, the same on every rank of the SP group."""
+        """The DPO loss of the micro-batch's B pairs, the same on every rank of the SP group."""
         if "upipe_pairs" not in inputs:
             raise NotImplementedError(
                 "UPipeDPOTrainer computes the DPO loss on the shards of its own training loop only; evaluate() "
@@ -265,17 +333,27 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
                 "UPipeDPOTrainer never builds the logits (return_outputs=True); drop compute_metrics."
             )
         logps, outputs = self._shard_logps(model, inputs)  # [2B]
-        ref_logps = self._reference_logps(inputs)  # [2B]
+        ref_logps = inputs.get("upipe_ref_logps")  # [2B] precomputed, or the reference now
+        ref_logps = (
+            self._reference_logps(inputs) if ref_logps is None else ref_logps.to(logps.dtype)
+        )
         chosen_logps, rejected_logps = logps.chunk(
             2, dim=0
         )  # [B] each: the batch is [chosen, rejected]
         ref_chosen_logps, ref_rejected_logps = ref_logps.chunk(2, dim=0)
+        tokens = inputs["upipe_completion_tokens"].chunk(2, dim=0)  # [B] each
+        pair = PairLogps(
+            chosen=chosen_logps,
+            rejected=rejected_logps,
+            ref_chosen=ref_chosen_logps,
+            ref_rejected=ref_rejected_logps,
+            chosen_tokens=tokens[0],
+            rejected_tokens=tokens[1],
+            chosen_targets=inputs["upipe_target_tokens"].chunk(2, dim=0)[0],
+        )
+        loss = dpo_loss(DPOLossSettings.from_trainer(self), pair)
         chosen_logratios = chosen_logps - ref_chosen_logps
         rejected_logratios = rejected_logps - ref_rejected_logps
-        delta_score = chosen_logratios - rejected_logratios
-        loss = 0.0
-        for loss_weight in self.loss_weights:  # one loss type: 'sigmoid' (dpo_config_errors)
-            loss += -F.logsigmoid(self.beta * delta_score).mean() * loss_weight
         self._record_metrics(inputs, outputs, logps, chosen_logratios, rejected_logratios)
         return loss
 

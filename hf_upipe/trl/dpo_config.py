@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from trl import DPOConfig
 
+from hf_upipe.trl.dpo_losses import DPO_LOSS_TYPES
+
 __all__ = ["dpo_config_errors"]
 
 
@@ -25,12 +27,13 @@ def dpo_config_errors(args: DPOConfig, *, compute_metrics=None) -> list[Exceptio
     loss_types = (
         list(args.loss_type) if isinstance(args.loss_type, (list, tuple)) else [args.loss_type]
     )
-    if loss_types != ["sigmoid"]:
+    unknown = [t for t in loss_types if t not in DPO_LOSS_TYPES]
+    if unknown:
         errors.append(
             _no(
                 f"loss_type={args.loss_type!r}",
-                "only the sigmoid DPO loss is verified under hf_upipe's sequence parallelism; "
-                "use loss_type='sigmoid' (the default).",
+                f"{unknown} is not one of the loss types UPipeDPOTrainer computes under sequence parallelism "
+                f"(TRL 1.16's: {list(DPO_LOSS_TYPES)}).",
             )
         )
     checks = _loss_checks(args) + _setup_checks(args, compute_metrics)
@@ -42,26 +45,17 @@ def _loss_checks(args: DPOConfig) -> list[tuple[bool, str, str]]:
     """(refused?, the setting, why and the fix) for what changes the loss or the reference log-probs."""
     return [
         (
-            args.f_divergence_type != "reverse_kl",
-            f"f_divergence_type={args.f_divergence_type!r}",
-            "is not verified under sequence parallelism; use 'reverse_kl' (standard DPO).",
-        ),
-        (
             args.ld_alpha is not None,
             f"ld_alpha={args.ld_alpha}",
-            "LD-DPO weights tokens by their position in the whole completion, which a shard does not see; "
-            "set ld_alpha=None.",
+            "LD-DPO splits each completion at the shorter one's length (a position in the whole completion, "
+            "which a shard does not see: it would need the shared/tail token masks cut from the whole batch "
+            "beside the labels); set ld_alpha=None.",
         ),
         (
             args.use_weighting,
             "use_weighting=True",
-            "WPO weights are not implemented under sequence parallelism; set use_weighting=False.",
-        ),
-        (
-            args.precompute_ref_log_probs,
-            "precompute_ref_log_probs=True",
-            "TRL precomputes them with unsharded forwards, which hf_upipe's sequence-parallel model cannot "
-            "run; set it to False (the reference model then runs under the same sequence parallelism).",
+            "WPO weights need the fused head's log-sum of squared probabilities per token, summed over the SP "
+            "group beside the log-probabilities (not implemented); set use_weighting=False.",
         ),
     ]
 
@@ -69,12 +63,6 @@ def _loss_checks(args: DPOConfig) -> list[tuple[bool, str, str]]:
 def _setup_checks(args: DPOConfig, compute_metrics) -> list[tuple[bool, str, str]]:
     """(refused?, the setting, why and the fix) for the data layout, kernels, offload, evaluation."""
     return [
-        (
-            args.padding_free,
-            "padding_free=True",
-            "set padding_free=False (TRL itself falls back to padding; under sequence parallelism each "
-            "chosen and rejected sequence is its own right-padded row).",
-        ),
         (
             args.use_liger_kernel,
             "use_liger_kernel=True",

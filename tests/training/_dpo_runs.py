@@ -108,6 +108,7 @@ def dpo_run(rank: int, world: int, spec: dict) -> dict:
         bf16=False,
         dataset_num_proc=None,
         parallelism_config=_parallelism(spec, world),
+        **spec.get("dpo", {}),  # loss types, label smoothing, f-divergence
     )
     peft_config = lora_config() if spec.get("lora") else None
     kwargs = dict(
@@ -155,6 +156,7 @@ def dpo_run(rank: int, world: int, spec: dict) -> dict:
         },
         "logs": {name: {h["step"]: h.get(name) for h in history} for name in METRICS},
         "evaluate_refused": refused,
+        "precomputed": "ref_chosen_logps" in trainer.train_dataset.column_names,
         "saved": sorted(os.listdir(spec["output_dir"])) if spec.get("save") and rank == 0 else None,
         "keys": sorted({k for h in history for k in h}),
         "initial": initial if rank == 0 else None,  # trainable or not, before the first step

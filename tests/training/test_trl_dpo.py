@@ -12,7 +12,11 @@ rewards/margins, logps/chosen, logps/rejected, logits/chosen, logits/rejected, e
 num_tokens exactly) on every rank, and the final trainable parameters (relative 1e-4), for LoRA through
 `peft_config` (reference: the base model, adapters disabled; AdamW; a checkpoint saved), a full fine-tune with a
 separate reference model, activation checkpointing and the tiled MLP (SGD: the weight changes, i.e. the clipped
-gradients, are compared), and LoRA on SP 2 x DP 2 (AdamW).
+gradients, are compared), LoRA with every loss type TRL 1.16 offers weighted and summed (label smoothing 0.1),
+LoRA with `precompute_ref_log_probs=True` (the columns checked present on both sides) and `padding_free=True`
+(which TRL 1.16 turns off itself), and LoRA on SP 2 x DP 2
+(AdamW). Each loss type alone and each f-divergence: against TRL's `_compute_loss` in one
+process (fast).
 """
 
 import numpy as np
@@ -20,6 +24,7 @@ import pytest
 
 pytest.importorskip("trl")
 
+from hf_upipe.trl.dpo_losses import DPO_LOSS_TYPES  # noqa: E402
 from tests._dist import run_distributed  # noqa: E402
 from tests.training._dpo_runs import METRICS, dpo_runs  # noqa: E402
 
@@ -32,6 +37,21 @@ CASES = {  # world: ranks of the UPipeDPOTrainer run (SP 2 x DP world/2); the re
     # gradient entry into a full step, e.g. one embedding entry at 5e-4 relative)
     "sp2_full_checkpointing_tiled_mlp": dict(
         lora=False, world=2, checkpointing=True, tiled_mlp=True, optim="sgd", lr=1.0
+    ),
+    # every loss type TRL 1.16 offers, weighted and summed (each alone: the fast test against _compute_loss)
+    "sp2_lora_all_loss_types": dict(
+        lora=True,
+        world=2,
+        dpo=dict(
+            loss_type=list(DPO_LOSS_TYPES),
+            loss_weights=[0.5 + 0.1 * i for i in range(len(DPO_LOSS_TYPES))],
+            label_smoothing=0.1,
+        ),
+    ),
+    # the reference log-probabilities precomputed before training (sharded, after hf_upipe's setup)
+    # and padding_free=True, which TRL 1.16 turns off itself (it warns and pads): the same on both sides
+    "sp2_lora_precompute": dict(
+        lora=True, world=2, dpo=dict(precompute_ref_log_probs=True, padding_free=True)
     ),
     # the SP degree from DPOConfig(parallelism_config=ParallelismConfig(sp_size=2, dp_replicate_size=2))
     "sp2_dp2_lora": dict(lora=True, world=4, parallelism_config=True),
@@ -89,6 +109,10 @@ def test_upipe_dpo_trainer_equals_single_process_dpo_trainer(runs, name):
     ].items():  # the reference runs under the same SP
         assert attn == "upipe" and (n_tiled > 0) == tiled, (name, model, attn, n_tiled)
     assert all("does not evaluate" in (out["evaluate_refused"] or "") for out in got)
+    precomputed = CASES[name].get("dpo", {}).get("precompute_ref_log_probs", False)
+    assert (
+        all(out["precomputed"] == precomputed for out in got) and ref["precomputed"] == precomputed
+    )
     if CASES[name].get(
         "save"
     ):  # UPipeTrainer's atomic checkpoint, through DPOTrainer's (model card)
@@ -132,12 +156,9 @@ def test_upipe_dpo_trainer_equals_single_process_dpo_trainer(runs, name):
 
 # ---- fast: refusals and sharding (one process) ---------------------------------------------------------------
 REFUSED = {
-    "loss_type": (dict(loss_type=["hinge"]), "loss_type"),
-    "f_divergence": (dict(f_divergence_type="js_divergence"), "f_divergence_type"),
+    "loss_type": (dict(loss_type=["bogus"]), "loss_type"),
     "ld_alpha": (dict(ld_alpha=0.5), "ld_alpha"),
     "use_weighting": (dict(use_weighting=True), "use_weighting"),
-    "precompute": (dict(precompute_ref_log_probs=True), "precompute_ref_log_probs"),
-    "padding_free": (dict(padding_free=True), "padding_free"),
     "liger": (dict(use_liger_kernel=True), "use_liger_kernel"),
     "offloading": (dict(activation_offloading=True), "activation_offloading"),
     "sync_ref": (dict(sync_ref_model=True), "sync_ref_model"),
@@ -176,10 +197,10 @@ def test_upipe_dpo_trainer_refuses_before_any_setup(tmp_path):
     from tests.training._dpo_runs import preference_dataset
     from tests.training._trl_runs import _model, tokenizer
 
-    with pytest.raises(NotImplementedError, match="loss_type"):
+    with pytest.raises(NotImplementedError, match="ld_alpha"):
         UPipeDPOTrainer(
             model=_model(seed=1),
-            args=_config(tmp_path, loss_type=["ipo"]),
+            args=_config(tmp_path, ld_alpha=0.5),
             train_dataset=preference_dataset(4, seed=1),
             processing_class=tokenizer(),
         )
@@ -212,8 +233,15 @@ def test_shard_preference_batch_covers_each_completion_once():
     assert torch.equal(labels[:, : want.shape[1]], want)
     assert (labels[:, want.shape[1] :] == -100).all()
     assert all(s["upipe_pairs"] == 2 for s in shards)
-    with pytest.raises(ValueError, match="ref_chosen_logps"):
-        shard_preference_batch({**batch, "ref_chosen_logps": torch.zeros(2)}, _state(0, P))
+    with pytest.raises(ValueError, match="pixel_values"):
+        shard_preference_batch({**batch, "pixel_values": torch.zeros(2)}, _state(0, P))
+    # precomputed reference log-probabilities [B] each ride along whole, [chosen, rejected]
+    ref = {
+        "ref_chosen_logps": torch.tensor([1.0, 2.0]),
+        "ref_rejected_logps": torch.tensor([3.0, 4.0]),
+    }
+    shard = shard_preference_batch({**batch, **ref}, _state(0, P))
+    assert shard["upipe_ref_logps"].tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 def _state(rank, P):
@@ -239,3 +267,82 @@ def test_dpo_trainer_internals_match_the_installed_trl():
 
     fields = set(FusedCausalLMOutput.__dataclass_fields__)
     assert {"log_probs", "entropy", "mean_logits", "is_top1"} <= fields, fields
+
+
+# f-divergences and the loss types TRL 1.16 generalises to them
+F_DIVERGENCE_LOSSES = [
+    "sigmoid",
+    "sigmoid_norm",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "robust",
+    "discopop",
+    "sft",
+]
+
+
+def test_each_loss_type_and_f_divergence_equals_trl_compute_loss(tmp_path):
+    """`hf_upipe.trl.dpo_losses.dpo_loss` from per-sequence sums equals TRL's own `DPOTrainer._compute_loss` on a
+    collated batch (random tiny Llama, a separate random reference): each loss type alone (reverse KL), each
+    f-divergence with every loss type it allows, and a weighted mix of all types; the loss and its gradient with
+    respect to the per-token log-probabilities. The models run once; both losses read the same outputs."""
+    import torch
+    from trl import DPOTrainer
+
+    from hf_upipe.trl.dpo_losses import DPO_LOSS_TYPES, DPOLossSettings, PairLogps, dpo_loss
+    from tests.training._dpo_runs import preference_dataset
+    from tests.training._trl_runs import _model, tokenizer
+
+    args = _config(
+        tmp_path, beta=0.5, label_smoothing=0.1, max_length=24, gradient_checkpointing=False
+    )
+    trainer = DPOTrainer(
+        model=_model(seed=1),
+        ref_model=_model(seed=2),
+        args=args,
+        train_dataset=preference_dataset(8, seed=1),
+        processing_class=tokenizer(),
+    )
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])  # 4 pairs: [8, S]
+    mask = batch["completion_mask"]
+    labels = batch["input_ids"].masked_fill(mask == 0, -100)
+    inputs = dict(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+    )
+    trainer.model.train()
+    policy = trainer.model(
+        **inputs, labels=labels, fused_lm_head=True
+    )  # per-token log_probs [8, S]
+    with torch.no_grad():
+        reference = trainer.ref_model(**inputs, labels=labels, fused_lm_head=True)
+    trainer.ref_model = lambda **kwargs: (
+        reference
+    )  # TRL's _compute_loss calls it with the same inputs
+    (c, r), (rc, rr) = policy.log_probs.sum(1).chunk(2), reference.log_probs.sum(1).chunk(2)
+    tokens, targets = mask.sum(1).chunk(2), mask[:, 1:].sum(1).chunk(2)
+    pair = PairLogps(c, r, rc, rr, tokens[0], tokens[1], targets[0])
+    scored = policy.log_probs.detach() != 0  # [8, S]: the completion tokens' log-probabilities
+
+    settings = [("reverse_kl", [t]) for t in DPO_LOSS_TYPES]
+    settings += [
+        (f, F_DIVERGENCE_LOSSES) for f in ("forward_kl", "js_divergence", "alpha_divergence")
+    ]
+    settings += [("reverse_kl", list(DPO_LOSS_TYPES))]
+    for f_divergence, loss_types in settings:
+        trainer.f_divergence_type, trainer.f_alpha_divergence_coef = f_divergence, 0.5
+        trainer.loss_types = loss_types
+        trainer.loss_weights = [0.5 + 0.25 * i for i in range(len(loss_types))]
+        want = trainer._compute_loss(lambda **kwargs: policy, batch, False)
+        got = dpo_loss(DPOLossSettings.from_trainer(trainer), pair)
+        what = (f_divergence, loss_types, got.item(), want.item())
+        assert (
+            abs(got.item() - want.item()) <= 1e-5 * abs(want.item()) + 1e-7
+            and abs(want.item()) > 1e-3
+        ), what
+        (want_grad,) = torch.autograd.grad(want, policy.log_probs, retain_graph=True)  # [8, S]
+        (got_grad,) = torch.autograd.grad(got, policy.log_probs, retain_graph=True)
+        # the scored tokens (elsewhere the log-probabilities are the constant 0, of no gradient to the weights)
+        got_grad, want_grad = got_grad * scored, want_grad * scored
+        assert want_grad.abs().max() > 0, what
+        assert (got_grad - want_grad).abs().max() <= 1e-5 * want_grad.abs().max(), what
