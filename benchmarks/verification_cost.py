@@ -36,7 +36,8 @@ HYBRIDS = ("bamba", "qwen3_next", "lfm2")
 def _hide_fingerprints() -> None:
     """Every recorded fingerprint replaced by one no source has: the installed release looks unseen."""
     from hf_upipe import architectures
-    from hf_upipe.integrations import mixer_sources, rope
+    from hf_upipe.integrations import mixers as mixer_sources
+    from hf_upipe.integrations import rope
 
     none = ("0" * 16,)
     for key, arch in list(architectures.ARCHITECTURES.items()):

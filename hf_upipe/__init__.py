@@ -35,8 +35,7 @@ from importlib import import_module
 
 from hf_upipe.config import UPipeConfig
 from hf_upipe.console_log import install_console_handler
-from hf_upipe.data import shard_batch
-from hf_upipe.data_loader import ShardedDataLoader, sampler_kwargs
+from hf_upipe.data import ShardedDataLoader, sampler_kwargs, shard_batch
 from hf_upipe.distributed import (
     SequenceParallelState,
     get_sequence_parallel_state,
@@ -45,8 +44,9 @@ from hf_upipe.distributed import (
     without_sequence_parallel,
 )
 from hf_upipe.exits import report_setting_errors
-from hf_upipe.integrations import guard as _guard  # noqa: F401  (refuses unprepared models on shards under SP)
-from hf_upipe.integrations import randomness as _randomness  # noqa: F401  (a random stream per SP rank)
+
+# the global hooks: refuse unprepared models on shards under SP; a random stream per SP rank
+from hf_upipe.integrations import guard as _guard  # noqa: F401
 from hf_upipe.ops.head_layout import HeadLayout, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.ops.upipe_attention import upipe_attention
 from hf_upipe.registration import register_with_transformers

@@ -4,7 +4,7 @@ Entry points:
 - `main(argv=None)`: `hf-upipe <command> ...`; the console script of the package.
 - `build_parser()`: its argparse parser, one sub-parser per command.
 - `register_command(name, help, add_arguments, run)`: how a command plugs in (`env` here; the planner and the
-  self-test (`hf_upipe.selftest_command`) plug in the same way).
+  self-test (`hf_upipe.selftest`) plug in the same way).
 
 Commands:
 - `hf-upipe env [--json]`: versions of the stack, devices, distributed backends, the attention kernels usable on
@@ -191,13 +191,13 @@ register_command(
 
 
 def _selftest_arguments(parser):
-    from hf_upipe.selftest_command import add_arguments
+    from hf_upipe.selftest import add_arguments
 
     add_arguments(parser)
 
 
 def _selftest_run(args):
-    from hf_upipe.selftest_command import run
+    from hf_upipe.selftest import run
 
     return run(args)
 

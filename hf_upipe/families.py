@@ -202,7 +202,7 @@ VERIFIED_REGISTERED = (
     # Granite with sliding windows
     "granite_swa",
     "granitemoe_swa",
-    # chunked attention (`hf_upipe.integrations.chunked`)
+    # chunked attention (`hf_upipe.integrations.sp_mask`)
     "llama4_text",
     # hybrids whose gated-DeltaNet, Mamba2 or short-convolution layers run across shards
     # (`hf_upipe.integrations.mixers`; lfm2 above)

@@ -108,7 +108,7 @@ def single_process(model_type: str) -> dict:
         out = {"builds": True, "decoder": True, "reference": reference}
         try:
             # (a model that picks attention classes from its own table is refused by name here:
-            # hf_upipe.integrations.attention_tables)
+            # hf_upipe.integrations.transformers)
             upipe = AutoModelForCausalLM.from_config(
                 config, attn_implementation="upipe", dtype=torch.float32
             )

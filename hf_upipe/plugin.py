@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from hf_upipe.config import UPipeConfig
-from hf_upipe.data_loader import ShardedDataLoader
+from hf_upipe.data import ShardedDataLoader
 from hf_upipe.integrations.loaders import share_batches_within_sp
 from hf_upipe.integrations.model_offload import (
     apply_model_offload,

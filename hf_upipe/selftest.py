@@ -7,7 +7,7 @@ Entry points:
   processes (gloo on CPU; NCCL when there are `sp` GPUs) and returns one `Check` per comparison and model; a rank
   that raises, dies or hangs raises `RanksFailed` (within seconds of a death).
 - `check_inputs(models, sp, heads_per_chunk)`: the input checks made before any process is started.
-- `hf-upipe selftest ...`, the command on top, and its table: `hf_upipe.selftest_command`.
+- `hf-upipe selftest ...`, the command on top, and its table: `hf_upipe.selftest`.
 - `--model qwen2_vl` / `qwen2_5_vl`: a tiny vision-language model on images and text, merged whole and then
   sharded (`check_vlm`; SP 2).
 
@@ -19,11 +19,22 @@ Checked against the reference, in fp32: the logits of every real token of this r
 ranks, and the eval loss (no_grad). A model directory with weights is loaded; a config or a name gets random
 weights (fine for checking the parallel math). `breakage="shard-shift"` deliberately shifts the labels inside each
 shard, the classic SP bug, to show that the test fails loudly.
+
+`hf-upipe selftest`: the command line of the self-test (`hf_upipe.selftest`) and the table it prints.
+
+Entry points:
+- `hf-upipe selftest --model <name | config.json | model dir | org/name> [--sp 2] [--ring 1] [--lora]`: the names of
+  `hf_upipe.models` (presets run at a tiny width and depth with their own head geometry); a reduced copy of the
+  architecture unless `--full-size` (`hf_upipe.selftest_size`). Exit codes: `EXIT_CODES`.
+  `add_arguments(parser)` declares its flags, `run(args)` runs it (`hf_upipe.cli`).
+- `format_table(checks)`: the pass/fail table the command prints.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +45,7 @@ from hf_upipe.models import runnable_config
 from hf_upipe.ops.head_layout import geometry_error, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.ops.ring import ring_positions
 from hf_upipe.selftest_size import (
+    DoesNotFit,
     RunShape,
     available_memory,
     check_fits,
@@ -44,14 +56,162 @@ from hf_upipe.testing import DistributedFailure, run_distributed
 
 __all__ = [
     "Check",
+    "EXIT_CODES",
     "RanksFailed",
+    "add_arguments",
     "check_model",
+    "format_table",
     "raised_by_hf_upipe",
+    "run",
     "run_selftest",
     "size_models",
 ]
 
+EXIT_CODES = {  # docs/selftest.md lists them
+    0: "every check passed",
+    1: "a numerical mismatch: a check failed",
+    2: "bad input, or a model hf_upipe refuses to run under sequence parallelism",
+    3: "does not fit: the model needs more memory than this machine has available; nothing was built",
+    4: "a rank failed: it died (killed by a signal: 9 is SIGKILL, likely out of memory), exited, raised an error "
+    "hf_upipe does not own, or did not answer in time; no numerical verdict",
+}
+
+
+def format_table(checks: list[Check]) -> str:
+    rows = [
+        "| model | batch | check | max rel. error | tolerance | result |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in checks:
+        if c.refused:
+            continue
+        rows.append(
+            f"| {c.model} | {c.batch} | {c.name} | {c.error:.2e} | {c.tolerance:.0e} | "
+            f"{'PASS' if c.passed else 'FAIL'}{' (' + c.note + ')' if c.note and not c.passed else ''} |"
+        )
+    failed = sum(not c.passed and not c.refused for c in checks)
+    rows.append(
+        f"\n{len(checks) - failed - sum(bool(c.refused) for c in checks)} passed, {failed} failed"
+    )
+    rows += [
+        f"{c.model}: cannot run under sequence parallelism: {c.refused}"
+        for c in checks
+        if c.refused
+    ]
+    rows += [
+        f"{m}: not in hf_upipe's architecture registry; these checks verify it for this configuration: train "
+        "it with UPipeConfig(allow_unverified=True) or UPIPE_ALLOW_UNVERIFIED=1"
+        for m in _unverified(
+            {c.model for c in checks if c.passed} - {c.model for c in checks if not c.passed}
+        )
+    ]
+    return "\n".join(rows)
+
+
+def _unverified(models) -> list[str]:
+    """The model names among `models` whose model_type the registry does not list as verified."""
+    from hf_upipe.architectures import ARCHITECTURES
+
+    out = []
+    for name in sorted(models):
+        try:
+            model_type = runnable_config(name)[0].model_type
+        except Exception:  # noqa: BLE001  (only a note: a name that does not resolve here gets none)
+            continue
+        if not (ARCHITECTURES.get(model_type) and ARCHITECTURES[model_type].verified):
+            out.append(name)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="comma-separated: names `hf-upipe plan --model` takes (presets run at a tiny width and depth with "
+        "their own type and head geometry), tiny-<model_type> (any causal-LM type built tiny, e.g. tiny-llama), a "
+        "config.json, a model folder, or a Hub id 'org/name'",
+    )
+    parser.add_argument("--sp", type=int, default=2, help="sequence-parallel ranks to launch")
+    parser.add_argument(
+        "--ring",
+        type=int,
+        default=1,
+        help="ring attention over this many ring shards of the --sp ranks (1: none)",
+    )
+    parser.add_argument(
+        "--full-size",
+        action="store_true",
+        help="test the model at its own size (loading a folder's weights), refused when this machine's free "
+        "memory cannot hold it; without it: a reduced copy of the same architecture (fewer layers, narrower), "
+        "which runs the same code",
+    )
+    parser.add_argument(
+        "--lora", action="store_true", help="check a LoRA (PEFT) model on all linear layers"
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=61, help="sequence length (odd: pads under SP)"
+    )
+    parser.add_argument(
+        "--heads-per-chunk", default="1", help="UPipe head chunk, or 'all' (Ulysses mode)"
+    )
+    parser.add_argument(
+        "--registered",
+        action="store_true",
+        help="check the registered attention, not the fused one",
+    )
+    parser.add_argument(
+        "--break", dest="breakage", choices=["shard-shift"], help="deliberately break the sharding"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """The self-test; its exit code (`EXIT_CODES`)."""
+    try:
+        hpc = None if args.heads_per_chunk == "all" else int(args.heads_per_chunk)
+        checks = run_selftest(
+            args.model.split(","),
+            sp=args.sp,
+            lora=args.lora,
+            seq_len=args.seq_len,
+            heads_per_chunk=hpc,
+            fused=not args.registered,
+            breakage=args.breakage,
+            ring=args.ring,
+            full_size=args.full_size,
+            report=lambda line: print(f"hf-upipe selftest: {line}", flush=True),
+        )
+    except DoesNotFit as err:
+        print(f"hf-upipe selftest: does not fit: {err}", file=sys.stderr)
+        return 3
+    except ValueError as err:
+        print(f"hf-upipe selftest: error: {err}", file=sys.stderr)
+        return 2
+    except RanksFailed as err:
+        print(f"{err}\n\nhf-upipe selftest: {_failure_line(err)}", file=sys.stderr)
+        return 4
+    print(format_table(checks))
+    if any(c.refused for c in checks):
+        return 2
+    return 0 if all(c.passed for c in checks) else 1
+
+
+def _failure_line(err: RanksFailed) -> str:
+    """One line naming the failed ranks and how each failed (the tracebacks are above it)."""
+    from hf_upipe.testing import death_cause
+
+    said = [f"rank {r} {death_cause(code)}" for r, code in sorted(err.died.items())]
+    raised = [r for r in err.ranks if r not in err.died]
+    if raised:
+        said.append(
+            f"rank{'s' if len(raised) > 1 else ''} {', '.join(map(str, raised))} raised an error (above)"
+        )
+    if not said:
+        said.append("no rank answered in time")
+    return "a rank failed, no numerical verdict: " + "; ".join(said) + " (exit 4)"
+
+
 TOLERANCE = {"logits": 1e-4, "train loss": 2e-5, "eval loss": 2e-5, "gradients": 1e-4}
+
 GRADIENT_FLOOR = 1e-2  # see gradient_error
 
 

@@ -10,7 +10,7 @@ Entry points:
 What it does, with W processes and `sp_size` P (W = P x dp_size):
 1. setup, at construction, on every rank: `hf_upipe.runtime.UPipeRuntime.setup` checks the settings against the
    launch and the model (sp_size, heads, kv heads, heads_per_chunk, kernel, checkpointing for offload/auto, a
-   writable output_dir when checkpoints are saved; before `Trainer.__init__`, `hf_upipe.trainer_checks`) and raises
+   writable output_dir when checkpoints are saved; before `Trainer.__init__`, `hf_upipe.trainer`) and raises
    the same error on every rank before training (model_offload='cpu' without FSDP2 too); then auto settings,
    the SP groups (P neighbouring ranks, DP across them), the fused block and the tiled MLP; with
    model_offload='cpu', accelerate's FSDP2 plugin gets the host-offload policy
@@ -33,14 +33,39 @@ What it does, with W processes and `sp_size` P (W = P x dp_size):
 5. checkpoints: written into a hidden staging folder, given a manifest (size and SHA-256 of every file,
    `hf_upipe.checkpoint`) and renamed to `checkpoint-N` once every rank has written its part, so an interrupted
    save never leaves a partial `checkpoint-N`; `train(resume_from_checkpoint=...)` verifies the manifest first and
-   refuses a corrupted or incomplete checkpoint, naming the file (`hf_upipe.trainer_checkpoints`). PEFT models
+   refuses a corrupted or incomplete checkpoint, naming the file (`hf_upipe.trainer`). PEFT models
    save plain PEFT adapters, others plain transformers checkpoints;
 6. Liger (`use_liger_kernel=True`): applied by hf_upipe before `prepare_model`, with its fused linear
    cross-entropy, cross-entropy and RoPE off (`hf_upipe.integrations.liger`; `docs/kernels.md`); the Trainer gets
    a copy of the arguments with `use_liger_kernel=False`, so it does not apply Liger again in `train()`;
 7. logs: `tokens_per_second` (real tokens of all ranks since the last log) and `peak_memory_gib` (the largest
    per-rank peak: device allocations on CUDA, process peak RSS on CPU) on every training log line
-   (`hf_upipe.trainer_logs`).
+   (`hf_upipe.trainer`).
+
+The checks `UPipeTrainer` runs at construction, on every rank, before training.
+
+Entry points:
+- `early_checks(args, config, parallelism, world, deepspeed)`: before `Trainer.__init__` (before transformers
+  creates the output folder and accelerate its groups or DeepSpeed its SP): a writable output_dir and accelerate's
+  `ParallelismConfig`, agreed over all ranks; returns the arguments transformers gets.
+- `check_trainer_options(args, compute_loss_func)`: the Trainer options the loss computed here cannot honour.
+- `check_metrics_options(args, world)`: the metric options the multi-process evaluation does not offer.
+
+Atomic checkpoints and verified resumes for `UPipeTrainer`.
+
+Entry points:
+- `save_staged(write, *, run_dir, args, state)`: one checkpoint written into a hidden staging folder, given a
+  manifest (size and SHA-256 of every file, `hf_upipe.checkpoint`) and renamed to `checkpoint-N` once every rank
+  has written its part, so an interrupted save never leaves a partial `checkpoint-N`.
+- `verify_resume(resume_from_checkpoint, output_dir)`: the checkpoint `train(resume_from_checkpoint=...)` resumes
+  from, verified against its manifest on every rank.
+
+What `UPipeTrainer` adds to its training log lines.
+
+Entry points:
+- `with_throughput(logs, stats, device)`: a training log line with `tokens_per_second` (real tokens of all ranks
+  since the last log) and `peak_memory_gib` (the largest per-rank peak) added, and the counters restarted.
+- `peak_memory_bytes(device)`: this process's peak: device allocations on CUDA, process peak RSS on CPU.
 """
 
 from __future__ import annotations
@@ -48,13 +73,23 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import resource
+import shutil
+import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from transformers import Trainer
-from transformers.trainer_utils import EvalLoopOutput
+from transformers.trainer_utils import (
+    PREFIX_CHECKPOINT_DIR,
+    EvalLoopOutput,
+    get_last_checkpoint,
+    rotate_checkpoints,
+)
 
+from hf_upipe.checkpoint import verify_checkpoint, write_manifest
 from hf_upipe.config import UPipeConfig, check_config
 from hf_upipe.integrations.liger import apply_liger
 from hf_upipe.integrations.loaders import share_batches_within_sp
@@ -64,7 +99,13 @@ from hf_upipe.integrations.model_offload import (
     check_model_offload,
     trainer_fsdp_version,
 )
-from hf_upipe.integrations.parallelism import find_parallelism, uses_deepspeed
+from hf_upipe.integrations.parallelism import (
+    accelerate_view,
+    find_parallelism,
+    parallelism_errors,
+    uses_deepspeed,
+    with_parallelism_sp,
+)
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.predictions import (
     PredictionRecorder,
@@ -74,14 +115,163 @@ from hf_upipe.integrations.predictions import (
 )
 from hf_upipe.integrations.prepare import prepare_model
 from hf_upipe.memory.allocator import arrange_allocator
-from hf_upipe.runtime import UPipeRuntime
-from hf_upipe.trainer_checkpoints import save_staged, verify_resume
-from hf_upipe.trainer_checks import check_metrics_options, check_trainer_options, early_checks
-from hf_upipe.trainer_logs import with_throughput
+from hf_upipe.runtime import UPipeRuntime, agree_on_errors, output_dir_errors
+
+__all__ = [
+    "TRAINER_INTERNALS",
+    "UPipeTrainer",
+    "check_metrics_options",
+    "check_trainer_options",
+    "early_checks",
+    "peak_memory_bytes",
+    "save_staged",
+    "verify_resume",
+    "with_throughput",
+]
+
+
+def early_checks(args, config: UPipeConfig, parallelism, world: int, deepspeed: bool):
+    """The checks that must pass before `Trainer.__init__`, on every rank (one all_gather_object): a writable
+    output_dir, and accelerate's `ParallelismConfig` (`hf_upipe.integrations.parallelism`). Returns the
+    arguments transformers gets: with a parallelism config, a copy whose `parallelism_config` has no SP (the
+    SP ranks folded into data parallelism), so neither transformers nor accelerate applies its own SP."""
+    errors = (
+        output_dir_errors(args.output_dir)
+        if args is not None and args.save_strategy != "no"
+        else []
+    )
+    errors += parallelism_errors(config, parallelism, world, deepspeed=deepspeed)
+    sp = None
+    try:
+        sp = with_parallelism_sp(config, parallelism).resolve_sp_size(world)
+    except ValueError as err:
+        errors.append(err)
+    agree_on_errors(errors, world)
+    if parallelism is None:
+        return args
+    if args is None:  # what transformers' Trainer uses by default
+        from transformers import TrainingArguments
+
+        args = TrainingArguments(output_dir="trainer_output")
+    fsdp = bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    args = copy.copy(args)
+    args.parallelism_config = accelerate_view(parallelism, sp, world, fsdp=fsdp)
+    return args
+
+
+def check_trainer_options(args, compute_loss_func) -> None:
+    """Refuse label smoothing and a `compute_loss_func`: UPipeTrainer computes the causal-LM loss itself (the same
+    on every rank: the arguments are)."""
+    if args.label_smoothing_factor:
+        raise NotImplementedError(
+            "UPipeTrainer computes the causal-LM loss itself; label_smoothing_factor="
+            f"{args.label_smoothing_factor} is not supported (set it to 0)."
+        )
+    if compute_loss_func is not None:
+        raise NotImplementedError(
+            "UPipeTrainer computes the token-weighted causal-LM loss itself; drop "
+            "compute_loss_func (or use transformers.Trainer without sequence parallelism)."
+        )
+
+
+def check_metrics_options(args, world: int) -> None:
+    """Refuse the metric options the multi-process evaluation does not offer (the same on every rank)."""
+    if world > 1 and (args.batch_eval_metrics or args.include_for_metrics):
+        raise NotImplementedError(
+            "UPipeTrainer computes metrics on the whole evaluation set with more than one process: "
+            f"batch_eval_metrics={args.batch_eval_metrics} and include_for_metrics="
+            f"{args.include_for_metrics} are not supported (set batch_eval_metrics=False, "
+            "include_for_metrics=[])."
+        )
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save_staged(write: Callable[[str], None], *, run_dir: str, args, state) -> None:
+    """Write the Trainer's checkpoint of step `state.global_step` into `<run_dir>/.staging-checkpoint-N/`, give it
+    its manifest, rename it to `<run_dir>/checkpoint-N` and rotate the old ones (every rank, in step).
+
+    Args:
+        write: `write(staging)` runs the Trainer's own save with its output folder re-pointed to
+            `<run_dir>/<staging>` (UPipeTrainer's `_get_output_dir`).
+        run_dir: the Trainer's output folder of this run; args, state: its `TrainingArguments` and `TrainerState`
+            (`best_model_checkpoint` is moved to the final folder).
+    """
+    name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+    staging_root = os.path.join(run_dir, f".staging-{name}")
+    if args.should_save and os.path.exists(staging_root):
+        shutil.rmtree(staging_root)  # left by an interrupted save
+    _barrier()
+    write(f".staging-{name}")
+    _barrier()  # every rank has written its files (RNG states, sharded optimizer states)
+    staged, final = os.path.join(staging_root, name), os.path.join(run_dir, name)
+    best = state.best_model_checkpoint
+    if best and best.startswith(staging_root):
+        state.best_model_checkpoint = os.path.join(run_dir, os.path.relpath(best, staging_root))
+        if args.should_save:
+            state.save_to_json(os.path.join(staged, "trainer_state.json"))
+    _barrier()
+    write_manifest(staged)  # every rank hashes a share; returns once the manifest is written
+    if args.should_save:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(staged, final)
+        shutil.rmtree(staging_root)
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=args.save_total_limit,
+            best_model_checkpoint=state.best_model_checkpoint,
+            use_mtime=True,
+        )
+    _barrier()
+
+
+def verify_resume(resume_from_checkpoint, output_dir: str) -> None:
+    """Verify the checkpoint `train(resume_from_checkpoint=...)` names (True: the last in `output_dir`) against its
+    manifest (`hf_upipe.checkpoint.verify_checkpoint`); nothing to verify without one (the Trainer raises its own
+    error when True finds none)."""
+    path = resume_from_checkpoint
+    if path is True:
+        path = get_last_checkpoint(output_dir)
+    if isinstance(path, (str, os.PathLike)):
+        verify_checkpoint(os.fspath(path))
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak: device allocations (reset after reading) on CUDA, peak resident set size on CPU."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+def with_throughput(logs: dict[str, float], stats: dict, device) -> tuple[dict[str, float], dict]:
+    """(`logs` with `tokens_per_second` and `peak_memory_gib`, new counters) for a training log line (one
+    all_reduce); (`logs`, `stats`) unchanged for other lines or before the first step.
+
+    `stats`: {"tokens": real tokens of all ranks since `since`, "since": `time.perf_counter()` of the clock's
+    start, or None}."""
+    if "loss" not in logs or any(k.startswith("eval_") for k in logs) or stats["since"] is None:
+        return logs, stats
+    peak = torch.tensor([float(peak_memory_bytes(device))], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    now = time.perf_counter()
+    rate = stats["tokens"] / max(now - stats["since"], 1e-9)
+    logs = {
+        **logs,
+        "tokens_per_second": round(rate, 1),
+        "peak_memory_gib": round(peak.item() / 2**30, 3),
+    }
+    return logs, {"tokens": 0, "since": now}
+
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["TRAINER_INTERNALS", "UPipeTrainer"]
 
 # transformers.Trainer methods overridden here -> the parameters they were written against (transformers 5.x).
 # Also relied on: `_save_checkpoint` writes through `_get_output_dir` (tested by the atomic checkpoint test), and
@@ -402,7 +592,7 @@ class UPipeTrainer(Trainer):
 
     def _save_checkpoint(self, model, trial) -> None:
         """The Trainer's checkpoint, written into `<run_dir>/.staging-checkpoint-N/`, given its manifest, renamed
-        (`hf_upipe.trainer_checkpoints.save_staged`)."""
+        (`hf_upipe.trainer.save_staged`)."""
         save = super()._save_checkpoint
 
         def write(staging: str) -> None:  # the Trainer's save, re-pointed by _get_output_dir
@@ -417,6 +607,6 @@ class UPipeTrainer(Trainer):
     # ---- logging -----------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add `tokens_per_second` and `peak_memory_gib` to training log lines (one all_reduce per log;
-        `hf_upipe.trainer_logs.with_throughput`)."""
+        `hf_upipe.trainer.with_throughput`)."""
         logs, self._stats = with_throughput(logs, self._stats, self.args.device)
         super().log(logs, start_time)

@@ -381,7 +381,7 @@ def _wrong_order(rank, world):
 
 
 def _matrix_rank(rank, world):
-    from hf_upipe.data_loader import ShardedDataLoader
+    from hf_upipe.data import ShardedDataLoader
     from hf_upipe.runtime import UPipeRuntime
     from tests.integrations._models import build_pair, tiny_config
 

@@ -17,8 +17,10 @@ import torch
 
 import hf_upipe
 from hf_upipe import architectures, verification
+from hf_upipe.integrations import fused as fused_call
 from hf_upipe.integrations import fused as fused_module
-from hf_upipe.integrations import fused_call, mixer_sources, rope
+from hf_upipe.integrations import mixers as mixer_sources
+from hf_upipe.integrations import rope
 from hf_upipe.integrations.probe import case_config, model_pair
 from hf_upipe.verification import VERIFIED_RELEASES, Verdict, verify
 

@@ -16,7 +16,7 @@ import importlib
 
 from hf_upipe.architectures import FUSED, source_fingerprint
 from hf_upipe.integrations.fused import fused_verdict
-from hf_upipe.integrations.mixer_sources import (
+from hf_upipe.integrations.mixers import (
     HALO_MIXERS,
     MIXER_MODEL_TYPES,
     MIXERS,

@@ -23,6 +23,18 @@ Both raise on every rank alike (the same model, the same arguments), before any 
   `use_cache=True` or a cache (`CACHE_NAMES`), non-text inputs to a multimodal model verified for text only, a
   reentrant checkpoint around a state mixer, mixers under a ring. `prepare_model` installs it; the guard installs
   it on a "upipe" model called on shards without `prepare_model`, from its second call on.
+
+What a prepared model's latest call carried, for its attention layers that do not receive it themselves.
+
+Entry points:
+- `note_model_positions(position_ids, documents=None, max_seqlen=None, model=None)` / `model_positions()`: the
+  position_ids (and packed rows' documents) a prepared model was called with (`prepare_model`'s pre-hook), for the
+  models whose attention calls do not receive them (the layout check then uses what the model received).
+- `adopt_modules(model)` (and `release_modules`, `is_adopted(module)`): which prepared model a module belongs to.
+- `with_model_documents(kwargs, module)`: an attention call's kwargs with its own model's call's documents, when
+  the call lacks them (Nemotron's decoder layers drop their kwargs).
+
+Everything is held weakly: the tensors die with the batch, and a checkpoint recompute finds the same tensors.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import weakref
 
 import torch
 from torch import nn
@@ -38,21 +51,97 @@ from hf_upipe.architectures import ARCHITECTURES
 from hf_upipe.batch_keys import CU_SEQLENS, DOCUMENT_KEYS, MAX_SEQLEN
 from hf_upipe.distributed import get_sequence_parallel_state
 from hf_upipe.integrations.mixers import reentrant_refusal, ring_refusal
-from hf_upipe.integrations.model_calls import note_model_positions
 
 __all__ = [
     "ATTENTIONS_UNDER_SP",
     "CACHE_NAMES",
     "GENERATE_UNDER_SP",
     "LABELS_UNDER_SP",
+    "adopt_modules",
     "check_loss_labels",
     "install_call_checks",
+    "is_adopted",
+    "model_positions",
+    "note_model_positions",
     "refuse_collected_attentions",
     "refuse_generation",
     "refuse_silent_misuse",
+    "release_modules",
     "remove_call_checks",
     "shard_length_refusal",
+    "with_model_documents",
 ]
+
+_MODEL_POSITIONS: list = [
+    None
+]  # a weak reference to the position_ids of the latest call of a prepared model
+
+_MODEL_DOCUMENTS: list = [
+    None,
+    None,
+    None,
+]  # and to its upipe_cu_seqlens, its upipe_max_seqlen, and the model
+
+_OWNERS: weakref.WeakKeyDictionary = (
+    weakref.WeakKeyDictionary()
+)  # module of a prepared model -> weakref(model)
+
+
+def adopt_modules(model) -> None:
+    """Record `model` (a prepared model) as the owner of its modules, for `with_model_documents`."""
+    ref = weakref.ref(model)
+    for module in model.modules():
+        _OWNERS[module] = ref
+
+
+def is_adopted(module) -> bool:
+    """Whether `module` belongs to a model `prepare_model` prepared (and `unprepare_model` did not release)."""
+    return module in _OWNERS
+
+
+def release_modules(model) -> None:
+    """Forget `model` as the owner of its modules (`unprepare_model`)."""
+    for module in model.modules():
+        _OWNERS.pop(module, None)
+
+
+def note_model_positions(position_ids, documents=None, max_seqlen=None, model=None) -> None:
+    """Record the position_ids (and `upipe_cu_seqlens` / `upipe_max_seqlen`) a prepared model was called with
+    (`hf_upipe.prepare_model`'s pre-hook): the layout check uses them for attention calls that do not receive them
+    themselves. Kept weakly, so the tensors die with the batch; a checkpoint recompute finds the same tensors."""
+    _MODEL_POSITIONS[0] = (
+        weakref.ref(position_ids) if isinstance(position_ids, torch.Tensor) else None
+    )
+    _MODEL_DOCUMENTS[:] = (
+        [weakref.ref(documents), max_seqlen, None if model is None else weakref.ref(model)]
+        if isinstance(documents, torch.Tensor)
+        else [None, None, None]
+    )
+
+
+def with_model_documents(kwargs: dict, module=None) -> dict:
+    """An attention call's kwargs, with the model call's packed-row documents added when the call has none, its
+    position_ids are the model call's own tensor (or absent) and `module` belongs to that model: the same batch of
+    the same model, so the same documents."""
+    ref, owner = _MODEL_DOCUMENTS[0], _MODEL_DOCUMENTS[2]
+    documents = ref() if ref is not None else None
+    if documents is None or kwargs.get(CU_SEQLENS) is not None:
+        return kwargs
+    model = owner() if owner is not None else None
+    mine = _OWNERS.get(module) if module is not None else None
+    if model is None or mine is None or mine() is not model:
+        return kwargs
+    positions = kwargs.get("position_ids")
+    if positions is not None and positions is not model_positions():
+        return kwargs
+    return {**kwargs, CU_SEQLENS: documents, MAX_SEQLEN: _MODEL_DOCUMENTS[1]}
+
+
+def model_positions():
+    """The position_ids of the latest prepared model call, or None."""
+    ref = _MODEL_POSITIONS[0]
+    return ref() if ref is not None else None
+
 
 LABELS_UNDER_SP = (
     "labels= under sequence parallelism would be shifted inside each rank's shard (the last target of every shard "
@@ -60,18 +149,22 @@ LABELS_UNDER_SP = (
     "labels=shard['shift_labels'], shift_labels=shard['shift_labels'] (hf_upipe.shard_batch makes them), or compute "
     "the loss with hf_upipe's tiled loss."
 )
+
 GENERATE_UNDER_SP = (
     "model.generate() under sequence parallelism would run on one rank's shard of the prompt, with a KV cache of "
     "that shard only. Use hf_upipe.generate(model, input_ids, max_new_tokens=...) (input_ids the whole prompt on "
     "every rank: each rank prefills and caches its shard), or generate in one process: `with "
     "hf_upipe.without_sequence_parallel(): model.generate(input_ids)`."
 )
+
 ATTENTIONS_UNDER_SP = (
     "output_attentions=True under sequence parallelism: no [S, S] attention weights are ever "
     "formed (the kernels return outputs and log-sum-exps only)."
 )
+
 # the names transformers gives a forward's cache: `past_key_values` (to 5.23), `cache` (5.24 on)
 CACHE_NAMES = ("cache", "past_key_values")
+
 _HOOK = "_upipe_call_checks"  # the model's attribute holding the pre-hook's handle
 
 
@@ -250,7 +343,7 @@ def refuse_silent_misuse(module, args, kwargs):
 
 def _prepared_call(module, args, kwargs):
     """`refuse_silent_misuse`, after noting the call's position_ids and documents for the attention layers of a
-    prepared model that do not receive them (`hf_upipe.integrations.model_calls.note_model_positions`)."""
+    prepared model that do not receive them (`hf_upipe.integrations.call_checks.note_model_positions`)."""
     state = get_sequence_parallel_state()
     if state is not None and state.sp_size > 1:
         note_model_positions(

@@ -36,14 +36,18 @@ from torch import nn
 from hf_upipe.architectures import ARCHITECTURES
 from hf_upipe.config import check_config, differing_settings_error
 from hf_upipe.distributed import get_sequence_parallel_state, simulated, validation_failed
-from hf_upipe.integrations.call_checks import install_call_checks, remove_call_checks
+from hf_upipe.integrations.call_checks import (
+    adopt_modules,
+    install_call_checks,
+    release_modules,
+    remove_call_checks,
+)
 from hf_upipe.integrations.fused import (
     fused_verdict,
     install_fused_attention,
     remove_fused_attention,
 )
 from hf_upipe.integrations.mixers import install_mixers, remove_mixers
-from hf_upipe.integrations.model_calls import adopt_modules, release_modules
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.rope import install_global_rope, installable, remove_global_rope
 from hf_upipe.integrations.support import model_refusal, refusal_error

@@ -36,8 +36,14 @@ from torch import nn
 
 from hf_upipe.architectures import ARCHITECTURES
 from hf_upipe.integrations.delta_rule import DELTA_KERNELS
-from hf_upipe.integrations.mixer_sources import HALO_MIXERS, MIXERS, mixer_verdict
-from hf_upipe.integrations.mixers import MIXER_LAYER_TYPES, mixers_ready, supported
+from hf_upipe.integrations.mixers import (
+    HALO_MIXERS,
+    MIXER_LAYER_TYPES,
+    MIXERS,
+    mixer_verdict,
+    mixers_ready,
+    supported,
+)
 from hf_upipe.integrations.peft import base_model
 from hf_upipe.integrations.replaced import replacement_refusal
 from hf_upipe.integrations.rope import global_rope_ready, installable, rope_verdict

@@ -2,7 +2,7 @@
 
 Entry points:
 - `register()`: adds "upipe" to transformers' `AttentionInterface` and `AttentionMaskInterface`, and has models
-  with their own table of attention classes refuse it by name (`hf_upipe.integrations.attention_tables`);
+  with their own table of attention classes refuse it by name (`hf_upipe.integrations.transformers`);
   idempotent; run when this module is imported, which `import hf_upipe` arranges as soon as transformers'
   modeling code loads.
 - `upipe_attention_forward(module, query, key, value, attention_mask, ...)`: the registered attention function.
@@ -38,20 +38,43 @@ Sliding windows shorter than the sequence (in the mask, in the call, or both, ag
 soft-capped scores (`softcap`: `hf_upipe.ops.softcap`, CPU) and value heads of another width (MLA: zero-padded).
 Left or interior padding, packed rows without `upipe_cu_seqlens`, windows with packed rows (except inside the
 soft-capped kernel), custom masks, dropout and KV caches with past tokens raise errors naming the fix.
+
+Models that pick their attention class from their own table refuse `attn_implementation="upipe"` by name.
+
+Most transformers models call the function registered under their attention implementation (transformers'
+`AttentionInterface`, where "upipe" is registered). A few modeling modules instead hold their own table of attention
+classes keyed by the implementation's name (`FALCON_ATTENTION_CLASSES = {"eager": ..., "sdpa": ...,
+"flash_attention_2": ...}`: Falcon, GPT-Neo, GIT, Bark, GPT-J on transformers 5.23, SAM-style vision encoders), and
+index it while building their layers. transformers accepts "upipe" for every model (it is registered), so such a
+model would fail inside its own `__init__` with a bare `KeyError: 'upipe'`. "upipe" could never run in those classes
+(their attention bypasses the interface), so nothing can adapt them: they are refused, by name, with the
+alternatives.
+
+Entry point:
+- `install()`: wraps `PreTrainedModel.get_correct_attn_implementation` (which every model's `__init__` calls with its
+  config's implementation before it builds a layer) so that it first gives each such table of the model's modeling
+  module a "upipe" entry that raises `OwnAttentionTable` naming the model type, the table and the implementations it
+  has (idempotent). Only a layer whose config asks for "upipe" reaches that entry: a multimodal model whose vision
+  encoder keeps "sdpa" still builds.
+- `attention_tables(module)`: the tables of a modeling module (dicts with an "eager" key whose values are
+  `nn.Module` classes).
 """
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import torch
+from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from hf_upipe.architectures import keeps_documents_apart
+from hf_upipe.architectures import ARCHITECTURES, keeps_documents_apart
 from hf_upipe.batch_keys import CU_SEQLENS
-from hf_upipe.integrations import attention_tables
+from hf_upipe.integrations.call_checks import with_model_documents
 from hf_upipe.integrations.layout import validate_layout, without_documents
-from hf_upipe.integrations.model_calls import with_model_documents
 from hf_upipe.integrations.sp_checks import (
     SINK_ARGUMENTS,
     UNIMPLEMENTED_ARGUMENTS,
@@ -64,10 +87,88 @@ from hf_upipe.integrations.sp_kernels import call_kernel, sp_kernel
 from hf_upipe.integrations.sp_mask import upipe_mask
 from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.upipe_attention import upipe_attention
+from hf_upipe.verification import TESTED_RANGE
 
-__all__ = ["NAME", "register", "upipe_attention_forward"]
+__all__ = [
+    "NAME",
+    "OwnAttentionTable",
+    "attention_tables",
+    "install",
+    "register",
+    "upipe_attention_forward",
+]
 
 NAME = "upipe"
+
+_DONE: set[str] = set()  # modeling modules whose tables have their "upipe" entry
+
+
+class OwnAttentionTable(ValueError):
+    """A model picks its attention class from its own table, so `attn_implementation="upipe"` cannot run in it."""
+
+
+def attention_tables(module) -> dict[str, dict]:
+    """See the module docstring."""
+    return {
+        name: value
+        for name, value in vars(module).items()
+        if isinstance(value, dict)
+        and "eager" in value
+        and all(
+            isinstance(v, type) and issubclass(v, nn.Module) for k, v in value.items() if k != NAME
+        )
+    }
+
+
+def _refusal(table_name: str, implementations: list[str], where: str):
+    def refuse(config, *args, **kwargs):
+        model_type = getattr(config, "model_type", "?")
+        arch = ARCHITECTURES.get(model_type)
+        newer = (
+            f" hf_upipe verifies {model_type} where its attention goes through the interface: "
+            f"pip install '{TESTED_RANGE}' (the newest release it tests)."
+            if arch is not None and arch.verified
+            else ""
+        )
+        raise OwnAttentionTable(
+            f"attn_implementation='upipe' is not available for model_type {model_type!r} ({where}): it picks its "
+            "attention "
+            f"class from its own table {table_name} ({', '.join(implementations)}), not from transformers' "
+            "attention interface, so 'upipe' (and sequence parallelism) can never run in it. Load it with "
+            f"attn_implementation={'sdpa' if 'sdpa' in implementations else 'eager'!r} and train without "
+            f"sequence parallelism (docs/models.md lists the models hf_upipe runs).{newer}"
+        )
+
+    return refuse
+
+
+def _add_entries(cls: type) -> None:
+    """Give the tables of `cls`'s modeling module their refusing "upipe" entry (once per module)."""
+    name = cls.__module__
+    if name in _DONE or not name.startswith("transformers.models."):
+        return
+    _DONE.add(name)
+    module = sys.modules.get(name)
+    for table_name, table in attention_tables(module).items() if module is not None else ():
+        if NAME not in table:
+            table[NAME] = _refusal(table_name, [k for k in table if k != NAME], name)
+
+
+def install() -> None:
+    """See the module docstring."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.get_correct_attn_implementation
+    if getattr(original, "upipe_tables", False):
+        return
+
+    @functools.wraps(original)
+    def get_correct_attn_implementation(self, *args, **kwargs):
+        _add_entries(type(self))
+        return original(self, *args, **kwargs)
+
+    get_correct_attn_implementation.upipe_tables = True
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
 
 
 def _check_kv_length(query, key) -> None:
@@ -196,7 +297,7 @@ def register() -> None:
     """Make `attn_implementation="upipe"` available to every transformers model (idempotent)."""
     AttentionInterface.register(NAME, upipe_attention_forward)
     AttentionMaskInterface.register(NAME, upipe_mask)
-    attention_tables.install()  # models with their own table of attention classes refuse "upipe" by name
+    install()  # models with their own table of attention classes refuse "upipe" by name
 
 
 register()  # importing this module registers "upipe" (hf_upipe.registration imports it once transformers loads)

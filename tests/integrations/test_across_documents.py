@@ -112,7 +112,7 @@ def _worker(rank, world, model_types):
         if (
             model_type in ACROSS_DOCUMENTS
         ):  # the runtime detection alone, the registry's word hidden
-            import hf_upipe.integrations.fused_call as fused_call
+            import hf_upipe.integrations.fused as fused_call
             import hf_upipe.integrations.transformers as registered
 
             saved = registered.keeps_documents_apart, fused_call.keeps_documents_apart

@@ -20,8 +20,9 @@ import torch.distributed as dist
 import hf_upipe
 from hf_upipe import architectures
 from hf_upipe.distributed import SequenceParallelState
+from hf_upipe.integrations import fused as fused_call
 from hf_upipe.integrations import fused as fused_module
-from hf_upipe.integrations import fused_call, sp_mask
+from hf_upipe.integrations import sp_mask
 from hf_upipe.integrations import transformers as hf_transformers
 from hf_upipe.memory.tiled_mlp import tiled_verdict
 from hf_upipe.verification import VERIFIED_RELEASES, installed_release

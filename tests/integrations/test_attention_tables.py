@@ -21,7 +21,7 @@ from transformers.models.auto.configuration_auto import (
 )
 
 import hf_upipe  # noqa: F401  (registers "upipe")
-from hf_upipe.integrations.attention_tables import OwnAttentionTable, attention_tables
+from hf_upipe.integrations.transformers import OwnAttentionTable, attention_tables
 from hf_upipe.models import tiny_config
 
 _TABLE = re.compile(r'^\w+\s*=\s*\{\s*\n\s*"(?:eager|sdpa|flash_attention_2)"\s*:\s*[A-Z]', re.M)

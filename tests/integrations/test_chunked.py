@@ -9,7 +9,7 @@ import copy
 import torch
 
 import hf_upipe
-from hf_upipe.integrations.chunked import local_pattern
+from hf_upipe.integrations.sp_mask import local_pattern
 from hf_upipe.models import tiny_config
 from tests._dist import run_distributed
 from tests.integrations._models import sharded_errors

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
 import hf_upipe
-import hf_upipe.integrations.fused_call as fused_call
+import hf_upipe.integrations.fused as fused_call
 from tests._dist import run_distributed
 from tests.integrations._models import build_pair, tiny_config
 

@@ -132,14 +132,14 @@ def test_a_step_reads_the_host_only_in_the_layout_check():
                 reads,
             )  # nothing per layer
             ours = {k: n for k, n in reads.items() if k.startswith("hf_upipe/")}
-            # the layout check's reads, and the random stream's seed (hf_upipe/integrations/randomness.py: one
+            # the layout check's reads, and the random stream's seed (hf_upipe/integrations/guard.py: one
             # number from torch's CPU generator per training forward, a host value, never a device sync)
             assert ours and all(
                 k.startswith(
                     (
                         "hf_upipe/integrations/layout.py:",
-                        "hf_upipe/integrations/layout_rows.py:",
-                        "hf_upipe/integrations/randomness.py:",
+                        "hf_upipe/integrations/layout.py:",
+                        "hf_upipe/integrations/guard.py:",
                     )
                 )
                 for k in ours

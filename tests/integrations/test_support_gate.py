@@ -450,7 +450,7 @@ def test_initialising_again():
 def test_attention_calls_without_documents_use_the_model_calls():
     """Nemotron's decoder layers drop the attention kwargs (upipe_cu_seqlens): the attention takes the documents of
     its own prepared model's call, for the same batch only (that call's position_ids tensor)."""
-    from hf_upipe.integrations.model_calls import (
+    from hf_upipe.integrations.call_checks import (
         adopt_modules,
         note_model_positions,
         with_model_documents,
