@@ -7,7 +7,7 @@ Entry points:
 - `UPipeConfig.init_kwargs()`: the arguments of `hf_upipe.init_sequence_parallel`.
 - `UPipeConfig.describe(name)`: a setting as the user wrote it, for error messages; `UPipeConfig.from_flags(...)`
   for the settings of a script's command-line flags (errors then name `--the-flag`).
-- `auto=True`: `hf_upipe.auto_settings.apply_auto_settings` returns a copy with the planner's memory settings
+- `auto=True`: `hf_upipe.training.auto_settings.apply_auto_settings` returns a copy with the planner's memory settings
   (UPipeTrainer and UPipePlugin call it before anything else; the planner runs in a child process).
 - `check_config(value, name)`: a ValueError naming a value that is neither None nor a `UPipeConfig`.
 - Re-exported: `settings_that_differ(every)` / `differing_settings_error(every, intro, advice)` and
@@ -195,7 +195,7 @@ def _resolve_offload(config, env: dict) -> None:
             f"model_offload={config.model_offload!r}: use 'none' (the model's state on the GPU) or 'cpu' "
             "(FSDP2's host offload of parameters, gradients and the optimizer step)."
         )
-    from hf_upipe.memory.allocator import check_setting
+    from hf_upipe.allocator import check_setting
 
     config.allocator = check_setting(config.allocator or env["allocator"] or "expandable")
     config.offload_path = config.offload_path or env["offload_path"]
@@ -381,7 +381,7 @@ class UPipeConfig:
                 "Run the MLPs and norms of the fused families (Llama, Mistral, Qwen, Granite, "
                 "OLMo 2, Phi-3, Gemma, ...; "
                 "not MoE blocks) over sequence chunks, recomputed in backward "
-                "(hf_upipe.memory.tiled_mlp). Default False."
+                "(hf_upipe.adapters.tiled_mlp). Default False."
             )
         },
     )
@@ -427,7 +427,7 @@ class UPipeConfig:
         metadata={
             "help": (
                 "The CUDA caching allocator's mode, set in PYTORCH_CUDA_ALLOC_CONF before CUDA initialises "
-                "(hf_upipe.memory.allocator): 'expandable' (default: expandable segments, the longest planned fit), "
+                "(hf_upipe.allocator): 'expandable' (default: expandable segments, the longest planned fit), "
                 "'default' (the allocator's own segments) or 'keep' (leave the variable as it is). If CUDA is "
                 "already initialised in another mode, that is said once and the plan for that mode applies."
             )

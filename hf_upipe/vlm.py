@@ -30,10 +30,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_upipe.architectures import VISION
 from hf_upipe.data import shard_batch
 from hf_upipe.distributed import get_sequence_parallel_state
-from hf_upipe.integrations.peft import base_model
+from hf_upipe.models.architectures import VISION
+from hf_upipe.models.peft import base_model
 
 __all__ = [
     "REFUSED_VISION_TYPES",

@@ -254,8 +254,8 @@ def parse_len(text: str) -> int:
 
 
 def llama3_8b(dry: bool) -> dict:
-    """Llama3-8B's geometry (`hf_upipe.models.PRESETS`), or for a dry run its head geometry at a small width."""
-    from hf_upipe.models import PRESETS
+    """Llama3-8B's geometry (`hf_upipe.models.presets.PRESETS`), or for a dry run its head geometry at a small width."""
+    from hf_upipe.models.presets import PRESETS
 
     if dry:
         return dict(
