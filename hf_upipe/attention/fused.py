@@ -64,24 +64,19 @@ import types
 import torch
 from torch import nn
 
-from hf_upipe.adapters.call_checks import CACHE_NAMES, with_model_documents
+from hf_upipe.adapters.call_checks import CACHE_NAMES
 from hf_upipe.adapters.replaced import own_forward
 from hf_upipe.adapters.zero3 import forget_children, gather_children
-from hf_upipe.attention.kernel import ring_kernel, sp_kernel, sp_window, window_kernel
-from hf_upipe.attention.layout import validate_layout, without_documents
+from hf_upipe.attention.call import SpCall, sp_call
 from hf_upipe.attention.state import (
     active_state,
     attention_overridden,
-    check_call,
-    check_model,
     local_sequence_parallel,
 )
-from hf_upipe.batch_keys import CU_SEQLENS
 from hf_upipe.distributed import without_sequence_parallel
 from hf_upipe.models.architectures import (
     ARCHITECTURES,
     fused_attention_classes,
-    keeps_documents_apart,
     model_geometry,
     source_fingerprint,
 )
@@ -263,10 +258,26 @@ def fused_forward(self, hidden_states, *args, **kwargs):
             self, hidden_states, *args, **kwargs
         )  # without SP: "sdpa"; else registered
     position_embeddings, attention_mask, cache, kwargs = _call_arguments(args, kwargs)
-    kwargs = _checked_call(self, state, hidden_states, attention_mask, cache, kwargs)
     arch = fused_attention_classes()[type(self).__name__]
-    kernel = _call_kernel(self, arch, state, hidden_states, attention_mask, kwargs)
-    s = hidden_states.shape[1]
+    B, s, _ = hidden_states.shape  # [B, s, hidden]
+    window = getattr(self, "sliding_window", None)
+    if window is None and arch.window_in_config:
+        window = getattr(self.config, "sliding_window", None)
+    call = SpCall(
+        self,
+        attention_mask,
+        B,
+        s,
+        hidden_states.device,
+        hidden_states.dtype,
+        is_fake(hidden_states),
+        dropout=self.attention_dropout if self.training else 0.0,
+        window=window,
+        past=0 if cache is None else cache.get_seq_length(self.layer_idx),
+        path="the fused UPipe block",
+        chunks=False,  # the block implements neither chunks nor soft-capping nor sinks (handled=())
+    )
+    kwargs, kernel = sp_call(state, call, kwargs)
     cos, sin = position_embeddings
     gather_children(self)  # ZeRO-3: q/k/v/o_proj are read here, not called
     y = fused_upipe_attention(
@@ -288,76 +299,6 @@ def fused_forward(self, hidden_states, *args, **kwargs):
         **self.__dict__.get(OPTIONS_ATTRIBUTE, {}),
     )
     return y, None
-
-
-def _checked_call(self, state, hidden_states, attention_mask, cache, kwargs: dict) -> dict:
-    """The call's kwargs, with the model's documents, once the checks every rank makes before any collective pass
-    (a KV cache with past tokens, the model and call checks, a prepared mask tensor, chunked attention)."""
-    if cache is not None and cache.get_seq_length(self.layer_idx) > 0:
-        raise NotImplementedError(
-            "A KV cache with past tokens is not supported under sequence parallelism; "
-            "generate with hf_upipe.generate, or call the model with use_cache=False."
-        )
-    dropout = self.attention_dropout if self.training else 0.0
-    check_model(self.config, state, hidden_states.shape[1] * state.sp_size)
-    check_call(self, dropout, kwargs)
-    kwargs = with_model_documents(kwargs, self)
-    if isinstance(attention_mask, torch.Tensor):
-        raise NotImplementedError(
-            "The fused UPipe path got a prepared attention mask tensor under sequence "
-            "parallelism; pass a 2-D padding mask (right padding) or none."
-        )
-    if getattr(attention_mask, "chunk", None) is not None:
-        raise NotImplementedError(
-            "chunked attention is not implemented by the fused UPipe block; prepare the model "
-            "with UPipeConfig(fused_attention=False)."
-        )
-    return kwargs
-
-
-def _call_kernel(self, arch, state, hidden_states, attention_mask, kwargs: dict):
-    """The attention kernel of this call: the batch's layout validated (a collective), packed rows inside each
-    document, then the ring or the sliding window."""
-    B, s, _ = hidden_states.shape
-    kernel = state.kernel
-    if not is_fake(hidden_states):
-        if not validate_layout(
-            state,
-            kwargs.get("position_ids"),
-            attention_mask,
-            B,
-            s,
-            hidden_states.device,
-            kwargs.get(CU_SEQLENS),
-            hidden_states.dtype,
-            not keeps_documents_apart(self.config),
-        ):
-            kwargs = without_documents(
-                kwargs
-            )  # the model's mask ignores them (see validate_layout)
-        # packed rows: the kernel runs inside each document (DocumentKernel), like the registered path
-        kernel = sp_kernel(
-            state, kwargs, hidden_states.device, hidden_states.dtype, s * state.sp_size
-        )
-    call_window = getattr(self, "sliding_window", None)
-    if call_window is None and arch.window_in_config:
-        call_window = getattr(self.config, "sliding_window", None)
-    window = sp_window(attention_mask, call_window, s * state.sp_size, self)
-    if (
-        state.ring_size > 1
-    ):  # ring attention: plain causal attention only (packed rows were refused above)
-        return ring_kernel(state, kernel, hidden_states.device, hidden_states.dtype, window=window)
-    if not is_fake(
-        hidden_states
-    ):  # (a simulation runs the unwindowed kernel: see upipe_attention_forward)
-        return window_kernel(
-            kernel,
-            window,
-            kwargs.get(CU_SEQLENS),
-            hidden_states.device,
-            hidden_states.dtype,
-        )
-    return kernel
 
 
 def _autocast_other_dtype(module: nn.Module, hidden_states: torch.Tensor) -> bool:

@@ -2,8 +2,6 @@
 rows, a sliding window, chunked attention, soft-capped scores or a ring.
 
 Entry points:
-- `call_kernel(state, kernel, attention_mask, sliding_window, module, kwargs, query)`: the kernel one attention
-  call runs (the registered attention function's choice, in this order: ring, chunks, soft-capping, window).
 - `sp_kernel(state, kwargs, device, dtype, seq_len)`: the state's kernel, wrapped in
   `hf_upipe.ops.documents.DocumentKernel` for packed rows (one per batch; shared with the fused path).
 - `sp_window(attention_mask, call_window, seq_len, module)`: the call's sliding window, the mask's and the call's
@@ -24,17 +22,15 @@ sequence order, not the ring's). Packed rows are refused by `hf_upipe.data.shard
 from __future__ import annotations
 
 from hf_upipe.attention.layout import TensorCache
-from hf_upipe.attention.mask import SequenceParallelMask, chunk_kernel
+from hf_upipe.attention.mask import SequenceParallelMask
 from hf_upipe.batch_keys import CU_SEQLENS, MAX_SEQLEN
 from hf_upipe.ops.documents import DocumentKernel
-from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.kernels import AttentionKernel, get_kernel
 from hf_upipe.ops.ring import RingKernel
 from hf_upipe.ops.softcap import SoftcapKernel
 from hf_upipe.ops.windowed import WindowKernel
 
 __all__ = [
-    "call_kernel",
     "ring_kernel",
     "softcap_kernel",
     "sp_kernel",
@@ -151,53 +147,4 @@ def sp_kernel(state, kwargs: dict, device, dtype, seq_len: int) -> str | Attenti
     )
     kernel = DocumentKernel(inner, documents, seq_len, kwargs.get(MAX_SEQLEN))
     _DOCUMENT_KERNELS.set(documents, (key, kernel))
-    return kernel
-
-
-def call_kernel(state, kernel, attention_mask, sliding_window, module, kwargs: dict, query):
-    """The kernel of one attention call under SP, from `kernel` (`sp_kernel`'s, or the state's on fake tensors):
-    a ring around it (plain causal attention only), or the kernel inside each chunk (chunked attention), or
-    soft-capped scores (any window inside), or limited to the call's window. query [B, H, s, D]."""
-    B, _, s, _ = query.shape
-    window = sp_window(attention_mask, sliding_window, s * state.sp_size, module)
-    chunk = attention_mask.chunk if isinstance(attention_mask, SequenceParallelMask) else None
-    if (
-        state.ring_size > 1
-    ):  # ring attention: plain causal attention only (packed rows were refused above)
-        kernel = ring_kernel(
-            state,
-            kernel,
-            query.device,
-            query.dtype,
-            window=window,
-            chunk=chunk,
-            softcap=kwargs.get("softcap"),
-        )
-    elif (
-        chunk is not None
-    ):  # chunked attention: the kernel inside each chunk, like packed documents
-        if kwargs.get(CU_SEQLENS) is not None or kwargs.get("softcap") is not None:
-            raise NotImplementedError(
-                f"chunked attention (chunks of {chunk}) with packed documents or soft-capping is "
-                "not implemented under sequence parallelism: do not pack."
-            )
-        if not is_fake(query):  # (a simulation runs the unchunked kernel: the same buffers)
-            kernel = chunk_kernel(kernel, chunk, B, s * state.sp_size, query.device, query.dtype)
-    elif (
-        kwargs.get("softcap") is not None
-    ):  # blocked math kernel (the simulation runs it too: its memory counts)
-        kernel = softcap_kernel(
-            state,
-            None if is_fake(query) else kwargs,
-            query.device,
-            query.dtype,
-            s * state.sp_size,
-            kwargs["softcap"],
-            window,
-        )
-    elif not is_fake(
-        query
-    ):  # (a simulation runs the unwindowed kernel: the memory of a native-window kernel,
-        # flash-attn's, whose buffers do not depend on the window; the CPU kernel's block masks are not modelled)
-        kernel = window_kernel(kernel, window, kwargs.get(CU_SEQLENS), query.device, query.dtype)
     return kernel

@@ -8,10 +8,10 @@ Entry points:
 - `upipe_attention_forward(module, query, key, value, attention_mask, ...)`: the registered attention function.
 - The registered mask function, `upipe_mask`, and what it returns under SP, `SequenceParallelMask`:
   `hf_upipe.attention.mask`. The kernel of a call (documents, window, chunks, soft-capping, ring):
-  `hf_upipe.attention.kernel`. The state and the checks that need no communication (`active_state`,
-  `check_model`, `check_call`, `local_sequence_parallel`): `hf_upipe.attention.state`. All three are
-  shared with the fused path; the layout check itself is `hf_upipe.attention.layout.validate_layout` (one
-  all-gather per model forward, not per layer).
+  `hf_upipe.attention.kernel`. The state (`active_state`, `local_sequence_parallel`):
+  `hf_upipe.attention.state`. The call prelude, the same for the fused path: `hf_upipe.attention.call.sp_call`
+  (the refusals that need no communication, the model's documents, the layout check
+  `hf_upipe.attention.layout.validate_layout`, one all-gather per model forward, not per layer, and the kernel).
 
 The flow, with sequence parallelism initialised (`hf_upipe.init_sequence_parallel`, group of P > 1 ranks):
 1. each rank calls the model on its contiguous shard input_ids [B, s] with GLOBAL position_ids
@@ -71,20 +71,16 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 
-from hf_upipe.adapters.call_checks import with_model_documents
-from hf_upipe.attention.kernel import call_kernel, sp_kernel
-from hf_upipe.attention.layout import validate_layout, without_documents
+from hf_upipe.attention.call import SpCall, sp_call
 from hf_upipe.attention.mask import upipe_mask
 from hf_upipe.attention.state import (
     SINK_ARGUMENTS,
     UNIMPLEMENTED_ARGUMENTS,
     active_state,
     attention_overridden,
-    check_call,
     check_model,
 )
-from hf_upipe.batch_keys import CU_SEQLENS
-from hf_upipe.models.architectures import ARCHITECTURES, keeps_documents_apart
+from hf_upipe.models.architectures import ARCHITECTURES
 from hf_upipe.models.verification import TESTED_RANGE
 from hf_upipe.ops.fake import is_fake
 from hf_upipe.ops.upipe_attention import upipe_attention
@@ -171,15 +167,6 @@ def install() -> None:
     PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
 
 
-def _check_kv_length(query, key) -> None:
-    if key.shape[-2] != query.shape[-2]:
-        raise NotImplementedError(
-            f"key length {key.shape[-2]} != query length {query.shape[-2]}: a KV cache with past tokens "
-            "(generation) is not supported in a model call under sequence parallelism: generate with "
-            "hf_upipe.generate, or call the model with use_cache=False."
-        )
-
-
 def _equal_head_dims(query, key, value, scaling):
     """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, ...) has a value head dim Dv != the q/k head dim D.
     The all-to-alls and kernels take one head dim, so the narrower side is padded with zeros, which is exact: zero
@@ -246,40 +233,23 @@ def upipe_attention_forward(
             sliding_window=sliding_window,
             **kwargs,
         )
-    check_model(config, state, query.shape[2] * state.sp_size)
-    check_call(module, dropout, kwargs, handled=SINK_ARGUMENTS + ("softcap",))
-    kwargs = with_model_documents(kwargs, module)
-    _check_kv_length(query, key)
-    sinks = (
-        kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
-    )  # [H] sink logits
+    B, _, s, _ = query.shape  # [B, H, s, D]
+    call = SpCall(
+        module,
+        attention_mask,
+        B,
+        s,
+        query.device,
+        query.dtype,
+        is_fake(query),
+        dropout=dropout,
+        window=sliding_window,
+        past=key.shape[-2] - s,
+        handled=SINK_ARGUMENTS + ("softcap",),
+    )
+    kwargs, kernel = sp_call(state, call, kwargs)
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")  # [H]
     query, key, value, v_dim, scaling = _equal_head_dims(query, key, value, scaling)
-    if isinstance(attention_mask, torch.Tensor):
-        raise NotImplementedError(
-            f"attn_implementation='upipe' got a prepared {attention_mask.dim()}-D attention mask tensor under "
-            "sequence parallelism; pass a 2-D padding mask (right padding) or none."
-        )
-    B, _, s, _ = query.shape
-    kernel = state.kernel
-    if not is_fake(
-        query
-    ):  # fake tensors (memory simulation) carry no values to check (nor documents to split)
-        if not validate_layout(
-            state,
-            kwargs.get("position_ids"),
-            attention_mask,
-            B,
-            s,
-            query.device,
-            kwargs.get(CU_SEQLENS),
-            query.dtype,
-            not keeps_documents_apart(config),
-        ):
-            kwargs = without_documents(
-                kwargs
-            )  # the model's mask ignores them: attend across, as on one device
-        kernel = sp_kernel(state, kwargs, query.device, query.dtype, s * state.sp_size)
-    kernel = call_kernel(state, kernel, attention_mask, sliding_window, module, kwargs, query)
     out = upipe_attention(
         query.transpose(1, 2),
         key.transpose(1, 2),
