@@ -30,6 +30,8 @@ transformers (`hf_upipe.models.verification`) get a warning naming them and what
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import nn
@@ -57,7 +59,7 @@ from hf_upipe.models.verification import verdicts
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["prepare_model", "unprepare_model"]
+__all__ = ["ADAPTERS", "Adapter", "prepare_model", "unprepare_model"]
 
 _PREVIOUS = "_upipe_previous_attn_implementation"
 
@@ -162,6 +164,69 @@ def _language_implementation(config, implementation):
     }
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """One adapter of `prepare_model`: `install(model, base, upipe_config)` (base: the model, PEFT unwrapped) and
+    its exact inverse `remove(model, base)`, a no-op where nothing is installed."""
+
+    name: str
+    install: Callable
+    remove: Callable
+
+
+def _install_mixers(model, base, upipe_config):
+    passing = upipe_config.mixer_state_passing if upipe_config is not None else "parallel"
+    return install_mixers(base, state_passing=passing)
+
+
+def _install_tiled_mlp(model, base, upipe_config):
+    if upipe_config is not None and upipe_config.tiled_mlp:
+        apply_tiled_mlp(model, upipe_config.mlp_chunk_tokens)
+
+
+def _use_upipe(model, base, upipe_config):
+    config = getattr(base, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if config is not None and current != "upipe" and hasattr(base, "set_attn_implementation"):
+        setattr(base, _PREVIOUS, _language_implementation(config, current))
+        base.set_attn_implementation(_language_implementation(config, "upipe"))
+        logger.info("hf_upipe: attn_implementation set to 'upipe' (was %r)", current)
+
+
+def _restore_implementation(model, base):
+    if _PREVIOUS in base.__dict__:
+        base.set_attn_implementation(base.__dict__.pop(_PREVIOUS))
+
+
+def _install_fused(model, base, upipe_config):
+    """(fused modules, classes kept off as unverified, other classes), or None with fused_attention=False."""
+    if upipe_config is not None and not upipe_config.fused_attention:
+        return None
+    return install_fused_attention(
+        model,
+        save=upipe_config is not None and upipe_config.fused_backward == "save",
+        overlap=upipe_config is not None and upipe_config.overlap_comm,
+    )
+
+
+# installed in this order, removed in the reverse one (`unprepare_model`), so the revert is exact by construction;
+# under SP the support gate runs before the adapter at _GATE_AT (it needs the global RoPE and the mixers in place)
+ADAPTERS = (
+    Adapter(
+        "global RoPE", lambda m, b, c: install_global_rope(m), lambda m, b: remove_global_rope(b)
+    ),
+    Adapter("mixers", _install_mixers, lambda m, b: remove_mixers(b)),
+    Adapter("tiled MLP", _install_tiled_mlp, lambda m, b: remove_tiled_mlp(m)),
+    Adapter(
+        "call checks", lambda m, b, c: install_call_checks(b), lambda m, b: remove_call_checks(b)
+    ),
+    Adapter("adopted modules", lambda m, b, c: adopt_modules(b), lambda m, b: release_modules(b)),
+    Adapter("attention implementation", _use_upipe, _restore_implementation),
+    Adapter("fused attention", _install_fused, lambda m, b: remove_fused_attention(m)),
+)
+_GATE_AT = 2
+
+
 def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
     """Install hf_upipe's adapters on `model` (see the module docstring).
 
@@ -190,41 +255,28 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
         )
     check_config(upipe_config)
     state = get_sequence_parallel_state()
-    # length-dependent RoPE from the global sequence, mixers across shards: before the gate, which needs them
-    passing = upipe_config.mixer_state_passing if upipe_config is not None else "parallel"
-    installed = install_global_rope(model) + install_mixers(
-        base_model(model), state_passing=passing
-    )
-    if state is not None and state.sp_size > 1:
-        reason = model_refusal(model, allow_unverified=state.allow_unverified)
-        error = (
-            refusal_error(reason)
-            if reason is not None
-            else _preparations_differ(model, upipe_config, state)
-        )
-        if error is not None:
-            if installed:
-                remove_global_rope(model)
-                remove_mixers(base_model(model))
-            raise error
-    if upipe_config is not None and upipe_config.tiled_mlp:
-        apply_tiled_mlp(model, upipe_config.mlp_chunk_tokens)
-    base = base_model(model)
-    install_call_checks(base)
-    adopt_modules(base)
-    config = getattr(base, "config", None)
-    current = getattr(config, "_attn_implementation", None)
-    if config is not None and current != "upipe" and hasattr(base, "set_attn_implementation"):
-        setattr(base, _PREVIOUS, _language_implementation(config, current))
-        base.set_attn_implementation(_language_implementation(config, "upipe"))
-        logger.info("hf_upipe: attn_implementation set to 'upipe' (was %r)", current)
-    if upipe_config is not None and not upipe_config.fused_attention:
-        return model
-    fused, changed, other = install_fused_attention(
-        model,
-        save=upipe_config is not None and upipe_config.fused_backward == "save",
-        overlap=upipe_config is not None and upipe_config.overlap_comm,
-    )
+    base = base_model(model)  # PEFT unwrapped once, here
+    done = {}
+    for i, adapter in enumerate(ADAPTERS):
+        if i == _GATE_AT and state is not None and state.sp_size > 1:
+            reason = model_refusal(model, allow_unverified=state.allow_unverified)
+            error = (
+                refusal_error(reason)
+                if reason is not None
+                else _preparations_differ(model, upipe_config, state)
+            )
+            if error is not None:
+                for installed in reversed(ADAPTERS[:i]):  # nothing left installed
+                    installed.remove(model, base)
+                raise error
+        done[adapter.name] = adapter.install(model, base, upipe_config)
+    if done["fused attention"] is not None:
+        _report_fused(model, upipe_config, *done["fused attention"])
+    return model
+
+
+def _report_fused(model: nn.Module, upipe_config, fused: int, changed: set, other: set) -> None:
+    """The fused block's log lines, or the error of overlap_comm on a model none of whose modules took it."""
     if upipe_config is not None and upipe_config.overlap_comm and not fused:
         unprepare_model(model)  # nothing left installed
         raise ValueError(
@@ -244,19 +296,12 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
         fused,
         f"; {sorted(other)} keep the registered 'upipe' path" if other else "",
     )
-    return model
 
 
 def unprepare_model(model: nn.Module) -> nn.Module:
-    """Remove every adapter `prepare_model` installed and restore the previous attention implementation."""
-    remove_fused_attention(model)
-    remove_tiled_mlp(model)
-    remove_global_rope(base_model(model))
-    remove_mixers(base_model(model))
+    """Remove every adapter `prepare_model` installed, in the reverse order of `ADAPTERS`, and restore the
+    previous attention implementation."""
     base = base_model(model)
-    release_modules(base)
-    remove_call_checks(base)
-    if _PREVIOUS in base.__dict__:
-        previous = base.__dict__.pop(_PREVIOUS)
-        base.set_attn_implementation(previous)
+    for adapter in reversed(ADAPTERS):
+        adapter.remove(model, base)
     return model
