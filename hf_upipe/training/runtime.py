@@ -650,30 +650,10 @@ class UPipeRuntime:
         if window:
             yield window
 
-    # ---- evaluation (hf_upipe.training.runtime) --------------------------------------------------------------------
-    def eval_sums(
-        self,
-        model,
-        loader,
-        *,
-        shards=None,
-        context=contextlib.nullcontext,
-        token_stats: bool = False,
-        forward=None,
-    ) -> EvalSums:
-        """Per-round loss sums of an evaluation pass over an accelerate-prepared `loader` (no repeated examples):
-        `hf_upipe.training.runtime.eval_sums` with this runtime, which documents the arguments."""
-        return eval_sums(
-            self,
-            model,
-            loader,
-            shards=shards,
-            context=context,
-            token_stats=token_stats,
-            forward=forward,
-        )
-
-    def evaluate(self, model, loader) -> float:
-        """The exact eval loss of `loader` (accelerate-prepared, as given to `UPipePlugin.prepare` or
-        `accelerator.prepare`): the token mean over every label token of the eval set, the same on every rank."""
-        return evaluate(self, model, loader)
+    # ---- evaluation: the module's functions, with this runtime as their first argument ----
+    eval_sums = (
+        eval_sums  # per-round loss sums of an evaluation pass (what UPipeTrainer reports from)
+    )
+    evaluate = (
+        evaluate  # the exact eval loss: the token mean over every label token of the eval set
+    )

@@ -112,20 +112,17 @@ def _worker(rank, world, model_types):
         if (
             model_type in ACROSS_DOCUMENTS
         ):  # the runtime detection alone, the registry's word hidden
-            import hf_upipe.attention.fused as fused_call
-            import hf_upipe.attention.registered as registered
+            import hf_upipe.attention.call as prelude  # both paths' call prelude
 
-            saved = registered.keeps_documents_apart, fused_call.keeps_documents_apart
-            registered.keeps_documents_apart = fused_call.keeps_documents_apart = lambda config: (
-                True
-            )
+            saved = prelude.keeps_documents_apart
+            prelude.keeps_documents_apart = lambda config: True
             try:
                 results[f"{model_type} inside, detected"] = (
                     _errors(ref, model, _batch(vocab, INSIDE), rank, world),
                     True,
                 )
             finally:
-                registered.keeps_documents_apart, fused_call.keeps_documents_apart = saved
+                prelude.keeps_documents_apart = saved
     hf_upipe.reset_sequence_parallel()
     return results
 
