@@ -39,7 +39,7 @@ from hf_upipe.attention.kernel import (
     sp_window,
     window_kernel,
 )
-from hf_upipe.attention.layout import validate_layout, without_documents
+from hf_upipe.attention.layout import ShardLayout, validate_layout, without_documents
 from hf_upipe.attention.mask import SequenceParallelMask, chunk_kernel
 from hf_upipe.attention.state import check_call, check_model
 from hf_upipe.batch_keys import CU_SEQLENS
@@ -115,8 +115,7 @@ def sp_call(state, call: SpCall, kwargs: dict):
     kernel = state.kernel
     if not call.fake:  # fake tensors carry no values to check (nor documents to split)
         config = getattr(call.module, "config", None)
-        if not validate_layout(
-            state,
+        shard = ShardLayout(
             kwargs.get("position_ids"),
             call.attention_mask,
             call.batch,
@@ -125,7 +124,8 @@ def sp_call(state, call: SpCall, kwargs: dict):
             kwargs.get(CU_SEQLENS),
             call.dtype,
             not keeps_documents_apart(config),
-        ):
+        )
+        if not validate_layout(state, shard):
             # the model's mask ignores the documents: attend across, as on one device
             kwargs = without_documents(kwargs)
         kernel = sp_kernel(state, kwargs, call.device, call.dtype, call.length * state.sp_size)

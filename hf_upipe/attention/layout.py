@@ -1,7 +1,8 @@
 """The layout check of sequence-parallel attention: do the ranks of an SP group hold shards of the same batch?
 
 Entry points:
-- `validate_layout(state, position_ids, mask, batch, local_len, device, documents=None)`: with one small
+- `validate_layout(state, shard)`, `ShardLayout` (one call's position_ids, mask, B, s, device, documents, dtype):
+  with one small
   all-gather (over the SP group's validation twin: bounded wait), checks that every rank has equal shard shapes,
   the same documents (`upipe_cu_seqlens`), position_ids that are global (or per document), a mask that is causal
   (inside the documents) and padding only at the end of each row; raises the same error on every rank. Once per
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -47,6 +49,7 @@ from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
 from hf_upipe.ops.ring import ring_positions
 
 __all__ = [
+    "ShardLayout",
     "TensorCache",
     "check_ring_rows_trailing",
     "check_rows_trailing",
@@ -215,14 +218,33 @@ def _dtype_code(dtype) -> int:
     )  # deterministic
 
 
-def _layout_summary(
-    state, position_ids, mask, batch, local_len, device, documents, dtype=None
-) -> torch.Tensor:
+@dataclass(frozen=True, eq=False)
+class ShardLayout:
+    """What one attention call says of this rank's shard, as the layout check reads it.
+
+    position_ids: [B or 1, s] (None: the model's own, noted by its pre-hook); mask: the call's
+    `SequenceParallelMask` (or None); batch, local_len: B and s; device, dtype: of the call's tensors;
+    documents: `upipe_cu_seqlens` (int32 [N+1] over the flattened full batch) for packed rows, else None;
+    across_documents: the architecture builds its mask without position_ids (`Architecture.packed_documents`)."""
+
+    position_ids: object
+    mask: object
+    batch: int
+    local_len: int
+    device: object
+    documents: object = None
+    dtype: object = None
+    across_documents: bool = False
+
+
+def _layout_summary(state, shard: ShardLayout) -> torch.Tensor:
     """This rank's facts as int64 [15]: s, B, mask ok, positions ok, padding ok locally, any pad, all pads
     (every row all padding), positions restarting locally, documents given, two checksums of them, the dtype,
     whether the model's mask here ignores / keeps the documents (positions restart locally and the mask is plain
     causal / is not), and the 2-D attention_mask's length (s without one)."""
-    r, s = state.sp_rank, local_len
+    position_ids, mask, batch, device = shard.position_ids, shard.mask, shard.batch, shard.device
+    documents, dtype = shard.documents, shard.dtype
+    r, s = state.sp_rank, shard.local_len
     pad, mask_len = usable_padding(mask, s)
     pos = usable_positions(position_ids, s, batch)  # [B, s] or None
     expected = ring_positions(
@@ -386,34 +408,22 @@ def _check_padding_across_ranks(state, f: _Facts, mask, batch, device) -> None:
             check_rows_trailing(mask, batch, device, lambda t: _gather_checked(t, state))
 
 
-def _check_layout(
-    state,
-    position_ids,
-    mask,
-    batch,
-    local_len,
-    device,
-    documents=None,
-    dtype=None,
-    across_documents: bool = False,
-) -> bool:
+def _check_layout(state, shard: ShardLayout) -> bool:
     """Validate the global layout with one all-gather every rank enters; raise the same error on every rank.
 
-    `documents`: `upipe_cu_seqlens` (int32 [N+1] over the flattened full batch) for packed rows, else None.
-    `across_documents`: the architecture builds its mask without position_ids (`Architecture.packed_documents`).
     Returns whether attention keeps the documents apart (see `validate_layout`).
     """
-    mine = _layout_summary(state, position_ids, mask, batch, local_len, device, documents, dtype)
+    mine = _layout_summary(state, shard)
     every = _gather_checked(mine, state)  # [P, 15]
     f = _Facts(*every.t().tolist())  # 15 lists of P
     _check_shards(state, f)
-    _check_positions(state, f, position_ids)
+    _check_positions(state, f, shard.position_ids)
     _check_mask(f)
-    _check_padding_across_ranks(state, f, mask, batch, device)
+    _check_padding_across_ranks(state, f, shard.mask, shard.batch, shard.device)
     if not f.given[0]:
         return True
     # what the model's own mask did where it met a document start decides; else the registry's word
-    keep_apart = any(f.apart) or not (any(f.across) or across_documents)
+    keep_apart = any(f.apart) or not (any(f.across) or shard.across_documents)
     if not keep_apart:
         _warn_across_documents()
     return keep_apart
@@ -458,17 +468,7 @@ class TensorCache:
 _VALIDATED = TensorCache()
 
 
-def validate_layout(
-    state,
-    position_ids,
-    mask,
-    batch,
-    local_len,
-    device,
-    documents=None,
-    dtype=None,
-    across_documents: bool = False,
-) -> bool:
+def validate_layout(state, shard: ShardLayout) -> bool:
     """`_check_layout` once per model forward instead of once per layer (every rank raises the same error).
 
     The first attention layer of a forward checks, with one all-gather; later layers, and the recompute of
@@ -481,22 +481,22 @@ def validate_layout(
     drops `upipe_cu_seqlens`, so that SP computes exactly that, and a warning says so once.
     """
     # an attention call without them (GPT-BigCode, Persimmon, CTRL...): the model's own
-    if position_ids is None:
-        position_ids = model_positions()
+    if shard.position_ids is None:
+        shard = replace(shard, position_ids=model_positions())
+    position_ids, mask, documents = shard.position_ids, shard.mask, shard.documents
+    sizes = (shard.batch, shard.local_len)
     seen = _VALIDATED.get(position_ids) if isinstance(position_ids, torch.Tensor) else None
     if (
         seen is not None
         and seen[0] is state
         and seen[1] is mask
         and seen[2] is documents
-        and seen[3] == (batch, local_len)
+        and seen[3] == sizes
     ):
         return seen[4]
-    keep_apart = _check_layout(
-        state, position_ids, mask, batch, local_len, device, documents, dtype, across_documents
-    )
+    keep_apart = _check_layout(state, shard)
     if isinstance(position_ids, torch.Tensor):
-        _VALIDATED.set(position_ids, (state, mask, documents, (batch, local_len), keep_apart))
+        _VALIDATED.set(position_ids, (state, mask, documents, sizes, keep_apart))
     return keep_apart
 
 
