@@ -46,7 +46,7 @@ from hf_upipe.adapters.mixers import (
 )
 from hf_upipe.adapters.replaced import replacement_refusal
 from hf_upipe.adapters.rope import global_rope_ready, installable, rope_verdict
-from hf_upipe.models.architectures import ARCHITECTURES
+from hf_upipe.models.architectures import ARCHITECTURES, REFUSED_VISION_TYPES, vlm_type_refusal
 from hf_upipe.models.peft import base_model
 from hf_upipe.models.verification import TESTED_RANGE, VERIFIED_RELEASES, installed_version
 
@@ -200,8 +200,6 @@ def _layer_types_reason(other: list[str]) -> str:
 
 def _unverified_reason(config, model_type, scanned: bool) -> str:
     """The mechanism that refuses an unverified type, or that it is not verified (`config_refusal`)."""
-    from hf_upipe.vlm import REFUSED_VISION_TYPES, vlm_type_refusal
-
     # a vision-language type that hf_upipe.vlm does not shard
     vision = getattr(config, "vision_config", None) is not None
     if vision and model_type in REFUSED_VISION_TYPES:

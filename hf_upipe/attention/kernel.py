@@ -21,8 +21,8 @@ sequence order, not the ring's). Packed rows are refused by `hf_upipe.data.shard
 
 from __future__ import annotations
 
-from hf_upipe.attention.layout import TensorCache
 from hf_upipe.attention.mask import SequenceParallelMask
+from hf_upipe.attention.state import TensorCache
 from hf_upipe.batch_keys import CU_SEQLENS, MAX_SEQLEN
 from hf_upipe.ops.documents import DocumentKernel
 from hf_upipe.ops.kernels import AttentionKernel, get_kernel

@@ -11,7 +11,6 @@ Entry points:
   drops them with `without_documents(kwargs)`).
   An attention call without position_ids is checked with those of its prepared model's call
   (`hf_upipe.adapters.call_checks`).
-- `TensorCache`: tensor -> value by the tensor's identity, holding it weakly.
 
 Every rank computes a small int64 summary of what it sees; the all-gathered summaries decide, identically on every
 rank, which error (if any) to raise, before any all-to-all.
@@ -34,7 +33,6 @@ Entry points:
 from __future__ import annotations
 
 import warnings
-import weakref
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -43,6 +41,7 @@ import torch.distributed as dist
 
 from hf_upipe.adapters.call_checks import model_positions
 from hf_upipe.attention.mask import agrees_with_documents
+from hf_upipe.attention.state import TensorCache
 from hf_upipe.batch_keys import DOCUMENT_KEYS
 from hf_upipe.distributed import validation_failed
 from hf_upipe.ops.documents import cu_seqlens_error, left_padded_rows
@@ -50,7 +49,6 @@ from hf_upipe.ops.ring import ring_positions
 
 __all__ = [
     "ShardLayout",
-    "TensorCache",
     "check_ring_rows_trailing",
     "check_rows_trailing",
     "document_facts",
@@ -441,25 +439,6 @@ def _warn_across_documents() -> None:
             "(upipe_cu_seqlens only checks the position_ids). To keep documents apart, pad rows instead of "
             "packing them.",
             stacklevel=3,
-        )
-
-
-class TensorCache:
-    """tensor -> value, by the tensor's identity, holding the tensor weakly (an entry dies with its tensor).
-    (`weakref.WeakKeyDictionary` compares keys with `==`, which is elementwise for tensors.)"""
-
-    def __init__(self):
-        self._entries: dict[int, tuple[weakref.ref, object]] = {}
-
-    def get(self, tensor):
-        entry = self._entries.get(id(tensor))
-        return entry[1] if entry is not None and entry[0]() is tensor else None
-
-    def set(self, tensor, value) -> None:
-        key = id(tensor)
-        self._entries[key] = (
-            weakref.ref(tensor, lambda _, key=key: self._entries.pop(key, None)),
-            value,
         )
 
 

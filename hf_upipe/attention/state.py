@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from typing import Callable
 
 from hf_upipe.adapters.call_checks import refuse_collected_attentions
@@ -24,6 +25,7 @@ from hf_upipe.adapters.support import config_refusal, refusal_error, sdpa_refusa
 from hf_upipe.distributed import SequenceParallelState, get_sequence_parallel_state
 
 __all__ = [
+    "TensorCache",
     "SINK_ARGUMENTS",
     "UNIMPLEMENTED_ARGUMENTS",
     "active_state",
@@ -33,6 +35,25 @@ __all__ = [
     "check_model",
     "local_sequence_parallel",
 ]
+
+
+class TensorCache:
+    """tensor -> value, by the tensor's identity, holding the tensor weakly (an entry dies with its tensor).
+    (`weakref.WeakKeyDictionary` compares keys with `==`, which is elementwise for tensors.)"""
+
+    def __init__(self):
+        self._entries: dict[int, tuple[weakref.ref, object]] = {}
+
+    def get(self, tensor):
+        entry = self._entries.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else None
+
+    def set(self, tensor, value) -> None:
+        key = id(tensor)
+        self._entries[key] = (
+            weakref.ref(tensor, lambda _, key=key: self._entries.pop(key, None)),
+            value,
+        )
 
 
 def active_state() -> SequenceParallelState | None:

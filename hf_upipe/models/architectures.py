@@ -55,6 +55,7 @@ __all__ = [
     "TEXT_MODEL_TYPES",
     "TEXT_ONLY",
     "VERIFIED_REGISTERED",
+    "REFUSED_VISION_TYPES",
     "VISION",
     "architecture_of",
     "fused_attention_classes",
@@ -64,6 +65,7 @@ __all__ = [
     "source_fingerprint",
     "tiled_mlp_classes",
     "tiled_norm_classes",
+    "vlm_type_refusal",
 ]
 
 
@@ -175,3 +177,29 @@ def source_fingerprint(arch: Architecture, adapter: str) -> str | None:
         return fingerprint(*objects)
     except (ImportError, AttributeError, OSError, TypeError):
         return None
+
+
+# vision-language types known not to fit: model_type -> why (the support gate names it)
+REFUSED_VISION_TYPES = {
+    "qwen3_vl": (
+        "Qwen3-VL's deepstack adds visual features inside the first decoder layers at the image tokens' "
+        "positions (visual_pos_masks), which the whole-sequence merge does not carry into each shard"
+    ),
+    "qwen3_vl_moe": (
+        "Qwen3-VL-MoE's deepstack adds visual features inside the first decoder layers at the image tokens' "
+        "positions (visual_pos_masks), which the whole-sequence merge does not carry into each shard"
+    ),
+}
+
+
+def vlm_type_refusal(model_type) -> str | None:
+    """Why a vision-language `model_type` cannot run under SP with its images merged whole, or None (the support
+    gate names it for an unverified multimodal type)."""
+    if model_type in REFUSED_VISION_TYPES:
+        return f"{model_type}: {REFUSED_VISION_TYPES[model_type]}"
+    if model_type not in VISION:
+        return (
+            f"{model_type!r} is not a vision-language type verified under sequence parallelism with its images "
+            f"merged whole before the sequence is sharded (verified: {list(VISION)}; hf_upipe.vlm)"
+        )
+    return None
