@@ -1,4 +1,4 @@
-"""The pieces of `hf_upipe.training.runtime` (with `hf_upipe.training.runtime`, `hf_upipe.training.runtime`) and
+"""The pieces of `hf_upipe.training.runtime` (its setup checks and exact evaluation included) and
 `hf_upipe.training.loaders` that need no process group: settings named as the user wrote them, the settings
 every rank must share, the eval-loss arithmetic, the zero-token guard of the loss, and the evaluation loaders'
 records (no repeated examples, the examples of every round)."""
