@@ -26,7 +26,7 @@ import time
 
 from allocator_trace import SETTINGS, STEP, labelled_trace
 
-from hf_upipe.models import PRESETS
+from hf_upipe.models.presets import PRESETS
 from hf_upipe.ops.tiled_loss import default_chunk_tokens as loss_tile
 from hf_upipe.planning import caching_allocator as ca
 

@@ -22,14 +22,14 @@ import os
 
 import torch
 
-from hf_upipe.memory import offload
-from hf_upipe.models import PRESETS
+from hf_upipe.models.presets import PRESETS
 from hf_upipe.planning import caching_allocator as ca
 from hf_upipe.planning import categories as cat
 from hf_upipe.planning import storage_labels, train_step
 from hf_upipe.planning import tracker as tr
 from hf_upipe.planning.alloc_trace import record_step_trace
 from hf_upipe.planning.reserved import Allowance
+from hf_upipe.training import offload
 
 MiB, GiB = 2**20, 2**30
 SETTINGS = train_step.StepSettings("fused", 1, tiled_mlp=True, offload="cpu")

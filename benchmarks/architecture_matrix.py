@@ -1,6 +1,7 @@
 """Every decoder-only causal LM of the installed transformers, built tiny: exact under sequence parallelism, refused
-with a clear error, or (what must never happen) wrong, crashed or hung? (`hf_upipe.matrix` says how each is judged.)
-And every vision-language (image-text-to-text) type, with images (`hf_upipe.vlm_matrix`).
+with a clear error, or (what must never happen) wrong, crashed or hung? (`hf_upipe.tools.matrix` says how each is
+judged.)
+And every vision-language (image-text-to-text) type, with images (`hf_upipe.tools.vlm_matrix`).
 
     python benchmarks/architecture_matrix.py [--types gpt2,llama,...] [--sp 2] [--timeout 60]
     python benchmarks/architecture_matrix.py --vlm-only [--vlm-types qwen2_vl,llava,...]
@@ -27,9 +28,9 @@ sys.path.insert(
     0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )  # run from a checkout
 
-from hf_upipe.matrix import causal_lm_types, single_process, summary, support_table, verdict  # noqa: E402
-from hf_upipe.testing import DistributedFailure, run_distributed  # noqa: E402
-from hf_upipe.vlm_matrix import (  # noqa: E402
+from hf_upipe.tools.matrix import causal_lm_types, single_process, summary, support_table, verdict  # noqa: E402
+from hf_upipe.tools.testing import DistributedFailure, run_distributed  # noqa: E402
+from hf_upipe.tools.vlm_matrix import (  # noqa: E402
     vlm_rank,
     vlm_summary,
     vlm_support_table,
@@ -46,7 +47,7 @@ def _single(rank: int, world: int, model_type: str) -> dict:
 
 
 def isolated(model_type: str, sp: int, timeout: float) -> dict:
-    from hf_upipe.selftest import run_selftest
+    from hf_upipe.tools.selftest import run_selftest
 
     try:
         row = run_distributed(_single, 1, model_type, timeout=timeout, start_method="forkserver")[0]
@@ -144,9 +145,9 @@ def main() -> int:
             "transformers",
             "transformers.modeling_utils",
             "hf_upipe",
-            "hf_upipe.selftest",
-            "hf_upipe.matrix",
-            "hf_upipe.vlm_matrix",
+            "hf_upipe.tools.selftest",
+            "hf_upipe.tools.matrix",
+            "hf_upipe.tools.vlm_matrix",
         ]
     )
     import transformers

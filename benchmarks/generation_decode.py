@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
-    from hf_upipe.testing import run_distributed
+    from hf_upipe.tools.testing import run_distributed
 
     torch.set_num_threads(1)  # the ranks run one thread each too
     one = _one_process(args.prompt, args.new, args.repeats)

@@ -1,7 +1,8 @@
 """One hybrid mixer layer under sequence parallelism on CPU: its time and its extra memory per rank.
 
 For each mixer kind (Mamba2: Bamba's mixer; gated DeltaNet: Qwen3-Next's; short convolution: LFM2's), the mixer
-module of `hf_upipe.models.tiny_config(model_type)` (widened by `--hidden`) after `hf_upipe.prepare_model`, forward
+module of `hf_upipe.models.presets.tiny_config(model_type)` (widened by `--hidden`) after `hf_upipe.prepare_model`,
+forward
 + backward on a sequence of S tokens, on 2 gloo ranks with one thread each:
 - "SP 2": the installed `sharded_mixer_forward` on each rank's shard of S/2 tokens (gated DeltaNet: all ranks at
   once, a prefix over their gathered states; Mamba2: state passed rank to rank, the sequential fallback of the
@@ -48,8 +49,8 @@ def _mixer(model_type: str, layer_type: str, hidden: int):
     from transformers import AutoModelForCausalLM
 
     import hf_upipe
-    from hf_upipe.integrations import mixers
-    from hf_upipe.models import tiny_config
+    from hf_upipe.adapters import mixers
+    from hf_upipe.models.presets import tiny_config
 
     config = tiny_config(model_type)
     config.num_hidden_layers = 2
@@ -86,8 +87,8 @@ def _worker(
     import torch.distributed as dist
 
     import hf_upipe
-    from hf_upipe.integrations import mixers
-    from hf_upipe.integrations.delta_rule import DELTA_KERNELS
+    from hf_upipe.adapters import mixers
+    from hf_upipe.adapters.delta_rule import DELTA_KERNELS
     from hf_upipe.planning.tracker import MemoryTracker
 
     torch.set_num_threads(1)
@@ -172,7 +173,7 @@ def main() -> None:
         "--kinds", default=",".join(k[1] for k in KINDS), help="model types of the mixers to run"
     )
     args = ap.parse_args()
-    from hf_upipe.testing import run_distributed
+    from hf_upipe.tools.testing import run_distributed
 
     lengths = [int(v) for v in args.seq_lens.split(",")]
     rows, raw = [], {}

@@ -3,7 +3,7 @@ tensors: windows, MoE experts, multimodal towers, hybrids), or refuse it with it
 
     python benchmarks/planner_reach.py [--gpus 8] [--seq-len 16384] [--out benchmarks/results]
 
-Each type is its tiny config (`hf_upipe.models.runnable_config`); writes <out>/planner_reach.json and prints a
+Each type is its tiny config (`hf_upipe.models.presets.runnable_config`); writes <out>/planner_reach.json and prints a
 summary and the refusals.
 """
 
@@ -33,8 +33,8 @@ def main() -> int:
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from hf_upipe.architectures import ARCHITECTURES
-    from hf_upipe.models import runnable_config
+    from hf_upipe.models.architectures import ARCHITECTURES
+    from hf_upipe.models.presets import runnable_config
     from hf_upipe.planning.planner import plan
 
     # every verified causal-LM type (multimodal ones planned for text; their text configs are built inside them)

@@ -28,7 +28,7 @@ sys.path.insert(
     0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )  # run from a checkout
 
-from hf_upipe.models import resolve  # noqa: E402
+from hf_upipe.models.presets import resolve  # noqa: E402
 from hf_upipe.planning.step_time import (  # noqa: E402
     EFFICIENCY,
     H100_SXM,

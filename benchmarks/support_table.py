@@ -5,7 +5,8 @@
 
 Reads every `benchmarks/results/architecture_matrix*.json` (one per transformers release, written by
 `benchmarks/architecture_matrix.py`), newest release first, and renders them with
-`hf_upipe.matrix.support_table` (causal LMs) and `hf_upipe.vlm_matrix.vlm_support_table` (vision-language types),
+`hf_upipe.tools.matrix.support_table` (causal LMs) and `hf_upipe.tools.vlm_matrix.vlm_support_table` (vision-language
+types),
 each between its own markers. The tables are never edited by hand: `tests/test_docs_truth.py` fails when the page
 differs from this script's output.
 """
@@ -21,8 +22,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout
 
-from hf_upipe.matrix import support_table  # noqa: E402
-from hf_upipe.vlm_matrix import vlm_support_table  # noqa: E402
+from hf_upipe.tools.matrix import support_table  # noqa: E402
+from hf_upipe.tools.vlm_matrix import vlm_support_table  # noqa: E402
 
 PAGE = os.path.join(ROOT, "docs", "models.md")
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "architecture_matrix*.json")

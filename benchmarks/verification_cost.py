@@ -35,8 +35,9 @@ HYBRIDS = ("bamba", "qwen3_next", "lfm2")
 
 def _hide_fingerprints() -> None:
     """Every recorded fingerprint replaced by one no source has: the installed release looks unseen."""
-    from hf_upipe import architectures
-    from hf_upipe.integrations import mixer_sources, rope
+    from hf_upipe.adapters import mixers as mixer_sources
+    from hf_upipe.adapters import rope
+    from hf_upipe.models import architectures
 
     none = ("0" * 16,)
     for key, arch in list(architectures.ARCHITECTURES.items()):
@@ -53,8 +54,8 @@ def _model(model_type: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hf_upipe.integrations.probe import case_config
-    from hf_upipe.models import tiny_config
+    from hf_upipe.models.presets import tiny_config
+    from hf_upipe.models.probe import case_config
 
     torch.manual_seed(0)
     config = tiny_config(model_type) if model_type in HYBRIDS else case_config(model_type)
@@ -73,7 +74,7 @@ def child(model_type: str, hidden: bool) -> dict:
     torch.set_num_threads(1)
     config = hf_upipe.UPipeConfig(tiled_mlp=True)
     hf_upipe.prepare_model(_model(model_type), config)  # imports and first calls, not timed
-    from hf_upipe import verification
+    from hf_upipe.models import verification
 
     verification._PROCESS.clear()
     if hidden:
@@ -120,7 +121,7 @@ def measure(model_type: str, reps: int) -> dict:
 
 
 def main() -> None:
-    from hf_upipe.architectures import FUSED
+    from hf_upipe.models.architectures import FUSED
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", default=",".join([a.model_type for a in FUSED] + list(HYBRIDS)))

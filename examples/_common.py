@@ -151,7 +151,7 @@ def build_model(
     if lora:
         from peft import LoraConfig
 
-        from hf_upipe.integrations.peft import get_peft_model
+        from hf_upipe.models.peft import get_peft_model
 
         model = get_peft_model(
             model,

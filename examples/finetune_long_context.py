@@ -15,7 +15,7 @@ and gradient clipping (a recipe that learns the task on every seed tried, whatev
 it measures greedy answers on held-out rows: the first answer of each row can only be read from the passkey, 500 or
 more tokens back in the first rank's shard (chance: 10%). `--data` takes local text files.
 
-The loop is the `UPipePlugin` flow (hf_upipe/plugin.py): `plugin.prepare` sets up the SP groups,
+The loop is the `UPipePlugin` flow (hf_upipe/training/plugin.py): `plugin.prepare` sets up the SP groups,
 the fused attention block, accelerate's FSDP2/DDP and a loader of per-rank shards, and returns the run's
 `UPipeRuntime`: `upipe.loss(model, shard, n)` is the exact token mean over all ranks. Checkpoints (`--save-every`,
 and the last step) hold the model as plain transformers/PEFT files (`model/`, loadable without hf_upipe) and
@@ -59,7 +59,7 @@ from _common import (  # noqa: E402
 )
 
 from hf_upipe import UPipePlugin  # noqa: E402
-from hf_upipe.checkpoint import verify_checkpoint, write_manifest  # noqa: E402
+from hf_upipe.training.checkpoint import verify_checkpoint, write_manifest  # noqa: E402
 
 
 def save_checkpoint(accelerator, model, path: str, step: int, base: str | None = None) -> None:

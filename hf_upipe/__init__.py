@@ -4,9 +4,9 @@ Main entry points:
 - `init_sequence_parallel(sp_size=None, *, heads_per_chunk=1, group=None, kernel="auto")`: build the
   sequence-parallel groups after torch.distributed is up; the defaults of `attn_implementation="upipe"`.
 - `attn_implementation="upipe"` in `from_pretrained` / `from_config`: registered with transformers by
-  `import hf_upipe` (as soon as transformers' modeling code loads: `hf_upipe.registration`).
+  `import hf_upipe` (as soon as transformers' modeling code loads: `hf_upipe.attention.registration`).
 - `prepare_model(model, upipe_config=None)` / `unprepare_model(model)`: install (and remove, exactly) the fused
-  UPipe attention block and the tiled MLP on the architectures of `hf_upipe.architectures`; a plain
+  UPipe attention block and the tiled MLP on the architectures of `hf_upipe.models.architectures`; a plain
   or a PEFT model.
 - `upipe_attention(q, k, v, *, group, heads_per_chunk)`: the op itself, on explicit tensors and process group.
 - `UPipeTrainer` / `UPipeConfig`: transformers' Trainer with sequence parallelism, exact token-weighted loss and
@@ -33,10 +33,12 @@ accelerate or the planner is imported on first use of its name.
 import os
 from importlib import import_module
 
+# the global hooks: refuse unprepared models on shards under SP; a random stream per SP rank
+from hf_upipe.adapters import hooks as _guard  # noqa: F401
+from hf_upipe.attention.registration import register_with_transformers
 from hf_upipe.config import UPipeConfig
 from hf_upipe.console_log import install_console_handler
-from hf_upipe.data import shard_batch
-from hf_upipe.data_loader import ShardedDataLoader, sampler_kwargs
+from hf_upipe.data import ShardedDataLoader, sampler_kwargs, shard_batch
 from hf_upipe.distributed import (
     SequenceParallelState,
     get_sequence_parallel_state,
@@ -45,24 +47,21 @@ from hf_upipe.distributed import (
     without_sequence_parallel,
 )
 from hf_upipe.exits import report_setting_errors
-from hf_upipe.integrations import guard as _guard  # noqa: F401  (refuses unprepared models on shards under SP)
-from hf_upipe.integrations import randomness as _randomness  # noqa: F401  (a random stream per SP rank)
 from hf_upipe.ops.head_layout import HeadLayout, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.ops.upipe_attention import upipe_attention
-from hf_upipe.registration import register_with_transformers
 
 __version__ = "0.1.0"
 
 # name -> module that defines it, imported on first use (transformers, accelerate or the planner behind them)
 _LAZY = {
     "MemoryTracker": "hf_upipe.planning.tracker",
-    "UPipePlugin": "hf_upipe.plugin",
-    "UPipeRuntime": "hf_upipe.runtime",
-    "UPipeTrainer": "hf_upipe.trainer",
+    "UPipePlugin": "hf_upipe.training.plugin",
+    "UPipeRuntime": "hf_upipe.training.runtime",
+    "UPipeTrainer": "hf_upipe.training.trainer",
     "generate": "hf_upipe.generation",
     "plan": "hf_upipe.planning.planner",
-    "prepare_model": "hf_upipe.integrations.prepare",
-    "unprepare_model": "hf_upipe.integrations.prepare",
+    "prepare_model": "hf_upipe.prepare",
+    "unprepare_model": "hf_upipe.prepare",
 }
 
 __all__ = [

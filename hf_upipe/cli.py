@@ -4,7 +4,7 @@ Entry points:
 - `main(argv=None)`: `hf-upipe <command> ...`; the console script of the package.
 - `build_parser()`: its argparse parser, one sub-parser per command.
 - `register_command(name, help, add_arguments, run)`: how a command plugs in (`env` here; the planner and the
-  self-test (`hf_upipe.selftest_command`) plug in the same way).
+  self-test (`hf_upipe.tools.selftest`) plug in the same way).
 
 Commands:
 - `hf-upipe env [--json]`: versions of the stack, devices, distributed backends, the attention kernels usable on
@@ -13,7 +13,7 @@ Commands:
   registry records for it, and how it stands (verified by fingerprint, by behaviour, or not); exit 1 unless every
   adapter is verified. What to compare and record when adding or re-verifying an architecture
   (docs/contributing.md).
-- `hf-upipe selftest --model ... [--sp 2] [--lora]`: SP against one device on your model (`hf_upipe.selftest`).
+- `hf-upipe selftest --model ... [--sp 2] [--lora]`: SP against one device on your model (`hf_upipe.tools.selftest`).
 - `hf-upipe plan --model ... --gpus N [--gpu-memory 80GiB] [--nodes M] (--seq-len S | --max)`: per-GPU memory
   by category, whether it fits, the settings to use (`hf_upipe.planning.planner`). Exit 1 if it does not fit.
 """
@@ -53,14 +53,14 @@ def _version(package: str) -> str | None:
 
 def collect_env(checked: bool = True) -> dict:
     """Everything `hf-upipe env` reports, as a dict (`checked`: run the adapters' behaviour checks on a source not
-    seen before, `hf_upipe.integrations.adapter_status`)."""
+    seen before, `hf_upipe.tools.adapter_status`)."""
     import torch
     import torch.distributed as dist
 
     import hf_upipe
     from hf_upipe.config import UPipeConfig
-    from hf_upipe.integrations.adapter_status import adapter_status
     from hf_upipe.ops.kernels import available_kernels
+    from hf_upipe.tools.adapter_status import adapter_status
 
     cuda = torch.cuda.is_available()
     devices = (
@@ -118,7 +118,7 @@ def _env_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _env_run(args: argparse.Namespace) -> int:
-    from hf_upipe.integrations.adapter_status import format_status
+    from hf_upipe.tools.adapter_status import format_status
 
     info = collect_env(checked=args.check)
     if args.json:
@@ -162,8 +162,8 @@ register_command(
 
 
 def _fingerprints_run(args: argparse.Namespace) -> int:
-    from hf_upipe.integrations.adapter_status import adapter_status
-    from hf_upipe.verification import VERIFIED_RELEASES, installed_version
+    from hf_upipe.models.verification import VERIFIED_RELEASES, installed_version
+    from hf_upipe.tools.adapter_status import adapter_status
 
     rows = adapter_status(check=args.check)
     if args.json:
@@ -191,13 +191,13 @@ register_command(
 
 
 def _selftest_arguments(parser):
-    from hf_upipe.selftest_command import add_arguments
+    from hf_upipe.tools.selftest import add_arguments
 
     add_arguments(parser)
 
 
 def _selftest_run(args):
-    from hf_upipe.selftest_command import run
+    from hf_upipe.tools.selftest import run
 
     return run(args)
 

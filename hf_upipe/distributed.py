@@ -13,7 +13,7 @@ Entry points:
   restore it after a temporary change; `without_sequence_parallel()`: a context without any state, to run a model
   on whole sequences in an SP process.
 - `on_state_change(listener)`: be told of every state change. While a state of sp_size > 1 is installed,
-  `hf_upipe.integrations.guard` (a listener) refuses a transformers model called without `prepare_model` whose
+  `hf_upipe.adapters.hooks` (a listener) refuses a transformers model called without `prepare_model` whose
   attention is not "upipe" or that has token mixers (each rank would mix its shard alone).
 - `validation_group()` (with `validation_timeout`, `validation_failed`, `simulated`: `hf_upipe.agreement`, re-exported
   here): a gloo group over all ranks whose collectives give up after `validation_timeout()` seconds
@@ -360,7 +360,7 @@ def without_sequence_parallel():
 
 
 def on_state_change(listener) -> None:
-    """Call `listener(state)` now and whenever the installed state changes (`hf_upipe.integrations.guard` turns its
+    """Call `listener(state)` now and whenever the installed state changes (`hf_upipe.adapters.hooks` turns its
     hook on and off so)."""
     _LISTENERS.append(listener)
     listener(_STATE)

@@ -43,12 +43,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hf_upipe.attention.kernel import sp_window
+from hf_upipe.attention.registered import upipe_attention_forward
+from hf_upipe.attention.state import attention_override
 from hf_upipe.data import shard_batch
 from hf_upipe.distributed import get_sequence_parallel_state, without_sequence_parallel
 from hf_upipe.generation_cache import ShardKVCache, token_schedule
-from hf_upipe.integrations.sp_checks import attention_override
-from hf_upipe.integrations.sp_kernels import sp_window
-from hf_upipe.integrations.transformers import upipe_attention_forward
 
 __all__ = ["ShardKVCache", "generate"]
 

@@ -30,10 +30,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_upipe.architectures import VISION
 from hf_upipe.data import shard_batch
 from hf_upipe.distributed import get_sequence_parallel_state
-from hf_upipe.integrations.peft import base_model
+from hf_upipe.models.architectures import REFUSED_VISION_TYPES, VISION, vlm_type_refusal
+from hf_upipe.models.peft import base_model
 
 __all__ = [
     "REFUSED_VISION_TYPES",
@@ -46,17 +46,6 @@ __all__ = [
 # model types whose language model runs exactly under SP on inputs_embeds + [4, B, s] positions (the registry's,
 # tested at SP 2 against one process: tests/integrations/test_vlm.py)
 VISION_TYPES = VISION
-# vision-language types known not to fit: model_type -> why (the support gate names it)
-REFUSED_VISION_TYPES = {
-    "qwen3_vl": (
-        "Qwen3-VL's deepstack adds visual features inside the first decoder layers at the image tokens' "
-        "positions (visual_pos_masks), which the whole-sequence merge does not carry into each shard"
-    ),
-    "qwen3_vl_moe": (
-        "Qwen3-VL-MoE's deepstack adds visual features inside the first decoder layers at the image tokens' "
-        "positions (visual_pos_masks), which the whole-sequence merge does not carry into each shard"
-    ),
-}
 
 
 def _inner(model: nn.Module) -> nn.Module | None:
@@ -65,19 +54,6 @@ def _inner(model: nn.Module) -> nn.Module | None:
     inner = getattr(base, "model", base)
     ok = all(hasattr(inner, a) for a in ("visual", "language_model", "get_rope_index"))
     return inner if ok else None
-
-
-def vlm_type_refusal(model_type) -> str | None:
-    """Why a vision-language `model_type` cannot run under SP with its images merged whole, or None (the support
-    gate names it for an unverified multimodal type)."""
-    if model_type in REFUSED_VISION_TYPES:
-        return f"{model_type}: {REFUSED_VISION_TYPES[model_type]}"
-    if model_type not in VISION_TYPES:
-        return (
-            f"{model_type!r} is not a vision-language type verified under sequence parallelism with its images "
-            f"merged whole before the sequence is sharded (verified: {list(VISION_TYPES)}; hf_upipe.vlm)"
-        )
-    return None
 
 
 def vlm_refusal(model: nn.Module) -> str | None:

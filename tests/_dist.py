@@ -1,4 +1,4 @@
-"""The test suite's multi-process runs: `hf_upipe.testing.run_distributed` (the harness the self-test uses too),
+"""The test suite's multi-process runs: `hf_upipe.tools.testing.run_distributed` (the harness the self-test uses too),
 with every rank forked from one forkserver that imported torch, transformers and the test helpers once.
 
 `run_distributed(fn, world_size, *args)` runs `fn(rank, world_size, *args)` in `world_size` fresh processes joined by
@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hf_upipe import testing
+from hf_upipe.tools import testing
 
 _PRELOAD = [
     "torch",
@@ -26,7 +26,7 @@ _PRELOAD = [
     "peft",
     "accelerate",
     "hf_upipe",
-    "hf_upipe.integrations.transformers",
+    "hf_upipe.attention.registered",
     "tests.integrations._models",
 ]
 multiprocessing.set_forkserver_preload(_PRELOAD)

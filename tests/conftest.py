@@ -7,7 +7,7 @@
   long files of few tests last) is turned off for this.
 - Each worker's own torch uses one thread: two workers already fill the two cores, and two-thread kernels in both
   would only contend (the spawned ranks and the examples' processes run one thread each anyway).
-- The adapters' verdicts by behaviour (`hf_upipe.verification`) are cached in a folder of this run's own, not the
+- The adapters' verdicts by behaviour (`hf_upipe.models.verification`) are cached in a folder of this run's own, not the
   user's cache: every run checks afresh, and nothing is left behind.
 """
 

@@ -244,7 +244,7 @@ SINGLE = [
 
 
 def _runtime():
-    from hf_upipe.runtime import NO_SP, UPipeRuntime
+    from hf_upipe.training.runtime import NO_SP, UPipeRuntime
 
     return UPipeRuntime(UPipeConfig(), NO_SP, world_size=1, device="cpu")
 
@@ -381,8 +381,8 @@ def _wrong_order(rank, world):
 
 
 def _matrix_rank(rank, world):
-    from hf_upipe.data_loader import ShardedDataLoader
-    from hf_upipe.runtime import UPipeRuntime
+    from hf_upipe.data import ShardedDataLoader
+    from hf_upipe.training.runtime import UPipeRuntime
     from tests.integrations._models import build_pair, tiny_config
 
     os.environ["UPIPE_VALIDATION_TIMEOUT"] = "20"

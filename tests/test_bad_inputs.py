@@ -61,7 +61,7 @@ def test_the_runtime_names_a_shard_without_labels_before_any_collective(method):
     the other ranks died waiting). Ranks that disagree: tests/test_bad_input_matrix.py."""
     import torch
 
-    from hf_upipe.runtime import NO_SP, UPipeRuntime
+    from hf_upipe.training.runtime import NO_SP, UPipeRuntime
 
     shard = {"input_ids": torch.ones(1, 4, dtype=torch.long)}
     runtime = UPipeRuntime(hf_upipe.UPipeConfig(), NO_SP, world_size=1, device="cpu")

@@ -6,7 +6,12 @@ import os
 
 import pytest
 
-from hf_upipe.checkpoint import MANIFEST, CheckpointError, verify_checkpoint, write_manifest
+from hf_upipe.training.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    verify_checkpoint,
+    write_manifest,
+)
 
 
 @pytest.fixture

@@ -46,8 +46,8 @@ def test_env_prints_only_the_settings_fields(capsys, monkeypatch):
 def test_fingerprints_lists_each_adapter_with_its_recorded_sources(capsys):
     """Every fused architecture appears twice (fused block, tiled MLP), each row with the installed fingerprint and
     the registry's; on a verified release every installed fingerprint is one recorded, and the exit status is 0."""
-    from hf_upipe.architectures import FUSED, source_fingerprint
-    from hf_upipe.verification import VERIFIED_RELEASES, installed_release
+    from hf_upipe.models.architectures import FUSED, source_fingerprint
+    from hf_upipe.models.verification import VERIFIED_RELEASES, installed_release
 
     code = main(["fingerprints", "--json", "--no-check"])
     rows = json.loads(capsys.readouterr().out)["adapters"]

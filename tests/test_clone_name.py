@@ -6,7 +6,7 @@ import importlib.util
 import pytest
 
 from hf_upipe.exits import is_setting_error, raised_in_hf_upipe
-from hf_upipe.selftest import raised_by_hf_upipe
+from hf_upipe.tools.selftest import raised_by_hf_upipe
 
 
 def _raise_from(path) -> BaseException:

@@ -9,8 +9,7 @@ from transformers import DataCollatorWithFlattening
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import hf_upipe
-from hf_upipe.data import shard_batch
-from hf_upipe.data_loader import ShardedDataLoader, sampler_kwargs
+from hf_upipe.data import ShardedDataLoader, sampler_kwargs, shard_batch
 from tests._dist import run_distributed
 
 V = 11

@@ -69,7 +69,7 @@ def _texts() -> list[tuple[str, str]]:
 
 NAME = re.compile(r"(?<![\w./-])hf_upipe(?:\.[A-Za-z_]\w*)+")
 ROOTS = r"hf_upipe|examples|benchmarks|docs|accelerate_configs|tests|\.ci"
-INNER = r"ops|integrations|planning|memory|trl"  # folders of hf_upipe/, quoted without it
+INNER = r"ops|models|adapters|attention|training|tools|planning|trl"  # folders of hf_upipe/, quoted without it
 PATH = re.compile(rf"(?<![\w./-])((?:{ROOTS}|{INNER})/(?:[\w.*{{}},/-]|<[\w-]+>)*)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
@@ -327,13 +327,18 @@ def test_the_command_parser_finds_the_readme_commands():
     assert ("module", "pytest") in kinds
 
 
-def test_the_integrations_package_names_each_of_its_modules():
-    import hf_upipe.integrations as package
+def test_each_layer_folder_names_each_of_its_modules():
+    import importlib
 
-    folder = os.path.dirname(package.__file__)
-    modules = sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".py") and f != "__init__.py")
-    unnamed = [m for m in modules if f"``{m}``" not in package.__doc__]
-    assert not unnamed, f"hf_upipe/integrations/__init__.py does not name: {unnamed}"
+    unnamed = []
+    for name in ("models", "adapters", "attention", "training", "tools"):
+        package = importlib.import_module(f"hf_upipe.{name}")
+        folder = os.path.dirname(package.__file__)
+        modules = sorted(
+            f[:-3] for f in os.listdir(folder) if f.endswith(".py") and f != "__init__.py"
+        )
+        unnamed += [f"{name}/{m}" for m in modules if f"``{m}``" not in package.__doc__]
+    assert not unnamed, f"the folder's __init__.py does not name: {unnamed}"
 
 
 def test_the_support_table_of_docs_models_is_generated():

@@ -127,7 +127,7 @@ def test_custom_loop_two_processes_equal_one(tmp_path, mode):
             assert abs(resumed[step] - sp2[step]) <= 1e-5 * abs(sp2[step]), (step, resumed, sp2)
         # a checkpoint missing one rank's RNG state is refused (it used to resume silently): the example's resume
         # verifies it as this does (the trainer's refusal runs end to end in tests/training/test_checkpoints.py)
-        from hf_upipe.checkpoint import CheckpointError, verify_checkpoint
+        from hf_upipe.training.checkpoint import CheckpointError, verify_checkpoint
 
         shutil.copytree(tmp_path / "sp2" / "step-2", tmp_path / "broken" / "step-2")
         os.remove(tmp_path / "broken" / "step-2" / "accelerate_state" / "random_states_1.pkl")

@@ -1,4 +1,5 @@
-"""The multi-process harness (`hf_upipe.testing.run_distributed`): a rank that dies or raises ends the call within a
+"""The multi-process harness (`hf_upipe.tools.testing.run_distributed`): a rank that dies or raises ends the call
+within a
 bounded wait, naming the rank and the cause, instead of after the collectives' timeout; the rendezvous port is
 bound by the caller (no free-port race)."""
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_upipe.testing import DistributedFailure, death_cause
+from hf_upipe.tools.testing import DistributedFailure, death_cause
 from tests._dist import run_distributed
 
 

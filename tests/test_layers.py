@@ -1,15 +1,18 @@
 """The package's layers import only downward, with no circles, and `import hf_upipe` stays light.
 
-Layers, bottom to top (a module may import its own layer and the layers below):
-  0 ops, architectures, families, geometry, verification, batch_keys, rank_layout, units: pure torch (ops import
-    no transformers)
-  1 data (+ data_loader), distributed, exits, config (+ config_parsing, config_validation), memory, integrations,
-    vlm
-  2 runtime (with runtime_checks, runtime_eval), checkpoint, auto_settings, generation (with generation_cache)
-  3 trainer (with trainer_checks, trainer_checkpoints, trainer_logs), plugin, trl: the two faces of the runtime,
-    side by side (UPipeTrainer for transformers' Trainer, UPipePlugin for custom loops), and UPipeSFTTrainer on
-    the trainer; integrations.accelerate only re-exports the plugin for older imports
-  4 planning, selftest, vlm_check, matrix, vlm_matrix, testing, cli (on top: they may import anything)
+Layers, bottom to top (a module may import its own layer and the layers below); each folder of hf_upipe/ is one
+row:
+  0 ops/ (pure torch, no transformers) and the bottom helpers: units, batch_keys, rank_layout, console_log, exits
+  1 models/: what hf_upipe knows of transformers models (registry, families, verification, probes, PEFT, presets)
+  2 settings, their agreement and the SP state: config, allocator, agreement, distributed
+  3 data, vlm: shards of a batch
+  4 adapters/: what prepare_model installs on a model's modules, the support gate, the global hooks
+  5 attention/: "upipe" inside transformers (state, mask, layout, kernel, registered, fused, registration)
+  6 prepare, generation: prepare_model / unprepare_model; generation under SP
+  7 training/: runtime, trainer, plugin and what they use (loss, loaders, offload, checkpoints, ...)
+  8 trl/: TRL's trainers on UPipeTrainer
+  9 planning/, tools/, cli (on top: they may import anything)
+ 10 deprecated module paths (re-exports of their new homes for one release): nothing in the package imports them
 Every import statement counts, also those inside functions (a lazy import is still a dependency).
 """
 
@@ -17,93 +20,40 @@ import ast
 import os
 import subprocess
 import sys
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "hf_upipe")
 
+DEPRECATED = (
+    "hf_upipe.integrations",
+    "hf_upipe.memory",
+    "hf_upipe.trainer",
+    "hf_upipe.checkpoint",
+    "hf_upipe.selftest",
+)
 LAYERS = [
     (
         "hf_upipe.ops",
-        "hf_upipe.architectures",
-        "hf_upipe.families",
-        "hf_upipe.geometry",
-        "hf_upipe.verification",
-        "hf_upipe.integrations.peft",
         "hf_upipe.units",
         "hf_upipe.batch_keys",
         "hf_upipe.rank_layout",
         "hf_upipe.console_log",
-    ),
-    (
-        "hf_upipe.data",
-        "hf_upipe.data_loader",
-        "hf_upipe.distributed",
         "hf_upipe.exits",
-        "hf_upipe.agreement",
-        "hf_upipe.config",
-        "hf_upipe.config_parsing",
-        "hf_upipe.config_validation",
-        "hf_upipe.memory",
-        "hf_upipe.integrations",
-        "hf_upipe.registration",
-        "hf_upipe.models",
-        "hf_upipe.vlm",
+        "hf_upipe._moved",
     ),
-    (
-        "hf_upipe.runtime",
-        "hf_upipe.runtime_checks",
-        "hf_upipe.runtime_eval",
-        "hf_upipe.checkpoint",
-        "hf_upipe.auto_settings",
-        "hf_upipe.generation",
-        "hf_upipe.generation_cache",
-    ),
-    (
-        "hf_upipe.trainer",
-        "hf_upipe.trainer_checks",
-        "hf_upipe.trainer_checkpoints",
-        "hf_upipe.trainer_logs",
-        "hf_upipe.plugin",
-        "hf_upipe.trl",
-        "hf_upipe.integrations.accelerate",
-    ),
-    (
-        "hf_upipe.planning",
-        "hf_upipe.selftest",
-        "hf_upipe.selftest_command",
-        "hf_upipe.selftest_size",
-        "hf_upipe.vlm_check",
-        "hf_upipe.matrix",
-        "hf_upipe.vlm_matrix",
-        "hf_upipe.testing",
-        "hf_upipe.cli",
-        "hf_upipe.__init__",
-    ),
+    ("hf_upipe.models",),
+    ("hf_upipe.config", "hf_upipe.allocator", "hf_upipe.agreement", "hf_upipe.distributed"),
+    ("hf_upipe.data", "hf_upipe.vlm"),
+    ("hf_upipe.adapters",),
+    ("hf_upipe.attention",),
+    ("hf_upipe.prepare", "hf_upipe.generation", "hf_upipe.generation_cache"),
+    ("hf_upipe.training",),
+    ("hf_upipe.trl",),
+    ("hf_upipe.planning", "hf_upipe.tools", "hf_upipe.cli", "hf_upipe.__init__"),
+    DEPRECATED,
 ]
-RUNTIME = (
-    "hf_upipe.ops",
-    "hf_upipe.memory",
-    "hf_upipe.integrations",
-    "hf_upipe.data",
-    "hf_upipe.data_loader",
-    "hf_upipe.distributed",
-    "hf_upipe.config",
-    "hf_upipe.config_parsing",
-    "hf_upipe.config_validation",
-    "hf_upipe.trainer",
-    "hf_upipe.trainer_checks",
-    "hf_upipe.trainer_checkpoints",
-    "hf_upipe.trainer_logs",
-    "hf_upipe.runtime",
-    "hf_upipe.runtime_checks",
-    "hf_upipe.runtime_eval",
-    "hf_upipe.checkpoint",
-    "hf_upipe.auto_settings",
-    "hf_upipe.architectures",
-    "hf_upipe.families",
-    "hf_upipe.geometry",
-    "hf_upipe.registration",
-)
+RUNTIME = tuple(p for row in LAYERS[:8] for p in row)
 
 
 def _modules() -> dict[str, set[str]]:
@@ -168,7 +118,7 @@ def test_no_runtime_module_imports_the_planner():
         for m, deps in graph.items()
         if m.startswith(RUNTIME)
         for d in deps
-        if d.startswith(("hf_upipe.planning", "hf_upipe.selftest", "hf_upipe.cli"))
+        if d.startswith(("hf_upipe.planning", "hf_upipe.tools.selftest", "hf_upipe.cli"))
     ]
     assert not bad, "\n".join(bad)
 
@@ -218,22 +168,69 @@ def test_no_private_names_imported_across_modules():
 
 
 def test_the_plugin_and_the_trainer_are_the_two_faces_of_the_runtime():
-    """UPipePlugin and UPipeTrainer sit side by side, one layer above the runtime they both build on;
-    hf_upipe.integrations.accelerate only re-exports the plugin (nothing below imports it)."""
+    """UPipePlugin and UPipeTrainer sit side by side in training/, both on the runtime."""
     graph = _modules()
-    assert _layer("hf_upipe.plugin") == _layer("hf_upipe.trainer") == _layer("hf_upipe.runtime") + 1
-    assert "hf_upipe.runtime" in graph["hf_upipe.plugin"]
-    assert "hf_upipe.runtime" in graph["hf_upipe.trainer"]
-    assert graph["hf_upipe.integrations.accelerate"] <= {
-        "hf_upipe.plugin",
-        "hf_upipe.plugin.UPipePlugin",
-    }
-    importers = sorted(m for m, deps in graph.items() if "hf_upipe.integrations.accelerate" in deps)
-    assert importers in ([], ["hf_upipe.integrations"]), importers
-    import hf_upipe
-    from hf_upipe.integrations.accelerate import UPipePlugin
+    assert "hf_upipe.training.runtime" in graph["hf_upipe.training.plugin"]
+    assert "hf_upipe.training.runtime" in graph["hf_upipe.training.trainer"]
+    assert "hf_upipe.training.plugin" not in graph["hf_upipe.training.trainer"]
+    assert "hf_upipe.training.trainer" not in graph["hf_upipe.training.plugin"]
 
-    assert UPipePlugin is hf_upipe.UPipePlugin and UPipePlugin.__module__ == "hf_upipe.plugin"
+
+def test_nothing_imports_a_deprecated_path():
+    graph = _modules()
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in graph.items()
+        if not m.startswith(DEPRECATED)
+        for d in deps
+        if d.startswith(DEPRECATED)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_old_module_paths_warn_and_are_the_new_modules():
+    """Each documented old path gives the module that now holds the code, with a DeprecationWarning."""
+    code = "\n".join(
+        [
+            "import importlib, warnings",
+            "warnings.simplefilter('error', DeprecationWarning)",
+            "pairs = %r" % (OLD_PATHS,),
+            "import hf_upipe",
+            "out = []",
+            "for old, new in pairs:\n"
+            "    try:\n        importlib.import_module(old); out.append('silent ' + old)\n"
+            "    except DeprecationWarning: out.append('warned')",
+            "print(sorted(set(out)))",
+        ]
+    )
+    assert _python(code) == "['warned']"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import importlib
+
+        import hf_upipe
+
+        for old, new in OLD_PATHS:
+            module = importlib.import_module(old)
+            assert module is importlib.import_module(new), old
+        from hf_upipe.integrations.accelerate import UPipePlugin
+        from hf_upipe.memory import apply_tiled_mlp, offload_checkpoints
+
+    assert UPipePlugin is hf_upipe.UPipePlugin
+    assert offload_checkpoints.__module__ == "hf_upipe.training.offload"
+    assert apply_tiled_mlp.__module__ == "hf_upipe.adapters.tiled_mlp"
+
+
+OLD_PATHS = [
+    ("hf_upipe.trainer", "hf_upipe.training.trainer"),
+    ("hf_upipe.checkpoint", "hf_upipe.training.checkpoint"),
+    ("hf_upipe.selftest", "hf_upipe.tools.selftest"),
+    ("hf_upipe.memory.offload", "hf_upipe.training.offload"),
+    ("hf_upipe.integrations.peft", "hf_upipe.models.peft"),
+    ("hf_upipe.integrations.model_offload", "hf_upipe.training.model_offload"),
+    ("hf_upipe.integrations.attention_tables", "hf_upipe.attention.registered"),
+    ("hf_upipe.integrations.accelerate", "hf_upipe.training.plugin"),
+]
 
 
 def test_the_batch_keys_have_one_home():
@@ -275,7 +272,8 @@ def test_imports_stay_light_and_upipe_is_registered_when_transformers_loads():
             "print('ops', loaded())",
             "import hf_upipe",
             "print('hf_upipe', loaded())",
-            "import hf_upipe.memory, hf_upipe.data, hf_upipe.config, hf_upipe.distributed, hf_upipe.architectures",
+            "import hf_upipe.adapters.tiled_mlp, hf_upipe.training.offload, hf_upipe.data, hf_upipe.config",
+            "import hf_upipe.distributed, hf_upipe.models.architectures",
             "print('memory', loaded())",
             "from transformers import AutoModelForCausalLM",
             "import transformers.modeling_utils as m",

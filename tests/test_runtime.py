@@ -1,5 +1,5 @@
-"""The pieces of `hf_upipe.runtime` (with `hf_upipe.runtime_checks`, `hf_upipe.runtime_eval`) and
-`hf_upipe.integrations.loaders` that need no process group: settings named as the user wrote them, the settings
+"""The pieces of `hf_upipe.training.runtime` (its setup checks and exact evaluation included) and
+`hf_upipe.training.loaders` that need no process group: settings named as the user wrote them, the settings
 every rank must share, the eval-loss arithmetic, the zero-token guard of the loss, and the evaluation loaders'
 records (no repeated examples, the examples of every round)."""
 
@@ -12,9 +12,8 @@ from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from torch.utils.data import BatchSampler, IterableDataset, SequentialSampler
 
 from hf_upipe import UPipeConfig
-from hf_upipe.integrations.loaders import _ExactIterableShard, _RecordingBatchSampler, eval_rounds
-from hf_upipe.runtime import NO_SP, EvalSums, UPipeRuntime, shared_settings
-from hf_upipe.runtime_checks import settings_error
+from hf_upipe.training.loaders import _ExactIterableShard, _RecordingBatchSampler, eval_rounds
+from hf_upipe.training.runtime import NO_SP, EvalSums, UPipeRuntime, settings_error, shared_settings
 
 
 def test_settings_are_named_as_the_user_wrote_them(monkeypatch):

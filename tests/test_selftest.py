@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_upipe.cli import main
-from hf_upipe.selftest import run_selftest
+from hf_upipe.tools.selftest import run_selftest
 
 
 @pytest.mark.slow
@@ -52,7 +52,7 @@ def test_selftest_fails_loudly_when_labels_are_shifted_inside_shards(capsys):
 def test_gradient_error_floors_noise_but_not_a_wrong_gradient():
     """A gradient that is zero in exact arithmetic differs between two summation orders by rounding noise only: it
     is measured against 1% of the model's largest gradient entry. A real gradient that is off still fails."""
-    from hf_upipe.selftest import GRADIENT_FLOOR, TOLERANCE, gradient_error
+    from hf_upipe.tools.selftest import GRADIENT_FLOOR, TOLERANCE, gradient_error
 
     gen = torch.Generator().manual_seed(0)
     scale = 0.3  # the model's largest gradient entry
@@ -74,7 +74,7 @@ def test_gradient_error_floors_noise_but_not_a_wrong_gradient():
 
 @pytest.mark.slow
 def test_selftest_covers_a_vision_language_model(capsys):
-    """A tiny Qwen2-VL with LoRA on images and text (hf_upipe.vlm_check): every row passes, the vision tower's
+    """A tiny Qwen2-VL with LoRA on images and text (hf_upipe.tools.vlm_check): every row passes, the vision tower's
     gradients among them; another SP size is refused before any spawn."""
     assert main(["selftest", "--model", "qwen2_vl", "--lora"]) == 0
     out = capsys.readouterr().out

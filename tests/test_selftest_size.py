@@ -1,7 +1,8 @@
 """`hf-upipe selftest` fits the machine it runs on: a reduced copy of the user's architecture by default (what the
 sequence-parallel path depends on kept), the full size on request and refused with the numbers when the free
-memory cannot hold it, and a rank that dies ends the run quickly with its own exit status (`hf_upipe.selftest_size`,
-`hf_upipe.testing`)."""
+memory cannot hold it, and a rank that dies ends the run quickly with its own exit status
+(`hf_upipe.tools.selftest_size`,
+`hf_upipe.tools.testing`)."""
 
 import json
 import multiprocessing
@@ -13,7 +14,7 @@ import time
 import pytest
 
 from hf_upipe.cli import main
-from hf_upipe.selftest_size import (
+from hf_upipe.tools.selftest_size import (
     GIB,
     RANK_BASE,
     RunShape,
@@ -138,7 +139,7 @@ def test_hybrid_layer_patterns_and_moe_keep_every_kind_of_layer():
 def test_an_architecture_that_refuses_narrower_widths_keeps_them(tmp_path, monkeypatch):
     """A model class that cannot be built with fewer heads (here: refused by a stand-in check) keeps its widths and
     is reduced in depth and vocabulary only."""
-    import hf_upipe.selftest_size as sizing
+    import hf_upipe.tools.selftest_size as sizing
 
     count = sizing.parameter_count
 
@@ -167,7 +168,7 @@ def test_full_size_is_refused_with_the_numbers_before_anything_is_built(tmp_path
 
 
 def test_a_reduced_copy_that_does_not_fit_is_refused_too(tmp_path, capsys, monkeypatch):
-    import hf_upipe.selftest as selftest
+    import hf_upipe.tools.selftest as selftest
 
     monkeypatch.setattr(selftest, "available_memory", lambda: (2 * (1 << 30), "a 2 GiB machine"))
     assert main(["selftest", "--model", _folder(tmp_path)]) == 3

@@ -43,7 +43,7 @@ def test_supported_settings_raise_nothing(tmp_path):
         == []
     )
     assert sft_config_errors(_config(tmp_path, assistant_only_loss=True, max_length=64)) == []
-    # the SP degree is read by UPipeTrainer (hf_upipe.integrations.parallelism), not refused
+    # the SP degree is read by UPipeTrainer (hf_upipe.training.parallelism), not refused
     pc = ParallelismConfig(sp_size=2)
     assert sft_config_errors(_config(tmp_path, parallelism_config=pc)) == []
 
@@ -87,7 +87,7 @@ def test_refused_before_trl_or_hf_upipe_run(tmp_path):
 def test_composition_order():
     from transformers import Trainer
 
-    from hf_upipe.trainer import UPipeTrainer
+    from hf_upipe.training.trainer import UPipeTrainer
 
     mro = UPipeSFTTrainer.__mro__
     assert mro.index(UPipeTrainer) < mro.index(trl.SFTTrainer) < mro.index(Trainer)

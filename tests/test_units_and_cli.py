@@ -1,4 +1,5 @@
-"""What people type, read one way everywhere: sizes and lengths (`hf_upipe.units`), model names (`hf_upipe.models`)
+"""What people type, read one way everywhere: sizes and lengths (`hf_upipe.units`), model names
+(`hf_upipe.models.presets`)
 shared by `hf-upipe plan` and `hf-upipe selftest`, input errors as exit 2 with the whole message, and advice that
 names keys the model really has."""
 
@@ -8,7 +9,7 @@ import pytest
 
 from hf_upipe import UPipeConfig
 from hf_upipe.cli import main
-from hf_upipe.models import model_names, resolve, runnable_config
+from hf_upipe.models.presets import model_names, resolve, runnable_config
 from hf_upipe.units import format_tokens, parse_size, parse_tokens
 
 
@@ -160,7 +161,7 @@ def test_selftest_input_errors_exit_2_before_starting_anything(capsys):
 
 
 def test_dropout_advice_names_the_models_own_key():
-    from hf_upipe.integrations.sp_checks import check_call
+    from hf_upipe.attention.state import check_call
 
     gpt2_like = types.SimpleNamespace(is_causal=True, config=types.SimpleNamespace(attn_pdrop=0.1))
     with pytest.raises(NotImplementedError, match=r"attn_pdrop=0.0"):

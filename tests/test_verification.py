@@ -1,4 +1,4 @@
-"""Adapters verified by behaviour (`hf_upipe.verification`) on a transformers source not seen before.
+"""Adapters verified by behaviour (`hf_upipe.models.verification`) on a transformers source not seen before.
 
 - A source that differs from the recorded ones only in its text (a renamed argument, a comment) passes the check:
   the fused block and the tiled MLP are installed, with one info line, and run exact.
@@ -16,15 +16,17 @@ import pytest
 import torch
 
 import hf_upipe
-from hf_upipe import architectures, verification
-from hf_upipe.integrations import fused as fused_module
-from hf_upipe.integrations import fused_call, mixer_sources, rope
-from hf_upipe.integrations.probe import case_config, model_pair
-from hf_upipe.verification import VERIFIED_RELEASES, Verdict, verify
+from hf_upipe.adapters import mixers as mixer_sources
+from hf_upipe.adapters import rope
+from hf_upipe.attention import fused as fused_call
+from hf_upipe.attention import fused as fused_module
+from hf_upipe.models import architectures, verification
+from hf_upipe.models.probe import case_config, model_pair
+from hf_upipe.models.verification import VERIFIED_RELEASES, Verdict, verify
 
 tiled_module = importlib.import_module(
-    "hf_upipe.memory.tiled_mlp"
-)  # (hf_upipe.memory.tiled_mlp is also a function)
+    "hf_upipe.adapters.tiled_mlp"
+)  # (hf_upipe.adapters.tiled_mlp is also a function)
 
 
 @pytest.fixture
@@ -203,7 +205,7 @@ def test_the_rope_check_fails_when_a_shard_takes_its_own_length(monkeypatch):
 
 
 def test_an_unseen_mixer_source_runs_its_state_in_sequence(unseen, monkeypatch):
-    from hf_upipe.integrations import mixers
+    from hf_upipe.adapters import mixers
 
     cls = _mixer_class("Qwen3NextGatedDeltaNet")
     monkeypatch.setitem(mixer_sources.MIXERS, cls.__name__, ("0" * 16,))
@@ -217,7 +219,7 @@ def test_an_unseen_mixer_source_runs_its_state_in_sequence(unseen, monkeypatch):
 
 def test_the_agreement_names_verdicts_that_differ():
     from hf_upipe.config import settings_that_differ
-    from hf_upipe.integrations.prepare import _preparation
+    from hf_upipe.prepare import _preparation
 
     _, model = model_pair(case_config("llama"), "upipe", seed=3)
     mine = _preparation(model, None)
@@ -268,8 +270,8 @@ def test_the_checks_run_whole_on_real_tensors_inside_a_simulation_under_sp(unsee
 def test_a_mixer_that_fails_its_check_is_refused_naming_the_version(unseen, monkeypatch, caplog):
     from transformers import AutoModelForCausalLM
 
-    from hf_upipe.integrations import support
-    from hf_upipe.models import tiny_config
+    from hf_upipe.adapters import support
+    from hf_upipe.models.presets import tiny_config
 
     monkeypatch.setitem(mixer_sources.MIXERS, "BambaMixer", ("0" * 16,))
     monkeypatch.setattr(mixer_sources.ShardCache, "get_recurrent_state", lambda self, *a, **k: None)

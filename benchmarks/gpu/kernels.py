@@ -192,8 +192,8 @@ def _model_run(config, state, attn, c, fused, mode, world, s, dev, dtype, ids, l
 
     from hf_upipe import distributed as sp
     from hf_upipe.config import UPipeConfig
-    from hf_upipe.integrations.loss import shard_loss_sum
-    from hf_upipe.integrations.prepare import prepare_model
+    from hf_upipe.prepare import prepare_model
+    from hf_upipe.training.loss import shard_loss_sum
 
     ctx = fake_rank(world, dev) if world > 1 else torch.device(dev)
     with ctx as group:
@@ -307,9 +307,9 @@ def model_parity(res: Results, device, dry: bool) -> None:
 
 
 def _offload_step(model, target, ids, labels):
-    from hf_upipe.integrations.loss import shard_loss_sum
-    from hf_upipe.memory.offload import offload_checkpoints
     from hf_upipe.planning.tracker import MemoryTracker
+    from hf_upipe.training.loss import shard_loss_sum
+    from hf_upipe.training.offload import offload_checkpoints
 
     model.zero_grad(set_to_none=True)
     s = ids.shape[1]

@@ -47,7 +47,7 @@ def _step(spec: dict, cfg: dict, settings, kernel: str, seq_len: int, device, ar
 
 
 class SharedHostPool:
-    """`hf_upipe.memory.offload.HOST_POOL` for a measurement: one pinned host buffer per (shape, dtype), handed to
+    """`hf_upipe.training.offload.HOST_POOL` for a measurement: one pinned host buffer per (shape, dtype), handed to
     every offloaded tensor of that shape. The device side of the offload is unchanged (every copy out, every copy
     back into a new device tensor, on the same streams); the host holds one layer input instead of all of them,
     whose values are overwritten (garbage: the measured step's numbers are meaningless anyway)."""
@@ -78,10 +78,10 @@ def _step_start(device):
 
 def child(spec: dict) -> dict:
     """One warm-up step and one measured step in this (fresh) process; the measured step's memory."""
-    from hf_upipe.memory import offload
     from hf_upipe.ops.kernels_hollow import hollow_attention
     from hf_upipe.planning.hollow_step import hollow_twin
     from hf_upipe.planning.train_step import StepSettings
+    from hf_upipe.training import offload
 
     device = torch.device("cpu" if spec["dry"] else "cuda")
     if spec["host_offload"] == "shared":

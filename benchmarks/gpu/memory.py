@@ -6,7 +6,7 @@
 Rank 0 of a fake 8-rank process group (`hf_upipe.planning.simulate.simulated_world`) on real CUDA tensors: the
 kernels, the allocator and the offload's pinned buffers are real; the collectives only shape their outputs (the
 fake group copies the input into the output on recent torch: see kernels.json's fake_pg), so the per-GPU memory
-is what one of 8 GPUs holds, without NCCL's own buffers. Llama3-8B geometry (`hf_upipe.models.PRESETS`), bf16.
+is what one of 8 GPUs holds, without NCCL's own buffers. Llama3-8B geometry (`hf_upipe.models.presets.PRESETS`), bf16.
 
 Sections (written into <out>/memory.json as each finishes):
 1. block: one attention block (`hf_upipe.planning.attention_block.measure_attention_block`) for DeepSpeed's

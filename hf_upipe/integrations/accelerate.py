@@ -1,6 +1,5 @@
-"""`UPipePlugin` lives in `hf_upipe.plugin`, beside `hf_upipe.trainer` (both on `hf_upipe.runtime.UPipeRuntime`);
-this module re-exports it for imports written as `from hf_upipe.integrations.accelerate import UPipePlugin`."""
+"""Deprecated path: the code lives in `hf_upipe.training.plugin`."""
 
-from hf_upipe.plugin import UPipePlugin
+from hf_upipe._moved import alias
 
-__all__ = ["UPipePlugin"]
+alias(__name__, "hf_upipe.training.plugin")

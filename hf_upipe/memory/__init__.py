@@ -1,13 +1,16 @@
-"""Memory features applied to a loaded model.
+"""Deprecated package: the tiled MLP lives in `hf_upipe.adapters.tiled_mlp`, the checkpoint offload in
+`hf_upipe.training.offload`; this package re-exports their entry points for one release."""
 
-Entry points:
-- `apply_tiled_mlp(model, chunk_tokens=None, *, norms=True)` / `remove_tiled_mlp(model)` / `tiled_mlp(...)`:
-  MLPs and RMSNorms over sequence chunks, recomputed in backward (`hf_upipe.memory.tiled_mlp`).
-- `offload_checkpoints(model, target, *, path=None, ...)`: per-step context manager that moves the checkpointed
-  layer inputs to pinned host memory or to disk (`hf_upipe.memory.offload`).
-"""
+import warnings
 
-from hf_upipe.memory.offload import offload_checkpoints
-from hf_upipe.memory.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp, tiled_mlp
+from hf_upipe.adapters.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp, tiled_mlp
+from hf_upipe.training.offload import offload_checkpoints
 
 __all__ = ["apply_tiled_mlp", "offload_checkpoints", "remove_tiled_mlp", "tiled_mlp"]
+
+warnings.warn(
+    "hf_upipe.memory moved: hf_upipe.adapters.tiled_mlp and hf_upipe.training.offload; the old path "
+    "re-exports them for one release.",
+    DeprecationWarning,
+    stacklevel=2,
+)

@@ -7,7 +7,7 @@ Entry points:
   three `Projection`s over row slices of one weight, whose adapters share one A; `AttentionWeights.tensors()`
   lists a shared tensor once, and `AttentionWeights.lora_inputs` gives each distinct A one dropout stream.
 
-The integration layer (`hf_upipe.integrations.fused_weights`) builds these from transformers/PEFT modules.
+The integration layer (`hf_upipe.attention.fused`) builds these from transformers/PEFT modules.
 """
 
 from __future__ import annotations

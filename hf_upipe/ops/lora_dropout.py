@@ -9,7 +9,7 @@ Entry points (used by `hf_upipe.ops.fused_stages`, `hf_upipe.ops.fused_attention
   backward applies the same one to the gradient.
 - `keep_mask(seed, stream, p, batch, positions, cols)`: the keep mask [B, s, F] itself.
 - `shard_positions(group, s, device)`: the global token indices [s] of a contiguous shard of the group's sequence.
-- `splitmix64(z)`: a well-mixed 64-bit integer (the masks' keys; `hf_upipe.integrations.randomness`'s seeds).
+- `splitmix64(z)`: a well-mixed 64-bit integer (the masks' keys; `hf_upipe.adapters.hooks`'s seeds).
 
 Why a hash and not `torch.rand`: a generator's stream depends on how many numbers were drawn before, so a shard
 cannot draw its part of one process's mask without drawing all of it. Here each element's uniform number is a
@@ -20,7 +20,7 @@ order of stages (the o_proj adapter's columns are the model's columns of the sta
 two shards holding the same tokens at the same local positions draw different masks. The seed is drawn once per
 call from torch's generator (`hf_upipe.ops.fused_stages.make_plan`), so it changes every step, and activation
 checkpointing, which restores that generator before recomputing, gets the same masks again. (Inside a model under
-SP that generator is the rank's own stream, `hf_upipe.integrations.randomness`; called with one seed on every rank,
+SP that generator is the rank's own stream, `hf_upipe.adapters.hooks`; called with one seed on every rank,
 the block draws one process's masks bit for bit.) The mask is computed
 a block of rows at a time (at most 2^22 int64 elements live at once).
 """

@@ -64,9 +64,9 @@ def measure_model_step(
     Returns:
         {"forward_peak", "peak", "unit"} in bytes; unit = s * hidden * bytes, one local activation.
     """
-    from hf_upipe.integrations.loss import shard_loss_sum
-    from hf_upipe.memory.offload import offload_checkpoints
     from hf_upipe.planning.categories import StepCategories
+    from hf_upipe.training.loss import shard_loss_sum
+    from hf_upipe.training.offload import offload_checkpoints
 
     group = dist.group.WORLD if group is None else group
     s, rank = seq_len // sp_size, dist.get_rank(group)

@@ -13,7 +13,7 @@ allocation is made on. On a machine without CUDA, FSDP2 enters its streams throu
 that exist for device-agnostic code); while recording, that function is wrapped to name the stream FSDP2 enters:
 "all_gather_copy_in" (the all-gather output buffer of forward and pre-backward unshards), "all_gather",
 "reduce_scatter" (the reduced gradient shards), "all_reduce". The offload's copies back to the device are named
-by `hf_upipe.memory.offload.RESTORE_STREAM` through the step's restore context. Everything else is "default".
+by `hf_upipe.training.offload.RESTORE_STREAM` through the step's restore context. Everything else is "default".
 
 The trace is exact for what the tracker counts (tensor storages, including FSDP2's in-place resizes) and blind to
 what it does not (kernel workspaces, NCCL buffers): `hf_upipe.planning.reserved` adds those as an allowance.

@@ -144,12 +144,12 @@ def build_attention_block(
 
     from transformers import AttentionInterface, AutoConfig
 
-    from hf_upipe.architectures import ARCHITECTURES
+    from hf_upipe.models.architectures import ARCHITECTURES
 
     entry = ARCHITECTURES.get(arch)
     if entry is None or not entry.fused:
         raise ValueError(
-            f"arch={arch!r}: choose a fused architecture of hf_upipe.architectures.FUSED"
+            f"arch={arch!r}: choose a fused architecture of hf_upipe.models.architectures.FUSED"
         )
     module = importlib.import_module(
         f"transformers.models.{entry.module or arch}.modeling_{entry.module or arch}"
@@ -179,7 +179,7 @@ def build_attention_block(
         torch.set_default_dtype(previous)
     if impl.startswith("fused"):
         from hf_upipe.config import UPipeConfig
-        from hf_upipe.integrations.prepare import prepare_model
+        from hf_upipe.prepare import prepare_model
 
         mode = "save" if impl.startswith("fused_save") else "recompute"
         prepare_model(

@@ -105,8 +105,8 @@ def measure_reserved(spec: dict) -> int:
 
 def _measure_in_fresh_process(spec: dict) -> int:
     """What the step of `spec` reserves, measured in a new process whose allocator runs in `spec["allocator"]`'s
-    mode (the one the launch will set: `hf_upipe.memory.allocator.launch_mode`)."""
-    from hf_upipe.memory.allocator import with_mode
+    mode (the one the launch will set: `hf_upipe.allocator.launch_mode`)."""
+    from hf_upipe.allocator import with_mode
 
     env = dict(os.environ)
     env["PYTORCH_CUDA_ALLOC_CONF"] = with_mode(
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from hf_upipe.memory.allocator import launch_mode
+    from hf_upipe.allocator import launch_mode
     from hf_upipe.planning.planner import plan, resolve_model
     from hf_upipe.planning.reserved import (
         Allowance,

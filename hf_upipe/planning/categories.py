@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_upipe.integrations.peft import base_model
+from hf_upipe.models.peft import base_model
 
 __all__ = ["CATEGORIES", "StepCategories", "decoder_layers", "layer_parts"]
 

@@ -21,7 +21,7 @@ import json
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
-from hf_upipe.architectures import model_geometry
+from hf_upipe.models.architectures import model_geometry
 from hf_upipe.planning.reserved import extrapolate_reserved, step_reserved
 from hf_upipe.planning.train_step import CATEGORIES, StepSettings, device_twin
 

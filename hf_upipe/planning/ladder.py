@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hf_upipe.architectures import model_geometry
-from hf_upipe.integrations.fused import fused_unavailable
+from hf_upipe.attention.fused import fused_unavailable
+from hf_upipe.models.architectures import model_geometry
 from hf_upipe.ops.head_layout import valid_heads_per_chunk
 from hf_upipe.planning.train_step import StepSettings
 
@@ -22,7 +22,7 @@ __all__ = ["candidates", "default_impl", "ladder"]
 
 
 def default_impl(config) -> str:
-    """ "fused" where a run would install the fused block (`hf_upipe.integrations.fused.fused_unavailable` is
+    """ "fused" where a run would install the fused block (`hf_upipe.attention.fused.fused_unavailable` is
     None), "upipe" (registered) otherwise: the planner plans what `prepare_model` will run."""
     return "fused" if fused_unavailable(config) is None else "upipe"
 

@@ -4,7 +4,7 @@ Entry points:
 - `mixer_module(config)`: the mixer module a hybrid config builds (transformers' own class), alone.
 - `mixer_peak(config, seq_len, sp_size, rank, mode, batch, dtype)`: the exact tensor peak (bytes) of one forward +
   backward of that mixer on rank `rank`'s shard of `seq_len` tokens: installed (`mode` "parallel" or "sequential",
-  `hf_upipe.integrations.mixers`) or the class's own forward on the shard alone (`mode="alone"`, wrong across
+  `hf_upipe.adapters.mixers`) or the class's own forward on the shard alone (`mode="alone"`, wrong across
   shards: the memory of one rank's share). The input and the incoming gradient are not counted.
 
 `tests/planning/test_mixer_memory.py` checks that this simulation equals a real 2-rank gloo run byte for byte.
@@ -28,7 +28,7 @@ __all__ = ["mixer_module", "mixer_peak"]
 def mixer_module(config) -> torch.nn.Module:
     """The first mixer class hf_upipe runs across shards that the config's modeling file defines, built for layer 0
     in the default dtype (inside `fake_tensors(dtype)` for a simulation)."""
-    from hf_upipe.integrations.mixers import HALO_MIXERS, MIXERS
+    from hf_upipe.adapters.mixers import HALO_MIXERS, MIXERS
 
     modeling = importlib.import_module(
         f"transformers.models.{config.model_type}.modeling_{config.model_type}"
@@ -52,7 +52,7 @@ def mixer_peak(
 ) -> int:
     """Peak bytes of one mixer forward + backward on `rank` of `sp_size` (module docstring)."""
     import hf_upipe
-    from hf_upipe.integrations.mixers import install_mixers
+    from hf_upipe.adapters.mixers import install_mixers
 
     if mode not in ("parallel", "sequential", "alone"):
         raise ValueError(f"mode={mode!r}: use 'parallel', 'sequential' or 'alone'.")

@@ -7,13 +7,13 @@ Entry points:
 - `impl_context(impl, group, seq_len, sp_size, heads_per_chunk, ring_size=1, ...)`: validates and installs the SP
   defaults of an impl (DeepSpeed's communicator for the peer); restores them on exit.
 - `step_config(model_config, layers, seq_len)`, `llama_config(name)`: the configs (presets of
-  `hf_upipe.models.PRESETS`: "llama3-8b", "qwen3-8b", ...).
+  `hf_upipe.models.presets.PRESETS`: "llama3-8b", "qwen3-8b", ...).
 
 `impl`: "deepspeed" (DeepSpeed 0.19.8 `UlyssesSPAttentionHF` around sdpa, the peer), "ulysses" (our registered
 path with all local heads in one chunk), "upipe" (registered, `heads_per_chunk`), "fused" (the fused block); each
 of ours prepared as a run prepares it (`prepare_model`: global RoPE, a hybrid's mixers, the input checks).
 Every impl gets the same stack around attention: activation checkpointing of every layer, optional tiled MLP
-(`hf_upipe.memory.tiled_mlp`, chunks of `hidden_size` tokens), optional offload of the checkpointed layer inputs
+(`hf_upipe.adapters.tiled_mlp`, chunks of `hidden_size` tokens), optional offload of the checkpointed layer inputs
 ("cpu": to host memory, the last layer's input kept on the device), and the tiled loss. The activation
 measurements on this model are in `hf_upipe.planning.activation_step`, the whole step's in
 `hf_upipe.planning.train_step`.
@@ -27,9 +27,9 @@ import copy
 import torch
 
 from hf_upipe import distributed as _sp
-from hf_upipe.integrations.guard import sync_guard
-from hf_upipe.integrations.peft import base_model
-from hf_upipe.models import PRESETS
+from hf_upipe.adapters.hooks import sync_guard
+from hf_upipe.models.peft import base_model
+from hf_upipe.models.presets import PRESETS
 from hf_upipe.ops.fake import simulating
 from hf_upipe.planning.attention_block import (
     DS_ATTN_NAME,
@@ -190,7 +190,7 @@ def _with_lora(model, lora, dtype):
     """`model` wrapped with PEFT LoRA adapters of `lora` = (rank, target module names)."""
     from peft import LoraConfig
 
-    from hf_upipe.integrations.peft import get_peft_model
+    from hf_upipe.models.peft import get_peft_model
 
     rank, targets = lora
     previous = torch.get_default_dtype()
@@ -213,9 +213,9 @@ def _with_lora(model, lora, dtype):
 
 def _prepare_ours(model, config, impl, fused_backward, overlap) -> None:
     """`prepare_model` as a run calls it: the fused block (impl "fused"), global RoPE, mixers, the checks."""
+    from hf_upipe.attention.fused import count_fused, fused_unavailable
     from hf_upipe.config import UPipeConfig
-    from hf_upipe.integrations.fused import count_fused, fused_unavailable
-    from hf_upipe.integrations.prepare import prepare_model
+    from hf_upipe.prepare import prepare_model
 
     # impl "fused" must measure the fused block, or its figures would be the registered path's under its name
     if impl == "fused" and (why := fused_unavailable(config)) is not None:
@@ -294,7 +294,7 @@ def build_step_model(
     if impl != "deepspeed":  # as a run prepares it
         _prepare_ours(model, config, impl, fused_backward, overlap)
     if tiled_mlp:
-        from hf_upipe.memory.tiled_mlp import apply_tiled_mlp
+        from hf_upipe.adapters.tiled_mlp import apply_tiled_mlp
 
         apply_tiled_mlp(model, mlp_chunk_tokens)
     if checkpointing:

@@ -13,8 +13,8 @@ import argparse
 import json
 import sys
 
-from hf_upipe.integrations.fused import fused_unavailable
-from hf_upipe.models import model_names
+from hf_upipe.attention.fused import fused_unavailable
+from hf_upipe.models.presets import model_names
 from hf_upipe.planning.no_fit import advice
 from hf_upipe.planning.plan_report import LORA_TARGETS
 from hf_upipe.planning.planner import (

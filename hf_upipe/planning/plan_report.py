@@ -10,7 +10,7 @@ transformers: `Plan` calls it.
 
 from __future__ import annotations
 
-from hf_upipe.architectures import model_geometry
+from hf_upipe.models.architectures import model_geometry
 from hf_upipe.planning.tracker import GiB
 from hf_upipe.units import format_tokens
 

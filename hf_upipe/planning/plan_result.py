@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from hf_upipe.architectures import model_geometry
+from hf_upipe.models.architectures import model_geometry
 from hf_upipe.planning.plan_report import format_plan, launch_lines
 from hf_upipe.planning.step_time import GPU, H100_SXM, StepTime
 from hf_upipe.planning.tracker import GiB

@@ -51,10 +51,10 @@ import time
 
 import torch
 
-from hf_upipe.architectures import ARCHITECTURES, model_geometry
-from hf_upipe.integrations.fused import fused_unavailable
-from hf_upipe.memory.allocator import launch_mode
-from hf_upipe.models import resolve
+from hf_upipe.allocator import launch_mode
+from hf_upipe.attention.fused import fused_unavailable
+from hf_upipe.models.architectures import ARCHITECTURES, model_geometry
+from hf_upipe.models.presets import resolve
 from hf_upipe.ops.head_layout import valid_sp_sizes
 from hf_upipe.planning.estimator import Estimator
 from hf_upipe.planning.fit_search import fastest_fit, last_rung, longest_fit
@@ -93,8 +93,8 @@ def parse_bytes(value) -> int:
 
 
 def resolve_model(spec):
-    """(name, config): a name of `hf_upipe.models.model_names()`, a config.json, a local model folder, a Hub id,
-    a transformers config, or a Llama geometry dict (`hf_upipe.models.resolve`)."""
+    """(name, config): a name of `hf_upipe.models.presets.model_names()`, a config.json, a local model folder, a Hub id,
+    a transformers config, or a Llama geometry dict (`hf_upipe.models.presets.resolve`)."""
     return resolve(spec)
 
 
@@ -137,7 +137,7 @@ def plan(
             stored calibration applied (`hf-upipe calibrate`); a `Margin` adds it to the tensor peak instead.
         allocator: "default" or "expandable" (segments); None: the mode the launch runs in, the one the launch
             line sets (`UPIPE_ALLOCATOR`, default "expandable"; "keep": what `PYTORCH_CUDA_ALLOC_CONF` says;
-            `hf_upipe.memory.allocator.launch_mode`).
+            `hf_upipe.allocator.launch_mode`).
         ring_size: R > 1 plans ring attention across R ring shards of the SP group (UPipe over sp_size / R ranks
             inside each, `hf_upipe.ops.ring`): the SP degree can then exceed what the heads allow.
         step: granularity of the max search, tokens. max_seq_len: where the search stops.

@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from hf_upipe.memory.allocator import conf_mode
+from hf_upipe.allocator import conf_mode
 from hf_upipe.planning.alloc_trace import record_step_trace
 from hf_upipe.planning.caching_allocator import replay
 
@@ -127,7 +127,7 @@ class Allowance:
         tracker): `unseen_rate` bytes per token of one kernel call, scaled by head_dim / 128, plus DeepSpeed's
         measured constant. A call covers the sequence the kernel sees (the ring's shard), or one tile of
         `kernel_call_tokens` where hf_upipe tiles the backward."""
-        from hf_upipe.architectures import model_geometry
+        from hf_upipe.models.architectures import model_geometry
 
         g = model_geometry(config)
         heads = g["heads"] // sp_size if settings.impl in ("ulysses", "deepspeed") else None

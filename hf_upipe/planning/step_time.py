@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hf_upipe.architectures import model_geometry
+from hf_upipe.models.architectures import model_geometry
 from hf_upipe.ops.head_layout import HeadLayout
 
 __all__ = [
@@ -436,7 +436,7 @@ def step_time(
     gathered = 2 * layer_params * 2 * share + (0 if frozen else layer_params * 4 * share)
     t_fsdp = gathered / ((gpu.nvlink if world <= gpus_per_node else gpu.network) * eff.gather)
     # the forward's copy to the host hides behind the layer; the backward's copy back is waited for (no prefetch:
-    # one layer input on the device at a time, hf_upipe.memory.offload), for every layer but the kept last one
+    # one layer input on the device at a time, hf_upipe.training.offload), for every layer but the kept last one
     t_checkpoint = (
         s * Dm * 2 / (gpu.pcie * eff.pcie) if settings.offload in ("cpu", "disk") else 0.0
     )

@@ -120,7 +120,7 @@ def device_twin(settings: StepSettings) -> StepSettings:
 @contextlib.contextmanager
 def _restored_checkpoint():
     """The offload's copies back to the device: counted as checkpoints, on the stream the offload allocates them."""
-    from hf_upipe.memory.offload import RESTORE_STREAM
+    from hf_upipe.training.offload import RESTORE_STREAM
 
     with checkpoint_label(), allocation_stream(RESTORE_STREAM):
         yield
@@ -227,7 +227,7 @@ def _shard(model, dtype: torch.dtype, mesh, model_offload: str = "none") -> None
         if dtype != torch.float32
         else MixedPrecisionPolicy()
     )
-    # the policy a run gets (hf_upipe.integrations.model_offload), unpinned: fake tensors cannot be pinned
+    # the policy a run gets (hf_upipe.training.model_offload), unpinned: fake tensors cannot be pinned
     offload = (
         {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if model_offload == "cpu" else {}
     )
@@ -340,8 +340,8 @@ def measure_train_step(
         "host_peak": the peak of host memory (`settings.model_offload='cpu'`: the shards, the optimizer's step;
         else 0)}. With model_offload='cpu' the device's numbers exclude what is in host memory.
     """
-    from hf_upipe.integrations.loss import shard_loss_sum
-    from hf_upipe.memory.offload import offload_checkpoints
+    from hf_upipe.training.loss import shard_loss_sum
+    from hf_upipe.training.offload import offload_checkpoints
 
     if seq_len % sp_size:
         raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp_size}")

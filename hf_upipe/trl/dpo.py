@@ -56,9 +56,9 @@ from trl.trainer.utils import use_adapter
 from hf_upipe.config import UPipeConfig
 from hf_upipe.data import shard_batch
 from hf_upipe.distributed import SequenceParallelState
-from hf_upipe.integrations.prepare import prepare_model
 from hf_upipe.ops.reduce import sum_over_group
-from hf_upipe.trainer import UPipeTrainer
+from hf_upipe.prepare import prepare_model
+from hf_upipe.training.trainer import UPipeTrainer
 from hf_upipe.trl.dpo_config import dpo_config_errors
 from hf_upipe.trl.dpo_losses import DPOLossSettings, PairLogps, dpo_loss
 from hf_upipe.trl.sft import accelerator_parallelism_error

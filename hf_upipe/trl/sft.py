@@ -29,7 +29,7 @@ Refused at construction, on every rank, before any collective (`sft_config_error
 `UPipeConfig(offload='cpu')`), selective activation checkpointing, `label_smoothing_factor`, `compute_loss_func`;
 after TRL's setup: vision datasets and an MoE router auxiliary loss (the runtime's loss has no aux term).
 `SFTConfig(parallelism_config=...)` and the accelerate config's `parallelism_config_*` keys are read as by
-`UPipeTrainer` (`hf_upipe.integrations.parallelism`): the SP degree is honoured, DeepSpeed's or accelerate's own
+`UPipeTrainer` (`hf_upipe.training.parallelism`): the SP degree is honoured, DeepSpeed's or accelerate's own
 sequence parallelism, context parallelism and disagreeing degrees are refused before TRL runs.
 """
 
@@ -44,7 +44,7 @@ from trl import SFTConfig, SFTTrainer
 
 from hf_upipe.config import UPipeConfig
 from hf_upipe.ops.tiled_loss import TokenStats
-from hf_upipe.trainer import UPipeTrainer
+from hf_upipe.training.trainer import UPipeTrainer
 
 logger = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ import copy
 
 import torch
 
-from hf_upipe.integrations.probe import ADAPTER_CASES, case_config, model_pair
+from hf_upipe.models.probe import ADAPTER_CASES, case_config, model_pair
 
-# the fused architectures (hf_upipe.architectures.FUSED) and what each tiny config sets beyond the geometry
-# (hf_upipe.integrations.probe.ADAPTER_CASES: biases, MoE routing, multipliers, partial rotary, windows, NoPE, ...)
+# the fused architectures (hf_upipe.models.architectures.FUSED) and what each tiny config sets beyond the geometry
+# (hf_upipe.models.probe.ADAPTER_CASES: biases, MoE routing, multipliers, partial rotary, windows, NoPE, ...)
 ARCHS = ADAPTER_CASES
 tiny_config = case_config
 build_pair = model_pair
@@ -75,8 +75,8 @@ LAYERS = {
 
 
 def hybrid_config(model_type):
-    """`hf_upipe.models.tiny_config(model_type)` with the layers of `LAYERS`."""
-    from hf_upipe.models import tiny_config as small_config
+    """`hf_upipe.models.presets.tiny_config(model_type)` with the layers of `LAYERS`."""
+    from hf_upipe.models.presets import tiny_config as small_config
 
     config = small_config(model_type)
     layers = LAYERS[model_type]
@@ -110,7 +110,7 @@ def lora_pair(ref, model, exclude_modules=None):
     the adapters change the outputs): (ref, model) with equal state dicts."""
     from peft import LoraConfig
 
-    from hf_upipe.integrations.peft import get_peft_model
+    from hf_upipe.models.peft import get_peft_model
 
     cfg = LoraConfig(
         r=4,

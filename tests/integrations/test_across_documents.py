@@ -19,10 +19,10 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import hf_upipe
-import hf_upipe.integrations.layout as layout_module
-from hf_upipe.architectures import ACROSS_DOCUMENTS, ARCHITECTURES
+import hf_upipe.attention.layout as layout_module
 from hf_upipe.data import shard_batch
-from hf_upipe.models import tiny_config
+from hf_upipe.models.architectures import ACROSS_DOCUMENTS, ARCHITECTURES
+from hf_upipe.models.presets import tiny_config
 from tests._dist import run_distributed
 
 INSIDE = [[9, 11, 6], [17, 9]]  # 26 tokens: on 2 ranks of 13, documents start inside the shards
@@ -112,20 +112,17 @@ def _worker(rank, world, model_types):
         if (
             model_type in ACROSS_DOCUMENTS
         ):  # the runtime detection alone, the registry's word hidden
-            import hf_upipe.integrations.fused_call as fused_call
-            import hf_upipe.integrations.transformers as registered
+            import hf_upipe.attention.call as prelude  # both paths' call prelude
 
-            saved = registered.keeps_documents_apart, fused_call.keeps_documents_apart
-            registered.keeps_documents_apart = fused_call.keeps_documents_apart = lambda config: (
-                True
-            )
+            saved = prelude.keeps_documents_apart
+            prelude.keeps_documents_apart = lambda config: True
             try:
                 results[f"{model_type} inside, detected"] = (
                     _errors(ref, model, _batch(vocab, INSIDE), rank, world),
                     True,
                 )
             finally:
-                registered.keeps_documents_apart, fused_call.keeps_documents_apart = saved
+                prelude.keeps_documents_apart = saved
     hf_upipe.reset_sequence_parallel()
     return results
 

@@ -2,7 +2,7 @@
 against one process, as a user runs it (the support gate on): exact or refused with hf_upipe's own error on every
 rank, never wrong and never hung.
 
-One 2-rank job runs every type (`hf_upipe.matrix.matrix_rank`); the gate refuses an unverified type before any
+One 2-rank job runs every type (`hf_upipe.tools.matrix.matrix_rank`); the gate refuses an unverified type before any
 collective, so only the verified ones are compared in full. `benchmarks/architecture_matrix.py` also runs every
 unverified type opted in (what `hf-upipe selftest` shows a user) and writes the results that docs/models.md's
 support table is generated from.
@@ -25,8 +25,8 @@ import pytest
 import transformers
 from packaging.version import Version
 
-from hf_upipe.architectures import ARCHITECTURES
-from hf_upipe.matrix import causal_lm_types, matrix_rank, summary
+from hf_upipe.models.architectures import ARCHITECTURES
+from hf_upipe.tools.matrix import causal_lm_types, matrix_rank, summary
 from tests._dist import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -118,7 +118,7 @@ def test_the_registry_is_what_the_matrix_finds_exact(results):
 
 
 def test_no_decoder_is_refused_only_as_not_verified(results):
-    """Every refusal names its mechanism (`hf_upipe.integrations.support.config_refusal`)."""
+    """Every refusal names its mechanism (`hf_upipe.adapters.support.config_refusal`)."""
     unnamed = {
         t: r.get("sp2_why")
         for t, r in results.items()

@@ -1,4 +1,4 @@
-"""The architecture registry (`hf_upipe.architectures`) and `prepare_model` / `unprepare_model`.
+"""The architecture registry (`hf_upipe.models.architectures`) and `prepare_model` / `unprepare_model`.
 
 - Verified sources: on a verified release, the installed source of every replaced forward (and of the RoPE
   helpers the fused block re-implements) has a recorded fingerprint; on any other release, the adapters pass their
@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 
 import hf_upipe
-from hf_upipe import architectures
+from hf_upipe.adapters.tiled_mlp import tiled_verdict
+from hf_upipe.attention import fused as fused_call
+from hf_upipe.attention import fused as fused_module
+from hf_upipe.attention import mask as sp_mask
+from hf_upipe.attention import registered as hf_transformers
 from hf_upipe.distributed import SequenceParallelState
-from hf_upipe.integrations import fused as fused_module
-from hf_upipe.integrations import fused_call, sp_mask
-from hf_upipe.integrations import transformers as hf_transformers
-from hf_upipe.memory.tiled_mlp import tiled_verdict
-from hf_upipe.verification import VERIFIED_RELEASES, installed_release
+from hf_upipe.models import architectures
+from hf_upipe.models.verification import VERIFIED_RELEASES, installed_release
 from tests.integrations._models import ARCHS, build_pair, tiny_config
 
 ARCH_NAMES = sorted(ARCHS)
@@ -41,7 +42,7 @@ def test_registry_covers_the_fused_architectures():
 
 def test_text_model_types_are_the_text_configs_types():
     """`TEXT_MODEL_TYPES` (what the support table's "path" reads) names each multimodal type's text config."""
-    from hf_upipe.models import tiny_config as any_tiny_config
+    from hf_upipe.models.presets import tiny_config as any_tiny_config
 
     assert set(architectures.TEXT_MODEL_TYPES) == set(architectures.TEXT_ONLY)
     for model_type, text_type in architectures.TEXT_MODEL_TYPES.items():

@@ -2,7 +2,7 @@
 
 The types are found in the installed transformers' sources (a module-level dict whose first key is an attention
 implementation, as in `FALCON_ATTENTION_CLASSES = {"eager": ...}`), not listed by hand: a release that adds one is
-swept too. Each is built from a config on the meta device (no weights), tiny where `hf_upipe.models.tiny_config`
+swept too. Each is built from a config on the meta device (no weights), tiny where `hf_upipe.models.presets.tiny_config`
 can make it, with attn_implementation="upipe".
 """
 
@@ -21,8 +21,8 @@ from transformers.models.auto.configuration_auto import (
 )
 
 import hf_upipe  # noqa: F401  (registers "upipe")
-from hf_upipe.integrations.attention_tables import OwnAttentionTable, attention_tables
-from hf_upipe.models import tiny_config
+from hf_upipe.attention.registered import OwnAttentionTable, attention_tables
+from hf_upipe.models.presets import tiny_config
 
 _TABLE = re.compile(r'^\w+\s*=\s*\{\s*\n\s*"(?:eager|sdpa|flash_attention_2)"\s*:\s*[A-Z]', re.M)
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import hf_upipe
+from hf_upipe.attention.fused import count_fused
+from hf_upipe.attention.state import local_sequence_parallel
 from hf_upipe.distributed import without_sequence_parallel
-from hf_upipe.integrations.fused import count_fused
-from hf_upipe.integrations.sp_checks import local_sequence_parallel
 from tests.integrations._models import build_pair, tiny_config
 
 

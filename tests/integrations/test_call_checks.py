@@ -1,4 +1,4 @@
-"""Call arguments that would be silently wrong on a shard (`hf_upipe.integrations.call_checks`), refused for a model
+"""Call arguments that would be silently wrong on a shard (`hf_upipe.adapters.call_checks`), refused for a model
 loaded with `attn_implementation="upipe"` and called on shards without `prepare_model`, from its first call on:
 `labels=` without `shift_labels=` (refused in the model's own loss, wrapped on the instance), `output_attentions=True`
 (refused where transformers collects the weights), `use_cache=True` (from the second call: the guard installs the
@@ -13,13 +13,13 @@ import copy
 import pytest
 import torch
 
-from hf_upipe.distributed import SequenceParallelState, set_sequence_parallel_state
-from hf_upipe.integrations.call_checks import (
+from hf_upipe.adapters.call_checks import (
     ATTENTIONS_UNDER_SP,
     GENERATE_UNDER_SP,
     LABELS_UNDER_SP,
     refuse_collected_attentions,
 )
+from hf_upipe.distributed import SequenceParallelState, set_sequence_parallel_state
 from tests._dist import run_distributed
 from tests.integrations._models import build_pair, tiny_config
 
@@ -36,7 +36,7 @@ def sp2():
 def test_the_models_loss_refuses_unshifted_labels_under_sp_only(sp2):
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
-    from hf_upipe.integrations.call_checks import check_loss_labels
+    from hf_upipe.adapters.call_checks import check_loss_labels
 
     _, model = build_pair(tiny_config("llama"), "upipe", seed=2)
     check_loss_labels(model)

@@ -9,8 +9,8 @@ import copy
 import torch
 
 import hf_upipe
-from hf_upipe.integrations.chunked import local_pattern
-from hf_upipe.models import tiny_config
+from hf_upipe.attention.mask import local_pattern
+from hf_upipe.models.presets import tiny_config
 from tests._dist import run_distributed
 from tests.integrations._models import sharded_errors
 

@@ -1,4 +1,4 @@
-"""prepare_model(): the fused UPipe block on every fused architecture (`hf_upipe.architectures.FUSED`: Llama,
+"""prepare_model(): the fused UPipe block on every fused architecture (`hf_upipe.models.architectures.FUSED`: Llama,
 Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, Granite, GraniteMoE, OLMo 2, Phi-3, Gemma, Gemma 3, SmolLM3,
 Cohere), plain and with PEFT LoRA adapters, at SP 2 and SP 4 (GQA, and k/v replication where Hk < 4), on gloo ranks
 vs the single-process sdpa model: logits on every shard and every trainable gradient (summed over the SP group);
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
 import hf_upipe
-import hf_upipe.integrations.fused_call as fused_call
+import hf_upipe.attention.fused as fused_call
 from tests._dist import run_distributed
 from tests.integrations._models import build_pair, tiny_config
 
@@ -220,7 +220,7 @@ def test_unknown_attention_modules_keep_the_registered_path(caplog):
         pad_token_id=0,
     )
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="upipe")
-    with caplog.at_level("INFO", logger="hf_upipe.integrations.prepare"):
+    with caplog.at_level("INFO", logger="hf_upipe.prepare"):
         hf_upipe.prepare_model(model)
     assert (
         "fused UPipe attention on 0 module(s); ['OlmoAttention'] keep the registered 'upipe' path"
@@ -257,7 +257,7 @@ def test_settings_the_fused_block_does_not_compute_keep_the_registered_path(
     model = AutoModelForCausalLM.from_config(
         tiny_config(arch, **setting), attn_implementation="upipe"
     )
-    with caplog.at_level("INFO", logger="hf_upipe.integrations"):
+    with caplog.at_level("INFO", logger="hf_upipe.attention"):
         hf_upipe.prepare_model(model)
     assert f"keep the registered 'upipe' path, not the fused block: {reason}" in caplog.text
     assert not any("forward" in m.__dict__ for m in model.modules())

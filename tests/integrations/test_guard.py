@@ -1,4 +1,4 @@
-"""The guard against a model called on shards without hf_upipe (`hf_upipe.integrations.guard`).
+"""The guard against a model called on shards without hf_upipe (`hf_upipe.adapters.hooks`).
 
 Under SP, a transformers model that `prepare_model` did not prepare is refused when its attention is not "upipe"
 or when it has token mixers (Mamba2, gated DeltaNet, short convolutions) that only a prepared model runs across
@@ -14,14 +14,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from hf_upipe.adapters import hooks as guard
+from hf_upipe.adapters.hooks import unprepared_refusal
+from hf_upipe.adapters.mixers import supported
 from hf_upipe.distributed import (
     SequenceParallelState,
     get_sequence_parallel_state,
     set_sequence_parallel_state,
 )
-from hf_upipe.integrations import guard
-from hf_upipe.integrations.guard import unprepared_refusal
-from hf_upipe.integrations.mixers import supported
 from tests._dist import run_distributed
 from tests.integrations._models import LAYERS, hybrid_config, tiny_config
 
@@ -36,7 +36,7 @@ def _config(model_type):
     if model_type in LAYERS:
         return hybrid_config(model_type)
     if model_type in _UNVERIFIED:
-        from hf_upipe.models import tiny_config as any_config
+        from hf_upipe.models.presets import tiny_config as any_config
 
         return any_config(model_type)
     return tiny_config(model_type)

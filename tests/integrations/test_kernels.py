@@ -1,5 +1,5 @@
 """Liger and Hub kernels under sequence parallelism (docs/kernels.md): the support gate finds every replaced forward
-(`hf_upipe.integrations.replaced`), admits per-token ones it verified by behaviour and refuses the rest; the fused
+(`hf_upipe.adapters.replaced`), admits per-token ones it verified by behaviour and refuses the rest; the fused
 block and the tiled MLP/norms compose with the admitted ones exactly (SP 2 against one process, with the same
 replacements); UPipeTrainer applies Liger itself, with its fused linear cross-entropy, cross-entropy and RoPE off.
 The replacements are simulated with plain torch (`tests/integrations/_kernels.py`); the tests marked `liger` run
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hf_upipe
-from hf_upipe.integrations.replaced import replaced_forwards, replacement_refusal
+from hf_upipe.adapters.replaced import replaced_forwards, replacement_refusal
 from tests._dist import run_distributed
 from tests.integrations import _kernels as K
 from tests.integrations._models import build_pair, sharded_errors, tiny_config
@@ -132,7 +132,7 @@ def test_tiled_mlp_wraps_a_kernel_forward_and_gives_it_back():
 
 
 def test_a_replaced_projection_norm_keeps_the_registered_path():
-    from hf_upipe.integrations.fused import unfused_reason
+    from hf_upipe.attention.fused import unfused_reason
 
     model = K.simulate_liger(
         _model("olmo2"), swiglu=False
@@ -172,7 +172,7 @@ def _kernels_case(rank, world, arch, how, tiled, lora):
     hf_upipe.init_sequence_parallel()
     try:
         hf_upipe.prepare_model(model, hf_upipe.UPipeConfig(tiled_mlp=tiled, mlp_chunk_tokens=3))
-        from hf_upipe.integrations.fused import count_fused
+        from hf_upipe.attention.fused import count_fused
 
         fused = count_fused(model)
         wrapped = sum("_upipe_wrapped_forward" in m.__dict__ for m in model.modules())
@@ -284,7 +284,7 @@ def test_trainer_applies_liger_before_prepare_and_not_again(tmp_path, monkeypatc
     not HAS_LIGER, reason="liger-kernel is not installed (the simulated tests above run)"
 )
 def test_real_liger_is_found_and_refused_where_its_kernels_cannot_run():
-    from hf_upipe.integrations.liger import apply_liger
+    from hf_upipe.training.liger import apply_liger
 
     model = _model("qwen3")
     settings = apply_liger(model)

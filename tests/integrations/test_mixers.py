@@ -1,6 +1,6 @@
-"""Hybrids under sequence parallelism (`hf_upipe.integrations.mixers`): delta-rule mixers (gated DeltaNet of
+"""Hybrids under sequence parallelism (`hf_upipe.adapters.mixers`): delta-rule mixers (gated DeltaNet of
 Qwen3-Next and OLMo-Hybrid, Kimi delta attention of Bailing-Hybrid), all ranks at once with a prefix over their
-gathered states (`hf_upipe.integrations.delta_rule`) or, opted in, in sequence; Mamba2 (Bamba, Nemotron-H,
+gathered states (`hf_upipe.adapters.delta_rule`) or, opted in, in sequence; Mamba2 (Bamba, Nemotron-H,
 Falcon-H1, Granite 4, Zamba2, and Mamba2 alone), where each rank runs transformers' own mixer on its shard
 continued from the previous rank's convolution halo and recurrent state; and LFM2's short convolutions, where all
 ranks at once take the previous rank's last k-1 tokens. Against one process: loss, the logits of every shard and
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import hf_upipe
-from hf_upipe.integrations import mixers
+from hf_upipe.adapters import mixers
 from tests._dist import run_distributed
 from tests.integrations._models import hybrid_config, lora_exclusions, lora_pair, sharded_errors
 
@@ -71,7 +71,7 @@ def _worker(rank, world, cases):
 
 def _refusal(model, rank, world, length=S):
     """A call on this rank's shard of `length` tokens: the NotImplementedError's message, or "ran" (an unprepared
-    model with token mixers under SP is refused at the call, by `hf_upipe.integrations.guard`)."""
+    model with token mixers under SP is refused at the call, by `hf_upipe.adapters.hooks`)."""
     ids = torch.randint(3, 96, (1, length), generator=torch.Generator().manual_seed(1))
     shard = hf_upipe.shard_batch({"input_ids": ids}, rank, world)
     try:
@@ -137,7 +137,7 @@ def test_hybrids_are_exact():
                     worst,
                     errors[worst],
                 )
-                # unprepared, every type is refused at the call, Mamba2 alone too (hf_upipe.integrations.guard)
+                # unprepared, every type is refused at the call, Mamba2 alone too (hf_upipe.adapters.hooks)
                 assert (
                     "prepare_model" in unprepared and "mix their rank's shard alone" in unprepared
                 ), unprepared

@@ -2,16 +2,16 @@
 logits that hf_upipe knows (Granite's division by `logits_scaling`, HyperCLOVA X's and Cohere's multiplication,
 Gemma-style soft-capping), and anything else is refused instead of computing another loss.
 
-`hf_upipe.integrations.loss.shard_loss_sum(tiled=True)` reads the lm_head's input and computes the logits itself;
+`hf_upipe.training.loss.shard_loss_sum(tiled=True)` reads the lm_head's input and computes the logits itself;
 before the registry knew the scalings, a Granite model with `logits_scaling=8` trained on a loss 8x too sharp.
 """
 
 import pytest
 import torch
 
-from hf_upipe.integrations import loss as loss_module
-from hf_upipe.integrations.loss import shard_loss_sum
-from hf_upipe.models import tiny_config
+from hf_upipe.models.presets import tiny_config
+from hf_upipe.training import loss as loss_module
+from hf_upipe.training.loss import shard_loss_sum
 
 
 def _model(model_type, **overrides):

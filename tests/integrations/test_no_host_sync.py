@@ -7,7 +7,7 @@ to) through a dispatch mode, and `Tensor.tolist`, `.cpu`, `.numpy` by wrapping t
 innermost hf_upipe line that caused it. The step (SP 2, gloo, after one warm-up step): a Llama model with activation
 checkpointing, on the registered path and on the fused block in both backward modes, forward and backward through
 the tiled loss. With 2 and with 3 decoder layers the reads must be the same: none per layer, and hf_upipe's own
-only in `hf_upipe/integrations/layout.py` and `layout_rows.py` (the once-per-forward layout check).
+only in `hf_upipe/attention/layout.py` and `layout_rows.py` (the once-per-forward layout check).
 """
 
 import collections
@@ -83,7 +83,7 @@ MODES = (
 
 
 def _worker(rank, world, layers):
-    from hf_upipe.integrations.loss import shard_loss_sum
+    from hf_upipe.training.loss import shard_loss_sum
 
     hf_upipe.init_sequence_parallel(world)
     out = {}
@@ -132,17 +132,16 @@ def test_a_step_reads_the_host_only_in_the_layout_check():
                 reads,
             )  # nothing per layer
             ours = {k: n for k, n in reads.items() if k.startswith("hf_upipe/")}
-            # the layout check's reads, and the random stream's seed (hf_upipe/integrations/randomness.py: one
+            # the layout check's reads, and the random stream's seed (hf_upipe/adapters/hooks.py: one
             # number from torch's CPU generator per training forward, a host value, never a device sync)
             assert ours and all(
                 k.startswith(
                     (
-                        "hf_upipe/integrations/layout.py:",
-                        "hf_upipe/integrations/layout_rows.py:",
-                        "hf_upipe/integrations/randomness.py:",
+                        "hf_upipe/attention/layout.py:",
+                        "hf_upipe/adapters/hooks.py:",
                     )
                 )
                 for k in ours
             ), (mode, ours)
-            assert sum(n for k, n in ours.items() if "randomness.py" in k) == 1, (mode, ours)
+            assert sum(n for k, n in ours.items() if "hooks.py:_fork" in k) == 1, (mode, ours)
             assert sum(reads.values()) <= 8, (mode, reads)  # a handful per step, once per forward

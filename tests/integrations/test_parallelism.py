@@ -1,4 +1,4 @@
-"""accelerate's ParallelismConfig under hf_upipe (`hf_upipe.integrations.parallelism`): its sp_size is the SP degree
+"""accelerate's ParallelismConfig under hf_upipe (`hf_upipe.training.parallelism`): its sp_size is the SP degree
 when UPipeConfig gives none, what hf_upipe cannot honour is refused with the numbers and the fix named, and
 accelerate/transformers get a config without SP. The accelerate config file's keys are read as accelerate launches
 them (its own parser and environment code)."""
@@ -7,7 +7,7 @@ import pytest
 from accelerate.parallelism_config import ParallelismConfig
 
 from hf_upipe.config import UPipeConfig
-from hf_upipe.integrations.parallelism import (
+from hf_upipe.training.parallelism import (
     ParallelismSizes,
     accelerate_view,
     find_parallelism,
@@ -208,7 +208,7 @@ class _Accelerator:
 def test_plugin_reads_the_accelerators_parallelism_config():
     from transformers import AutoModelForCausalLM
 
-    from hf_upipe.plugin import UPipePlugin
+    from hf_upipe.training.plugin import UPipePlugin
     from tests.integrations._models import tiny_config
 
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")

@@ -13,8 +13,8 @@ import torch
 from peft import LoraConfig
 
 import hf_upipe
-from hf_upipe.integrations.fused import count_fused, unfused_reason
-from hf_upipe.integrations.peft import get_peft_model
+from hf_upipe.attention.fused import count_fused, unfused_reason
+from hf_upipe.models.peft import get_peft_model
 from tests._dist import run_distributed
 from tests.integrations import _kernels as K
 from tests.integrations._models import build_pair, sharded_errors, tiny_config

@@ -1,4 +1,4 @@
-"""Random draws inside a model under SP (`hf_upipe.integrations.randomness`): two shards holding identical inputs at
+"""Random draws inside a model under SP (`hf_upipe.adapters.hooks`): two shards holding identical inputs at
 the same local positions, with the seed every rank shares, draw different dropout masks (hidden-state dropout,
 PEFT's LoRA dropout on the MLP, the fused block's LoRA dropout) and different router jitter, each dropping the right
 fraction; the hooks off, the same masks (the control); activation checkpointing's recompute draws the forward's
@@ -15,8 +15,8 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 
 import hf_upipe
-from hf_upipe.integrations import randomness
-from hf_upipe.integrations.randomness import random_refusal, rank_seed
+from hf_upipe.adapters import hooks as randomness
+from hf_upipe.adapters.hooks import random_refusal, rank_seed
 from tests._dist import run_distributed
 from tests.integrations._models import build_pair, tiny_config
 
@@ -64,7 +64,7 @@ def _dropout_worker(rank, world):
         3, 96, (2, s), generator=torch.Generator().manual_seed(7)
     )  # the same on both ranks
     pos = torch.arange(rank * s, (rank + 1) * s)[None]
-    fused = hf_upipe.integrations.fused.count_fused(model)
+    fused = hf_upipe.attention.fused.count_fused(model)
     result = {"fused": fused}
     for name, on in (("forked", True), ("shared", False)):
         masks = []

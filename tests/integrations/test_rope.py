@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import hf_upipe
-from hf_upipe.integrations import rope
+from hf_upipe.adapters import rope
 from tests._dist import run_distributed
 from tests.integrations._models import build_pair, tiny_config
 
@@ -113,12 +113,12 @@ def test_the_shards_own_lengths_would_be_wrong():
 
 
 def test_dynamic_rope_update_is_verified():
-    from hf_upipe.verification import VERIFIED_RELEASES, installed_release
+    from hf_upipe.models.verification import VERIFIED_RELEASES, installed_release
 
     got, verdict = rope.rope_update_fingerprint(), rope.rope_verdict()
     if installed_release() in VERIFIED_RELEASES:
         assert got in rope.ROPE_FINGERPRINTS, (
-            f"transformers changed dynamic_rope_update: re-verify hf_upipe/integrations/rope.py, then record {got!r}"
+            f"transformers changed dynamic_rope_update: re-verify hf_upipe/adapters/rope.py, then record {got!r}"
         )
     assert verdict.ok, verdict
 
@@ -139,8 +139,8 @@ def test_the_trainers_setup_check_admits_what_prepare_model_handles(monkeypatch)
     `prepare_model` will make global, and refuses it when it could not (a changed `dynamic_rope_update`)."""
     from transformers import AutoModelForCausalLM
 
-    from hf_upipe.integrations.support import model_refusal
-    from hf_upipe.verification import Verdict
+    from hf_upipe.adapters.support import model_refusal
+    from hf_upipe.models.verification import Verdict
 
     model = AutoModelForCausalLM.from_config(copy.deepcopy(_configs()["dynamic"]))
     assert model_refusal(model) is None

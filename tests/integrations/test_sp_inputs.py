@@ -169,7 +169,7 @@ def test_init_needs_distributed_and_checks_arguments():
 
 def _validation_worker(rank, world):
     """Count the layout all-gathers of forwards + backwards of a 2-layer checkpointed model."""
-    from hf_upipe.integrations import layout as upipe_tf
+    from hf_upipe.attention import layout as upipe_tf
 
     counted = []
     real = upipe_tf._check_layout

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 import hf_upipe
+from hf_upipe.adapters.support import config_refusal, model_refusal, sdpa_refusal
 from hf_upipe.distributed import set_sequence_parallel_state
-from hf_upipe.integrations.support import config_refusal, model_refusal, sdpa_refusal
-from hf_upipe.models import tiny_config
+from hf_upipe.models.presets import tiny_config
 from tests._dist import run_distributed
 from tests.integrations._models import build_pair
 from tests.integrations._models import tiny_config as llama_like
@@ -149,8 +149,8 @@ def test_without_sp_upipe_refuses_what_sdpa_refuses():
 def test_a_window_must_be_found_where_the_config_says_it_is():
     """A sliding layer (config.layer_types) whose window is neither in its mask nor in its call is refused; the
     mask's window and the call's must agree; windows at least as long as the sequence change nothing."""
-    from hf_upipe.integrations.sp_kernels import sp_window
-    from hf_upipe.integrations.sp_mask import SequenceParallelMask
+    from hf_upipe.attention.kernel import sp_window
+    from hf_upipe.attention.mask import SequenceParallelMask
 
     config = types.SimpleNamespace(
         layer_types=["full_attention", "sliding_attention"], sliding_window=4
@@ -174,8 +174,8 @@ def test_a_window_must_be_found_where_the_config_says_it_is():
 @pytest.mark.parametrize("model_type", ["bloom", "codegen", "xglm", "gpt_neox_japanese", "gpt2"])
 def test_without_sp_upipe_is_sdpa_or_refused_for_float_bias_masks(model_type):
     """ALiBi and other models that add the mask as a float bias: "upipe" without SP is their reference or refused,
-    never causal masking lost (`hf_upipe.matrix.single_process` compares logits and every gradient)."""
-    from hf_upipe.matrix import single_process
+    never causal masking lost (`hf_upipe.tools.matrix.single_process` compares logits and every gradient)."""
+    from hf_upipe.tools.matrix import single_process
 
     row = single_process(model_type)
     assert row["builds"] and row["decoder"], row
@@ -184,7 +184,7 @@ def test_without_sp_upipe_is_sdpa_or_refused_for_float_bias_masks(model_type):
 
 @pytest.mark.parametrize("name", ["s_aux", "sinks", "softcap", "position_bias"])
 def test_unimplemented_attention_arguments_are_refused_without_sp(name):
-    from hf_upipe.integrations.transformers import upipe_attention_forward
+    from hf_upipe.attention.registered import upipe_attention_forward
 
     module = types.SimpleNamespace(is_causal=True, config=llama_like("llama"), training=False)
     q = torch.randn(1, 8, 6, 8)
@@ -264,7 +264,7 @@ def _gate_worker(rank, world):
     out["output_attentions"] = _outcome(lambda: llama(**inputs, output_attentions=True))
     out["use_cache"] = _outcome(lambda: llama(**inputs, use_cache=True))
     out["other sp_size"] = _outcome(lambda: hf_upipe.shard_batch({"input_ids": ids}, rank, 4))
-    from hf_upipe.integrations.transformers import upipe_attention_forward
+    from hf_upipe.attention.registered import upipe_attention_forward
 
     attention = llama.model.layers[0].self_attn
     for v_dim in (
@@ -342,7 +342,7 @@ def test_refusals_on_every_rank_before_any_collective():
 
 def _opt_in_worker(rank, world, allow):
     """An architecture removed from the registry: refused, unless the run opts in."""
-    from hf_upipe import architectures
+    from hf_upipe.models import architectures
 
     del architectures.ARCHITECTURES["llama"]
     hf_upipe.init_sequence_parallel(world, allow_unverified=allow)
@@ -450,7 +450,7 @@ def test_initialising_again():
 def test_attention_calls_without_documents_use_the_model_calls():
     """Nemotron's decoder layers drop the attention kwargs (upipe_cu_seqlens): the attention takes the documents of
     its own prepared model's call, for the same batch only (that call's position_ids tensor)."""
-    from hf_upipe.integrations.model_calls import (
+    from hf_upipe.adapters.call_checks import (
         adopt_modules,
         note_model_positions,
         with_model_documents,
@@ -513,7 +513,7 @@ def _text_only_worker(rank, world):
     )
     hf_upipe.reset_sequence_parallel()
     # the same type unregistered, run opted in: its images are refused all the same
-    from hf_upipe.architectures import ARCHITECTURES
+    from hf_upipe.models.architectures import ARCHITECTURES
 
     entries = {t: ARCHITECTURES.pop(t) for t in ("gemma3", "gemma3_text")}
     try:
@@ -583,7 +583,7 @@ def _mllama_worker(rank, world):
 
 @pytest.mark.slow
 def test_mllama_runs_text_only():
-    from hf_upipe.architectures import ARCHITECTURES
+    from hf_upipe.models.architectures import ARCHITECTURES
 
     assert ARCHITECTURES["mllama"].text_only and ARCHITECTURES["mllama_text_model"].text_only
     for errors, refused, skipped in run_distributed(_mllama_worker, 2):
@@ -596,7 +596,7 @@ def test_mllama_runs_text_only():
 
 
 def test_multimodal_types_run_text_only():
-    from hf_upipe.architectures import ARCHITECTURES
+    from hf_upipe.models.architectures import ARCHITECTURES
 
     assert ARCHITECTURES["gemma3"].text_only and not ARCHITECTURES["gemma3_text"].text_only
     for out in run_distributed(_text_only_worker, 2):

@@ -1,6 +1,6 @@
 """Vision-language models under SP (`hf_upipe.vlm`): images merged whole, the sequence sharded after.
 
-Tiny Qwen2-VL and Qwen2.5-VL models built from their configs (`hf_upipe.vlm_check`), random weights, two images
+Tiny Qwen2-VL and Qwen2.5-VL models built from their configs (`hf_upipe.tools.vlm_check`), random weights, two images
 (one across the shard boundary) and text, a length that does not divide by the SP size: at SP 2 on gloo ranks, the
 loss, each shard's logits and every trainable gradient (summed over the group: the vision tower's, the embedding's,
 LoRA's on the language model, or every parameter's in a full fine-tune) equal the one-process model's in fp32.
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import hf_upipe
+from hf_upipe.tools.vlm_check import tiny_batch, tiny_vlm, vlm_pair, vlm_step
 from hf_upipe.vlm import shard_multimodal_batch
-from hf_upipe.vlm_check import tiny_batch, tiny_vlm, vlm_pair, vlm_step
 from tests._dist import run_distributed
 
 
@@ -73,7 +73,7 @@ def test_vlm_matches_single_process(case):
 def test_other_vision_language_types_are_refused_with_the_reason():
     from transformers import AutoConfig
 
-    from hf_upipe.integrations.support import config_refusal
+    from hf_upipe.adapters.support import config_refusal
     from hf_upipe.vlm import vlm_type_refusal
 
     assert vlm_type_refusal("qwen2_vl") is None and vlm_type_refusal("qwen2_5_vl") is None

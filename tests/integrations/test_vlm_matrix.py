@@ -2,7 +2,7 @@
 transformers at SP 2 with images, as a user runs it (the support gate on): exact against one process, or refused
 with hf_upipe's own error on every rank; never wrong, crashed or hung.
 
-One 2-rank job runs every type (`hf_upipe.vlm_matrix.vlm_rank`): the verified types (`hf_upipe.vlm.VISION_TYPES`)
+One 2-rank job runs every type (`hf_upipe.tools.vlm_matrix.vlm_rank`): the verified types (`hf_upipe.vlm.VISION_TYPES`)
 tiny with weights against one process, every other type built on the meta device and run through prepare_model,
 shard_multimodal_batch and the forward with pixel inputs. `benchmarks/architecture_matrix.py` writes the same rows
 type by type under the committed JSON's "vlm" key, from which docs/models.md's table is generated.
@@ -20,9 +20,9 @@ import os
 import pytest
 import transformers
 
-from hf_upipe.architectures import ARCHITECTURES
+from hf_upipe.models.architectures import ARCHITECTURES
+from hf_upipe.tools.vlm_matrix import vlm_rank, vlm_summary, vlm_types
 from hf_upipe.vlm import VISION_TYPES
-from hf_upipe.vlm_matrix import vlm_rank, vlm_summary, vlm_types
 from tests._dist import run_distributed
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import hf_upipe
 from hf_upipe.data import shard_batch
-from hf_upipe.models import tiny_config as any_tiny
+from hf_upipe.models.presets import tiny_config as any_tiny
 from tests._dist import run_distributed
 from tests.integrations._models import build_pair, lora_pair, tiny_config
 

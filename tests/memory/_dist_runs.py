@@ -48,7 +48,7 @@ def steps(
 ) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from hf_upipe.memory import apply_tiled_mlp
+    from hf_upipe.adapters.tiled_mlp import apply_tiled_mlp
 
     model = _model(lora)
     if checkpointing:

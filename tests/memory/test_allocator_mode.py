@@ -1,4 +1,4 @@
-"""The allocator mode in force (hf_upipe.memory.allocator): PYTORCH_CUDA_ALLOC_CONF is set for the user before CUDA
+"""The allocator mode in force (hf_upipe.allocator): PYTORCH_CUDA_ALLOC_CONF is set for the user before CUDA
 initialises (simulated on CPU by patching torch.cuda), said once when CUDA was initialised otherwise, written on
 the plan's launch line, and the planner plans for the mode the launch runs in."""
 
@@ -11,13 +11,13 @@ import pytest
 import torch
 import transformers
 
-import hf_upipe.memory.allocator as allocator
+import hf_upipe.allocator as allocator
+from hf_upipe.allocator import arrange_allocator, conf_mode, launch_mode
 from hf_upipe.config import UPipeConfig
-from hf_upipe.memory.allocator import arrange_allocator, conf_mode, launch_mode
 from hf_upipe.planning.planner import plan
 from hf_upipe.planning.train_step import StepSettings
-from hf_upipe.plugin import UPipePlugin
-from hf_upipe.trainer import UPipeTrainer
+from hf_upipe.training.plugin import UPipePlugin
+from hf_upipe.training.trainer import UPipeTrainer
 from tests.planning.test_train_step import TINY
 
 CONF = "PYTORCH_CUDA_ALLOC_CONF"
@@ -84,7 +84,7 @@ def test_said_once_when_cuda_was_initialised_otherwise(gpu, caplog):
     """Already initialised: the variable is left as it was (it is read once, at initialisation), the mode in force
     is returned, and one warning names it, the plan that applies and the fix."""
     gpu["initialised"] = True
-    with caplog.at_level(logging.WARNING, logger="hf_upipe.memory.allocator"):
+    with caplog.at_level(logging.WARNING, logger="hf_upipe.allocator"):
         UPipePlugin()
         assert arrange_allocator("expandable") == "default"
     assert CONF not in os.environ
@@ -97,7 +97,7 @@ def test_said_once_when_cuda_was_initialised_otherwise(gpu, caplog):
     )
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before anything uses CUDA" in said[0]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="hf_upipe.memory.allocator"):
+    with caplog.at_level(logging.WARNING, logger="hf_upipe.allocator"):
         assert (
             arrange_allocator("default") == "default"
         )  # the mode asked for is in force: nothing to say

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from hf_upipe.memory.offload import offload_checkpoints
 from hf_upipe.planning.tracker import MemoryTracker
+from hf_upipe.training.offload import offload_checkpoints
 from tests.integrations._models import tiny_config
 
 B, S, LAYERS, HIDDEN = 2, 64, 4, 48
@@ -44,7 +44,7 @@ def test_offload_gives_bit_identical_gradients(tmp_path, force_host_copy):
     model = _model()
     ref, _ = _grads(model, offload_checkpoints(model, "none"))
     if force_host_copy:  # the "cpu" target's buffer/prefetch path, run synchronously on CPU tensors
-        from hf_upipe.memory import offload as mod
+        from hf_upipe.training import offload as mod
 
         original = mod.OffloadStore.stays
         mod.OffloadStore.stays = lambda self, t: t.numel() * t.element_size() < self.min_bytes
@@ -126,7 +126,7 @@ def test_errors_name_the_fix():
 def test_host_buffers_are_reused_across_steps_and_returned_after_a_failure(monkeypatch):
     """The "cpu" target's buffer pool (its CPU-tensor path forced): the second step allocates nothing new, and a
     backward that raises gives every buffer back."""
-    from hf_upipe.memory import offload as mod
+    from hf_upipe.training import offload as mod
 
     monkeypatch.setattr(mod, "HOST_POOL", mod.HostBufferPool())
     model = _model()
@@ -159,7 +159,7 @@ def test_host_buffers_are_reused_across_steps_and_returned_after_a_failure(monke
 def test_host_buffers_stay_on_the_host_under_a_default_device():
     """A default device (`torch.set_default_device("cuda")`, `with torch.device(...)`) must not move the pinned host
     buffers there: on a GPU that was "Only dense CPU tensors can be pinned" (found by benchmarks/gpu/memory.py)."""
-    from hf_upipe.memory.offload import HostBufferPool
+    from hf_upipe.training.offload import HostBufferPool
 
     pool = HostBufferPool()
     with torch.device(
@@ -175,8 +175,8 @@ def test_copy_back_is_allocated_on_the_compute_stream(monkeypatch):
     compute stream before writing it, and the values are the host buffer's, bit for bit."""
     import contextlib
 
-    from hf_upipe.memory import offload
     from hf_upipe.planning.tracker import allocation_stream
+    from hf_upipe.training import offload
 
     calls = []
 
@@ -225,7 +225,7 @@ def test_without_prefetch_one_layer_input_less_at_the_backwards_peak(monkeypatch
     no offload and to the prefetching store, and the tracker's backward peak is exactly one layer input lower
     (the prefetched previous input no longer waits beside the layer's backward). Run on CPU tensors through the
     host-copy path; the host buffers come from the warmed pool, so only the copies back are counted."""
-    from hf_upipe.memory import offload as mod
+    from hf_upipe.training import offload as mod
 
     monkeypatch.setattr(
         mod.OffloadStore, "stays", lambda self, t: t.numel() * t.element_size() < self.min_bytes

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from hf_upipe.memory import apply_tiled_mlp, remove_tiled_mlp, tiled_mlp
+from hf_upipe.adapters.tiled_mlp import apply_tiled_mlp, remove_tiled_mlp, tiled_mlp
 from tests.integrations._models import tiny_config
 
 

@@ -432,7 +432,7 @@ def test_shard_loss_sum_saves_no_view_of_the_final_hidden(tiled):
     per rank). The plain path's lm_head does save it, which shows the check can see it."""
     from transformers import AutoModelForCausalLM
 
-    from hf_upipe.integrations.loss import shard_loss_sum
+    from hf_upipe.training.loss import shard_loss_sum
     from tests.integrations._models import tiny_config
 
     torch.manual_seed(0)

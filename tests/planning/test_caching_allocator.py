@@ -72,10 +72,10 @@ def _first_run(mode: str) -> dict:
 def h100_trace(monkeypatch_module):
     """Rank 0 of the H100 runs' step (Llama3-8B, 4 layers, 256K tokens, 8 GPUs), simulated as measured: the
     offload's copies back allocated on its side stream, and the previous layer's input prefetched, as that code did."""
-    from hf_upipe.memory import offload
-    from hf_upipe.models import PRESETS
+    from hf_upipe.models.presets import PRESETS
     from hf_upipe.planning.alloc_trace import record_step_trace
     from hf_upipe.planning.train_step import StepSettings
+    from hf_upipe.training import offload
 
     settings = StepSettings("fused", 1, tiled_mlp=True, offload="cpu")
     kw = dict(seq_len=262144, world_size=8, sp_size=8, layers=4)

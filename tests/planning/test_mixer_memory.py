@@ -47,7 +47,7 @@ def _measure(mixer, config, world, measured, mode):
 def _real_worker(rank, world):
     """The tracked peak of the same forward + backward on real tensors, per (type, mode)."""
     import hf_upipe
-    from hf_upipe.integrations.mixers import install_mixers
+    from hf_upipe.adapters.mixers import install_mixers
 
     settle_collectives()
     hf_upipe.init_sequence_parallel(world)

@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from hf_upipe.architectures import model_geometry
+from hf_upipe.models.architectures import model_geometry
 from hf_upipe.planning.plan_result import disk_bytes, host_bytes
 from hf_upipe.planning.planner import Margin, ladder, plan
 from hf_upipe.planning.step_time import DISK_BYTES_PER_S, step_time

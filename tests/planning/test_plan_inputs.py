@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoConfig
 
 from hf_upipe.cli import main
-from hf_upipe.models import PRESETS, model_names, resolve
+from hf_upipe.models.presets import PRESETS, model_names, resolve
 from hf_upipe.planning.planner import plan
 from hf_upipe.planning.train_step import StepSettings
 

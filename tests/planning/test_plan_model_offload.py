@@ -94,7 +94,7 @@ def test_max_keeps_model_offload_only_under_two_percent(monkeypatch):
 
 
 def test_step_time_prices_the_host_adamw_and_the_copies():
-    from hf_upipe.models import resolve
+    from hf_upipe.models.presets import resolve
 
     _, config = resolve("llama3-8b")
     settings = StepSettings("fused", 1)

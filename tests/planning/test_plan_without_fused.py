@@ -32,8 +32,9 @@ TINY = dict(
 def _without_fused_block(monkeypatch) -> None:
     """Every hf_upipe module sees the fused block fail its check on the installed transformers (as on a release that
     changed Llama's attention arithmetic). The one place that knows the verdict: repoint it when it changes."""
-    from hf_upipe.integrations import adapter_status, fused, prepare  # noqa: F401 - bound before patching
-    from hf_upipe.verification import Verdict
+    from hf_upipe import prepare  # noqa: F401 - bound before patching
+    from hf_upipe.attention import fused
+    from hf_upipe.models.verification import Verdict
 
     original = fused.fused_verdict
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_upipe.models import runnable_config
+from hf_upipe.models.presets import runnable_config
 from hf_upipe.planning.planner import plan
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_upipe.models import resolve
+from hf_upipe.models.presets import resolve
 from hf_upipe.planning.step_time import (
     PAPER_ULYSSES_TOKENS_PER_S,
     PAPER_UPIPE_TOKENS_PER_S,

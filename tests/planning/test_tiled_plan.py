@@ -5,7 +5,7 @@ the step-time model charges the tiles' extra traffic."""
 import pytest
 import torch
 
-from hf_upipe.models import resolve
+from hf_upipe.models.presets import resolve
 from hf_upipe.ops.tiled_backward import ENV
 from hf_upipe.planning.reserved import UNSEEN_PER_TOKEN, Allowance, kernel_call_tokens
 from hf_upipe.planning.step_time import step_time

@@ -83,7 +83,7 @@ def _small_blocks():
 
 
 def _real(rank, world, cases):
-    import hf_upipe.memory.offload as offload
+    import hf_upipe.training.offload as offload
 
     settle_collectives()
     _small_blocks()

@@ -129,7 +129,7 @@ def ds_run(rank: int, world: int, spec: dict) -> dict:
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     import hf_upipe
-    from hf_upipe.integrations.fused import count_fused
+    from hf_upipe.attention.fused import count_fused
 
     unset_hf_deepspeed_config()  # the previous spec's ZeRO-3 config would build this model under zero.Init
     if spec.get("stage") is not None:

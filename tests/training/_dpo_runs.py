@@ -141,7 +141,7 @@ def dpo_run(rank: int, world: int, spec: dict) -> dict:
         except NotImplementedError as err:
             refused = str(err)
     history = [h for h in trainer.state.log_history if "loss" in h]
-    from hf_upipe.memory.tiled_mlp import _is_tiled
+    from hf_upipe.adapters.tiled_mlp import _is_tiled
 
     models = {"policy": trainer.model, "reference": trainer.ref_model}
     return {

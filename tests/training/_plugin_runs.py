@@ -24,7 +24,7 @@ def fsdp2_steps(rank: int, world: int, lora: bool, sp: int) -> list[float]:
     from torch.distributed.fsdp import fully_shard
 
     from hf_upipe import UPipeConfig, init_sequence_parallel, prepare_model, shard_batch
-    from hf_upipe.runtime import NO_SP, UPipeRuntime
+    from hf_upipe.training.runtime import NO_SP, UPipeRuntime
 
     model = _model(lora, seed=11)
     cfg = UPipeConfig(sp_size=sp, loss_chunk_tokens=7, tiled_mlp=True, mlp_chunk_tokens=6)
@@ -114,7 +114,7 @@ def fsdp2_eval(rank: int, world: int, lora: bool, sp: int) -> float:
     from transformers import default_data_collator
 
     from hf_upipe import UPipeConfig, init_sequence_parallel, prepare_model
-    from hf_upipe.runtime import UPipeRuntime
+    from hf_upipe.training.runtime import UPipeRuntime
 
     model = _model(lora, seed=12)
     data = _dataset(9, 29, 96, seed=6)

@@ -213,7 +213,7 @@ class _Records(logging.Handler):
 
 
 def _checkpointing(model) -> bool:
-    from hf_upipe.runtime import activation_checkpointing
+    from hf_upipe.training.runtime import activation_checkpointing
 
     return activation_checkpointing(model)
 

@@ -15,7 +15,7 @@ import os
 import pytest
 
 from hf_upipe import UPipeConfig
-from hf_upipe import auto_settings as auto
+from hf_upipe.training import auto_settings as auto
 from tests._dist import run_distributed
 
 FIELDS = (

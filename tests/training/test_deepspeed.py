@@ -4,7 +4,7 @@ Every run trains a tiny random Llama (fp32, 8 query / 2 key-value heads) at SP 2
 compared with one process without DeepSpeed (`transformers.Trainer`, "sdpa", the same global batch): every logged
 loss and grad norm (rel 2e-5) and the final trainable weights. Under ZeRO-3 every parameter is partitioned
 (`stage3_param_persistence_threshold: 0`), so the fused block, the tiled MLP and the tiled loss, which read weights
-outside their modules' forward, get them only through `hf_upipe.integrations.zero3`. Cases: full and LoRA fine-tunes,
+outside their modules' forward, get them only through `hf_upipe.adapters.zero3`. Cases: full and LoRA fine-tunes,
 the fused block and the registered path, tiled and plain loss, tiled MLP, activation checkpointing, a model loaded
 with `from_pretrained` under `deepspeed.zero.Init`, optimizer states offloaded to the CPU; the plugin's loop under
 accelerate's DeepSpeedPlugin, and its refusal of DeepSpeed gradient accumulation.

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_upipe import UPipeConfig
-from hf_upipe.integrations.model_offload import (
+from hf_upipe.training.model_offload import (
     _has_cpu_backend,
     apply_model_offload,
     check_cpu_collectives,
@@ -44,7 +44,7 @@ def _policy_in_force(model) -> list[bool]:
 def _steps(model, cfg, state, world: int) -> list[float]:
     """2 AdamW steps of the token-weighted SP loss on the same global batches of 4 rows; the global losses."""
     from hf_upipe import shard_batch
-    from hf_upipe.runtime import UPipeRuntime
+    from hf_upipe.training.runtime import UPipeRuntime
     from tests.training._plugin_runs import _batches
 
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
@@ -199,7 +199,7 @@ def test_refused_without_a_cpu_backend(monkeypatch):
     gradient shards (gradient clipping's norm): refused with the fix."""
     import torch.distributed as dist
 
-    import hf_upipe.integrations.model_offload as model_offload
+    import hf_upipe.training.model_offload as model_offload
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")

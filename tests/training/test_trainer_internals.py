@@ -1,6 +1,7 @@
 """The transformers.Trainer methods UPipeTrainer overrides still have the parameters it was written against.
 
-`hf_upipe.trainer.TRAINER_INTERNALS` lists them; a transformers release that renames, adds or drops a parameter of
+`hf_upipe.training.trainer.TRAINER_INTERNALS` lists them; a transformers release that renames, adds or drops a
+parameter of
 one of them fails here, not in a user's run. (What the overrides rely on beyond signatures, e.g. that the Trainer's
 checkpoint save writes through `_get_output_dir`, is checked by the equivalence and checkpoint tests.)
 """
@@ -11,7 +12,7 @@ import pytest
 from transformers import Trainer
 from transformers.trainer_utils import EvalLoopOutput
 
-from hf_upipe.trainer import TRAINER_INTERNALS, UPipeTrainer
+from hf_upipe.training.trainer import TRAINER_INTERNALS, UPipeTrainer
 
 
 @pytest.mark.parametrize("name", sorted(TRAINER_INTERNALS))
