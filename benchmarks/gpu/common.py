@@ -254,8 +254,8 @@ def parse_len(text: str) -> int:
 
 
 def llama3_8b(dry: bool) -> dict:
-    """Llama3-8B's geometry (`hf_upipe.models.presets.PRESETS`), or for a dry run its head geometry at a small width (with
-    HF_UPIPE_GPU_DRY=tiny, as `verify.py --cpu-dry-run` sets it: 8 heads at width 128, vocab 512)."""
+    """Llama3-8B's geometry (`hf_upipe.models.presets.PRESETS`), or for a dry run its head geometry at a small
+    width (with HF_UPIPE_GPU_DRY=tiny, as `verify.py --cpu-dry-run` sets it: 8 heads at width 128, vocab 512)."""
     from hf_upipe.models.presets import PRESETS
 
     if (

@@ -8,7 +8,7 @@ planner's default ladder; "ulysses": our Ulysses mode) at 32 layers: the planner
 settings, and its prediction (tensor peak, predicted reserve, allowance, required) at `--max` and one step (128K)
 above. For stage (e): predictions of the 4-layer step at 256K with model offload "none" and "cpu".
 
-The file records `planning_digest`, a hash of hf_upipe/planning/*.py and hf_upipe/models.py when it was made:
+The file records `planning_digest`, a hash of hf_upipe/planning/*.py and hf_upipe/models/presets.py when it was made:
 `verify.py` records whether the code it runs still has that digest (`plan_current`), so a stale plan is visible.
 """
 
@@ -37,10 +37,10 @@ OFFLOAD_LEN = 2**18  # stage (e): 4 layers at 256K
 
 
 def planning_digest() -> str:
-    """sha256 of the planner's sources (hf_upipe/planning/*.py, hf_upipe/models.py), in name order."""
+    """sha256 of the planner's sources (hf_upipe/planning/*.py, hf_upipe/models/presets.py), in name order."""
     h = hashlib.sha256()
     files = sorted(glob.glob(os.path.join(ROOT, "hf_upipe", "planning", "*.py")))
-    for path in files + [os.path.join(ROOT, "hf_upipe", "models.py")]:
+    for path in files + [os.path.join(ROOT, "hf_upipe", "models", "presets.py")]:
         h.update(os.path.relpath(path, ROOT).encode())
         with open(path, "rb") as f:
             h.update(f.read())

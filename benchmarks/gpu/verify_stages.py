@@ -9,7 +9,7 @@
   with an fp32 output, `_fused_accumulate`). Passes when every tiled error is at most twice the plain one (plus
   1e-6 of the largest reference entry).
 - `allocator_and_offload`: the allocator mode the launch line sets, as a trainer arranges it before CUDA starts
-  (`hf_upipe.memory.allocator.arrange_allocator(launch_mode())`: `PYTORCH_CUDA_ALLOC_CONF`, and whether the
+  (`hf_upipe.allocator.arrange_allocator(launch_mode())`: `PYTORCH_CUDA_ALLOC_CONF`, and whether the
   allocator's segments are expandable once CUDA runs); then the 4-layer step at 256K with model offload "none"
   and "cpu" (FSDP2's host offload of parameter shards, gradients and AdamW states), each in a fresh process
   (`max_context_step.py`, hollow attention), beside `verify_plan.json`'s predictions for both.
@@ -76,7 +76,7 @@ def loss_exactness(dry: bool) -> dict:
 
 def allocator_mode(dry: bool) -> dict:
     """Arrange the allocator as a trainer does, then read what is in force."""
-    from hf_upipe.memory.allocator import arrange_allocator, launch_mode
+    from hf_upipe.allocator import arrange_allocator, launch_mode
 
     before = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     mode = arrange_allocator(launch_mode())

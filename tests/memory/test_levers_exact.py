@@ -58,8 +58,8 @@ def _model():
 def _host_path_on_cpu():
     """The "cpu" target's host copies on CPU tensors (else a no-op there), its buffers from a fresh pool, created as
     host memory for the tracker."""
-    from hf_upipe.memory import offload as mod
     from hf_upipe.planning.tracker import host_memory
+    from hf_upipe.training import offload as mod
 
     stays, pool = mod.OffloadStore.stays, mod.HOST_POOL
     mod.OffloadStore.stays = lambda self, t: t.numel() * t.element_size() < self.min_bytes
@@ -87,8 +87,8 @@ def _landed(store) -> None:
 
 def _step(model, upipe, shard, n, offload, tracked: bool) -> tuple[torch.Tensor, dict]:
     """Forward and backward of one step inside the checkpoint offload; on `tracked` steps the tracker's figures."""
-    from hf_upipe.memory.offload import offload_checkpoints
     from hf_upipe.planning.tracker import MemoryTracker
+    from hf_upipe.training.offload import offload_checkpoints
 
     target, prefetch, path = offload
     seen = {}
@@ -111,12 +111,12 @@ def _step(model, upipe, shard, n, offload, tracked: bool) -> tuple[torch.Tensor,
 def _run(rank: int, world: int, block: str, offload: tuple) -> dict:
     """3 AdamW steps under FSDP2 with SP `world`: global losses, final weights, the first step's tracker figures,
     the number of tiled backward calls."""
+    from hf_upipe.runtime import UPipeRuntime
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from hf_upipe import UPipeConfig, init_sequence_parallel, prepare_model, shard_batch
     from hf_upipe.ops import tiled_backward as tb
-    from hf_upipe.runtime import UPipeRuntime
     from tests.training._plugin_runs import _batches
 
     os.environ[tb.ENV] = block

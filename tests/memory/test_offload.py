@@ -251,7 +251,7 @@ def test_without_prefetch_one_layer_input_less_at_the_backwards_peak(monkeypatch
 def _lora_model():
     from peft import LoraConfig
 
-    from hf_upipe.integrations.peft import get_peft_model
+    from hf_upipe.models.peft import get_peft_model
 
     model = get_peft_model(_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     # as a run enables it: transformers then makes the frozen embedding's output require grad (a leaf)
