@@ -111,7 +111,7 @@ def _step(model, upipe, shard, n, offload, tracked: bool) -> tuple[torch.Tensor,
 def _run(rank: int, world: int, block: str, offload: tuple) -> dict:
     """3 AdamW steps under FSDP2 with SP `world`: global losses, final weights, the first step's tracker figures,
     the number of tiled backward calls."""
-    from hf_upipe.runtime import UPipeRuntime
+    from hf_upipe.training.runtime import UPipeRuntime
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

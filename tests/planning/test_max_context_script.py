@@ -86,7 +86,7 @@ def test_dry_run_everything(script, tmp_path):
     """All implementations, the real-vs-hollow check (on CPU the hollow twin is exact: no difference) and the
     search."""
     out = str(tmp_path)
-    assert script.main(["--cpu-dry-run", "--out", out]) == 0
+    assert script.main(["--cpu-dry-run", "--max-probes", "3", "--out", out]) == 0
     doc = json.load(open(os.path.join(out, "cpu-dry-run", "max_context.json")))
     impls = {row["impl"] for row in doc["sections"]["check"]}
     assert {"upipe", "ulysses"} <= impls
