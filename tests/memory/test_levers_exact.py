@@ -111,12 +111,12 @@ def _step(model, upipe, shard, n, offload, tracked: bool) -> tuple[torch.Tensor,
 def _run(rank: int, world: int, block: str, offload: tuple) -> dict:
     """3 AdamW steps under FSDP2 with SP `world`: global losses, final weights, the first step's tracker figures,
     the number of tiled backward calls."""
-    from hf_upipe.training.runtime import UPipeRuntime
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from hf_upipe import UPipeConfig, init_sequence_parallel, prepare_model, shard_batch
     from hf_upipe.ops import tiled_backward as tb
+    from hf_upipe.training.runtime import UPipeRuntime
     from tests.training._plugin_runs import _batches
 
     os.environ[tb.ENV] = block
