@@ -136,7 +136,7 @@ class _DPOKeywordInit(DPOTrainer):
 
 
 @contextmanager
-def _checkpointing_off(model, kwargs: dict | None):
+def checkpointing_off(model, kwargs: dict | None):
     """TRL's `disable_gradient_checkpointing` by transformers 5's names (TRL 1.16 calls the deprecated
     `is_gradient_checkpointing` / `gradient_checkpointing_*`, which warn on every reference pass); TRL's own on a
     transformers without them."""
@@ -303,7 +303,7 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
         """The reference model's per-sequence log-probabilities [2B], summed over the SP group (no gradient)."""
         with (
             torch.no_grad(),
-            _checkpointing_off(self.model, self.args.gradient_checkpointing_kwargs),
+            checkpointing_off(self.model, self.args.gradient_checkpointing_kwargs),
         ):
             peft = hasattr(self.accelerator.unwrap_model(self.model), "peft_config")
             if (
