@@ -86,6 +86,10 @@ def grpo_run(rank: int, world: int, spec: dict) -> dict:
 
     upipe = spec["trainer"] == "upipe"
     dp = spec.get("dp", 1)
+    run_args = {
+        **RUN_ARGS,
+        **spec.get("run", {}),
+    }  # e.g. no warmup: the first step already moves the policy
     args = GRPOConfig(
         output_dir=spec["output_dir"],
         per_device_train_batch_size=spec.get("batch", 4) * (1 if upipe else dp),
@@ -93,7 +97,7 @@ def grpo_run(rank: int, world: int, spec: dict) -> dict:
         max_steps=spec.get("steps", 3),
         learning_rate=spec.get("lr", 2e-3),
         optim=spec.get("optim", "adamw_torch"),
-        **RUN_ARGS,
+        **run_args,
         save_strategy="no",
         bf16=False,
         num_generations=4,
@@ -104,8 +108,19 @@ def grpo_run(rank: int, world: int, spec: dict) -> dict:
         gradient_checkpointing=spec.get("checkpointing", False),
         **spec.get("grpo", {}),
     )
+    model = _model(seed=11)
+    if spec.get(
+        "from_path"
+    ):  # a full fine-tune with beta > 0: TRL loads the reference from the policy's path
+        path = os.path.join(spec["output_dir"], "..", "initial")
+        if rank == 0 and not os.path.exists(os.path.join(path, "config.json")):
+            model.save_pretrained(path)
+        if world > 1:
+            torch.distributed.barrier()
+        model = path
+        args.model_init_kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa"}
     kwargs = dict(
-        model=_model(seed=11),
+        model=model,
         reward_funcs=[low_words, length],
         args=args,
         train_dataset=prompts(16, seed=1),
@@ -132,10 +147,15 @@ def grpo_run(rank: int, world: int, spec: dict) -> dict:
     history = [h for h in trainer.state.log_history if "loss" in h]
     keys = sorted({k for h in history for k in h if k not in SKIPPED})
     from hf_upipe.adapters.tiled_mlp import _is_tiled
+    from hf_upipe.training.runtime import activation_checkpointing
 
     return {
         "logs": {k: {h["step"]: h.get(k) for h in history} for k in keys},
         "attn": trainer.model.config._attn_implementation if upipe else None,
+        "ref_attn": (
+            trainer.ref_model.config._attn_implementation if trainer.ref_model is not None else None
+        ),
+        "checkpointing": activation_checkpointing(trainer.model),
         "tiled": sum(_is_tiled(m) for m in trainer.model.modules()),
         "generation_batch_size": trainer.args.generation_batch_size,
         "initial": initial if rank == 0 else None,
