@@ -236,8 +236,8 @@ class UPipeGRPOTrainer(UPipeTrainer, _GRPOKeywordInit):
         before = self.state.num_input_tokens_seen
         with replica_view(self, self.upipe.state):
             output = super()._generate_and_score_completions(inputs)
-        if self.model.training and self.upipe.state.sp_rank == 0:
-            self._stats["tokens"] += (self.state.num_input_tokens_seen - before) * 1.0
+        if self.model.training:  # TRL's count is over the data-parallel replicas: the same on every rank
+            self._stats["tokens"] += float(self.state.num_input_tokens_seen - before)
         return output
 
     # ---- generation ------------------------------------------------------------------------------------------

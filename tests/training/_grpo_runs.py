@@ -98,7 +98,8 @@ def grpo_run(rank: int, world: int, spec: dict) -> dict:
         learning_rate=spec.get("lr", 2e-3),
         optim=spec.get("optim", "adamw_torch"),
         **run_args,
-        save_strategy="no",
+        save_strategy="steps" if spec.get("save") else "no",
+        save_steps=3,
         bf16=False,
         num_generations=4,
         max_completion_length=6,
@@ -158,6 +159,7 @@ def grpo_run(rank: int, world: int, spec: dict) -> dict:
         "checkpointing": activation_checkpointing(trainer.model),
         "tiled": sum(_is_tiled(m) for m in trainer.model.modules()),
         "generation_batch_size": trainer.args.generation_batch_size,
+        "saved": sorted(os.listdir(spec["output_dir"])) if spec.get("save") and rank == 0 else None,
         "initial": initial if rank == 0 else None,
         "params": (
             {

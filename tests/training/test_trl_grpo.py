@@ -25,13 +25,16 @@ from tests.training._grpo_runs import grpo_runs  # noqa: E402
 
 RTOL = 1e-4
 
-# num_iterations 2 with no warmup, a high learning rate and a narrow clip range: the second pass over a
-# generation batch sees a moved policy, so the ratios clip (the old policy's log-probabilities are scored too)
-MOVED = dict(num_iterations=2, lr=5e-2, run=dict(warmup_steps=0), grpo=dict(epsilon=0.05))
+# num_iterations 2 with no warmup, a large SGD step and a narrow clip range: the second pass over a generation
+# batch sees a moved policy, so the ratios clip (the old policy's log-probabilities are scored too). SGD: the
+# weight changes are the clipped gradients (AdamW divides fp32 noise in a near-cancelling second step by itself)
+MOVED = dict(
+    num_iterations=2, optim="sgd", lr=0.5, run=dict(warmup_steps=0), grpo=dict(epsilon=0.05)
+)
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 
 CASES = {  # world: ranks of the UPipeGRPOTrainer run (SP 2 x DP world/2); the reference takes the global batch
-    "sp2_lora_beta": dict(world=2, lora=True, beta=0.1, loss_type="grpo", gen="sample"),
+    "sp2_lora_beta": dict(world=2, lora=True, beta=0.1, loss_type="grpo", gen="sample", save=True),
     # a full fine-tune loaded from a folder, its reference model loaded by TRL from the same folder (beta > 0)
     "sp2_full_checkpointing_tiled_mlp": dict(
         world=2,
@@ -50,11 +53,22 @@ CASES = {  # world: ranks of the UPipeGRPOTrainer run (SP 2 x DP world/2); the r
         for t in LOSS_TYPES
     },
 }
-# LUSPO at the sequence level, as its paper
-CASES["sp2_lora_luspo"]["grpo"] = dict(epsilon=0.05, importance_sampling_level="sequence")
+# more of TRL's options, one per loss-type run: each changes which tokens or sequences count, or how
+CASES["sp2_lora_bnpo"]["grpo"] = dict(epsilon=0.05, mask_truncated_completions=True)
+CASES["sp2_lora_dr_grpo"]["grpo"] = dict(epsilon=0.05, scale_rewards="batch")
+CASES["sp2_lora_cispo"]["grpo"] = dict(
+    epsilon=0.05, epsilon_high=1.05, off_policy_mask_threshold=0.05
+)
+CASES["sp2_lora_luspo"]["grpo"] = dict(
+    epsilon=0.05, importance_sampling_level="sequence"
+)  # as its paper
+CASES["sp2_lora_sapo"]["grpo"] = dict(epsilon=0.05, top_entropy_quantile=0.6, entropy_coef=0.01)
 CASES |= {
     "sp2_dp2_lora_beta": dict(world=4, lora=True, beta=0.1, gen="replay", ga=1, **MOVED),
 }
+# the entropy quantile gathers over the data-parallel replicas (the entropy bonus is a token mean per process
+# in TRL: a data-parallel run averages the replicas' means, so it is compared on SP 2 above)
+CASES["sp2_dp2_lora_beta"]["grpo"] = dict(epsilon=0.05, top_entropy_quantile=0.6)
 
 
 def _spec(name: str, **extra) -> dict:
@@ -106,6 +120,8 @@ def test_upipe_grpo_trainer_equals_single_process_grpo_trainer(runs, name):
     if case.get("from_path"):  # the reference model runs under the same SP
         assert got[0]["ref_attn"] == "upipe" and ref["ref_attn"] is not None
     assert all(out["generation_batch_size"] == ref["generation_batch_size"] for out in got)
+    if case.get("save"):  # UPipeTrainer's atomic checkpoint, through GRPOTrainer's (model card)
+        assert got[0]["saved"] == ["README.md", "checkpoint-3"], got[0]["saved"]
     errs = {}
     for rank, out in enumerate(got):  # every rank logs the same numbers
         assert set(ref["logs"]) <= set(out["logs"]), set(ref["logs"]) - set(out["logs"])
