@@ -236,7 +236,9 @@ class UPipeGRPOTrainer(UPipeTrainer, _GRPOKeywordInit):
         before = self.state.num_input_tokens_seen
         with replica_view(self, self.upipe.state):
             output = super()._generate_and_score_completions(inputs)
-        if self.model.training:  # TRL's count is over the data-parallel replicas: the same on every rank
+        if (
+            self.model.training
+        ):  # TRL's count is over the data-parallel replicas: the same on every rank
             self._stats["tokens"] += float(self.state.num_input_tokens_seen - before)
         return output
 
