@@ -233,9 +233,18 @@ class UPipeGRPOTrainer(UPipeTrainer, _GRPOKeywordInit):
     def _generate_and_score_completions(self, inputs):
         """TRL's, with the data-parallel replicas as its processes; the generated tokens counted for
         `tokens_per_second`."""
+        from trl.trainer import grpo_trainer
+
         before = self.state.num_input_tokens_seen
-        with replica_view(self, self.upipe.state):
-            output = super()._generate_and_score_completions(inputs)
+        trl_off = grpo_trainer.disable_gradient_checkpointing
+        # TRL 1.16 turns checkpointing off for its no-grad passes by transformers' deprecated names, which warn at
+        # every generation; the same switch by transformers 5's names (`checkpointing_off`)
+        grpo_trainer.disable_gradient_checkpointing = checkpointing_off
+        try:
+            with replica_view(self, self.upipe.state):
+                output = super()._generate_and_score_completions(inputs)
+        finally:
+            grpo_trainer.disable_gradient_checkpointing = trl_off
         if (
             self.model.training
         ):  # TRL's count is over the data-parallel replicas: the same on every rank
