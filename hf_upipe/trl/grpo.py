@@ -206,6 +206,12 @@ class UPipeGRPOTrainer(UPipeTrainer, _GRPOKeywordInit):
                 f"{self.router_aux_loss_coef}: UPipeGRPOTrainer does not shard it; set "
                 "GRPOConfig(router_aux_loss_coef=0.0)."
             )
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:  # also from an accelerate config
+            raise NotImplementedError(
+                "UPipeGRPOTrainer is verified with DDP only: FSDP and DeepSpeed (from the accelerate config) "
+                "would shard the weights hf_upipe.generate reads whole, and their data-parallel groups stop "
+                "generating at different steps; launch without an FSDP or DeepSpeed config."
+            )
         why = accelerator_parallelism_error(self.accelerator.parallelism_config)
         if why is not None:
             raise NotImplementedError(why)

@@ -65,6 +65,8 @@ CASES["sp2_lora_luspo"]["grpo"] = dict(
 CASES["sp2_lora_sapo"]["grpo"] = dict(epsilon=0.05, top_entropy_quantile=0.6, entropy_coef=0.01)
 CASES |= {
     "sp2_dp2_lora_beta": dict(world=4, lora=True, beta=0.1, gen="replay", ga=1, **MOVED),
+    # one process (sp_size 1): TRL's own generation and scoring, in the reference's job
+    "one_process_lora_beta": dict(world=1, lora=True, beta=0.1, loss_type="grpo", gen="sample"),
 }
 # the entropy quantile gathers over the data-parallel replicas (the entropy bonus is a token mean per process
 # in TRL: a data-parallel run averages the replicas' means, so it is compared on SP 2 above)
@@ -79,17 +81,25 @@ def _spec(name: str, **extra) -> dict:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo")
     names = list(CASES)
-    refs = run_distributed(
+    ones = [n for n in names if CASES[n]["world"] == 1]  # run in the references' job, after them
+    outs = run_distributed(
         grpo_runs,
         1,
         [
-            _spec(n, trainer="trl", dp=CASES[n]["world"] // 2, output_dir=str(root / f"ref_{n}"))
+            _spec(
+                n,
+                trainer="trl",
+                dp=max(CASES[n]["world"] // 2, 1),
+                output_dir=str(root / f"ref_{n}"),
+            )
             for n in names
-        ],
+        ]
+        + [_spec(n, trainer="upipe", sp=1, output_dir=str(root / n)) for n in ones],
         timeout=600,
     )[0]
-    got = {}
-    for world in sorted({c["world"] for c in CASES.values()}):
+    refs = outs[: len(names)]
+    got = {n: [outs[len(names) + i]] for i, n in enumerate(ones)}
+    for world in sorted({c["world"] for c in CASES.values()} - {1}):
         mine = [n for n in names if CASES[n]["world"] == world]
         outs = run_distributed(
             grpo_runs,
@@ -206,7 +216,9 @@ def test_grpo_config_errors_name_each_setting_and_the_fix(tmp_path):
             name,
             errors,
         )
-        assert any(w in str(errors[0]).lower() for w in ("set ", "use ", "drop ")), errors[0]  # the fix
+        assert any(w in str(errors[0]).lower() for w in ("set ", "use ", "drop ")), errors[
+            0
+        ]  # the fix
     assert "tool" in str(grpo_config_errors(_config(tmp_path), tools=[len])[0])
 
 
