@@ -35,8 +35,8 @@ steps_per_generation): TRL's `GRPOConfig` counts every process, and the P ranks 
 Refused at construction, on every rank, before any collective (`grpo_config_errors`): vLLM (server and colocate),
 continuous batching, `min_p`, `repetition_penalty`, `generation_kwargs`, Liger, DeepSpeed, FSDP, `sync_ref_model`,
 selective checkpointing, evaluation, label smoothing, tools and environments, a processor (vision); after the
-setup: an MoE router auxiliary loss, a ring (`ring_size > 1`), prompt-learning PEFT. `evaluate()` and `predict()`
-raise.
+setup: a processor TRL loaded, FSDP or DeepSpeed from an accelerate config, an MoE router auxiliary loss, a ring
+(`ring_size > 1`), prompt-learning PEFT. `evaluate()` and `predict()` raise.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from trl.trainer.utils import pad
 from hf_upipe.config import UPipeConfig
 from hf_upipe.data import shard_batch
 from hf_upipe.generation import generate
+from hf_upipe.prepare import prepare_model
 from hf_upipe.training.parallelism import find_parallelism, with_parallelism_sp
 from hf_upipe.training.trainer import UPipeTrainer
 from hf_upipe.trl.dpo import checkpointing_off
@@ -181,8 +182,6 @@ class UPipeGRPOTrainer(UPipeTrainer, _GRPOKeywordInit):
             )
         self._refuse_after_setup()
         if self.ref_model is not None:  # the reference runs under the same SP
-            from hf_upipe.prepare import prepare_model
-
             prepare_model(self.accelerator.unwrap_model(self.ref_model), self.upipe.config)
         if self.rollout_func is not None:
             self.rollout_func = self._on_sp_rank_0(self.rollout_func)
@@ -200,6 +199,11 @@ class UPipeGRPOTrainer(UPipeTrainer, _GRPOKeywordInit):
 
     def _refuse_after_setup(self) -> None:
         """What only the setup reveals; the same on every rank (same model, data and settings)."""
+        if self._is_vlm:  # a processor TRL loaded from the model's name
+            raise NotImplementedError(
+                "UPipeGRPOTrainer trains causal language models on text: a processor (vision-language model) "
+                "is not supported under hf_upipe's sequence parallelism; pass a tokenizer."
+            )
         if self.aux_loss_enabled:
             raise NotImplementedError(
                 f"The model returns router logits and the MoE auxiliary loss is weighted by "
@@ -251,9 +255,8 @@ class UPipeGRPOTrainer(UPipeTrainer, _GRPOKeywordInit):
                 output = super()._generate_and_score_completions(inputs)
         finally:
             grpo_trainer.disable_gradient_checkpointing = trl_off
-        if (
-            self.model.training
-        ):  # TRL's count is over the data-parallel replicas: the same on every rank
+        # TRL's count is over the data-parallel replicas: the same on every rank
+        if self.model.training:
             self._stats["tokens"] += float(self.state.num_input_tokens_seen - before)
         return output
 
