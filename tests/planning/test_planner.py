@@ -193,7 +193,7 @@ def test_max_context_search_equals_brute_force():
 def test_max_context_is_the_edge_of_fitting():
     cfg = _tiny_model()
     settings = StepSettings("fused", 1)
-    kw = dict(gpus=2, settings=settings, gpu_memory="400MiB", margin=Margin(0.1, 2**20))
+    kw = dict(gpus=2, settings=settings, gpu_memory="120MiB", margin=Margin(0.1, 2**20))
     p = plan(cfg, max_context=True, step=2048, **kw)
     assert p.max_seq_len > 2048 and p.fits and p.seq_len == p.max_seq_len
     assert p.required <= 0.95 * p.gpu_memory  # the default headroom: 5% of the GPU stays free
