@@ -91,8 +91,10 @@ def model_fingerprint(model) -> dict:
     digest = hashlib.sha256(repr(params).encode()).hexdigest()
     count = sum(_numel(shape) for _, shape, _ in params)
     trainable = sum(_numel(shape) for _, shape, grad in params if grad)
+    # FSDP2's fully_shard makes the class FSDP<name>(FSDPModule, <name>): the model's own class is the first other
+    own = next((c for c in type(inner).__mro__ if not c.__name__.startswith("FSDP")), type(inner))
     return {
-        "class": type(inner).__name__,
+        "class": own.__name__,
         "parameters": count,
         "trainable": trainable,
         "digest": digest,

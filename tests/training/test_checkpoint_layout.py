@@ -1,5 +1,6 @@
-"""UPipeTrainer checkpoints resumed at another (SP, ring, DP) layout with the same global batch, against the
-uninterrupted run at the new layout; other global batches and other models refused before any step.
+"""Checkpoints resumed at another (SP, ring, DP) layout with the same global batch, against the uninterrupted run at
+the new layout; other global batches and other models refused before any step. UPipeTrainer (DDP), FSDP2 through
+torch distributed checkpoints, and the custom-loop example (`UPipePlugin`, accelerate's save_state).
 
 A 2-rank run (SP 2, 2 rows x 2 accumulation steps) and a 4-rank run (SP 4; SP 2 x DP 2; SP 4 as U 2 x ring 2) train
 a tiny Llama (fp32, no dropout) 4 steps, saving at step 2; the 4-rank run also resumes:
@@ -10,6 +11,9 @@ Each resumed run logs the uninterrupted run's losses at steps 3 and 4 (relative 
 Controls that must break it: the same resume without the data skip (wrong data position), and without the
 optimizer file (fresh AdamW moments and schedule). Refused, on every rank, naming both layouts: a global batch of 8
 rows instead of 4, and the full checkpoint resumed as a LoRA model.
+FSDP2 (`fully_shard` over all ranks, as accelerate's FSDP2 does on GPUs; saved with torch distributed checkpoints,
+as accelerate's default SHARDED_STATE_DICT does): saved on 2 processes at SP 2, resumed on 4 at SP 2 x DP 2 (full)
+and SP 4 (LoRA), each against the uninterrupted run there.
 """
 
 import json
@@ -21,7 +25,7 @@ import numpy as np
 import pytest
 
 from tests._dist import run_distributed
-from tests.training._runs import train_runs
+from tests.training._layout_runs import layout_runs
 
 pytestmark = pytest.mark.slow  # multi-process runs of several steps: the full suite runs them
 
@@ -72,14 +76,38 @@ def _specs4(root, two_rank_ckpt):
     }
 
 
+def _fsdp2_specs(root):
+    """(2-rank specs, 4-rank specs) of the FSDP2 runs (`tests.training._layout_runs`): saved on 2 processes at
+    SP 2 (4 rows), resumed on 4 at SP 2 x DP 2 (full) and SP 4 (LoRA), beside the uninterrupted runs there; 4 rows
+    per replica on DP 2 (8) refused."""
+    two = [
+        dict(sp=2, lora=False, steps=2, save_at=2, save_to=f"{root}/fsdp_full"),
+        dict(sp=2, lora=True, steps=2, save_at=2, save_to=f"{root}/fsdp_lora"),
+    ]
+    four = {
+        "full": dict(sp=2, lora=False, steps=4),
+        "full_resumed": dict(sp=2, lora=False, steps=4, resume=f"{root}/fsdp_full"),
+        "lora": dict(sp=4, lora=True, steps=4),
+        "lora_resumed": dict(sp=4, lora=True, steps=4, resume=f"{root}/fsdp_lora"),
+        "other_batch": dict(sp=2, lora=False, steps=4, resume=f"{root}/fsdp_full", rows=4),
+    }
+    return two, four
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Per rank: {case: result} for the Trainer cases and {"fsdp2": {case: result}}."""
     root = tmp_path_factory.mktemp("layout")
     two = dict(COMMON, lora=False, sp=2, batch=2, ga=2, save_steps=2, output_dir=f"{root}/sp2")
-    run_distributed(train_runs, 2, [two], timeout=300)
+    fsdp2_two, fsdp2_four = _fsdp2_specs(root)
+    run_distributed(layout_runs, 2, [two], fsdp2_two, timeout=600)
     specs = _specs4(root, f"{root}/sp2/checkpoint-2")
-    outs = run_distributed(train_runs, 4, list(specs.values()), timeout=600)
-    return [dict(zip(specs, rank)) for rank in outs]
+    outs = run_distributed(
+        layout_runs, 4, list(specs.values()), list(fsdp2_four.values()), timeout=900
+    )
+    return [
+        {**dict(zip(specs, r["trainer"])), "fsdp2": dict(zip(fsdp2_four, r["fsdp2"]))} for r in outs
+    ]
 
 
 def _relative(a: dict, b: dict, step: int) -> float:
@@ -111,6 +139,22 @@ def test_resume_at_another_layout_continues_exactly(runs, resumed, uninterrupted
         np.testing.assert_allclose(got, value, rtol=1e-4, atol=1e-6, err_msg=name)
     losses = max(_relative(r[resumed], r[uninterrupted], s) for r in runs for s in (3, 4))
     print(f"{resumed}: losses {losses:.1e} relative, weights {worst:.1e} absolute")
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_fsdp2_resumes_on_more_processes_through_distributed_checkpoints(runs, lora):
+    """FSDP2 shards saved on 2 processes (torch distributed checkpoint: model and AdamW states), resharded on load
+    over 4 at another SP layout, continue with the uninterrupted run's losses."""
+    name = "lora" if lora else "full"
+    for rank in runs:
+        got, want = rank["fsdp2"][f"{name}_resumed"]["losses"], rank["fsdp2"][name]["losses"]
+        assert sorted(got) == [3, 4]
+        worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in (3, 4))
+        assert worst <= 1e-5, (got, want)
+    print(f"fsdp2 {name}: losses {worst:.1e} relative")
+    error = runs[0]["fsdp2"]["other_batch"]["error"]
+    assert "the global batch differs (saved at SP 2 x DP 1 on 2 processes, global batch 4" in error
+    assert "LlamaForCausalLM (" in error and "FSDPLlama" not in error, error
 
 
 @pytest.mark.parametrize("control", ["no_data_skip", "no_optimizer"])
