@@ -60,11 +60,20 @@ from _common import (  # noqa: E402
 
 from hf_upipe import UPipePlugin  # noqa: E402
 from hf_upipe.training.checkpoint import verify_checkpoint, write_manifest  # noqa: E402
+from hf_upipe.training.checkpoint_layout import (  # noqa: E402
+    TrainingLayout,
+    check_resume_layout,
+    model_fingerprint,
+    rng_file,
+    write_layout,
+)
 
 
-def save_checkpoint(accelerator, model, path: str, step: int, base: str | None = None) -> None:
-    """Model files (plain transformers/PEFT; a LoRA adapter names its `base` folder) + accelerate state, into a
-    staging folder renamed at the end."""
+def save_checkpoint(
+    accelerator, model, path: str, step: int, base: str | None = None, layout=None
+) -> None:
+    """Model files (plain transformers/PEFT; a LoRA adapter names its `base` folder) + accelerate state + the
+    run's layout (`upipe_layout.json`), into a staging folder renamed at the end."""
     staging = os.path.join(os.path.dirname(path), f".staging-{os.path.basename(path)}")
     if accelerator.is_main_process and os.path.exists(staging):
         shutil.rmtree(staging)
@@ -79,6 +88,8 @@ def save_checkpoint(accelerator, model, path: str, step: int, base: str | None =
     if accelerator.is_main_process:
         with open(os.path.join(staging, "step.json"), "w") as f:
             json.dump({"step": step}, f)
+        if layout is not None:
+            write_layout(staging, layout)
     accelerator.wait_for_everyone()  # every rank has written its part (its RNG state) before the manifest
     write_manifest(
         staging
@@ -88,6 +99,24 @@ def save_checkpoint(accelerator, model, path: str, step: int, base: str | None =
             shutil.rmtree(path)
         os.replace(staging, path)
     accelerator.wait_for_everyone()
+
+
+def load_missing_random_states(folder: str, rank: int) -> None:
+    """accelerate's `load_state` loads `random_states_<rank>.pkl`, and skips it silently when a checkpoint saved by
+    fewer processes has none for this rank: load rank 0's then (every rank's generators are alike between steps)."""
+    source = rng_file(folder, "random_states_{}.pkl", rank)
+    if source is None or source == os.path.join(folder, f"random_states_{rank}.pkl"):
+        return
+    import random
+
+    import numpy as np
+
+    states = torch.load(source, weights_only=False)
+    random.setstate(states["random_state"])
+    np.random.set_state(states["numpy_random_seed"])
+    torch.set_rng_state(states["torch_manual_seed"])
+    if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+        torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
 
 
 def latest_checkpoint(output_dir: str) -> str | None:
@@ -158,16 +187,30 @@ def main(argv=None) -> int:
     )
 
     step, epoch, skip, losses = 0, 0, 0, {}
+    state = upipe.state
+    layout = TrainingLayout(  # recorded in every checkpoint; another global batch or model is refused on resume
+        sp_size=state.sp_size,
+        ring_size=state.ring_size,
+        dp_size=state.dp_size,
+        world_size=accelerator.num_processes,
+        micro_batch=1,
+        grad_accum=args.grad_accum,
+        model=model_fingerprint(model),
+    )
     resume = latest_checkpoint(output_dir) if args.resume == "latest" else args.resume
     if resume:
+        # another layout resumes; another global batch or model is refused (no collective: every rank raises)
+        check_resume_layout(resume, layout)
         verify_checkpoint(resume)  # every file as written (manifest), before anything is loaded
         accelerator.load_state(os.path.join(resume, "accelerate_state"))
+        load_missing_random_states(
+            os.path.join(resume, "accelerate_state"), accelerator.process_index
+        )
         with open(os.path.join(resume, "step.json")) as f:
             step = json.load(f)["step"]
         epoch, skip = divmod(step * args.grad_accum, len(loader))
         accelerator.print(f"resumed from {resume} at step {step}")
     plain_loader = loader.dataloader
-    state = upipe.state
     accelerator.print(
         f"{accelerator.num_processes} processes: SP {state.sp_size} x DP {state.dp_size}, "
         f"heads_per_chunk={upipe.config.heads_per_chunk}, {'full' if args.full else 'LoRA'} fine-tune, "
@@ -223,13 +266,15 @@ def main(argv=None) -> int:
             bar.update(1)
             if args.save_every and step % args.save_every == 0 and step < args.steps:
                 save_checkpoint(
-                    accelerator, model, os.path.join(output_dir, f"step-{step}"), step, base
+                    accelerator, model, os.path.join(output_dir, f"step-{step}"), step, base, layout
                 )
             if step >= args.steps:
                 break
         epoch, skip = epoch + 1, 0
     bar.close()
-    save_checkpoint(accelerator, model, os.path.join(output_dir, f"step-{step}"), step, base)
+    save_checkpoint(
+        accelerator, model, os.path.join(output_dir, f"step-{step}"), step, base, layout
+    )
     accuracy = None
     if not args.data and args.eval_rows:
         held_out = passkey_dataset(args.eval_rows, args.seq_len, tokenizer, seed=10_000 + args.seed)

@@ -5,7 +5,8 @@ Modules, bottom to top:
   ``loaders``: accelerate loaders under SP; ``parallelism``: accelerate's ``ParallelismConfig``;
   ``liger``: Liger applied before ``prepare_model``; ``model_offload``: FSDP2's host offload of the model's
   state; ``offload``: the checkpointed layer inputs offloaded to host or disk; ``checkpoint``: checkpoint
-  manifests; ``auto_settings``: ``UPipeConfig(auto=True)``, the planner's choice applied.
+  manifests; ``checkpoint_layout``: the layout recorded in a checkpoint, checked on resume;
+  ``auto_settings``: ``UPipeConfig(auto=True)``, the planner's choice applied.
 - ``runtime``: ``UPipeRuntime``, setup checks, loss and exact evaluation of one run.
 - ``trainer``: ``UPipeTrainer``; ``plugin``: ``UPipePlugin``, both on the runtime (``hf_upipe.trl`` builds on
   the trainer).

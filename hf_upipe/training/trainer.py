@@ -34,7 +34,9 @@ What it does, with W processes and `sp_size` P (W = P x dp_size):
    `hf_upipe.training.checkpoint`) and renamed to `checkpoint-N` once every rank has written its part, so an interrupted
    save never leaves a partial `checkpoint-N`; `train(resume_from_checkpoint=...)` verifies the manifest first and
    refuses a corrupted or incomplete checkpoint, naming the file (`hf_upipe.training.trainer`). PEFT models
-   save plain PEFT adapters, others plain transformers checkpoints;
+   save plain PEFT adapters, others plain transformers checkpoints. Each checkpoint records its layout
+   (`upipe_layout.json`): it resumes at another (SP, ring, DP) layout with the same global batch and model,
+   and is refused otherwise (`hf_upipe.training.checkpoint_layout`, docs/checkpoints.md);
 6. Liger (`use_liger_kernel=True`): applied by hf_upipe before `prepare_model`, with its fused linear
    cross-entropy, cross-entropy and RoPE off (`hf_upipe.training.liger`; `docs/kernels.md`); the Trainer gets
    a copy of the arguments with `use_liger_kernel=False`, so it does not apply Liger again in `train()`;
@@ -60,6 +62,7 @@ Entry points:
   has written its part, so an interrupted save never leaves a partial `checkpoint-N`.
 - `verify_resume(resume_from_checkpoint, output_dir)`: the checkpoint `train(resume_from_checkpoint=...)` resumes
   from, verified against its manifest on every rank.
+- `resume_path(resume_from_checkpoint, output_dir)`: that checkpoint's folder (True: the last one), or None.
 
 What `UPipeTrainer` adds to its training log lines.
 
@@ -77,6 +80,7 @@ import os
 import resource
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -95,6 +99,13 @@ from hf_upipe.config import UPipeConfig, check_config
 from hf_upipe.models.peft import base_model
 from hf_upipe.prepare import prepare_model
 from hf_upipe.training.checkpoint import verify_checkpoint, write_manifest
+from hf_upipe.training.checkpoint_layout import (
+    TrainingLayout,
+    check_resume_layout,
+    model_fingerprint,
+    rng_file,
+    write_layout,
+)
 from hf_upipe.training.liger import apply_liger
 from hf_upipe.training.loaders import share_batches_within_sp
 from hf_upipe.training.model_offload import (
@@ -125,6 +136,7 @@ __all__ = [
     "check_trainer_options",
     "early_checks",
     "peak_memory_bytes",
+    "resume_path",
     "save_staged",
     "verify_resume",
     "with_throughput",
@@ -191,7 +203,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_staged(write: Callable[[str], None], *, run_dir: str, args, state) -> None:
+def save_staged(
+    write: Callable[[str], None], *, run_dir: str, args, state, layout: TrainingLayout | None = None
+) -> None:
     """Write the Trainer's checkpoint of step `state.global_step` into `<run_dir>/.staging-checkpoint-N/`, give it
     its manifest, rename it to `<run_dir>/checkpoint-N` and rotate the old ones (every rank, in step).
 
@@ -214,6 +228,8 @@ def save_staged(write: Callable[[str], None], *, run_dir: str, args, state) -> N
         state.best_model_checkpoint = os.path.join(run_dir, os.path.relpath(best, staging_root))
         if args.should_save:
             state.save_to_json(os.path.join(staged, "trainer_state.json"))
+    if layout is not None and args.should_save:
+        write_layout(staged, layout)
     _barrier()
     write_manifest(staged)  # every rank hashes a share; returns once the manifest is written
     if args.should_save:
@@ -230,16 +246,22 @@ def save_staged(write: Callable[[str], None], *, run_dir: str, args, state) -> N
     _barrier()
 
 
+def resume_path(resume_from_checkpoint, output_dir: str) -> str | None:
+    """The checkpoint `train(resume_from_checkpoint=...)` names (True: the last in `output_dir`), or None."""
+    path = resume_from_checkpoint
+    if path is True:
+        path = get_last_checkpoint(output_dir)
+    return os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+
+
 def verify_resume(resume_from_checkpoint, output_dir: str) -> None:
     """Verify the checkpoint `train(resume_from_checkpoint=...)` names (True: the last in `output_dir`) against its
     manifest (`hf_upipe.training.checkpoint.verify_checkpoint`); nothing to verify without one (the Trainer raises
     its own
     error when True finds none)."""
-    path = resume_from_checkpoint
-    if path is True:
-        path = get_last_checkpoint(output_dir)
-    if isinstance(path, (str, os.PathLike)):
-        verify_checkpoint(os.fspath(path))
+    path = resume_path(resume_from_checkpoint, output_dir)
+    if path is not None:
+        verify_checkpoint(path)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -302,6 +324,7 @@ TRAINER_INTERNALS = {
     ),
     "_get_output_dir": ("self", "trial"),
     "_save_checkpoint": ("self", "model", "trial"),
+    "_load_rng_state": ("self", "checkpoint"),
     "call_model_init": ("self", "trial"),
     "log": ("self", "logs", "start_time"),
     "train": ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval"),
@@ -424,8 +447,14 @@ class UPipeTrainer(Trainer):
         return prepare_model(model, self.upipe.config) if hasattr(self, "upipe") else model
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """The Trainer's `train`; a checkpoint to resume from is verified against its manifest first, on every
-        rank (`hf_upipe.training.checkpoint.verify_checkpoint`; `UPipeConfig(verify_checkpoints=False)` skips it)."""
+        """The Trainer's `train`; a checkpoint to resume from is checked first, on every rank: its recorded layout
+        against this run's (another global batch or model is refused:
+        `hf_upipe.training.checkpoint_layout.check_resume_layout`), then every file against its manifest
+        (`hf_upipe.training.checkpoint.verify_checkpoint`; `UPipeConfig(verify_checkpoints=False)` skips that)."""
+        path = resume_path(resume_from_checkpoint, self.args.output_dir)
+        # another layout resumes; another global batch or model is refused, before any step or collective
+        if path is not None:
+            check_resume_layout(path, self._layout())
         if self.upipe.config.verify_checkpoints:
             verify_resume(resume_from_checkpoint, self.args.output_dir)
         return super().train(
@@ -605,7 +634,40 @@ class UPipeTrainer(Trainer):
             finally:
                 self._staging = None
 
-        save_staged(write, run_dir=super()._get_output_dir(trial), args=self.args, state=self.state)
+        save_staged(
+            write,
+            run_dir=super()._get_output_dir(trial),
+            args=self.args,
+            state=self.state,
+            layout=self._layout(),
+        )
+
+    def _layout(self) -> TrainingLayout:
+        """This run's layout (`hf_upipe.training.checkpoint_layout`): recorded in checkpoints, checked on resume."""
+        state = self.upipe.state
+        return TrainingLayout(
+            sp_size=state.sp_size,
+            ring_size=state.ring_size,
+            dp_size=state.dp_size,
+            world_size=self.upipe.world_size,
+            micro_batch=self._train_batch_size,
+            grad_accum=self.args.gradient_accumulation_steps,
+            model=model_fingerprint(self.model),
+        )
+
+    def _load_rng_state(self, checkpoint) -> None:
+        """The Trainer's, except that a rank without its own file (a checkpoint saved by fewer processes) loads rank
+        0's: every rank's generators are alike between forwards (docs/randomness.md)."""
+        index = self.args.process_index
+        name = os.path.join(checkpoint, f"rng_state_{index}.pth") if checkpoint else None
+        if self.args.world_size == 1 or name is None or os.path.isfile(name):
+            return super()._load_rng_state(checkpoint)
+        source = rng_file(checkpoint, "rng_state_{}.pth", index)
+        if source is None:
+            return super()._load_rng_state(checkpoint)
+        with tempfile.TemporaryDirectory() as folder:
+            os.symlink(os.path.abspath(source), os.path.join(folder, f"rng_state_{index}.pth"))
+            super()._load_rng_state(folder)
 
     # ---- logging -----------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -73,11 +73,30 @@ def _model(lora: bool, seed: int, arch: str | None = None):
     return model
 
 
+def _rng_recorder(out: list):
+    """A Trainer callback that appends a digest of torch's CPU generator state at every step's beginning."""
+    import hashlib
+
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            out.append(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16])
+
+    return Recorder()
+
+
 def _corrupt(
-    rank: int, src: str, dst: str, flip: str | None = None, delete: str | None = None
+    rank: int,
+    src: str,
+    dst: str,
+    flip: str | None = None,
+    delete: str | None = None,
+    remanifest: bool = False,
 ) -> None:
     """Rank 0 copies checkpoint `src` to `dst`, then flips one bit in the middle of file `flip` or deletes file
-    `delete`; every rank waits for it."""
+    `delete`; every rank waits for it. `remanifest`: the manifest is then rewritten (a consistent checkpoint that
+    lacks the file, as plain transformers would resume from)."""
     import shutil
 
     if rank == 0:
@@ -94,6 +113,10 @@ def _corrupt(
             os.remove(os.path.join(dst, delete))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+    if remanifest:
+        from hf_upipe.training.checkpoint import write_manifest
+
+        write_manifest(dst)
 
 
 # The settings every training run of the tests shares (schedule, clipping, logging, seeds, CPU), beside its own.
@@ -145,6 +168,7 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
         train_sampling_strategy="sequential" if spec.get("unlabeled") else "random",
         accelerator_config={"dispatch_batches": False} if spec.get("iterable_eval") else None,
         parallelism_config=_parallelism(spec.get("parallelism")),
+        ignore_data_skip=spec.get("ignore_data_skip", False),
     )
     train = _dataset(32, spec.get("seq_len", 29), 96, seed=1, unlabeled=spec.get("unlabeled") or 0)
     evals = _dataset(spec.get("eval_rows", 9), spec.get("seq_len", 29), 96, seed=2)
@@ -181,6 +205,10 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
         trainer = Trainer(**kwargs)
     if spec.get("corrupt"):
         _corrupt(rank, **spec["corrupt"])
+    rng = []
+    # a digest of torch's CPU generator before every step (resumed runs: after loading)
+    if spec.get("record_rng"):
+        trainer.add_callback(_rng_recorder(rng))
     try:
         trainer.train(resume_from_checkpoint=spec.get("resume"))
     except ValueError as err:
@@ -208,6 +236,7 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
         "sp_size": trainer.upipe.state.sp_size if spec["trainer"] == "upipe" else None,
         "accelerate_sp": None if pc is None else (pc.sp_size, pc.total_size),
         "params": params if rank == 0 else None,
+        "rng": rng,
         "stats": [
             (h.get("tokens_per_second"), h.get("peak_memory_gib")) for h in history if "loss" in h
         ],
