@@ -91,6 +91,7 @@ from transformers.trainer_utils import (
     rotate_checkpoints,
 )
 
+from hf_upipe.adapters.replaced import replaced_forwards
 from hf_upipe.allocator import arrange_allocator
 from hf_upipe.config import UPipeConfig, check_config
 from hf_upipe.models.peft import base_model
@@ -145,6 +146,18 @@ _CHECKPOINTING_FIX = (
 
 def _checkpointing(args) -> bool:
     return bool(getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing)
+
+
+def _checked_early(model, args) -> bool:
+    """Whether the model given to `UPipeTrainer` is checked before `Trainer.__init__`: a module, with arguments,
+    not patched by Liger after (`use_liger_kernel`), without forwards another library replaced (the support gate
+    runs those by behaviour on the model's device, where the Trainer moves it later)."""
+    return (
+        isinstance(model, torch.nn.Module)
+        and args is not None
+        and not getattr(args, "use_liger_kernel", False)
+        and not replaced_forwards(model)
+    )
 
 
 def early_checks(args, launch: Launch, model=None) -> tuple:
@@ -371,11 +384,10 @@ class UPipeTrainer(Trainer):
         deepspeed = uses_deepspeed(args)
         launch = resolve_launch(config, parallelism, world, deepspeed=deepspeed)  # the sizes, once
         # before transformers creates the output folder (main rank only) and accelerate its groups or DeepSpeed SP;
-        # the model too when it is the one trained (given, with arguments, not patched by Liger later): then this
-        # is the launch's one agreement
+        # the model too when it is the one trained as it is (`_checked_early`): then this is the launch's one
+        # agreement
         self._liger = getattr(args, "use_liger_kernel", False)
-        trained = model if args is not None and not self._liger else None
-        args, launch = early_checks(args, launch, trained)
+        args, launch = early_checks(args, launch, model if _checked_early(model, args) else None)
         check_model_offload(config, fsdp_version=trainer_fsdp_version(args), deepspeed=deepspeed)
         # Liger is applied here, before prepare_model, not again by Trainer.train (hf_upipe.training.liger)
         if self._liger:

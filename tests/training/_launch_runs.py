@@ -4,7 +4,8 @@
 accelerate's `ParallelismConfig(sp_size=2)`), one `UPipePlugin.prepare` and one `UPipeRuntime.setup`, and returns per
 entry point how many times each ran: the agreement collectives (`all_gather_object` calls, the collective every
 agreement of the ranks runs), the resolutions of accelerate's `ParallelismConfig` (`find_parallelism`,
-`with_parallelism_sp`) and of the SP degree (`UPipeConfig.resolve_sp_size`).
+`with_parallelism_sp`) and of the SP degree (`UPipeConfig.resolve_sp_size`), and the calls of `base_model` (PEFT
+unwrapped).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ def _count(counts: Counter) -> None:
         counted.original = fn
         return counted
 
-    for name in _COUNTED:
-        fn = getattr(parallelism, name)
+    from hf_upipe.models import peft
+
+    for home, name in [*((parallelism, n) for n in _COUNTED), (peft, "base_model")]:
+        fn = getattr(home, name)
         fn = getattr(fn, "original", fn)
         counted = wrap(name, fn)
         for module in list(sys.modules.values()):
