@@ -5,7 +5,8 @@ Entry points:
   launch=None)`: check the settings against the launch and the model, apply auto settings, build the SP groups and
   install the fused block / tiled MLP; returns the runtime. The settings object is never changed: `runtime.config`
   is the configuration in force (a copy, with the planner's choices under `auto=True`), `runtime.state` the
-  `SequenceParallelState`, `runtime.plan` the planner's answer (auto) or None.
+  `SequenceParallelState`, `runtime.plan` the planner's answer (auto) or None, `runtime.launch` the
+  `hf_upipe.training.parallelism.Launch`: the SP, ring and DP sizes and where each came from.
 - `runtime.shard(batch)`: a collated batch -> this rank's shard (`hf_upipe.shard_batch`).
 - `runtime.count(shards)`: label tokens of these shards' batches over all ranks, each counted once.
 - `runtime.loss(model, shard, num_items)`: the token-weighted loss of a shard, ready for backward.
@@ -543,8 +544,10 @@ class UPipeRuntime:
         plan=None,
         pad_token_id: int = 0,
         deepspeed: bool = False,
+        launch: Launch | None = None,
     ):
         self.config, self.state, self.plan, self.deepspeed = config, state, plan, deepspeed
+        self.launch = launch  # the sizes and where each came from (`setup`'s), or None
         self.world_size, self.device, self.pad_token_id = (
             world_size,
             torch.device(device),
@@ -622,6 +625,7 @@ class UPipeRuntime:
             plan=plan,
             pad_token_id=pad_token_id,
             deepspeed=deepspeed,
+            launch=launch.with_plan(config),
         )
 
     # ---- data and loss -----------------------------------------------------------------------------------------

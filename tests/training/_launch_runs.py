@@ -1,11 +1,11 @@
 """Worker body for tests/training/test_launch_once.py: how often one launch resolves its sizes and agrees.
 
 `launch_counts(rank, world, out_dir)` sets up one `UPipeTrainer` (construction + one training step, with
-accelerate's `ParallelismConfig(sp_size=2)`), one `UPipePlugin.prepare` and one `UPipeRuntime.setup`, and returns per
-entry point how many times each ran: the agreement collectives (`all_gather_object` calls, the collective every
-agreement of the ranks runs), the resolutions of accelerate's `ParallelismConfig` (`find_parallelism`,
-`with_parallelism_sp`) and of the SP degree (`UPipeConfig.resolve_sp_size`), and the calls of `base_model` (PEFT
-unwrapped).
+accelerate's `ParallelismConfig(sp_size=2)`; again with `model_init`), one `UPipePlugin.prepare` and one
+`UPipeRuntime.setup`, and returns per entry point how many times each ran: the agreement collectives
+(`all_gather_object` calls, the collective every agreement of the ranks runs), the resolutions of accelerate's
+`ParallelismConfig` (`find_parallelism`, `with_parallelism_sp`) and of the SP degree
+(`UPipeConfig.resolve_sp_size`), and the calls of `base_model` (PEFT unwrapped).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _count(counts: Counter) -> None:
     dist.all_gather_object = wrap("agreement", getattr(gather, "original", gather))
 
 
-def _trainer(out_dir: str) -> None:
+def _trainer(out_dir: str, model_init: bool = False) -> None:
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import TrainingArguments, default_data_collator
 
@@ -70,14 +70,17 @@ def _trainer(out_dir: str) -> None:
         parallelism_config=ParallelismConfig(sp_size=2),
     )
     trainer = UPipeTrainer(
-        model=_model(False, 1),
+        model=None if model_init else _model(False, 1),
+        model_init=(lambda: _model(False, 1)) if model_init else None,
         args=args,
         train_dataset=_dataset(4, 13, 96, seed=1),
         data_collator=default_data_collator,
         upipe_config=UPipeConfig(loss_chunk_tokens=7),
     )
     trainer.train()
-    assert trainer.upipe.state.sp_size == 2
+    launch = trainer.upipe.launch
+    assert trainer.upipe.state.sp_size == 2 == launch.sp and launch.dp == 1 and launch.ring == 1
+    assert launch.sp_source == "ParallelismConfig(sp_size=2)" and launch.agreed
 
 
 def _plugin() -> None:
@@ -103,7 +106,8 @@ def _runtime() -> None:
         checkpointing=False,
         checkpointing_fix="-",
     )
-    assert upipe.state.sp_size == 2
+    assert upipe.state.sp_size == 2 == upipe.launch.sp
+    assert upipe.launch.sp_source == "UPipeConfig(sp_size=2)", upipe.launch.sp_source
 
 
 def _refused(rank: int, case: str) -> str:
@@ -152,6 +156,7 @@ def launch_counts(rank: int, world: int, out_dir: str) -> dict:
     seen = {}
     for name, run in (
         ("trainer", lambda: _trainer(out_dir)),
+        ("model_init", lambda: _trainer(out_dir, model_init=True)),
         ("plugin", _plugin),
         ("runtime", _runtime),
     ):

@@ -29,6 +29,16 @@ def test_one_agreement_and_one_resolution_per_launch(seen, entry):
         assert counts.get("find_parallelism", 0) == (entry != "runtime"), counts
 
 
+def test_a_model_from_model_init_is_agreed_on_in_the_setup(seen):
+    """Built inside Trainer.__init__, after the first agreement: the setup agrees on it (one more collective), and
+    the model train() builds again from model_init is prepared with its own agreement (a third); the sizes are
+    still resolved once."""
+    for rank in seen:
+        counts = rank["model_init"]
+        assert counts["agreement"] == 3, counts
+        assert counts["with_parallelism_sp"] == 1 and counts["resolve_sp_size"] == 1, counts
+
+
 @pytest.mark.parametrize(
     "case, said",
     [
