@@ -6,7 +6,8 @@ Entry points:
   (`UPIPE_VALIDATION_TIMEOUT`, default 60); `validation_failed(err, what)`: the error when one times out.
 - `agree_on_settings(settings)`: every rank asked `init_sequence_parallel` for the same settings and has the same
   UPIPE_* variables (`upipe_environment()`, all but the per-rank `hf_upipe.config.PER_RANK_SETTINGS`), or the
-  same ValueError everywhere.
+  same ValueError everywhere; `settings_disagreement(every)`: that error from every rank's `agreed_settings`
+  (what `hf_upipe.training.runtime.agree_on_launch` shares in the launch's one agreement instead).
 - `simulated()`: whether the default group is a simulated (fake) one, where the agreement is skipped.
 """
 
@@ -20,6 +21,8 @@ import torch.distributed as dist
 
 __all__ = [
     "agree_on_settings",
+    "agreed_settings",
+    "settings_disagreement",
     "simulated",
     "upipe_environment",
     "validation_failed",
@@ -85,22 +88,19 @@ def upipe_environment() -> tuple:
     return tuple((name, v, "unset" if v is None else repr(v)) for name, v in zip(names, values))
 
 
-def agree_on_settings(settings: tuple) -> None:
-    """Every rank asked for the same settings and has the same UPIPE_* settings in its environment, or the same
-    ValueError everywhere (bounded wait)."""
-    if dist.get_world_size() == 1 or simulated():
-        return
+def agreed_settings(settings: tuple) -> tuple:
+    """What a rank shares for `agree_on_settings`: the settings it asked for and its UPIPE_* environment."""
+    return (settings, upipe_environment())
+
+
+def settings_disagreement(every: list[tuple]) -> ValueError | None:
+    """The error for every rank's `agreed_settings` that differ (the environment first), or None."""
     from hf_upipe.config import settings_that_differ  # local: keeps this module importable alone
 
-    every = [None] * dist.get_world_size()
-    try:
-        dist.all_gather_object(every, (settings, upipe_environment()), group=validation_group())
-    except (RuntimeError, dist.DistError) as err:
-        raise validation_failed(err, "init_sequence_parallel") from None
     differ = settings_that_differ([env for _, env in every])
     every = [s for s, _ in every]
     if differ:
-        raise ValueError(
+        return ValueError(
             f"The ranks have different UPIPE_* settings in their environment ({'; '.join(differ)}): "
             "export the same ones on every node (different settings pair different collectives, "
             "which hangs or corrupts the run)."
@@ -111,10 +111,26 @@ def agree_on_settings(settings: tuple) -> None:
             f"rank {r}: " + ", ".join(f"{n}={v!r}" for n, v in zip(names, s))
             for r, s in enumerate(every)
         )
-        raise ValueError(
+        return ValueError(
             f"The ranks asked init_sequence_parallel for different settings ({lines}): every rank must "
             "use the same ones (the same UPIPE_* variables, the same script)."
         )
+    return None
+
+
+def agree_on_settings(settings: tuple) -> None:
+    """Every rank asked for the same settings and has the same UPIPE_* settings in its environment, or the same
+    ValueError everywhere (bounded wait)."""
+    if dist.get_world_size() == 1 or simulated():
+        return
+    every = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(every, agreed_settings(settings), group=validation_group())
+    except (RuntimeError, dist.DistError) as err:
+        raise validation_failed(err, "init_sequence_parallel") from None
+    error = settings_disagreement(every)
+    if error is not None:
+        raise error
 
 
 @atexit.register

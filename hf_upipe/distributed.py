@@ -25,9 +25,10 @@ Entry points:
 Agreement: `init_sequence_parallel` compares every rank's settings (sp_size, heads_per_chunk, kernel,
 allow_unverified, ring_size) and the UPIPE_* variables of its environment that `prepare_model` and the Trainer read
 (all but the per-rank `hf_upipe.config.PER_RANK_SETTINGS`) over the validation group, and raises the same error
-everywhere when they differ. Calling it again with the same settings returns the installed state; with other
-settings it raises until `reset_sequence_parallel()`. `simulated()`: whether the default group is a simulated
-(fake) one, where the agreement checks are skipped.
+everywhere when they differ (unless `agreed=True`: `UPipeRuntime.setup` shares them in the launch's one
+agreement, `agreed_settings` / `settings_disagreement`). Calling it again with the same settings returns the
+installed state; with other settings it raises until `reset_sequence_parallel()`. `simulated()`: whether the
+default group is a simulated (fake) one, where the agreement checks are skipped.
 
 Layout: with world size W and `sp_size` P, SP group g holds ranks [g*P, (g+1)*P) (neighbours share a node, where
 the all-to-alls are fast) and DP group i holds ranks {i, i+P, i+2P, ...}. Every rank of one SP group works on
@@ -52,6 +53,8 @@ import torch.distributed as dist
 
 from hf_upipe.agreement import (
     agree_on_settings,
+    agreed_settings,
+    settings_disagreement,
     simulated,
     validation_failed,
     validation_group,
@@ -63,6 +66,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "SequenceParallelState",
+    "agreed_settings",
     "check_type",
     "validation_failed",
     "validation_group",
@@ -71,6 +75,7 @@ __all__ = [
     "get_sequence_parallel_state",
     "reset_sequence_parallel",
     "set_sequence_parallel_state",
+    "settings_disagreement",
     "on_state_change",
     "simulated",
     "without_sequence_parallel",
@@ -242,6 +247,7 @@ def init_sequence_parallel(
     group: dist.ProcessGroup | None = None,
     kernel: str = "auto",
     allow_unverified: bool = False,
+    agreed: bool = False,
 ) -> SequenceParallelState:
     """Create the SP and DP groups and make them the defaults of `attn_implementation="upipe"`.
 
@@ -258,6 +264,8 @@ def init_sequence_parallel(
             equal its size; no DP group is built).
         kernel: inner attention kernel: "auto" or a name from `hf_upipe.ops.kernels.available_kernels()`.
         allow_unverified: run model types that hf_upipe has not verified under SP (see `hf-upipe selftest`).
+        agreed: the ranks already agreed on these settings and their UPIPE_* environment in the launch's one
+            agreement (`hf_upipe.training.runtime.agree_on_launch`, which shares `agreed_settings`): skip it here.
 
     Returns:
         The installed `SequenceParallelState`.
@@ -288,7 +296,8 @@ def init_sequence_parallel(
     layout = rank_layout(world, sp_size, ring_size)  # ValueError when a size does not divide
     dp_size = layout.dp_size
     settings = (sp_size, heads_per_chunk, kernel, allow_unverified, ring_size)
-    agree_on_settings(settings)
+    if not agreed:
+        agree_on_settings(settings)
     if _STATE is not None and _STATE.check_group is not None:
         if _STATE.settings() == settings:
             return _STATE  # the same settings again: nothing to build

@@ -59,13 +59,31 @@ from hf_upipe.models.verification import verdicts
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ADAPTERS", "Adapter", "prepare_model", "unprepare_model"]
+__all__ = [
+    "ADAPTERS",
+    "PREPARED_SETTINGS",
+    "Adapter",
+    "preparation",
+    "preparations_error",
+    "prepare_model",
+    "unprepare_model",
+]
 
 _PREVIOUS = "_upipe_previous_attn_implementation"
+# the settings `prepare_model` reads (what the ranks of an SP group must share with the model)
+PREPARED_SETTINGS = (
+    "fused_attention",
+    "fused_backward",
+    "overlap_comm",
+    "tiled_mlp",
+    "mlp_chunk_tokens",
+    "mixer_state_passing",
+)
 
 
-def _preparation(model: nn.Module, upipe_config) -> tuple:
-    """((name, value, as shown), ...): what `prepare_model` does to `model` with `upipe_config`, and the model."""
+def preparation(model: nn.Module, upipe_config) -> tuple:
+    """((name, value, as shown), ...): what `prepare_model` does to `model` with `upipe_config`, and the model:
+    what the ranks of an SP group compare (`preparations_error`)."""
     base = base_model(model)
     # ds_numel: the whole size of a parameter ZeRO-3 partitions (its local tensor is empty)
     total = sum(getattr(p, "ds_numel", p.numel()) for p in base.parameters())
@@ -85,17 +103,7 @@ def _preparation(model: nn.Module, upipe_config) -> tuple:
         )
         shown = {name: f"{name}={value!r} (no UPipeConfig)" for name, value in values.items()}
     else:
-        values = {
-            name: getattr(upipe_config, name)
-            for name in (
-                "fused_attention",
-                "fused_backward",
-                "overlap_comm",
-                "tiled_mlp",
-                "mlp_chunk_tokens",
-                "mixer_state_passing",
-            )
-        }
+        values = {name: getattr(upipe_config, name) for name in PREPARED_SETTINGS}
         shown = {name: upipe_config.describe(name) for name in values}
     if not values["tiled_mlp"]:
         values["mlp_chunk_tokens"] = shown["mlp_chunk_tokens"] = None  # unused
@@ -132,12 +140,17 @@ def _preparations_differ(model: nn.Module, upipe_config, state) -> ValueError | 
     group = state.check_group or state.sp_group
     if group is None or not dist.is_initialized() or simulated():
         return None
-    mine = _preparation(model, upipe_config)
+    mine = preparation(model, upipe_config)
     every = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(every, mine, group=group)
     except (RuntimeError, dist.DistError) as err:
         raise validation_failed(err, "prepare_model") from None
+    return preparations_error(every)
+
+
+def preparations_error(every: list[tuple]) -> ValueError | None:
+    """The error naming what differs between the `preparation`s of one SP group's ranks, or None."""
     return differing_settings_error(
         every,
         "The ranks of one SP group called prepare_model differently",
@@ -227,7 +240,7 @@ ADAPTERS = (
 _GATE_AT = 2
 
 
-def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
+def prepare_model(model: nn.Module, upipe_config=None, *, agreed: bool = False) -> nn.Module:
     """Install hf_upipe's adapters on `model` (see the module docstring).
 
     Args:
@@ -237,6 +250,8 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
             (`mlp_chunk_tokens`); `mixer_state_passing` picks how a hybrid's delta-rule mixers pass state.
             Offloading is per step: wrap each forward and backward in
             `hf_upipe.training.offload.offload_checkpoints(model, upipe_config.offload, ...)` (UPipeTrainer does).
+        agreed: the ranks already compared this `preparation` in the launch's one agreement
+            (`hf_upipe.training.runtime.agree_on_launch`): no collective here.
 
     Returns:
         The same model, with `attn_implementation="upipe"` set where a config is found.
@@ -260,11 +275,9 @@ def prepare_model(model: nn.Module, upipe_config=None) -> nn.Module:
     for i, adapter in enumerate(ADAPTERS):
         if i == _GATE_AT and state is not None and state.sp_size > 1:
             reason = model_refusal(model, allow_unverified=state.allow_unverified)
-            error = (
-                refusal_error(reason)
-                if reason is not None
-                else _preparations_differ(model, upipe_config, state)
-            )
+            error = refusal_error(reason) if reason is not None else None
+            if error is None and not agreed:
+                error = _preparations_differ(model, upipe_config, state)
             if error is not None:
                 for installed in reversed(ADAPTERS[:i]):  # nothing left installed
                     installed.remove(model, base)

@@ -219,10 +219,10 @@ def test_an_unseen_mixer_source_runs_its_state_in_sequence(unseen, monkeypatch):
 
 def test_the_agreement_names_verdicts_that_differ():
     from hf_upipe.config import settings_that_differ
-    from hf_upipe.prepare import _preparation
+    from hf_upipe.prepare import preparation
 
     _, model = model_pair(case_config("llama"), "upipe", seed=3)
-    mine = _preparation(model, None)
+    mine = preparation(model, None)
     row = next(r for r in mine if r[0] == "adapters verified")
     assert row[1] == (("fused", "llama", True),)
     other = tuple(

@@ -7,11 +7,12 @@ Entry points:
   kernel's layer), a class `forward` replaced on the class (`LlamaForCausalLM.forward = ...`), a module of a class
   defined outside those libraries (`LigerRMSNorm` built after `modeling_llama.LlamaRMSNorm = LigerRMSNorm`), and
   the modeling module's `apply_rotary_pos_emb` rebound to another function (Liger's RoPE).
-- `replacement_refusal(model)`: why the model cannot run under sequence parallelism because of one of them, or
-  None. A replacement on a per-token module (an RMSNorm, LayerNorm or MLP) or on the RoPE function is admitted
-  (a quantized or custom Linear of a library hf_upipe does not know: optimum-quanto, HQQ, ...) is admitted once
-  `sequence_local` finds it local by behaviour; any other (attention, decoder layer, the causal LM's forward
-  with its fused linear cross-entropy, embeddings) is refused: hf_upipe cannot see what it computes on a shard.
+- `replacement_refusal(model)` (`base_refusal(base)` for a model already PEFT-unwrapped): why the model cannot
+  run under sequence parallelism because of one of them, or None. A replacement on a per-token module (an
+  RMSNorm, LayerNorm or MLP) or on the RoPE function is admitted (a quantized or custom Linear of a library
+  hf_upipe does not know: optimum-quanto, HQQ, ...) is admitted once `sequence_local` finds it local by
+  behaviour; any other (attention, decoder layer, the causal LM's forward with its fused linear cross-entropy,
+  embeddings) is refused: hf_upipe cannot see what it computes on a shard.
 - `own_forward(module)`: the replacement on one module (None: its class's own forward, or hf_upipe's adapter).
 - `sequence_local(module)`: None when the module's forward, run on its own weights and device, gives every token
   the output and the input gradient it gives that token in the whole sequence (split in two, compared with the
@@ -36,6 +37,7 @@ from hf_upipe.models.peft import base_model
 
 __all__ = [
     "Replacement",
+    "base_refusal",
     "own_forward",
     "replaced_forwards",
     "replacement_refusal",
@@ -170,7 +172,11 @@ def _replaced_functions(model: nn.Module) -> list[Replacement]:
 
 def replaced_forwards(model: nn.Module) -> list[Replacement]:
     """See the module docstring (a PEFT model is seen through its transformers model)."""
-    base = base_model(model)
+    return _replaced_forwards(base_model(model))
+
+
+def _replaced_forwards(base: nn.Module) -> list[Replacement]:
+    """`replaced_forwards` of a model whose PEFT wrapper is off already (`base_model`)."""
     found = [r for path, m in base.named_modules() if (r := own_forward(m, path)) is not None]
     return found + _replaced_functions(base)
 
@@ -266,12 +272,12 @@ def sequence_local(
     return detail
 
 
-def _verdict(model: nn.Module, found: Replacement, modules: dict) -> str | None:
+def _verdict(base: nn.Module, found: Replacement, modules: dict) -> str | None:
     if not found.per_token:
         return "hf_upipe cannot see what it computes on a sequence shard"
     if found.kind == "function":
         fn = getattr(sys.modules[found.path], _ROPE)
-        detail = sequence_local(None, fn, rope_of=base_model(model))
+        detail = sequence_local(None, fn, rope_of=base)
     else:
         module = modules[found.path]
         forward = module.__dict__.get("_upipe_wrapped_forward") or module.forward
@@ -281,9 +287,14 @@ def _verdict(model: nn.Module, found: Replacement, modules: dict) -> str | None:
 
 def replacement_refusal(model: nn.Module) -> str | None:
     """See the module docstring."""
-    base = base_model(model)
+    return base_refusal(base_model(model))
+
+
+def base_refusal(base: nn.Module) -> str | None:
+    """`replacement_refusal` of a model whose PEFT wrapper is off already (`base_model`): what the support gate
+    (`hf_upipe.adapters.support.model_refusal`) asks, with the model it unwrapped."""
     modules = dict(base.named_modules())
-    for found in replaced_forwards(base):
+    for found in _replaced_forwards(base):
         why = _verdict(base, found, modules)
         if why is not None:
             return f"{found.describe()}, and {why}{_FIX.get(found.per_token, '')}"

@@ -44,7 +44,7 @@ from hf_upipe.adapters.mixers import (
     mixers_ready,
     supported,
 )
-from hf_upipe.adapters.replaced import replacement_refusal
+from hf_upipe.adapters.replaced import base_refusal
 from hf_upipe.adapters.rope import global_rope_ready, installable, rope_verdict
 from hf_upipe.models.architectures import ARCHITECTURES, REFUSED_VISION_TYPES, vlm_type_refusal
 from hf_upipe.models.peft import base_model
@@ -281,7 +281,7 @@ def _unverified_mixer(module: nn.Module) -> str:
 def model_refusal(model: nn.Module, *, allow_unverified: bool = False) -> str | None:
     """See the module docstring."""
     base = base_model(model)
-    replaced = replacement_refusal(base)
+    replaced = base_refusal(base)  # PEFT unwrapped once, here
     if replaced is not None:
         return replaced
     # a mixer run across shards once prepared (hf_upipe.adapters.mixers), its own submodules (its gated norm),

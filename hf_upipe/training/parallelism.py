@@ -14,27 +14,34 @@ Entry points:
   no other; a backend of its own would shard the sequence a second time), `cp_size > 1` (context parallelism:
   another SP system), `tp_size > 1`, an sp_size that disagrees with `UPipeConfig.sp_size`, and sp x dp sizes that
   do not make the world size.
+- `resolve_launch(config, sizes, world, deepspeed=...)`: the `Launch`, the sizes of one launch resolved once at
+  its first entry point (`UPipeTrainer`, `UPipePlugin.prepare` or `UPipeRuntime.setup`) and carried through: the
+  SP, ring and DP sizes, where each came from, and what hf_upipe refuses in them (`parallelism_errors` and the
+  SP degree's own error). `Launch.agreed` says whether the ranks have agreed on it (`runtime.agree_on_launch`, the
+  one agreement collective of a launch).
 - `accelerate_view(sizes, sp, world, fsdp)`: the `ParallelismConfig` accelerate and transformers get instead of the
   user's: no SP (hf_upipe runs it), the SP ranks folded into the data-parallel sizes (the gradients are averaged
   over all ranks), so neither sets up DeepSpeed SP, counts batches per SP size or computes a DeepSpeed SP loss.
 
-Nothing here runs a collective: the callers share the errors with `runtime.agree_on_errors`.
+Nothing here runs a collective: the callers share the errors with `runtime.agree_on_launch`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hf_upipe.config import UPipeConfig
 
 __all__ = [
     "ENV_SWITCH",
+    "Launch",
     "ParallelismSizes",
     "accelerate_view",
     "find_parallelism",
     "parallelism_errors",
+    "resolve_launch",
     "uses_deepspeed",
     "with_parallelism_sp",
 ]
@@ -191,42 +198,121 @@ def _stacking_errors(
     return errors
 
 
+def _size_errors(
+    config: UPipeConfig, sizes: ParallelismSizes, sp: int, world: int
+) -> list[Exception]:
+    """sp x dp sizes that do not make the world size (`config`: with the parallelism config's SP degree)."""
+    dp = sizes.dp_replicate * sizes.dp_shard
+    if sp * dp == world:
+        return []
+    fix = (
+        f"set dp_replicate_size x dp_shard_size to {world // sp} (for example "
+        f"{sizes.spell(dp_shard=world // sp) if sizes.dp_shard > 1 else sizes.spell(dp_replicate=world // sp)}"
+        f"{', dp_replicate_size: 1' if sizes.dp_shard > 1 and sizes.dp_replicate > 1 else ''})"
+    )
+    origin = (
+        config.describe("sp_size") if config.sp_size is not None else "hf_upipe's default: one node"
+    )
+    return [
+        ValueError(
+            f"sp_size {sp} ({origin}) x dp_replicate_size {sizes.dp_replicate} x dp_shard_size "
+            f"{sizes.dp_shard} ({sizes.describe('dp_replicate')}, {sizes.describe('dp_shard')}) = {sp * dp} "
+            f"processes, but this launch has {world}: {fix}, or choose an sp_size that makes {world}."
+        )
+    ]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The sizes of one launch, resolved once (`resolve_launch`) and carried through the setup.
+
+    Attributes:
+        config: the settings, with the SP degree of accelerate's `ParallelismConfig` where they give none.
+        world: the processes of the launch; `sp`: the SP degree (None when it does not resolve: `sp_error` says
+            why); `ring`: the ring size; `dp`: world / sp, the data-parallel replicas.
+        sp_source, ring_source, dp_source: where each size came from, as the user wrote it (the `UPipeConfig`
+            field, an `UPIPE_*` variable, accelerate's `ParallelismConfig`, hf_upipe's default). The auto plan
+            chooses memory settings, never a size: `with_plan` keeps the sizes agreed on.
+        parallelism: the sizes of accelerate's `ParallelismConfig`, or None; `deepspeed`: whether DeepSpeed runs.
+        errors: what hf_upipe refuses in `parallelism` (`parallelism_errors`); `sp_error`: the SP degree's own.
+        agreed: whether every rank agreed on this launch (`hf_upipe.training.runtime.agree_on_launch`) with the
+            model it trains, so that the setup runs no other agreement.
+    """
+
+    config: UPipeConfig
+    world: int
+    sp: int | None
+    ring: int
+    sp_source: str
+    ring_source: str
+    dp_source: str
+    parallelism: ParallelismSizes | None = None
+    deepspeed: bool = False
+    errors: tuple[Exception, ...] = ()
+    sp_error: Exception | None = None
+    agreed: bool = False
+
+    @property
+    def dp(self) -> int | None:
+        return None if self.sp is None else self.world // self.sp
+
+    def size_errors(self) -> list[Exception]:
+        """`errors`, then `sp_error`: every refusal of the sizes, in the order they are reported."""
+        return [*self.errors, *([self.sp_error] if self.sp_error is not None else [])]
+
+    def with_plan(self, config: UPipeConfig) -> Launch:
+        """This launch with the settings of the auto plan (`config`); its sizes stay those agreed on."""
+        return replace(self, config=config)
+
+    def as_agreed(self) -> Launch:
+        return replace(self, agreed=True)
+
+
+def resolve_launch(
+    config: UPipeConfig, sizes: ParallelismSizes | None, world: int, *, deepspeed: bool = False
+) -> Launch:
+    """The `Launch` of `config` and accelerate's parallelism `sizes` over `world` processes: each size resolved once,
+    what hf_upipe refuses in them collected (raised later, on every rank, by the agreement)."""
+    errors = _stacking_errors(config, sizes, deepspeed) if sizes is not None else []
+    config = with_parallelism_sp(config, sizes)
+    sp, sp_error = None, None
+    try:
+        sp = config.resolve_sp_size(world)
+    except ValueError as err:
+        sp_error = err
+    checked = sizes is not None and not errors and sizes.total > 1
+    if checked and sp is not None:  # all sizes 1: accelerate's "data parallel over every process"
+        errors += _size_errors(config, sizes, sp, world)
+    if checked and sizes.dp_replicate * sizes.dp_shard > 1:
+        dp_source = f"{sizes.describe('dp_replicate')}, {sizes.describe('dp_shard')}"
+    else:
+        dp_source = f"the {world} processes / sp_size"
+    return Launch(
+        config=config,
+        world=world,
+        sp=sp,
+        ring=config.ring_size,
+        sp_source=(
+            config.describe("sp_size")
+            if config.sp_size is not None
+            else "hf_upipe's default: the processes of one node"
+        ),
+        ring_source=config.describe("ring_size"),
+        dp_source=dp_source,
+        parallelism=sizes,
+        deepspeed=deepspeed,
+        errors=tuple(errors),
+        sp_error=sp_error,
+    )
+
+
 def parallelism_errors(
     config: UPipeConfig, sizes: ParallelismSizes | None, world: int, *, deepspeed: bool = False
 ) -> list[Exception]:
     """What hf_upipe refuses in `sizes` (module docstring), each error naming the numbers and the fix."""
     if sizes is None:
         return []
-    errors = _stacking_errors(config, sizes, deepspeed)
-    if (
-        errors or sizes.total == 1
-    ):  # all sizes 1: accelerate's "data parallel over every process", nothing to check
-        return errors
-    config = with_parallelism_sp(config, sizes)
-    try:
-        sp = config.resolve_sp_size(world)
-    except ValueError:
-        return errors  # the runtime's own check says it, naming the setting
-    dp = sizes.dp_replicate * sizes.dp_shard
-    if sp * dp != world:
-        fix = (
-            f"set dp_replicate_size x dp_shard_size to {world // sp} (for example "
-            f"{sizes.spell(dp_shard=world // sp) if sizes.dp_shard > 1 else sizes.spell(dp_replicate=world // sp)}"
-            f"{', dp_replicate_size: 1' if sizes.dp_shard > 1 and sizes.dp_replicate > 1 else ''})"
-        )
-        origin = (
-            config.describe("sp_size")
-            if config.sp_size is not None
-            else "hf_upipe's default: one node"
-        )
-        errors.append(
-            ValueError(
-                f"sp_size {sp} ({origin}) x dp_replicate_size {sizes.dp_replicate} x dp_shard_size "
-                f"{sizes.dp_shard} ({sizes.describe('dp_replicate')}, {sizes.describe('dp_shard')}) = {sp * dp} "
-                f"processes, but this launch has {world}: {fix}, or choose an sp_size that makes {world}."
-            )
-        )
-    return errors
+    return list(resolve_launch(config, sizes, world, deepspeed=deepspeed).errors)
 
 
 def accelerate_view(sizes: ParallelismSizes | None, sp: int, world: int, *, fsdp: bool = False):

@@ -1,11 +1,12 @@
 """`UPipeRuntime`: the sequence-parallel setup and loss of one run, shared by `UPipeTrainer` and `UPipePlugin`.
 
 Entry points:
-- `UPipeRuntime.setup(config, model, *, world_size, device, checkpointing, checkpointing_fix, output_dir=None)`:
-  check the settings against the launch and the model, apply auto settings, build the SP groups and install the
-  fused block / tiled MLP; returns the runtime. The settings object is never changed: `runtime.config` is the
-  configuration in force (a copy, with the planner's choices under `auto=True`), `runtime.state` the
-  `SequenceParallelState`, `runtime.plan` the planner's answer (auto) or None.
+- `UPipeRuntime.setup(config, model, *, world_size, device, checkpointing, checkpointing_fix, output_dir=None,
+  launch=None)`: check the settings against the launch and the model, apply auto settings, build the SP groups and
+  install the fused block / tiled MLP; returns the runtime. The settings object is never changed: `runtime.config`
+  is the configuration in force (a copy, with the planner's choices under `auto=True`), `runtime.state` the
+  `SequenceParallelState`, `runtime.plan` the planner's answer (auto) or None, `runtime.launch` the
+  `hf_upipe.training.parallelism.Launch`: the SP, ring and DP sizes and where each came from.
 - `runtime.shard(batch)`: a collated batch -> this rank's shard (`hf_upipe.shard_batch`).
 - `runtime.count(shards)`: label tokens of these shards' batches over all ranks, each counted once.
 - `runtime.loss(model, shard, num_items)`: the token-weighted loss of a shard, ready for backward.
@@ -21,10 +22,15 @@ The sections below: the setup checks (`check_setup`, `agree_on_errors`, ...) and
 (`eval_sums`, `evaluate`, `EvalSums`).
 
 The flow of `setup` (every rank, the same arguments):
-1. `hf_upipe.training.runtime.check_setup`: the checks that need only the settings, the launch and the model, shared
-   in one all_gather_object over all ranks; every rank raises the same error before any other collective;
-2. `auto=True`: the planner's settings (rank 0 plans in a child process and broadcasts) in a copy of the config;
-3. `init_sequence_parallel`, then `prepare_model` (fused block, tiled MLP).
+1. the launch (`hf_upipe.training.parallelism.resolve_launch`: the SP, ring and DP sizes, resolved once), unless
+   the caller resolved it;
+2. `hf_upipe.training.runtime.check_setup`, unless the caller's launch is agreed on already: the checks that need
+   only the settings, the launch and the model, and what `init_sequence_parallel` and `prepare_model` compare,
+   shared in the launch's one agreement (one all_gather_object over all ranks); every rank raises the same error
+   before any other collective;
+3. `auto=True`: the planner's settings (rank 0 plans in a child process and broadcasts) in a copy of the config;
+4. `init_sequence_parallel`, then `prepare_model` (fused block, tiled MLP), neither agreeing again (prepare_model
+   does where the auto plan changed what it reads).
 
 The loss: N = label tokens of the whole optimizer step (all gradient-accumulation micro-batches, all SP and DP
 ranks, counted once); rank r's loss = W x (its shard's summed token loss) / max(N, 1). DDP and FSDP average the
@@ -34,16 +40,17 @@ gives a zero loss and zero gradients, as transformers' Trainer does.
 The checks `UPipeRuntime.setup` runs before any collective but the one that shares their verdict.
 
 Entry points:
-- `check_setup(config, model, *, world_size, device, checkpointing, checkpointing_fix, output_dir, parallelism,
-  deepspeed)`: step 1 of `hf_upipe.training.runtime.UPipeRuntime.setup`; returns (the config with accelerate's SP degree
-  applied, sp_size) or raises the same error on every rank.
+- `check_setup(launch, model, *, device, checkpointing, checkpointing_fix, output_dir, before=())`: step 2 of
+  `hf_upipe.training.runtime.UPipeRuntime.setup` (`setup_errors`, then `agree_on_launch`); returns the launch,
+  agreed, or raises the same error on every rank.
 - `activation_checkpointing(model)`: whether a model checkpoints its layers.
 - `model_heads(model)` and `geometry_errors(config, heads, sp, world)`: the model's heads, and whether they split
   over sp_size in chunks of heads_per_chunk.
 - `output_dir_errors(path)`: the writable-folder check.
-- `shared_settings(config)`, `settings_error(every)` and `agree_on_errors(errors, world, settings)`: the settings
-  every rank must share, the error naming those that differ, and the all-ranks agreement (UPipeTrainer runs it
-  before transformers creates the output folder, `hf_upipe.training.trainer`).
+- `shared_settings(config)`, `settings_error(every)` and `agree_on_launch(stages, world, settings, ...)` (or
+  `agree_on_errors(errors, world, settings)`): the settings every rank must share, the error naming those that
+  differ, and the all-ranks agreement (UPipeTrainer runs it before transformers creates the output folder,
+  `hf_upipe.training.trainer`).
 
 What `check_setup` checks (every rank, the same arguments): sp_size divides the processes, activation
 checkpointing where offload/auto need it, the kernel runs on this device and dtype, the heads split over sp_size in
@@ -83,8 +90,11 @@ from hf_upipe.config import PER_RANK_SETTINGS, UPipeConfig, differing_settings_e
 from hf_upipe.data import shard_batch
 from hf_upipe.distributed import (
     SequenceParallelState,
+    agreed_settings,
     init_sequence_parallel,
     set_sequence_parallel_state,
+    settings_disagreement,
+    simulated,
     validation_failed,
     validation_group,
 )
@@ -92,16 +102,12 @@ from hf_upipe.models.peft import base_model
 from hf_upipe.ops.head_layout import geometry_error, valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.ops.kernels import get_kernel
 from hf_upipe.ops.tiled_loss import TokenStats
-from hf_upipe.prepare import prepare_model
+from hf_upipe.prepare import PREPARED_SETTINGS, preparation, preparations_error, prepare_model
 from hf_upipe.training.auto_settings import apply_auto_settings
 from hf_upipe.training.loaders import eval_rounds, share_batches_within_sp
 from hf_upipe.training.loss import shard_loss_sum
 from hf_upipe.training.offload import offload_checkpoints
-from hf_upipe.training.parallelism import (
-    ParallelismSizes,
-    parallelism_errors,
-    with_parallelism_sp,
-)
+from hf_upipe.training.parallelism import Launch, ParallelismSizes, resolve_launch
 
 __all__ = [
     "EvalSums",
@@ -109,6 +115,7 @@ __all__ = [
     "UPipeRuntime",
     "activation_checkpointing",
     "agree_on_errors",
+    "agree_on_launch",
     "check_setup",
     "eval_sums",
     "evaluate",
@@ -116,6 +123,7 @@ __all__ = [
     "model_heads",
     "output_dir_errors",
     "settings_error",
+    "setup_errors",
     "shared_settings",
 ]
 
@@ -234,54 +242,75 @@ def settings_error(every: list[tuple]) -> ValueError | None:
     )
 
 
-def agree_on_errors(errors: list[Exception], world: int, settings: tuple | None = None) -> None:
-    """Raise on every rank the first error any rank found, or else (given each rank's `shared_settings`) the
-    settings that differ between ranks: one all_gather_object over all ranks."""
-    mine = ([(isinstance(e, NotImplementedError), str(e)) for e in errors], settings)
-    every = [mine]
-    if world > 1 and dist.is_initialized():
-        every = [None] * dist.get_world_size()
-        try:
-            dist.all_gather_object(every, mine, group=validation_group())
-        except (RuntimeError, dist.DistError) as err:
-            raise validation_failed(err, "hf_upipe's setup checks") from None
-    failed = [rank for rank, (found, _) in enumerate(every) if found]
+def _raise_first(every: list[list[tuple[bool, str]]]) -> None:
+    """Raise the first error of the first rank that found one (`every[rank]`: its (not implemented, message)
+    pairs), naming the ranks where only some did."""
+    failed = [rank for rank, found in enumerate(every) if found]
     if failed:
-        not_implemented, message = every[failed[0]][0][0]
+        not_implemented, message = every[failed[0]][0]
         if len(failed) < len(every):
             message += (
                 f" (found on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))})"
             )
         raise (NotImplementedError if not_implemented else ValueError)(message)
-    if settings is not None and (err := settings_error([s for _, s in every])) is not None:
-        raise err
 
 
-def check_setup(
-    config: UPipeConfig,
+def agree_on_launch(
+    stages: list[list[Exception]],
+    world: int,
+    settings: tuple | None = None,
+    *,
+    init: tuple | None = None,
+    prepared: tuple | None = None,
+    sp: int | None = None,
+) -> None:
+    """The launch's one agreement: one all_gather_object over all ranks, then on every rank the error that separate
+    agreements would have raised, in their order: the first stage of `stages` in which any rank found an error
+    (that rank's first, naming the ranks where only some found one); the settings that differ (`settings`: each
+    rank's `shared_settings`); what `init_sequence_parallel` compares (`init`: `agreed_settings`); what
+    `prepare_model` compares within each SP group of `sp` neighbouring ranks (`prepared`: `preparation`)."""
+    mine = ([[(isinstance(e, NotImplementedError), str(e)) for e in s] for s in stages], settings)
+    mine += (init, prepared)
+    every = [mine]
+    distributed = world > 1 and dist.is_initialized()
+    if distributed:
+        every = [None] * dist.get_world_size()
+        try:
+            dist.all_gather_object(every, mine, group=validation_group())
+        except (RuntimeError, dist.DistError) as err:
+            raise validation_failed(err, "hf_upipe's setup checks") from None
+    for stage in range(len(stages)):
+        _raise_first([found[stage] for found, *_ in every])
+    checks = [lambda: settings_error([s for _, s, _, _ in every]) if settings is not None else None]
+    if distributed and not simulated():  # a simulated world's collectives carry no data
+        checks.append(lambda: settings_disagreement([i for *_, i, _ in every]) if init else None)
+        shared = [p for *_, p in every]  # compared once the sizes (in `init`) agree
+        groups = range(0, len(shared), sp) if prepared is not None and sp else ()
+        checks += [lambda g=g: preparations_error(shared[g : g + sp]) for g in groups]
+    for check in checks:  # in order: the first that finds a difference raises it
+        if (error := check()) is not None:
+            raise error
+
+
+def agree_on_errors(errors: list[Exception], world: int, settings: tuple | None = None) -> None:
+    """Raise on every rank the first error any rank found, or else (given each rank's `shared_settings`) the
+    settings that differ between ranks: one all_gather_object over all ranks (`agree_on_launch`)."""
+    agree_on_launch([errors], world, settings)
+
+
+def setup_errors(
+    launch: Launch,
     model,
     *,
-    world_size: int,
     device,
     checkpointing: bool,
     checkpointing_fix: str,
     output_dir: str | None,
-    parallelism: ParallelismSizes | None,
-    deepspeed: bool,
-) -> tuple[UPipeConfig, int]:
-    """Every check of the settings against the launch and the model (module docstring), agreed over all ranks.
-
-    Args: as for `hf_upipe.training.runtime.UPipeRuntime.setup`.
-
-    Returns:
-        (`config` with the sp_size of accelerate's `ParallelismConfig` where it gives none, the resolved sp_size).
-
-    Raises:
-        ValueError / NotImplementedError on every rank, after one all_gather_object and before any other
-        collective.
-    """
-    errors = parallelism_errors(config, parallelism, world_size, deepspeed=deepspeed)
-    config = with_parallelism_sp(config, parallelism)
+) -> list[Exception]:
+    """Every refusal of the settings against the launch and the model (module docstring), in the order they are
+    reported. Args: as for `hf_upipe.training.runtime.UPipeRuntime.setup`."""
+    config, sp, world_size = launch.config, launch.sp, launch.world
+    errors = list(launch.errors)
     for name in ("auto", "offload"):
         value = getattr(config, name)
         if value not in (False, "none") and not checkpointing:
@@ -293,11 +322,8 @@ def check_setup(
                     + (f", or {config.spell('offload', 'none')}." if name == "offload" else ".")
                 )
             )
-    sp = None
-    try:
-        sp = config.resolve_sp_size(world_size)
-    except ValueError as err:
-        errors.append(err)
+    if launch.sp_error is not None:
+        errors.append(launch.sp_error)
     try:
         get_kernel(config.kernel, device, _dtype(model))
     except ValueError as err:
@@ -310,8 +336,60 @@ def check_setup(
             errors.append(refusal_error(reason))
     if output_dir is not None:
         errors += output_dir_errors(output_dir)
-    agree_on_errors(errors, world_size, shared_settings(config))
-    return config, sp
+    return errors
+
+
+def check_setup(
+    launch: Launch,
+    model,
+    *,
+    device,
+    checkpointing: bool,
+    checkpointing_fix: str,
+    output_dir: str | None,
+    before: tuple[list[Exception], ...] = (),
+) -> Launch:
+    """Every check of the settings against the launch and the model (`setup_errors`), agreed over all ranks in the
+    launch's one agreement (`agree_on_launch`), with what `init_sequence_parallel` and `prepare_model` would agree
+    on. `before`: errors found earlier, raised first (UPipeTrainer's `early_checks`).
+
+    Returns:
+        `launch`, agreed.
+
+    Raises:
+        ValueError / NotImplementedError on every rank, after one all_gather_object and before any other
+        collective.
+    """
+    errors = setup_errors(
+        launch,
+        model,
+        device=device,
+        checkpointing=checkpointing,
+        checkpointing_fix=checkpointing_fix,
+        output_dir=output_dir,
+    )
+    config, sp = launch.config, launch.sp
+    clean = not errors and not any(
+        before
+    )  # what follows is compared only when no rank found an error
+    init = config.init_kwargs()
+    agree_on_launch(
+        [*before, errors],
+        launch.world,
+        shared_settings(config),
+        init=agreed_settings((sp, *(init[k] for k in _INIT_ORDER))) if clean else None,
+        prepared=preparation(model, config) if clean and sp > 1 else None,
+        sp=sp,
+    )
+    return launch.as_agreed()
+
+
+_INIT_ORDER = (
+    "heads_per_chunk",
+    "kernel",
+    "allow_unverified",
+    "ring_size",
+)  # init_sequence_parallel's settings
 
 
 @dataclass
@@ -466,8 +544,10 @@ class UPipeRuntime:
         plan=None,
         pad_token_id: int = 0,
         deepspeed: bool = False,
+        launch: Launch | None = None,
     ):
         self.config, self.state, self.plan, self.deepspeed = config, state, plan, deepspeed
+        self.launch = launch  # the sizes and where each came from (`setup`'s), or None
         self.world_size, self.device, self.pad_token_id = (
             world_size,
             torch.device(device),
@@ -488,6 +568,7 @@ class UPipeRuntime:
         pad_token_id: int = 0,
         parallelism: ParallelismSizes | None = None,
         deepspeed: bool = False,
+        launch: Launch | None = None,
     ) -> UPipeRuntime:
         """Check, plan (auto), build the SP groups and prepare `model` (module docstring).
 
@@ -502,33 +583,40 @@ class UPipeRuntime:
             parallelism: the sizes of accelerate's `ParallelismConfig` in this run, if any
                 (`hf_upipe.training.parallelism`): its sp_size is the SP degree when `config` gives none, and
                 what hf_upipe cannot honour in it is refused; `deepspeed`: whether the DeepSpeed engine runs.
+            launch: the launch the caller resolved (`hf_upipe.training.parallelism.resolve_launch`) from the same
+                `config`, `parallelism`, `world_size` and `deepspeed`; when the ranks agreed on it with this model
+                (UPipeTrainer's), the setup runs no agreement. Default: resolved here.
 
         Raises:
             ValueError / NotImplementedError on every rank before any collective but the one that shares them.
         """
         arrange_allocator(config.allocator)  # before prepare_model puts anything on the GPU
-        config, sp = check_setup(
-            config,
-            model,
-            world_size=world_size,
-            device=device,
-            checkpointing=checkpointing,
-            checkpointing_fix=checkpointing_fix,
-            output_dir=output_dir,
-            parallelism=parallelism,
-            deepspeed=deepspeed,
-        )
-        plan = None
+        if launch is None:
+            launch = resolve_launch(config, parallelism, world_size, deepspeed=deepspeed)
+        if not launch.agreed:  # the launch's one agreement collective
+            launch = check_setup(
+                launch,
+                model,
+                device=device,
+                checkpointing=checkpointing,
+                checkpointing_fix=checkpointing_fix,
+                output_dir=output_dir,
+            )
+        config, sp, plan = launch.config, launch.sp, None
         if config.auto:
             config, plan = apply_auto_settings(config, model, world_size=world_size)
             # the broadcast choice is the same on every rank, so is this check: no agreement needed
             agree_on_errors(geometry_errors(config, model_heads(model), sp, world_size), 1)
-        if world_size > 1:
-            state = init_sequence_parallel(sp, **config.init_kwargs())
+        if (
+            world_size > 1
+        ):  # the settings and the UPIPE_* environment were agreed on with the launch
+            state = init_sequence_parallel(sp, **config.init_kwargs(), agreed=True)
         else:
             state = NO_SP
             set_sequence_parallel_state(None)
-        prepare_model(model, config)
+        # the model's preparation was agreed on too, unless the auto plan changed what prepare_model reads
+        same = all(getattr(config, n) == getattr(launch.config, n) for n in PREPARED_SETTINGS)
+        prepare_model(model, config, agreed=same)
         return cls(
             config,
             state,
@@ -537,6 +625,7 @@ class UPipeRuntime:
             plan=plan,
             pad_token_id=pad_token_id,
             deepspeed=deepspeed,
+            launch=launch.with_plan(config),
         )
 
     # ---- data and loss -----------------------------------------------------------------------------------------

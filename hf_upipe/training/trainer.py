@@ -83,6 +83,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -94,6 +95,7 @@ from transformers.trainer_utils import (
     rotate_checkpoints,
 )
 
+from hf_upipe.adapters.replaced import replaced_forwards
 from hf_upipe.allocator import arrange_allocator
 from hf_upipe.config import UPipeConfig, check_config
 from hf_upipe.models.peft import base_model
@@ -115,11 +117,11 @@ from hf_upipe.training.model_offload import (
     trainer_fsdp_version,
 )
 from hf_upipe.training.parallelism import (
+    Launch,
     accelerate_view,
     find_parallelism,
-    parallelism_errors,
+    resolve_launch,
     uses_deepspeed,
-    with_parallelism_sp,
 )
 from hf_upipe.training.predictions import (
     PredictionRecorder,
@@ -127,7 +129,12 @@ from hf_upipe.training.predictions import (
     one_process_preprocess,
     with_metrics,
 )
-from hf_upipe.training.runtime import UPipeRuntime, agree_on_errors, output_dir_errors
+from hf_upipe.training.runtime import (
+    UPipeRuntime,
+    agree_on_errors,
+    check_setup,
+    output_dir_errors,
+)
 
 __all__ = [
     "TRAINER_INTERNALS",
@@ -143,25 +150,56 @@ __all__ = [
 ]
 
 
-def early_checks(args, config: UPipeConfig, parallelism, world: int, deepspeed: bool):
+_CHECKPOINTING_FIX = (
+    "set TrainingArguments(activation_checkpointing=True) (older transformers: "
+    "gradient_checkpointing=True)"
+)
+
+
+def _checkpointing(args) -> bool:
+    return bool(getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing)
+
+
+def _checked_early(model, args) -> bool:
+    """Whether the model given to `UPipeTrainer` is checked before `Trainer.__init__`: a module, with arguments,
+    not patched by Liger after (`use_liger_kernel`), without forwards another library replaced (the support gate
+    runs those by behaviour on the model's device, where the Trainer moves it later)."""
+    return (
+        isinstance(model, torch.nn.Module)
+        and args is not None
+        and not getattr(args, "use_liger_kernel", False)
+        and not replaced_forwards(model)
+    )
+
+
+def early_checks(args, launch: Launch, model=None) -> tuple:
     """The checks that must pass before `Trainer.__init__`, on every rank (one all_gather_object): a writable
-    output_dir, and accelerate's `ParallelismConfig` (`hf_upipe.training.parallelism`). Returns the
-    arguments transformers gets: with a parallelism config, a copy whose `parallelism_config` has no SP (the
-    SP ranks folded into data parallelism), so neither transformers nor accelerate applies its own SP."""
+    output_dir, and accelerate's `ParallelismConfig` in the `launch` (`hf_upipe.training.parallelism`); given
+    the `model` the Trainer will train, also the runtime's checks (`hf_upipe.training.runtime.check_setup`): the
+    launch's one agreement. Returns (the arguments transformers gets, the launch, agreed when the model was
+    checked): with a parallelism config, a copy of the arguments whose `parallelism_config` has no SP (the SP ranks
+    folded into data parallelism), so neither transformers nor accelerate applies its own SP."""
     errors = (
         output_dir_errors(args.output_dir)
         if args is not None and args.save_strategy != "no"
         else []
     )
-    errors += parallelism_errors(config, parallelism, world, deepspeed=deepspeed)
-    sp = None
-    try:
-        sp = with_parallelism_sp(config, parallelism).resolve_sp_size(world)
-    except ValueError as err:
-        errors.append(err)
-    agree_on_errors(errors, world)
+    errors += launch.size_errors()
+    if model is None:
+        agree_on_errors(errors, launch.world)
+    else:
+        launch = check_setup(
+            launch,
+            model,
+            device=args.device,
+            checkpointing=_checkpointing(args),
+            checkpointing_fix=_CHECKPOINTING_FIX,
+            output_dir=None,
+            before=(errors,),
+        )
+    parallelism, sp, world = launch.parallelism, launch.sp, launch.world
     if parallelism is None:
-        return args
+        return args, launch
     if args is None:  # what transformers' Trainer uses by default
         from transformers import TrainingArguments
 
@@ -169,7 +207,7 @@ def early_checks(args, config: UPipeConfig, parallelism, world: int, deepspeed: 
     fsdp = bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     args = copy.copy(args)
     args.parallelism_config = accelerate_view(parallelism, sp, world, fsdp=fsdp)
-    return args
+    return args, launch
 
 
 def check_trainer_options(args, compute_loss_func) -> None:
@@ -367,11 +405,14 @@ class UPipeTrainer(Trainer):
         arrange_allocator(config.allocator)  # before the Trainer moves the model to the GPU
         parallelism = find_parallelism(getattr(args, "parallelism_config", None))
         deepspeed = uses_deepspeed(args)
-        # before transformers creates the output folder (main rank only) and accelerate its groups or DeepSpeed SP
-        args = early_checks(args, config, parallelism, world, deepspeed)
+        launch = resolve_launch(config, parallelism, world, deepspeed=deepspeed)  # the sizes, once
+        # before transformers creates the output folder (main rank only) and accelerate its groups or DeepSpeed SP;
+        # the model too when it is the one trained as it is (`_checked_early`): then this is the launch's one
+        # agreement
+        self._liger = getattr(args, "use_liger_kernel", False)
+        args, launch = early_checks(args, launch, model if _checked_early(model, args) else None)
         check_model_offload(config, fsdp_version=trainer_fsdp_version(args), deepspeed=deepspeed)
         # Liger is applied here, before prepare_model, not again by Trainer.train (hf_upipe.training.liger)
-        self._liger = getattr(args, "use_liger_kernel", False)
         if self._liger:
             args = copy.copy(args)
             args.use_liger_kernel = False
@@ -392,15 +433,13 @@ class UPipeTrainer(Trainer):
             self.model,
             world_size=world,
             device=self.args.device,
-            checkpointing=bool(
-                getattr(self.args, "activation_checkpointing", None)
-                or self.args.gradient_checkpointing
-            ),
-            checkpointing_fix="set TrainingArguments(activation_checkpointing=True) (older transformers: "
-            "gradient_checkpointing=True)",
+            checkpointing=_checkpointing(self.args),
+            checkpointing_fix=_CHECKPOINTING_FIX,
             pad_token_id=0 if pad is None else pad,
             parallelism=parallelism,
             deepspeed=deepspeed,
+            # agreed on with `model`: another one (model_init's) is checked and agreed on in the setup
+            launch=launch if self.model is model else replace(launch, agreed=False),
         )
         if self.is_fsdp_enabled:  # before train() prepares (shards) the model
             apply_model_offload(self.accelerator.state.fsdp_plugin, self.upipe.config)
