@@ -77,7 +77,12 @@ def test_a_changed_source_text_is_verified_by_behaviour(unseen, monkeypatch, cap
     verdict = verification.verdicts()[("fused", "llama")]
     assert verdict.ok and verdict.how == "behaviour"
     assert "the fused adapter of llama verified by behaviour on transformers" in caplog.text
-    assert "WARNING" not in caplog.text
+    # hf_upipe warns of nothing (bitsandbytes, loaded by PEFT on the first import, may warn of its own kernels)
+    assert not [
+        r.message
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.name.startswith("hf_upipe")
+    ]
 
 
 def test_changed_attention_arithmetic_fails_and_keeps_the_registered_path(
