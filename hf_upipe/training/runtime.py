@@ -102,6 +102,7 @@ from hf_upipe.training.parallelism import (
     parallelism_errors,
     with_parallelism_sp,
 )
+from hf_upipe.training.peers import guarded, start_watch
 
 __all__ = [
     "EvalSums",
@@ -529,6 +530,8 @@ class UPipeRuntime:
             state = NO_SP
             set_sequence_parallel_state(None)
         prepare_model(model, config)
+        # names a rank that stops inside a step (hf_upipe.training.peers)
+        start_watch(world_size, output_dir)
         return cls(
             config,
             state,
@@ -590,6 +593,8 @@ class UPipeRuntime:
         """(summed token loss of the shard, fp32 scalar; the model's outputs). `token_stats`: an
         `hf_upipe.ops.tiled_loss.TokenStats` that receives the shard's entropy and argmax hits, or None."""
         _check_shard(shard, "loss")
+        # the sequence length, for an out-of-memory message
+        self.seq_len = shard["input_ids"].shape[-1] * self.state.sp_size
         inputs = {k: v for k, v in shard.items() if k not in _NOT_INPUTS}
         return shard_loss_sum(
             model,
@@ -621,12 +626,17 @@ class UPipeRuntime:
         return (loss, outputs) if return_outputs else loss
 
     def step(self, model):
-        """Context manager for one forward + backward: offloads checkpointed inputs when `offload` is set."""
+        """Context manager for one forward + backward: offloads checkpointed inputs when `offload` is set; an
+        out-of-memory error is explained, and a rank that stops is named (`hf_upipe.training.peers.guarded`)."""
         cfg = self.config
         if cfg.offload == "none":
-            return contextlib.nullcontext()
-        return offload_checkpoints(
-            model, cfg.offload, path=cfg.offload_path, min_bytes=cfg.offload_min_bytes
+            return guarded(self, model)
+        return guarded(
+            self,
+            model,
+            offload_checkpoints(
+                model, cfg.offload, path=cfg.offload_path, min_bytes=cfg.offload_min_bytes
+            ),
         )
 
     def windows(self, loader, steps: int):

@@ -110,6 +110,7 @@ from hf_upipe.training.parallelism import (
     uses_deepspeed,
     with_parallelism_sp,
 )
+from hf_upipe.training.peers import start_watch
 from hf_upipe.training.predictions import (
     PredictionRecorder,
     concat_predictions,
@@ -379,6 +380,7 @@ class UPipeTrainer(Trainer):
             parallelism=parallelism,
             deepspeed=deepspeed,
         )
+        start_watch(world, self.args.output_dir)  # the peer watch (hf_upipe.training.peers)
         if self.is_fsdp_enabled:  # before train() prepares (shards) the model
             apply_model_offload(self.accelerator.state.fsdp_plugin, self.upipe.config)
         self._metrics_checks(world)

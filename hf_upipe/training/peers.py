@@ -1,0 +1,215 @@
+"""A rank that stopped, named: the surviving ranks of a launch exit within a bounded time with one line each.
+
+When a rank dies inside a step (killed, crashed, out of host memory), the others wait for it in a collective. gloo
+then fails at once with `Connection reset by peer` naming an address (and a survivor that exits makes the next
+one fail the same way, naming the survivor), NCCL or an unresponsive peer wait for the process group's timeout
+(30 minutes by default). Neither says which rank stopped. Here every rank beats a heartbeat counter in the launch's
+key-value store, and watches its neighbour's (rank + 1); a rank that raised inside a step posts its error there.
+
+Entry points:
+- `start_watch(world_size, resume_dir=None)`: start this process's watch (once; later calls only update
+  `resume_dir`), when torch.distributed runs on a TCP store with more than one rank. Returns the watch or None.
+- `guarded(runtime, what)`: a context manager for a region where the ranks meet in collectives (a training step,
+  a token count). Inside it: a `torch.OutOfMemoryError` is replaced by `hf_upipe.training.oom.explain_oom`'s error
+  (once); any error of this rank's own is posted for the others, then re-raised; a collective that fails because a
+  peer went away makes the rank wait (bounded) for the watch to name that peer, which ends the process.
+- `peer_timeout()`: `UPIPE_PEER_TIMEOUT`, seconds (default 60).
+
+The watch ends the process (status 1, after printing its line on stderr and recording it in the launcher's error
+file) when: a rank posted an error (`error (rank 1): rank 0 failed: <its error's first line>; resume from
+<checkpoint>`); or, while this rank is inside a guarded region, a peer's heartbeat has not moved for
+`UPIPE_PEER_TIMEOUT` seconds (`... rank 0 stopped (no heartbeat for 60 s) ...`), or for three beats once a
+collective here failed. A rank that finished and exited is not waited for: it marks itself done first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import json
+import os
+import re
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from hf_upipe.exits import _record
+
+__all__ = ["guarded", "last_checkpoint", "peer_timeout", "start_watch"]
+
+_ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+_PREFIX = f"hf_upipe/peers/{_ATTEMPT}"
+_WATCH: dict = {}
+
+
+def peer_timeout() -> float:
+    """Seconds a silent peer is waited for inside a step (UPIPE_PEER_TIMEOUT, default 60)."""
+    value = os.environ.get("UPIPE_PEER_TIMEOUT", "").strip()
+    try:
+        seconds = float(value) if value else 60.0
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise ValueError(f"UPIPE_PEER_TIMEOUT={value!r} must be a positive number of seconds")
+    return seconds
+
+
+def last_checkpoint(folder: str | None) -> str | None:
+    """The newest complete checkpoint under `folder` (a subfolder with hf_upipe's manifest; the highest number
+    in its name), or None."""
+    if not folder or not os.path.isdir(folder):
+        return None
+    done = [
+        d
+        for d in os.listdir(folder)
+        if not d.startswith(".") and os.path.isfile(os.path.join(folder, d, "upipe_manifest.json"))
+    ]
+    number = lambda d: int(m.group()) if (m := re.search(r"\d+$", d)) else -1  # noqa: E731
+    return os.path.join(folder, max(done, key=number)) if done else None
+
+
+def _client():
+    """A client of its own to the default group's TCP store (the main thread's store calls may block), or None."""
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return None
+    return dist.TCPStore(
+        store.host, store.port, is_master=False, timeout=datetime.timedelta(seconds=10)
+    )
+
+
+class _Watch:
+    """The heartbeat thread of one process (module docstring)."""
+
+    def __init__(self, store, rank: int, world: int, timeout: float):
+        self.store, self.rank, self.world, self.timeout = store, rank, world, timeout
+        self.interval = min(1.0, timeout / 10)
+        self.resume_dir: str | None = None
+        self.inside = 0  # guarded regions this rank is in
+        self.suspect = False  # a collective failed here: watch every peer, with a short wait
+        self.seen: dict[int, tuple[int, float]] = {}  # peer -> (its count, when it last moved)
+        atexit.register(self.done)
+        threading.Thread(target=self._run, name="hf_upipe-peers", daemon=True).start()
+
+    def post(self, what: str) -> None:
+        """Tell the other ranks this one failed (`what`: the error's type and first line)."""
+        with contextlib.suppress(Exception):
+            self._first(self.rank, f"failed: {what[:300]}")
+
+    def _first(self, rank: int, what: str) -> dict:
+        """The first cause posted (this one, unless another rank posted before): {"rank", "what"}."""
+        line = json.dumps({"rank": rank, "what": what})
+        return json.loads(self.store.compare_set(f"{_PREFIX}/failed", "", line))
+
+    def done(self) -> None:
+        with contextlib.suppress(Exception):
+            self.store.set(f"{_PREFIX}/done/{self.rank}", "1")
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.store.add(f"{_PREFIX}/beat/{self.rank}", 1)
+                self._check()
+            except Exception:  # noqa: BLE001  (the store went away: the launcher is ending the run)
+                return
+            time.sleep(self.interval)
+
+    def _check(self) -> None:
+        if self.store.check([f"{_PREFIX}/failed"]):
+            failed = json.loads(self.store.get(f"{_PREFIX}/failed"))
+            if failed["rank"] != self.rank:
+                self._end(failed)
+        if not self.inside:
+            return
+        peers = range(self.world) if self.suspect else [(self.rank + 1) % self.world]
+        wait = min(self.timeout, 3 * self.interval) if self.suspect else self.timeout
+        now = time.monotonic()
+        for peer in (p for p in peers if p != self.rank):
+            count = self.store.add(f"{_PREFIX}/beat/{peer}", 0)
+            if self.seen.get(peer, (None,))[0] != count:
+                self.seen[peer] = (count, now)
+            elif now - self.seen[peer][1] > wait and not self.store.check(
+                [f"{_PREFIX}/done/{peer}"]
+            ):
+                silent = now - self.seen[peer][1]
+                self._end(self._first(peer, f"stopped (no heartbeat for {silent:.0f} s)"))
+
+    def _end(self, cause: dict) -> None:
+        self.done()  # exiting now: the ranks still watching do not name this one
+        resume = last_checkpoint(self.resume_dir)
+        where = (
+            f"resume from {resume}"
+            if resume
+            else f"no checkpoint to resume from{f' in {self.resume_dir}' if self.resume_dir else ''}"
+        )
+        line = f"error (rank {self.rank}): rank {cause['rank']} {cause['what']}; {where}"
+        print(line, file=sys.__stderr__ or sys.stderr, flush=True)
+        _record(line)
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def start_watch(world_size: int, resume_dir: str | None = None):
+    """See the module docstring."""
+    if world_size < 2 or not dist.is_initialized():
+        return None
+    watch = _WATCH.get("watch")
+    if watch is None:
+        try:
+            store = _client()
+        except Exception:  # noqa: BLE001  (no reachable TCP store: nothing to watch with)
+            store = None
+        if store is None:
+            return None
+        watch = _WATCH["watch"] = _Watch(
+            store, dist.get_rank(), dist.get_world_size(), peer_timeout()
+        )
+    watch.resume_dir = resume_dir or watch.resume_dir
+    return watch
+
+
+def _lost_peer(err: BaseException) -> bool:
+    """Whether a collective failed because a peer went away (gloo's and NCCL's words for it)."""
+    text = str(err)
+    return isinstance(err, dist.DistError) or any(
+        w in text for w in ("Connection reset", "Connection closed", "Broken pipe", "NCCL")
+    )
+
+
+@contextlib.contextmanager
+def guarded(runtime, model=None, inner=None):
+    """See the module docstring: `runtime` is the run's `UPipeRuntime` (`model`: for the out-of-memory advice);
+    `inner`: a context manager entered inside the guard (the step's offload), or None."""
+    watch = _WATCH.get("watch")
+    if watch is not None:
+        watch.inside += 1
+    try:
+        with inner if inner is not None else contextlib.nullcontext():
+            yield
+    except torch.OutOfMemoryError as err:
+        if getattr(err, "upipe_explained", False):
+            raise
+        if watch is not None:  # at once: the others wait for this rank in a collective
+            watch.post(
+                "OutOfMemoryError: out of memory in a training step (its error says what fits)"
+            )
+        from hf_upipe.training.oom import explain_oom
+
+        raise explain_oom(err, runtime, model, getattr(runtime, "seq_len", None)) from None
+    except Exception as err:
+        if watch is not None and _lost_peer(err):
+            watch.suspect = True  # the watch names the peer and ends the process within a few beats
+            time.sleep(watch.timeout + 5 * watch.interval)
+        elif watch is not None:
+            first = (str(err).strip().splitlines() or [""])[0]
+            watch.post(f"{type(err).__name__}: {first}")
+        raise
+    finally:
+        if watch is not None:
+            watch.inside -= 1
