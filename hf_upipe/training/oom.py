@@ -121,8 +121,10 @@ def _advice(model, config, seq_len: int, sp_size: int, world: int) -> list[str]:
             f"`hf-upipe plan` predicts {now['required'] / _GIB:.2f} GiB per GPU for them, of "
             f"{now['gpu_memory'] / _GIB:.2f} GiB ({'fits' if now['fits'] else 'does not fit'})"
         )
-    if longest is not None:
+    if longest is not None and longest.get("max_seq_len"):
         said.append(f"the longest that fits with these settings: {longest['max_seq_len']} tokens")
+    elif longest is not None:
+        said.append("no length fits with these settings")
     if fit is not None and fit.get("fits"):
         s = fit["settings"]
         chosen = ", ".join(

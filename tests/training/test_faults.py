@@ -62,7 +62,7 @@ def _launch(mode: str, world: int, fault_rank: int, out, timeout: float = 240.0)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, world", [("a2a", 2), ("rs", 4), ("a2a", 4)])
+@pytest.mark.parametrize("mode, world", [("a2a", 2), ("rs", 4)])
 def test_survivors_name_the_dead_rank_within_the_bounded_wait(tmp_path, mode, world):
     fault_rank = world - 1
     ranks, _ = _launch(mode, world, fault_rank, tmp_path)
@@ -101,3 +101,56 @@ def test_out_of_memory_on_one_rank_is_raised_there_and_named_by_the_others(tmp_p
     )
     assert seconds < PEER_TIMEOUT + 5, seconds
     print(lines[0], f"({seconds:.1f} s)")
+
+
+def _oom_in_a_step(monkeypatch, plan_timeout: str, gpu_memory: str | None = "1GiB") -> str:
+    """One process: the message of an out-of-memory error injected into the forward of a step of 64 tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_upipe
+    from hf_upipe.training.runtime import UPipeRuntime
+    from tests.integrations._models import tiny_config
+
+    monkeypatch.setenv("UPIPE_OOM_PLAN_TIMEOUT", plan_timeout)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    config = hf_upipe.UPipeConfig(sp_size=1, tiled_mlp=False, gpu_memory=gpu_memory)
+    upipe = UPipeRuntime.setup(
+        config, model, world_size=1, device="cpu", checkpointing=False, checkpointing_fix=""
+    )
+
+    def fail(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    model.model.layers[0].mlp.register_forward_pre_hook(fail)
+    ids = torch.randint(1, 96, (1, 64))
+    shard = upipe.shard({"input_ids": ids, "labels": ids})
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        with upipe.step(model):
+            upipe.loss(model, shard, 64).backward()
+    hf_upipe.reset_sequence_parallel()
+    return str(caught.value)
+
+
+@pytest.mark.slow
+def test_out_of_memory_names_the_settings_and_what_the_planner_says_fits(monkeypatch):
+    message = _oom_in_a_step(monkeypatch, "300")
+    print(message)
+    assert message.startswith(
+        "hf_upipe: out of memory in a training step (64 tokens per sequence on 1 rank(s), sp_size=1, "
+    ), message
+    assert (
+        "`hf-upipe plan` predicts " in message and " GiB per GPU for them, of 1.00 GiB" in message
+    )
+    assert "the longest that fits with these settings: " in message or "no length fits" in message
+    assert "settings that fit 64 tokens: " in message or "no settings fit 64 tokens" in message
+    assert message.endswith("torch: CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+def test_out_of_memory_message_falls_back_when_the_planner_cannot_answer(monkeypatch):
+    late = _oom_in_a_step(monkeypatch, "0.01")
+    assert "the planner did not answer for these settings" in late, late
+    assert late.endswith("torch: CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+    unknown = _oom_in_a_step(monkeypatch, "300", gpu_memory=None)
+    assert "no planner advice (ValueError: " in unknown and "set gpu_memory" in unknown, unknown
