@@ -13,6 +13,8 @@ Entry points:
   a token count). Inside it: a `torch.OutOfMemoryError` is replaced by `hf_upipe.training.oom.explain_oom`'s error
   (once); any error of this rank's own is posted for the others, then re-raised; a collective that fails because a
   peer went away makes the rank wait (bounded) for the watch to name that peer, which ends the process.
+- `post_failure(what)`: tell the other ranks this one failed outside a step (a checkpoint save).
+- `last_checkpoint(folder)`: the newest complete checkpoint under a run's folder.
 - `peer_timeout()`: `UPIPE_PEER_TIMEOUT`, seconds (default 60).
 
 The watch ends the process (status 1, after printing its line on stderr and recording it in the launcher's error
@@ -39,7 +41,7 @@ import torch.distributed as dist
 
 from hf_upipe.exits import _record
 
-__all__ = ["guarded", "last_checkpoint", "peer_timeout", "start_watch"]
+__all__ = ["guarded", "last_checkpoint", "peer_timeout", "post_failure", "start_watch"]
 
 _ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 _PREFIX = f"hf_upipe/peers/{_ATTEMPT}"
@@ -172,6 +174,14 @@ def start_watch(world_size: int, resume_dir: str | None = None):
         )
     watch.resume_dir = resume_dir or watch.resume_dir
     return watch
+
+
+def post_failure(what: str) -> None:
+    """Tell the other ranks this one failed (`what`: the error's type and first line), when a watch runs; they
+    exit naming it."""
+    watch = _WATCH.get("watch")
+    if watch is not None:
+        watch.post(what)
 
 
 def _lost_peer(err: BaseException) -> bool:

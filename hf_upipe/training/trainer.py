@@ -118,6 +118,7 @@ from hf_upipe.training.predictions import (
     with_metrics,
 )
 from hf_upipe.training.runtime import UPipeRuntime, agree_on_errors, output_dir_errors
+from hf_upipe.training.save_errors import explained_save_errors
 
 __all__ = [
     "TRAINER_INTERNALS",
@@ -607,7 +608,10 @@ class UPipeTrainer(Trainer):
             finally:
                 self._staging = None
 
-        save_staged(write, run_dir=super()._get_output_dir(trial), args=self.args, state=self.state)
+        run_dir = super()._get_output_dir(trial)
+        # a failed write (a full disk) is explained and leaves no half checkpoint (training.save_errors)
+        with explained_save_errors(run_dir, should_save=self.args.should_save):
+            save_staged(write, run_dir=run_dir, args=self.args, state=self.state)
 
     # ---- logging -----------------------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
