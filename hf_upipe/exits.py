@@ -10,6 +10,7 @@ Entry points:
   (so its summary of the failed ranks shows it as the root cause), destroy the process groups and exit with `code`.
   The other ranks wait, through the launcher's own key-value store, until the first rank has printed, so that the
   launcher cannot stop the first rank before its line is out. The examples' `run()` calls it.
+- `record_line(line)`: write `line` into this rank's launcher error file (torchrun's format), if there is one.
 - `report_setting_errors()`: a `sys.excepthook` that does the same for an uncaught setting error (from the Trainer,
   the plugin, the runtime, `init_sequence_parallel`, `from_pretrained`, ...) and leaves any other error to Python.
   `import hf_upipe` installs it in processes started by a launcher (`TORCHELASTIC_RUN_ID` set); `UPIPE_TRACEBACK=1`
@@ -34,6 +35,7 @@ __all__ = [
     "exit_with_error",
     "is_setting_error",
     "raised_in_hf_upipe",
+    "record_line",
     "report_setting_errors",
 ]
 
@@ -92,7 +94,7 @@ def _first_rank_said(store) -> bool:
     return False
 
 
-def _record(line: str) -> None:
+def record_line(line: str) -> None:
     """The launcher's error file of this rank (torchrun's format): its summary shows `line` as the traceback."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
@@ -151,7 +153,7 @@ def _end(err: BaseException, stream, code: int) -> None:
     teardown, which takes each rank its own time)."""
     store = _store()
     line, together = _say(err, stream, store)
-    _record(line)
+    record_line(line)
     try:
         _destroy_groups()
     finally:

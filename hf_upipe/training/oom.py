@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from hf_upipe.training.auto_settings import _gpu_memory, _lora_of, _model_config
+from hf_upipe.training.auto_settings import planner_model_args
 
 __all__ = ["explain_oom", "plan_flags"]
 
@@ -67,16 +67,12 @@ def _in_force(config, seq_len: int, sp_size: int, world: int) -> str:
 
 
 def _base_command(model, config, world: int, folder: str) -> list[str]:
-    _model_config(model).to_json_file(os.path.join(folder, "config.json"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
     local = local if world % local == 0 else world
-    command = [sys.executable, "-m", "hf_upipe.cli", "plan", "--model", folder, "--json"]
+    command = [sys.executable, "-m", "hf_upipe.cli", "plan", "--json"]
     command += ["--gpus", str(local), "--nodes", str(world // local)]
-    command += ["--gpu-memory", _gpu_memory(config), "--model-offload", config.model_offload]
-    lora = _lora_of(model)
-    if lora is not None:
-        command += ["--lora-rank", str(lora[0]), "--lora-targets", ",".join(lora[1])]
-    return command
+    command += ["--model-offload", config.model_offload]
+    return command + planner_model_args(model, config, folder)
 
 
 def _ask_planner(commands: dict[str, list[str]]) -> dict[str, dict | None]:

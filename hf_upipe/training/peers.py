@@ -39,7 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hf_upipe.exits import _record
+from hf_upipe.exits import record_line
 
 __all__ = ["guarded", "last_checkpoint", "peer_timeout", "post_failure", "start_watch"]
 
@@ -152,7 +152,7 @@ class _Watch:
         )
         line = f"error (rank {self.rank}): rank {cause['rank']} {cause['what']}; {where}"
         print(line, file=sys.__stderr__ or sys.stderr, flush=True)
-        _record(line)
+        record_line(line)
         sys.stdout.flush()
         os._exit(1)
 
