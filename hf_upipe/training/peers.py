@@ -4,24 +4,26 @@ When a rank dies inside a step (killed, crashed, out of host memory), the others
 then fails at once with `Connection reset by peer` naming an address (and a survivor that exits makes the next
 one fail the same way, naming the survivor), NCCL or an unresponsive peer wait for the process group's timeout
 (30 minutes by default). Neither says which rank stopped. Here every rank beats a heartbeat counter in the launch's
-key-value store, and watches its neighbour's (rank + 1); a rank that raised inside a step posts its error there.
+key-value store, and watches its neighbour's (rank + 1); a rank that runs out of memory in a step, or fails to
+write a checkpoint, posts its error there.
 
 Entry points:
 - `start_watch(world_size, resume_dir=None)`: start this process's watch (once; later calls only update
   `resume_dir`), when torch.distributed runs on a TCP store with more than one rank. Returns the watch or None.
-- `guarded(runtime, what)`: a context manager for a region where the ranks meet in collectives (a training step,
-  a token count). Inside it: a `torch.OutOfMemoryError` is replaced by `hf_upipe.training.oom.explain_oom`'s error
-  (once); any error of this rank's own is posted for the others, then re-raised; a collective that fails because a
-  peer went away makes the rank wait (bounded) for the watch to name that peer, which ends the process.
+- `guarded(runtime, model=None, inner=None)`: a context manager around a training step (`UPipeRuntime.step`).
+  Inside it: a `torch.OutOfMemoryError` is posted for the others and replaced by
+  `hf_upipe.training.oom.explain_oom`'s error (once); a collective that fails because a peer went away raises
+  `PeerStopped`, whose message is the one line naming that peer (looked up for about three beats; the
+  collective's own error when nothing is found).
 - `post_failure(what)`: tell the other ranks this one failed outside a step (a checkpoint save).
 - `last_checkpoint(folder)`: the newest complete checkpoint under a run's folder.
 - `peer_timeout()`: `UPIPE_PEER_TIMEOUT`, seconds (default 60).
 
-The watch ends the process (status 1, after printing its line on stderr and recording it in the launcher's error
-file) when: a rank posted an error (`error (rank 1): rank 0 failed: <its error's first line>; resume from
-<checkpoint>`); or, while this rank is inside a guarded region, a peer's heartbeat has not moved for
-`UPIPE_PEER_TIMEOUT` seconds (`... rank 0 stopped (no heartbeat for 60 s) ...`), or for three beats once a
-collective here failed. A rank that finished and exited is not waited for: it marks itself done first.
+The line: `error (rank 1): rank 0 stopped (no heartbeat for 3 s); resume from <checkpoint>` or `error (rank 1):
+rank 0 failed: <its error's first line>; resume from <checkpoint>`. The watch thread itself prints it, records it
+in the launcher's error file and ends the process (status 1) when a rank posted an error, or when, inside a step,
+the neighbour's heartbeat has not moved for `UPIPE_PEER_TIMEOUT` seconds while no collective failed here (a hung
+peer, NCCL). A rank that finished and exited normally is not waited for: it marks itself done.
 """
 
 from __future__ import annotations
@@ -41,7 +43,14 @@ import torch.distributed as dist
 
 from hf_upipe.exits import record_line
 
-__all__ = ["guarded", "last_checkpoint", "peer_timeout", "post_failure", "start_watch"]
+__all__ = [
+    "PeerStopped",
+    "guarded",
+    "last_checkpoint",
+    "peer_timeout",
+    "post_failure",
+    "start_watch",
+]
 
 _ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 _PREFIX = f"hf_upipe/peers/{_ATTEMPT}"
@@ -86,6 +95,13 @@ def _client():
     )
 
 
+class PeerStopped(RuntimeError):
+    """A collective failed because another rank stopped; the message is the one line naming it. Under a launcher
+    `hf_upipe.exits` prints just the line and exits with status 1."""
+
+    upipe_line = True
+
+
 class _Watch:
     """The heartbeat thread of one process (module docstring)."""
 
@@ -94,7 +110,7 @@ class _Watch:
         self.interval = min(1.0, timeout / 10)
         self.resume_dir: str | None = None
         self.inside = 0  # guarded regions this rank is in
-        self.suspect = False  # a collective failed here: watch every peer, with a short wait
+        self.diagnosing = False  # the main thread names the peer (`diagnose`)
         self.seen: dict[int, tuple[int, float]] = {}  # peer -> (its count, when it last moved)
         atexit.register(self.done)
         threading.Thread(target=self._run, name="hf_upipe-peers", daemon=True).start()
@@ -123,14 +139,19 @@ class _Watch:
             time.sleep(self.interval)
 
     def _check(self) -> None:
+        if self.diagnosing:
+            return
         if self.store.check([f"{_PREFIX}/failed"]):
             failed = json.loads(self.store.get(f"{_PREFIX}/failed"))
             if failed["rank"] != self.rank:
                 self._end(failed)
-        if not self.inside:
-            return
-        peers = range(self.world) if self.suspect else [(self.rank + 1) % self.world]
-        wait = min(self.timeout, 3 * self.interval) if self.suspect else self.timeout
+        if self.inside:
+            stale = self._stale([(self.rank + 1) % self.world], self.timeout)
+            if stale is not None:
+                self._end(stale)
+
+    def _stale(self, peers, wait: float) -> dict | None:
+        """The first cause posted, once one of `peers` has not beaten for `wait` seconds (and is not done)."""
         now = time.monotonic()
         for peer in (p for p in peers if p != self.rank):
             count = self.store.add(f"{_PREFIX}/beat/{peer}", 0)
@@ -140,17 +161,39 @@ class _Watch:
                 [f"{_PREFIX}/done/{peer}"]
             ):
                 silent = now - self.seen[peer][1]
-                self._end(self._first(peer, f"stopped (no heartbeat for {silent:.0f} s)"))
+                return self._first(peer, f"stopped (no heartbeat for {silent:.0f} s)")
+        return None
 
-    def _end(self, cause: dict) -> None:
-        self.done()  # exiting now: the ranks still watching do not name this one
+    def diagnose(self, err: BaseException) -> BaseException:
+        """After a collective failed here: the `PeerStopped` naming the rank that stopped (or posted an error),
+        found within about three beats; `err` itself when none is found in time."""
+        self.diagnosing = True
+        deadline = time.monotonic() + 3 * self.interval + 2.0
+        with contextlib.suppress(Exception):
+            while time.monotonic() < deadline:
+                if self.store.check([f"{_PREFIX}/failed"]):
+                    cause = json.loads(self.store.get(f"{_PREFIX}/failed"))
+                else:
+                    cause = self._stale(range(self.world), 3 * self.interval)
+                if cause is not None and cause["rank"] != self.rank:
+                    self.done()  # ending: the ranks still looking do not name this one
+                    return PeerStopped(self._line(cause))
+                time.sleep(self.interval / 2)
+        self.diagnosing = False
+        return err
+
+    def _line(self, cause: dict) -> str:
         resume = last_checkpoint(self.resume_dir)
         where = (
             f"resume from {resume}"
             if resume
             else f"no checkpoint to resume from{f' in {self.resume_dir}' if self.resume_dir else ''}"
         )
-        line = f"error (rank {self.rank}): rank {cause['rank']} {cause['what']}; {where}"
+        return f"error (rank {self.rank}): rank {cause['rank']} {cause['what']}; {where}"
+
+    def _end(self, cause: dict) -> None:
+        self.done()  # exiting now: the ranks still watching do not name this one
+        line = self._line(cause)
         print(line, file=sys.__stderr__ or sys.stderr, flush=True)
         record_line(line)
         sys.stdout.flush()
@@ -213,13 +256,12 @@ def guarded(runtime, model=None, inner=None):
 
         raise explain_oom(err, runtime, model, getattr(runtime, "seq_len", None)) from None
     except Exception as err:
-        if watch is not None and _lost_peer(err):
-            watch.suspect = True  # the watch names the peer and ends the process within a few beats
-            time.sleep(watch.timeout + 5 * watch.interval)
-        elif watch is not None:
-            first = (str(err).strip().splitlines() or [""])[0]
-            watch.post(f"{type(err).__name__}: {first}")
-        raise
+        if watch is None or not _lost_peer(err):
+            raise
+        found = watch.diagnose(err)
+        if found is err:
+            raise
+        raise found from err
     finally:
         if watch is not None:
             watch.inside -= 1

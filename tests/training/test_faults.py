@@ -27,6 +27,7 @@ def _launch(mode: str, world: int, fault_rank: int, out, timeout: float = 240.0)
         "MASTER_PORT": str(store.port),
         "WORLD_SIZE": str(world),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RUN_ID": "faults",  # as under torchrun: hf_upipe's exception hook prints fault lines alone
         "UPIPE_PEER_TIMEOUT": str(PEER_TIMEOUT),
         "UPIPE_OOM_PLAN_TIMEOUT": "0.01",  # the multi-rank case checks the exits, not the planner's advice
         "PYTHONPATH": ROOT,
