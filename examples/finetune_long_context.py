@@ -60,6 +60,7 @@ from _common import (  # noqa: E402
 
 from hf_upipe import UPipePlugin  # noqa: E402
 from hf_upipe.training.checkpoint import verify_checkpoint, write_manifest  # noqa: E402
+from hf_upipe.training.save_errors import explained_save_errors  # noqa: E402
 
 
 def save_checkpoint(accelerator, model, path: str, step: int, base: str | None = None) -> None:
@@ -222,14 +223,16 @@ def main(argv=None) -> int:
             )
             bar.update(1)
             if args.save_every and step % args.save_every == 0 and step < args.steps:
-                save_checkpoint(
-                    accelerator, model, os.path.join(output_dir, f"step-{step}"), step, base
-                )
+                with explained_save_errors(output_dir, should_save=accelerator.is_main_process):
+                    save_checkpoint(
+                        accelerator, model, os.path.join(output_dir, f"step-{step}"), step, base
+                    )
             if step >= args.steps:
                 break
         epoch, skip = epoch + 1, 0
     bar.close()
-    save_checkpoint(accelerator, model, os.path.join(output_dir, f"step-{step}"), step, base)
+    with explained_save_errors(output_dir, should_save=accelerator.is_main_process):  # a full disk
+        save_checkpoint(accelerator, model, os.path.join(output_dir, f"step-{step}"), step, base)
     accuracy = None
     if not args.data and args.eval_rows:
         held_out = passkey_dataset(args.eval_rows, args.seq_len, tokenizer, seed=10_000 + args.seed)
