@@ -34,6 +34,7 @@ import datetime
 import json
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -55,6 +56,9 @@ __all__ = [
 _ATTEMPT = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 _PREFIX = f"hf_upipe/peers/{_ATTEMPT}"
 _WATCH: dict = {}
+_HOLD_S = (
+    8.0  # how long a launcher's SIGTERM is held inside a step (its agent waits 30 s before SIGKILL)
+)
 
 
 def peer_timeout() -> float:
@@ -215,8 +219,31 @@ def start_watch(world_size: int, resume_dir: str | None = None):
         watch = _WATCH["watch"] = _Watch(
             store, dist.get_rank(), dist.get_world_size(), peer_timeout()
         )
+        _hold_launcher_stop(watch)
     watch.resume_dir = resume_dir or watch.resume_dir
     return watch
+
+
+def _hold_launcher_stop(watch) -> None:
+    """Under torchrun's agent (which stops the other ranks with SIGTERM as soon as one dies), a SIGTERM that
+    arrives inside a step is held for up to `_HOLD_S` seconds, so that the rank can print its line naming the one
+    that stopped; outside a step, or after that, the rank ends as SIGTERM would end it. A handler the script
+    installed is kept."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID") or signal.getsignal(signal.SIGTERM) not in (
+        signal.SIG_DFL,
+        None,
+    ):
+        return
+
+    def stop(signum, frame):
+        if not watch.inside:
+            os._exit(128 + signum)
+        timer = threading.Timer(_HOLD_S, lambda: os._exit(128 + signum))
+        timer.daemon = True
+        timer.start()
+
+    with contextlib.suppress(ValueError):  # (not the main thread)
+        signal.signal(signal.SIGTERM, stop)
 
 
 def post_failure(what: str) -> None:
