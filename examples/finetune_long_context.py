@@ -67,6 +67,7 @@ from hf_upipe.training.checkpoint_layout import (  # noqa: E402
     rng_file,
     write_layout,
 )
+from hf_upipe.training.save_errors import explained_save_errors  # noqa: E402
 
 
 def save_checkpoint(
@@ -265,16 +266,23 @@ def main(argv=None) -> int:
             )
             bar.update(1)
             if args.save_every and step % args.save_every == 0 and step < args.steps:
-                save_checkpoint(
-                    accelerator, model, os.path.join(output_dir, f"step-{step}"), step, base, layout
-                )
+                with explained_save_errors(output_dir, should_save=accelerator.is_main_process):
+                    save_checkpoint(
+                        accelerator,
+                        model,
+                        os.path.join(output_dir, f"step-{step}"),
+                        step,
+                        base,
+                        layout,
+                    )
             if step >= args.steps:
                 break
         epoch, skip = epoch + 1, 0
     bar.close()
-    save_checkpoint(
-        accelerator, model, os.path.join(output_dir, f"step-{step}"), step, base, layout
-    )
+    with explained_save_errors(output_dir, should_save=accelerator.is_main_process):  # a full disk
+        save_checkpoint(
+            accelerator, model, os.path.join(output_dir, f"step-{step}"), step, base, layout
+        )
     accuracy = None
     if not args.data and args.eval_rows:
         held_out = passkey_dataset(args.eval_rows, args.seq_len, tokenizer, seed=10_000 + args.seed)

@@ -10,10 +10,12 @@ Entry points:
   (so its summary of the failed ranks shows it as the root cause), destroy the process groups and exit with `code`.
   The other ranks wait, through the launcher's own key-value store, until the first rank has printed, so that the
   launcher cannot stop the first rank before its line is out. The examples' `run()` calls it.
+- `record_line(line)`: write `line` into this rank's launcher error file (torchrun's format), if there is one.
 - `report_setting_errors()`: a `sys.excepthook` that does the same for an uncaught setting error (from the Trainer,
   the plugin, the runtime, `init_sequence_parallel`, `from_pretrained`, ...) and leaves any other error to Python.
   `import hf_upipe` installs it in processes started by a launcher (`TORCHELASTIC_RUN_ID` set); `UPIPE_TRACEBACK=1`
-  keeps Python's tracebacks.
+  keeps Python's tracebacks. An error marked `upipe_line` (`hf_upipe.training.peers.PeerStopped`: each rank's
+  own line naming a rank that stopped) is printed as its line alone, and the rank exits with status 1.
 
 What the console then shows: the one line, then the launcher's own summary. torchrun's elastic agent reports any
 rank that exits with a status other than 0 as failed, in a `ChildFailedError` block naming each rank's exit code
@@ -34,6 +36,7 @@ __all__ = [
     "exit_with_error",
     "is_setting_error",
     "raised_in_hf_upipe",
+    "record_line",
     "report_setting_errors",
 ]
 
@@ -92,7 +95,7 @@ def _first_rank_said(store) -> bool:
     return False
 
 
-def _record(line: str) -> None:
+def record_line(line: str) -> None:
     """The launcher's error file of this rank (torchrun's format): its summary shows `line` as the traceback."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
@@ -151,7 +154,7 @@ def _end(err: BaseException, stream, code: int) -> None:
     teardown, which takes each rank its own time)."""
     store = _store()
     line, together = _say(err, stream, store)
-    _record(line)
+    record_line(line)
     try:
         _destroy_groups()
     finally:
@@ -171,7 +174,17 @@ def exit_with_error(err: BaseException, code: int = 2):
 
 def _hook(previous):
     def upipe_excepthook(kind, err, tb):
-        if not is_setting_error(err) or os.environ.get("UPIPE_TRACEBACK") == "1":
+        if os.environ.get("UPIPE_TRACEBACK") == "1":
+            return previous(kind, err, tb)
+        if getattr(
+            err, "upipe_line", False
+        ):  # a fault line of every rank's own (training.peers): no traceback
+            line = str(err)
+            print(line, file=sys.__stderr__ or sys.stderr, flush=True)
+            record_line(line)
+            sys.stdout.flush()
+            os._exit(1)  # (no group teardown: a peer is gone)
+        if not is_setting_error(err):
             return previous(kind, err, tb)
         # the process's own stderr: torch.distributed's excepthook hands the hooks it wraps a buffer
         _end(err, sys.__stderr__ or sys.stderr, 2)

@@ -32,7 +32,7 @@ from hf_upipe.models.peft import base_model
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["apply_auto_settings"]
+__all__ = ["apply_auto_settings", "planner_model_args"]
 
 
 def _model_config(model):
@@ -70,6 +70,17 @@ def _gpu_memory(config) -> str:
         "auto settings need the memory of one GPU and none is visible: set gpu_memory (e.g. '80GiB', "
         "UPIPE_GPU_MEMORY) to plan for the GPUs you will train on."
     )
+
+
+def planner_model_args(model, config, folder: str) -> list[str]:
+    """The `hf-upipe plan` flags that describe `model` (its config, written into `folder`), the GPU memory of
+    `config` and, for a PEFT LoRA model, its adapters: what `hf_upipe.training.oom` plans with."""
+    _model_config(model).to_json_file(os.path.join(folder, "config.json"))
+    flags = ["--model", folder, "--gpu-memory", _gpu_memory(config)]
+    lora = _lora_of(model)
+    if lora is not None:
+        flags += ["--lora-rank", str(lora[0]), "--lora-targets", ",".join(lora[1])]
+    return flags
 
 
 def _run_planner(model, config, world_size: int, local_world_size: int) -> dict:

@@ -108,6 +108,7 @@ from hf_upipe.training.loaders import eval_rounds, share_batches_within_sp
 from hf_upipe.training.loss import shard_loss_sum
 from hf_upipe.training.offload import offload_checkpoints
 from hf_upipe.training.parallelism import Launch, ParallelismSizes, resolve_launch
+from hf_upipe.training.peers import guarded, start_watch
 
 __all__ = [
     "EvalSums",
@@ -617,6 +618,8 @@ class UPipeRuntime:
         # the model's preparation was agreed on too, unless the auto plan changed what prepare_model reads
         same = all(getattr(config, n) == getattr(launch.config, n) for n in PREPARED_SETTINGS)
         prepare_model(model, config, agreed=same)
+        # names a rank that stops inside a step (hf_upipe.training.peers)
+        start_watch(world_size, output_dir)
         return cls(
             config,
             state,
@@ -679,6 +682,8 @@ class UPipeRuntime:
         """(summed token loss of the shard, fp32 scalar; the model's outputs). `token_stats`: an
         `hf_upipe.ops.tiled_loss.TokenStats` that receives the shard's entropy and argmax hits, or None."""
         _check_shard(shard, "loss")
+        # the sequence length, for an out-of-memory message
+        self.seq_len = shard["input_ids"].shape[-1] * self.state.sp_size
         inputs = {k: v for k, v in shard.items() if k not in _NOT_INPUTS}
         return shard_loss_sum(
             model,
@@ -710,12 +715,17 @@ class UPipeRuntime:
         return (loss, outputs) if return_outputs else loss
 
     def step(self, model):
-        """Context manager for one forward + backward: offloads checkpointed inputs when `offload` is set."""
+        """Context manager for one forward + backward: offloads checkpointed inputs when `offload` is set; an
+        out-of-memory error is explained, and a rank that stops is named (`hf_upipe.training.peers.guarded`)."""
         cfg = self.config
         if cfg.offload == "none":
-            return contextlib.nullcontext()
-        return offload_checkpoints(
-            model, cfg.offload, path=cfg.offload_path, min_bytes=cfg.offload_min_bytes
+            return guarded(self, model)
+        return guarded(
+            self,
+            model,
+            offload_checkpoints(
+                model, cfg.offload, path=cfg.offload_path, min_bytes=cfg.offload_min_bytes
+            ),
         )
 
     def windows(self, loader, steps: int):

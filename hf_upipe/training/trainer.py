@@ -123,6 +123,7 @@ from hf_upipe.training.parallelism import (
     resolve_launch,
     uses_deepspeed,
 )
+from hf_upipe.training.peers import start_watch
 from hf_upipe.training.predictions import (
     PredictionRecorder,
     concat_predictions,
@@ -135,6 +136,7 @@ from hf_upipe.training.runtime import (
     check_setup,
     output_dir_errors,
 )
+from hf_upipe.training.save_errors import explained_save_errors
 
 __all__ = [
     "TRAINER_INTERNALS",
@@ -441,6 +443,7 @@ class UPipeTrainer(Trainer):
             # agreed on with `model`: another one (model_init's) is checked and agreed on in the setup
             launch=launch if self.model is model else replace(launch, agreed=False),
         )
+        start_watch(world, self.args.output_dir)  # the peer watch (hf_upipe.training.peers)
         if self.is_fsdp_enabled:  # before train() prepares (shards) the model
             apply_model_offload(self.accelerator.state.fsdp_plugin, self.upipe.config)
         self._metrics_checks(world)
@@ -673,13 +676,12 @@ class UPipeTrainer(Trainer):
             finally:
                 self._staging = None
 
-        save_staged(
-            write,
-            run_dir=super()._get_output_dir(trial),
-            args=self.args,
-            state=self.state,
-            layout=self._layout(),
-        )
+        run_dir = super()._get_output_dir(trial)
+        # a failed write (a full disk) is explained and leaves no half checkpoint (training.save_errors)
+        with explained_save_errors(run_dir, should_save=self.args.should_save):
+            save_staged(
+                write, run_dir=run_dir, args=self.args, state=self.state, layout=self._layout()
+            )
 
     def _layout(self) -> TrainingLayout:
         """This run's layout (`hf_upipe.training.checkpoint_layout`): recorded in checkpoints, checked on resume."""

@@ -1,0 +1,101 @@
+"""Worker body for the load-anywhere test: `artifact_runs(rank, world, root)` trains, in one 2-rank gloo job (SP 2),
+a `UPipeTrainer` full fine-tune (with the word tokenizer as its processing class, a checkpoint at step 2) and a
+`UPipeSFTTrainer` LoRA run on a base saved in `root/base`, saves each with `save_model`, and returns, per
+artifact, the trained model's logits on fixed tokens, computed on rank 0 after `unprepare_model` (the plain
+attention, one process's forward).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests.training._runs import RUN_ARGS
+
+TOKENS = [[5, 17, 33, 2, 71, 8, 40, 9, 90, 12, 3, 64]]
+
+
+def _logits(trainer) -> list:
+    import hf_upipe
+
+    model = hf_upipe.unprepare_model(trainer.model)
+    hf_upipe.reset_sequence_parallel()
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.numpy().tolist()
+
+
+def _full(rank: int, root: str):
+    from datasets import Dataset
+    from transformers import TrainingArguments, default_data_collator
+
+    import hf_upipe
+    from tests.training._runs import _model
+    from tests.training._trl_runs import tokenizer
+
+    ids = torch.randint(1, 96, (8, 20), generator=torch.Generator().manual_seed(1)).tolist()
+    args = TrainingArguments(
+        output_dir=os.path.join(root, "full"),
+        per_device_train_batch_size=2,
+        max_steps=2,
+        learning_rate=2e-3,
+        **{**RUN_ARGS, "warmup_steps": 0},
+        save_strategy="steps",
+        save_steps=2,
+    )
+    hf_upipe.reset_sequence_parallel()
+    trainer = hf_upipe.UPipeTrainer(
+        model=_model(False, seed=11),
+        args=args,
+        train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}),
+        data_collator=default_data_collator,
+        processing_class=tokenizer(),
+        upipe_config=hf_upipe.UPipeConfig(sp_size=2),
+    )
+    trainer.train()
+    trainer.save_model(os.path.join(root, "full_final"))
+    return _logits(trainer) if rank == 0 else None
+
+
+def _sft_lora(rank: int, root: str):
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig
+
+    import hf_upipe
+    from hf_upipe.trl import UPipeSFTTrainer
+    from tests.training._trl_runs import _model, dataset, lora_config, tokenizer
+
+    base = os.path.join(root, "base")
+    if rank == 0:
+        _model(seed=11).save_pretrained(base)
+    torch.distributed.barrier()
+    model = AutoModelForCausalLM.from_pretrained(base, attn_implementation="sdpa")
+    args = SFTConfig(
+        output_dir=os.path.join(root, "sft"),
+        per_device_train_batch_size=2,
+        max_steps=2,
+        learning_rate=2e-3,
+        **{**RUN_ARGS, "warmup_steps": 0},
+        save_strategy="no",
+        max_length=40,
+        bf16=False,
+    )
+    hf_upipe.reset_sequence_parallel()
+    trainer = UPipeSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset(16, seed=1),
+        processing_class=tokenizer(),
+        peft_config=lora_config(),
+        upipe_config=hf_upipe.UPipeConfig(sp_size=2),
+    )
+    trainer.train()
+    trainer.save_model(os.path.join(root, "sft_final"))
+    return _logits(trainer) if rank == 0 else None
+
+
+def artifact_runs(rank: int, world: int, root: str) -> dict:
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
+    return {"full": _full(rank, root), "sft_lora": _sft_lora(rank, root)}

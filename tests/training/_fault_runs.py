@@ -1,0 +1,79 @@
+"""One rank of a fault test: `python -m tests.training._fault_runs MODE FAULT_RANK OUT` with RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT set by the test, which hosts the store as a launcher's agent does.
+
+A tiny random Llama trains with `UPipeRuntime` (SP over all ranks) on random rows; a finished checkpoint
+`OUT/checkpoint-1` exists (a manifest, as hf_upipe writes it). At step 2, rank FAULT_RANK:
+- MODE "a2a": kills itself (SIGKILL) as its first attention layer starts, the others entering its all-to-all;
+- MODE "rs": kills itself after its backward, the others in a reduce-scatter of their gradients (FSDP's);
+- MODE "oom": raises `torch.OutOfMemoryError` in its forward.
+It writes `OUT/fault_at` (time.time()) first. Every rank prints `step N` after each step.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _fault(mode: str, out: str):
+    with open(os.path.join(out, "fault_at"), "w") as f:
+        f.write(repr(time.time()))
+    if mode == "oom":
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(mode: str, fault_rank: int, out: str) -> None:
+    import hf_upipe
+    from hf_upipe.training.checkpoint import write_manifest
+    from hf_upipe.training.runtime import UPipeRuntime
+    from tests.integrations._models import tiny_config
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        os.makedirs(os.path.join(out, "checkpoint-1"), exist_ok=True)
+        with open(os.path.join(out, "checkpoint-1", "step.json"), "w") as f:
+            f.write('{"step": 1}')
+    dist.barrier()
+    write_manifest(os.path.join(out, "checkpoint-1"))  # every rank
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    config = hf_upipe.UPipeConfig(sp_size=2, gpu_memory="1GiB")
+    upipe = UPipeRuntime.setup(
+        config,
+        model,
+        world_size=world,
+        device="cpu",
+        checkpointing=False,
+        checkpointing_fix="",
+        output_dir=out,
+    )
+    faulty = rank == fault_rank
+    for step in range(1, 6):
+        if step == 2 and faulty and mode in ("a2a", "oom"):
+            model.model.layers[0].self_attn.register_forward_pre_hook(lambda *a: _fault(mode, out))
+        ids = torch.randint(1, 96, (1, 64), generator=torch.Generator().manual_seed(step))
+        shard = upipe.shard({"input_ids": ids, "labels": ids})
+        n = upipe.count([shard])
+        with upipe.step(model):
+            upipe.loss(model, shard, n).backward()
+            if step == 2 and faulty and mode == "rs":
+                _fault(mode, out)
+            flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+            flat = flat[: flat.numel() // world * world]
+            part = torch.empty(flat.numel() // world)
+            dist.reduce_scatter_tensor(part, flat)
+        model.zero_grad()
+        print(f"step {step}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

@@ -1,0 +1,90 @@
+"""What UPipeTrainer and UPipeSFTTrainer save loads with plain transformers / PEFT, in a process that never imports
+hf_upipe, and gives the trained model's logits.
+
+One 2-rank job (`tests.training._artifact_runs`): a full fine-tune with `UPipeTrainer` (its final model and its
+`checkpoint-2`) and a LoRA run with `UPipeSFTTrainer` on a saved base. A fresh Python then loads each folder with
+`AutoModelForCausalLM` / `AutoPeftModelForCausalLM` and `AutoTokenizer`, asserts `hf_upipe` was never imported,
+that no saved config names "upipe", an `auto_map` or an hf_upipe key, and compares the logits on fixed tokens with
+the trained model's (fp32, 1e-5).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from tests._dist import run_distributed
+from tests.training._artifact_runs import TOKENS, artifact_runs
+
+pytestmark = pytest.mark.slow  # a 2-rank job of two short runs
+
+LOAD = textwrap.dedent("""
+    import json, os, sys, numpy as np, torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder, expected, tokens, lora = sys.argv[1], np.load(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4] == "1"
+    if lora:
+        from peft import AutoPeftModelForCausalLM
+        model = AutoPeftModelForCausalLM.from_pretrained(folder)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert tok("w3 w4").input_ids, "the tokenizer did not load"
+    assert "hf_upipe" not in sys.modules, "loading imported hf_upipe"
+    model.eval()
+    with torch.no_grad():
+        got = model(torch.tensor(tokens)).logits.numpy()
+    print("attn", model.config._attn_implementation, "max abs diff", float(np.abs(got - expected).max()))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+""")
+
+
+def _saved_configs_are_plain(folder: str) -> None:
+    for name in ("config.json", "adapter_config.json"):
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            text = open(path).read()
+            assert "upipe" not in text.lower() and "auto_map" not in json.loads(text), (path, text)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("artifacts")
+    return root, run_distributed(artifact_runs, 2, str(root), timeout=400)[0]
+
+
+@pytest.mark.parametrize(
+    "folder, run, lora",
+    [
+        ("full_final", "full", False),
+        ("full/checkpoint-2", "full", False),
+        ("sft_final", "sft_lora", True),
+    ],
+)
+def test_saved_artifact_loads_without_hf_upipe_with_the_same_logits(
+    trained, folder, run, lora, tmp_path
+):
+    root, logits = trained
+    _saved_configs_are_plain(str(root / folder))
+    np.save(tmp_path / "expected.npy", np.array(logits[run], dtype=np.float32))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            LOAD,
+            str(root / folder),
+            str(tmp_path / "expected.npy"),
+            json.dumps(TOKENS),
+            "1" if lora else "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(tmp_path),  # not the repository: nothing of hf_upipe on the path by accident
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    print(folder, proc.stdout.strip())

@@ -1,0 +1,157 @@
+"""Faults that explain themselves: a rank killed inside a step, or out of memory in one (`hf_upipe.training.peers`,
+`hf_upipe.training.oom`).
+
+Each case starts its ranks as plain processes (`tests.training._fault_runs`), hosting their store here as a
+launcher's agent does, and checks that every survivor exits within `UPIPE_PEER_TIMEOUT` (+ a few seconds),
+with one line naming the rank that stopped and the checkpoint to resume from.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PEER_TIMEOUT = 10.0
+
+
+def _launch(mode: str, world: int, fault_rank: int, out, timeout: float = 240.0):
+    """Run the ranks; (per-rank (exit code, stderr, seconds from the fault to the exit), wall seconds)."""
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False)
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "WORLD_SIZE": str(world),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RUN_ID": "faults",  # as under torchrun: hf_upipe's exception hook prints fault lines alone
+        "UPIPE_PEER_TIMEOUT": str(PEER_TIMEOUT),
+        "UPIPE_OOM_PLAN_TIMEOUT": "0.01",  # the multi-rank case checks the exits, not the planner's advice
+        "PYTHONPATH": ROOT,
+        "OMP_NUM_THREADS": "1",
+    }
+    procs, ended, start = [], {}, time.monotonic()
+    for rank in range(world):
+        err = open(out / f"stderr_{rank}", "w")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.training._fault_runs", mode, str(fault_rank), out],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                cwd=ROOT,
+            )
+        )
+    while len(ended) < world and time.monotonic() - start < timeout:
+        for rank, proc in enumerate(procs):
+            if rank not in ended and proc.poll() is not None:
+                ended[rank] = time.time()
+        time.sleep(0.05)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    fault_at = float((out / "fault_at").read_text()) if (out / "fault_at").exists() else None
+    result = []
+    for rank, proc in enumerate(procs):
+        seconds = ended[rank] - fault_at if rank in ended and fault_at else None
+        result.append((proc.wait(), (out / f"stderr_{rank}").read_text(), seconds))
+    del store
+    return result, time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, world", [("a2a", 2), ("rs", 4)])
+def test_survivors_name_the_dead_rank_within_the_bounded_wait(tmp_path, mode, world):
+    fault_rank = world - 1
+    ranks, _ = _launch(mode, world, fault_rank, tmp_path)
+    assert ranks[fault_rank][0] == -9, ranks[fault_rank]
+    for rank, (code, stderr, seconds) in enumerate(ranks):
+        if rank == fault_rank:
+            continue
+        lines = [line for line in stderr.splitlines() if line.startswith("error (rank")]
+        assert code == 1, (rank, code, stderr[-2000:])
+        assert lines == [
+            f"error (rank {rank}): rank {fault_rank} stopped (no heartbeat for 3 s); resume from "
+            f"{tmp_path / 'checkpoint-1'}"
+        ] or (len(lines) == 1 and f"rank {fault_rank} stopped" in lines[0]), stderr[-2000:]
+        assert f"resume from {tmp_path / 'checkpoint-1'}" in lines[0]
+        assert seconds is not None and seconds < PEER_TIMEOUT + 5, (rank, seconds)
+        print(
+            f"{mode} world {world}: rank {rank} exited {seconds:.1f} s after the kill: {lines[0]}"
+        )
+
+
+@pytest.mark.slow
+def test_out_of_memory_on_one_rank_is_raised_there_and_named_by_the_others(tmp_path):
+    ranks, _ = _launch("oom", 2, 1, tmp_path)
+    code, stderr, _ = ranks[1]
+    assert (
+        code == 1
+        and "torch.OutOfMemoryError: hf_upipe: out of memory in a training step (64 tokens"
+        in (stderr)
+    ), stderr[-3000:]
+    assert stderr.count("OutOfMemoryError: hf_upipe: out of memory") == 1, stderr[-3000:]
+    code, stderr, seconds = ranks[0]
+    lines = [line for line in stderr.splitlines() if line.startswith("error (rank")]
+    assert code == 1 and len(lines) == 1, stderr[-2000:]
+    assert lines[0].startswith("error (rank 0): rank 1 failed: OutOfMemoryError: out of memory"), (
+        lines
+    )
+    assert seconds < PEER_TIMEOUT + 5, seconds
+    print(lines[0], f"({seconds:.1f} s)")
+
+
+def _oom_in_a_step(monkeypatch, plan_timeout: str, gpu_memory: str | None = "1GiB") -> str:
+    """One process: the message of an out-of-memory error injected into the forward of a step of 64 tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_upipe
+    from hf_upipe.training.runtime import UPipeRuntime
+    from tests.integrations._models import tiny_config
+
+    monkeypatch.setenv("UPIPE_OOM_PLAN_TIMEOUT", plan_timeout)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    config = hf_upipe.UPipeConfig(sp_size=1, tiled_mlp=False, gpu_memory=gpu_memory)
+    upipe = UPipeRuntime.setup(
+        config, model, world_size=1, device="cpu", checkpointing=False, checkpointing_fix=""
+    )
+
+    def fail(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    model.model.layers[0].mlp.register_forward_pre_hook(fail)
+    ids = torch.randint(1, 96, (1, 64))
+    shard = upipe.shard({"input_ids": ids, "labels": ids})
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        with upipe.step(model):
+            upipe.loss(model, shard, 64).backward()
+    hf_upipe.reset_sequence_parallel()
+    return str(caught.value)
+
+
+@pytest.mark.slow
+def test_out_of_memory_names_the_settings_and_what_the_planner_says_fits(monkeypatch):
+    message = _oom_in_a_step(monkeypatch, "300")
+    print(message)
+    assert message.startswith(
+        "hf_upipe: out of memory in a training step (64 tokens per sequence on 1 rank(s), sp_size=1, "
+    ), message
+    assert (
+        "`hf-upipe plan` predicts " in message and " GiB per GPU for them, of 1.00 GiB" in message
+    )
+    assert "the longest that fits with these settings: " in message or "no length fits" in message
+    assert "settings that fit 64 tokens: " in message or "no settings fit 64 tokens" in message
+    assert message.endswith("torch: CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+
+def test_out_of_memory_message_falls_back_when_the_planner_cannot_answer(monkeypatch):
+    late = _oom_in_a_step(monkeypatch, "0.01")
+    assert "the planner did not answer for these settings" in late, late
+    assert late.endswith("torch: CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+    unknown = _oom_in_a_step(monkeypatch, "300", gpu_memory=None)
+    assert "no planner advice (ValueError: " in unknown and "set gpu_memory" in unknown, unknown

@@ -1,0 +1,151 @@
+"""A checkpoint save that fails to write (a full disk) is explained and leaves the previous checkpoint intact
+(`hf_upipe.training.save_errors`).
+
+One process: a tiny UPipeTrainer trains a step and saves `checkpoint-1`, counting the files the save writes (every
+open for writing, safetensors' writer, the manifest's file). Then, for each N, the save of step 2 fails at its Nth
+file (ENOSPC from `open`, safetensors' own error from its writer): the error names the path, the bytes needed and
+the free space; the run folder holds `checkpoint-1` only (no staging folder, no half `checkpoint-2`), which still
+verifies against its manifest; finally a save succeeds and a new trainer resumes from `checkpoint-1`.
+"""
+
+import builtins
+import errno
+import os
+
+import pytest
+import torch
+
+RUN_ARGS = dict(
+    per_device_train_batch_size=2,
+    learning_rate=1e-3,
+    report_to=[],
+    use_cpu=True,
+    disable_tqdm=True,
+    save_strategy="no",
+    logging_steps=1,
+)
+
+
+def _trainer(out, steps):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainingArguments, default_data_collator
+
+    import hf_upipe
+    from tests.integrations._models import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    ids = torch.randint(1, 96, (8, 16), generator=torch.Generator().manual_seed(1)).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    args = TrainingArguments(output_dir=str(out), max_steps=steps, **RUN_ARGS)
+    hf_upipe.reset_sequence_parallel()
+    return hf_upipe.UPipeTrainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=default_data_collator,
+        upipe_config=hf_upipe.UPipeConfig(sp_size=1),
+    )
+
+
+class _Writes:
+    """Counts the file writes of a save under `root`; the `fail_at`-th raises as a full disk would."""
+
+    def __init__(self, monkeypatch, root: str, fail_at: int | None = None):
+        import transformers.modeling_utils as modeling_utils
+        from safetensors import SafetensorError
+
+        self.root, self.fail_at, self.count, self.failed = root, fail_at, 0, None
+        real_open, real_fdopen = builtins.open, os.fdopen
+        real_safe = modeling_utils.safe_save_file
+
+        def write(path, safetensors=False, pickled=False):
+            self.count += 1
+            if self.count == self.fail_at:
+                # an OSError carries its path; safetensors' and torch.save's errors do not: the message then
+                # names the staging folder the save was writing
+                named = not (pickled or safetensors or str(path).startswith("<"))
+                self.failed = str(path) if named else os.path.join(root, ".staging-")
+                if pickled:
+                    raise RuntimeError(
+                        "[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0: "
+                        "PytorchStreamWriter failed writing file data/0: file write failed"
+                    )
+                if safetensors:
+                    raise SafetensorError(
+                        "Error while serializing: I/O error: No space left on device (os error 28)"
+                    )
+                if not named:  # a write to an open file descriptor: no file name
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+        def fake_open(file, mode="r", *args, **kwargs):
+            if isinstance(file, (str, os.PathLike)) and any(m in mode for m in "wax"):
+                if os.path.abspath(file).startswith(root):
+                    write(file)
+            return real_open(file, mode, *args, **kwargs)
+
+        def fake_fdopen(fd, mode="r", *args, **kwargs):
+            if any(m in mode for m in "wax"):
+                write(f"<file descriptor {fd}>")
+            return real_fdopen(fd, mode, *args, **kwargs)
+
+        def fake_safe(tensors, filename, *args, **kwargs):
+            write(filename, safetensors=True)
+            return real_safe(tensors, filename, *args, **kwargs)
+
+        real_save = torch.save
+
+        def fake_save(obj, f, *args, **kwargs):
+            if isinstance(f, (str, os.PathLike)) and os.path.abspath(f).startswith(root):
+                write(f, pickled=True)
+            return real_save(obj, f, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "save", fake_save)
+        monkeypatch.setattr(builtins, "open", fake_open)
+        monkeypatch.setattr(os, "fdopen", fake_fdopen)
+        monkeypatch.setattr(modeling_utils, "safe_save_file", fake_safe)
+
+
+@pytest.mark.slow
+def test_a_failed_write_at_each_file_is_explained_and_keeps_the_last_checkpoint(tmp_path):
+    from hf_upipe.training.checkpoint import verify_checkpoint
+    from hf_upipe.training.save_errors import CheckpointSaveError
+
+    out = str(tmp_path / "run")
+    trainer = _trainer(out, steps=1)
+    trainer.train()
+    with pytest.MonkeyPatch.context() as mp:
+        counter = _Writes(mp, out)
+        trainer._save_checkpoint(trainer.model, None)
+    files = counter.count
+    assert files >= 6, (
+        files
+    )  # weights, config, generation config, optimizer, scheduler, state, rng, args, manifest
+    first = os.path.join(out, "checkpoint-1")
+    size = sum(os.path.getsize(os.path.join(first, f)) for f in os.listdir(first))
+    trainer.state.global_step = 2
+    for n in range(1, files + 1):
+        with pytest.MonkeyPatch.context() as mp:
+            fault = _Writes(mp, out, fail_at=n)
+            with pytest.raises(CheckpointSaveError) as caught:
+                trainer._save_checkpoint(trainer.model, None)
+        message = str(caught.value)
+        assert f"Saving a checkpoint failed writing {fault.failed}" in message, (n, message)
+        assert (
+            f"The checkpoint needs about {size / 2**30:.3f} GiB ({size} bytes, the size of {first})"
+            in (message)
+        )
+        assert (
+            "; free on that disk: " in message and f"{first} is intact: resume from it" in message
+        )
+        assert sorted(os.listdir(out)) == ["checkpoint-1"], (n, os.listdir(out))
+        verify_checkpoint(first)
+        if n == 1:
+            print(message)
+    trainer._save_checkpoint(trainer.model, None)  # with space again, the run saves
+    assert sorted(os.listdir(out)) == ["checkpoint-1", "checkpoint-2"]
+    verify_checkpoint(os.path.join(out, "checkpoint-2"))
+    resumed = _trainer(out, steps=2)
+    resumed.train(resume_from_checkpoint=first)
+    assert resumed.state.global_step == 2
