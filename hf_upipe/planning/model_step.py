@@ -6,6 +6,8 @@ Entry points:
   decoder layers, activation checkpointing, the tiled MLP, LoRA, and for our impls `prepare_model`.
 - `impl_context(impl, group, seq_len, sp_size, heads_per_chunk, ring_size=1, ...)`: validates and installs the SP
   defaults of an impl (DeepSpeed's communicator for the peer); restores them on exit.
+- `require_deepspeed()`, `deepspeed_comm()`, `deepspeed_attention` (registered as `DS_ATTN_NAME`): DeepSpeed's
+  Ulysses, the peer: its class, its communicator on the initialised process group, its attention function.
 - `step_config(model_config, layers, seq_len)`, `llama_config(name)`: the configs (presets of
   `hf_upipe.models.presets.PRESETS`: "llama3-8b", "qwen3-8b", ...).
 
@@ -23,31 +25,79 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
+import importlib
+from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 
 from hf_upipe import distributed as _sp
 from hf_upipe.adapters.hooks import sync_guard
 from hf_upipe.models.peft import base_model
 from hf_upipe.models.presets import PRESETS
 from hf_upipe.ops.fake import simulating
-from hf_upipe.planning.attention_block import (
-    DS_ATTN_NAME,
-    deepspeed_attention,
-    deepspeed_comm,
-    require_deepspeed,
-)
 from hf_upipe.planning.simulate import is_fake
 
 __all__ = [
+    "DS_ATTN_NAME",
     "MODEL_IMPLEMENTATIONS",
     "PRESETS",
     "build_step_model",
+    "deepspeed_attention",
+    "deepspeed_comm",
     "llama_config",
+    "require_deepspeed",
     "step_config",
 ]
 
 MODEL_IMPLEMENTATIONS = ("deepspeed", "ulysses", "upipe", "fused")
+DS_ATTN_NAME = "ds_ulysses"  # DeepSpeed's Ulysses, the peer, as transformers' attention function
+
+
+def require_deepspeed():
+    try:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    except ImportError as err:
+        raise ImportError(
+            "impl='deepspeed' needs DeepSpeed (UlyssesSPAttentionHF, tested with 0.19.8): "
+            "pip install 'hf_upipe[bench]'"
+        ) from err
+    return UlyssesSPAttentionHF
+
+
+def deepspeed_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """Registered as "ds_ulysses": hands the call to the DeepSpeed wrapper attached to the module."""
+    return module.ds_ulysses(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def deepspeed_comm() -> Iterator[None]:
+    """deepspeed.comm on top of the already initialised torch.distributed group; restored on exit.
+
+    `deepspeed.comm.init_distributed` would JIT-compile DeepSpeed's shared-memory all-reduce (about a minute, and
+    unused by Ulysses), so the TorchBackend is built with that step skipped.
+    """
+    require_deepspeed()
+    ds_comm = importlib.import_module("deepspeed.comm.comm")
+    ds_torch = importlib.import_module(
+        "deepspeed.comm.torch"
+    )  # `import ... as` would give the torch package
+
+    previous = ds_comm.cdb
+    if previous is None or not previous.is_initialized():
+        build = ds_torch.build_shm_op
+        ds_torch.build_shm_op = lambda: None
+        try:
+            ds_comm.cdb = ds_torch.TorchBackend(
+                dist.get_backend(), datetime.timedelta(minutes=30), None
+            )
+        finally:
+            ds_torch.build_shm_op = build
+    try:
+        yield
+    finally:
+        ds_comm.cdb = previous
 
 
 def llama_config(name: str) -> dict:

@@ -3,8 +3,17 @@
 Entry points:
 - `add_arguments(parser)`: the flags.
 - `run(args)`: plans and prints the table (or JSON); exit 0 if it fits, 1 if not (no launch line then: the longest
-  length that fits and what would fit the length asked, `hf_upipe.planning.no_fit`), 2 on bad input (the whole
-  message on stderr; argparse reports bad flag values the same way).
+  length that fits and what would fit the length asked, `advice`), 2 on bad input (the whole message on stderr;
+  argparse reports bad flag values the same way).
+- `advice(model, kwargs, result)`: what a plan that does not fit says instead of a launch line, as lines for
+  `Plan.advice`, from more plans of the same request (`kwargs`: the keyword arguments
+  `hf_upipe.planning.planner.plan` was called with; `result`: its `Plan`, which did not fit).
+
+What `advice` tries: the longest length the same GPUs fit (`max_context=True`, the planner's own `--max`); then, at the
+length asked, with the most memory-saving settings of the ladder (one candidate each: a rung that does not fit
+rules out every faster one), twice and four times the nodes with a ring across them (`--nodes`, `--ring`), a LoRA
+fine-tune of rank 16 instead of a full one, and expandable segments for the allocator. Each line names the flags;
+`hf-upipe plan` with them then chooses the fastest settings that fit.
 """
 
 from __future__ import annotations
@@ -15,20 +24,21 @@ import sys
 
 from hf_upipe.attention.fused import fused_unavailable
 from hf_upipe.models.presets import model_names
-from hf_upipe.planning.no_fit import advice
-from hf_upipe.planning.plan_report import LORA_TARGETS
+from hf_upipe.planning.plan_result import LORA_TARGETS, describe
 from hf_upipe.planning.planner import (
     DEFAULT_HEADROOM,
     DEFAULT_HOST_MEMORY,
     Margin,
+    candidates,
     default_impl,
     plan,
     resolve_model,
 )
+from hf_upipe.planning.tracker import GiB
 from hf_upipe.planning.train_step import StepSettings
-from hf_upipe.units import argument_type, parse_size, parse_tokens
+from hf_upipe.units import argument_type, format_tokens, parse_size, parse_tokens
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "advice", "run"]
 
 
 def _host(text):
@@ -278,3 +288,76 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(result.to_dict(), indent=1) if args.json else result.table())
     return 0 if result.fits else 1
+
+
+# ---- what a plan that does not fit says instead of a launch line
+_LORA = (16, LORA_TARGETS)
+
+
+def _longest(model, kwargs: dict) -> str:
+    best = plan(model, **{**kwargs, "seq_len": None, "max_context": True})
+    if not best.max_seq_len:
+        return "nothing fits on these GPUs, not even the shortest step (--step)"
+    return (
+        f"longest that fits on these GPUs: {best.max_seq_len:,} tokens ({format_tokens(best.max_seq_len)}), "
+        f"required {best.required / GiB:,.2f} GiB: hf-upipe plan ... --seq-len {format_tokens(best.max_seq_len)}"
+    )
+
+
+def _alternatives(kwargs: dict) -> list[tuple[str, dict]]:
+    """(flags, plan keyword arguments) of what may fit the length asked."""
+    nodes, ring = kwargs.get("nodes", 1), kwargs.get("ring_size", 1)
+    out = []
+    if kwargs.get("sp_size") is None and kwargs.get("impl") != "deepspeed":
+        for k in (2, 4):
+            out.append(
+                (
+                    f"--nodes {nodes * k} --ring {ring * k}",
+                    {"nodes": nodes * k, "ring_size": ring * k},
+                )
+            )
+    if kwargs.get("lora") is None:
+        out.append((f"--lora-rank {_LORA[0]}", {"lora": _LORA}))
+    if kwargs.get("allocator") in (None, "default") and kwargs.get("margin") is None:
+        out.append(
+            (
+                "--allocator expandable (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)",
+                {"allocator": "expandable"},
+            )
+        )
+    return out
+
+
+def advice(model, kwargs: dict, result) -> list[str]:
+    """See the module docstring. Alternatives that raise (e.g. a ring the heads or the model refuse) are skipped."""
+    lines = [_longest(model, kwargs)]
+    rung = (
+        result.settings
+        if kwargs.get("settings") is not None
+        else _last_rung(result, kwargs.get("impl"))
+    )
+    fits = []
+    for flags, change in _alternatives(kwargs):
+        try:
+            p = plan(model, **{**kwargs, "settings": rung, **change})
+        except ValueError:
+            continue
+        if p.fits:
+            fits.append(f"{flags} (required {p.required / GiB:,.2f} GiB with {_short(p.settings)})")
+    what = format_tokens(result.seq_len)
+    lines.append(
+        f"fits {what} with: " + "; or ".join(fits)
+        if fits
+        else f"{what} fits none of: more nodes with a ring (--nodes, --ring), LoRA, expandable segments"
+    )
+    return lines
+
+
+def _last_rung(result, impl):
+    """The most memory-saving settings the plan judged (the ladder's last rung)."""
+    pairs = candidates(result.config, result.sp_size // result.settings.ring_size, impl)
+    return [r for c, r in pairs if c == r][-1]
+
+
+def _short(settings) -> str:
+    return describe(settings)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from hf_upipe.planning.caching_allocator import CachingAllocatorModel, replay, round_size
+from hf_upipe.planning.reserved import CachingAllocatorModel, replay, round_size
 
 MiB, GiB = 2**20, 2**30
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "gpu")
@@ -73,7 +73,7 @@ def h100_trace(monkeypatch_module):
     """Rank 0 of the H100 runs' step (Llama3-8B, 4 layers, 256K tokens, 8 GPUs), simulated as measured: the
     offload's copies back allocated on its side stream, and the previous layer's input prefetched, as that code did."""
     from hf_upipe.models.presets import PRESETS
-    from hf_upipe.planning.alloc_trace import record_step_trace
+    from hf_upipe.planning.reserved import record_step_trace
     from hf_upipe.planning.train_step import StepSettings
     from hf_upipe.training import offload
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hf_upipe.ops.kernels_hollow import hollow_attention
-from hf_upipe.planning.alloc_trace import record_step_trace
 from hf_upipe.planning.hollow_step import hollow_torch_sdpa, hollow_twin, step_attention
+from hf_upipe.planning.reserved import record_step_trace
 from hf_upipe.planning.train_step import StepSettings
 
 TINY = dict(
