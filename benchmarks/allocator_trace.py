@@ -128,7 +128,10 @@ def labelled_trace(restore_stream: str, shard_embeddings: bool):
     offload.RESTORE_STREAM = restore_stream
     train_step._shard = shard if shard_embeddings else old_shard
     try:
-        return record_step_trace(PRESETS["llama3-8b"], SETTINGS, **STEP)
+        case = train_step.StepCase(
+            PRESETS["llama3-8b"], STEP["seq_len"], STEP["sp_size"], STEP["layers"]
+        )
+        return record_step_trace(case, SETTINGS, world_size=STEP["world_size"])
     finally:
         tr.MemoryTracker._add, tr.MemoryTracker._log_alloc = old_add, old_log
         offload.RESTORE_STREAM, train_step._shard = old_stream, old_shard

@@ -5,9 +5,9 @@ Entry points:
 - `run(args)`: plans and prints the table (or JSON); exit 0 if it fits, 1 if not (no launch line then: the longest
   length that fits and what would fit the length asked, `advice`), 2 on bad input (the whole message on stderr;
   argparse reports bad flag values the same way).
-- `advice(model, kwargs, result)`: what a plan that does not fit says instead of a launch line, as lines for
-  `Plan.advice`, from more plans of the same request (`kwargs`: the keyword arguments
-  `hf_upipe.planning.planner.plan` was called with; `result`: its `Plan`, which did not fit).
+- `advice(model, request, result)`: what a plan that does not fit says instead of a launch line, as lines for
+  `Plan.advice`, from more plans of the same request (`request`: the `hf_upipe.planning.planner.PlanRequest`
+  `result` was planned for; `result`: its `Plan`, which did not fit).
 
 What `advice` tries: the longest length the same GPUs fit (`max_context=True`, the planner's own `--max`); then, at the
 length asked, with the most memory-saving settings of the ladder (one candidate each: a rung that does not fit
@@ -29,6 +29,7 @@ from hf_upipe.planning.planner import (
     DEFAULT_HEADROOM,
     DEFAULT_HOST_MEMORY,
     Margin,
+    PlanRequest,
     candidates,
     default_impl,
     plan,
@@ -254,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
         _, config = resolve_model(args.model)
         if (error := _fused_flags_error(args, config)) is not None:
             raise ValueError(error)
-        kwargs = dict(
+        request = PlanRequest(
             gpus=args.gpus,
             gpu_memory=args.gpu_memory,
             nodes=args.nodes,
@@ -278,11 +279,11 @@ def run(args: argparse.Namespace) -> int:
             lora=None if not args.lora_rank else (args.lora_rank, args.lora_targets.split(",")),
             model_offload=args.model_offload,
         )
-        result = plan(args.model, **kwargs)
+        result = plan(args.model, request)
         # no launch line on a no-fit: the longest that fits and what fits the length asked (not for --json:
         # auto settings' child stays quick)
         if not result.fits and not args.json:
-            result.advice = advice(args.model, kwargs, result)
+            result.advice = advice(args.model, request, result)
     except ValueError as err:
         print(f"hf-upipe plan: error: {err}", file=sys.stderr)
         return 2
@@ -294,8 +295,8 @@ def run(args: argparse.Namespace) -> int:
 _LORA = (16, LORA_TARGETS)
 
 
-def _longest(model, kwargs: dict) -> str:
-    best = plan(model, **{**kwargs, "seq_len": None, "max_context": True})
+def _longest(model, request: PlanRequest) -> str:
+    best = plan(model, request, seq_len=None, max_context=True)
     if not best.max_seq_len:
         return "nothing fits on these GPUs, not even the shortest step (--step)"
     return (
@@ -304,11 +305,11 @@ def _longest(model, kwargs: dict) -> str:
     )
 
 
-def _alternatives(kwargs: dict) -> list[tuple[str, dict]]:
-    """(flags, plan keyword arguments) of what may fit the length asked."""
-    nodes, ring = kwargs.get("nodes", 1), kwargs.get("ring_size", 1)
+def _alternatives(request: PlanRequest) -> list[tuple[str, dict]]:
+    """(flags, the `PlanRequest` fields they change) of what may fit the length asked."""
+    nodes, ring = request.nodes, request.ring_size
     out = []
-    if kwargs.get("sp_size") is None and kwargs.get("impl") != "deepspeed":
+    if request.sp_size is None and request.impl != "deepspeed":
         for k in (2, 4):
             out.append(
                 (
@@ -316,9 +317,9 @@ def _alternatives(kwargs: dict) -> list[tuple[str, dict]]:
                     {"nodes": nodes * k, "ring_size": ring * k},
                 )
             )
-    if kwargs.get("lora") is None:
+    if request.lora is None:
         out.append((f"--lora-rank {_LORA[0]}", {"lora": _LORA}))
-    if kwargs.get("allocator") in (None, "default") and kwargs.get("margin") is None:
+    if request.allocator in (None, "default") and request.margin is None:
         out.append(
             (
                 "--allocator expandable (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)",
@@ -328,22 +329,23 @@ def _alternatives(kwargs: dict) -> list[tuple[str, dict]]:
     return out
 
 
-def advice(model, kwargs: dict, result) -> list[str]:
-    """See the module docstring. Alternatives that raise (e.g. a ring the heads or the model refuse) are skipped."""
-    lines = [_longest(model, kwargs)]
-    rung = (
-        result.settings
-        if kwargs.get("settings") is not None
-        else _last_rung(result, kwargs.get("impl"))
-    )
+def advice(model, request: PlanRequest | dict, result) -> list[str]:
+    """See the module docstring (`request`: the `PlanRequest` of `result`, or `plan`'s keywords as a dict).
+    Alternatives that raise (e.g. a ring the heads or the model refuse) are skipped."""
+    if isinstance(request, dict):
+        request = PlanRequest(**request)
+    lines = [_longest(model, request)]
+    rung = result.settings if request.settings is not None else _last_rung(result, request.impl)
     fits = []
-    for flags, change in _alternatives(kwargs):
+    for flags, change in _alternatives(request):
         try:
-            p = plan(model, **{**kwargs, "settings": rung, **change})
+            p = plan(model, request, settings=rung, **change)
         except ValueError:
             continue
         if p.fits:
-            fits.append(f"{flags} (required {p.required / GiB:,.2f} GiB with {_short(p.settings)})")
+            fits.append(
+                f"{flags} (required {p.required / GiB:,.2f} GiB with {describe(p.settings)})"
+            )
     what = format_tokens(result.seq_len)
     lines.append(
         f"fits {what} with: " + "; or ".join(fits)
@@ -357,7 +359,3 @@ def _last_rung(result, impl):
     """The most memory-saving settings the plan judged (the ladder's last rung)."""
     pairs = candidates(result.config, result.sp_size // result.settings.ring_size, impl)
     return [r for c, r in pairs if c == r][-1]
-
-
-def _short(settings) -> str:
-    return describe(settings)

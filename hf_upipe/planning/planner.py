@@ -1,7 +1,8 @@
 """Before launch: will this sequence length fit, with which settings, and what is the longest that fits?
 
 Entry points:
-- `plan(model, *, gpus, gpu_memory, nodes=1, seq_len=None, max_context=False, settings=None, ...)`: a `Plan`.
+- `plan(model, request)` or `plan(model, *, gpus, gpu_memory, nodes=1, seq_len=None, max_context=False, ...)`: a
+  `Plan`; `PlanRequest`: what a plan is asked (the keywords of `plan`).
 - `Plan`: per-GPU peak by category, the margin, fits or not, host memory for offload, the settings and how to
   launch them (`Plan.table()`, `Plan.launch()`, `Plan.upipe_config()`, `Plan.to_dict()`).
 - `Margin`: what is added to the tensor peak for memory that tensor accounting cannot see.
@@ -94,7 +95,7 @@ from hf_upipe.planning.reserved import (
     step_reserved,
 )
 from hf_upipe.planning.step_time import GPU, H100_SXM, step_time
-from hf_upipe.planning.train_step import CATEGORIES, StepSettings, device_twin
+from hf_upipe.planning.train_step import CATEGORIES, StepCase, StepSettings, device_twin
 from hf_upipe.units import parse_size, parse_tokens
 
 __all__ = [
@@ -103,6 +104,7 @@ __all__ = [
     "Estimator",
     "Margin",
     "Plan",
+    "PlanRequest",
     "Requirement",
     "candidates",
     "default_impl",
@@ -136,133 +138,175 @@ def resolve_model(spec):
     return resolve(spec)
 
 
-def plan(
-    model,
-    *,
-    gpus: int,
-    gpu_memory="80GiB",
-    nodes: int = 1,
-    seq_len: int | str | None = None,
-    max_context: bool = False,
-    settings: StepSettings | None = None,
-    impl: str | None = None,
-    sp_size: int | None = None,
-    margin: Margin | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    step: int = 2**17,
-    max_seq_len: int = 2**26,
-    exact: bool = False,
-    host_memory=DEFAULT_HOST_MEMORY,
-    lora=None,
-    headroom: float = DEFAULT_HEADROOM,
-    gpu: GPU = H100_SXM,
-    ring_size: int = 1,
-    allocator: str | None = None,
-    model_offload: str | None = None,
-) -> Plan:
-    """Plan a training run (see the module docstring).
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """What a plan is asked: the hardware, the length (or the longest), the settings, how memory is predicted.
 
-    Args:
-        model: a preset ("llama3-8b", "qwen3-32b-shape", "llama3-70b"), a config.json, a local model folder, a
-            transformers config, or a Llama geometry dict.
+    Attributes:
         gpus: GPUs per node. nodes: nodes (FSDP2 shards over gpus x nodes; SP defaults to one node's GPUs).
         gpu_memory: memory of one GPU ("80GiB", "80GB", bytes).
-        seq_len: tokens per sequence to judge. max_context: search the longest that fits instead (or as well).
+        seq_len: tokens per sequence to judge (1048576, "1024K", "1M"). max_context: search the longest that fits
+            instead (or as well).
         settings: fixed `StepSettings`; None chooses them (the ladder). impl: the attention implementation of the
             ladder (None: fused where supported; "ulysses" for our Ulysses mode; "deepspeed" for the peer).
         sp_size: sequence-parallel degree (default: `gpus`, with a ring `gpus` x `ring_size`). margin: None (the
             default) predicts the caching allocator's reserve from the simulated trace plus `Allowance()`, with a
             stored calibration applied (`hf-upipe calibrate`); a `Margin` adds it to the tensor peak instead.
-        allocator: "default" or "expandable" (segments); None: the mode the launch runs in, the one the launch
-            line sets (`UPIPE_ALLOCATOR`, default "expandable"; "keep": what `PYTORCH_CUDA_ALLOC_CONF` says;
-            `hf_upipe.allocator.launch_mode`).
-        ring_size: R > 1 plans ring attention across R ring shards of the SP group (UPipe over sp_size / R ranks
-            inside each, `hf_upipe.ops.ring`): the SP degree can then exceed what the heads allow.
+        dtype: the compute dtype.
         step: granularity of the max search, tokens. max_seq_len: where the search stops.
         exact: simulate every layer instead of extrapolating from 3 and 4.
         host_memory: host memory of one node for offloaded checkpoints (default "2TiB", a DGX H100's); None: not
             checked.
+        lora: None plans a full fine-tune (fp32 master weights, gradients and AdamW states for every parameter);
+            (rank, target module names) plans LoRA: the frozen base in `dtype`, fp32 adapters, AdamW on them.
         headroom: share of each GPU that must stay free beyond the margin (default 5%): a length at the very edge
             of the memory is not recommended.
         gpu: the hardware figures of the predicted step time (`hf_upipe.planning.step_time.H100_SXM` by default).
-        lora: None plans a full fine-tune (fp32 master weights, gradients and AdamW states for every parameter);
-            (rank, target module names) plans LoRA: the frozen base in `dtype`, fp32 adapters, AdamW on them.
+        ring_size: R > 1 plans ring attention across R ring shards of the SP group (UPipe over sp_size / R ranks
+            inside each, `hf_upipe.ops.ring`): the SP degree can then exceed what the heads allow.
+        allocator: "default" or "expandable" (segments); None: the mode the launch runs in, the one the launch
+            line sets (`UPIPE_ALLOCATOR`, default "expandable"; "keep": what `PYTORCH_CUDA_ALLOC_CONF` says;
+            `hf_upipe.allocator.launch_mode`).
         model_offload: None lets the planner choose FSDP2's host offload of the model's state (the module
             docstring); "cpu" or "none" fixes it (also over given `settings`).
+    """
+
+    gpus: int
+    gpu_memory: int | str = "80GiB"
+    nodes: int = 1
+    seq_len: int | str | None = None
+    max_context: bool = False
+    settings: StepSettings | None = None
+    impl: str | None = None
+    sp_size: int | None = None
+    margin: Margin | None = None
+    dtype: torch.dtype = torch.bfloat16
+    step: int = 2**17
+    max_seq_len: int = 2**26
+    exact: bool = False
+    host_memory: int | str | None = DEFAULT_HOST_MEMORY
+    lora: tuple | None = None
+    headroom: float = DEFAULT_HEADROOM
+    gpu: GPU = H100_SXM
+    ring_size: int = 1
+    allocator: str | None = None
+    model_offload: str | None = None
+
+    def uses_deepspeed(self) -> bool:
+        """Whether the plan is of DeepSpeed's Ulysses (by `impl` or by the fixed settings)."""
+        return self.impl == "deepspeed" or (
+            self.settings is not None and self.settings.impl == "deepspeed"
+        )
+
+
+def plan(model, request: PlanRequest | None = None, /, **options) -> Plan:
+    """Plan a training run (see the module docstring).
+
+    Args:
+        model: a preset ("llama3-8b", "qwen3-32b-shape", "llama3-70b"), a config.json, a local model folder, a
+            transformers config, or a Llama geometry dict.
+        request: a `PlanRequest`; or none, and its fields as keywords: `plan("llama3-8b", gpus=8, seq_len="1M")`
+            (keywords given with a request replace its fields).
 
     Raises:
         ValueError: with the numbers and the fix, for sizes that cannot work (heads not dividing the SP degree, a
             length not divisible by it, neither seq_len nor max_context).
     """
     started = time.perf_counter()
-    seq_len = None if seq_len is None else parse_tokens(seq_len)  # 1048576, "1024K" and "1M" alike
+    if request is None:
+        request = PlanRequest(**options)
+    elif options:
+        request = dataclasses.replace(request, **options)
+    r = request
+    seq_len = (
+        None if r.seq_len is None else parse_tokens(r.seq_len)
+    )  # 1048576, "1024K" and "1M" alike
     name, config = resolve_model(model)
-    _check_quantized(config, lora)
-    sp, world, unit = _check_layout(config, gpus, nodes, sp_size, ring_size, impl, settings)
-    _check_length(seq_len, max_context, unit=unit, sp=sp, ring_size=ring_size)
-    gpu_bytes, limit, mode = _check_memory(gpu_memory, headroom, allocator)
-    estimate = Estimator(config, world=world, sp_size=sp, dtype=dtype, exact=exact, lora=lora)
-    if settings is not None and model_offload is None:  # fixed settings: their own model_offload
-        model_offload = settings.model_offload
+    _check_quantized(config, r.lora)
+    sp, world, unit = _check_layout(config, r)
+    _check_length(seq_len, r.max_context, unit=unit, sp=sp, ring_size=r.ring_size)
+    gpu_bytes, limit, mode = _check_memory(r.gpu_memory, r.headroom, r.allocator)
+    estimate = Estimator(config, world=world, sp_size=sp, dtype=r.dtype, exact=r.exact, lora=r.lora)
+    model_offload = r.model_offload
+    if r.settings is not None and model_offload is None:  # fixed settings: their own model_offload
+        model_offload = r.settings.model_offload
     pairs = _with_model_offload(
-        _pairs(config, settings, sp // ring_size, impl, ring_size), model_offload
+        _pairs(config, r.settings, sp // r.ring_size, r.impl, r.ring_size), model_offload
     )
-    host = None if host_memory is None else parse_size(host_memory)
-    need = Requirement(name, estimate, margin=margin, mode=mode, gpus=gpus, host=host)
+    host = None if r.host_memory is None else parse_size(r.host_memory)
+    need = Requirement(name, estimate, margin=r.margin, mode=mode, gpus=r.gpus, host=host)
     predict = functools.partial(  # the predicted step time of settings at a length
-        step_time, config, sp_size=sp, world=world, gpus_per_node=gpus, lora=estimate.lora, gpu=gpu
+        step_time,
+        config,
+        sp_size=sp,
+        world=world,
+        gpus_per_node=r.gpus,
+        lora=estimate.lora,
+        gpu=r.gpu,
     )
-    search = functools.partial(
-        _search,
-        need,
-        predict=predict,
-        limit=limit,
-        step=math.lcm(step, unit),
-        max_seq_len=max_seq_len,
-    )
-    longest, length, chosen, tried = search(pairs, seq_len, max_context)
+    search = _Search(need, predict, limit, math.lcm(r.step, unit), r.max_seq_len)
+    longest, length, chosen, tried = search(pairs, seq_len, r.max_context)
     cost = _model_offload_cost(predict, chosen, length)
     if (
         model_offload is None
-        and max_context
+        and r.max_context
         and cost is not None
         and cost >= MODEL_OFFLOAD_MAX_COST
     ):
         pairs = [
             p for p in pairs if p[0].model_offload == "none"
         ]  # too dear: the longest without it
-        longest, length, chosen, tried = search(pairs, seq_len, max_context)
+        longest, length, chosen, tried = search(pairs, seq_len, r.max_context)
     seq_len = length
     notes = [] if cost is None else [_model_offload_note(cost, chosen)]
     return _plan_of(
         need,
         chosen,
         seq_len,
-        nodes=nodes,
+        nodes=r.nodes,
         gpu_memory=gpu_bytes,
         seconds=time.perf_counter() - started,
         max_seq_len=longest,
-        tried=tried if settings is None else [],
-        headroom=headroom,
+        tried=tried if r.settings is None else [],
+        headroom=r.headroom,
         step_time=predict(chosen, seq_len=seq_len),
-        gpu=gpu,
+        gpu=r.gpu,
         extra_notes=notes,
     )
 
 
-def _search(need, pairs, seq_len, max_context, *, predict, limit, step, max_seq_len):
-    """(longest or None, the length judged, the fastest candidate that fits it, what was tried): with
-    `max_context`, the longest length the last rung fits first (`seq_len`, if given, is judged instead)."""
-    longest = None
-    if max_context:
-        longest = longest_fit(
-            need, last_rung(pairs), limit=limit, step=step, max_seq_len=max_seq_len
+@dataclasses.dataclass(frozen=True)
+class _Search:
+    """The planner's search over (candidate, rung) pairs: what they need, their predicted step time, the bytes a
+    GPU may use, the granularity of the longest-length search and where it stops."""
+
+    need: Requirement
+    predict: object
+    limit: int
+    step: int
+    max_seq_len: int
+
+    def __call__(self, pairs, seq_len, max_context):
+        """(longest or None, the length judged, the fastest candidate that fits it, what was tried): with
+        `max_context`, the longest length the last rung fits first (`seq_len`, if given, is judged instead)."""
+        longest = None
+        if max_context:
+            longest = longest_fit(
+                self.need,
+                last_rung(pairs),
+                limit=self.limit,
+                step=self.step,
+                max_seq_len=self.max_seq_len,
+            )
+            seq_len = longest or self.step if seq_len is None else seq_len
+        chosen, tried = fastest_fit(
+            self.need,
+            pairs,
+            lambda s, n: self.predict(s, seq_len=n).seconds,
+            limit=self.limit,
+            seq_len=seq_len,
         )
-        seq_len = longest or step if seq_len is None else seq_len
-    chosen, tried = fastest_fit(
-        need, pairs, lambda s, n: predict(s, seq_len=n).seconds, limit=limit, seq_len=seq_len
-    )
-    return longest, seq_len, chosen, tried
+        return longest, seq_len, chosen, tried
 
 
 def _with_model_offload(pairs: list, model_offload: str | None) -> list:
@@ -306,10 +350,16 @@ def _model_offload_note(cost: float, chosen: StepSettings) -> str:
     )
 
 
-def _check_layout(config, gpus, nodes, sp_size, ring_size, impl, settings) -> tuple[int, int, int]:
+def _check_layout(config, request: PlanRequest) -> tuple[int, int, int]:
     """(SP degree, world size, the unit a length must be a multiple of), or ValueError with the numbers and the
     fix: the GPUs, the ring and the model's head geometry must fit together."""
     g = model_geometry(config)
+    gpus, nodes, sp_size, ring_size = (
+        request.gpus,
+        request.nodes,
+        request.sp_size,
+        request.ring_size,
+    )
     if gpus < 1 or nodes < 1:
         raise ValueError(f"gpus={gpus} and nodes={nodes} must be >= 1")
     if not isinstance(ring_size, int) or ring_size < 1:
@@ -322,9 +372,7 @@ def _check_layout(config, gpus, nodes, sp_size, ring_size, impl, settings) -> tu
         )
     if sp % ring_size:
         raise ValueError(f"ring_size={ring_size} does not divide sp_size={sp}")
-    if ring_size > 1 and (
-        impl == "deepspeed" or (settings is not None and settings.impl == "deepspeed")
-    ):
+    if ring_size > 1 and request.uses_deepspeed():
         raise ValueError("ring_size > 1 is hf_upipe's ring attention; DeepSpeed's Ulysses has none")
     u = sp // ring_size  # the ranks UPipe's heads split over
     if u not in valid_sp_sizes(g["heads"], g["kv_heads"], upto=u):
@@ -552,23 +600,17 @@ class Estimator:
             _SIMULATIONS.move_to_end(key)
         else:
             try:
-                _SIMULATIONS[key] = step_reserved(
-                    self.config,
-                    settings,
-                    seq_len=seq_len,
-                    world_size=self.world,
-                    sp_size=self.sp_size,
-                    layers=layers,
-                    dtype=self.dtype,
-                    lora=self.lora,
+                case = StepCase(
+                    self.config, seq_len, self.sp_size, layers, dtype=self.dtype, lora=self.lora
                 )
+                _SIMULATIONS[key] = step_reserved(case, settings, world_size=self.world)
             except (DataDependentOutputException, DynamicOutputShapeException) as err:
                 name = model_geometry(self.config)["model_type"]
                 raise ValueError(
                     f"{name}: the planner runs the model's own code on fake tensors (shapes, no values), and this "
                     f"model's code needs values ({err.func}: e.g. routing tokens by value), so its memory cannot be "
-                    "simulated. Measure a real step instead (hf_upipe.planning.measure_train_step on a small "
-                    "world)."
+                    "simulated. Measure a real step instead (hf_upipe.planning.train_step.measure_train_step on a "
+                    "small world)."
                 ) from None
             if len(_SIMULATIONS) > _CACHE_SIZE:
                 _SIMULATIONS.popitem(last=False)

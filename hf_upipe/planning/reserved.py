@@ -7,7 +7,7 @@ calibration).
 
 Entry points:
 
-* `step_reserved(model_config, settings, *, seq_len, world_size, sp_size, layers, ...) -> dict`: simulates the step
+* `step_reserved(case, settings, *, world_size) -> dict`: simulates the step of a `StepCase`
   (`record_step_trace`), replays its trace through the allocator model in both modes (`replay`) and returns
   the tensor peak by category with ``reserved = {"default": bytes, "expandable": bytes}``.
 * `extrapolate_reserved(reserved_4, peak_4, peak_L)`: the reserve of a deeper model (see below).
@@ -18,7 +18,7 @@ Entry points:
 * `allocator_mode()`: "expandable" when `PYTORCH_CUDA_ALLOC_CONF` asks for expandable segments, else "default".
 * `calibration_file()`, `load_correction(key)`, `save_correction(key, measured, predicted)`: the correction that
   `hf-upipe calibrate` measures on a GPU and `hf-upipe plan` applies.
-* `record_step_trace(model_config, settings, *, seq_len, world_size, sp_size, layers, ...)`: runs
+* `record_step_trace(case, settings, *, world_size)`: runs
   `hf_upipe.planning.train_step.measure_train_step` in a simulated world with a recording `MemoryTracker` around
   all of it, so the trace holds the model's build, FSDP2 sharding and the optimizer's states (what is allocated
   before the step), a `("mark", "step")` where the step starts, then the step itself. Returns the events and the
@@ -116,9 +116,10 @@ def allocator_mode(env: str | None = None) -> str:
     return conf_mode(os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") if env is None else env)
 
 
-def step_reserved(model_config, settings, **kw) -> dict:
-    """Tensor peak by category and the allocator's predicted reserve, in both modes (see the module docstring)."""
-    events, result = record_step_trace(model_config, settings, **kw)
+def step_reserved(case, settings, *, world_size: int) -> dict:
+    """Tensor peak by category and the allocator's predicted reserve, in both modes (see the module docstring):
+    `case` (a `hf_upipe.planning.model_step.StepCase`) with `settings` as rank 0 of `world_size` ranks."""
+    events, result = record_step_trace(case, settings, world_size=world_size)
     return {
         "by_category": result["by_category"],
         "peak": result["peak"],
@@ -323,22 +324,11 @@ class _StepMark:
         return False
 
 
-def record_step_trace(
-    model_config,
-    settings,
-    *,
-    seq_len: int,
-    world_size: int,
-    sp_size: int,
-    layers: int,
-    dtype: torch.dtype = torch.bfloat16,
-    lora=None,
-    kernel: str = "auto",
-) -> tuple[list[tuple], dict]:
+def record_step_trace(case, settings, *, world_size: int) -> tuple[list[tuple], dict]:
     """(events, result): the allocation trace of rank 0's build and step, and `measure_train_step`'s result.
 
     Events: ``("a", key, nbytes, stream)``, ``("f", key)``, ``("mark", "step" | "end")``; a key is reused only
-    after its free. `kernel`: the attention kernel (`measure_train_step`'s).
+    after its free. `case`: a `hf_upipe.planning.model_step.StepCase` (its kernel: the attention kernel).
     """
     from hf_upipe.planning.train_step import fsdp_mesh, measure_train_step
 
@@ -347,16 +337,7 @@ def record_step_trace(
         with fake_tensors(torch.float32):
             with _tracker.MemoryTracker(record_events=True) as recorder:
                 result = measure_train_step(
-                    model_config,
-                    settings,
-                    seq_len=seq_len,
-                    sp_size=sp_size,
-                    layers=layers,
-                    dtype=dtype,
-                    mesh=mesh,
-                    lora=lora,
-                    around_step=_StepMark(recorder),
-                    kernel=kernel,
+                    case, settings, mesh=mesh, around_step=_StepMark(recorder)
                 )
     return recorder.events, result
 
