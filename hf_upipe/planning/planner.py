@@ -218,9 +218,8 @@ def plan(model, request: PlanRequest | None = None, /, **options) -> Plan:
     elif options:
         request = dataclasses.replace(request, **options)
     r = request
-    seq_len = (
-        None if r.seq_len is None else parse_tokens(r.seq_len)
-    )  # 1048576, "1024K" and "1M" alike
+    # 1048576, "1024K" and "1M" alike
+    seq_len = None if r.seq_len is None else parse_tokens(r.seq_len)
     name, config = resolve_model(model)
     _check_quantized(config, r.lora)
     sp, world, unit = _check_layout(config, r)
