@@ -8,7 +8,7 @@ chunks of `c` tokens of the shard and the tiled MLP/RMSNorm over chunks of the h
 divide the shard, the last chunk is shorter and its buffers are smaller. The script lists the step's allocations
 made in such a last tile (the tile dimension equal to the last tile's length), replaces each by the bytes of the
 same op's full-tile allocation (what a fixed-size buffer, reused by every tile, would take) and replays both
-traces through `hf_upipe.planning.caching_allocator` in both modes. Printed: the tiles, the allocations changed,
+traces through `hf_upipe.planning.reserved.replay` in both modes. Printed: the tiles, the allocations changed,
 and the predicted `max_memory_reserved` of the trace (no workspace allowance) before and after.
 
 The fused block's stage loop is not in the table: at heads_per_chunk=1 every stage has the same heads, so its
@@ -28,7 +28,7 @@ from allocator_trace import SETTINGS, STEP, labelled_trace
 
 from hf_upipe.models.presets import PRESETS
 from hf_upipe.ops.tiled_loss import default_chunk_tokens as loss_tile
-from hf_upipe.planning import caching_allocator as ca
+from hf_upipe.planning import reserved as ca
 
 GiB = 2**30
 

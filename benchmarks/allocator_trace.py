@@ -4,8 +4,8 @@
 
 The step of the H100 memory runs (Llama3-8B, rank 0 of 8, 4 layers, 256K tokens, fused UPipe c=1, tiled MLP and
 loss, checkpoints offloaded; `benchmarks/gpu/memory.py`) is simulated on fake tensors with its allocation trace
-(`hf_upipe.planning.alloc_trace`) and replayed through `hf_upipe.planning.caching_allocator` in both allocator
-modes, for three versions of the code:
+(`hf_upipe.planning.reserved.record_step_trace`) and replayed through `hf_upipe.planning.reserved.replay` in both
+allocator modes, for three versions of the code:
 - "as measured": the offload's copies back allocated on its side stream (the code the H100 runs measured);
 - "main-stream copy back": the library as it is now (the copies back allocated on the compute stream);
 - "+ embeddings sharded alone": also `fully_shard(model.model.embed_tokens)` before the root (a user setting).
@@ -23,12 +23,11 @@ import os
 import torch
 
 from hf_upipe.models.presets import PRESETS
-from hf_upipe.planning import caching_allocator as ca
 from hf_upipe.planning import categories as cat
-from hf_upipe.planning import storage_labels, train_step
+from hf_upipe.planning import reserved as ca
 from hf_upipe.planning import tracker as tr
-from hf_upipe.planning.alloc_trace import record_step_trace
-from hf_upipe.planning.reserved import Allowance
+from hf_upipe.planning import train_step
+from hf_upipe.planning.reserved import Allowance, record_step_trace
 from hf_upipe.training import offload
 
 MiB, GiB = 2**20, 2**30
@@ -98,7 +97,7 @@ def _traced(label_ops: bool = True):
     last = {}
 
     def _add(self, key, storage, t, op):
-        override = storage_labels.LABEL_OVERRIDE
+        override = tr.LABEL_OVERRIDE
         last["what"] = (override[-1] if override else None, op, tuple(t.shape))
         return original_add(self, key, storage, t, op)
 
@@ -129,7 +128,10 @@ def labelled_trace(restore_stream: str, shard_embeddings: bool):
     offload.RESTORE_STREAM = restore_stream
     train_step._shard = shard if shard_embeddings else old_shard
     try:
-        return record_step_trace(PRESETS["llama3-8b"], SETTINGS, **STEP)
+        case = train_step.StepCase(
+            PRESETS["llama3-8b"], STEP["seq_len"], STEP["sp_size"], STEP["layers"]
+        )
+        return record_step_trace(case, SETTINGS, world_size=STEP["world_size"])
     finally:
         tr.MemoryTracker._add, tr.MemoryTracker._log_alloc = old_add, old_log
         offload.RESTORE_STREAM, train_step._shard = old_stream, old_shard

@@ -38,7 +38,7 @@ import transformers  # noqa: E402
 
 import hf_upipe  # noqa: E402,F401
 from hf_upipe.planning.activation_step import simulate_layer_step, simulate_model_step  # noqa: E402
-from hf_upipe.planning.model_step import llama_config  # noqa: E402
+from hf_upipe.planning.model_step import StepCase, StepSettings, llama_config  # noqa: E402
 
 GiB = 2**30
 IMPLS = (
@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             cells = []
             for S in layer_lens:
                 r = simulate_layer_step(
-                    impl, model_config=cfg, seq_len=S, sp_size=args.sp_size, tiled_mlp=tiled
+                    StepCase(cfg, S, args.sp_size, layers=1),
+                    StepSettings(impl, 1, tiled_mlp=tiled, offload="none"),
                 )
                 layer[label, tiled, S] = r
                 records.append(
@@ -136,12 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, stack in STACKS:
                 t0 = time.perf_counter()
                 r = simulate_model_step(
-                    impl,
-                    model_config=cfg,
-                    seq_len=S,
-                    sp_size=args.sp_size,
-                    layers=args.layers,
-                    **stack,
+                    StepCase(cfg, S, args.sp_size, layers=args.layers),
+                    StepSettings(impl, 1, **stack),
                 )
                 model[label, name, S] = r
                 records.append(

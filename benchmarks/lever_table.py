@@ -33,7 +33,7 @@ import pathlib
 import sys
 import time
 
-from hf_upipe.planning import estimator as _estimator
+from hf_upipe.planning import planner as _planner
 from hf_upipe.planning.plan_command import LORA_TARGETS
 from hf_upipe.planning.step_time import step_time
 
@@ -66,7 +66,7 @@ def _backward_block(value: str | None):
     """UPIPE_BACKWARD_BLOCK set to `value` (None: unset), with the simulation cache emptied on both sides (its key
     does not hold the tile length)."""
     old = os.environ.get("UPIPE_BACKWARD_BLOCK")
-    _estimator._SIMULATIONS.clear()
+    _planner._SIMULATIONS.clear()
     if value is None:
         os.environ.pop("UPIPE_BACKWARD_BLOCK", None)
     else:
@@ -74,7 +74,7 @@ def _backward_block(value: str | None):
     try:
         yield
     finally:
-        _estimator._SIMULATIONS.clear()
+        _planner._SIMULATIONS.clear()
         if old is None:
             os.environ.pop("UPIPE_BACKWARD_BLOCK", None)
         else:

@@ -31,6 +31,9 @@ DEPRECATED = (
     "hf_upipe.trainer",
     "hf_upipe.checkpoint",
     "hf_upipe.selftest",
+    "hf_upipe.planning.no_fit",
+    "hf_upipe.planning.alloc_trace",
+    "hf_upipe.planning.caching_allocator",
 )
 LAYERS = [
     (
@@ -230,6 +233,9 @@ OLD_PATHS = [
     ("hf_upipe.integrations.model_offload", "hf_upipe.training.model_offload"),
     ("hf_upipe.integrations.attention_tables", "hf_upipe.attention.registered"),
     ("hf_upipe.integrations.accelerate", "hf_upipe.training.plugin"),
+    ("hf_upipe.planning.no_fit", "hf_upipe.planning.plan_command"),
+    ("hf_upipe.planning.alloc_trace", "hf_upipe.planning.reserved"),
+    ("hf_upipe.planning.caching_allocator", "hf_upipe.planning.reserved"),
 ]
 
 

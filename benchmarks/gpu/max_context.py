@@ -374,13 +374,12 @@ def search_all(search: Search, res: Results, args, dry: bool, impls: list[str]) 
 
 
 def _dry_gpu(res, args, impl) -> int:
-    from hf_upipe.planning.train_step import StepSettings, simulate_train_step
+    from hf_upipe.planning.train_step import StepCase, StepSettings, simulate_train_step
 
     settings = StepSettings(**planned(res, args, True, impl)["settings"])
     cfg = model_config(True, args.layers)
-    return simulate_train_step(
-        cfg, settings, seq_len=3 * args.step, world_size=P, sp_size=P, layers=args.layers
-    )["peak"]
+    case = StepCase(cfg, 3 * args.step, P, layers=args.layers)
+    return simulate_train_step(case, settings, world_size=P)["peak"]
 
 
 if __name__ == "__main__":

@@ -34,14 +34,12 @@ def model_config(dry: bool, layers: int) -> dict:
 def _step(spec: dict, cfg: dict, settings, kernel: str, seq_len: int, device, around=None) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hf_upipe.planning.train_step import measure_train_step
+    from hf_upipe.planning.train_step import StepCase, measure_train_step
 
     mesh = init_device_mesh(device.type, (P,))
     t0 = time.perf_counter()
-    result = measure_train_step(
-        cfg, settings, seq_len=seq_len, sp_size=P, layers=spec["layers"], mesh=mesh,
-        around_step=around, kernel=kernel,
-    )  # fmt: skip
+    case = StepCase(cfg, seq_len, P, spec["layers"], kernel=kernel)
+    result = measure_train_step(case, settings, mesh=mesh, around_step=around)
     sync(device)
     return dict(tracked_peak=result["peak"], wall_s=round(time.perf_counter() - t0, 2))
 

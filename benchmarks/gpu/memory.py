@@ -55,7 +55,12 @@ from hf_upipe.planning.attention_block import (  # noqa: E402
     measure_attention_block,
     simulate_attention_block,
 )
-from hf_upipe.planning.train_step import StepSettings, measure_train_step, simulate_train_step  # noqa: E402
+from hf_upipe.planning.train_step import (  # noqa: E402
+    StepCase,
+    StepSettings,
+    measure_train_step,
+    simulate_train_step,
+)
 
 P = 8
 SETTINGS = StepSettings("fused", 1, tiled_mlp=True, offload="cpu")
@@ -131,9 +136,8 @@ def step_row(res: Results, device, cfg: dict, S: int, layers: int, predicted: di
             mesh = _mesh(device)
             peak = PeakMemory(device)
             t0 = time.perf_counter()
-            real = measure_train_step(
-                cfg, SETTINGS, seq_len=S, sp_size=P, layers=layers, mesh=mesh, around_step=peak
-            )
+            case = StepCase(cfg, S, P, layers)
+            real = measure_train_step(case, SETTINGS, mesh=mesh, around_step=peak)
             sync(device)
             row["step_wall_s"] = round(time.perf_counter() - t0, 2)
         row.update(
@@ -155,7 +159,7 @@ def step(res: Results, device, lengths: list[int], full_length: int | None, dry:
     cfg, rows = llama3_8b(dry), []
 
     def four_layers(S):
-        sim = simulate_train_step(cfg, SETTINGS, seq_len=S, world_size=P, sp_size=P, layers=4)
+        sim = simulate_train_step(StepCase(cfg, S, P, layers=4), SETTINGS, world_size=P)
         rows.append(
             step_row(
                 res,

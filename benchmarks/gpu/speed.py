@@ -47,7 +47,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tiled_loss as loss_bench  # noqa: E402  (benchmarks/tiled_loss.py: the two loss paths)
 
 import hf_upipe  # noqa: E402,F401
-from hf_upipe.planning.model_step import build_step_model, impl_context  # noqa: E402
+from hf_upipe.planning.model_step import (  # noqa: E402
+    StepCase,
+    StepSettings,
+    build_step_model,
+    impl_context,
+)
 
 P = 8
 VARIANTS = (  # (label, impl of build_step_model, heads_per_chunk, fused_backward, kernel: None = "auto")
@@ -139,15 +144,11 @@ def _layer_run(impl, c, mode, cfg, S, world, device):
     """A callable running forward + backward of one decoder layer of `impl` on this rank's shard."""
     s = S // P
     model = build_step_model(
-        impl,
-        cfg,
-        1,
-        S,
-        torch.bfloat16,
+        StepCase(cfg, S, P, layers=1),
+        StepSettings(impl, c, tiled_mlp=False, fused_backward=mode),
         world,
-        tiled_mlp=False,
+        dtype=torch.bfloat16,
         checkpointing=False,
-        fused_backward=mode,
     )
     layer = model.model.layers[0]
     x = (torch.randn(1, s, cfg["hidden_size"], dtype=torch.bfloat16) * 0.5).requires_grad_()

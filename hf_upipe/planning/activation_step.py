@@ -2,14 +2,16 @@
 optimizer: the activations alone; `hf_upipe.planning.train_step` measures the whole step).
 
 Entry points:
-- `measure_model_step(impl, *, model_config, seq_len, sp_size, layers, group, heads_per_chunk=1, tiled_mlp=False,
-  offload="none", tiled_loss=True, dtype=torch.bfloat16)`: one forward + backward of a `LlamaForCausalLM` with
-  `layers` decoder layers on this rank's shard, with activation checkpointing on every layer (non-reentrant), under
-  `MemoryTracker`. Works on real tensors in a real process group or on fake tensors in a simulated world.
-- `simulate_model_step(...)`: the same as rank 0 of a fake `sp_size`-rank world, in one process, at any length.
-- `measure_layer_step(...)` / `simulate_layer_step(...)`: forward + backward of ONE decoder layer alone (no
-  checkpointing, no embeddings or loss); like the attention-block benchmark, the layer input x and the incoming
-  gradient are not counted.
+- `measure_model_step(case, settings, *, group=None)`: one forward + backward of the model of `case` (a
+  `hf_upipe.planning.model_step.StepCase`: config, length, SP degree, layers, dtype) with `settings` (its
+  `StepSettings`: impl, head chunk, tiled MLP and loss, offload) on this rank's shard, with activation
+  checkpointing on every layer (non-reentrant), under `MemoryTracker`. Works on real tensors in a real process
+  group or on fake tensors in a simulated world.
+- `simulate_model_step(case, settings)`: the same as rank 0 of a fake `case.sp_size`-rank world, in one process,
+  at any length.
+- `measure_layer_step(case, settings, *, group=None)` / `simulate_layer_step(case, settings)`: forward + backward
+  of ONE decoder layer alone (no checkpointing, no embeddings or loss); like the attention-block benchmark, the
+  layer input x and the incoming gradient are not counted.
 
 The model and its implementations come from `hf_upipe.planning.model_step` (`build_step_model`, `impl_context`).
 
@@ -22,11 +24,12 @@ does after its reduce-scatter; their sharded sizes are the planner's business). 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
 
-from hf_upipe.planning.model_step import build_step_model, impl_context
+from hf_upipe.planning.model_step import StepCase, StepSettings, build_step_model, impl_context
 from hf_upipe.planning.simulate import fake_tensors, simulated_world
 from hf_upipe.planning.tracker import MemoryTracker, checkpoint_label
 
@@ -39,27 +42,19 @@ __all__ = [
 
 
 def measure_model_step(
-    impl: str,
+    case: StepCase,
+    settings: StepSettings,
     *,
-    model_config: dict,
-    seq_len: int,
-    sp_size: int,
-    layers: int,
     group: dist.ProcessGroup | None = None,
-    heads_per_chunk: int | None = 1,
-    tiled_mlp: bool = False,
-    offload: str = "none",
-    tiled_loss: bool = True,
-    dtype: torch.dtype = torch.bfloat16,
     snapshot: bool = False,
-    mlp_chunk_tokens: int | None = None,
-    loss_chunk_tokens: int | None = None,
     categories: bool = False,
 ) -> dict:
-    """Tracked training step (forward + backward) of a `layers`-layer Llama on this rank's shard.
+    """Tracked training step (forward + backward) of a `case.layers`-layer model on this rank's shard, parameters
+    and activations in `case.dtype`.
 
-    `mlp_chunk_tokens` / `loss_chunk_tokens`: the tiles (None: the defaults). With `categories`, also
-    `"by_category"`: what was live at the peak, by `hf_upipe.planning.categories.CATEGORIES`.
+    `settings`: the impl, its head chunk, the tiled MLP and loss with their tiles (None: the defaults), the offload
+    of the checkpointed inputs. With `categories`, also `"by_category"`: what was live at the peak, by
+    `hf_upipe.planning.categories.CATEGORIES`.
 
     Returns:
         {"forward_peak", "peak", "unit"} in bytes; unit = s * hidden * bytes, one local activation.
@@ -69,18 +64,9 @@ def measure_model_step(
     from hf_upipe.training.offload import offload_checkpoints
 
     group = dist.group.WORLD if group is None else group
-    s, rank = seq_len // sp_size, dist.get_rank(group)
-    with impl_context(impl, group, seq_len, sp_size, heads_per_chunk):
-        model = build_step_model(
-            impl,
-            model_config,
-            layers,
-            seq_len,
-            dtype,
-            group,
-            tiled_mlp,
-            mlp_chunk_tokens=mlp_chunk_tokens,
-        )
+    s, rank = case.seq_len // case.sp_size, dist.get_rank(group)
+    with impl_context(settings.impl, group, case.seq_len, case.sp_size, settings.heads_per_chunk):
+        model = build_step_model(case, settings, group, dtype=case.dtype)
         ids = torch.zeros(1, s, dtype=torch.long)  # not counted: token ids, positions, labels
         positions = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)  # [1, s] global
         labels = torch.zeros(1, s, dtype=torch.long)
@@ -91,12 +77,18 @@ def measure_model_step(
         with (
             labels_ctx as cats,
             MemoryTracker(snapshot_at_peak=snapshot, labeler=cats and cats.label) as tracker,
-            offload_checkpoints(model, offload, min_bytes=0, restore_context=checkpoint_label),
+            offload_checkpoints(
+                model, settings.offload, min_bytes=0, restore_context=checkpoint_label
+            ),
         ):
             if cats:
                 cats.attach(tracker)
             loss, _ = shard_loss_sum(
-                model, inputs, labels, tiled=tiled_loss, chunk_tokens=loss_chunk_tokens
+                model,
+                inputs,
+                labels,
+                tiled=settings.tiled_loss,
+                chunk_tokens=settings.loss_chunk_tokens,
             )
             if cats:
                 cats.label_loss(loss)
@@ -107,7 +99,7 @@ def measure_model_step(
     result = {
         "forward_peak": tracker.phase_peaks["forward"],
         "peak": tracker.peak_bytes,
-        "unit": s * model_config["hidden_size"] * torch.finfo(dtype).bits // 8,
+        "unit": s * case.model_config["hidden_size"] * torch.finfo(case.dtype).bits // 8,
     }
     if snapshot:
         result["peak_snapshot"] = tracker.peak_snapshot
@@ -117,29 +109,22 @@ def measure_model_step(
 
 
 def measure_layer_step(
-    impl: str,
-    *,
-    model_config: dict,
-    seq_len: int,
-    sp_size: int,
-    group: dist.ProcessGroup | None = None,
-    heads_per_chunk: int | None = 1,
-    tiled_mlp: bool = False,
-    dtype: torch.dtype = torch.bfloat16,
+    case: StepCase, settings: StepSettings, *, group: dist.ProcessGroup | None = None
 ) -> dict:
-    """Tracked forward + backward of one decoder layer on this rank's shard.
+    """Tracked forward + backward of one decoder layer of `case.model_config` (in `case.dtype`, whatever
+    `case.layers`) with `settings`' impl, head chunk and tiled MLP on this rank's shard.
 
     Returns:
         {"forward_peak", "peak", "unit"} in bytes (x and the incoming gradient not counted).
     """
     group = dist.group.WORLD if group is None else group
-    s, rank = seq_len // sp_size, dist.get_rank(group)
-    with impl_context(impl, group, seq_len, sp_size, heads_per_chunk):
-        model = build_step_model(
-            impl, model_config, 1, seq_len, dtype, group, tiled_mlp, checkpointing=False
-        )
+    case, dtype = dataclasses.replace(case, layers=1), case.dtype
+    s, rank = case.seq_len // case.sp_size, dist.get_rank(group)
+    with impl_context(settings.impl, group, case.seq_len, case.sp_size, settings.heads_per_chunk):
+        model = build_step_model(case, settings, group, dtype=dtype, checkpointing=False)
         layer = model.model.layers[0]
-        x = torch.randn(1, s, model_config["hidden_size"], dtype=dtype, requires_grad=True)
+        hidden = case.model_config["hidden_size"]
+        x = torch.randn(1, s, hidden, dtype=dtype, requires_grad=True)
         positions = torch.arange(rank * s, (rank + 1) * s).unsqueeze(0)  # [1, s] global
         cos, sin = model.model.rotary_emb(x, positions)
         grad_y = torch.ones_like(x)
@@ -155,51 +140,18 @@ def measure_layer_step(
     return {
         "forward_peak": tracker.phase_peaks["forward"],
         "peak": tracker.peak_bytes,
-        "unit": s * model_config["hidden_size"] * torch.finfo(dtype).bits // 8,
+        "unit": s * hidden * torch.finfo(dtype).bits // 8,
     }
 
 
-def simulate_layer_step(
-    impl: str,
-    *,
-    model_config: dict,
-    seq_len: int,
-    sp_size: int,
-    dtype: torch.dtype = torch.bfloat16,
-    **kwargs,
-) -> dict:
-    """`measure_layer_step` as rank 0 of a fake sp_size-rank world on fake tensors."""
-    with simulated_world(sp_size) as world, fake_tensors(dtype):
-        return measure_layer_step(
-            impl,
-            model_config=model_config,
-            seq_len=seq_len,
-            sp_size=sp_size,
-            group=world,
-            dtype=dtype,
-            **kwargs,
-        )
+def simulate_layer_step(case: StepCase, settings: StepSettings) -> dict:
+    """`measure_layer_step` as rank 0 of a fake `case.sp_size`-rank world on fake tensors."""
+    with simulated_world(case.sp_size) as world, fake_tensors(case.dtype):
+        return measure_layer_step(case, settings, group=world)
 
 
-def simulate_model_step(
-    impl: str,
-    *,
-    model_config: dict,
-    seq_len: int,
-    sp_size: int,
-    layers: int,
-    dtype: torch.dtype = torch.bfloat16,
-    **kwargs,
-) -> dict:
-    """`measure_model_step` as rank 0 of a fake sp_size-rank world on fake tensors (one process, no data)."""
-    with simulated_world(sp_size) as world, fake_tensors(dtype):
-        return measure_model_step(
-            impl,
-            model_config=model_config,
-            seq_len=seq_len,
-            sp_size=sp_size,
-            layers=layers,
-            group=world,
-            dtype=dtype,
-            **kwargs,
-        )
+def simulate_model_step(case: StepCase, settings: StepSettings, **kwargs) -> dict:
+    """`measure_model_step` as rank 0 of a fake `case.sp_size`-rank world on fake tensors (one process, no data);
+    `kwargs`: its `snapshot` and `categories`."""
+    with simulated_world(case.sp_size) as world, fake_tensors(case.dtype):
+        return measure_model_step(case, settings, group=world, **kwargs)

@@ -25,7 +25,6 @@ were counted too. Unit u = s * hidden * bytes: one full-width local activation.
 
 from __future__ import annotations
 
-import datetime
 import importlib
 from contextlib import contextmanager
 from typing import Iterator
@@ -34,6 +33,12 @@ import torch
 import torch.distributed as dist
 
 from hf_upipe import distributed as _sp
+from hf_upipe.planning.model_step import (
+    DS_ATTN_NAME,
+    deepspeed_attention,
+    deepspeed_comm,
+    require_deepspeed,
+)
 from hf_upipe.planning.simulate import fake_tensors, simulated_world
 from hf_upipe.planning.tracker import MemoryTracker
 
@@ -65,52 +70,6 @@ BENCHMARK_ROWS = (
     ("UPipe fused save c=1", "fused_save", 1),
     ("UPipe fused save c=1 overlap", "fused_save_overlap", 1),
 )
-DS_ATTN_NAME = "ds_ulysses"
-
-
-def require_deepspeed():
-    try:
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-    except ImportError as err:
-        raise ImportError(
-            "impl='deepspeed' needs DeepSpeed (UlyssesSPAttentionHF, tested with 0.19.8): "
-            "pip install 'hf_upipe[bench]'"
-        ) from err
-    return UlyssesSPAttentionHF
-
-
-def deepspeed_attention(module, query, key, value, attention_mask, *args, **kwargs):
-    """Registered as "ds_ulysses": hands the call to the DeepSpeed wrapper attached to the module."""
-    return module.ds_ulysses(module, query, key, value, attention_mask, *args, **kwargs)
-
-
-@contextmanager
-def deepspeed_comm() -> Iterator[None]:
-    """deepspeed.comm on top of the already initialised torch.distributed group; restored on exit.
-
-    `deepspeed.comm.init_distributed` would JIT-compile DeepSpeed's shared-memory all-reduce (about a minute, and
-    unused by Ulysses), so the TorchBackend is built with that step skipped.
-    """
-    require_deepspeed()
-    ds_comm = importlib.import_module("deepspeed.comm.comm")
-    ds_torch = importlib.import_module(
-        "deepspeed.comm.torch"
-    )  # `import ... as` would give the torch package
-
-    previous = ds_comm.cdb
-    if previous is None or not previous.is_initialized():
-        build = ds_torch.build_shm_op
-        ds_torch.build_shm_op = lambda: None
-        try:
-            ds_comm.cdb = ds_torch.TorchBackend(
-                dist.get_backend(), datetime.timedelta(minutes=30), None
-            )
-        finally:
-            ds_torch.build_shm_op = build
-    try:
-        yield
-    finally:
-        ds_comm.cdb = previous
 
 
 @contextmanager
@@ -140,7 +99,6 @@ def build_attention_block(
 ):
     """The attention module of `arch` (a model_type of the registry's fused families; LlamaAttention by default) with
     this geometry, built in `dtype` (also under fake mode), and its rotary embedding."""
-    import importlib
 
     from transformers import AttentionInterface, AutoConfig
 

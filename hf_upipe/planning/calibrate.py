@@ -73,7 +73,7 @@ def measure_reserved(spec: dict) -> int:
     from hf_upipe.ops.kernels_hollow import hollow_attention
     from hf_upipe.planning.planner import resolve_model
     from hf_upipe.planning.simulate import simulated_world
-    from hf_upipe.planning.train_step import StepSettings, measure_train_step
+    from hf_upipe.planning.train_step import StepCase, StepSettings, measure_train_step
 
     _, config = resolve_model(spec["model"])
     device = torch.device("cuda", torch.cuda.current_device())
@@ -90,15 +90,9 @@ def measure_reserved(spec: dict) -> int:
     hollow = hollow_attention() if kernel.startswith("hollow-") else contextlib.nullcontext()
     with simulated_world(spec["world"]), device, hollow:
         mesh = init_device_mesh("cuda", (spec["world"],))
+        case = StepCase(config, spec["seq_len"], spec["sp_size"], spec["layers"], kernel=kernel)
         measure_train_step(
-            config,
-            StepSettings(**spec["settings"]),
-            seq_len=spec["seq_len"],
-            sp_size=spec["sp_size"],
-            layers=spec["layers"],
-            mesh=mesh,
-            around_step=step_start(),
-            kernel=kernel,
+            case, StepSettings(**spec["settings"]), mesh=mesh, around_step=step_start()
         )
         return torch.cuda.max_memory_reserved(device)
 
@@ -147,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         save_correction,
         step_reserved,
     )
+    from hf_upipe.planning.train_step import StepCase
 
     name, config = resolve_model(args.model)
     p = plan(
@@ -169,14 +164,8 @@ def run(args: argparse.Namespace) -> int:
         allocator=mode,
     )
     allowance = Allowance()
-    predicted = step_reserved(
-        config,
-        p.settings,
-        seq_len=args.seq_len,
-        world_size=world,
-        sp_size=p.sp_size,
-        layers=args.layers,
-    )["reserved"][mode] + (
+    case = StepCase(config, args.seq_len, p.sp_size, args.layers)
+    predicted = step_reserved(case, p.settings, world_size=world)["reserved"][mode] + (
         allowance.cublas_per_stream  # no attention workspace in a hollow step
         if hollow
         else allowance.bytes(config, p.settings, args.seq_len, p.sp_size, device_only=True)

@@ -2,10 +2,15 @@
 implementation under test, prepared as a run prepares it.
 
 Entry points:
-- `build_step_model(impl, model_config, layers, seq_len, dtype, group, tiled_mlp, ...)`: the model with `layers`
-  decoder layers, activation checkpointing, the tiled MLP, LoRA, and for our impls `prepare_model`.
+- `StepSettings`: the knobs of a step (attention implementation, head chunk, tiled MLP and loss with their tiles,
+  offload of checkpointed inputs, model offload, ring); `device_twin(settings)`: the settings whose device memory
+  they have. `StepCase`: what the step runs (model config, depth, length, SP degree, dtype, LoRA, kernel).
+- `build_step_model(case, settings, group, *, dtype)`: the model with `case.layers` decoder layers, activation
+  checkpointing, the tiled MLP, LoRA, and for our impls `prepare_model`.
 - `impl_context(impl, group, seq_len, sp_size, heads_per_chunk, ring_size=1, ...)`: validates and installs the SP
   defaults of an impl (DeepSpeed's communicator for the peer); restores them on exit.
+- `require_deepspeed()`, `deepspeed_comm()`, `deepspeed_attention` (registered as `DS_ATTN_NAME`): DeepSpeed's
+  Ulysses, the peer: its class, its communicator on the initialised process group, its attention function.
 - `step_config(model_config, layers, seq_len)`, `llama_config(name)`: the configs (presets of
   `hf_upipe.models.presets.PRESETS`: "llama3-8b", "qwen3-8b", ...).
 
@@ -23,31 +28,171 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import datetime
+import importlib
+from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 
 from hf_upipe import distributed as _sp
 from hf_upipe.adapters.hooks import sync_guard
 from hf_upipe.models.peft import base_model
 from hf_upipe.models.presets import PRESETS
 from hf_upipe.ops.fake import simulating
-from hf_upipe.planning.attention_block import (
-    DS_ATTN_NAME,
-    deepspeed_attention,
-    deepspeed_comm,
-    require_deepspeed,
-)
 from hf_upipe.planning.simulate import is_fake
 
 __all__ = [
+    "DS_ATTN_NAME",
     "MODEL_IMPLEMENTATIONS",
     "PRESETS",
+    "StepCase",
+    "StepSettings",
     "build_step_model",
+    "deepspeed_attention",
+    "deepspeed_comm",
+    "device_twin",
     "llama_config",
+    "require_deepspeed",
     "step_config",
 ]
 
 MODEL_IMPLEMENTATIONS = ("deepspeed", "ulysses", "upipe", "fused")
+DS_ATTN_NAME = "ds_ulysses"  # DeepSpeed's Ulysses, the peer, as transformers' attention function
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The settings of a simulated step.
+
+    Attributes:
+        impl: "fused" (UPipe, the fused attention block), "upipe" (registered attention), "ulysses" (the same code,
+            all local heads in one chunk) or "deepspeed" (DeepSpeed's `UlyssesSPAttentionHF`, the peer).
+        heads_per_chunk: query heads per rank per UPipe stage (ignored by "ulysses" and "deepspeed").
+        tiled_mlp: tile the MLPs and RMSNorms over `mlp_chunk_tokens` (None: `hidden_size` tokens).
+        tiled_loss: compute the loss in chunks of `loss_chunk_tokens` (None: about 512 MiB of fp32 logits).
+        offload: "none", "cpu" or "disk": checkpointed layer inputs go to host memory or to files (the last
+            layer's stays). On the device "disk" is "cpu": the disk store copies each input to the host before its
+            background write (`OffloadStore._write`: the pending writes hold host copies, not device tensors) and
+            reads it back onto the compute stream when its layer is recomputed, one at a time; it is simulated as
+            "cpu" (`device_twin`).
+        model_offload: "none" or "cpu": FSDP2's host offload (`UPipeConfig.model_offload`): the parameter shards,
+            the reduced gradient shards, AdamW's states and its step in host memory (`_host_model_state`).
+        fused_backward: the fused block's backward mode, "recompute" (least memory) or "save" (`UPipeConfig`).
+        overlap: the fused block's all-to-alls issued one stage ahead (`UPipeConfig.overlap_comm`).
+        ring_size: ring attention across R ring shards of the SP group (`UPipeConfig.ring_size`; our impls only):
+            UPipe's head chunks over sp_size / R ranks.
+    """
+
+    impl: str = "fused"
+    heads_per_chunk: int | None = 1
+    tiled_mlp: bool = True
+    mlp_chunk_tokens: int | None = None
+    tiled_loss: bool = True
+    loss_chunk_tokens: int | None = None
+    offload: str = "cpu"
+    fused_backward: str = "recompute"
+    overlap: bool = False
+    ring_size: int = 1
+    model_offload: str = "none"
+
+    def __post_init__(self):
+        if self.impl not in MODEL_IMPLEMENTATIONS:
+            raise ValueError(f"impl={self.impl!r}: choose one of {MODEL_IMPLEMENTATIONS}")
+        if self.offload not in ("none", "cpu", "disk"):
+            raise ValueError(f"offload={self.offload!r}: choose 'none', 'cpu' or 'disk'")
+        if self.model_offload not in ("none", "cpu"):
+            raise ValueError(f"model_offload={self.model_offload!r}: choose 'none' or 'cpu'")
+        if self.fused_backward not in ("recompute", "save"):
+            raise ValueError(
+                f"fused_backward={self.fused_backward!r}: choose 'recompute' or 'save'"
+            )
+        if self.impl != "fused" and (self.overlap or self.fused_backward != "recompute"):
+            raise ValueError(
+                f"overlap and fused_backward are settings of the fused block, not of impl={self.impl!r}"
+            )
+
+
+def device_twin(settings: StepSettings) -> StepSettings:
+    """The settings whose device memory `settings` has: offload="disk" holds on the device what "cpu" holds (the
+    input leaves the device at pack, synchronously copied to the host for the background write; one is copied back
+    per recomputed layer), so it is simulated, calibrated and cached as "cpu"."""
+    if settings.offload == "disk":
+        return dataclasses.replace(settings, offload="cpu")
+    return settings
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCase:
+    """What a simulated or measured step runs, apart from its `StepSettings`: the model and its depth, the sequence
+    and how many ranks share it, the compute dtype, the kind of fine-tune and the inner attention kernel.
+
+    Attributes:
+        model_config: a Llama geometry dict (`llama_config`) or a transformers config.
+        seq_len: tokens of the whole sequence (batch 1), divisible by `sp_size`.
+        sp_size: ranks sharing one sequence (contiguous groups, as `hf_upipe.init_sequence_parallel` builds them).
+        layers: decoder layers to build.
+        dtype: compute dtype (FSDP2's param_dtype).
+        lora: None for a full fine-tune (fp32 master weights); (rank, target module names) for LoRA: the frozen base
+            in `dtype`, fp32 adapters, AdamW on the adapters only.
+        kernel: the inner attention kernel of our impls (`init_sequence_parallel`'s `kernel`); a hollow one
+            ("hollow-<name>", inside `hf_upipe.ops.kernels_hollow.hollow_attention()`) measures the step's memory
+            without the attention's arithmetic, also for "deepspeed" (`hf_upipe.planning.hollow_step`).
+    """
+
+    model_config: object
+    seq_len: int
+    sp_size: int
+    layers: int
+    dtype: torch.dtype = torch.bfloat16
+    lora: tuple | None = None
+    kernel: str = "auto"
+
+
+def require_deepspeed():
+    try:
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    except ImportError as err:
+        raise ImportError(
+            "impl='deepspeed' needs DeepSpeed (UlyssesSPAttentionHF, tested with 0.19.8): "
+            "pip install 'hf_upipe[bench]'"
+        ) from err
+    return UlyssesSPAttentionHF
+
+
+def deepspeed_attention(module, query, key, value, attention_mask, *args, **kwargs):
+    """Registered as "ds_ulysses": hands the call to the DeepSpeed wrapper attached to the module."""
+    return module.ds_ulysses(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def deepspeed_comm() -> Iterator[None]:
+    """deepspeed.comm on top of the already initialised torch.distributed group; restored on exit.
+
+    `deepspeed.comm.init_distributed` would JIT-compile DeepSpeed's shared-memory all-reduce (about a minute, and
+    unused by Ulysses), so the TorchBackend is built with that step skipped.
+    """
+    require_deepspeed()
+    ds_comm = importlib.import_module("deepspeed.comm.comm")
+    ds_torch = importlib.import_module(
+        "deepspeed.comm.torch"
+    )  # `import ... as` would give the torch package
+
+    previous = ds_comm.cdb
+    if previous is None or not previous.is_initialized():
+        build = ds_torch.build_shm_op
+        ds_torch.build_shm_op = lambda: None
+        try:
+            ds_comm.cdb = ds_torch.TorchBackend(
+                dist.get_backend(), datetime.timedelta(minutes=30), None
+            )
+        finally:
+            ds_torch.build_shm_op = build
+    try:
+        yield
+    finally:
+        ds_comm.cdb = previous
 
 
 def llama_config(name: str) -> dict:
@@ -254,32 +399,29 @@ def _enable_checkpointing(model) -> None:
 
 
 def build_step_model(
-    impl,
-    model_config,
-    layers,
-    seq_len,
-    dtype,
+    case: StepCase,
+    settings: StepSettings,
     group,
-    tiled_mlp,
-    checkpointing=True,
-    mlp_chunk_tokens=None,
-    drop_grads=True,
-    lora=None,
-    fused_backward="recompute",
-    overlap=False,
+    *,
+    dtype: torch.dtype,
+    checkpointing: bool = True,
+    drop_grads: bool = True,
 ):
-    """The model a simulated step runs: `impl`'s attention, optional tiled MLP, checkpointing; parameters in `dtype`.
+    """The model a simulated step runs: `settings.impl`'s attention, optional tiled MLP (`settings.tiled_mlp`, tiles
+    of `settings.mlp_chunk_tokens`), checkpointing; parameters in `dtype`.
 
-    `model_config`: a Llama geometry dict or a transformers config (any supported architecture). `drop_grads`: each
-    parameter's gradient is dropped once accumulated (the activation-only steps; FSDP2 keeps its sharded ones).
-    `lora`: (rank, target module names) wraps the model with PEFT LoRA adapters (fp32; the base stays in `dtype`,
-    frozen), as a LoRA fine-tune loads it. `fused_backward`: the fused block's backward mode ("recompute" or "save");
-    `overlap`: its all-to-alls one stage ahead.
+    `case.model_config`: a Llama geometry dict or a transformers config (any supported architecture), built with
+    `case.layers` decoder layers. `drop_grads`: each parameter's gradient is dropped once accumulated (the
+    activation-only steps; FSDP2 keeps its sharded ones). `case.lora`: (rank, target module names) wraps the model
+    with PEFT LoRA adapters (fp32; the base stays in `dtype`, frozen), as a LoRA fine-tune loads it.
+    `settings.fused_backward`: the fused block's backward mode ("recompute" or "save"); `settings.overlap`: its
+    all-to-alls one stage ahead.
     """
+    impl, layers, lora = settings.impl, case.layers, case.lora
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    config = step_config(model_config, layers, seq_len)
+    config = step_config(case.model_config, layers, case.seq_len)
     config._attn_implementation = DS_ATTN_NAME if impl == "deepspeed" else "upipe"
     if impl == "deepspeed":
         AttentionInterface.register(DS_ATTN_NAME, deepspeed_attention)
@@ -292,11 +434,11 @@ def build_step_model(
     if lora is not None:
         model = _with_lora(model, lora, dtype)
     if impl != "deepspeed":  # as a run prepares it
-        _prepare_ours(model, config, impl, fused_backward, overlap)
-    if tiled_mlp:
+        _prepare_ours(model, config, impl, settings.fused_backward, settings.overlap)
+    if settings.tiled_mlp:
         from hf_upipe.adapters.tiled_mlp import apply_tiled_mlp
 
-        apply_tiled_mlp(model, mlp_chunk_tokens)
+        apply_tiled_mlp(model, settings.mlp_chunk_tokens)
     if checkpointing:
         _enable_checkpointing(model)
     model.train()

@@ -3,8 +3,17 @@
 Entry points:
 - `add_arguments(parser)`: the flags.
 - `run(args)`: plans and prints the table (or JSON); exit 0 if it fits, 1 if not (no launch line then: the longest
-  length that fits and what would fit the length asked, `hf_upipe.planning.no_fit`), 2 on bad input (the whole
-  message on stderr; argparse reports bad flag values the same way).
+  length that fits and what would fit the length asked, `advice`), 2 on bad input (the whole message on stderr;
+  argparse reports bad flag values the same way).
+- `advice(model, request, result)`: what a plan that does not fit says instead of a launch line, as lines for
+  `Plan.advice`, from more plans of the same request (`request`: the `hf_upipe.planning.planner.PlanRequest`
+  `result` was planned for; `result`: its `Plan`, which did not fit).
+
+What `advice` tries: the longest length the same GPUs fit (`max_context=True`, the planner's own `--max`); then, at the
+length asked, with the most memory-saving settings of the ladder (one candidate each: a rung that does not fit
+rules out every faster one), twice and four times the nodes with a ring across them (`--nodes`, `--ring`), a LoRA
+fine-tune of rank 16 instead of a full one, and expandable segments for the allocator. Each line names the flags;
+`hf-upipe plan` with them then chooses the fastest settings that fit.
 """
 
 from __future__ import annotations
@@ -15,20 +24,22 @@ import sys
 
 from hf_upipe.attention.fused import fused_unavailable
 from hf_upipe.models.presets import model_names
-from hf_upipe.planning.no_fit import advice
-from hf_upipe.planning.plan_report import LORA_TARGETS
+from hf_upipe.planning.plan_result import LORA_TARGETS, describe
 from hf_upipe.planning.planner import (
     DEFAULT_HEADROOM,
     DEFAULT_HOST_MEMORY,
     Margin,
+    PlanRequest,
+    candidates,
     default_impl,
     plan,
     resolve_model,
 )
+from hf_upipe.planning.tracker import GiB
 from hf_upipe.planning.train_step import StepSettings
-from hf_upipe.units import argument_type, parse_size, parse_tokens
+from hf_upipe.units import argument_type, format_tokens, parse_size, parse_tokens
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "advice", "run"]
 
 
 def _host(text):
@@ -244,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
         _, config = resolve_model(args.model)
         if (error := _fused_flags_error(args, config)) is not None:
             raise ValueError(error)
-        kwargs = dict(
+        request = PlanRequest(
             gpus=args.gpus,
             gpu_memory=args.gpu_memory,
             nodes=args.nodes,
@@ -268,13 +279,83 @@ def run(args: argparse.Namespace) -> int:
             lora=None if not args.lora_rank else (args.lora_rank, args.lora_targets.split(",")),
             model_offload=args.model_offload,
         )
-        result = plan(args.model, **kwargs)
+        result = plan(args.model, request)
         # no launch line on a no-fit: the longest that fits and what fits the length asked (not for --json:
         # auto settings' child stays quick)
         if not result.fits and not args.json:
-            result.advice = advice(args.model, kwargs, result)
+            result.advice = advice(args.model, request, result)
     except ValueError as err:
         print(f"hf-upipe plan: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(result.to_dict(), indent=1) if args.json else result.table())
     return 0 if result.fits else 1
+
+
+# ---- what a plan that does not fit says instead of a launch line
+_LORA = (16, LORA_TARGETS)
+
+
+def _longest(model, request: PlanRequest) -> str:
+    best = plan(model, request, seq_len=None, max_context=True)
+    if not best.max_seq_len:
+        return "nothing fits on these GPUs, not even the shortest step (--step)"
+    return (
+        f"longest that fits on these GPUs: {best.max_seq_len:,} tokens ({format_tokens(best.max_seq_len)}), "
+        f"required {best.required / GiB:,.2f} GiB: hf-upipe plan ... --seq-len {format_tokens(best.max_seq_len)}"
+    )
+
+
+def _alternatives(request: PlanRequest) -> list[tuple[str, dict]]:
+    """(flags, the `PlanRequest` fields they change) of what may fit the length asked."""
+    nodes, ring = request.nodes, request.ring_size
+    out = []
+    if request.sp_size is None and request.impl != "deepspeed":
+        for k in (2, 4):
+            out.append(
+                (
+                    f"--nodes {nodes * k} --ring {ring * k}",
+                    {"nodes": nodes * k, "ring_size": ring * k},
+                )
+            )
+    if request.lora is None:
+        out.append((f"--lora-rank {_LORA[0]}", {"lora": _LORA}))
+    if request.allocator in (None, "default") and request.margin is None:
+        out.append(
+            (
+                "--allocator expandable (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)",
+                {"allocator": "expandable"},
+            )
+        )
+    return out
+
+
+def advice(model, request: PlanRequest | dict, result) -> list[str]:
+    """See the module docstring (`request`: the `PlanRequest` of `result`, or `plan`'s keywords as a dict).
+    Alternatives that raise (e.g. a ring the heads or the model refuse) are skipped."""
+    if isinstance(request, dict):
+        request = PlanRequest(**request)
+    lines = [_longest(model, request)]
+    rung = result.settings if request.settings is not None else _last_rung(result, request.impl)
+    fits = []
+    for flags, change in _alternatives(request):
+        try:
+            p = plan(model, request, settings=rung, **change)
+        except ValueError:
+            continue
+        if p.fits:
+            fits.append(
+                f"{flags} (required {p.required / GiB:,.2f} GiB with {describe(p.settings)})"
+            )
+    what = format_tokens(result.seq_len)
+    lines.append(
+        f"fits {what} with: " + "; or ".join(fits)
+        if fits
+        else f"{what} fits none of: more nodes with a ring (--nodes, --ring), LoRA, expandable segments"
+    )
+    return lines
+
+
+def _last_rung(result, impl):
+    """The most memory-saving settings the plan judged (the ladder's last rung)."""
+    pairs = candidates(result.config, result.sp_size // result.settings.ring_size, impl)
+    return [r for c, r in pairs if c == r][-1]

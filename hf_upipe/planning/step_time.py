@@ -263,20 +263,36 @@ def _gemm_seconds(d: dict, settings, s: int, frozen: bool, gpu: GPU, eff: Effici
     return gemm / (gpu.flops * eff.gemm)
 
 
-def _all_to_all_seconds(
-    settings,
-    layout: HeadLayout,
-    d: dict,
-    *,
-    s: int,
-    U: int,
-    gpus_per_node: int,
-    attention_fwd: float,
-    t_attention: float,
-    gpu: GPU,
-    eff: Efficiency,
-) -> float:
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """What one layer's communication times depend on: the head layout over the `U` ranks UPipe's all-to-alls span,
+    the model's widths `d` (`_dims`), the sequence (S tokens, s per rank, P ranks, a ring of R), the GPUs per node,
+    the attention kernels' seconds the communication hides behind (`attention_fwd` FLOPs of one forward,
+    `t_attention` seconds in all), the hardware figures and the share of them reached."""
+
+    layout: HeadLayout
+    d: dict
+    S: int
+    s: int
+    P: int
+    R: int
+    U: int
+    gpus_per_node: int
+    attention_fwd: float
+    t_attention: float
+    gpu: GPU
+    eff: Efficiency
+
+
+def _all_to_all_seconds(settings, layer: _Layer) -> float:
     """Exposed seconds of one layer's all-to-alls over `U` ranks, with every call's fixed latency."""
+    layout, d, s, U, gpus_per_node = layer.layout, layer.d, layer.s, layer.U, layer.gpus_per_node
+    attention_fwd, t_attention, gpu, eff = (
+        layer.attention_fwd,
+        layer.t_attention,
+        layer.gpu,
+        layer.eff,
+    )
     H, D = d["heads"], d["head_dim"]
     impl, fused = settings.impl, settings.impl == "fused"
     stages, kc = layout.num_stages, layout.kv_per_stage
@@ -304,21 +320,16 @@ def _all_to_all_seconds(
     return t_a2a
 
 
-def _ring_seconds(
-    layout: HeadLayout,
-    *,
-    S: int,
-    R: int,
-    D: int,
-    P: int,
-    recompute: bool,
-    gpus_per_node: int,
-    t_attention: float,
-    gpu: GPU,
-    eff: Efficiency,
-) -> float:
+def _ring_seconds(layer: _Layer, recompute: bool) -> float:
     """Exposed seconds of one layer's ring passes (0 without a ring): each stage's k/v block around the ring
     (the network when the SP group spans nodes), behind the kernels."""
+    layout, S, R, D, P = layer.layout, layer.S, layer.R, layer.d["head_dim"], layer.P
+    gpus_per_node, t_attention, gpu, eff = (
+        layer.gpus_per_node,
+        layer.t_attention,
+        layer.gpu,
+        layer.eff,
+    )
     if R <= 1:
         return 0.0
     from hf_upipe.ops.ring import PASS_PIECES
@@ -405,30 +416,9 @@ def step_time(
     t_attention = attention_fwd * (3 if recompute else 2) / (
         gpu.flops * eff.attention_forward
     ) + 2.5 * attention_fwd / (gpu.flops * eff.attention_backward)
-    t_a2a = _all_to_all_seconds(
-        settings,
-        layout,
-        d,
-        s=s,
-        U=U,
-        gpus_per_node=gpus_per_node,
-        attention_fwd=attention_fwd,
-        t_attention=t_attention,
-        gpu=gpu,
-        eff=eff,
-    )
-    t_ring = _ring_seconds(
-        layout,
-        S=S,
-        R=R,
-        D=D,
-        P=P,
-        recompute=recompute,
-        gpus_per_node=gpus_per_node,
-        t_attention=t_attention,
-        gpu=gpu,
-        eff=eff,
-    )
+    layer = _Layer(layout, d, S, s, P, R, U, gpus_per_node, attention_fwd, t_attention, gpu, eff)
+    t_a2a = _all_to_all_seconds(settings, layer)
+    t_ring = _ring_seconds(layer, recompute)
 
     # overlapped with the layer's compute: FSDP2's gathers and reduce-scatters, the offloaded input over PCIe
     layer_params = Dm * (H + 2 * Hk) * D + H * D * Dm + 3 * Dm * d["mlp_total"]

@@ -7,9 +7,12 @@ Entry points:
   with :meth:`MemoryTracker.mark`.
 * :class:`StorageRecord`: one live storage as recorded by ``snapshot_at_peak=True``.
 * :func:`storage_label`: a context manager naming the label of the storages created inside it, over any labeler
-  (code that knows what it allocates, such as the offload's copy back of a checkpoint, says so); with
-  :func:`checkpoint_label` and :func:`allocation_stream`, defined in `hf_upipe.planning.storage_labels`.
-* :func:`host_memory` (from `hf_upipe.planning.storage_labels`) and :func:`to_host`: host memory apart from the
+  (code that knows what it allocates, such as the offload's copy back of a checkpoint, says so);
+  :func:`checkpoint_label`: ``storage_label("checkpoints")``, the planner's restore context for the offload;
+  :func:`allocation_stream`: storages created inside are logged as allocated on stream ``name`` by trackers with
+  ``record_events`` (`hf_upipe.planning.reserved`). ``LABEL_OVERRIDE`` / ``STREAM`` / ``HOST``: the stacks of
+  those scopes, innermost last.
+* :func:`host_memory` and :func:`to_host`: host memory apart from the
   device. Storages created (or :meth:`MemoryTracker.track` -ed) inside ``host_memory()`` count in
   :attr:`MemoryTracker.host_bytes` / :attr:`MemoryTracker.host_peak_bytes`, never in the device's counters or
   events; ``to_host(*tensors)`` moves tracked device storages there (a copy to the host and the device's copy freed,
@@ -51,6 +54,7 @@ the order that does not rely on this.)
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -59,16 +63,6 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
-
-from hf_upipe.planning.storage_labels import (
-    HOST,
-    LABEL_OVERRIDE,
-    STREAM,
-    allocation_stream,
-    checkpoint_label,
-    host_memory,
-    storage_label,
-)
 
 __all__ = [
     "GiB",
@@ -86,6 +80,47 @@ GiB: int = 2**30
 """Bytes in one gibibyte."""
 MiB: int = 2**20
 """Bytes in one mebibyte."""
+
+# the scopes that name the storages created inside them (see the module docstring)
+LABEL_OVERRIDE: list[str] = []  # the label of storages created now, innermost last
+STREAM: list[str] = []  # the stream allocations are made on, innermost last
+HOST: list[bool] = []  # non-empty: storages created now are host memory
+
+
+def checkpoint_label():
+    """`storage_label("checkpoints")`: the planner passes it as the offload's `restore_context`, so the layer inputs
+    copied back to the device in backward are counted as checkpoints (hf_upipe.planning.categories)."""
+    return storage_label("checkpoints")
+
+
+@contextlib.contextmanager
+def storage_label(label: str) -> Iterator[None]:
+    """Storages created inside get `label` in every labeling `MemoryTracker`, whatever its labeler says."""
+    LABEL_OVERRIDE.append(label)
+    try:
+        yield
+    finally:
+        LABEL_OVERRIDE.pop()
+
+
+@contextlib.contextmanager
+def allocation_stream(name: str) -> Iterator[None]:
+    """Storages created inside are logged as allocated on stream `name` by trackers with ``record_events``."""
+    STREAM.append(name)
+    try:
+        yield
+    finally:
+        STREAM.pop()
+
+
+@contextlib.contextmanager
+def host_memory() -> Iterator[None]:
+    """Storages created (or `track`-ed) inside are host memory: trackers count them apart from the device."""
+    HOST.append(True)
+    try:
+        yield
+    finally:
+        HOST.pop()
 
 
 # trackers inside their `with` block, which follow storage resizes
@@ -171,7 +206,7 @@ class MemoryTracker(TorchDispatchMode):
             at the peak, by label). :meth:`relabel` moves a storage to another label later.
         record_events: Log every allocation and free in :attr:`events`, in order: ``("a", key, nbytes, stream)``
             and ``("f", key)`` (``stream``: the innermost of ``STREAM``, else ``"default"``); a resize in place is
-            a free and an allocation. The allocator model replays them (hf_upipe.planning.caching_allocator).
+            a free and an allocation. The allocator model replays them (hf_upipe.planning.reserved.replay).
 
     Attributes:
         phase_peaks: ``{name: peak bytes}`` filled by :meth:`mark`, in the order the phases were first marked.

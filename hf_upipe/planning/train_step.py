@@ -1,15 +1,16 @@
 """Per-rank memory of one whole FSDP2 training step, by category: the measurement behind `hf_upipe.plan`.
 
 Entry points:
-- `StepSettings`: the knobs of a step (attention implementation, head chunk, tiled MLP and loss with their tiles,
-  offload of checkpointed inputs).
-- `measure_train_step(model_config, settings, *, seq_len, sp_size, layers, dtype=torch.bfloat16, kernel="auto")`:
-  on this rank of an initialised world, builds the model with `layers` decoder layers, shards it with FSDP2
-  (`fully_shard` on every decoder layer and on the root, over all ranks; fp32 master weights, `dtype` compute
-  with fp32 gradient reduction unless `dtype` is fp32; or LoRA adapters on a frozen base), creates AdamW's
-  states, then runs one step under `MemoryTracker`: forward and backward of this rank's sequence shard with
+- `StepSettings`, `StepCase`, `device_twin` (defined in `hf_upipe.planning.model_step`): the knobs of a step and
+  what it runs.
+- `measure_train_step(case, settings)`: on this rank of an initialised world, builds the model of `case`
+  (`StepCase`: model config, depth, length, SP degree, compute dtype, LoRA, kernel) with its decoder layers,
+  shards it with FSDP2 (`fully_shard` on every decoder layer and on the root, over all ranks; fp32 master weights,
+  `dtype` compute with fp32 gradient reduction unless `dtype` is fp32; or LoRA adapters on a frozen base), creates
+  AdamW's states, then runs one step under `MemoryTracker`: forward and backward of this rank's sequence shard with
   activation checkpointing on every layer, then `optimizer.step()`.
-- `simulate_train_step(...)`: the same as rank 0 of a fake `world_size`-rank world on fake tensors, in one process.
+- `simulate_train_step(case, settings, *, world_size)`: the same as rank 0 of a fake `world_size`-rank world on fake
+  tensors, in one process.
 
 What is counted, per rank: the FSDP2 shards of the parameters, their gradients and the optimizer states (already
 there when the step starts: steady state), and everything the step allocates: FSDP2's all-gather buffers and
@@ -25,7 +26,6 @@ context, NCCL buffers, kernel workspaces, allocator rounding and caching.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,13 @@ from hf_upipe import distributed as _sp
 from hf_upipe.ops.ring import ring_positions
 from hf_upipe.planning import categories as _cat
 from hf_upipe.planning.hollow_step import step_attention
-from hf_upipe.planning.model_step import MODEL_IMPLEMENTATIONS, build_step_model, impl_context
+from hf_upipe.planning.model_step import (
+    StepCase,
+    StepSettings,
+    build_step_model,
+    device_twin,
+    impl_context,
+)
 from hf_upipe.planning.simulate import fake_tensors, simulated_world
 from hf_upipe.planning.tracker import (
     MemoryTracker,
@@ -47,6 +53,7 @@ from hf_upipe.planning.tracker import (
 
 __all__ = [
     "CATEGORIES",
+    "StepCase",
     "StepSettings",
     "device_twin",
     "measure_train_step",
@@ -54,67 +61,6 @@ __all__ = [
 ]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", *_cat.CATEGORIES)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepSettings:
-    """The settings of a simulated step.
-
-    Attributes:
-        impl: "fused" (UPipe, the fused attention block), "upipe" (registered attention), "ulysses" (the same code,
-            all local heads in one chunk) or "deepspeed" (DeepSpeed's `UlyssesSPAttentionHF`, the peer).
-        heads_per_chunk: query heads per rank per UPipe stage (ignored by "ulysses" and "deepspeed").
-        tiled_mlp: tile the MLPs and RMSNorms over `mlp_chunk_tokens` (None: `hidden_size` tokens).
-        tiled_loss: compute the loss in chunks of `loss_chunk_tokens` (None: about 512 MiB of fp32 logits).
-        offload: "none", "cpu" or "disk": checkpointed layer inputs go to host memory or to files (the last
-            layer's stays). On the device "disk" is "cpu": the disk store copies each input to the host before its
-            background write (`OffloadStore._write`: the pending writes hold host copies, not device tensors) and
-            reads it back onto the compute stream when its layer is recomputed, one at a time; it is simulated as
-            "cpu" (`device_twin`).
-        model_offload: "none" or "cpu": FSDP2's host offload (`UPipeConfig.model_offload`): the parameter shards,
-            the reduced gradient shards, AdamW's states and its step in host memory (`_host_model_state`).
-        fused_backward: the fused block's backward mode, "recompute" (least memory) or "save" (`UPipeConfig`).
-        overlap: the fused block's all-to-alls issued one stage ahead (`UPipeConfig.overlap_comm`).
-        ring_size: ring attention across R ring shards of the SP group (`UPipeConfig.ring_size`; our impls only):
-            UPipe's head chunks over sp_size / R ranks.
-    """
-
-    impl: str = "fused"
-    heads_per_chunk: int | None = 1
-    tiled_mlp: bool = True
-    mlp_chunk_tokens: int | None = None
-    tiled_loss: bool = True
-    loss_chunk_tokens: int | None = None
-    offload: str = "cpu"
-    fused_backward: str = "recompute"
-    overlap: bool = False
-    ring_size: int = 1
-    model_offload: str = "none"
-
-    def __post_init__(self):
-        if self.impl not in MODEL_IMPLEMENTATIONS:
-            raise ValueError(f"impl={self.impl!r}: choose one of {MODEL_IMPLEMENTATIONS}")
-        if self.offload not in ("none", "cpu", "disk"):
-            raise ValueError(f"offload={self.offload!r}: choose 'none', 'cpu' or 'disk'")
-        if self.model_offload not in ("none", "cpu"):
-            raise ValueError(f"model_offload={self.model_offload!r}: choose 'none' or 'cpu'")
-        if self.fused_backward not in ("recompute", "save"):
-            raise ValueError(
-                f"fused_backward={self.fused_backward!r}: choose 'recompute' or 'save'"
-            )
-        if self.impl != "fused" and (self.overlap or self.fused_backward != "recompute"):
-            raise ValueError(
-                f"overlap and fused_backward are settings of the fused block, not of impl={self.impl!r}"
-            )
-
-
-def device_twin(settings: StepSettings) -> StepSettings:
-    """The settings whose device memory `settings` has: offload="disk" holds on the device what "cpu" holds (the
-    input leaves the device at pack, synchronously copied to the host for the background write; one is copied back
-    per recomputed layer), so it is simulated, calibrated and cached as "cpu"."""
-    if settings.offload == "disk":
-        return dataclasses.replace(settings, offload="cpu")
-    return settings
 
 
 @contextlib.contextmanager
@@ -258,22 +204,10 @@ def _optimizer_with_states(model) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _step_model(model_config, settings: StepSettings, layers, seq_len, dtype, group, lora):
+def _step_model(case: StepCase, settings: StepSettings, group):
     """`build_step_model` for a tracked FSDP2 step: fp32 master weights (LoRA: the base in `dtype`), gradients kept."""
-    return build_step_model(
-        settings.impl,
-        model_config,
-        layers,
-        seq_len,
-        torch.float32 if lora is None else dtype,
-        group,
-        settings.tiled_mlp,
-        mlp_chunk_tokens=settings.mlp_chunk_tokens,
-        drop_grads=False,
-        lora=lora,
-        fused_backward=settings.fused_backward,
-        overlap=settings.overlap,
-    )
+    dtype = torch.float32 if case.lora is None else case.dtype
+    return build_step_model(case, settings, group, dtype=dtype, drop_grads=False)
 
 
 def _step_inputs(rank: int, s: int, sp_size: int, ring_size: int) -> tuple[dict, torch.Tensor]:
@@ -305,34 +239,15 @@ def _track_static(tracker: MemoryTracker, model, optimizer, on_host: bool = Fals
 
 
 def measure_train_step(
-    model_config,
-    settings: StepSettings,
-    *,
-    seq_len: int,
-    sp_size: int,
-    layers: int,
-    dtype: torch.dtype = torch.bfloat16,
-    mesh=None,
-    lora=None,
-    around_step=None,
-    kernel: str = "auto",
+    case: StepCase, settings: StepSettings, *, mesh=None, around_step=None
 ) -> dict:
     """One tracked FSDP2 training step on this rank (see the module docstring).
 
     Args:
-        model_config: a Llama geometry dict (`hf_upipe.planning.model_step.llama_config`) or a transformers config.
+        case: what the step runs (`StepCase`: model config, depth, length, SP degree, dtype, LoRA, kernel).
         settings: the step's `StepSettings`.
-        seq_len: tokens of the whole sequence (batch 1), divisible by `sp_size`.
-        sp_size: ranks sharing one sequence (contiguous groups, as `hf_upipe.init_sequence_parallel` builds them).
-        layers: decoder layers to build.
-        dtype: compute dtype (FSDP2's param_dtype).
         mesh: the FSDP device mesh over all ranks (default: built here; under fake tensors build it before).
-        lora: None for a full fine-tune (fp32 master weights); (rank, target module names) for LoRA: the frozen base
-            in `dtype`, fp32 adapters, AdamW on the adapters only.
         around_step: a context entered around the step (after the build and the optimizer's states).
-        kernel: the inner attention kernel of our impls (`init_sequence_parallel`'s `kernel`); a hollow one
-            ("hollow-<name>", inside `hf_upipe.ops.kernels_hollow.hollow_attention()`) measures the step's memory
-            without the attention's arithmetic, also for "deepspeed" (`hf_upipe.planning.hollow_step`).
 
     Returns:
         {"peak": bytes, "by_category": {category: bytes live at the peak}, "phase_peaks": {"forward", "backward",
@@ -343,6 +258,7 @@ def measure_train_step(
     from hf_upipe.training.loss import shard_loss_sum
     from hf_upipe.training.offload import offload_checkpoints
 
+    seq_len, sp_size, kernel = case.seq_len, case.sp_size, case.kernel
     if seq_len % sp_size:
         raise ValueError(f"seq_len={seq_len} is not divisible by sp_size={sp_size}")
     previous = _sp.get_sequence_parallel_state()
@@ -365,8 +281,10 @@ def measure_train_step(
             ),
             attention,
         ):
-            model = _step_model(model_config, settings, layers, seq_len, dtype, group, lora)
-            _shard(model, dtype, mesh if mesh is not None else fsdp_mesh(), settings.model_offload)
+            model = _step_model(case, settings, group)
+            _shard(
+                model, case.dtype, mesh if mesh is not None else fsdp_mesh(), settings.model_offload
+            )
             optimizer = _optimizer_with_states(model)
             inputs, labels = _step_inputs(r, s, sp_size, settings.ring_size)
             with (
@@ -412,29 +330,10 @@ def measure_train_step(
     }
 
 
-def simulate_train_step(
-    model_config,
-    settings: StepSettings,
-    *,
-    seq_len: int,
-    world_size: int,
-    sp_size: int,
-    layers: int,
-    dtype: torch.dtype = torch.bfloat16,
-    lora=None,
-) -> dict:
+def simulate_train_step(case: StepCase, settings: StepSettings, *, world_size: int) -> dict:
     """`measure_train_step` as rank 0 of a fake `world_size`-rank world on fake tensors (one process, no data).
     offload="disk" is simulated as its `device_twin` (fake tensors cannot be written to files)."""
     with simulated_world(world_size):
         mesh = fsdp_mesh()
         with fake_tensors(torch.float32):
-            return measure_train_step(
-                model_config,
-                device_twin(settings),
-                seq_len=seq_len,
-                sp_size=sp_size,
-                layers=layers,
-                dtype=dtype,
-                mesh=mesh,
-                lora=lora,
-            )
+            return measure_train_step(case, device_twin(settings), mesh=mesh)

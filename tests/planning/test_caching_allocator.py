@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from hf_upipe.planning.caching_allocator import CachingAllocatorModel, replay, round_size
+from hf_upipe.planning.reserved import CachingAllocatorModel, replay, round_size
 
 MiB, GiB = 2**20, 2**30
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results", "gpu")
@@ -73,12 +73,12 @@ def h100_trace(monkeypatch_module):
     """Rank 0 of the H100 runs' step (Llama3-8B, 4 layers, 256K tokens, 8 GPUs), simulated as measured: the
     offload's copies back allocated on its side stream, and the previous layer's input prefetched, as that code did."""
     from hf_upipe.models.presets import PRESETS
-    from hf_upipe.planning.alloc_trace import record_step_trace
-    from hf_upipe.planning.train_step import StepSettings
+    from hf_upipe.planning.reserved import record_step_trace
+    from hf_upipe.planning.train_step import StepCase, StepSettings
     from hf_upipe.training import offload
 
     settings = StepSettings("fused", 1, tiled_mlp=True, offload="cpu")
-    kw = dict(seq_len=262144, world_size=8, sp_size=8, layers=4)
+    case = StepCase(PRESETS["llama3-8b"], seq_len=262144, sp_size=8, layers=4)
     store_init = offload.OffloadStore.__init__
 
     def prefetching(self, *args, **kwargs):
@@ -86,10 +86,10 @@ def h100_trace(monkeypatch_module):
 
     monkeypatch_module.setattr(offload, "RESTORE_STREAM", "offload")
     monkeypatch_module.setattr(offload.OffloadStore, "__init__", prefetching)
-    measured_code = record_step_trace(PRESETS["llama3-8b"], settings, **kw)
+    measured_code = record_step_trace(case, settings, world_size=8)
     monkeypatch_module.setattr(offload.OffloadStore, "__init__", store_init)
     monkeypatch_module.setattr(offload, "RESTORE_STREAM", "default")
-    current_code = record_step_trace(PRESETS["llama3-8b"], settings, **kw)
+    current_code = record_step_trace(case, settings, world_size=8)
     return PRESETS["llama3-8b"], settings, measured_code, current_code
 
 
@@ -135,7 +135,7 @@ def test_depth_rule_against_a_full_trace():
     """The planner's rule for deeper models (the 4-layer reserve plus the extra tensor bytes) against replaying
     the whole model's trace: within 3% (1.8% measured at 12 layers)."""
     from hf_upipe.planning.reserved import extrapolate_reserved, step_reserved
-    from hf_upipe.planning.train_step import StepSettings
+    from hf_upipe.planning.train_step import StepCase, StepSettings
 
     cfg = dict(
         hidden_size=256,
@@ -147,9 +147,8 @@ def test_depth_rule_against_a_full_trace():
         head_dim=32,
     )
     settings = StepSettings("fused", 1, tiled_mlp=True, offload="cpu")
-    kw = dict(seq_len=65536, world_size=4, sp_size=4)
-    four = step_reserved(cfg, settings, layers=4, **kw)
-    full = step_reserved(cfg, settings, layers=8, **kw)
+    four = step_reserved(StepCase(cfg, 65536, 4, layers=4), settings, world_size=4)
+    full = step_reserved(StepCase(cfg, 65536, 4, layers=8), settings, world_size=4)
     for mode in ("default", "expandable"):
         rule = extrapolate_reserved(four["reserved"][mode], four["peak"], full["peak"])
         assert rule == pytest.approx(full["reserved"][mode], rel=0.03), mode

@@ -109,10 +109,10 @@ def test_measure_reserved_runs_the_hollow_kernel_in_scope(monkeypatch):
     """The child opens the measurement scope for a hollow kernel and hands the kernel to the step."""
     seen = {}
 
-    def fake_step(*args, kernel, **kwargs):
+    def fake_step(case, settings, **kwargs):
         from hf_upipe.ops.kernels_hollow import measuring
 
-        seen.update(kernel=kernel, measuring=measuring())
+        seen.update(kernel=case.kernel, measuring=measuring())
         return {}
 
     monkeypatch.setattr("hf_upipe.planning.train_step.measure_train_step", fake_step)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hf_upipe.ops.kernels_hollow import hollow_attention
-from hf_upipe.planning.alloc_trace import record_step_trace
 from hf_upipe.planning.hollow_step import hollow_torch_sdpa, hollow_twin, step_attention
-from hf_upipe.planning.train_step import StepSettings
+from hf_upipe.planning.reserved import record_step_trace
+from hf_upipe.planning.train_step import StepCase, StepSettings
 
 TINY = dict(
     hidden_size=64,
@@ -23,7 +23,8 @@ TINY = dict(
     num_key_value_heads=2,
     head_dim=12,
 )
-STEP = dict(seq_len=256, world_size=4, sp_size=4, layers=2)
+STEP = dict(seq_len=256, sp_size=4, layers=2)
+WORLD = 4
 
 
 def _normalised(events):
@@ -44,27 +45,31 @@ def _normalised(events):
 @pytest.mark.parametrize("impl,hpc", [("fused", 1), ("upipe", 2), ("ulysses", None)])
 def test_hollow_step_trace_equals_real(impl, hpc):
     settings = StepSettings(impl, hpc)
-    real, real_result = record_step_trace(TINY, settings, **STEP)
+    real, real_result = record_step_trace(StepCase(TINY, **STEP), settings, world_size=WORLD)
     with hollow_attention():
-        hollow, hollow_result = record_step_trace(TINY, settings, kernel="hollow-sdpa", **STEP)
+        hollow, hollow_result = record_step_trace(
+            StepCase(TINY, **STEP, kernel="hollow-sdpa"), settings, world_size=WORLD
+        )
     assert _normalised(hollow) == _normalised(real)
     assert hollow_result["peak"] == real_result["peak"] > 0
     assert hollow_result["by_category"] == real_result["by_category"]
     with pytest.raises(ValueError, match="memory measurement only"):
-        record_step_trace(TINY, settings, kernel="hollow-sdpa", **STEP)
+        record_step_trace(StepCase(TINY, **STEP, kernel="hollow-sdpa"), settings, world_size=WORLD)
 
 
 def test_hollow_deepspeed_step_reaches_the_same_peak():
     pytest.importorskip("deepspeed")
     settings = StepSettings("deepspeed", None, offload="none")
     original = torch.nn.functional.scaled_dot_product_attention
-    _, real = record_step_trace(TINY, settings, **STEP)
+    _, real = record_step_trace(StepCase(TINY, **STEP), settings, world_size=WORLD)
     with hollow_attention():
-        _, hollow = record_step_trace(TINY, settings, kernel="hollow-sdpa", **STEP)
+        _, hollow = record_step_trace(
+            StepCase(TINY, **STEP, kernel="hollow-sdpa"), settings, world_size=WORLD
+        )
     assert hollow["peak"] == real["peak"] > 0
     assert torch.nn.functional.scaled_dot_product_attention is original  # restored
     with pytest.raises(RuntimeError, match="memory measurement only"):
-        record_step_trace(TINY, settings, kernel="hollow-sdpa", **STEP)
+        record_step_trace(StepCase(TINY, **STEP, kernel="hollow-sdpa"), settings, world_size=WORLD)
 
 
 def test_step_attention_choices():

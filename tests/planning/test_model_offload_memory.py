@@ -15,7 +15,12 @@ import functools
 import pytest
 import torch
 
-from hf_upipe.planning.train_step import StepSettings, measure_train_step, simulate_train_step
+from hf_upipe.planning.train_step import (
+    StepCase,
+    StepSettings,
+    measure_train_step,
+    simulate_train_step,
+)
 from tests._dist import run_distributed, settle_collectives
 
 TINY = dict(
@@ -41,9 +46,8 @@ def _real(rank, world):
     out = {}
     for i, (dtype, lora) in enumerate(CASES):
         for mo in ("none", "cpu"):
-            r = measure_train_step(
-                TINY, _settings(mo), seq_len=S, sp_size=2, layers=LAYERS, dtype=dtype, lora=lora
-            )
+            case = StepCase(TINY, S, sp_size=2, layers=LAYERS, dtype=dtype, lora=lora)
+            r = measure_train_step(case, _settings(mo))
             out[i, mo] = {k: r[k] for k in ("peak", "by_category", "static", "host_peak")}
     return out
 
@@ -78,16 +82,8 @@ def test_model_offload_moves_state_off_the_device(case):
 def test_simulated_model_offload_equals_real_step(case):
     dtype, lora = CASES[case]
     real = real_runs()[case, "cpu"]
-    sim = simulate_train_step(
-        TINY,
-        _settings("cpu"),
-        seq_len=S,
-        world_size=WORLD,
-        sp_size=2,
-        layers=LAYERS,
-        dtype=dtype,
-        lora=lora,
-    )
+    case = StepCase(TINY, S, sp_size=2, layers=LAYERS, dtype=dtype, lora=lora)
+    sim = simulate_train_step(case, _settings("cpu"), world_size=WORLD)
     assert sim["host_peak"] == real["host_peak"]
     assert abs(sim["peak"] - real["peak"]) <= 64 * LAYERS, (sim["peak"], real["peak"])
     assert set(sim["by_category"]) == set(real["by_category"])

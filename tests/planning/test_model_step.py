@@ -18,6 +18,7 @@ from hf_upipe.planning.activation_step import (
     simulate_layer_step,
     simulate_model_step,
 )
+from hf_upipe.planning.model_step import StepCase, StepSettings
 from tests._dist import run_distributed, settle_collectives
 
 TINY = dict(
@@ -33,32 +34,22 @@ CASES = [("upipe", False), ("fused", False), ("fused", True), ("ulysses", True)]
 S, P = 512, 2
 
 
+def _settings(impl: str, tiled: bool) -> StepSettings:
+    """One head per chunk, checkpoints kept on the device, the tiled loss: the activation steps' stack."""
+    return StepSettings(impl, 1, tiled_mlp=tiled, offload="none")
+
+
 def _real(rank, world):
     import torch.distributed as dist
 
     settle_collectives()
     out = []
     for impl, tiled in CASES:
-        r = measure_model_step(
-            impl,
-            model_config=TINY,
-            seq_len=S,
-            sp_size=world,
-            layers=3,
-            group=dist.group.WORLD,
-            tiled_mlp=tiled,
-            dtype=torch.float32,
-        )
+        case = StepCase(TINY, S, world, layers=3, dtype=torch.float32)
+        r = measure_model_step(case, _settings(impl, tiled), group=dist.group.WORLD)
         out.append((r["forward_peak"], r["peak"]))
-    layer = measure_layer_step(
-        "fused",
-        model_config=TINY,
-        seq_len=S,
-        sp_size=world,
-        group=dist.group.WORLD,
-        tiled_mlp=True,
-        dtype=torch.float32,
-    )
+    case = StepCase(TINY, S, world, layers=1, dtype=torch.float32)
+    layer = measure_layer_step(case, _settings("fused", True), group=dist.group.WORLD)
     return out, (layer["forward_peak"], layer["peak"])
 
 
@@ -66,19 +57,11 @@ def test_model_step_simulation_equals_real_gloo_run():
     real = run_distributed(_real, P)
     sim = []
     for impl, tiled in CASES:
-        r = simulate_model_step(
-            impl,
-            model_config=TINY,
-            seq_len=S,
-            sp_size=P,
-            layers=3,
-            tiled_mlp=tiled,
-            dtype=torch.float32,
-        )
+        case = StepCase(TINY, S, P, layers=3, dtype=torch.float32)
+        r = simulate_model_step(case, _settings(impl, tiled))
         sim.append((r["forward_peak"], r["peak"]))
-    layer = simulate_layer_step(
-        "fused", model_config=TINY, seq_len=S, sp_size=P, tiled_mlp=True, dtype=torch.float32
-    )
+    case = StepCase(TINY, S, P, layers=1, dtype=torch.float32)
+    layer = simulate_layer_step(case, _settings("fused", True))
     assert real[0][0] == sim, (real[0][0], sim)
     assert real[0][1] == (layer["forward_peak"], layer["peak"])
     assert sim[2][1] < sim[1][1]  # the tiled MLP lowers the step's peak
@@ -92,16 +75,8 @@ def test_offload_makes_the_peak_independent_of_depth():
     peaks = {}
     for offload in ("none", "cpu"):
         for layers in (3, 6):
-            r = simulate_model_step(
-                "fused",
-                model_config=big,
-                seq_len=8192,
-                sp_size=P,
-                layers=layers,
-                tiled_mlp=True,
-                offload=offload,
-                dtype=torch.float32,
-            )
+            case = StepCase(big, 8192, P, layers=layers, dtype=torch.float32)
+            r = simulate_model_step(case, StepSettings("fused", 1, True, offload=offload))
             peaks[offload, layers] = r["peak"]
             unit = r["unit"]
     extra = peaks["none", 6] - peaks["none", 3]

@@ -19,7 +19,7 @@ from hf_upipe.models.architectures import model_geometry
 from hf_upipe.planning.plan_result import disk_bytes, host_bytes
 from hf_upipe.planning.planner import Margin, ladder, plan
 from hf_upipe.planning.step_time import DISK_BYTES_PER_S, step_time
-from hf_upipe.planning.train_step import StepSettings, simulate_train_step
+from hf_upipe.planning.train_step import StepCase, StepSettings, simulate_train_step
 from tests.planning.test_planner import _tiny_model
 
 CPU, DISK = StepSettings("fused", 1, offload="cpu"), StepSettings("fused", 1, offload="disk")
@@ -32,9 +32,9 @@ def test_step_settings_accept_disk_and_refuse_the_unknown():
 
 
 def test_disk_holds_on_the_device_what_cpu_holds():
-    cfg, kw = _tiny_model(), dict(seq_len=4096, world_size=2, sp_size=2, layers=3)
-    disk, cpu = (simulate_train_step(cfg, s, **kw) for s in (DISK, CPU))
-    none = simulate_train_step(cfg, dataclasses.replace(CPU, offload="none"), **kw)
+    case = StepCase(_tiny_model(), seq_len=4096, sp_size=2, layers=3)
+    disk, cpu = (simulate_train_step(case, s, world_size=2) for s in (DISK, CPU))
+    none = simulate_train_step(case, dataclasses.replace(CPU, offload="none"), world_size=2)
     assert disk["by_category"] == cpu["by_category"] and disk["peak"] == cpu["peak"]
     assert (
         none["by_category"]["checkpoints"] > disk["by_category"]["checkpoints"]

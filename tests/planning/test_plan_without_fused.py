@@ -14,8 +14,8 @@ import sys
 import pytest
 
 from hf_upipe.cli import main
-from hf_upipe.planning import estimator, planner
-from hf_upipe.planning.ladder import default_impl
+from hf_upipe.planning import planner
+from hf_upipe.planning.planner import default_impl
 from hf_upipe.planning.train_step import StepSettings
 
 TINY = dict(
@@ -55,7 +55,7 @@ def no_fused(monkeypatch, tmp_path):
     from transformers import LlamaConfig
 
     _without_fused_block(monkeypatch)
-    monkeypatch.setattr(estimator, "_SIMULATIONS", collections.OrderedDict())
+    monkeypatch.setattr(planner, "_SIMULATIONS", collections.OrderedDict())
     LlamaConfig(**TINY, tie_word_embeddings=False).save_pretrained(tmp_path)
     return [
         "plan",

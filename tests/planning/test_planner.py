@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from hf_upipe.cli import main
-from hf_upipe.planning.fit_search import search_max
-from hf_upipe.planning.planner import Margin, candidates, ladder, parse_bytes, plan
+from hf_upipe.planning.planner import Margin, candidates, ladder, parse_bytes, plan, search_max
 from hf_upipe.planning.step_time import step_time
 from hf_upipe.planning.train_step import StepSettings
 from hf_upipe.planning.train_step import device_twin as twin
@@ -121,7 +120,7 @@ def test_the_ladder_saves_memory():
 def test_plan_picks_the_fastest_candidate_that_fits(monkeypatch):
     """The choice, against every candidate's memory: simulated bytes replaced by a table (each rung less than the one
     before, each variant more than its rung), so every budget can be checked exhaustively in no time."""
-    import hf_upipe.planning.estimator as estimator
+    import hf_upipe.planning.planner as planner
 
     cfg, seq = _tiny_model(), 16384
     pairs = candidates(cfg, 2)
@@ -132,7 +131,7 @@ def test_plan_picks_the_fastest_candidate_that_fits(monkeypatch):
         for c, r in pairs
     }
     monkeypatch.setattr(
-        estimator,
+        planner,
         "step_reserved",
         lambda config, settings, **kw: {
             "by_category": {"attention": table[settings]},
@@ -141,7 +140,7 @@ def test_plan_picks_the_fastest_candidate_that_fits(monkeypatch):
         },
     )
     monkeypatch.setattr(
-        estimator, "_SIMULATIONS", collections.OrderedDict()
+        planner, "_SIMULATIONS", collections.OrderedDict()
     )  # none of the real ones cached before
 
     def secs(c):

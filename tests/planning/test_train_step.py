@@ -23,6 +23,7 @@ import torch
 
 from hf_upipe.planning.train_step import (
     CATEGORIES,
+    StepCase,
     StepSettings,
     measure_train_step,
     simulate_train_step,
@@ -93,13 +94,10 @@ def _real(rank, world, cases):
     out = {}
     for i in cases:
         settings, sp, dtype, lora = CASES[i]
+        case = StepCase(TINY, S, sp, LAYERS, dtype=dtype, lora=lora)
         if settings.offload == "cpu":  # fill the host buffer pool first
-            measure_train_step(
-                TINY, settings, seq_len=S, sp_size=sp, layers=LAYERS, dtype=dtype, lora=lora
-            )
-        r = measure_train_step(
-            TINY, settings, seq_len=S, sp_size=sp, layers=LAYERS, dtype=dtype, lora=lora
-        )
+            measure_train_step(case, settings)
+        r = measure_train_step(case, settings)
         out[i] = (r["peak"], r["by_category"], r["phase_peaks"])
     return out
 
@@ -121,14 +119,7 @@ def test_simulated_step_equals_real_gloo_step(monkeypatch):
     for i, (settings, sp, dtype, lora) in enumerate(CASES):
         peak, by_category, phases = real[i]
         sim = simulate_train_step(
-            TINY,
-            settings,
-            seq_len=S,
-            world_size=WORLD,
-            sp_size=sp,
-            layers=LAYERS,
-            dtype=dtype,
-            lora=lora,
+            StepCase(TINY, S, sp, LAYERS, dtype=dtype, lora=lora), settings, world_size=WORLD
         )
         case = f"{settings} sp={sp} {dtype} lora={lora}"
         assert abs(sim["peak"] - peak) <= TOLERANCE, (case, sim["peak"], peak)
@@ -146,7 +137,7 @@ def test_peak_grows_linearly_with_depth():
     cfg = dict(TINY, hidden_size=128, intermediate_size=256, vocab_size=512)
     settings = StepSettings(impl="fused", offload="none")
     peaks = {
-        n: simulate_train_step(cfg, settings, seq_len=8192, world_size=4, sp_size=4, layers=n)
+        n: simulate_train_step(StepCase(cfg, 8192, 4, layers=n), settings, world_size=4)
         for n in (3, 4, 6)
     }
     slope = peaks[4]["peak"] - peaks[3]["peak"]
@@ -161,12 +152,9 @@ def test_categories_add_up_and_count_checkpoints():
     s = 8192 // 2
     for layers in (3, 5):
         r = simulate_train_step(
-            cfg,
+            StepCase(cfg, 8192, 2, layers=layers),
             StepSettings(impl="ulysses", heads_per_chunk=None, offload="none"),
-            seq_len=8192,
             world_size=2,
-            sp_size=2,
-            layers=layers,
         )
         assert sum(r["by_category"].values()) == r["peak"]
         assert set(r["by_category"]) <= set(CATEGORIES)
@@ -190,14 +178,8 @@ def test_labeling_does_not_change_the_memory_it_measures(impl, offload):
     )  # the peak is in the backward
     peaks = [
         simulate_model_step(
-            impl,
-            model_config=cfg,
-            seq_len=8192,
-            sp_size=2,
-            layers=3,
-            tiled_mlp=True,
-            offload=offload,
-            heads_per_chunk=None if impl == "ulysses" else 1,
+            StepCase(cfg, 8192, 2, layers=3),
+            StepSettings(impl, None if impl == "ulysses" else 1, offload=offload),
             categories=labels,
         )["peak"]
         for labels in (False, True)
