@@ -35,8 +35,8 @@ steps_per_generation): TRL's `GRPOConfig` counts every process, and the P ranks 
 Refused at construction, on every rank, before any collective (`grpo_config_errors`): vLLM (server and colocate),
 continuous batching, `min_p`, `repetition_penalty`, `generation_kwargs`, Liger, DeepSpeed, FSDP, `sync_ref_model`,
 selective checkpointing, evaluation, label smoothing, tools and environments, a processor (vision); after the
-setup: an MoE router auxiliary loss, a ring (`ring_size > 1`), prompt-learning PEFT. `evaluate()` and `predict()`
-raise.
+setup: a processor TRL loaded, FSDP or DeepSpeed from an accelerate config, an MoE router auxiliary loss, a ring
+(`ring_size > 1`), prompt-learning PEFT. `evaluate()` and `predict()` raise.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from trl.trainer.utils import pad
 from hf_upipe.config import UPipeConfig
 from hf_upipe.data import shard_batch
 from hf_upipe.generation import generate
+from hf_upipe.prepare import prepare_model
 from hf_upipe.training.parallelism import find_parallelism, with_parallelism_sp
 from hf_upipe.training.trainer import UPipeTrainer
 from hf_upipe.trl.dpo import checkpointing_off
@@ -181,8 +182,6 @@ class UPipeGRPOTrainer(UPipeTrainer, _GRPOKeywordInit):
             )
         self._refuse_after_setup()
         if self.ref_model is not None:  # the reference runs under the same SP
-            from hf_upipe.prepare import prepare_model
-
             prepare_model(self.accelerator.unwrap_model(self.ref_model), self.upipe.config)
         if self.rollout_func is not None:
             self.rollout_func = self._on_sp_rank_0(self.rollout_func)
@@ -200,11 +199,22 @@ class UPipeGRPOTrainer(UPipeTrainer, _GRPOKeywordInit):
 
     def _refuse_after_setup(self) -> None:
         """What only the setup reveals; the same on every rank (same model, data and settings)."""
+        if self._is_vlm:  # a processor TRL loaded from the model's name
+            raise NotImplementedError(
+                "UPipeGRPOTrainer trains causal language models on text: a processor (vision-language model) "
+                "is not supported under hf_upipe's sequence parallelism; pass a tokenizer."
+            )
         if self.aux_loss_enabled:
             raise NotImplementedError(
                 f"The model returns router logits and the MoE auxiliary loss is weighted by "
                 f"{self.router_aux_loss_coef}: UPipeGRPOTrainer does not shard it; set "
                 "GRPOConfig(router_aux_loss_coef=0.0)."
+            )
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:  # also from an accelerate config
+            raise NotImplementedError(
+                "UPipeGRPOTrainer is verified with DDP only: FSDP and DeepSpeed (from the accelerate config) "
+                "would shard the weights hf_upipe.generate reads whole, and their data-parallel groups stop "
+                "generating at different steps; launch without an FSDP or DeepSpeed config."
             )
         why = accelerator_parallelism_error(self.accelerator.parallelism_config)
         if why is not None:
@@ -233,10 +243,20 @@ class UPipeGRPOTrainer(UPipeTrainer, _GRPOKeywordInit):
     def _generate_and_score_completions(self, inputs):
         """TRL's, with the data-parallel replicas as its processes; the generated tokens counted for
         `tokens_per_second`."""
+        from trl.trainer import grpo_trainer
+
         before = self.state.num_input_tokens_seen
-        with replica_view(self, self.upipe.state):
-            output = super()._generate_and_score_completions(inputs)
-        if self.model.training:  # TRL's count is over the data-parallel replicas: the same on every rank
+        trl_off = grpo_trainer.disable_gradient_checkpointing
+        # TRL 1.16 turns checkpointing off for its no-grad passes by transformers' deprecated names, which warn at
+        # every generation; the same switch by transformers 5's names (`checkpointing_off`)
+        grpo_trainer.disable_gradient_checkpointing = checkpointing_off
+        try:
+            with replica_view(self, self.upipe.state):
+                output = super()._generate_and_score_completions(inputs)
+        finally:
+            grpo_trainer.disable_gradient_checkpointing = trl_off
+        # TRL's count is over the data-parallel replicas: the same on every rank
+        if self.model.training:
             self._stats["tokens"] += float(self.state.num_input_tokens_seen - before)
         return output
 

@@ -76,7 +76,7 @@ def _generation_checks(args: GRPOConfig) -> list[tuple[bool, str, str]]:
             bool(args.generation_kwargs),
             f"generation_kwargs={args.generation_kwargs!r}",
             "hf_upipe.generate takes GRPOConfig's temperature, top_k, top_p and max_completion_length only; "
-            "drop generation_kwargs.",
+            "set generation_kwargs=None.",
         ),
     ]
 

@@ -65,6 +65,8 @@ CASES["sp2_lora_luspo"]["grpo"] = dict(
 CASES["sp2_lora_sapo"]["grpo"] = dict(epsilon=0.05, top_entropy_quantile=0.6, entropy_coef=0.01)
 CASES |= {
     "sp2_dp2_lora_beta": dict(world=4, lora=True, beta=0.1, gen="replay", ga=1, **MOVED),
+    # one process (sp_size 1): TRL's own generation and scoring, in the reference's job
+    "one_process_lora_beta": dict(world=1, lora=True, beta=0.1, loss_type="grpo", gen="sample"),
 }
 # the entropy quantile gathers over the data-parallel replicas (the entropy bonus is a token mean per process
 # in TRL: a data-parallel run averages the replicas' means, so it is compared on SP 2 above)
@@ -79,17 +81,25 @@ def _spec(name: str, **extra) -> dict:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo")
     names = list(CASES)
-    refs = run_distributed(
+    ones = [n for n in names if CASES[n]["world"] == 1]  # run in the references' job, after them
+    outs = run_distributed(
         grpo_runs,
         1,
         [
-            _spec(n, trainer="trl", dp=CASES[n]["world"] // 2, output_dir=str(root / f"ref_{n}"))
+            _spec(
+                n,
+                trainer="trl",
+                dp=max(CASES[n]["world"] // 2, 1),
+                output_dir=str(root / f"ref_{n}"),
+            )
             for n in names
-        ],
+        ]
+        + [_spec(n, trainer="upipe", sp=1, output_dir=str(root / n)) for n in ones],
         timeout=600,
     )[0]
-    got = {}
-    for world in sorted({c["world"] for c in CASES.values()}):
+    refs = outs[: len(names)]
+    got = {n: [outs[len(names) + i]] for i, n in enumerate(ones)}
+    for world in sorted({c["world"] for c in CASES.values()} - {1}):
         mine = [n for n in names if CASES[n]["world"] == world]
         outs = run_distributed(
             grpo_runs,
@@ -158,3 +168,177 @@ def test_upipe_grpo_trainer_equals_single_process_grpo_trainer(runs, name):
     print(
         f"\n{name}: largest logged difference {errs[worst]:.1e} ({worst}); final weights {perr:.1e}"
     )
+
+
+# ---- fast: refusals, the sequence layout, the replica view (one process) -----------------------------------
+REFUSED = {
+    "vllm_server": (dict(use_vllm=True, vllm_mode="server"), "use_vllm"),
+    "vllm_colocate": (dict(use_vllm=True, vllm_mode="colocate"), "use_vllm"),
+    "continuous_batching": (
+        dict(use_transformers_continuous_batching=True),
+        "use_transformers_continuous_batching",
+    ),
+    "min_p": (dict(min_p=0.1), "min_p"),
+    "repetition_penalty": (dict(repetition_penalty=1.2), "repetition_penalty"),
+    "generation_kwargs": (dict(generation_kwargs={"do_sample": False}), "generation_kwargs"),
+    "liger": (dict(use_liger_kernel=True), "use_liger_kernel"),
+    "fsdp": (dict(fsdp="full_shard"), "fsdp"),
+    "sync_ref": (dict(sync_ref_model=True, beta=0.1), "sync_ref_model"),
+    "selective": (dict(gradient_checkpointing_kwargs={"selective": True}), "selective"),
+    "eval": (dict(eval_strategy="steps", eval_steps=1), "eval_strategy"),
+    "label_smoothing": (dict(label_smoothing_factor=0.1), "label_smoothing_factor"),
+}
+
+
+def _config(tmp_path, **kwargs):
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        per_device_train_batch_size=4,
+        num_generations=4,
+        **kwargs,
+    )
+
+
+def test_grpo_config_errors_name_each_setting_and_the_fix(tmp_path):
+    from hf_upipe.trl import grpo_config_errors
+    from tests.training._trl_runs import tokenizer
+
+    assert grpo_config_errors(_config(tmp_path), processing_class=tokenizer()) == []
+    for name, (kwargs, setting) in REFUSED.items():
+        errors = grpo_config_errors(_config(tmp_path, **kwargs))
+        assert len(errors) == 1, (name, errors)
+        assert isinstance(errors[0], NotImplementedError) and setting in str(errors[0]), (
+            name,
+            errors,
+        )
+        assert any(w in str(errors[0]).lower() for w in ("set ", "use ", "drop ")), errors[
+            0
+        ]  # the fix
+    assert "tool" in str(grpo_config_errors(_config(tmp_path), tools=[len])[0])
+
+
+def test_upipe_grpo_trainer_refuses_before_any_setup(tmp_path):
+    from transformers import TrainingArguments
+
+    from hf_upipe.trl import UPipeGRPOTrainer
+    from tests.training._grpo_runs import length, prompts
+    from tests.training._trl_runs import _model, tokenizer
+
+    with pytest.raises(NotImplementedError, match="use_vllm"):
+        UPipeGRPOTrainer(
+            model=_model(seed=1),
+            reward_funcs=length,
+            args=_config(tmp_path, use_vllm=True, vllm_mode="server"),
+            train_dataset=prompts(4, seed=1),
+            processing_class=tokenizer(),
+        )
+    assert not any(tmp_path.iterdir())  # nothing was set up: not even the output folder
+    with pytest.raises(TypeError, match="GRPOConfig"):
+        UPipeGRPOTrainer(
+            model=_model(seed=1), reward_funcs=length, args=TrainingArguments(str(tmp_path))
+        )
+
+
+def test_completion_rows_score_what_trl_scores():
+    """TRL's [B, P + C] layout (left-padded prompts, right-padded completions) rearranged into right-padded rows:
+    the model scores every completion token as in TRL's layout (rotary embeddings see relative positions only),
+    and the shards of `shard_batch` cover each scored token once."""
+    import torch
+
+    from hf_upipe.data import shard_batch
+    from hf_upipe.trl.grpo_shards import completion_rows
+    from tests.training._trl_runs import _model
+
+    gen = torch.Generator().manual_seed(0)
+    prompt_lengths, completion_lengths = (
+        [3, 7, 1, 5],
+        [6, 2, 4, 0],
+    )  # a row with no completion token
+    P, C = max(prompt_lengths), max(completion_lengths)
+    ids = torch.randint(4, 96, (4, P + C), generator=gen)
+    prompt_mask = torch.stack([(torch.arange(P) >= P - n).long() for n in prompt_lengths])  # [4, P]
+    completion_mask = torch.stack(
+        [(torch.arange(C) < n).long() for n in completion_lengths]
+    )  # [4, C]
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [4, P + C]
+    ids = ids.masked_fill(mask == 0, 0)
+    model = _model(seed=3).eval()
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :P] = -100
+    with torch.no_grad():
+        trl = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        want = trl.log_probs[:, -C:]  # [4, C]: TRL's per-token log-probabilities
+        rows = completion_rows(ids, mask, C, pad_token_id=0)
+        assert rows.labels.shape[1] == max(
+            p + c for p, c in zip(prompt_lengths, completion_lengths)
+        )
+        ours = model(
+            input_ids=rows.input_ids,
+            attention_mask=rows.attention_mask,
+            labels=rows.labels,
+            fused_lm_head=True,
+        )
+    got = rows.pick(ours.log_probs)  # [4, C]
+    assert torch.equal(got == 0, want == 0) and (want != 0).sum() == sum(completion_lengths)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    got_entropy = rows.pick(ours.entropy)
+    assert (got_entropy - trl.entropy[:, -C:]).abs().max() <= 1e-5 * got_entropy.abs().max()
+    # the shards' shifted labels, concatenated, hold each completion token once, where `pick` reads it
+    full = {
+        "input_ids": rows.input_ids,
+        "attention_mask": rows.attention_mask,
+        "labels": rows.labels,
+    }
+    labels = torch.cat([shard_batch(full, r, 3)["shift_labels"] for r in range(3)], dim=1)
+    picked = rows.pick(labels)
+    assert torch.equal(picked, ids[:, P:] * completion_mask)
+    assert (labels != -100).sum() == sum(completion_lengths)
+    with pytest.raises(ValueError, match="no tokens"):
+        completion_rows(ids, torch.cat([prompt_mask * 0, completion_mask], dim=1), C, 0)
+
+
+def test_replica_accelerator_without_data_parallelism():
+    """One SP group: TRL sees one process; its gathers and reductions return this rank's values."""
+    import torch
+
+    from hf_upipe.distributed import SequenceParallelState
+    from hf_upipe.trl.grpo_replicas import ReplicaAccelerator
+
+    class _Accelerator:
+        process_index, num_processes, device = 3, 4, "cpu"
+
+    state = SequenceParallelState(
+        sp_group=None, sp_size=4, sp_rank=3, dp_group=None, dp_size=1, dp_rank=0
+    )
+    view = ReplicaAccelerator(_Accelerator(), state)
+    assert (view.process_index, view.num_processes, view.device) == (0, 1, "cpu")
+    x = torch.tensor([1.0, 2.0])
+    assert torch.equal(view.gather(x), x) and torch.equal(
+        view.gather(torch.tensor(5)), torch.tensor([5])
+    )
+    assert torch.equal(view.reduce(x, reduction="sum"), x)
+    assert view.pad_across_processes(x, pad_index=-1) is x
+
+
+def test_grpo_trainer_internals_match_the_installed_trl():
+    """The trl.GRPOTrainer methods the composition goes through still take the parameters written against."""
+    import inspect
+
+    from trl import GRPOTrainer
+
+    from hf_upipe.trl.grpo import GRPO_TRAINER_INTERNALS
+
+    for name, params in GRPO_TRAINER_INTERNALS.items():
+        have = tuple(inspect.signature(getattr(GRPOTrainer, name)).parameters)
+        assert have[: len(params)] == params, (name, have, params)
+    from trl.trainer import grpo_trainer  # the functions the replica view swaps
+
+    assert callable(grpo_trainer.gather) and callable(grpo_trainer.gather_object)
