@@ -181,7 +181,7 @@ def plot_rewards(rewards: dict[int, float], path: str) -> str | None:
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("reward (share of right answers)")
-    ax.legend(loc="center right")
+    ax.legend(loc="lower right")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=100)
