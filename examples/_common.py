@@ -2,7 +2,7 @@
 
 Entry points:
 - `ByteTokenizer`: bytes -> ids (no download): id = byte + 3; 0 pad, 1 bos, 2 eos; vocab 259. `.to_hf()`: the
-  same ids as a transformers tokenizer (TRL's `processing_class`: its pad and eos ids).
+  same ids as a transformers tokenizer (TRL's `processing_class`: its pad and eos ids; GRPO's prompts).
 - `passkey_dataset(n, seq_len, tokenizer, seed)`: the built-in long-context task as a `datasets.Dataset`.
 - `text_dataset(path, tokenizer, seq_len)`: local json/jsonl/txt files with a "text" field, cut into rows.
 - `build_model(path, vocab_size, lora, lora_rank)`: a tiny Llama from a config (default), a config.json, or a
@@ -54,14 +54,18 @@ class ByteTokenizer:
         return bytes(i - 3 for i in ids if i >= 3).decode(errors="replace")
 
     def to_hf(self):
-        """A `PreTrainedTokenizerFast` over the same 259 ids (built in memory; TRL reads its pad and eos ids)."""
-        from tokenizers import Tokenizer, models
+        """A `PreTrainedTokenizerFast` built in memory that gives ASCII text the ids `encode` gives it, one per
+        character (TRL reads its pad and eos ids; GRPO tokenizes prompts and decodes completions with it)."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
 
-        names = ["<pad>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+        names = ["<pad>", "<s>", "</s>"] + [chr(b) for b in range(256)]
         vocab = {name: i for i, name in enumerate(names)}
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+        tokenizer.decoder = decoders.Fuse()  # characters joined without spaces
         return PreTrainedTokenizerFast(
-            tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<pad>")),
+            tokenizer_object=tokenizer,
             pad_token="<pad>",
             bos_token="<s>",
             eos_token="</s>",
