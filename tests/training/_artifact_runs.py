@@ -1,8 +1,8 @@
 """Worker body for the load-anywhere test: `artifact_runs(rank, world, root)` trains, in one 2-rank gloo job (SP 2),
-a `UPipeTrainer` full fine-tune (with the word tokenizer as its processing class, a checkpoint at step 2) and a
-`UPipeSFTTrainer` LoRA run on a base saved in `root/base`, saves each with `save_model`, and returns, per
-artifact, the trained model's logits on fixed tokens, computed on rank 0 after `unprepare_model` (the plain
-attention, one process's forward).
+a `UPipeTrainer` full fine-tune (with the word tokenizer as its processing class, a checkpoint at step 2), a
+`UPipeSFTTrainer` LoRA run on a base saved in `root/base` and a `UPipeDPOTrainer` LoRA run on that base (8
+preference pairs, 2 steps), saves each with `save_model`, and returns, per artifact, the trained model's logits on
+fixed tokens, computed on rank 0 after `unprepare_model` (the plain attention, one process's forward).
 """
 
 from __future__ import annotations
@@ -95,7 +95,50 @@ def _sft_lora(rank: int, root: str):
     return _logits(trainer) if rank == 0 else None
 
 
+def _dpo_lora(rank: int, root: str):
+    """UPipeDPOTrainer with a LoRA adapter on the base `_sft_lora` saved: 8 preference pairs, 2 steps."""
+    from transformers import AutoModelForCausalLM
+    from trl import DPOConfig
+
+    import hf_upipe
+    from hf_upipe.trl import UPipeDPOTrainer
+    from tests.training._dpo_runs import preference_dataset
+    from tests.training._trl_runs import lora_config, tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.join(root, "base"), attn_implementation="sdpa"
+    )
+    args = DPOConfig(
+        output_dir=os.path.join(root, "dpo"),
+        per_device_train_batch_size=2,
+        max_steps=2,
+        learning_rate=2e-3,
+        **{**RUN_ARGS, "warmup_steps": 0},
+        save_strategy="no",
+        max_length=24,
+        beta=0.5,
+        bf16=False,
+        dataset_num_proc=None,
+    )
+    hf_upipe.reset_sequence_parallel()
+    trainer = UPipeDPOTrainer(
+        model=model,
+        args=args,
+        train_dataset=preference_dataset(8, seed=1),
+        processing_class=tokenizer(),
+        peft_config=lora_config(),
+        upipe_config=hf_upipe.UPipeConfig(sp_size=2),
+    )
+    trainer.train()
+    trainer.save_model(os.path.join(root, "dpo_final"))
+    return _logits(trainer) if rank == 0 else None
+
+
 def artifact_runs(rank: int, world: int, root: str) -> dict:
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world))
-    return {"full": _full(rank, root), "sft_lora": _sft_lora(rank, root)}
+    return {
+        "full": _full(rank, root),
+        "sft_lora": _sft_lora(rank, root),
+        "dpo_lora": _dpo_lora(rank, root),
+    }

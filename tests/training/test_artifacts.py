@@ -1,8 +1,9 @@
-"""What UPipeTrainer and UPipeSFTTrainer save loads with plain transformers / PEFT, in a process that never imports
-hf_upipe, and gives the trained model's logits.
+"""What UPipeTrainer, UPipeSFTTrainer and UPipeDPOTrainer save loads with plain transformers / PEFT, in a process
+that never imports hf_upipe, and gives the trained model's logits.
 
 One 2-rank job (`tests.training._artifact_runs`): a full fine-tune with `UPipeTrainer` (its final model and its
-`checkpoint-2`) and a LoRA run with `UPipeSFTTrainer` on a saved base. A fresh Python then loads each folder with
+`checkpoint-2`), a LoRA run with `UPipeSFTTrainer` on a saved base and a LoRA run with `UPipeDPOTrainer` on that
+base. A fresh Python then loads each folder with
 `AutoModelForCausalLM` / `AutoPeftModelForCausalLM` and `AutoTokenizer`, asserts `hf_upipe` was never imported,
 that no saved config names "upipe", an `auto_map` or an hf_upipe key, and compares the logits on fixed tokens with
 the trained model's (fp32, 1e-5).
@@ -20,7 +21,7 @@ import pytest
 from tests._dist import run_distributed
 from tests.training._artifact_runs import TOKENS, artifact_runs
 
-pytestmark = pytest.mark.slow  # a 2-rank job of two short runs
+pytestmark = pytest.mark.slow  # a 2-rank job of three short runs
 
 LOAD = textwrap.dedent("""
     import json, os, sys, numpy as np, torch
@@ -62,6 +63,7 @@ def trained(tmp_path_factory):
         ("full_final", "full", False),
         ("full/checkpoint-2", "full", False),
         ("sft_final", "sft_lora", True),
+        ("dpo_final", "dpo_lora", True),
     ],
 )
 def test_saved_artifact_loads_without_hf_upipe_with_the_same_logits(
