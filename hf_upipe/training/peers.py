@@ -16,6 +16,8 @@ Entry points:
   `PeerStopped`, whose message is the one line naming that peer (looked up for about three beats; the
   collective's own error when nothing is found).
 - `post_failure(what)`: tell the other ranks this one failed outside a step (a checkpoint save).
+- `named_peer(err)`: outside a step (a checkpoint save's barriers), the `PeerStopped` naming the rank whose loss
+  made the collective fail with `err`, or `err` itself (not a lost peer, no watch, nothing found in time).
 - `last_checkpoint(folder)`: the newest complete checkpoint under a run's folder.
 - `peer_timeout()`: `UPIPE_PEER_TIMEOUT`, seconds (default 60).
 
@@ -50,6 +52,7 @@ __all__ = [
     "PeerStopped",
     "guarded",
     "last_checkpoint",
+    "named_peer",
     "peer_timeout",
     "post_failure",
     "start_watch",
@@ -254,6 +257,14 @@ def post_failure(what: str) -> None:
     watch = _WATCH.get("watch")
     if watch is not None:
         watch.post(what)
+
+
+def named_peer(err: BaseException) -> BaseException:
+    """See the module docstring."""
+    watch = _WATCH.get("watch")
+    if watch is None or not _lost_peer(err):
+        return err
+    return watch.diagnose(err)
 
 
 def _lost_peer(err: BaseException) -> bool:

@@ -8,7 +8,8 @@ Entry points:
   last complete checkpoint, or at least what was written before the failure) and the free space there, and saying
   which complete checkpoint stays intact to resume from. The staging folders of the failed save are removed
   (`should_save`: on the rank that writes the shared files), so no half checkpoint is left; the other ranks are
-  told (`hf_upipe.training.peers`) and exit naming this one.
+  told (`hf_upipe.training.peers`) and exit naming this one. A rank whose save's collective fails because another
+  rank went away (that rank's own save failed) raises `peers.named_peer`'s line naming it instead.
 - `CheckpointSaveError`: an `OSError` (its `errno` that of the cause, where there is one).
 """
 
@@ -92,7 +93,14 @@ def explained_save_errors(run_dir: str, *, should_save: bool = True):
     try:
         yield
     except Exception as err:
-        if not _is_write_error(err) or isinstance(err, CheckpointSaveError):
+        if isinstance(err, CheckpointSaveError):
+            raise
+        from hf_upipe.training.peers import named_peer
+
+        found = named_peer(err)  # a barrier of the save failed: another rank stopped
+        if found is not err:
+            raise found from err
+        if not _is_write_error(err):
             raise
         explained = _explain(err, run_dir)
         if should_save:

@@ -7,6 +7,10 @@ A tiny random Llama trains with `UPipeRuntime` (SP over all ranks) on random row
 - MODE "rs": kills itself after its backward, the others in a reduce-scatter of their gradients (FSDP's);
 - MODE "oom": raises `torch.OutOfMemoryError` in its forward.
 It writes `OUT/fault_at` (time.time()) first. Every rank prints `step N` after each step.
+MODE "enospc" (`_save_fault`): a `UPipeTrainer` (SP over all ranks) saves `OUT/checkpoint-1` itself, and rank
+FAULT_RANK's write of the weights of `checkpoint-2` fails with ENOSPC (after writing `OUT/fault_at`); the error
+ends that rank through Python. MODE "enospc_exit": the same, but that rank prints the error and exits at once, so
+the others meet a broken barrier of the save rather than the posted failure.
 """
 
 import os
@@ -26,7 +30,60 @@ def _fault(mode: str, out: str):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _save_fault(fault_rank: int, out: str, exit_at_once: bool) -> None:
+    import errno
+
+    import transformers.modeling_utils as modeling_utils
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainingArguments, default_data_collator
+
+    import hf_upipe
+    from tests.integrations._models import tiny_config
+
+    dist.init_process_group("gloo")
+    real = modeling_utils.safe_save_file
+
+    def full_disk(tensors, filename, *args, **kwargs):
+        if ".staging-checkpoint-2" in str(filename):
+            with open(os.path.join(out, "fault_at"), "w") as f:
+                f.write(repr(time.time()))
+            raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+        return real(tensors, filename, *args, **kwargs)
+
+    if dist.get_rank() == fault_rank:
+        modeling_utils.safe_save_file = full_disk
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    ids = torch.randint(1, 96, (8, 16), generator=torch.Generator().manual_seed(1)).tolist()
+    args = TrainingArguments(
+        output_dir=out,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        save_strategy="steps",
+        save_steps=1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = hf_upipe.UPipeTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}),
+        data_collator=default_data_collator,
+        upipe_config=hf_upipe.UPipeConfig(sp_size=dist.get_world_size()),
+    )
+    try:
+        trainer.train()
+    except OSError as err:
+        if not exit_at_once:
+            raise
+        print(f"{type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
 def main(mode: str, fault_rank: int, out: str) -> None:
+    if mode.startswith("enospc"):
+        return _save_fault(fault_rank, out, exit_at_once=mode == "enospc_exit")
     import hf_upipe
     from hf_upipe.training.checkpoint import write_manifest
     from hf_upipe.training.runtime import UPipeRuntime

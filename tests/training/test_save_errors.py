@@ -6,6 +6,12 @@ open for writing, safetensors' writer, the manifest's file). Then, for each N, t
 file (ENOSPC from `open`, safetensors' own error from its writer): the error names the path, the bytes needed and
 the free space; the run folder holds `checkpoint-1` only (no staging folder, no half `checkpoint-2`), which still
 verifies against its manifest; finally a save succeeds and a new trainer resumes from `checkpoint-1`.
+
+Two ranks (`tests.training._fault_runs` "enospc", started as plain processes by `test_faults._launch`): rank 0's
+write of `checkpoint-2` fails with ENOSPC. Rank 0 ends with the explained error; rank 1 exits within the bounded
+peer wait with one line naming rank 0's failure and `checkpoint-1` (and no traceback), both when rank 0 ends
+through Python (rank 1's watch sees the posted failure) and when it exits at once (rank 1's save barrier breaks:
+`peers.named_peer`); `checkpoint-1` is the only checkpoint left and verifies.
 """
 
 import builtins
@@ -149,3 +155,30 @@ def test_a_failed_write_at_each_file_is_explained_and_keeps_the_last_checkpoint(
     resumed = _trainer(out, steps=2)
     resumed.train(resume_from_checkpoint=first)
     assert resumed.state.global_step == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["enospc", "enospc_exit"])
+def test_a_full_disk_on_rank_0_of_two_is_explained_there_and_named_by_rank_1(tmp_path, mode):
+    from hf_upipe.training.checkpoint import verify_checkpoint
+    from tests.training.test_faults import PEER_TIMEOUT, _launch
+
+    (code0, stderr0, _), (code1, stderr1, seconds) = _launch(mode, 2, 0, tmp_path)[0]
+    first = tmp_path / "checkpoint-1"
+    assert code0 == 1, (code0, stderr0[-3000:])
+    explained = [line for line in stderr0.splitlines() if "CheckpointSaveError" in line]
+    assert len(explained) == 1 and "Saving a checkpoint failed writing " in explained[0], stderr0[
+        -3000:
+    ]
+    assert "No space left on device" in explained[0] and "; free on that disk: " in explained[0]
+    assert f"{first} is intact: resume from it" in explained[0], explained[0]
+    lines = [line for line in stderr1.splitlines() if line.startswith("error (rank")]
+    assert code1 == 1 and len(lines) == 1 and "Traceback" not in stderr1, (code1, stderr1[-3000:])
+    assert lines[0].startswith(
+        "error (rank 1): rank 0 failed: CheckpointSaveError: [Errno 28] Saving a checkpoint failed writing "
+    ), lines[0]
+    assert lines[0].endswith(f"; resume from {first}"), lines[0]
+    assert seconds is not None and seconds < PEER_TIMEOUT + 5, seconds
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["checkpoint-1"]
+    verify_checkpoint(str(first))
+    print(mode, explained[0], "\n", lines[0], f"({seconds:.1f} s)")
