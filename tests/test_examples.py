@@ -98,6 +98,9 @@ def test_custom_loop_two_processes_equal_one(tmp_path, mode):
         assert sorted(one) == [1, 2, 3, 4]
         for step in one:
             assert abs(sp2[step] - one[step]) <= 1e-4 * abs(one[step]), (step, sp2, one)
+        _full_model_loads_without_hf_upipe(
+            tmp_path / "sp2" / "step-4" / "model", tmp_path / "one" / "step-4" / "model", tmp_path
+        )
     # no staging folder left; the loss curve, and a LoRA run's base (saved for its adapters)
     expected = ["loss.png", "step-2", "step-4"] + (["base"] if mode == "lora" else [])
     assert sorted(os.listdir(tmp_path / "sp2")) == sorted(expected)
@@ -236,6 +239,56 @@ assert "hf_upipe" not in sys.modules, "loading the adapter imported hf_upipe"
 with torch.no_grad():
     torch.save(model(torch.arange(3, 259)[None]).logits, sys.argv[2])
 """
+
+
+LOAD_FULL_WITHOUT_HF_UPIPE = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+assert "hf_upipe" not in sys.modules, "loading the model imported hf_upipe"
+with torch.no_grad():
+    torch.save(model(torch.arange(3, 259)[None]).logits, sys.argv[2])
+"""
+
+
+def _full_model_loads_without_hf_upipe(saved, reference, tmp_path):
+    """The 2-process full fine-tune's model (the full state dict gathered from FSDP2, plain transformers files, no
+    hf_upipe name in its config) loads with `AutoModelForCausalLM` in a process that never imports hf_upipe, from
+    another folder, offline, with the logits of the 1-process run's trained model (relative 1e-4, as the losses),
+    which differ from the untrained model's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = (saved / "config.json").read_text()
+    assert "upipe" not in config.lower() and "auto_map" not in json.loads(config), config
+    elsewhere = tmp_path / "elsewhere_full"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    logits = tmp_path / "full_logits.pt"
+    proc = subprocess.run(
+        [sys.executable, "-c", LOAD_FULL_WITHOUT_HF_UPIPE, str(saved), str(logits)],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        from _common import build_model
+    finally:
+        sys.path.pop(0)
+    ids = torch.arange(3, 259)[None]
+    with torch.no_grad():
+        trained = AutoModelForCausalLM.from_pretrained(reference).eval()(ids).logits
+        untrained = build_model(None, 259, lora=False, lora_rank=0, seed=0).eval()(ids).logits
+    loaded = torch.load(logits)
+    err = ((loaded - trained).abs().max() / trained.abs().max()).item()
+    print(f"full model loaded without hf_upipe: max rel logit diff to the 1-process run {err:.1e}")
+    assert err <= 1e-4, err
+    assert (trained - untrained).abs().max() > 1e-2  # the trained weights are in the saved model
 
 
 def test_a_saved_adapter_loads_without_hf_upipe_and_runs_are_kept(tmp_path, adapter_run):
