@@ -3,10 +3,10 @@ that never imports hf_upipe, and gives the trained model's logits.
 
 One 2-rank job (`tests.training._artifact_runs`): a full fine-tune with `UPipeTrainer` (its final model and its
 `checkpoint-2`), a LoRA run with `UPipeSFTTrainer` on a saved base and a LoRA run with `UPipeDPOTrainer` on that
-base. A fresh Python then loads each folder with
-`AutoModelForCausalLM` / `AutoPeftModelForCausalLM` and `AutoTokenizer`, asserts `hf_upipe` was never imported,
-that no saved config names "upipe", an `auto_map` or an hf_upipe key, and compares the logits on fixed tokens with
-the trained model's (fp32, 1e-5).
+base. A fresh Python then loads each folder with `AutoModelForCausalLM` / `AutoPeftModelForCausalLM` and
+`AutoTokenizer`, asserts `hf_upipe` was never imported, that no saved config names "upipe", an `auto_map` or an
+hf_upipe key, and compares the logits on fixed tokens with the trained model's (fp32, 1e-5); for an adapter, also
+that the logits without it differ.
 """
 
 import json
@@ -40,6 +40,10 @@ LOAD = textwrap.dedent("""
         got = model(torch.tensor(tokens)).logits.numpy()
     print("attn", model.config._attn_implementation, "max abs diff", float(np.abs(got - expected).max()))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    if lora:  # the adapter is in the loaded model: without it the logits differ
+        with model.disable_adapter(), torch.no_grad():
+            base = model(torch.tensor(tokens)).logits.numpy()
+        assert np.abs(base - expected).max() > 1e-3, "the adapter does not change the logits"
 """)
 
 
