@@ -251,6 +251,23 @@ with torch.no_grad():
 """
 
 
+def _run_elsewhere(script: str, saved, logits, elsewhere) -> None:
+    """`script` (argv: the saved folder, where to write the logits) in a fresh Python without hf_upipe on its path,
+    from another folder, offline."""
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(saved), str(logits)],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def _full_model_loads_without_hf_upipe(saved, reference, tmp_path):
     """The 2-process full fine-tune's model (the full state dict gathered from FSDP2, plain transformers files, no
     hf_upipe name in its config) loads with `AutoModelForCausalLM` in a process that never imports hf_upipe, from
@@ -261,20 +278,8 @@ def _full_model_loads_without_hf_upipe(saved, reference, tmp_path):
 
     config = (saved / "config.json").read_text()
     assert "upipe" not in config.lower() and "auto_map" not in json.loads(config), config
-    elsewhere = tmp_path / "elsewhere_full"
-    elsewhere.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     logits = tmp_path / "full_logits.pt"
-    proc = subprocess.run(
-        [sys.executable, "-c", LOAD_FULL_WITHOUT_HF_UPIPE, str(saved), str(logits)],
-        cwd=elsewhere,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_elsewhere(LOAD_FULL_WITHOUT_HF_UPIPE, saved, logits, tmp_path / "elsewhere_full")
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     try:
         from _common import build_model
@@ -303,19 +308,7 @@ def test_a_saved_adapter_loads_without_hf_upipe_and_runs_are_kept(tmp_path, adap
     with open(adapter / "adapter_config.json") as f:
         assert json.load(f)["base_model_name_or_path"] == str(run / "base")
 
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", LOAD_WITHOUT_HF_UPIPE, str(adapter), str(tmp_path / "logits.pt")],
-        cwd=elsewhere,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_elsewhere(LOAD_WITHOUT_HF_UPIPE, adapter, tmp_path / "logits.pt", tmp_path / "elsewhere")
 
     import torch
     from peft import PeftModel

@@ -62,37 +62,16 @@ def _sft_lora(rank: int, root: str):
     from transformers import AutoModelForCausalLM
     from trl import SFTConfig
 
-    import hf_upipe
     from hf_upipe.trl import UPipeSFTTrainer
-    from tests.training._trl_runs import _model, dataset, lora_config, tokenizer
+    from tests.training._trl_runs import _model, dataset
 
     base = os.path.join(root, "base")
     if rank == 0:
         _model(seed=11).save_pretrained(base)
     torch.distributed.barrier()
     model = AutoModelForCausalLM.from_pretrained(base, attn_implementation="sdpa")
-    args = SFTConfig(
-        output_dir=os.path.join(root, "sft"),
-        per_device_train_batch_size=2,
-        max_steps=2,
-        learning_rate=2e-3,
-        **{**RUN_ARGS, "warmup_steps": 0},
-        save_strategy="no",
-        max_length=40,
-        bf16=False,
-    )
-    hf_upipe.reset_sequence_parallel()
-    trainer = UPipeSFTTrainer(
-        model=model,
-        args=args,
-        train_dataset=dataset(16, seed=1),
-        processing_class=tokenizer(),
-        peft_config=lora_config(),
-        upipe_config=hf_upipe.UPipeConfig(sp_size=2),
-    )
-    trainer.train()
-    trainer.save_model(os.path.join(root, "sft_final"))
-    return _logits(trainer) if rank == 0 else None
+    args = SFTConfig(output_dir=os.path.join(root, "sft"), max_length=40, **_LORA_ARGS)
+    return _train_lora(rank, UPipeSFTTrainer, model, args, dataset(16, seed=1), root, "sft_final")
 
 
 def _dpo_lora(rank: int, root: str):
@@ -100,37 +79,51 @@ def _dpo_lora(rank: int, root: str):
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig
 
-    import hf_upipe
     from hf_upipe.trl import UPipeDPOTrainer
     from tests.training._dpo_runs import preference_dataset
-    from tests.training._trl_runs import lora_config, tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
         os.path.join(root, "base"), attn_implementation="sdpa"
     )
     args = DPOConfig(
         output_dir=os.path.join(root, "dpo"),
-        per_device_train_batch_size=2,
-        max_steps=2,
-        learning_rate=2e-3,
-        **{**RUN_ARGS, "warmup_steps": 0},
-        save_strategy="no",
         max_length=24,
         beta=0.5,
-        bf16=False,
         dataset_num_proc=None,
+        **_LORA_ARGS,
     )
+    data = preference_dataset(8, seed=1)
+    return _train_lora(rank, UPipeDPOTrainer, model, args, data, root, "dpo_final")
+
+
+# the TRL configs' shared settings of the LoRA runs: 2 steps of 2 rows, no checkpoints, fp32
+_LORA_ARGS = dict(
+    per_device_train_batch_size=2,
+    max_steps=2,
+    learning_rate=2e-3,
+    **{**RUN_ARGS, "warmup_steps": 0},
+    save_strategy="no",
+    bf16=False,
+)
+
+
+def _train_lora(rank: int, trainer_cls, model, args, data, root: str, name: str):
+    """`trainer_cls` (a TRL trainer of hf_upipe.trl) with a LoRA adapter at SP 2: trains, saves `root/name`; rank
+    0 returns the trained model's logits."""
+    import hf_upipe
+    from tests.training._trl_runs import lora_config, tokenizer
+
     hf_upipe.reset_sequence_parallel()
-    trainer = UPipeDPOTrainer(
+    trainer = trainer_cls(
         model=model,
         args=args,
-        train_dataset=preference_dataset(8, seed=1),
+        train_dataset=data,
         processing_class=tokenizer(),
         peft_config=lora_config(),
         upipe_config=hf_upipe.UPipeConfig(sp_size=2),
     )
     trainer.train()
-    trainer.save_model(os.path.join(root, "dpo_final"))
+    trainer.save_model(os.path.join(root, name))
     return _logits(trainer) if rank == 0 else None
 
 
