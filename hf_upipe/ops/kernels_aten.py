@@ -51,41 +51,10 @@ def _aten_flash_fwd(q, k, v, dropout_p, is_causal, return_debug_mask, *, scale):
     )
 
 
-def _aten_flash_bwd(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    cum_q,
-    cum_k,
-    max_q,
-    max_k,
-    dropout_p,
-    is_causal,
-    seed,
-    offset,
-    *,
-    scale,
-):
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cum_q,
-        cum_k,
-        max_q,
-        max_k,
-        dropout_p,
-        is_causal,
-        seed,
-        offset,
-        scale=scale,
-    )
+def _aten_flash_bwd(*args, scale):
+    """aten's flash backward: (dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed,
+    offset) in the order of `_scaled_dot_product_flash_attention_backward`."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(*args, scale=scale)
 
 
 def _aten_eff_fwd(q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, *, scale):
