@@ -33,16 +33,21 @@ __all__ = [
 _VALIDATION: dict = {}  # (world, timeout) -> the world's validation group
 
 
-def validation_timeout() -> float:
-    """Seconds a validation collective waits for the other ranks (UPIPE_VALIDATION_TIMEOUT, default 60)."""
-    value = os.environ.get("UPIPE_VALIDATION_TIMEOUT", "").strip()
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment variable `name` (`default` when unset)."""
+    value = os.environ.get(name, "").strip()
     try:
-        seconds = float(value) if value else 60.0
+        seconds = float(value) if value else default
     except ValueError:
         seconds = -1.0
     if seconds <= 0:
-        raise ValueError(f"UPIPE_VALIDATION_TIMEOUT={value!r} must be a positive number of seconds")
+        raise ValueError(f"{name}={value!r} must be a positive number of seconds")
     return seconds
+
+
+def validation_timeout() -> float:
+    """Seconds a validation collective waits for the other ranks (UPIPE_VALIDATION_TIMEOUT, default 60)."""
+    return env_seconds("UPIPE_VALIDATION_TIMEOUT", 60.0)
 
 
 def simulated() -> bool:

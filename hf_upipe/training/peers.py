@@ -46,6 +46,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from hf_upipe.agreement import env_seconds
 from hf_upipe.exits import record_line
 
 __all__ = [
@@ -68,14 +69,7 @@ _HOLD_S = (
 
 def peer_timeout() -> float:
     """Seconds a silent peer is waited for inside a step (UPIPE_PEER_TIMEOUT, default 60)."""
-    value = os.environ.get("UPIPE_PEER_TIMEOUT", "").strip()
-    try:
-        seconds = float(value) if value else 60.0
-    except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise ValueError(f"UPIPE_PEER_TIMEOUT={value!r} must be a positive number of seconds")
-    return seconds
+    return env_seconds("UPIPE_PEER_TIMEOUT", 60.0)
 
 
 def last_checkpoint(folder: str | None) -> str | None:
