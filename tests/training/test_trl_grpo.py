@@ -3,16 +3,26 @@ step; its refusals and its sequence layout.
 
 Every run: a tiny random Llama (fp32), 16 prompts of 3-9 random words (word-level tokenizer), 4 completions of at
 most 6 tokens per prompt, two verifiable rewards (the share of words among w0..w29, the length), AdamW (SGD for the
-full fine-tune, whose weight changes are compared) with clipping, 3 steps (2 for each loss type). The reference is
-`trl.GRPOTrainer` with "sdpa" on one process with the global batch. Checked on every rank: every value TRL logs at
-every step (loss, grad norm, rewards and their spreads, completion lengths, num_tokens, kl, entropy, the clip
-ratios or the loss type's own statistic), relative 1e-4, and the final trainable parameters (relative 1e-4).
+full fine-tune and the loss types, whose weight changes are compared) with clipping, 3 steps (2 for each loss type
+and on SP 2 x DP 2 for the full fine-tune). The reference is `trl.GRPOTrainer` with "sdpa" on one process with the
+global batch. Checked on every rank: every value TRL logs at every step (loss, grad norm, rewards and their
+spreads, completion lengths, num_tokens, kl, entropy, the clip ratios or the loss type's own statistic), relative
+1e-4, and the final trainable parameters (relative 1e-4).
 
 Completions on SP 2 are sampled on both sides (TRL: `model.generate`; hf_upipe: `hf_upipe.generate` with the
 draws on SP rank 0, so the same seed draws the same tokens); on SP 2 x DP 2 both replay the same completions
 through TRL's `rollout_func` (a data-parallel replica samples from another seed than one process), with one
 micro-batch per step (a replica shuffles its own rows into micro-batches; TRL's per-micro-batch token means, kl and
 entropy, then equal one process's).
+
+What TRL itself computes per process (bnpo's token mean, the entropy bonus) is one process's on no number of
+data-parallel processes: on SP 2 x DP 2 those cases (`per_process`) are compared with `trl.GRPOTrainer` on 2 gloo
+processes (the same replayed completions): every logged value at every step and the final weights; and with one
+process, every other value of the first step (later steps start from weights moved by a per-process loss). The
+test also checks that TRL's 2-process values differ from one process's there.
+
+Jobs (each a forkserver spawn): one process (every one-process reference, then the one-process case), 2 ranks
+(TRL on 2 processes, then the SP 2 cases), 4 ranks (every SP 2 x DP 2 case).
 """
 
 import numpy as np
@@ -63,22 +73,42 @@ CASES["sp2_lora_luspo"]["grpo"] = dict(
     epsilon=0.05, importance_sampling_level="sequence"
 )  # as its paper
 CASES["sp2_lora_sapo"]["grpo"] = dict(epsilon=0.05, top_entropy_quantile=0.6, entropy_coef=0.01)
+# SP 2 x DP 2: both sides replay the same completions, one micro-batch per optimizer step (module docstring)
+DP2 = dict(world=4, gen="replay", ga=1)
 CASES |= {
-    "sp2_dp2_lora_beta": dict(world=4, lora=True, beta=0.1, gen="replay", ga=1, **MOVED),
+    # 2 steps, no warmup: the second step's policy has moved away from the reference
+    "sp2_dp2_full_checkpointing_tiled_mlp": CASES["sp2_full_checkpointing_tiled_mlp"]
+    | DP2
+    | dict(steps=2, run=dict(warmup_steps=0)),
+    **{f"sp2_dp2_lora_{t}": CASES[f"sp2_lora_{t}"] | DP2 for t in LOSS_TYPES},
     # one process (sp_size 1): TRL's own generation and scoring, in the reference's job
     "one_process_lora_beta": dict(world=1, lora=True, beta=0.1, loss_type="grpo", gen="sample"),
 }
-# the entropy quantile gathers over the data-parallel replicas (the entropy bonus is a token mean per process
-# in TRL: a data-parallel run averages the replicas' means, so it is compared on SP 2 above)
-CASES["sp2_dp2_lora_beta"]["grpo"] = dict(epsilon=0.05, top_entropy_quantile=0.6)
+# the entropy quantile's threshold gathers every replica's entropies: equal to one process (the entropy bonus of
+# the SP 2 case is a token mean per process in TRL, below)
+CASES["sp2_dp2_lora_dapo"]["grpo"] = dict(epsilon=0.05, top_entropy_quantile=0.6)
+# What TRL computes per process: one process's value is not TRL's on 2 processes, by construction. These are
+# compared with trl.GRPOTrainer on dp_size processes (the same replayed completions, the same micro-batches), and
+# every other logged value with one process. bnpo: the loss is each micro-batch's token mean; the entropy bonus:
+# the token mean of the (entropy-masked) entropies of each micro-batch; so the gradients and weights follow.
+PER_PROCESS = ("loss", "grad_norm")
+CASES["sp2_dp2_lora_bnpo"]["per_process"] = PER_PROCESS
+CASES["sp2_dp2_lora_sapo"]["per_process"] = (
+    PER_PROCESS  # entropy_coef 0.01: its policy_loss is exact
+)
+CASES["sp2_dp2_lora_sapo"]["grpo"] = dict(epsilon=0.05, top_entropy_quantile=0.6, entropy_coef=0.5)
 
 
 def _spec(name: str, **extra) -> dict:
-    return {k: v for k, v in CASES[name].items() if k != "world"} | extra
+    return {k: v for k, v in CASES[name].items() if k not in ("world", "per_process")} | extra
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """{case: (one-process reference, TRL on dp_size processes or None, [each rank's UPipeGRPOTrainer run])}.
+
+    Three jobs: one process (every reference, then the one-process cases), 2 ranks (TRL on 2 processes for the
+    SP 2 x DP 2 cases with per-process values, then the SP 2 cases), 4 ranks (the SP 2 x DP 2 cases)."""
     root = tmp_path_factory.mktemp("grpo")
     names = list(CASES)
     ones = [n for n in names if CASES[n]["world"] == 1]  # run in the references' job, after them
@@ -97,31 +127,76 @@ def runs(tmp_path_factory):
         + [_spec(n, trainer="upipe", sp=1, output_dir=str(root / n)) for n in ones],
         timeout=600,
     )[0]
-    refs = outs[: len(names)]
+    refs = dict(zip(names, outs))
     got = {n: [outs[len(names) + i]] for i, n in enumerate(ones)}
+    dp_refs = {}
     for world in sorted({c["world"] for c in CASES.values()} - {1}):
+        # TRL on `world` processes (dp=1: each process holds its own 4 rows) for the cases at DP `world`
+        trl = [n for n in names if "per_process" in CASES[n] and CASES[n]["world"] // 2 == world]
         mine = [n for n in names if CASES[n]["world"] == world]
         outs = run_distributed(
             grpo_runs,
             world,
-            [
+            [_spec(n, trainer="trl", dp=1, output_dir=str(root / f"trl_dp_{n}")) for n in trl]
+            + [
                 _spec(n, trainer="upipe", sp=2, dp=world // 2, output_dir=str(root / n))
                 for n in mine
             ],
-            timeout=600,
+            timeout=900,
         )
-        got |= {n: [rank_out[i] for rank_out in outs] for i, n in enumerate(mine)}
-    return {n: (refs[i], got[n]) for i, n in enumerate(names)}
+        dp_refs |= {n: outs[0][i] for i, n in enumerate(trl)}
+        got |= {n: [rank_out[len(trl) + i] for rank_out in outs] for i, n in enumerate(mine)}
+    return {n: (refs[n], dp_refs.get(n), got[n]) for n in names}
 
 
 def _err(have, want) -> float:
     return abs(have - want) / abs(want) if abs(want) > 1e-6 else abs(have - want)
 
 
+def _log_errors(name: str, got: list[dict], ref: dict, keys, steps=None) -> dict:
+    """{key: (largest relative difference over `steps` (default all) and ranks, that value, the reference's)} of
+    the logged `keys`; asserts each <= RTOL."""
+    errs = {}
+    for rank, out in enumerate(got):  # every rank logs the same numbers
+        assert set(ref["logs"]) <= set(out["logs"]), set(ref["logs"]) - set(out["logs"])
+        for key in keys:
+            want, have = ref["logs"][key], out["logs"][key]
+            assert have.keys() == want.keys(), (name, key)
+            for step in want if steps is None else steps:
+                assert (want[step] is None) == (have[step] is None), (name, rank, key, step)
+                if want[step] is None:
+                    continue
+                e = _err(have[step], want[step])
+                assert e <= RTOL, (
+                    f"{name} rank {rank} {key} step {step}: {have[step]} vs {want[step]}"
+                )
+                if e >= errs.get(key, (-1.0,))[0]:
+                    errs[key] = (e, have[step], want[step])
+    return errs
+
+
+def _weights_error(name: str, case: dict, out: dict, ref: dict) -> float:
+    """The largest relative difference of the final trainable parameters (with SGD: of their changes)."""
+    want, have = ref["params"], out["params"]
+    assert want.keys() == have.keys()
+    if case.get("optim") == "sgd":  # compare the changes: (final - initial weights)
+        want = {n: w - ref["initial"][n] for n, w in want.items()}
+        have = {n: w - out["initial"][n] for n, w in have.items()}
+        assert all(np.array_equal(ref["initial"][n], out["initial"][n]) for n in want)
+    perr = 0.0
+    for n, r in want.items():
+        err = np.abs(have[n] - r).max() / max(np.abs(r).max(), 1e-12)
+        assert err < RTOL, f"{name}: parameter {n} differs, max rel err {err:.2e}"
+        perr = max(perr, err)
+    return perr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_upipe_grpo_trainer_equals_single_process_grpo_trainer(runs, name):
-    ref, got = runs[name]
+    """Every logged value and the final weights equal one process's, except what TRL computes per process
+    (`per_process`: equal to TRL's on dp_size processes, as are the final weights)."""
+    ref, dp_ref, got = runs[name]
     case = CASES[name]
     steps = case.get("steps", 3)
     assert sorted(ref["logs"]["loss"]) == list(range(1, steps + 1))
@@ -132,42 +207,48 @@ def test_upipe_grpo_trainer_equals_single_process_grpo_trainer(runs, name):
     assert all(out["generation_batch_size"] == ref["generation_batch_size"] for out in got)
     if case.get("save"):  # UPipeTrainer's atomic checkpoint, through GRPOTrainer's (model card)
         assert got[0]["saved"] == ["README.md", "checkpoint-3"], got[0]["saved"]
-    errs = {}
-    for rank, out in enumerate(got):  # every rank logs the same numbers
-        assert set(ref["logs"]) <= set(out["logs"]), set(ref["logs"]) - set(out["logs"])
-        for key, want in ref["logs"].items():
-            have = out["logs"][key]
-            assert have.keys() == want.keys(), (name, key)
-            for step in want:
-                assert (want[step] is None) == (have[step] is None), (name, rank, key, step)
-                if want[step] is None:
-                    continue
-                e = _err(have[step], want[step])
-                assert e <= RTOL, (
-                    f"{name} rank {rank} {key} step {step}: {have[step]} vs {want[step]}"
-                )
-                errs[key] = max(errs.get(key, 0.0), e)
+    per_process = case.get("per_process", ())
+    # with a per-process loss the weights after step 1 are TRL's on dp_size processes: then only step 1's other
+    # values are one process's
+    errs = _log_errors(
+        name,
+        got,
+        ref,
+        [k for k in ref["logs"] if k not in per_process],
+        steps=[1] if per_process else None,
+    )
     # the values compared are not trivially equal: the policy moves away from the reference, rewards spread
     assert any(v > 0 for v in ref["logs"]["reward_std"].values())
     if case.get("beta"):
         assert any(v > 1e-3 for v in ref["logs"]["kl"].values())
     if case.get("num_iterations", 1) > 1 and case.get("loss_type", "dapo") in LOSS_TYPES[:4]:
         assert any(v > 0 for v in ref["logs"]["clip_ratio/region_mean"].values()), ref["logs"]
-    want, have = ref["params"], got[0]["params"]
-    assert want.keys() == have.keys()
-    if case.get("optim") == "sgd":  # compare the changes: (final - initial weights)
-        want = {n: w - ref["initial"][n] for n, w in want.items()}
-        have = {n: w - got[0]["initial"][n] for n, w in have.items()}
-        assert all(np.array_equal(ref["initial"][n], got[0]["initial"][n]) for n in want)
-    perr = 0.0
-    for n, r in want.items():
-        err = np.abs(have[n] - r).max() / max(np.abs(r).max(), 1e-12)
-        assert err < RTOL, f"{name}: parameter {n} differs, max rel err {err:.2e}"
-        perr = max(perr, err)
-    worst = max(errs, key=errs.get)
-    print(
-        f"\n{name}: largest logged difference {errs[worst]:.1e} ({worst}); final weights {perr:.1e}"
-    )
+    line = f"\n{name}: one process: largest logged difference {_worst(errs)}"
+    if per_process:  # TRL's own 2-process run is not one process's here: compared with it instead
+        assert dp_ref["generation_batch_size"] == ref["generation_batch_size"]
+        dp_errs = _log_errors(name, got, dp_ref, list(dp_ref["logs"]))
+        apart = max(  # how far TRL on dp_size processes is from one process (the reason for this reference)
+            _err(dp_ref["logs"][k][s], ref["logs"][k][s])
+            for k in per_process
+            for s in ref["logs"][k]
+        )
+        assert apart > RTOL, (
+            f"{name}: TRL on 2 processes gives one process's {per_process} ({apart:.1e})"
+        )
+        perr = _weights_error(name, case, got[0], dp_ref)
+        line += (
+            f"; TRL on {case['world'] // 2} processes: {_worst(dp_errs)}, final weights {perr:.1e} (TRL on "
+            f"{case['world'] // 2} processes vs one: {apart:.1e} in {', '.join(per_process)})"
+        )
+    else:
+        line += f"; final weights {_weights_error(name, case, got[0], ref):.1e}"
+    print(line)
+
+
+def _worst(errs: dict) -> str:
+    worst = max(errs, key=lambda k: errs[k][0])
+    e, have, want = errs[worst]
+    return f"{e:.1e} ({worst}: {have:.7g} vs {want:.7g})"
 
 
 # ---- fast: refusals, the sequence layout, the replica view (one process) -----------------------------------
