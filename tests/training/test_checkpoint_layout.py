@@ -1,6 +1,6 @@
 """Checkpoints resumed at another (SP, ring, DP) layout with the same global batch, against the uninterrupted run at
-the new layout; other global batches and other models refused before any step. UPipeTrainer (DDP), FSDP2 through
-torch distributed checkpoints, and the custom-loop example (`UPipePlugin`, accelerate's save_state).
+the new layout; other global batches and other models refused before any step. UPipeTrainer (DDP and accelerate's
+FSDP2), the custom loop of the example (`UPipePlugin`, accelerate's save_state) under DDP and accelerate's FSDP2.
 
 A 2-rank run (SP 2, 2 rows x 2 accumulation steps) and a 4-rank run (SP 4; SP 2 x DP 2; SP 4 as U 2 x ring 2) train
 a tiny Llama (fp32, no dropout) 4 steps, saving at step 2; the 4-rank run also resumes:
@@ -11,9 +11,12 @@ Each resumed run logs the uninterrupted run's losses at steps 3 and 4 (relative 
 Controls that must break it: the same resume without the data skip (wrong data position), and without the
 optimizer file (fresh AdamW moments and schedule). Refused, on every rank, naming both layouts: a global batch of 8
 rows instead of 4, and the full checkpoint resumed as a LoRA model.
-FSDP2 (`fully_shard` over all ranks, as accelerate's FSDP2 does on GPUs; saved with torch distributed checkpoints,
-as accelerate's default SHARDED_STATE_DICT does): saved on 2 processes at SP 2, resumed on 4 at SP 2 x DP 2 (full)
-and SP 4 (LoRA), each against the uninterrupted run there.
+FSDP2: accelerate's own (`tests.training._layout_runs.accelerate_fsdp2_on_cpu` lets it run over gloo), in the same
+two process groups (`_fsdp2_specs`): UPipeTrainer (sharded and full state dicts) and the example's loop (its
+save_checkpoint and resume sequence), full and LoRA, saved on 2 processes at SP 2 and resumed on 4 at SP 2 x DP 2,
+SP 4 or SP 4 with a ring of 2, each against the uninterrupted run there (losses, weights, the generator after
+loading); the uninterrupted loop runs against one process without hf_upipe; 8 rows per step refused; an lm_head
+that FSDP2 reshards after its forward refused by the tiled loss.
 """
 
 import json
