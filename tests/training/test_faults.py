@@ -287,5 +287,6 @@ def test_a_launcher_sigterm_inside_a_step_is_held_until_the_line_is_out(tmp_path
     assert code == 128 + 15 and "alive" in stdout and "error (rank" not in stderr, (code, stderr)
     assert 1.5 <= held < 4.5, held
     code, stdout, stderr, outside = got["outside"]
-    assert code == 128 + 15 and "alive" not in stdout and outside < 1.5, (code, stdout, outside)
+    # not held: no "alive" (a hold would print it and end after the 8 s of this case)
+    assert code == 128 + 15 and "alive" not in stdout and outside < 5, (code, stdout, outside)
     print(f"named after {seconds:.1f} s, held {held:.1f} s, outside {outside:.2f} s")
