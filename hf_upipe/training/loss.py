@@ -80,13 +80,35 @@ def output_head(model: nn.Module) -> tuple[nn.Linear, nn.Module]:
         if type(inner) is nn.Linear:
             return inner, head  # read the active copy's weight, hook the wrapper the model calls
         head = inner
-    if type(head) is not nn.Linear:
+    if _linear_class(head) is not nn.Linear:
         raise NotImplementedError(
             f"The lm_head is a {type(head).__name__}, not a plain nn.Linear (LoRA on the lm_head or a quantized "
             "head): the tiled loss cannot read its weight; set tiled_loss=False (UPipeConfig / "
             "UPIPE_TILED_LOSS=0)."
         )
     return head, head
+
+
+def _linear_class(head: nn.Module) -> type:
+    """The module's own class: FSDP2's `fully_shard` (accelerate's FSDP2 shards the lm_head with the final norm)
+    makes an `nn.Linear` an `FSDPLinear(FSDPModule, Linear)`, which is still the plain Linear to the loss."""
+    own = type(head)
+    if own.__name__.startswith("FSDP") and any(c.__name__ == "FSDPModule" for c in own.__mro__):
+        own = next(c for c in own.__mro__[1:] if not c.__name__.startswith("FSDP"))
+    return own
+
+
+def _unsharded_weight(head: nn.Module) -> None:
+    """Refuse an lm_head whose FSDP2 group resharded after its forward: its weight is then this rank's shard (a
+    DTensor), not the matrix the tiles need. accelerate's FSDP2 keeps it gathered (reshard_after_forward=False
+    for the final norm and lm_head), as must a model sharded by hand."""
+    if type(head.weight).__name__ == "DTensor":
+        raise NotImplementedError(
+            f"The lm_head ({type(head).__name__}) holds only this rank's shard of its weight after its forward "
+            "(an FSDP2 group with reshard_after_forward=True): the tiled loss needs the whole weight. Shard the "
+            "lm_head with reshard_after_forward=False (fully_shard([final_norm, lm_head], "
+            "reshard_after_forward=False), as accelerate's FSDP2 does), or set tiled_loss=False."
+        )
 
 
 @contextmanager
@@ -189,6 +211,7 @@ def head_input(model: nn.Module, inputs: dict):
             "once (set tiled_loss=False for this model)."
         )
     hidden = recorded[0]  # [B, s, Dm] final-norm output
+    _unsharded_weight(head)
     config = getattr(base_model(_unwrap(model)), "config", None)
     softcap = getattr(config, "final_logit_softcapping", None)
     scale = logit_multiplier(config) if config is not None else 1.0

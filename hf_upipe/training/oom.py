@@ -3,8 +3,9 @@
 Entry point:
 - `explain_oom(err, runtime, model)`: the `torch.OutOfMemoryError` to raise instead of `err`: its message names
   the sequence length and the settings in force, what `hf-upipe plan` predicts for them, the longest length that
-  fits with them and the settings that would fit this length; torch's own message follows. The planner runs in
-  child processes (the runtime never imports it, `hf_upipe.training.auto_settings`), three at once, bounded by
+  fits with them (searched in steps of `search_step(seq_len)` tokens) and the settings that would fit this length;
+  torch's own message follows. The planner runs in child processes (the runtime never imports it,
+  `hf_upipe.training.auto_settings`), three at once, bounded by
   `UPIPE_OOM_PLAN_TIMEOUT` seconds (default 120); whatever it could not answer in time, or at all (no GPU memory
   known: set `gpu_memory`), the message says so in a shorter line. Building the message never raises.
 """
@@ -22,7 +23,7 @@ import torch
 
 from hf_upipe.training.auto_settings import planner_model_args
 
-__all__ = ["explain_oom", "plan_flags"]
+__all__ = ["explain_oom", "plan_flags", "search_step"]
 
 _GIB = 2**30
 
@@ -56,6 +57,17 @@ def plan_flags(config, sp_size: int) -> list[str]:
         if value:
             flags += ["--" + name.replace("_", "-"), str(value)]
     return flags
+
+
+def search_step(seq_len: int) -> int:
+    """The granularity of the search for the longest length that fits: a sixteenth of the length in force,
+    rounded down to a power of two (1 token at least, the planner's default of 128K at most), so that a length
+    shorter than the one that ran out of memory can be named (at the planner's default, nothing under 128K
+    tokens can)."""
+    step = 1
+    while step * 2 <= seq_len // 16 and step < 2**17:
+        step *= 2
+    return step
 
 
 def _in_force(config, seq_len: int, sp_size: int, world: int) -> str:
@@ -104,7 +116,7 @@ def _advice(model, config, seq_len: int, sp_size: int, world: int) -> list[str]:
         answers = _ask_planner(
             {
                 "now": base + ["--seq-len", str(seq_len)] + fixed,
-                "max": base + ["--max"] + fixed,
+                "max": base + ["--max", "--step", str(search_step(seq_len))] + fixed,
                 "fit": base + ["--seq-len", str(seq_len), "--sp-size", str(sp_size)],
             }
         )

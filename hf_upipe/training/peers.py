@@ -115,8 +115,10 @@ class _Watch:
         self.inside = 0  # guarded regions this rank is in
         self.diagnosing = False  # the main thread names the peer (`diagnose`)
         self.seen: dict[int, tuple[int, float]] = {}  # peer -> (its count, when it last moved)
-        atexit.register(self.done)
-        threading.Thread(target=self._run, name="hf_upipe-peers", daemon=True).start()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hf_upipe-peers", daemon=True)
+        atexit.register(self.close)
+        self._thread.start()
 
     def post(self, what: str) -> None:
         """Tell the other ranks this one failed (`what`: the error's type and first line)."""
@@ -132,14 +134,23 @@ class _Watch:
         with contextlib.suppress(Exception):
             self.store.set(f"{_PREFIX}/done/{self.rank}", "1")
 
+    def close(self) -> None:
+        """At exit: mark this rank done and stop the heartbeat thread, joined before the interpreter finalizes (a
+        thread left inside a store call then aborts the process: `terminate called without an active
+        exception`, status -6, which the launcher reports as a failed rank)."""
+        self.done()
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=15)
+
     def _run(self) -> None:
-        while True:
+        while not self._stop.is_set():
             try:
                 self.store.add(f"{_PREFIX}/beat/{self.rank}", 1)
                 self._check()
             except Exception:  # noqa: BLE001  (the store went away: the launcher is ending the run)
                 return
-            time.sleep(self.interval)
+            self._stop.wait(self.interval)
 
     def _check(self) -> None:
         if self.diagnosing:

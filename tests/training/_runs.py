@@ -169,6 +169,7 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
         accelerator_config={"dispatch_batches": False} if spec.get("iterable_eval") else None,
         parallelism_config=_parallelism(spec.get("parallelism")),
         ignore_data_skip=spec.get("ignore_data_skip", False),
+        **spec.get("args", {}),  # e.g. fsdp and fsdp_config (tests.training._layout_runs)
     )
     train = _dataset(32, spec.get("seq_len", 29), 96, seed=1, unlabeled=spec.get("unlabeled") or 0)
     evals = _dataset(spec.get("eval_rows", 9), spec.get("seq_len", 29), 96, seed=2)
@@ -220,9 +221,7 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
     losses = {h["step"]: h["loss"] for h in history if "loss" in h}
     evals_ = {h["step"]: h["eval_loss"] for h in history if "eval_loss" in h}
     extra = sorted({k for h in history if "loss" in h for k in h})
-    params = {
-        n: p.detach().numpy().copy() for n, p in trainer.model.named_parameters() if p.requires_grad
-    }
+    params = {n: _whole(p) for n, p in trainer.model.named_parameters() if p.requires_grad}
     if spec.get("save_to") and trainer.args.should_save:
         trainer.save_model(spec["save_to"])
     grad_norms = {h["step"]: h["grad_norm"] for h in history if "grad_norm" in h}
@@ -241,6 +240,11 @@ def train_run(rank: int, world: int, spec: dict) -> dict:
             (h.get("tokens_per_second"), h.get("peak_memory_gib")) for h in history if "loss" in h
         ],
     }
+
+
+def _whole(p):
+    """A parameter's values; an FSDP2 parameter (this rank's shard of a DTensor) gathered whole: a collective."""
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().numpy().copy()
 
 
 def train_runs(rank: int, world: int, specs: list[dict]) -> list[dict]:

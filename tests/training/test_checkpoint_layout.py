@@ -1,6 +1,6 @@
 """Checkpoints resumed at another (SP, ring, DP) layout with the same global batch, against the uninterrupted run at
-the new layout; other global batches and other models refused before any step. UPipeTrainer (DDP), FSDP2 through
-torch distributed checkpoints, and the custom-loop example (`UPipePlugin`, accelerate's save_state).
+the new layout; other global batches and other models refused before any step. UPipeTrainer (DDP and accelerate's
+FSDP2), the custom loop of the example (`UPipePlugin`, accelerate's save_state) under DDP and accelerate's FSDP2.
 
 A 2-rank run (SP 2, 2 rows x 2 accumulation steps) and a 4-rank run (SP 4; SP 2 x DP 2; SP 4 as U 2 x ring 2) train
 a tiny Llama (fp32, no dropout) 4 steps, saving at step 2; the 4-rank run also resumes:
@@ -11,9 +11,12 @@ Each resumed run logs the uninterrupted run's losses at steps 3 and 4 (relative 
 Controls that must break it: the same resume without the data skip (wrong data position), and without the
 optimizer file (fresh AdamW moments and schedule). Refused, on every rank, naming both layouts: a global batch of 8
 rows instead of 4, and the full checkpoint resumed as a LoRA model.
-FSDP2 (`fully_shard` over all ranks, as accelerate's FSDP2 does on GPUs; saved with torch distributed checkpoints,
-as accelerate's default SHARDED_STATE_DICT does): saved on 2 processes at SP 2, resumed on 4 at SP 2 x DP 2 (full)
-and SP 4 (LoRA), each against the uninterrupted run there.
+FSDP2: accelerate's own (`tests.training._layout_runs.accelerate_fsdp2_on_cpu` lets it run over gloo), in the same
+two process groups (`_fsdp2_specs`): UPipeTrainer (sharded and full state dicts) and the example's loop (its
+save_checkpoint and resume sequence), full and LoRA, saved on 2 processes at SP 2 and resumed on 4 at SP 2 x DP 2,
+SP 4 or SP 4 with a ring of 2, each against the uninterrupted run there (losses, weights, the generator after
+loading); the uninterrupted loop runs against one process without hf_upipe; 8 rows per step refused; an lm_head
+that FSDP2 reshards after its forward refused by the tiled loss.
 """
 
 import json
@@ -77,19 +80,43 @@ def _specs4(root, two_rank_ckpt):
 
 
 def _fsdp2_specs(root):
-    """(2-rank specs, 4-rank specs) of the FSDP2 runs (`tests.training._layout_runs`): saved on 2 processes at
-    SP 2 (4 rows), resumed on 4 at SP 2 x DP 2 (full) and SP 4 (LoRA), beside the uninterrupted runs there; 4 rows
-    per replica on DP 2 (8) refused."""
+    """(2-rank specs, 4-rank specs) of the accelerate FSDP2 runs (`tests.training._layout_runs`: ("trainer" |
+    "plugin", spec)), each global batch 4 rows. Saved on 2 processes at SP 2 (the Trainer after step 2 of 4, the
+    custom loop after 2 steps), resumed on 4 beside the uninterrupted run there:
+    - UPipeTrainer, full, SHARDED_STATE_DICT (torch distributed checkpoints, resharded): SP 2 -> SP 2 x DP 2;
+    - UPipeTrainer, LoRA, FULL_STATE_DICT (transformers' default for FSDP): SP 2 -> SP 4;
+    - the custom loop, full, SHARDED_STATE_DICT (accelerate's default): SP 2 -> SP 4 with a ring of 2;
+    - the custom loop, LoRA: SP 2 -> SP 2 x DP 2; resumed with 8 rows per step: refused."""
+    t = dict(trainer="upipe", steps=4, record_rng=True)
+    t_full = dict(t, lora=False, state_dict_type="SHARDED_STATE_DICT")
+    t_lora = dict(t, lora=True)
+    p_full, p_lora = dict(lora=False), dict(lora=True)
     two = [
-        dict(sp=2, lora=False, steps=2, save_at=2, save_to=f"{root}/fsdp_full"),
-        dict(sp=2, lora=True, steps=2, save_at=2, save_to=f"{root}/fsdp_lora"),
+        ("trainer", dict(t_full, sp=2, batch=2, ga=2, save_steps=2, output_dir=f"{root}/tf")),
+        ("trainer", dict(t_lora, sp=2, batch=2, ga=2, save_steps=2, output_dir=f"{root}/tl")),
+        ("plugin", dict(p_full, sp=2, rows=2, ga=2, steps=2, save_at=2, save_to=f"{root}/pf")),
+        ("plugin", dict(p_lora, sp=2, rows=1, ga=4, steps=2, save_at=2, save_to=f"{root}/pl")),
     ]
+    t_full4 = dict(t_full, sp=2, batch=2, ga=1)
+    t_lora4 = dict(t_lora, sp=4, batch=2, ga=2)
+    p_full4 = dict(p_full, sp=4, ring=2, rows=2, ga=2, steps=4)
+    p_lora4 = dict(p_lora, sp=2, rows=1, ga=2, steps=4)
     four = {
-        "full": dict(sp=2, lora=False, steps=4),
-        "full_resumed": dict(sp=2, lora=False, steps=4, resume=f"{root}/fsdp_full"),
-        "lora": dict(sp=4, lora=True, steps=4),
-        "lora_resumed": dict(sp=4, lora=True, steps=4, resume=f"{root}/fsdp_lora"),
-        "other_batch": dict(sp=2, lora=False, steps=4, resume=f"{root}/fsdp_full", rows=4),
+        "trainer_full": ("trainer", dict(t_full4, output_dir=f"{root}/tf4")),
+        "trainer_full_resumed": (
+            "trainer",
+            dict(t_full4, output_dir=f"{root}/tf4r", resume=f"{root}/tf/checkpoint-2"),
+        ),
+        "trainer_lora": ("trainer", dict(t_lora4, output_dir=f"{root}/tl4")),
+        "trainer_lora_resumed": (
+            "trainer",
+            dict(t_lora4, output_dir=f"{root}/tl4r", resume=f"{root}/tl/checkpoint-2"),
+        ),
+        "plugin_full": ("plugin", p_full4),
+        "plugin_full_resumed": ("plugin", dict(p_full4, resume=f"{root}/pf")),
+        "plugin_lora": ("plugin", p_lora4),
+        "plugin_lora_resumed": ("plugin", dict(p_lora4, resume=f"{root}/pl")),
+        "plugin_other_batch": ("plugin", dict(p_lora4, rows=2, resume=f"{root}/pl")),
     }
     return two, four
 
@@ -100,13 +127,20 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("layout")
     two = dict(COMMON, lora=False, sp=2, batch=2, ga=2, save_steps=2, output_dir=f"{root}/sp2")
     fsdp2_two, fsdp2_four = _fsdp2_specs(root)
-    run_distributed(layout_runs, 2, [two], fsdp2_two, timeout=600)
+    saved = run_distributed(layout_runs, 2, [two], fsdp2_two, timeout=600)
     specs = _specs4(root, f"{root}/sp2/checkpoint-2")
     outs = run_distributed(
         layout_runs, 4, list(specs.values()), list(fsdp2_four.values()), timeout=900
     )
+    saved_fsdp2 = [dict(zip(_SAVED.values(), r["fsdp2"])) for r in saved]
     return [
-        {**dict(zip(specs, r["trainer"])), "fsdp2": dict(zip(fsdp2_four, r["fsdp2"]))} for r in outs
+        {
+            **dict(zip(specs, r["trainer"])),
+            "fsdp2": dict(zip(fsdp2_four, r["fsdp2"])),
+            "fsdp2_saved": saved_fsdp2[0],
+            "resharded_head": [r["resharded_head"] for r in saved + outs],
+        }
+        for r in outs
     ]
 
 
@@ -141,20 +175,82 @@ def test_resume_at_another_layout_continues_exactly(runs, resumed, uninterrupted
     print(f"{resumed}: losses {losses:.1e} relative, weights {worst:.1e} absolute")
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_fsdp2_resumes_on_more_processes_through_distributed_checkpoints(runs, lora):
-    """FSDP2 shards saved on 2 processes (torch distributed checkpoint: model and AdamW states), resharded on load
-    over 4 at another SP layout, continue with the uninterrupted run's losses."""
-    name = "lora" if lora else "full"
+_SAVED = {"trainer_full": "tf", "trainer_lora": "tl", "plugin_full": "pf", "plugin_lora": "pl"}
+
+
+@pytest.mark.parametrize("case", list(_SAVED))
+def test_accelerate_fsdp2_checkpoint_resumes_at_another_layout(runs, case):
+    """What UPipeTrainer and the custom loop save under accelerate's FSDP2 on 2 processes (sharded: distributed
+    checkpoints, resharded on load; full: whole tensors), resumed on 4 at another SP layout: the uninterrupted run's
+    losses at steps 3 and 4 on every rank, its weights, every rank's generator alike."""
+    worst, weights = 0.0, 0.0
     for rank in runs:
-        got, want = rank["fsdp2"][f"{name}_resumed"]["losses"], rank["fsdp2"][name]["losses"]
-        assert sorted(got) == [3, 4]
-        worst = max(abs(got[s] - want[s]) / abs(want[s]) for s in (3, 4))
-        assert worst <= 1e-5, (got, want)
-    print(f"fsdp2 {name}: losses {worst:.1e} relative")
-    error = runs[0]["fsdp2"]["other_batch"]["error"]
-    assert "the global batch differs (saved at SP 2 x DP 1 on 2 processes, global batch 4" in error
-    assert "LlamaForCausalLM (" in error and "FSDPLlama" not in error, error
+        got, want = rank["fsdp2"][f"{case}_resumed"], rank["fsdp2"][case]
+        assert sorted(got["losses"]) == ([1, 2, 3, 4] if case.startswith("trainer") else [3, 4])
+        for step in (3, 4):
+            worst = max(worst, _relative(got, want, step))
+        assert worst <= 1e-5, (got["losses"], want["losses"])
+    # the generator carried, on every rank (ranks 2 and 3 have no file of their own: rank 0's): the saved run's
+    # state after step 2 (the Trainer: before its step 3; the loop: at its save)
+    saved = runs[0]["fsdp2_saved"][_SAVED[case]]
+    for rank in runs:
+        resumed = rank["fsdp2"][f"{case}_resumed"]
+        if case.startswith("trainer"):
+            assert resumed["rng"][0] == saved["rng"][2], (resumed["rng"], saved["rng"])
+        else:
+            assert resumed["rng_loaded"] == saved["rng"][-1], (resumed, saved["rng"])
+    first = runs[0]["fsdp2"]
+    for name, value in first[case]["params"].items():
+        got = first[f"{case}_resumed"]["params"][name]
+        weights = max(weights, float(np.abs(got - value).max()))
+        np.testing.assert_allclose(got, value, rtol=1e-4, atol=1e-6, err_msg=name)
+    print(f"fsdp2 {case}: losses {worst:.1e} relative, weights {weights:.1e} absolute")
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_accelerate_fsdp2_custom_loop_equals_one_process(runs, lora):
+    """The uninterrupted custom-loop runs under accelerate's FSDP2 (its [final norm, lm_head] group read by the
+    tiled loss), against one process without hf_upipe: losses and final weights."""
+    from tests.training._layout_runs import plugin_reference
+
+    ref = plugin_reference(lora)
+    case = "plugin_lora" if lora else "plugin_full"
+    worst = 0.0
+    for rank in runs:
+        got = rank["fsdp2"][case]["losses"]
+        worst = max(
+            worst, *(abs(got[s] - ref["losses"][s]) / ref["losses"][s] for s in ref["losses"])
+        )
+        assert worst <= 2e-5, (got, ref["losses"])
+    weights = 0.0
+    for name, value in runs[0]["fsdp2"][case]["params"].items():
+        want = ref["params"][name]
+        weights = max(weights, float(np.abs(value - want).max()))
+        np.testing.assert_allclose(value, want, rtol=1e-4, atol=1e-6, err_msg=name)
+    print(f"fsdp2 {case} vs one process: losses {worst:.1e} relative, weights {weights:.1e}")
+
+
+def test_accelerate_fsdp2_other_global_batch_is_refused_on_every_rank(runs):
+    for rank in runs:
+        error = rank["fsdp2"]["plugin_other_batch"]["error"]
+        assert (
+            error.startswith("CheckpointError: Cannot resume from")
+            and "global batch differs" in error
+        )
+        assert "saved at SP 2 x DP 1 on 2 processes, global batch 4 = 1 rows x DP 1 x 4" in error, (
+            error
+        )
+        assert (
+            "resuming at SP 2 x DP 2 on 4 processes, global batch 8 = 2 rows x DP 2 x 2" in error
+        ), error
+        assert "model PeftModel (" in error and "FSDP" not in error, error
+
+
+def test_an_lm_head_resharded_after_its_forward_is_refused(runs):
+    """FSDP2 with reshard_after_forward=True on the lm_head leaves only a shard of its weight for the tiled loss."""
+    for error in runs[0]["resharded_head"]:
+        assert "holds only this rank's shard of its weight" in error, error
+        assert "reshard_after_forward=False" in error and "tiled_loss=False" in error, error
 
 
 @pytest.mark.parametrize("control", ["no_data_skip", "no_optimizer"])
