@@ -62,7 +62,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "GiB",
@@ -127,6 +126,7 @@ def host_memory() -> Iterator[None]:
 _ACTIVE: list[MemoryTracker] = []
 _RESIZE_LOCK = threading.Lock()
 _C_RESIZE = torch._C.StorageBase.resize_
+_PRIM_DEVICE = torch.ops.prim.device.default
 
 
 def _tracked_resize(storage, size):
@@ -181,6 +181,31 @@ class StorageRecord(NamedTuple):
     dtype: torch.dtype
     nbytes: int
     op: str
+
+
+def _tensor_leaves(tree, out: list | None = None) -> list:
+    """The tensors in an op's arguments or outputs, in order: through lists, tuples and dicts (the only containers
+    an aten schema has; `torch.utils._pytree.tree_leaves` gives the same tensors, at several times the cost)."""
+    out = [] if out is None else out
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (list, tuple)):
+        for x in tree:
+            _tensor_leaves(x, out)
+    elif isinstance(tree, dict):
+        for x in tree.values():
+            _tensor_leaves(x, out)
+    return out
+
+
+def _storage_keys(leaves) -> set[int]:
+    """The storage keys of the tensors among `leaves` (through wrapper subclasses)."""
+    keys = set()
+    for t in _inner_tensors(leaves):
+        found = _storage_key(t)
+        if found is not None:
+            keys.add(found[0])
+    return keys
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, torch.UntypedStorage] | None:
@@ -474,18 +499,22 @@ class MemoryTracker(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs: set[int] = set()
-        for a in _inner_tensors(tree_leaves((args, kwargs))):
-            found = _storage_key(a)
-            if found is not None:
-                inputs.add(found[0])
-        for t in _inner_tensors(tree_leaves(out)):
+        # half of a step's dispatches: the autograd engine asks each tensor's device (no storage)
+        if func is _PRIM_DEVICE:
+            return out
+        inputs = None  # the inputs' storage keys, gathered once an output needs them
+        for t in _inner_tensors(_tensor_leaves(out)):
             found = _storage_key(t)
             if found is None:
                 continue
             key, storage = found
             if key in self._live:
                 self._resize(key, storage)  # no-op unless an in-place op / out= changed its size
-            elif key not in inputs and key not in self._host_live and not _pinned_host(t):
+                continue
+            if key in self._host_live:
+                continue
+            if inputs is None:
+                inputs = _storage_keys(_tensor_leaves((args, kwargs)))
+            if key not in inputs and not _pinned_host(t):
                 self._add(key, storage, t, str(func))
         return out

@@ -60,32 +60,16 @@ def test_refused_without_cuda_unless_dry_run(script):
     assert exc.value.code == 2
 
 
-def test_dry_run_bisects_in_fresh_processes(script, tmp_path, monkeypatch):
-    """The toy GPU holds the tensors of 3 units: two probes (2 units, then 3) both fit, each measured in its own
-    process with the planner's prediction beside it; --resume measures nothing again."""
-    out = str(tmp_path)
-    args = ["--cpu-dry-run", "--impls", "upipe", "--sections", "bisect", "--max-probes", "2"]
-    args += ["--out", out]
-    assert script.main(args) == 0
-    doc = json.load(open(os.path.join(out, "cpu-dry-run", "max_context.json")))
-    found = doc["sections"]["max_context"]["upipe@2"]
-    assert found["longest"] == 3 * 1024 and found["planner_max"] > 0
-    probes = doc["sections"]["probes"]
-    assert [p["seq_len"] for p in probes] == [2048, 3072]
-    assert [p["fits"] for p in probes] == [True, True] and found["bracket_tokens"] == [3072, None]
-    for p in probes:
-        assert p["hollow"] and p["kernel"] == "hollow-sdpa" and p["settings"]["impl"] == "fused"
-        assert p["max_reserved"] == p["tracked_peak"] > 0 and p["predicted"]["required"] > 0
-    assert doc["environment"]["command"] and doc["environment"]["torch"]
-    monkeypatch.setattr(script, "run_child", lambda *a: pytest.fail("measured again"))
-    assert script.main(args + ["--resume"]) == 0
-
-
 @pytest.mark.slow
-def test_dry_run_everything(script, tmp_path):
+def test_dry_run_everything(script, tmp_path, monkeypatch):
     """Both of hf_upipe's implementations, the real-vs-hollow check (on CPU the hollow twin is exact: no difference)
     and the search with its ratio to our Ulysses mode. (DeepSpeed's Ulysses runs through the same probe, one process
-    per measurement, with its own step: tests/training/test_deepspeed.py checks that step.)"""
+    per measurement, with its own step: tests/training/test_deepspeed.py checks that step.)
+
+    The bisection: the toy GPU holds the tensors of 3 units, so each implementation's two hollow probes (2 units,
+    then 3) both fit, each measured in its own process with the planner's prediction beside it; --resume measures
+    nothing again. (The fast tier runs this script's main, bisection and --resume through
+    tests/planning/test_verify_script.py's dry run, its children in that process, and `bisect` above.)"""
     out = str(tmp_path)
     args = ["--cpu-dry-run", "--impls", "upipe,ulysses", "--max-probes", "2", "--out", out]
     assert script.main(args) == 0
@@ -99,6 +83,21 @@ def test_dry_run_everything(script, tmp_path):
         assert found[f"{impl}@2"]["longest"] > 0
     assert found["upipe@2"]["longest"] == 3 * 1024  # the toy GPU's 3 units
     assert found["ulysses@2"]["ratio_to_ulysses"] == 1.0
+    assert found["upipe@2"]["planner_max"] > 0 and found["upipe@2"]["bracket_tokens"] == [
+        3072,
+        None,
+    ]
+    probes = [p for p in doc["sections"]["probes"] if p["impl"] == "upipe" and p["hollow"]]
+    assert [p["seq_len"] for p in probes] == [2048, 3072] and [p["fits"] for p in probes] == [
+        True,
+        True,
+    ]
+    for p in probes:
+        assert p["kernel"] == "hollow-sdpa" and p["settings"]["impl"] == "fused"
+        assert p["max_reserved"] == p["tracked_peak"] > 0 and p["predicted"]["required"] > 0
+    assert doc["environment"]["command"] and doc["environment"]["torch"]
+    monkeypatch.setattr(script, "run_child", lambda *a: pytest.fail("measured again"))
+    assert script.main(args + ["--resume"]) == 0
 
 
 def test_shared_host_pool_hands_one_buffer_per_shape(script):
