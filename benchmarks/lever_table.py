@@ -166,7 +166,8 @@ def run_row(name: str) -> dict:
     if impl:
         kw["impl"] = impl
     started = time.perf_counter()
-    head = hf_upipe.plan(**kw)
+    model = kw.pop("model")  # plan's first argument, positional only
+    head = hf_upipe.plan(model, **kw)
     fixed = {k: v for k, v in kw.items() if k not in ("max_context", "seq_len")}
     out = {
         "row": name,
@@ -177,7 +178,7 @@ def run_row(name: str) -> dict:
     base = head.required
     for lever, (settings, extra, block) in _levers(head.settings, impl).items():
         with _backward_block(block):
-            p = hf_upipe.plan(**fixed, seq_len=head.seq_len, settings=settings, **extra)
+            p = hf_upipe.plan(model, **fixed, seq_len=head.seq_len, settings=settings, **extra)
         out["levers"][lever] = {
             "saves_gib": round((p.required - base) / GiB, 2),
             "costs_s": round(head.step_time.seconds - p.step_time.seconds, 1),
