@@ -8,6 +8,8 @@ Qwen3-8B row, judged at 1M), then at that length the same settings with one leve
 required per-GPU memory (the allocator's predicted reserve plus the allowance) it saves, its seconds what the
 predicted step (`hf_upipe.planning.step_time`) costs with it. Levers (where the plan uses them):
 - model offload: FSDP2's host offload of the parameter, gradient and optimizer shards (`model_offload='none'`);
+  in the `:deepspeed` rows ZeRO-3's host optimizer (`offload_optimizer: cpu`, CPU Adam), which the peer's plan
+  takes by default as ALST's recipe runs it (`hf_upipe.planning.zero3_offload`);
 - tiled attention backward: `UPIPE_BACKWARD_BLOCK=0` (one kernel call over the whole sequence);
 - expandable segments: the allocator's default segments instead (`allocator='default'`);
 - head chunks: all local heads in one chunk (`heads_per_chunk=None`) instead of the plan's chunk;

@@ -281,6 +281,9 @@ _ZERO3_ROWS = {  # DeepSpeed's Ulysses with ZeRO-3's host optimizer (hf_upipe.pl
     "parameters": "ZeRO-3 partitions ({compute}) + gathered layers and root ({compute})",
     "gradients": "ZeRO-3 reduce bucket ({compute}) + reduce-scatter buffers (as FSDP2's, fp32)",
 }
+_ZERO3_BUCKET = (
+    "FSDP2 gradient shards (fp32) + reduce-scatter buffers + ZeRO-3 reduce bucket ({compute})"
+)
 
 
 def _row_labels(plan) -> list[tuple[str, str]]:
@@ -289,8 +292,11 @@ def _row_labels(plan) -> list[tuple[str, str]]:
     peer's ZeRO-3 with its optimizer on the host holds its own."""
     compute = str(plan.dtype).replace("torch.", "")
     rows = [(n, _LORA_ROWS.get(n, w) if plan.lora else w) for n, w in _ROWS]
-    if plan.settings.impl == "deepspeed" and plan.settings.model_offload == "cpu":
+    if plan.settings.impl == "deepspeed" and plan.settings.model_offload == "cpu" and not plan.lora:
         rows = [(n, _ZERO3_ROWS.get(n, w)) for n, w in rows]
+    elif plan.settings.impl == "deepspeed":
+        # its model state (or LoRA's frozen base) on the GPU, as FSDP2's
+        rows = [(n, _ZERO3_BUCKET if n == "gradients" else w) for n, w in rows]
     return [(n, w.format(compute=compute)) for n, w in rows]
 
 

@@ -602,6 +602,9 @@ class Estimator:
 
     def _step(self, settings, seq_len, layers) -> dict:
         settings = device_twin(settings)  # offload="disk" holds on the device what "cpu" does
+        if settings.impl == "deepspeed" and self.lora is not None:
+            # ZeRO-3's host optimizer leaves a frozen base on the GPU, gathered from there: the step without it
+            settings = dataclasses.replace(settings, model_offload="none")
         key = (*self._key, settings, seq_len, layers)
         if key in _SIMULATIONS:
             _SIMULATIONS.move_to_end(key)
@@ -639,11 +642,17 @@ class Estimator:
         return {c: v for c, v in out.items() if v}
 
     def _zero3_device(self, settings: StepSettings) -> dict:
-        """DeepSpeed's Ulysses with model_offload='cpu' (ZeRO-3's host optimizer, `zero3_offload`): what ZeRO-3
-        keeps on the GPU beside the simulated step (its bf16 partitions, its reduce bucket); {} otherwise."""
-        if settings.impl != "deepspeed" or settings.model_offload != "cpu":
+        """DeepSpeed's Ulysses (`zero3_offload`): what ZeRO-3 keeps on the GPU beside the simulated step. Its
+        reduce bucket always; with model_offload='cpu' (its host optimizer; the step simulated with FSDP2's host
+        offload) its bf16 partitions too, except under LoRA, whose step keeps the frozen base's shards on the GPU
+        (`_step`; the adapters' fp32 shards and AdamW states, under 0.1 GiB for an 8B model, stay counted there
+        too). {} for hf_upipe's impls."""
+        if settings.impl != "deepspeed":
             return {}
-        return _zero3.device_bytes(_zero3.param_counts(self.config, self.lora), self.world)
+        out = _zero3.device_bytes(_zero3.param_counts(self.config, self.lora), self.world)
+        if settings.model_offload != "cpu" or self.lora is not None:
+            out.pop("parameters")  # the simulated step holds them (FSDP2's shards)
+        return out
 
     def host(self, settings: StepSettings, seq_len: int) -> int:
         """Host memory per GPU of the model's state with model_offload='cpu' (the simulated step's host peak:

@@ -5,8 +5,9 @@
   of at most 1e5 elements also kept whole, a reduce bucket of 5e8 bf16 elements; 18 host bytes per trained
   parameter of a partition), and DeepSpeed's own config defaults.
 - The planner: `--impl deepspeed` plans it by default (and "none" still plans the model state on the GPU); the
-  GPU's categories are the simulated step's plus exactly those buffers, the reserve grows by them in 2 MiB pages,
-  the host memory is checked (a host one byte short does not fit).
+  GPU's categories are the simulated step's plus exactly those buffers (the bucket also without it; under LoRA the
+  bucket only: the frozen base stays on the GPU), the reserve grows by them in 2 MiB pages, the host memory is
+  checked (a host one byte short does not fit).
 - The step time: CPU Adam over a GPU's partition and the exposed copies, for Llama3-8B on 8 GPUs.
 """
 
@@ -100,8 +101,32 @@ def test_the_planner_adds_exactly_zero3s_buffers():
     for mode in ("default", "expandable"):
         assert est.reserved(peer, n, mode) == step[mode] + pages
     assert est.host(peer, n) == 18 * sum(math.ceil(s / world) for s in _llama_sizes(cfg))
-    # the other impls and the peer without it: nothing added
-    assert est(PEER, n) == {c: v for c, v in est._simulated(PEER, n).items() if v}
+    # the peer without it: its model state as FSDP2's shards, and ZeRO-3's reduce bucket beside them
+    on_gpu, simulated = est(PEER, n), est._simulated(PEER, n)
+    assert on_gpu["gradients"] - simulated["gradients"] == extra["gradients"]
+    assert {c: v for c, v in on_gpu.items() if c != "gradients"} == {
+        c: v for c, v in simulated.items() if c != "gradients" and v
+    }
+    fused = StepSettings("fused", 1, tiled_mlp=True, offload="cpu")
+    assert est(fused, n) == {c: v for c, v in est._simulated(fused, n).items() if v}
+
+
+@pytest.mark.slow
+def test_lora_keeps_the_frozen_base_on_the_gpu():
+    """Under LoRA ZeRO-3's host optimizer moves the adapters' states only: the GPU holds what the peer holds
+    without it (the base's shards, the bucket), the host 18 bytes per adapter parameter of a partition."""
+    cfg, world, n = _tiny_model(), 2, KW["seq_len"]
+    lora = (4, ("q_proj", "down_proj"))
+    est = Estimator(cfg, world=world, sp_size=world, dtype=torch.bfloat16, exact=False, lora=lora)
+    peer = dataclasses.replace(PEER, model_offload="cpu")
+    assert est(peer, n) == est(PEER, n)
+    assert est(peer, n)["gradients"] - est._simulated(PEER, n)["gradients"] == 2 * 500_000_000
+    for mode in ("default", "expandable"):
+        assert est.reserved(peer, n, mode) == est.reserved(PEER, n, mode)
+    assert est.host(PEER, n) == 0
+    assert est.host(peer, n) == 18 * sum(
+        math.ceil(a / world) for a in z3.param_counts(cfg, lora).trainable
+    )
 
 
 @pytest.mark.slow
