@@ -36,6 +36,11 @@ PEER = StepSettings("deepspeed", None, tiled_mlp=True, offload="cpu")
 KW = dict(gpus=2, gpu_memory="64GiB", seq_len=4096)
 
 
+def _require_deepspeed() -> None:
+    """The peer's step runs DeepSpeed's own attention class: planning it needs DeepSpeed."""
+    pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp")
+
+
 def _llama_sizes(c: dict) -> list[int]:
     """Every parameter of a Llama geometry (untied head), written out: embeddings, per layer q, k, v, o, gate,
     up, down and the two norms, the final norm, the lm_head."""
@@ -87,6 +92,7 @@ def test_accounting_against_an_independent_count():
 
 @pytest.mark.slow
 def test_the_planner_adds_exactly_zero3s_buffers():
+    _require_deepspeed()
     cfg, world = _tiny_model(), 2
     est = Estimator(cfg, world=world, sp_size=world, dtype=torch.bfloat16, exact=False)
     peer = dataclasses.replace(PEER, model_offload="cpu")
@@ -115,6 +121,7 @@ def test_the_planner_adds_exactly_zero3s_buffers():
 def test_lora_keeps_the_frozen_base_on_the_gpu():
     """Under LoRA ZeRO-3's host optimizer moves the adapters' states only: the GPU holds what the peer holds
     without it (the base's shards, the bucket), the host 18 bytes per adapter parameter of a partition."""
+    _require_deepspeed()
     cfg, world, n = _tiny_model(), 2, KW["seq_len"]
     lora = (4, ("q_proj", "down_proj"))
     est = Estimator(cfg, world=world, sp_size=world, dtype=torch.bfloat16, exact=False, lora=lora)
@@ -131,6 +138,7 @@ def test_lora_keeps_the_frozen_base_on_the_gpu():
 
 @pytest.mark.slow
 def test_the_peer_runs_it_by_default_and_a_short_host_does_not_fit():
+    _require_deepspeed()
     cfg = _tiny_model()
     chosen = plan(cfg, settings=PEER, **KW)  # the fixed settings' own model_offload: "none"
     assert chosen.settings.model_offload == "none"
@@ -151,6 +159,7 @@ def test_the_peer_runs_it_by_default_and_a_short_host_does_not_fit():
 
 @pytest.mark.slow
 def test_cli_accepts_the_host_optimizer(tmp_path, capsys):
+    _require_deepspeed()
     import json
 
     path = tmp_path / "config.json"
