@@ -8,6 +8,8 @@ Qwen3-8B row, judged at 1M), then at that length the same settings with one leve
 required per-GPU memory (the allocator's predicted reserve plus the allowance) it saves, its seconds what the
 predicted step (`hf_upipe.planning.step_time`) costs with it. Levers (where the plan uses them):
 - model offload: FSDP2's host offload of the parameter, gradient and optimizer shards (`model_offload='none'`);
+  in the `:deepspeed` rows ZeRO-3's host optimizer (`offload_optimizer: cpu`, CPU Adam), which the peer's plan
+  takes by default as ALST's recipe runs it (`hf_upipe.planning.zero3_offload`);
 - tiled attention backward: `UPIPE_BACKWARD_BLOCK=0` (one kernel call over the whole sequence);
 - expandable segments: the allocator's default segments instead (`allocator='default'`);
 - head chunks: all local heads in one chunk (`heads_per_chunk=None`) instead of the plan's chunk;
@@ -166,7 +168,8 @@ def run_row(name: str) -> dict:
     if impl:
         kw["impl"] = impl
     started = time.perf_counter()
-    head = hf_upipe.plan(**kw)
+    model = kw.pop("model")  # plan's first argument, positional only
+    head = hf_upipe.plan(model, **kw)
     fixed = {k: v for k, v in kw.items() if k not in ("max_context", "seq_len")}
     out = {
         "row": name,
@@ -177,7 +180,7 @@ def run_row(name: str) -> dict:
     base = head.required
     for lever, (settings, extra, block) in _levers(head.settings, impl).items():
         with _backward_block(block):
-            p = hf_upipe.plan(**fixed, seq_len=head.seq_len, settings=settings, **extra)
+            p = hf_upipe.plan(model, **fixed, seq_len=head.seq_len, settings=settings, **extra)
         out["levers"][lever] = {
             "saves_gib": round((p.required - base) / GiB, 2),
             "costs_s": round(head.step_time.seconds - p.step_time.seconds, 1),

@@ -277,11 +277,26 @@ _LORA_ROWS = {  # what the static rows hold under LoRA: a frozen base in the com
 }
 
 
+_ZERO3_ROWS = {  # DeepSpeed's Ulysses with ZeRO-3's host optimizer (hf_upipe.planning.zero3_offload)
+    "parameters": "ZeRO-3 partitions ({compute}) + gathered layers and root ({compute})",
+    "gradients": "ZeRO-3 reduce bucket ({compute}) + reduce-scatter buffers (as FSDP2's, fp32)",
+}
+_ZERO3_BUCKET = (
+    "FSDP2 gradient shards (fp32) + reduce-scatter buffers + ZeRO-3 reduce bucket ({compute})"
+)
+
+
 def _row_labels(plan) -> list[tuple[str, str]]:
     """(category, what it holds) with the dtypes the simulation built: fp32 master weights, gradients and AdamW
-    states (whatever the model's config says: the planner builds them in fp32), the compute dtype gathered."""
+    states (whatever the model's config says: the planner builds them in fp32), the compute dtype gathered; the
+    peer's ZeRO-3 with its optimizer on the host holds its own."""
     compute = str(plan.dtype).replace("torch.", "")
     rows = [(n, _LORA_ROWS.get(n, w) if plan.lora else w) for n, w in _ROWS]
+    if plan.settings.impl == "deepspeed" and plan.settings.model_offload == "cpu" and not plan.lora:
+        rows = [(n, _ZERO3_ROWS.get(n, w)) for n, w in rows]
+    elif plan.settings.impl == "deepspeed":
+        # its model state (or LoRA's frozen base) on the GPU, as FSDP2's
+        rows = [(n, _ZERO3_BUCKET if n == "gradients" else w) for n, w in rows]
     return [(n, w.format(compute=compute)) for n, w in rows]
 
 
@@ -316,7 +331,9 @@ def describe(settings) -> str:
             settings.offload, "checkpoints kept on the GPU"
         )
     )
-    if settings.model_offload == "cpu":
+    if settings.model_offload == "cpu" and settings.impl == "deepspeed":
+        parts.append("ZeRO-3 optimizer on the host (offload_optimizer: cpu, CPU Adam)")
+    elif settings.model_offload == "cpu":
         parts.append("model state offloaded to host (parameters, gradients, AdamW step)")
     return ", ".join(parts)
 
@@ -392,10 +409,12 @@ def _model_host_line(plan) -> str:
         else f", {_gib(total)} GiB per node with the checkpoints, of {_gib(plan.host_memory)} GiB"
         + ("" if plan.host_fits else ": DOES NOT FIT")
     )
-    return (
-        f"host memory for the model's state (model offload: fp32 parameter and gradient shards, AdamW's states "
-        f"and step): {_gib(plan.model_host_bytes)} GiB per GPU{host}"
+    what = (
+        "ZeRO-3's host optimizer: fp32 master weights, Adam's m and v, fp32 and bf16 gradient partitions"
+        if plan.settings.impl == "deepspeed"
+        else "model offload: fp32 parameter and gradient shards, AdamW's states and step"
     )
+    return f"host memory for the model's state ({what}): {_gib(plan.model_host_bytes)} GiB per GPU{host}"
 
 
 def _tried_lines(plan) -> list[str]:
@@ -468,6 +487,16 @@ def format_plan(plan) -> str:
 
 def _launch_or_advice(plan) -> list[str]:
     """How to launch a plan that fits; for one that does not, no launch line but what would fit instead."""
+    if plan.fits and plan.settings.impl == "deepspeed":  # the peer: not an hf_upipe run
+        return [
+            "launch: none from hf_upipe: this plans the peer, DeepSpeed's Ulysses (UlyssesSPAttentionHF) under "
+            "ZeRO-3"
+            + (
+                " with offload_optimizer: {device: cpu} and CPU Adam (ALST's recipe)"
+                if plan.settings.model_offload == "cpu"
+                else " with its model state on the GPU"
+            )
+        ]
     if plan.fits:
         return launch_lines(plan)
     return ["no launch line: this does not fit."] + [f"  {line}" for line in plan.advice]

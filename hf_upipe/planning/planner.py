@@ -47,7 +47,9 @@ Model offload (`model_offload`; `StepSettings.model_offload`, FSDP2's host offlo
 optimizer shards): None (default) adds every candidate again with it, after the others, so it is chosen only
 where nothing without it fits (it is slower: the AdamW step on the host). With `max_context` the longest length is
 then searched with it; if it costs `MODEL_OFFLOAD_MAX_COST` (2%) of the predicted step or more there, the search
-is redone without it. "cpu" or "none" fixes it.
+is redone without it. "cpu" or "none" fixes it. For DeepSpeed's Ulysses (the peer, `impl="deepspeed"`) "cpu" is
+ZeRO-3's host optimizer (`offload_optimizer: cpu`, CPU Adam: `hf_upipe.planning.zero3_offload`), and it is the
+default there, as ALST's recipe runs it; "none" plans the peer with its model state on the GPU.
 
 One candidate's memory. A simulation is one FSDP2 training step of the real model code on fake tensors in a fake
 world of `world` ranks (`hf_upipe.planning.reserved.step_reserved`), with 3 and with 4 decoder layers; every category
@@ -86,8 +88,10 @@ from hf_upipe.attention.fused import fused_unavailable
 from hf_upipe.models.architectures import ARCHITECTURES, model_geometry
 from hf_upipe.models.presets import resolve
 from hf_upipe.ops.head_layout import valid_heads_per_chunk, valid_sp_sizes
+from hf_upipe.planning import zero3_offload as _zero3
 from hf_upipe.planning.plan_result import Margin, Plan, host_bytes
 from hf_upipe.planning.reserved import (
+    ROUND_LARGE,
     Allowance,
     correction_key,
     extrapolate_reserved,
@@ -168,7 +172,8 @@ class PlanRequest:
             line sets (`UPIPE_ALLOCATOR`, default "expandable"; "keep": what `PYTORCH_CUDA_ALLOC_CONF` says;
             `hf_upipe.allocator.launch_mode`).
         model_offload: None lets the planner choose FSDP2's host offload of the model's state (the module
-            docstring); "cpu" or "none" fixes it (also over given `settings`).
+            docstring); "cpu" or "none" fixes it (also over given `settings`). DeepSpeed's Ulysses: ZeRO-3's host
+            optimizer, "cpu" by default (ALST's recipe).
     """
 
     gpus: int
@@ -229,6 +234,9 @@ def plan(model, request: PlanRequest | None = None, /, **options) -> Plan:
     model_offload = r.model_offload
     if r.settings is not None and model_offload is None:  # fixed settings: their own model_offload
         model_offload = r.settings.model_offload
+    if model_offload is None and r.uses_deepspeed():
+        # the peer as ALST runs it: ZeRO-3's host optimizer (`_with_model_offload`)
+        model_offload = "cpu"
     pairs = _with_model_offload(
         _pairs(config, r.settings, sp // r.ring_size, r.impl, r.ring_size), model_offload
     )
@@ -310,7 +318,8 @@ class _Search:
 
 def _with_model_offload(pairs: list, model_offload: str | None) -> list:
     """The (candidate, rung) pairs for `model_offload`: all with it ("cpu"), none ("none"), or (None: the planner
-    chooses) each pair again with it after all the others; never for DeepSpeed's peer (ZeRO-3 runs it)."""
+    chooses) each pair again with it after all the others. For DeepSpeed's peer "cpu" is ZeRO-3's host optimizer
+    (`offload_optimizer: cpu`, `hf_upipe.planning.zero3_offload`), and None is "cpu": ALST's recipe runs it."""
     if model_offload not in (None, "none", "cpu"):
         raise ValueError(
             f"model_offload={model_offload!r}: choose 'none', 'cpu' or None (the planner chooses)"
@@ -319,15 +328,11 @@ def _with_model_offload(pairs: list, model_offload: str | None) -> list:
     def offloaded(pair):
         return tuple(dataclasses.replace(s, model_offload="cpu") for s in pair)
 
-    deepspeed = any(c.impl == "deepspeed" for c, _ in pairs)
-    if model_offload == "cpu" and deepspeed:
-        raise ValueError(
-            "model_offload='cpu' is FSDP2's host offload; DeepSpeed's Ulysses runs under ZeRO-3, whose own "
-            "offload this planner does not model: leave --model-offload out with --impl deepspeed."
-        )
+    if model_offload is None and any(c.impl == "deepspeed" for c, _ in pairs):
+        model_offload = "cpu"  # the peer as ALST runs it
     if model_offload == "cpu":
         return [offloaded(p) for p in pairs]
-    if model_offload == "none" or deepspeed:
+    if model_offload == "none":
         return [tuple(dataclasses.replace(s, model_offload="none") for s in p) for p in pairs]
     return pairs + [offloaded(p) for p in pairs if p[0].model_offload == "none"]
 
@@ -342,10 +347,13 @@ def _model_offload_cost(predict, chosen: StepSettings, seq_len: int) -> float | 
 
 
 def _model_offload_note(cost: float, chosen: StepSettings) -> str:
-    return (
-        f"model offload (FSDP2's host offload of the parameter, gradient and optimizer shards) costs a predicted "
-        f"{cost:.2%} of the step"
-        + ("" if chosen.model_offload == "cpu" else "; not chosen (over 2%)")
+    what = (
+        "ZeRO-3's host optimizer (offload_optimizer: cpu, CPU Adam)"
+        if chosen.impl == "deepspeed"
+        else "FSDP2's host offload of the parameter, gradient and optimizer shards"
+    )
+    return f"model offload ({what}) costs a predicted {cost:.2%} of the step" + (
+        "" if chosen.model_offload == "cpu" else "; not chosen (over 2%)"
     )
 
 
@@ -594,6 +602,9 @@ class Estimator:
 
     def _step(self, settings, seq_len, layers) -> dict:
         settings = device_twin(settings)  # offload="disk" holds on the device what "cpu" does
+        if settings.impl == "deepspeed" and self.lora is not None:
+            # ZeRO-3's host optimizer leaves a frozen base on the GPU, gathered from there: the step without it
+            settings = dataclasses.replace(settings, model_offload="none")
         key = (*self._key, settings, seq_len, layers)
         if key in _SIMULATIONS:
             _SIMULATIONS.move_to_end(key)
@@ -616,6 +627,13 @@ class Estimator:
         return _SIMULATIONS[key]
 
     def __call__(self, settings: StepSettings, seq_len: int) -> dict:
+        out = self._simulated(settings, seq_len)
+        # the peer's ZeRO-3 buffers (host optimizer)
+        for c, v in self._zero3_device(settings).items():
+            out[c] = out.get(c, 0) + v
+        return {c: v for c, v in out.items() if v}
+
+    def _simulated(self, settings: StepSettings, seq_len: int) -> dict:
         if self.exact or self.layers <= 4:
             return dict(self._sim(settings, seq_len, self.layers))
         c3, c4 = self._sim(settings, seq_len, 3), self._sim(settings, seq_len, 4)
@@ -623,11 +641,27 @@ class Estimator:
         out = {c: c4.get(c, 0) + extra * (c4.get(c, 0) - c3.get(c, 0)) for c in CATEGORIES}
         return {c: v for c, v in out.items() if v}
 
+    def _zero3_device(self, settings: StepSettings) -> dict:
+        """DeepSpeed's Ulysses (`zero3_offload`): what ZeRO-3 keeps on the GPU beside the simulated step. Its
+        reduce bucket always; with model_offload='cpu' (its host optimizer; the step simulated with FSDP2's host
+        offload) its bf16 partitions too, except under LoRA, whose step keeps the frozen base's shards on the GPU
+        (`_step`; the adapters' fp32 shards and AdamW states, under 0.1 GiB for an 8B model, stay counted there
+        too). {} for hf_upipe's impls."""
+        if settings.impl != "deepspeed":
+            return {}
+        out = _zero3.device_bytes(_zero3.param_counts(self.config, self.lora), self.world)
+        if settings.model_offload != "cpu" or self.lora is not None:
+            out.pop("parameters")  # the simulated step holds them (FSDP2's shards)
+        return out
+
     def host(self, settings: StepSettings, seq_len: int) -> int:
         """Host memory per GPU of the model's state with model_offload='cpu' (the simulated step's host peak:
-        parameter and gradient shards, AdamW's states and its step), extrapolated to the depth; 0 without it."""
+        parameter and gradient shards, AdamW's states and its step), extrapolated to the depth; for DeepSpeed's
+        Ulysses ZeRO-3's trainable partitions on the host (`zero3_offload.host_bytes`); 0 without it."""
         if settings.model_offload == "none":
             return 0
+        if settings.impl == "deepspeed":
+            return _zero3.host_bytes(_zero3.param_counts(self.config, self.lora), self.world)
         if self.exact or self.layers <= 4:
             return self._step(settings, seq_len, self.layers)["host_peak"]
         h3 = self._step(settings, seq_len, 3)["host_peak"]
@@ -635,12 +669,16 @@ class Estimator:
         return h4 + (self.layers - 4) * (h4 - h3)
 
     def reserved(self, settings: StepSettings, seq_len: int, mode: str) -> int:
-        """The allocator's predicted `max_memory_reserved` (hf_upipe.planning.reserved: depth rule)."""
+        """The allocator's predicted `max_memory_reserved` (hf_upipe.planning.reserved: depth rule), with the
+        peer's ZeRO-3 buffers (allocated before the step, never freed) in 2 MiB pages of their own."""
+        extra = sum(
+            -(-n // ROUND_LARGE) * ROUND_LARGE for n in self._zero3_device(settings).values()
+        )
         if self.exact or self.layers <= 4:
-            return self._step(settings, seq_len, self.layers)["reserved"][mode]
-        peak = sum(self(settings, seq_len).values())  # simulates 3 layers, then 4
+            return self._step(settings, seq_len, self.layers)["reserved"][mode] + extra
+        peak = sum(self._simulated(settings, seq_len).values())  # simulates 3 layers, then 4
         four = self._step(settings, seq_len, 4)
-        return extrapolate_reserved(four["reserved"][mode], four["peak"], peak)
+        return extrapolate_reserved(four["reserved"][mode], four["peak"], peak) + extra
 
 
 # ---- what a candidate needs of a GPU and of its node's host memory

@@ -41,7 +41,10 @@ step is):
   shard (`HOST_ADAMW_SECONDS_PER_PARAM`, exposed: it runs after the backward), and the copies over the host link
   (`HOST_LINK_BYTES_PER_S` per GPU): each layer's parameter shard to the GPU twice (forward and backward
   all-gathers; fp32, a LoRA base in the compute dtype) and its fp32 gradient shard back, overlapped with the
-  layer's compute like the checkpoint offload's copies; the root's (embeddings, lm_head) exposed.
+  layer's compute like the checkpoint offload's copies; the root's (embeddings, lm_head) exposed. DeepSpeed's
+  Ulysses with it (the peer's ZeRO-3 with the optimizer on the host, ALST's recipe): CPU Adam at the same
+  seconds per parameter, and the copies of `hf_upipe.planning.zero3_offload.copy_bytes`: the gradient partitions'
+  round trip behind each layer's backward, the step boundary's and the weights' copy up exposed.
 - The tiled attention backward (`hf_upipe.ops.tiled_backward`, calls longer than `UPIPE_BACKWARD_BLOCK` tokens):
   its accumulators' reads and writes in HBM and a fixed latency per extra kernel call (`TILE_LATENCY`); the
   arithmetic is the untiled call's.
@@ -56,6 +59,7 @@ import dataclasses
 
 from hf_upipe.models.architectures import model_geometry
 from hf_upipe.ops.head_layout import HeadLayout
+from hf_upipe.planning import zero3_offload as _zero3
 
 __all__ = [
     "DISK_BYTES_PER_S",
@@ -435,7 +439,13 @@ def step_time(
     t_disk = s * Dm * 2 / DISK_BYTES_PER_S if settings.offload == "disk" else 0.0
     t_offload = t_disk if settings.offload == "disk" else t_checkpoint
     model_offload = getattr(settings, "model_offload", "none") == "cpu"
-    if model_offload:
+    # the peer (DeepSpeed's Ulysses) with it: ZeRO-3's host optimizer (zero3_offload)
+    zero3 = model_offload and impl == "deepspeed"
+    layer_trained = layer_params if not frozen else 2 * lora[0] * Dm * 4  # rough LoRA size
+    if zero3:
+        # its reduced gradient partitions to the host buffer and back; the parameters stay on the GPU
+        t_offload += _zero3.copy_bytes(layer_trained, world)[0] / HOST_LINK_BYTES_PER_S
+    elif model_offload:
         # the layer's shard in twice (fp32; a LoRA base in bf16), its gradient shard out once
         t_offload += _host_copy_bytes(layer_params, world, frozen) / HOST_LINK_BYTES_PER_S
     t_tiles = _tile_seconds(layout, S=S, R=R, D=D, gpu=gpu, eff=eff) if impl != "deepspeed" else 0.0
@@ -443,16 +453,19 @@ def step_time(
     hidden_behind = max(compute, t_fsdp, t_offload) - compute
 
     head = 2 * s * Dm * V * (2 if frozen else 3)
-    trained = (
-        (2 * Dm * V + L * layer_params) if not frozen else L * 2 * lora[0] * Dm * 4
-    )  # rough LoRA size
+    trained = (2 * Dm * V if not frozen else 0) + L * layer_trained
     t_optimizer = (
         trained / world * 16 * 2 / (gpu.hbm * eff.hbm)
     )  # fp32 master, grad, m, v read and written
     if model_offload:
         # the step on the host; the root's copies (embeddings, lm_head) are not hidden
         t_optimizer = trained / world * HOST_ADAMW_SECONDS_PER_PARAM
-        t_optimizer += _host_copy_bytes(2 * Dm * V, world, frozen) / HOST_LINK_BYTES_PER_S
+        if zero3:  # the boundary's gradient copies and the weights' copy up (and the root's backward copies)
+            root = 0 if frozen else 2 * Dm * V
+            copies = _zero3.copy_bytes(trained, world)[1] + _zero3.copy_bytes(root, world)[0]
+        else:
+            copies = _host_copy_bytes(2 * Dm * V, world, frozen)
+        t_optimizer += copies / HOST_LINK_BYTES_PER_S
     parts = {
         "gemm": L * t_gemm,
         "attention": L * t_attention,
