@@ -4,13 +4,18 @@ with every rank forked from one forkserver that imported torch, transformers and
 `run_distributed(fn, world_size, *args)` runs `fn(rank, world_size, *args)` in `world_size` fresh processes joined by
 a gloo process group and returns the per-rank return values; a rank that raises makes the call raise with that
 rank's traceback, and collectives time out instead of hanging. Starting a Python that imports torch and
-transformers costs 3-6 s per rank on 2 cores; the suite starts about 80 ranks.
+transformers costs 3-6 s per rank on 2 cores; the suite starts about 80 ranks. What the Trainer, TRL and DeepSpeed
+runs import besides (datasets and pandas, the Trainer, deepspeed, TRL's trainers: 2-4 s more per rank) is preloaded
+too: it halved the CPU time of tests/training/test_trainer_metrics.py. The server then freezes what it imported
+(`tests._freeze`: `gc.freeze()`), so that a rank's garbage collections skip those objects: without it the larger
+preload made every full collection slower and a rank that trains several runs gave the saving back.
 
 `settle_collectives()`, called first in a rank that measures memory with the tracker, makes gloo's collectives
 let go of their tensors before they return, so that real runs have the simulation's deterministic lifetimes.
 """
 
 import multiprocessing
+import os
 import time
 
 import torch
@@ -28,7 +33,20 @@ _PRELOAD = [
     "hf_upipe",
     "hf_upipe.attention.registered",
     "tests.integrations._models",
+    # what the Trainer, TRL and DeepSpeed runs import in every rank (about 2-3 s per rank on 2 cores, paid once here)
+    "datasets",
+    "transformers.trainer",
+    "deepspeed",
+    "trl",
+    "trl.trainer.sft_trainer",
+    "trl.trainer.dpo_trainer",
+    "trl.trainer.grpo_trainer",
+    "hf_upipe.training.trainer",
+    "tests._freeze",  # last: gc.freeze() of everything above
 ]
+# DeepSpeed picks its accelerator once, when it is imported (in the server): the CPU one, as tests/training/
+# test_deepspeed.py sets before its ranks start (the setting is the same in every worker once that file is collected)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 multiprocessing.set_forkserver_preload(_PRELOAD)
 
 __all__ = ["run_distributed", "settle_collectives"]

@@ -3,6 +3,7 @@
 One process: it trains, prints the reward summary, writes the reward curve, the PEFT adapter (naming the base saved
 beside it) and the per-step rewards. Two processes (SP 2, slow): the same rewards at every step as one process
 (the SP group samples the same answers; each step's reward is a count of right answers, so equal means equal).
+The one-process run is made once (`one_process`) and read by both tests.
 """
 
 import importlib.util
@@ -35,8 +36,14 @@ def _run(tmp_path, name, processes):
         return out_dir, proc.stdout, json.load(f)
 
 
-def test_grpo_example_one_process(tmp_path):
-    run, out, log = _run(tmp_path, "one", 1)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The one-process run: (output folder, its output, its log), which neither test changes."""
+    return _run(tmp_path_factory.mktemp("grpo"), "one", 1)
+
+
+def test_grpo_example_one_process(one_process):
+    run, out, log = one_process
     assert out.count("reward: first 3 steps") == 1, out
     assert "{'loss'" not in out  # the Trainer's per-step lines are replaced by the bar
     if (
@@ -61,10 +68,10 @@ def test_grpo_example_one_process(tmp_path):
 
 
 @pytest.mark.slow  # two processes
-def test_grpo_example_two_processes_equal_one(tmp_path):
+def test_grpo_example_two_processes_equal_one(tmp_path, one_process):
     _, out, two = _run(tmp_path, "two", 2)
     assert out.count("reward: first 3 steps") == 1, out  # printed once, by the first rank
-    _, _, one = _run(tmp_path, "one", 1)
+    _, _, one = one_process
     assert (two["sp_size"], two["dp_size"]) == (2, 1)
     assert two["rewards"] == one["rewards"]
     assert two["format_loss"] == one["format_loss"]

@@ -47,17 +47,14 @@ def _run(script, args, tmp_path, processes=2, fails=False):
 
 @pytest.fixture(scope="module")
 def adapter_run(tmp_path_factory):
-    """One 1-process run of the main example (LoRA, no held-out eval) whose adapter two tests read: the eval example
-    and the adapter loaded without hf_upipe. (run folder, its output)"""
+    """One 2-process run of the main example (LoRA, SP 2, a checkpoint every 2 steps) that three tests read: the
+    custom loop's LoRA case, the eval example and the adapter loaded without hf_upipe. (run folder, its output,
+    its per-step losses)"""
     where = tmp_path_factory.mktemp("adapter_run")
-    run = where / "train"
-    out = _run(
-        "finetune_long_context.py",
-        COMMON + ["--output-dir", str(run), "--eval-rows", "0"],
-        where,
-        processes=1,
-    )
-    return run, out
+    run = where / "sp2"
+    flags = ["--output-dir", str(run), "--save-every", "2", "--log-json", str(where / "sp2.json")]
+    out = _run("finetune_long_context.py", COMMON + flags, where)
+    return run, out, _losses(where / "sp2.json")
 
 
 def _losses(path):
@@ -66,23 +63,26 @@ def _losses(path):
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_custom_loop_two_processes_equal_one(tmp_path, mode):
+def test_custom_loop_two_processes_equal_one(tmp_path, mode, request):
     flags = COMMON + (["--full"] if mode == "full" else [])
-    out = _run(
-        "finetune_long_context.py",
-        flags
-        + [
-            "--output-dir",
-            str(tmp_path / "sp2"),
-            "--save-every",
-            "2",
-            "--log-json",
-            str(tmp_path / "sp2.json"),
-        ],
-        tmp_path,
-    )
+    if mode == "full":
+        out = _run(
+            "finetune_long_context.py",
+            flags
+            + [
+                "--output-dir",
+                str(tmp_path / "sp2"),
+                "--save-every",
+                "2",
+                "--log-json",
+                str(tmp_path / "sp2.json"),
+            ],
+            tmp_path,
+        )
+        run, sp2 = tmp_path / "sp2", _losses(tmp_path / "sp2.json")
+    else:  # the LoRA run is the one the adapter tests read (unchanged by them)
+        run, out, sp2 = request.getfixturevalue("adapter_run")
     assert "2 processes: SP 2 x DP 1" in out and "loss: first 4 steps" in out
-    sp2 = _losses(tmp_path / "sp2.json")
     assert sorted(sp2) == [1, 2, 3, 4]
     if (
         mode == "full"
@@ -103,8 +103,8 @@ def test_custom_loop_two_processes_equal_one(tmp_path, mode):
         )
     # no staging folder left; the loss curve, and a LoRA run's base (saved for its adapters)
     expected = ["loss.png", "step-2", "step-4"] + (["base"] if mode == "lora" else [])
-    assert sorted(os.listdir(tmp_path / "sp2")) == sorted(expected)
-    state = set(os.listdir(tmp_path / "sp2" / "step-2" / "accelerate_state"))
+    assert sorted(os.listdir(run)) == sorted(expected)
+    state = set(os.listdir(run / "step-2" / "accelerate_state"))
     assert {"random_states_0.pkl", "random_states_1.pkl"} <= state, state  # every rank's part is in
     if mode == "full":
         from transformers import AutoModelForCausalLM
@@ -139,7 +139,7 @@ def test_custom_loop_two_processes_equal_one(tmp_path, mode):
         ):
             verify_checkpoint(str(tmp_path / "broken" / "step-2"))
     else:
-        assert os.path.exists(tmp_path / "sp2" / "step-4" / "model" / "adapter_model.safetensors")
+        assert os.path.exists(run / "step-4" / "model" / "adapter_model.safetensors")
 
 
 def test_trainer_example(tmp_path):
@@ -301,7 +301,7 @@ def test_a_saved_adapter_loads_without_hf_upipe_and_runs_are_kept(tmp_path, adap
     it in a process that never imports hf_upipe, from another folder, offline, with the logits of the trained
     model (its seed-built base plus the adapter, as examples/eval_long_context.py rebuilt it). The loss curve is
     drawn beside it; a rerun into the folder is refused, and --overwrite replaces the run."""
-    run, out = adapter_run  # (shared with the eval example's test: the run is not changed here)
+    run, out, _ = adapter_run  # (shared with two other tests: the run is not changed here)
     adapter = run / "step-4" / "model"
     assert f"saved {run}/step-4/model (plain PEFT files), curve {run}/loss.png" in out
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -333,6 +333,8 @@ def test_a_saved_adapter_loads_without_hf_upipe_and_runs_are_kept(tmp_path, adap
     flags = ["--steps", "2", "--seq-len", "64", "--rows", "4", "--lr", "1e-3"]
     flags += ["--output-dir", str(run), "--eval-rows", "0"]
     refused = _run("finetune_long_context.py", flags, tmp_path, processes=1, fails=True)
-    assert f"error: --output-dir {run} holds an earlier run (base, loss.png, step-4)" in refused
+    assert (
+        f"error: --output-dir {run} holds an earlier run (base, loss.png, step-2, ...)" in refused
+    )
     _run("finetune_long_context.py", flags + ["--overwrite"], tmp_path, processes=1)
     assert sorted(os.listdir(run)) == ["base", "loss.png", "step-2"]

@@ -1,17 +1,38 @@
 """`hf-upipe selftest` passes on supported architectures (with and without a ring) and fails loudly on a broken
-sharding."""
+sharding.
+
+The ranks start from the test suite's forkserver (`tests._dist`: torch and transformers imported once), not from
+fresh interpreters, except in the vision-language test, which runs the command's own spawn as a user does
+(its ranks import everything themselves: the rank function is importable in a fresh process).
+"""
+
+import functools
 
 import pytest
 import torch
 
+import hf_upipe.tools.selftest
 from hf_upipe.cli import main
 from hf_upipe.tools.selftest import run_selftest
+from tests import _dist  # noqa: F401  (sets the forkserver's preload)
+
+FORKSERVER = dict(start_method="forkserver")
+
+
+@pytest.fixture
+def forkserver(monkeypatch):
+    """`hf-upipe selftest` (the command) spawning its ranks from the suite's forkserver."""
+    monkeypatch.setattr(
+        hf_upipe.tools.selftest,
+        "run_distributed",
+        functools.partial(hf_upipe.tools.selftest.run_distributed, **FORKSERVER),
+    )
 
 
 @pytest.mark.slow
 def test_selftest_passes_on_the_supported_architectures():
     checks = run_selftest(
-        ["llama", "qwen3"], sp=2
+        ["llama", "qwen3"], sp=2, **FORKSERVER
     )  # (every architecture: tests/integrations/test_architecture_matrix)
     assert (
         len(checks) == 2 * 2 * 4
@@ -25,7 +46,7 @@ def test_selftest_with_a_ring(capsys):
     """--ring: a ring of 2 (one rank per ring shard: its shard is two mirrored chunks), the padded batch exact;
     the packed row refused clearly (a check row that says so, not a silent skip); a ring that does not divide the
     ranks is refused before any spawn."""
-    checks = run_selftest(["llama"], sp=2, ring=2)
+    checks = run_selftest(["llama"], sp=2, ring=2, **FORKSERVER)
     assert all(c.passed for c in checks), [c for c in checks if not c.passed]
     assert [(c.batch, c.name) for c in checks if c.batch == "packed"] == [
         ("packed", "refused clearly")
@@ -42,7 +63,7 @@ def test_selftest_with_a_ring(capsys):
 
 
 @pytest.mark.slow
-def test_selftest_fails_loudly_when_labels_are_shifted_inside_shards(capsys):
+def test_selftest_fails_loudly_when_labels_are_shifted_inside_shards(capsys, forkserver):
     assert main(["selftest", "--model", "qwen3", "--lora", "--break", "shard-shift"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "| qwen3 | padded | train loss |" in out

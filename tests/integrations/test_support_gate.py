@@ -488,6 +488,16 @@ def test_attention_calls_without_documents_use_the_model_calls():
     assert "upipe_cu_seqlens" not in with_model_documents({"position_ids": pos}, attention)
 
 
+def _gemma3_small_vision():
+    """The tiny gemma3 with a one-layer vision tower (the default one holds 86M of its 93M parameters): text runs
+    and pixel values are refused before the tower would run, so its size only costs time."""
+    config = tiny_config("gemma3")
+    config.vision_config.update(
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    )
+    return config
+
+
 def _text_only_worker(rank, world):
     """A multimodal type verified for text only: text runs; pixel values are refused on every rank, before any
     collective."""
@@ -495,7 +505,7 @@ def _text_only_worker(rank, world):
 
     hf_upipe.init_sequence_parallel(world)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("gemma3"), attn_implementation="upipe")
+    model = AutoModelForCausalLM.from_config(_gemma3_small_vision(), attn_implementation="upipe")
     hf_upipe.prepare_model(model)
     ids = torch.randint(3, 96, (1, 16), generator=torch.Generator().manual_seed(0))
     shard = hf_upipe.shard_batch({"input_ids": ids}, rank, world)
@@ -518,7 +528,9 @@ def _text_only_worker(rank, world):
     entries = {t: ARCHITECTURES.pop(t) for t in ("gemma3", "gemma3_text")}
     try:
         hf_upipe.init_sequence_parallel(world, allow_unverified=True)
-        model = AutoModelForCausalLM.from_config(tiny_config("gemma3"), attn_implementation="upipe")
+        model = AutoModelForCausalLM.from_config(
+            _gemma3_small_vision(), attn_implementation="upipe"
+        )
         hf_upipe.prepare_model(model)
         out["opted in, pixels"] = _outcome(
             lambda: model(
