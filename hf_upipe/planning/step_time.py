@@ -5,6 +5,7 @@ Entry points:
   efficiency=EFFICIENCY) -> StepTime`: seconds by part, the total, tokens/s per GPU.
 - `GPU`, `H100_SXM`: the hardware figures used (datasheet values); `Efficiency`, `EFFICIENCY`: the share of those
   figures the kernels and collectives reach, in one place, to be calibrated on a GPU.
+- `zero3_copy_bytes(trainable, world)`: the host-link bytes of the peer's ZeRO-3 host optimizer.
 - `PAPER_ULYSSES_TOKENS_PER_S`, `PAPER_UPIPE_TOKENS_PER_S`: the UPipe paper's Llama3-8B throughputs on 8 x H100,
   that `benchmarks/step_time_model.py` compares the model's ratios with.
 
@@ -43,7 +44,7 @@ step is):
   all-gathers; fp32, a LoRA base in the compute dtype) and its fp32 gradient shard back, overlapped with the
   layer's compute like the checkpoint offload's copies; the root's (embeddings, lm_head) exposed. DeepSpeed's
   Ulysses with it (the peer's ZeRO-3 with the optimizer on the host, ALST's recipe): CPU Adam at the same
-  seconds per parameter, and the copies of `hf_upipe.planning.zero3_offload.copy_bytes`: the gradient partitions'
+  seconds per parameter, and the copies of `zero3_copy_bytes`: the gradient partitions'
   round trip behind each layer's backward, the step boundary's and the weights' copy up exposed.
 - The tiled attention backward (`hf_upipe.ops.tiled_backward`, calls longer than `UPIPE_BACKWARD_BLOCK` tokens):
   its accumulators' reads and writes in HBM and a fixed latency per extra kernel call (`TILE_LATENCY`); the
@@ -59,7 +60,6 @@ import dataclasses
 
 from hf_upipe.models.architectures import model_geometry
 from hf_upipe.ops.head_layout import HeadLayout
-from hf_upipe.planning import zero3_offload as _zero3
 
 __all__ = [
     "DISK_BYTES_PER_S",
@@ -71,6 +71,7 @@ __all__ = [
     "Efficiency",
     "StepTime",
     "step_time",
+    "zero3_copy_bytes",
 ]
 
 
@@ -354,6 +355,18 @@ def _host_copy_bytes(params: int, world: int, frozen: bool) -> float:
     return 2 * shard * (2 if frozen else 4) + (0 if frozen else shard * 4)
 
 
+def zero3_copy_bytes(trainable: float, world: int) -> tuple[float, float]:
+    """(overlapped, exposed): bytes a GPU moves over the host link per step for `trainable` parameters under
+    DeepSpeed ZeRO-3 with `offload_optimizer: cpu` (`hf_upipe.planning.zero3_offload`), per parameter of its
+    partition: during the backward each reduced bf16 partition goes to the host buffer and back (`partition_grads`:
+    2 + 2, behind the backward's compute); at the step's boundary each partition comes to the GPU again, is cast to
+    fp32 there and goes to the host (`_finalize_offload_gradient_accumulation`: 2 + 4), and after the CPU Adam step
+    the updated weights come up in bf16 (`_reassign_or_swap_out_partitioned_parameters`: a CPU-to-GPU `copy_`
+    converts on the CPU, 2): 8 bytes exposed."""
+    partition = trainable / world
+    return (2 + 2) * partition, (2 + 4 + 2) * partition
+
+
 # seconds each extra kernel call of the tiled attention backward costs beyond its bytes (its launches and the
 # accumulators' adds; a typical CUDA launch latency, not measured here)
 TILE_LATENCY = 20e-6
@@ -444,7 +457,7 @@ def step_time(
     layer_trained = layer_params if not frozen else 2 * lora[0] * Dm * 4  # rough LoRA size
     if zero3:
         # its reduced gradient partitions to the host buffer and back; the parameters stay on the GPU
-        t_offload += _zero3.copy_bytes(layer_trained, world)[0] / HOST_LINK_BYTES_PER_S
+        t_offload += zero3_copy_bytes(layer_trained, world)[0] / HOST_LINK_BYTES_PER_S
     elif model_offload:
         # the layer's shard in twice (fp32; a LoRA base in bf16), its gradient shard out once
         t_offload += _host_copy_bytes(layer_params, world, frozen) / HOST_LINK_BYTES_PER_S
@@ -462,7 +475,7 @@ def step_time(
         t_optimizer = trained / world * HOST_ADAMW_SECONDS_PER_PARAM
         if zero3:  # the boundary's gradient copies and the weights' copy up (and the root's backward copies)
             root = 0 if frozen else 2 * Dm * V
-            copies = _zero3.copy_bytes(trained, world)[1] + _zero3.copy_bytes(root, world)[0]
+            copies = zero3_copy_bytes(trained, world)[1] + zero3_copy_bytes(root, world)[0]
         else:
             copies = _host_copy_bytes(2 * Dm * V, world, frozen)
         t_optimizer += copies / HOST_LINK_BYTES_PER_S

@@ -15,18 +15,12 @@ Entry points:
   Adam's exp_avg and exp_avg_sq, the fp32 gradient (`fp32_partitioned_groups_flat[i].grad`) and the bf16
   gradient-accumulation buffer (`grad_partitions_flat_buffer`: the model dtype unless `grad_accum_dtype` is
   set), 4 + 4 + 4 + 4 + 2 = 18 bytes per parameter of the partition.
-- `copy_bytes(trainable, world) -> (overlapped, exposed)`: bytes a GPU moves over the host link per step for
-  `trainable` parameters: during the backward each reduced bf16 partition goes to the host buffer and back
-  (`partition_grads`: 2 + 2, behind the backward's compute); at the step's boundary each partition comes to
-  the GPU again, is cast to fp32 there and goes to the host (`_finalize_offload_gradient_accumulation`: 2 + 4),
-  and after the CPU Adam step the updated weights come up in bf16 (`_reassign_or_swap_out_partitioned_parameters`:
-  a CPU-to-GPU `copy_` converts on the CPU, 2): 8 bytes exposed.
 
 The planner (`hf_upipe.planning.planner.Estimator`) simulates the peer's step with the host offload of its model
 state (FSDP2's `CPUOffloadPolicy`: every layer gathered from the host, its gradient reduced and sent to the host,
 as ZeRO-3 gathers and reduces per layer) and adds `device_bytes` to the GPU's peak and reserve; `host_bytes`
-replaces the simulated host peak. `hf_upipe.planning.step_time` prices the copies and CPU Adam as it prices
-hf_upipe's own model offload.
+replaces the simulated host peak. `hf_upipe.planning.step_time` prices CPU Adam as it prices hf_upipe's own model
+offload, and the copies over the host link (`step_time.zero3_copy_bytes`).
 """
 
 from __future__ import annotations
@@ -39,7 +33,6 @@ __all__ = [
     "HOST_BYTES_PER_PARAM",
     "ParamCounts",
     "Zero3",
-    "copy_bytes",
     "device_bytes",
     "host_bytes",
     "param_counts",
@@ -146,10 +139,3 @@ def device_bytes(counts: ParamCounts, world: int, zero: Zero3 = ALST_ZERO3) -> d
 def host_bytes(counts: ParamCounts, world: int) -> int:
     """Per GPU, host bytes of the trainable partitions under `offload_optimizer: cpu` (module docstring)."""
     return HOST_BYTES_PER_PARAM * sum(_partition(n, world) for n in counts.trainable)
-
-
-def copy_bytes(trainable: float, world: int) -> tuple[float, float]:
-    """(overlapped, exposed): bytes a GPU moves over the host link per step for `trainable` parameters (module
-    docstring): 2 + 2 per parameter of its partition during the backward, 2 + 4 + 2 after it."""
-    partition = trainable / world
-    return (2 + 2) * partition, (2 + 4 + 2) * partition
