@@ -353,9 +353,11 @@ def test_host_memory_for_offload_is_checked():
     assert plan(cfg, max_context=True, host_memory=node, step=2048, **kw).max_seq_len == 16384
 
 
-def test_a_ring_plans_sp_across_nodes_beyond_the_heads(capsys):
+@pytest.mark.slow
+def test_a_ring_plans_sp_across_nodes_beyond_the_heads():
     """ring_size: SP = gpus x ring by default, the ladder's head chunks over the U = sp / ring ranks of a ring
-    shard, the ring in every candidate, in the UPipeConfig and the launch line; the heads are checked against U."""
+    shard, the ring in every candidate, in the UPipeConfig and the launch line; the heads are checked against U
+    (`test_a_fixed_ring_plan_carries_the_ring` in the fast tier)."""
     from hf_upipe.ops.head_layout import valid_heads_per_chunk
 
     cfg = _tiny_model()  # 8 query heads, 2 k/v heads
@@ -367,6 +369,20 @@ def test_a_ring_plans_sp_across_nodes_beyond_the_heads(capsys):
     )
     assert p.upipe_config().ring_size == 2 and "UPIPE_RING_SIZE=2" in p.launch()
     assert "SP 4 (UPipe over 2 x a ring of 2)" in p.table() and p.step_time.parts["ring"] >= 0
+
+
+def test_a_fixed_ring_plan_carries_the_ring(capsys):
+    """One plan of fixed settings (no ladder) over 2 nodes with a ring of 2: SP = gpus x ring, the ring in the
+    settings, the UPipeConfig, the launch line and the table; the heads are checked against U = sp / ring."""
+    cfg = _tiny_model()  # 8 query heads, 2 k/v heads
+    fixed = StepSettings("fused", 2, offload="none")  # 2 heads per chunk: 4 of U = 2 ranks' heads
+    two = dict(cfg, num_hidden_layers=2)  # two layers: a quick simulation
+    p = plan(two, gpus=2, nodes=2, ring_size=2, seq_len=512, settings=fixed, gpu_memory="64GiB")
+    assert (
+        p.sp_size == 4 and p.fits and p.settings.ring_size == 2 and p.settings.heads_per_chunk == 2
+    )
+    assert p.upipe_config().ring_size == 2 and "UPIPE_RING_SIZE=2" in p.launch()
+    assert "SP 4 (UPipe over 2 x a ring of 2)" in p.table() and p.step_time.parts["ring"] > 0
     with pytest.raises(
         ValueError,
         match="sp_size=6 / ring_size=2 = 3 ranks per ring shard does not fit 8 query / 2",
