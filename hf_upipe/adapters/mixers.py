@@ -95,30 +95,32 @@ __all__ = [
 _MAMBA2 = (
     "691f3ca98636d473",
     "c215be341ddf22ff",
+    "6e1e9d6ce582599a",
 )  # the Mamba2 mixers of Bamba, Nemotron-H, Granite 4, ...
 
 _DELTA = (
     "8f31ae7d35daf534",
     "08cf65a63ca582a2",
+    "a43ffe9ab7f49c75",
 )  # Qwen3.5's gated DeltaNet (and the types that copy it)
 
 MIXERS = {
-    "Qwen3NextGatedDeltaNet": ("177c5d3df989a7b4", "d97f22719fb58479"),
+    "Qwen3NextGatedDeltaNet": ("177c5d3df989a7b4", "d97f22719fb58479", "d267e937a25e4f8d"),
     "Qwen3_5GatedDeltaNet": _DELTA,
     "Qwen3_5MoeGatedDeltaNet": _DELTA,
     "Qwen4ExpTextGatedDeltaNet": _DELTA,
-    "OlmoHybridGatedDeltaNet": ("167004f14399b33e", "bc540b7a213f93d0"),
-    "BailingHybridDeltaAttention": ("cd86b9f6aaf59e3c", "aa638068a776c7df"),
+    "OlmoHybridGatedDeltaNet": ("167004f14399b33e", "bc540b7a213f93d0", "8b7eda855f07d012"),
+    "BailingHybridDeltaAttention": ("cd86b9f6aaf59e3c", "aa638068a776c7df", "4691bf7cc2739a1d"),
     "BambaMixer": _MAMBA2,
     "NemotronHMamba2Mixer": _MAMBA2,
     "GraniteMoeHybridMambaLayer": _MAMBA2,
     "Mamba2Mixer": _MAMBA2,
     "Zamba2MambaMixer": _MAMBA2,
-    "FalconH1Mixer": ("8274bd4cb6961bb4", "d0ddba7970a9ddd1"),
+    "FalconH1Mixer": ("8274bd4cb6961bb4", "d0ddba7970a9ddd1", "3003699349bf9357"),
 }
 
 # short convolutions: class -> fingerprints of its forward; they reach k-1 tokens back and carry nothing further
-_SHORT_CONV = ("dd9e0a8c046f3cb6", "1d07ca85b588af88")
+_SHORT_CONV = ("dd9e0a8c046f3cb6", "1d07ca85b588af88", "ab35322f9346b8a5")
 
 HALO_MIXERS = {"Lfm2ShortConv": _SHORT_CONV, "Lfm2MoeShortConv": _SHORT_CONV}
 

@@ -136,6 +136,10 @@ class ShardCache:
     def is_recording_past(self, layer_idx):
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx=None):
+        """0: a cache that records no past keeps no intermediate states (transformers 5.25's query)."""
+        return 0
+
     def update_conv_state(self, x, layer_idx, conv_kernel_size=None, **kwargs):
         """x [B, C, s] the convolution's input -> [B, C, k-1+s] with the halo in front (rank 0: x, which the
         convolution pads itself); records this shard's tail [B, C, k-1], a copy, so x need not outlive the call."""

@@ -44,7 +44,7 @@ from hf_upipe.models.families import (
     Architecture,
 )
 from hf_upipe.models.peft import base_model
-from hf_upipe.models.verification import fingerprint
+from hf_upipe.models.verification import fingerprint, underlying
 
 __all__ = [
     "ACROSS_DOCUMENTS",
@@ -164,18 +164,30 @@ def tiled_norm_classes() -> dict[str, Architecture]:
 
 def source_fingerprint(arch: Architecture, adapter: str) -> str | None:
     """The installed transformers' fingerprint of what `adapter` ("fused" or "tiled") replaces or relies on; None
-    when a class or function is gone (renamed, removed) or has no source to read."""
+    when part of it cannot be read (then the adapter is checked by behaviour, `hf_upipe.models.verification.verify`).
+
+    Classes are found by name in the family's modeling module, as `prepare_model` finds the modules it adapts.
+    Helpers a class's forward calls by name (the RoPE functions) are found where that forward finds them at run
+    time, its own globals, not where transformers keeps them; a decorator or a callable wrapper object (a Hub-kernel
+    `Func`) is read through to the function it runs (`underlying`). A helper reached another way (an attribute of
+    another module, say) is not found: the fingerprint is None, and the adapter's check decides."""
     name = arch.module or arch.model_type
     try:
         module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        sources = arch.fused_sources() if adapter == "fused" else arch.tiled_sources()
+        owner = getattr(module, arch.attention, None) if adapter == "fused" else None
+        scope = vars(module)
+        if owner is not None:  # where the attention's forward looks its helpers up
+            scope = getattr(underlying(owner.forward), "__globals__", scope)
         objects = []
-        for name in arch.fused_sources() if adapter == "fused" else arch.tiled_sources():
-            obj = module
-            for part in name.split("."):
+        for source in sources:
+            head, *rest = source.split(".")
+            obj = scope[head] if not rest and head in scope else getattr(module, head)
+            for part in rest:
                 obj = getattr(obj, part)
             objects.append(obj)
         return fingerprint(*objects)
-    except (ImportError, AttributeError, OSError, TypeError):
+    except (ImportError, AttributeError, KeyError, OSError, TypeError):
         return None
 
 

@@ -119,7 +119,7 @@ class Architecture:
         return tuple(f"{name}.forward" for name in (self.mlp, self.norm) if name)
 
 
-# the tiled MLP/norms' sources (the same in 5.23 and 5.24)
+# the tiled MLP/norms' sources (the same in 5.23, 5.24 and 5.25)
 _TILED = (
     "9dbbf389e9bdd646",
 )  # LlamaMLP/RMSNorm-shaped forwards (identical source in several families)
@@ -241,22 +241,23 @@ VERIFIED_REGISTERED = (
 )
 # the Llama-shaped families with the fused block (each also exact on the registered path); MoE blocks stay untiled
 # (their norms are tiled), and Cohere's LayerNorm is tiled as its norm
-# the fused attention's sources, per release verified (transformers 5.23, 5.24): model_type -> fingerprints
+# the fused attention's sources, per release verified (transformers 5.23, 5.24, 5.25; one entry per release whose
+# source differs): model_type -> fingerprints
 _FUSED_SOURCES = {
-    "llama": ("a0d395fa0cfcaa0f", "e406be0e59883e41"),
-    "mistral": ("c3b3be99e77bcec1", "7432c7942a55b5ba"),
-    "qwen2": ("216c98ededbca3e0", "185b09d011ac802e"),
-    "qwen3": ("643897dbf1d482cc", "99d7bba274ac9eee"),
-    "mixtral": ("cb82e38bed550d12", "4544bcbc67f076ef"),
-    "qwen2_moe": ("37b9e77e49266ba0", "0352bcd5506560a0"),
-    "qwen3_moe": ("f33c3236244793f8", "482c10611ff6bccb"),
-    "granite": ("ff085b6eb9e7e7ef", "72de6fadb3856231"),
-    "granitemoe": ("fc6bc1fb65339952", "534b92efeee132cf"),
-    "olmo2": ("11921dce07f14631", "47d18e679604ff43"),
+    "llama": ("a0d395fa0cfcaa0f", "e406be0e59883e41", "b156fcdac60adb4f"),
+    "mistral": ("c3b3be99e77bcec1", "7432c7942a55b5ba", "a7f858c7c614fba0"),
+    "qwen2": ("216c98ededbca3e0", "185b09d011ac802e", "5dc361b20bdb2b04"),
+    "qwen3": ("643897dbf1d482cc", "99d7bba274ac9eee", "fb2c46ca37e9b5b5"),
+    "mixtral": ("cb82e38bed550d12", "4544bcbc67f076ef", "a7f858c7c614fba0"),
+    "qwen2_moe": ("37b9e77e49266ba0", "0352bcd5506560a0", "b156fcdac60adb4f"),
+    "qwen3_moe": ("f33c3236244793f8", "482c10611ff6bccb", "fb2c46ca37e9b5b5"),
+    "granite": ("ff085b6eb9e7e7ef", "72de6fadb3856231", "b156fcdac60adb4f"),
+    "granitemoe": ("fc6bc1fb65339952", "534b92efeee132cf", "b156fcdac60adb4f"),
+    "olmo2": ("11921dce07f14631", "47d18e679604ff43", "31b6b41160e84a39"),
     "phi3": ("fdb27daee609b944", "cbdaa4bca0f9a4d8"),
-    "gemma": ("915c1d81e23d9cdc", "3b2dc74f2a118b57"),
-    "gemma3_text": ("ae094d89156cbb5c", "744d4fc6eefde09a"),
-    "smollm3": ("9464eeefa2833c5a", "ef344d37c146d4d9"),
+    "gemma": ("915c1d81e23d9cdc", "3b2dc74f2a118b57", "b156fcdac60adb4f"),
+    "gemma3_text": ("ae094d89156cbb5c", "744d4fc6eefde09a", "8581a70c2b42ef91"),
+    "smollm3": ("9464eeefa2833c5a", "ef344d37c146d4d9", "16877a2470ec48c0"),
     "cohere": ("e861038c284bdaa7", "ce7aa900fc92e443"),
 }
 
@@ -281,7 +282,7 @@ FUSED = (
     _fused("qwen3_moe", "Qwen3Moe", _MOE_NORM, mlp_suffix=None),
     _fused("granite", "Granite"),
     _fused("granitemoe", "GraniteMoe", _MOE_NORM, mlp_suffix=None),
-    _fused("olmo2", "Olmo2", ("ef3cf012f30786e0",), projection_norm=True),
+    _fused("olmo2", "Olmo2", ("ef3cf012f30786e0", "64806233e999a0db"), projection_norm=True),
     _fused("phi3", "Phi3", ("1a3f6cee1e1be859",), window_in_config=True, qkv_fused=True),
     _fused("gemma", "Gemma", ("905bb4e12a414935",)),
     _fused("gemma3_text", "Gemma3", ("6e5a6611dff1b85d",), module="gemma3"),

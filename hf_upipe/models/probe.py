@@ -162,10 +162,13 @@ def _outputs(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
 
 
 def _worst(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> float | None:
-    """The largest |got - want| beyond the tolerance, relative to max |want|; None when within it."""
+    """The largest |got - want| beyond the tolerance, relative to max |want|; None when within it. The absolute
+    tolerance scales with max |want| above 1: fp32 rounding grows with the values' magnitude (a MoE's tiny logits
+    of magnitude 6 differ by 26 units in the last place between two correct orders of summation)."""
     if got.shape != want.shape:
         return float("inf")
-    bad = (got.double() - want.double()).abs() > atol + rtol * want.double().abs()
+    scale = max(1.0, float(want.double().abs().max())) if want.numel() else 1.0
+    bad = (got.double() - want.double()).abs() > atol * scale + rtol * want.double().abs()
     if not bool(bad.any()):
         return None
     return float(

@@ -7,7 +7,8 @@ Entry points:
   the module's own forward and backward on a tiny model on CPU and returns None (equal) or what differed.
 - `Verdict`: ok, how ("fingerprint", "behaviour", "failed" or "unavailable") and the detail.
 - `verdicts()`: every verdict reached in this process, for `hf-upipe env` and `prepare_model`'s agreement.
-- `fingerprint(*objects)`: SHA-256 (16 hex digits) of the objects' source.
+- `fingerprint(*objects)`: SHA-256 (16 hex digits) of the objects' source; `underlying(obj)`: the function a
+  decorator or a callable wrapper object runs.
 - `cache_file()`: where verdicts by behaviour are kept across processes.
 - `installed_release()` ("5.24"), `installed_version()` ("5.24.0"): the installed transformers.
 
@@ -44,6 +45,7 @@ __all__ = [
     "fingerprint",
     "installed_release",
     "installed_version",
+    "underlying",
     "verdicts",
     "verify",
 ]
@@ -53,17 +55,18 @@ logger = logging.getLogger(__name__)
 VERIFIED_RELEASES = (
     "5.23",
     "5.24",
+    "5.25",
 )  # transformers releases whose fingerprints the registry records
 TESTED_RANGE = (
-    "transformers>=5.23,<5.25"  # what CI tests (pyproject.toml), the pin a failed check names
+    "transformers>=5.23,<5.26"  # what CI tests (pyproject.toml), the pin a failed check names
 )
 
 
 @dataclass(frozen=True)
 class Verdict:
     """ok: the adapter may be installed; how: "fingerprint" (a verified release's source), "behaviour" (checked on
-    the installed source), "failed" (checked, and it differs or raised) or "unavailable" (nothing to check: the
-    class or function is gone); detail: what differed, or why it could not be checked."""
+    the installed source, also where the source could not be read whole) or "failed" (checked, and it differs or
+    raised: a class that is gone fails its check); detail: what differed."""
 
     ok: bool
     how: str
@@ -79,15 +82,35 @@ class Verdict:
 
 
 _PROCESS: dict[tuple[str, str, str], Verdict] = {}
+# the source key of a verdict whose source could not be read whole
+UNREADABLE = "unreadable"
 _WARNED: set[tuple[str, str]] = set()
 
 
 def fingerprint(*objects) -> str:
-    """SHA-256 (16 hex digits) of the source of `objects` (functions, classes, methods), in order."""
+    """SHA-256 (16 hex digits) of the source of `objects` (functions, classes, methods, or callables that wrap one:
+    `underlying`), in order."""
     digest = hashlib.sha256()
     for obj in objects:
-        digest.update(inspect.getsource(obj).encode())
+        digest.update(inspect.getsource(underlying(obj)).encode())
     return digest.hexdigest()[:16]
+
+
+def underlying(obj):
+    """The function or class whose source `obj` runs: `obj` itself, what `functools.wraps` decorators wrap, or the
+    function a callable wrapper object closes over (a Hub-kernel `Func` module, for instance, calls the function it
+    was made from unless a kernel replaced it). Raises TypeError when there is none to read."""
+    obj = inspect.unwrap(obj)
+    if inspect.isroutine(obj) or inspect.isclass(obj):
+        return obj
+    name = getattr(obj, "__name__", None)
+    for method in ("forward", "__call__"):
+        closure = getattr(getattr(type(obj), method, None), "__closure__", None) or ()
+        functions = [c.cell_contents for c in closure if inspect.isfunction(c.cell_contents)]
+        named = [f for f in functions if name is None or f.__name__ == name]
+        if len(named) == 1 or len(functions) == 1:
+            return (named or functions)[0]
+    raise TypeError(f"{type(obj).__name__} wraps no single function whose source can be read")
 
 
 def verdicts() -> dict[tuple[str, str], Verdict]:
@@ -208,33 +231,29 @@ def verify(
     """The verdict on `adapter` ("fused", "tiled", "mixer", "rope") for `subject` (module docstring).
 
     Args:
-        source: the installed source's fingerprint; None when the source could not be read (then "unavailable").
+        source: the installed source's fingerprint; None when some of it could not be read (a class or helper moved
+            to another module, renamed or wrapped): then the check decides, as for a source not seen before.
         known: the fingerprints of the releases verified.
         check: runs the adapter against the module's own code; None when equal, else what differed.
     """
-    key = (adapter, subject, source or "")
     if source is not None and source in known:
-        _PROCESS[key] = Verdict(True, "fingerprint")
-        return _PROCESS[key]
+        _PROCESS[(adapter, subject, source)] = Verdict(True, "fingerprint")
+        return _PROCESS[(adapter, subject, source)]
+    # a source not seen before, or one that cannot be read (a helper moved, renamed or wrapped): the check decides
+    source = source or UNREADABLE
+    key = (adapter, subject, source)
     if key in _PROCESS:
         return _PROCESS[key]
-    if source is None:
+    disk = _read_disk().get(_disk_key(adapter, subject, source))
+    if isinstance(disk, dict) and isinstance(disk.get("ok"), bool):
         verdict = Verdict(
-            False, "unavailable", "the installed transformers has no such class or function"
+            disk["ok"], "behaviour" if disk["ok"] else "failed", str(disk.get("detail", ""))
         )
     else:
-        disk = _read_disk().get(_disk_key(adapter, subject, source))
-        if isinstance(disk, dict) and isinstance(disk.get("ok"), bool):
-            verdict = Verdict(
-                disk["ok"], "behaviour" if disk["ok"] else "failed", str(disk.get("detail", ""))
-            )
-        else:
-            start = time.perf_counter()
-            ok, detail = _run_check(check)
-            verdict = Verdict(
-                ok, "behaviour" if ok else "failed", detail, time.perf_counter() - start
-            )
-            _write_disk(_disk_key(adapter, subject, source), verdict)
+        start = time.perf_counter()
+        ok, detail = _run_check(check)
+        verdict = Verdict(ok, "behaviour" if ok else "failed", detail, time.perf_counter() - start)
+        _write_disk(_disk_key(adapter, subject, source), verdict)
     _PROCESS[key] = verdict
     _announce(adapter, subject, verdict)
     return verdict

@@ -58,7 +58,7 @@ def _row(adapter: str, subject: str, source: str | None, known: tuple, verdict) 
     if verdict is not None:
         status = verdict.describe()
     elif source is None:
-        status = "not verified: the installed transformers has no such class or function"
+        status = "not checked yet (its source could not be read whole: the check decides)"
     else:
         status = (
             "verified by fingerprint"
