@@ -190,6 +190,27 @@ register_command(
 )
 
 
+def _release_check_run(args: argparse.Namespace) -> int:
+    from hf_upipe.models.verification import installed_version
+    from hf_upipe.tools.adapter_status import adapter_status, format_report, release_report
+
+    report = release_report(adapter_status(check=args.check))
+    if args.json:
+        print(json.dumps({"transformers": installed_version(), **report}, indent=1))
+    else:
+        print("\n".join(format_report(report, installed_version())))
+    return 0 if report["off"] == 0 else 1
+
+
+register_command(
+    "release-check",
+    "family by family, which adapters are on with the installed transformers, which are off, and why "
+    "(installs nothing; exit status 1 when one is off)",
+    _env_arguments,
+    _release_check_run,
+)
+
+
 def _selftest_arguments(parser):
     from hf_upipe.tools.selftest import add_arguments
 

@@ -150,13 +150,144 @@ def test_the_verdict_is_cached_in_the_process_and_on_disk(unseen, monkeypatch):
     assert verify("fused", "x", "abc", ("abc",), check).how == "fingerprint"
 
 
-def test_a_check_that_raises_is_a_failure_and_a_missing_source_unavailable(unseen):
+def test_a_check_that_raises_is_a_failure_and_an_unreadable_source_is_checked(unseen):
     def broken():
         raise TypeError("forward() got an unexpected keyword argument 'cache'")
 
     verdict = verify("mixer", "SomeMixer", "abc", (), broken)
     assert not verdict.ok and "TypeError" in verdict.detail and "'cache'" in verdict.detail
-    assert verify("tiled", "gone", None, ("abc",), lambda: None).how == "unavailable"
+    # a source that cannot be read whole is not refused on sight: its check decides, either way
+    assert verify("tiled", "moved", None, ("abc",), lambda: None).how == "behaviour"
+    gone = verify("tiled", "gone", None, ("abc",), lambda: "the tiny model has no GoneMLP")
+    assert not gone.ok and gone.how == "failed" and "GoneMLP" in gone.detail
+
+
+@pytest.fixture
+def fresh_verdicts(monkeypatch, tmp_path):
+    """Empty verdict caches, the recorded fingerprints as they are."""
+    monkeypatch.setenv("HF_UPIPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(verification, "_PROCESS", {})
+    monkeypatch.setattr(verification, "_WARNED", set())
+
+
+def _move_rope_helpers(monkeypatch):
+    """transformers moves Llama's RoPE helpers to another module, and the attention's forward calls them there as
+    `moved_rope.apply_rotary_pos_emb(...)`: the modeling module no longer holds either name."""
+    import inspect
+    import sys
+    import textwrap
+    import types
+
+    from transformers.models.llama import modeling_llama
+
+    moved = types.ModuleType("transformers.integrations.moved_rope")
+    moved.torch = torch
+    for helper in (modeling_llama.rotate_half, modeling_llama.apply_rotary_pos_emb):
+        text = textwrap.dedent(inspect.getsource(verification.underlying(helper)))
+        exec(
+            text[text.index("def ") :], moved.__dict__
+        )  # the same function, defined in the new module
+    monkeypatch.setitem(sys.modules, moved.__name__, moved)
+    forward = inspect.unwrap(modeling_llama.LlamaAttention.forward)
+    source = textwrap.dedent(inspect.getsource(forward))
+    source = source[source.index("def forward") :]  # its decorators are not needed to run it
+    assert "apply_rotary_pos_emb(" in source
+    scope = {**forward.__globals__, "moved_rope": moved}
+    exec(source.replace("apply_rotary_pos_emb(", "moved_rope.apply_rotary_pos_emb("), scope)
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", scope["forward"])
+    monkeypatch.delattr(modeling_llama, "apply_rotary_pos_emb")
+    monkeypatch.delattr(modeling_llama, "rotate_half")
+
+
+def test_a_helper_moved_to_another_module_keeps_the_fused_block(
+    fresh_verdicts, monkeypatch, caplog
+):
+    """The rule of docs/models.md: an adapter depends on what the model computes, not on where transformers keeps a
+    helper. A moved helper cannot be fingerprinted; the check on a tiny model decides, and it passes."""
+    llama = architectures.ARCHITECTURES["llama"]
+    assert architectures.source_fingerprint(llama, "fused") in llama.fused_fingerprints
+    _move_rope_helpers(monkeypatch)
+    assert architectures.source_fingerprint(llama, "fused") is None
+    ref, model = model_pair(case_config("llama"), "upipe", seed=3)
+    with caplog.at_level(logging.INFO):
+        hf_upipe.prepare_model(model)
+    assert _fused_modules(model) == 2
+    verdict = verification.verdicts()[("fused", "llama")]
+    assert verdict.ok and verdict.how == "behaviour"
+    assert not [
+        r for r in caplog.records if r.levelno >= logging.WARNING and "adapter" in r.getMessage()
+    ]
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(11)[None]
+    want = ref(input_ids=ids, position_ids=positions).logits
+    got = model(input_ids=ids, position_ids=positions).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_moved_helper_whose_arithmetic_changed_fails_the_check(fresh_verdicts, monkeypatch):
+    _move_rope_helpers(monkeypatch)
+    moved = __import__("sys").modules["transformers.integrations.moved_rope"]
+    real = moved.apply_rotary_pos_emb
+    monkeypatch.setattr(  # the new module's RoPE rotates by 1% more: the fused block no longer matches
+        moved,
+        "apply_rotary_pos_emb",
+        lambda q, k, cos, sin, *a, **kw: real(q, k, cos * 1.01, sin, *a, **kw),
+    )
+    verdict = fused_module.fused_verdict(architectures.ARCHITECTURES["llama"])
+    assert not verdict.ok and "differ" in verdict.detail
+
+
+def test_a_helper_wrapped_in_a_callable_object_is_read_through(fresh_verdicts, monkeypatch):
+    """transformers 5.25 wraps Llama's `apply_rotary_pos_emb` in a Hub-kernel `Func` module (a class whose forward
+    closes over the function): the fingerprint reads the function it runs, so a known source stays known."""
+    from torch import nn
+    from transformers.models.llama import modeling_llama
+
+    def wrap(func):
+        class Func(nn.Module):
+            def forward(self, *args, **kwargs):
+                return func(*args, **kwargs)
+
+        return Func()
+
+    llama = architectures.ARCHITECTURES["llama"]
+    before = architectures.source_fingerprint(llama, "fused")
+    monkeypatch.setattr(
+        modeling_llama,
+        "apply_rotary_pos_emb",
+        wrap(verification.underlying(modeling_llama.apply_rotary_pos_emb)),
+    )
+    assert (
+        verification.underlying(modeling_llama.apply_rotary_pos_emb).__name__
+        == "apply_rotary_pos_emb"
+    )
+    assert architectures.source_fingerprint(llama, "fused") == before
+    assert fused_module.fused_verdict(llama).how == "fingerprint"
+    with pytest.raises(TypeError, match="wraps no single function"):
+        verification.underlying(nn.Identity())
+
+
+def test_the_release_report_names_each_family_and_why_an_adapter_is_off(fresh_verdicts):
+    from hf_upipe.tools.adapter_status import adapter_status, format_report, release_report
+
+    rows = adapter_status(check=False)
+    report = release_report(rows)
+    assert report["off"] == 0 and report["on"] == len(rows)
+    assert set(report["families"]["llama"]) == {"fused", "tiled"}
+    assert set(report["families"]["bamba"]) == {"mixer BambaMixer"}
+    failed = [
+        dict(r, ok=False, status="not verified: the logits differ by 1e-2")
+        if r["subject"] == "qwen3" and r["adapter"] == "fused"
+        else r
+        for r in rows
+    ]
+    report = release_report(failed)
+    assert report["off"] == 1 and report["families"]["qwen3"]["fused"]["on"] is False
+    line = next(x for x in format_report(report, "9.9.9") if x.strip().startswith("qwen3 "))
+    assert (
+        "fused OFF (not verified: the logits differ by 1e-2)" in line
+        and "tiled (by fingerprint)" in line
+    )
 
 
 def test_the_check_leaves_the_callers_random_state_and_threads(unseen):

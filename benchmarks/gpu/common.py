@@ -1,4 +1,4 @@
-"""Shared helpers of the GPU benchmarks (`benchmarks/gpu/kernels.py`, `memory.py`, `speed.py`).
+"""Shared helpers of the GPU benchmarks (`benchmarks/gpu/kernel_parity.py`, `memory.py`, `speed.py`).
 
 Entry points:
 - `parser(description)` / `parse(ap)`: argparse with `--out`, `--cpu-dry-run` and `--quick`; `parse` exits with a

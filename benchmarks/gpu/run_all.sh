@@ -13,7 +13,7 @@ fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$out/nvidia-smi.txt"
 python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
-timeout "${2:-150}" python3 benchmarks/gpu/kernels.py --out "$out" > "$out/kernels.log" 2>&1; echo "kernels rc $?"
+timeout "${2:-150}" python3 benchmarks/gpu/kernel_parity.py --out "$out" > "$out/kernels.log" 2>&1; echo "kernels rc $?"
 timeout "${3:-190}" python3 benchmarks/gpu/speed.py --out "$out" > "$out/speed.log" 2>&1; echo "speed rc $?"
 timeout "${4:-250}" python3 benchmarks/gpu/memory.py --out "$out" > "$out/memory.log" 2>&1; echo "memory rc $?"
 for f in kernels speed memory; do echo "== $f"; grep -vE "Warning|warn\(|^  " "$out/$f.log" | tail -n 25; done

@@ -39,7 +39,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hf_upipe.adapters.shard_exchange import Halo
+from hf_upipe.adapters.shard_exchange import Halo, NoPastCache
 
 __all__ = ["DELTA_KERNELS", "parallel_delta_forward"]
 
@@ -76,7 +76,7 @@ class _GatherStates(torch.autograd.Function):
         return grad[ctx.rank], None, None, None
 
 
-class _DeltaCache:
+class _DeltaCache(NoPastCache):
     """The cache the module reads on this shard: no convolution state and no recurrent state (the kernel wrapper
     corrects for the latter); the convolution's input gets the previous rank's halo in front."""
 
@@ -94,9 +94,6 @@ class _DeltaCache:
 
     def get_recurrent_state(self, layer_idx, state_idx=0):
         return None
-
-    def is_recording_past(self, layer_idx):
-        return False
 
     def update_conv_state(self, x, layer_idx, conv_kernel_size=None, **kwargs):
         """x [B, C, s] the convolution's input -> [B, C, k-1+s] (rank 0: [B, C, s]; the convolution pads it)."""

@@ -8,6 +8,8 @@ Entry points:
 - `call_key()`: a key drawn from torch's random generator, the same in a checkpointed forward and its recompute;
   `may_recompute()`: whether this forward runs inside a (non-reentrant) checkpoint.
 - `stash(module, key, kept)` / `stashed(module, key)`: record `kept` weakly on the module, find it again.
+- `ShardCache`: the cache a mixer reads on one shard; `NoPastCache`: what every shard cache answers about recorded
+  past.
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ import torch.distributed as dist
 
 from hf_upipe.ops.fake import simulating
 
-__all__ = ["Halo", "Kept", "ShardCache", "call_key", "may_recompute", "stash", "stashed"]
+__all__ = [
+    "Halo",
+    "Kept",
+    "NoPastCache",
+    "ShardCache",
+    "call_key",
+    "may_recompute",
+    "stash",
+    "stashed",
+]
 
 
 class Kept:
@@ -121,7 +132,19 @@ def call_key() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
-class ShardCache:
+class NoPastCache:
+    """What a shard's cache answers to transformers' questions about recorded past (speculative decoding's): it
+    records none, so it keeps no intermediate state. The shard caches below inherit these answers."""
+
+    def is_recording_past(self, layer_idx):
+        return False
+
+    def get_recurrent_states_to_keep(self, layer_idx=None):
+        """0, as a transformers cache that records no past answers (asked from transformers 5.25 on)."""
+        return 0
+
+
+class ShardCache(NoPastCache):
     """The cache a mixer reads: the previous rank's halo (conv state) and final state; it records this shard's."""
 
     def __init__(self, halo, state):
@@ -132,13 +155,6 @@ class ShardCache:
 
     def get_recurrent_state(self, layer_idx, state_idx=0):
         return self.state
-
-    def is_recording_past(self, layer_idx):
-        return False
-
-    def get_recurrent_states_to_keep(self, layer_idx=None):
-        """0: a cache that records no past keeps no intermediate states (transformers 5.25's query)."""
-        return 0
 
     def update_conv_state(self, x, layer_idx, conv_kernel_size=None, **kwargs):
         """x [B, C, s] the convolution's input -> [B, C, k-1+s] with the halo in front (rank 0: x, which the

@@ -253,9 +253,9 @@ class CudnnKernel:
     """torch's cuDNN attention (`aten::_scaled_dot_product_cudnn_attention` + `_backward`), fp16/bf16, sm90.
 
     What torch's own SDPA picks on an H100 (benchmarks/gpu/speed.py: 1.66x faster than the flash kernel at 4 heads
-    x 512K tokens, fwd+bwd), verified there against the fp32 CPU reference (benchmarks/gpu/kernels.py). Same layouts
-    and GQA handling as `SdpaCudaKernel` (k/v expanded, dk/dv summed back in fp32). cuDNN's softmax statistics come
-    back as [B, h, S, 1] (or [B, h, S]); they are handed out as lse [B, h, S] and reshaped back for the backward.
+    x 512K tokens, fwd+bwd), verified there against the fp32 CPU reference (benchmarks/gpu/kernel_parity.py). Same
+    layouts and GQA handling as `SdpaCudaKernel` (k/v expanded, dk/dv summed back in fp32). cuDNN's softmax statistics
+    come back as [B, h, S, 1] (or [B, h, S]); they are handed out as lse [B, h, S] and reshaped back for the backward.
     Calls outside what was measured use `SdpaCudaKernel`, forward and backward alike (the choice depends on the
     shapes only): head dims above 128, and sequences longer than `MAX_S` (524288, the longest verified).
     """

@@ -8,6 +8,8 @@ Entry points:
   "not checked yet" (it is checked when `prepare_model` first needs it).
 - `format_status(rows)`: the rows as the lines `hf-upipe env` prints (`hf-upipe fingerprints` adds each row's
   recorded fingerprints: `recorded`, the sources verified in the releases of `hf_upipe.models.verification`).
+- `release_report(rows)`: the same rows family by family (`hf-upipe release-check`): for each model type, which of
+  its adapters are on and which are off, and why; `format_report(report)` prints it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from hf_upipe.attention.fused import fused_verdict
 from hf_upipe.models.architectures import FUSED, source_fingerprint
 from hf_upipe.models.verification import fingerprint
 
-__all__ = ["adapter_status", "format_status"]
+__all__ = ["adapter_status", "format_report", "format_status", "release_report"]
 
 # model types whose classes live in another modeling module
 _MODULES = {
@@ -113,3 +115,42 @@ def format_status(rows: list[dict]) -> list[str]:
         f"  {r['adapter']:<6} {r['subject']:<28} {r['fingerprint'] or '-':<16}  {r['status']}"
         for r in rows
     ]
+
+
+def _families(row: dict) -> list[str]:
+    """The model types an adapter row serves: a fused family's own, a mixer's hybrids, every type for the RoPE."""
+    if row["adapter"] == "mixer":
+        return [MIXER_MODEL_TYPES[row["subject"]]]
+    if row["adapter"] == "rope":
+        return ["any, with dynamic/longrope RoPE"]
+    return [row["subject"]]
+
+
+def release_report(rows: list[dict]) -> dict:
+    """{"families": {model_type: {adapter: {"on": bool, "why": status}}}, "on": n, "off": n} from
+    `adapter_status` rows; an adapter that is off keeps transformers' own path (fused, tiled) or makes the family
+    refused under SP (mixer, RoPE), as `hf_upipe.models.verification` says."""
+    families: dict[str, dict] = {}
+    for row in rows:
+        label = row["adapter"] if row["adapter"] != "mixer" else f"mixer {row['subject']}"
+        for family in _families(row):
+            families.setdefault(family, {})[label] = {"on": bool(row["ok"]), "why": row["status"]}
+    flags = [a["on"] for adapters in families.values() for a in adapters.values()]
+    return {"families": families, "on": sum(flags), "off": len(flags) - sum(flags)}
+
+
+def format_report(report: dict, version: str) -> list[str]:
+    """One line per family: its adapters on, then each one off with its reason; a summary line first."""
+    lines = [
+        f"transformers {version}: {report['on']} adapters on, {report['off']} off, over "
+        f"{len(report['families'])} families"
+    ]
+    for family, adapters in report["families"].items():
+        on = [f"{name} ({_how(a['why'])})" for name, a in adapters.items() if a["on"]]
+        off = [f"{name} OFF ({a['why']})" for name, a in adapters.items() if not a["on"]]
+        lines.append(f"  {family:<31} on: {', '.join(on) or '-'}" + "".join(f"; {o}" for o in off))
+    return lines
+
+
+def _how(status: str) -> str:
+    return "by fingerprint" if "fingerprint" in status else "by behaviour"

@@ -82,16 +82,17 @@ def hybrid_config(model_type):
     layers = LAYERS[model_type]
     if layers is None:
         return config
+    depth = config.num_hidden_layers
     config.num_hidden_layers = len(layers)
     try:
         config.layer_types = layers
     except AttributeError:  # Bamba: layer_types is a property of attn_layer_indices
         config.attn_layer_indices = [i for i, t in enumerate(layers) if t != "linear_attention"]
     assert list(config.layer_types) == layers, (model_type, config.layer_types)
-    if getattr(config, "mlp_layer_types", None):  # Bailing-Hybrid: one MLP kind per layer, cycled
-        config.mlp_layer_types = [
-            config.mlp_layer_types[i % len(config.mlp_layer_types)] for i in range(len(layers))
-        ]
+    # every other per-layer list, cycled to the new depth (Bailing-Hybrid's MLP kinds; its SwiGLU limits on 5.25)
+    for key, value in list(vars(config).items()):
+        if key != "layer_types" and isinstance(value, list) and len(value) == depth:
+            setattr(config, key, [value[i % depth] for i in range(len(layers))])
     return config
 
 

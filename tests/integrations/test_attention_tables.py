@@ -23,6 +23,7 @@ from transformers.models.auto.configuration_auto import (
 import hf_upipe  # noqa: F401  (registers "upipe")
 from hf_upipe.attention.registered import OwnAttentionTable, attention_tables
 from hf_upipe.models.presets import tiny_config
+from hf_upipe.models.verification import installed_release
 
 _TABLE = re.compile(r'^\w+\s*=\s*\{\s*\n\s*"(?:eager|sdpa|flash_attention_2)"\s*:\s*[A-Z]', re.M)
 
@@ -62,9 +63,14 @@ def _build(model_type, implementation):
     return None
 
 
+# causal LMs known to pick their attention class from a table of their own; Falcon moved to transformers' attention
+# interface in 5.25
+KNOWN = ["gpt_neo", "git"] + (["falcon"] if installed_release() in ("5.23", "5.24") else [])
+
+
 def test_the_sweep_finds_the_known_tables():
-    assert {"falcon", "gpt_neo", "git"} <= set(MODULES)
-    assert {"falcon", "gpt_neo", "git"} <= set(TYPES)
+    assert set(KNOWN) <= set(MODULES)
+    assert set(KNOWN) <= set(TYPES)
 
 
 @pytest.mark.slow
@@ -83,7 +89,7 @@ def test_upipe_is_refused_by_name_or_builds(model_type):
     assert model is None or model.config._attn_implementation == "upipe"
 
 
-@pytest.mark.parametrize("model_type", ["falcon", "gpt_neo", "git"])
+@pytest.mark.parametrize("model_type", KNOWN)
 def test_causal_lms_with_a_table_are_refused_and_build_otherwise(model_type):
     with pytest.raises(OwnAttentionTable, match=f"model_type '{model_type}'"):
         _build(model_type, "upipe")

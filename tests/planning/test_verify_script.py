@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture
 def verify():
     """benchmarks/gpu/verify.py imported with its folder on sys.path, both undone afterwards (that folder holds
-    modules named `common`, `kernels`, `memory`, which must not shadow other imports of the test session)."""
+    modules named `common`, `memory`, `speed`, which must not shadow other imports of the test session)."""
     path, modules = list(sys.path), set(sys.modules)
     sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
     try:
@@ -32,7 +32,9 @@ def verify():
 
 def test_dry_run_runs_every_stage(tmp_path):
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    # the script runs `python3` from PATH (the device's own): here, this interpreter, venv or not
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    env = {**os.environ, "PYTHONPATH": ROOT, "PATH": path}
     cmd = ["bash", os.path.join(ROOT, "benchmarks", "gpu", "verify.sh"), str(out), "--cpu-dry-run"]
     cmd += ["--work", str(tmp_path / "work")]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)

@@ -1,6 +1,6 @@
 """GPU parity: the CUDA attention kernels, UPipe and the fused block against the fp32 CPU reference; offload for real.
 
-    python benchmarks/gpu/kernels.py [--out benchmarks/results/gpu] [--quick] [--cpu-dry-run]
+    python benchmarks/gpu/kernel_parity.py [--out benchmarks/results/gpu] [--quick] [--cpu-dry-run]
 
 Sections (each writes into <out>/kernels.json as soon as it is done; a failure is recorded and the next runs):
 1. fake_pg: what the fake process group does with real tensors on this torch (copies, or leaves outputs empty).
