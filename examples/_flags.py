@@ -296,10 +296,19 @@ def checkpoint_step(folder: str) -> int | None:
 
 def finished(args, output_dir: str, example: str) -> str | None:
     """With --resume, the line saying the run is already at --steps (nothing to train, nothing to write), or None
-    (no such checkpoint, or steps left to train)."""
+    (no earlier run, or steps left to train).
+
+    Raises:
+        ValueError: --resume latest on a folder that holds files but no checkpoint to continue from.
+    """
     if args.resume is None:
         return None
     folder = latest_checkpoint(output_dir, example) if args.resume == "latest" else args.resume
+    if folder is None and os.path.isdir(output_dir) and os.listdir(output_dir):
+        raise ValueError(
+            f"--resume latest: {output_dir} holds no checkpoint to continue from; pass --overwrite to start "
+            "again, or another --output-dir"
+        )
     step = checkpoint_step(folder) if folder else None
     if step is None or step < args.steps:
         return None
