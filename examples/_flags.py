@@ -11,7 +11,7 @@ Entry points:
 - `preflight(argv, example)`: what a script runs first, as `__main__`: a bad flag or an earlier run is one line
   `error: ...` on stderr and exit status 2, a resume with nothing to train one line and exit status 0, before the
   heavy imports and before anything is written; `--help` is left to the script's full parser. Under a launcher
-  only the first rank (`RANK` 0) prints; the others wait a moment, so that its line is out before they exit.
+  only the first rank (`RANK` 0) prints, and every rank exits half a second later, together.
 """
 
 from __future__ import annotations
@@ -354,8 +354,20 @@ def preflight(argv, example: str) -> None:
 
 
 def _exit(line: str, code: int, first: bool) -> None:
+    """The line from the first rank (an error also into the launcher's error file, which its summary quotes, as
+    `hf_upipe.exits.record_line` writes it), then every rank exits together: a launcher stops the ranks still
+    running once one has exited with an error."""
     if first:
         print(line, file=sys.stderr if code else sys.stdout, flush=True)
-    else:
-        time.sleep(2.0)  # the first rank's line out before the launcher stops it
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if code and path:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                message = {"py_callstack": line, "timestamp": str(int(time.time()))}
+                json.dump({"message": {"message": line, "extraInfo": message}}, f)
+        except OSError:
+            pass
+    if "LOCAL_RANK" in os.environ:  # under a launcher: the ranks, started together, exit together
+        time.sleep(0.5)
     raise SystemExit(code)

@@ -205,3 +205,20 @@ def test_every_advice_an_example_prints_works(example, tmp_path):
     assert sorted(again) == [1, 2] and again[1] == first[1]
     other, _ = _train(example, tmp_path / "other", 2, tmp_path)
     assert other == again
+
+
+@pytest.mark.slow  # a launch of 2 processes
+def test_an_impossible_value_under_accelerate_launch_is_one_line_from_every_rank(tmp_path):
+    """Both ranks refuse --steps 0 before importing torch; the first prints the line, both exit with 2 together
+    (none stopped by the launcher), the launcher's summary quotes the line for each, and nothing is written."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    cmd += [os.path.join(ROOT, "accelerate_configs", "cpu_2proc.yaml"), "--main_process_port", "0"]
+    cmd += [os.path.join(ROOT, "examples", SCRIPTS["long_context"]), "--steps", "0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    console = proc.stdout + proc.stderr
+    line = "error: --steps 0: optimizer steps, at least 1"
+    assert [x for x in console.splitlines() if x.startswith("error")] == [line], console
+    assert re.findall(r"^\s+exitcode\s+: (-?\d+)", console, re.M) == ["2", "2"], console
+    assert console.count(f"traceback : {line}") == 2, console
+    assert os.listdir(tmp_path) == []
