@@ -222,3 +222,29 @@ def test_an_impossible_value_under_accelerate_launch_is_one_line_from_every_rank
     assert re.findall(r"^\s+exitcode\s+: (-?\d+)", console, re.M) == ["2", "2"], console
     assert console.count(f"traceback : {line}") == 2, console
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow  # two launches of 2 processes, at once
+def test_two_runs_launched_at_once_with_the_cpu_config_each_get_a_port(tmp_path):
+    """accelerate_configs/cpu_2proc.yaml leaves the port to accelerate (0: a free one for each launch): two runs
+    launched at the same moment on one machine both train, and neither finds its port taken."""
+    config = os.path.join(ROOT, "accelerate_configs", "cpu_2proc.yaml")
+    script = os.path.join(ROOT, "examples", SCRIPTS["long_context"])
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, script]
+            + ["--steps", "2", "--seq-len", "64", "--rows", "4", "--eval-rows", "0"]
+            + ["--output-dir", str(tmp_path / name)],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name in ("a", "b")
+    ]
+    for run in runs:
+        out, _ = run.communicate(timeout=300)
+        assert run.returncode == 0 and "loss: first 2 steps" in out, out[-3000:]
+        assert "already in use" not in out, out[-3000:]
