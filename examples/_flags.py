@@ -296,7 +296,7 @@ def checkpoint_step(folder: str) -> int | None:
 
 def finished(args, output_dir: str, example: str) -> str | None:
     """With --resume, the line saying the run is already at --steps (nothing to train, nothing to write), or None
-    (no earlier run, or steps left to train).
+    (no earlier run, which --resume latest then starts, or steps left to train).
 
     Raises:
         ValueError: --resume latest on a folder that holds files but no checkpoint to continue from.

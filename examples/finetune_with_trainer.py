@@ -27,7 +27,13 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _flags import check_flags, finished, preflight, trainer_flags  # noqa: E402
+from _flags import (  # noqa: E402
+    check_flags,
+    finished,
+    latest_checkpoint,
+    preflight,
+    trainer_flags,
+)
 
 if (
     __name__ == "__main__"
@@ -140,7 +146,8 @@ def main(argv=None) -> int:
             data_collator=default_data_collator,
             upipe_config=config,
         )
-    resume = True if args.resume == "latest" else args.resume
+    # 'latest': the newest checkpoint, or none (a first launch of a job that always passes --resume latest)
+    resume = latest_checkpoint(output_dir, example) if args.resume == "latest" else args.resume
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(os.path.join(output_dir, "final"))
     if trainer.is_world_process_zero():  # a LoRA run's base beside it, named by the adapter

@@ -37,7 +37,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _flags import check_flags, finished, grpo_flags, preflight  # noqa: E402
+from _flags import (  # noqa: E402
+    check_flags,
+    finished,
+    grpo_flags,
+    latest_checkpoint,
+    preflight,
+)
 
 if (
     __name__ == "__main__"
@@ -277,7 +283,12 @@ def main(argv=None) -> int:
     ):  # RewardBar replaces the Trainer's bar and lines
         trainer.remove_callback(printer)
     t1 = time.perf_counter()
-    trainer.train(resume_from_checkpoint=True if args.resume == "latest" else args.resume)
+    latest = args.resume == "latest"  # the newest checkpoint, or none (a first launch)
+    trainer.train(
+        resume_from_checkpoint=latest_checkpoint(output_dir, "grpo_passkey")
+        if latest
+        else args.resume
+    )
     grpo_s = time.perf_counter() - t1
     final = os.path.join(output_dir, "final")
     trainer.save_model(final)

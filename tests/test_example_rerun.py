@@ -7,7 +7,7 @@ exit status 0, every file's bytes and mtime unchanged.
 Slow (`test_every_advice_an_example_prints_works`: short one-process runs of each example): the advice that a
 refused rerun prints is followed, flag by flag, and each works: `--resume latest` of the finished run changes
 nothing, with `--steps` raised it trains on and its record (losses, rewards) covers every step, `--overwrite`
-replaces the run, another `--output-dir` starts one.
+replaces the run, another `--output-dir` starts one (also with `--resume latest`, which finds no checkpoint there).
 """
 
 import json
@@ -200,10 +200,11 @@ def test_every_advice_an_example_prints_works(example, tmp_path):
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6] and {s: resumed[s] for s in first} == first
     summary = "loss: first 6 steps" if example == "long_context" else None
     assert summary is None or summary in out, out
-    # --overwrite replaces the run; another --output-dir starts one
+    # --overwrite replaces the run; another --output-dir starts one (with --resume latest too: a job that always
+    # passes it starts where there is no checkpoint yet)
     again, _ = _train(example, run, 2, tmp_path, ["--overwrite"])
     assert sorted(again) == [1, 2] and again[1] == first[1]
-    other, _ = _train(example, tmp_path / "other", 2, tmp_path)
+    other, _ = _train(example, tmp_path / "other", 2, tmp_path, ["--resume", "latest"])
     assert other == again
 
 
