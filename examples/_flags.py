@@ -227,8 +227,8 @@ def check_flags(args, example: str) -> None:
 
     Raises:
         ValueError: the first impossible value: a count below its smallest, a learning rate that is not a
-            positive number, a negative --max-grad-norm, --offload without --checkpointing, a --data file or a
-            --resume folder that does not exist.
+            positive number, a negative --max-grad-norm, --offload without --checkpointing, --overwrite with
+            --resume, a --data file or a --resume folder that does not exist.
     """
     for name, least, what in _AT_LEAST["grpo_passkey" if example == "grpo_passkey" else "common"]:
         value = getattr(args, name, None)
@@ -245,6 +245,11 @@ def check_flags(args, example: str) -> None:
         raise ValueError(
             f"--offload {offload} offloads what activation checkpointing keeps: add --checkpointing "
             "(or --offload none)"
+        )
+    if args.overwrite and args.resume is not None:
+        raise ValueError(
+            f"--overwrite with --resume {args.resume}: --overwrite deletes the run that --resume continues; pass "
+            "one of them"
         )
     data = getattr(args, "data", None)
     if data and not os.path.isfile(data):
@@ -306,8 +311,8 @@ def finished(args, output_dir: str, example: str) -> str | None:
     folder = latest_checkpoint(output_dir, example) if args.resume == "latest" else args.resume
     if folder is None and os.path.isdir(output_dir) and os.listdir(output_dir):
         raise ValueError(
-            f"--resume latest: {output_dir} holds no checkpoint to continue from; pass --overwrite to start "
-            "again, or another --output-dir"
+            f"--resume latest: {output_dir} holds no checkpoint to continue from; pass --overwrite instead to "
+            "start again, or another --output-dir"
         )
     step = checkpoint_step(folder) if folder else None
     if step is None or step < args.steps:

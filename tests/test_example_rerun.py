@@ -3,7 +3,8 @@
 Fast (each a real `python examples/<script>.py` process that stops at its flags): impossible values are refused
 with one `error:` line naming the flag, exit status 2, in well under 5 s of CPU, without importing torch, and with
 no folder written; a `--resume` of a run already at `--steps` (an imitated run: checkpoint records only) is one line,
-exit status 0, every file's bytes and mtime unchanged.
+exit status 0, every file's bytes and mtime unchanged; each refused flag combination's advice, followed, lets the
+run go on (checked at the flags, in this process).
 Slow (`test_every_advice_an_example_prints_works`: short one-process runs of each example): the advice that a
 refused rerun prints is followed, flag by flag, and each works: `--resume latest` of the finished run changes
 nothing, with `--steps` raised it trains on and its record (losses, rewards) covers every step, `--overwrite`
@@ -134,9 +135,67 @@ def test_resume_latest_without_a_checkpoint_is_refused(tmp_path):
         "long_context", ["--output-dir", str(run), "--resume", "latest"], tmp_path
     )
     assert code == 2 and err.strip() == (
-        f"error: --resume latest: {run} holds no checkpoint to continue from; pass --overwrite to start again, "
-        "or another --output-dir"
+        f"error: --resume latest: {run} holds no checkpoint to continue from; pass --overwrite instead to start "
+        "again, or another --output-dir"
     )
+
+
+def _preflight(argv, example, capsys):
+    """`_flags.preflight` in this process: (exit status, the line it printed); status None when it let the run go
+    on (the flags are fine, the folder may be written, there are steps to train)."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import _flags
+    finally:
+        sys.path.remove(os.path.join(ROOT, "examples"))
+    try:
+        _flags.preflight(argv, example)
+        code = None
+    except SystemExit as exit_:
+        code = exit_.code
+    out = capsys.readouterr()
+    return code, (out.out + out.err).strip()
+
+
+def test_the_advice_of_each_refused_flag_combination_works(tmp_path, capsys, monkeypatch):
+    """Each refusal that names a way on, followed as it says (flags only: nothing trains here): the run goes on."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK", raising=False)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "loss.png").write_bytes(b"\x89PNG imitated")
+    cases = [
+        # (refused argv, its line starts, [each way on the line names])
+        (
+            ["--offload", "cpu"],
+            "error: --offload cpu offloads what activation checkpointing keeps: add --checkpointing "
+            "(or --offload none)",
+            [["--offload", "cpu", "--checkpointing"], ["--offload", "none"]],
+        ),
+        (
+            ["--output-dir", str(run), "--resume", "latest"],
+            f"error: --resume latest: {run} holds no checkpoint to continue from; pass --overwrite instead",
+            [["--output-dir", str(run), "--overwrite"], ["--output-dir", str(tmp_path / "other")]],
+        ),
+        (
+            ["--output-dir", str(run), "--resume", "latest", "--overwrite"],
+            "error: --overwrite with --resume latest: --overwrite deletes the run that --resume continues; "
+            "pass one of them",
+            [["--output-dir", str(run), "--overwrite"]],
+        ),
+        (
+            ["--resume", str(tmp_path / "nowhere")],
+            f"error: --resume {tmp_path / 'nowhere'}: no such folder; pass a checkpoint folder of the run, "
+            "or 'latest'",
+            [["--resume", "latest"]],
+        ),
+    ]
+    for example in ("long_context", "trainer"):
+        for refused, line, ways in cases:
+            code, said = _preflight(refused, example, capsys)
+            assert code == 2 and said.startswith(line), (example, refused, said)
+            for way in ways:
+                assert _preflight(way, example, capsys) == (None, ""), (example, way)
 
 
 # ---- slow: short one-process runs, and the advice they print followed ----------------------------------------
