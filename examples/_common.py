@@ -8,11 +8,12 @@ Entry points:
 - `build_model(path, vocab_size, lora, lora_rank)`: a tiny Llama from a config (default), a config.json, or a
   local model directory; LoRA through PEFT when asked.
 - `add_common_flags(parser)` / `upipe_settings(args)`: the flags both examples share (`--flag` / `--no-flag` for
-  every switch; `--help` lists the choices); `learning_rate(args, step)`: the warmup + cosine schedule.
-- `run_dir(args, example)` / `clear_run_dir(...)`: the run's folder (runs/<example>-<lora|full> by default; an
-  earlier run there is refused without --overwrite or --resume); `save_base` / `point_adapter_to_base`: a LoRA
-  run's base saved in the run's folder and named by its adapters, so they load without hf_upipe;
-  `plot_losses(...)`: the loss curve as a PNG.
+  every switch; `--help` lists the choices; defined, and checked before the heavy imports, in `_flags`);
+  `learning_rate(args, step)`: the warmup + cosine schedule.
+- `run_dir(args, example)` (from `_flags`) / `clear_run_dir(...)`: the run's folder (runs/<example>-<lora|full>
+  by default; an earlier run there is refused without --overwrite or --resume); `save_base` /
+  `point_adapter_to_base`: a LoRA run's base saved in the run's folder and named by its adapters, so they load
+  without hf_upipe; `plot_losses(...)`: the loss curve as a PNG.
 - `passkey_accuracy(model, rows, upipe)`: the share of held-out answers the model gets right, over every rank's
   shard (the first answer of a row can only be read from the passkey, in the first rank's shard).
 - `run(main)`: runs a script's main; an input error (a bad flag, a bad data file, settings that cannot work) is
@@ -22,14 +23,15 @@ Entry points:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import random
 import shutil
 
+import _flags
 import torch
+from _flags import run_dir  # noqa: F401  (the run's folder, checked before the heavy imports)
 from datasets import Dataset, load_dataset
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, default_data_collator
 
@@ -180,112 +182,12 @@ def build_model(
 
 
 def add_common_flags(ap) -> None:
-    flag = argparse.BooleanOptionalAction
-    ap.add_argument(
-        "--model",
-        default=None,
-        help="config.json or local model dir (default: a tiny 1-layer Llama)",
-    )
-    ap.add_argument(
-        "--data",
-        default=None,
-        help="local .txt, or .json/.jsonl whose records have a 'text' field "
-        "(examples/sample.jsonl); default: the built-in passkey task",
-    )
-    ap.add_argument("--seq-len", type=int, default=1024, help="tokens per row (default 1024)")
-    ap.add_argument(
-        "--rows", type=int, default=512, help="training rows of the built-in passkey task"
-    )
-    ap.add_argument(
-        "--eval-rows",
-        type=int,
-        default=32,
-        help="held-out passkey rows the accuracy is measured on",
-    )
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--lr", type=float, default=1.5e-3, help="peak learning rate (default 1.5e-3)")
-    ap.add_argument(
-        "--warmup",
-        type=int,
-        default=30,
-        help="linear warmup steps, then cosine decay to 10%% of --lr",
-    )
-    ap.add_argument(
-        "--max-grad-norm", type=float, default=1.0, help="gradient clipping (default 1.0)"
-    )
-    ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument(
-        "--full", action=flag, default=False, help="full fine-tune instead of LoRA through PEFT"
-    )
-    ap.add_argument("--lora-rank", type=int, default=32)
-    ap.add_argument(
-        "--checkpointing",
-        action=flag,
-        default=False,
-        help="activation checkpointing (non-reentrant)",
-    )
-    ap.add_argument(
-        "--output-dir",
-        default=None,
-        help="the run's folder (default: runs/<example>-<lora|full>); an earlier run there is refused unless "
-        "--overwrite or --resume",
-    )
-    ap.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="delete an earlier run in --output-dir before training (default: refuse to overwrite it)",
-    )
-    ap.add_argument(
-        "--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)"
-    )
-    ap.add_argument("--resume", default=None, help="a checkpoint folder, or 'latest'")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--log-json", default=None, help="write the per-step losses and the accuracy here (rank 0)"
-    )
-    defaults = " (default: UPIPE_{} or the built-in default)"
-    ap.add_argument(
-        "--sp-size", type=int, default=None, help=_help("sp_size") + defaults.format("SP_SIZE")
-    )
-    ap.add_argument(
-        "--heads-per-chunk",
-        type=_heads_per_chunk,
-        default=None,
-        help=_help("heads_per_chunk") + " A number or 'all'." + defaults.format("HEADS_PER_CHUNK"),
-    )
-    ap.add_argument(
-        "--kernel",
-        choices=["auto", *available_kernels()],
-        default=None,
-        help=_help("kernel") + defaults.format("KERNEL"),
-    )
-    ap.add_argument(
-        "--tiled-mlp",
-        action=flag,
-        default=None,
-        help=_help("tiled_mlp") + defaults.format("TILED_MLP"),
-    )
-    ap.add_argument(
-        "--offload",
-        choices=["none", "cpu", "disk"],
-        default=None,
-        help=_help("offload") + " Needs --checkpointing." + defaults.format("OFFLOAD"),
-    )
-    ap.add_argument(
-        "--offload-path", default=None, help=_help("offload_path") + defaults.format("OFFLOAD_PATH")
-    )
+    """`_flags.add_common_flags` with the UPipe settings' help and the kernels' names."""
+    _flags.add_common_flags(ap, _help, available_kernels())
 
 
 def _help(name: str) -> str:
     return UPipeConfig.__dataclass_fields__[name].metadata["help"]
-
-
-def _heads_per_chunk(text: str):
-    if text.lower() == "all":
-        return "all"
-    if text.isdigit() and int(text) > 0:
-        return int(text)
-    raise argparse.ArgumentTypeError(f"{text!r} is neither a positive number nor 'all'")
 
 
 def upipe_settings(args) -> dict:
@@ -301,24 +203,6 @@ def upipe_settings(args) -> dict:
         )
     names = ("sp_size", "heads_per_chunk", "kernel", "tiled_mlp", "offload", "offload_path")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-
-
-def run_dir(args, example: str) -> str:
-    """The run's folder: --output-dir, or runs/<example>-<lora|full>.
-
-    Raises:
-        ValueError: the folder holds an earlier run (anything in it) and neither --overwrite nor --resume was
-            given; the same on every rank, before any process group exists.
-    """
-    path = args.output_dir or os.path.join("runs", f"{example}-{'full' if args.full else 'lora'}")
-    found = sorted(os.listdir(path)) if os.path.isdir(path) else []
-    if found and not (args.overwrite or args.resume):
-        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
-        raise ValueError(
-            f"--output-dir {path} holds an earlier run ({shown}): pass --overwrite to replace it, --resume "
-            "latest to continue it, or another --output-dir"
-        )
-    return path
 
 
 def clear_run_dir(path: str, args, is_main: bool, wait_for_everyone) -> None:

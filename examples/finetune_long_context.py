@@ -33,14 +33,15 @@ import shutil
 import sys
 import time
 
-import torch
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
-from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
-from transformers import default_data_collator
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _flags import check_flags, finished, latest_checkpoint, preflight  # noqa: E402
+
+if (
+    __name__ == "__main__"
+):  # a bad flag, an earlier run or nothing to resume: one line, before torch is imported
+    preflight(sys.argv[1:], "long_context")
+
+import torch  # noqa: E402
 from _common import (  # noqa: E402
     ByteTokenizer,
     add_common_flags,
@@ -57,6 +58,11 @@ from _common import (  # noqa: E402
     text_dataset,
     upipe_settings,
 )
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import DataLoaderConfiguration, set_seed  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+from transformers import default_data_collator  # noqa: E402
 
 from hf_upipe import UPipePlugin  # noqa: E402
 from hf_upipe.training.checkpoint import verify_checkpoint, write_manifest  # noqa: E402
@@ -71,10 +77,11 @@ from hf_upipe.training.save_errors import explained_save_errors  # noqa: E402
 
 
 def save_checkpoint(
-    accelerator, model, path: str, step: int, base: str | None = None, layout=None
+    accelerator, model, path: str, step: int, base: str | None = None, layout=None, losses=None
 ) -> None:
     """Model files (plain transformers/PEFT; a LoRA adapter names its `base` folder) + accelerate state + the
-    run's layout (`upipe_layout.json`), into a staging folder renamed at the end."""
+    run's layout (`upipe_layout.json`) + the losses of every step so far (`losses.json`: a resumed run's plot and
+    summary cover the whole run), into a staging folder renamed at the end."""
     staging = os.path.join(os.path.dirname(path), f".staging-{os.path.basename(path)}")
     if accelerator.is_main_process and os.path.exists(staging):
         shutil.rmtree(staging)
@@ -89,6 +96,8 @@ def save_checkpoint(
     if accelerator.is_main_process:
         with open(os.path.join(staging, "step.json"), "w") as f:
             json.dump({"step": step}, f)
+        with open(os.path.join(staging, "losses.json"), "w") as f:
+            json.dump({str(k): v for k, v in sorted((losses or {}).items())}, f)
         if layout is not None:
             write_layout(staging, layout)
     accelerator.wait_for_everyone()  # every rank has written its part (its RNG state) before the manifest
@@ -120,13 +129,22 @@ def load_missing_random_states(folder: str, rank: int) -> None:
         torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
-    steps = (
-        [int(d.split("-")[1]) for d in os.listdir(output_dir) if d.startswith("step-")]
-        if os.path.isdir(output_dir)
-        else []
-    )
-    return os.path.join(output_dir, f"step-{max(steps)}") if steps else None
+def resume_from(accelerator, resume: str, layout, steps_per_epoch: int, grad_accum: int):
+    """Loads a checkpoint verified first (another global batch or model refused, with no collective: every rank
+    raises); (step, epoch, batches to skip, the losses of the steps before it)."""
+    check_resume_layout(resume, layout)
+    verify_checkpoint(resume)  # every file as written (manifest), before anything is loaded
+    accelerator.load_state(os.path.join(resume, "accelerate_state"))
+    load_missing_random_states(os.path.join(resume, "accelerate_state"), accelerator.process_index)
+    with open(os.path.join(resume, "step.json")) as f:
+        step = json.load(f)["step"]
+    losses = {}
+    if os.path.isfile(os.path.join(resume, "losses.json")):  # (absent from older checkpoints)
+        with open(os.path.join(resume, "losses.json")) as f:
+            losses = {int(k): v for k, v in json.load(f).items() if int(k) <= step}
+    epoch, skip = divmod(step * grad_accum, steps_per_epoch)
+    accelerator.print(f"resumed from {resume} at step {step}")
+    return step, epoch, skip, losses
 
 
 def main(argv=None) -> int:
@@ -135,6 +153,9 @@ def main(argv=None) -> int:
     )
     add_common_flags(ap)
     args = ap.parse_args(argv)
+    check_flags(
+        args, "long_context"
+    )  # impossible values (also checked before the imports, as __main__)
     settings = upipe_settings(args)  # flag combinations first: an error costs no process group
     tokenizer = ByteTokenizer()
     if args.data:
@@ -144,6 +165,11 @@ def main(argv=None) -> int:
     output_dir = run_dir(
         args, "long_context"
     )  # an earlier run: refused without --overwrite / --resume
+    done = finished(args, output_dir, "long_context")
+    if done is not None:  # resumed at --steps already: nothing trained, nothing written
+        if os.environ.get("RANK", "0") == "0":
+            print(done)
+        return 0
     # CPU: MULTI_CPU over gloo; a seedable sampler gives the same order whatever the number of processes
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
@@ -198,19 +224,13 @@ def main(argv=None) -> int:
         grad_accum=args.grad_accum,
         model=model_fingerprint(model),
     )
-    resume = latest_checkpoint(output_dir) if args.resume == "latest" else args.resume
+    resume = (
+        latest_checkpoint(output_dir, "long_context") if args.resume == "latest" else args.resume
+    )
     if resume:
-        # another layout resumes; another global batch or model is refused (no collective: every rank raises)
-        check_resume_layout(resume, layout)
-        verify_checkpoint(resume)  # every file as written (manifest), before anything is loaded
-        accelerator.load_state(os.path.join(resume, "accelerate_state"))
-        load_missing_random_states(
-            os.path.join(resume, "accelerate_state"), accelerator.process_index
+        step, epoch, skip, losses = resume_from(
+            accelerator, resume, layout, len(loader), args.grad_accum
         )
-        with open(os.path.join(resume, "step.json")) as f:
-            step = json.load(f)["step"]
-        epoch, skip = divmod(step * args.grad_accum, len(loader))
-        accelerator.print(f"resumed from {resume} at step {step}")
     plain_loader = loader.dataloader
     accelerator.print(
         f"{accelerator.num_processes} processes: SP {state.sp_size} x DP {state.dp_size}, "
@@ -274,6 +294,7 @@ def main(argv=None) -> int:
                         step,
                         base,
                         layout,
+                        losses,
                     )
             if step >= args.steps:
                 break
@@ -281,7 +302,7 @@ def main(argv=None) -> int:
     bar.close()
     with explained_save_errors(output_dir, should_save=accelerator.is_main_process):  # a full disk
         save_checkpoint(
-            accelerator, model, os.path.join(output_dir, f"step-{step}"), step, base, layout
+            accelerator, model, os.path.join(output_dir, f"step-{step}"), step, base, layout, losses
         )
     accuracy = None
     if not args.data and args.eval_rows:

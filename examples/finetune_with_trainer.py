@@ -9,8 +9,9 @@ settings; TRL also logs `entropy`, `mean_token_accuracy` and `num_tokens`, reduc
 
 The Trainer does the rest: progress bar, logging (loss, tokens_per_second, peak_memory_gib), the lr schedule (the
 same warmup and cosine decay as the custom loop), gradient clipping and accumulation, activation checkpointing,
-checkpoints every `--save-every` steps (`checkpoint-N`: plain transformers/PEFT files plus optimizer state, written
-atomically with a manifest) and `--resume` (a checkpoint folder or 'latest', verified before loading). The final
+checkpoints every `--save-every` steps and at the last step (`checkpoint-N`: plain transformers/PEFT files plus
+optimizer state, written atomically with a manifest) and `--resume` (a checkpoint folder or 'latest', verified before
+loading; a run already at `--steps` is left as it is, and continues when `--steps` is raised). The final
 model is saved to `<output-dir>/final` (plain files, loadable without hf_upipe; a LoRA adapter names its base,
 saved in `<output-dir>/base`), and the passkey answers of held-out rows are measured as in the custom loop. The
 run's folder is `runs/trainer-lora` (`runs/trl-lora` with `--trl`; `-full` with `--full`) unless `--output-dir`
@@ -25,10 +26,21 @@ import json
 import os
 import sys
 
-import torch
-from transformers import TrainingArguments, default_data_collator
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _flags import (  # noqa: E402
+    check_flags,
+    finished,
+    latest_checkpoint,
+    preflight,
+    trainer_flags,
+)
+
+if (
+    __name__ == "__main__"
+):  # a bad flag, an earlier run or nothing to resume: one line, before torch is imported
+    preflight(sys.argv[1:], "trainer")
+
+import torch  # noqa: E402
 from _common import (  # noqa: E402
     ByteTokenizer,
     add_common_flags,
@@ -43,6 +55,7 @@ from _common import (  # noqa: E402
     text_dataset,
     upipe_settings,
 )
+from transformers import TrainingArguments, default_data_collator  # noqa: E402
 
 from hf_upipe import UPipeConfig, UPipeTrainer  # noqa: E402
 
@@ -59,19 +72,10 @@ def main(argv=None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_common_flags(ap)
-    ap.add_argument(
-        "--trl",
-        action="store_true",
-        help="train with TRL's SFTTrainer (hf_upipe.trl.UPipeSFTTrainer, an SFTConfig); needs trl",
-    )
-    ap.add_argument(
-        "--report-to",
-        nargs="+",
-        default=["none"],
-        help="the Trainer's trackers: none, all, or names such as tensorboard wandb (installed separately; "
-        "default: none)",
-    )
+    trainer_flags(ap)
     args = ap.parse_args(argv)
+    example = "trl" if args.trl else "trainer"
+    check_flags(args, example)  # impossible values (also checked before the imports, as __main__)
     config = UPipeConfig.from_flags(**upipe_settings(args))  # errors name the flags
     tokenizer = ByteTokenizer()
     data = (
@@ -80,7 +84,12 @@ def main(argv=None) -> int:
         else passkey_dataset(args.rows, args.seq_len, tokenizer, seed=args.seed)
     )
     # an earlier run is refused without --overwrite / --resume: the Trainer and TRL runs have folders of their own
-    output_dir = run_dir(args, "trl" if args.trl else "trainer")
+    output_dir = run_dir(args, example)
+    done = finished(args, output_dir, example)
+    if done is not None:  # resumed at --steps already: nothing trained, nothing written
+        if os.environ.get("RANK", "0") == "0":
+            print(done)
+        return 0
     model = build_model(
         args.model,
         tokenizer.vocab_size,
@@ -100,8 +109,8 @@ def main(argv=None) -> int:
         max_grad_norm=args.max_grad_norm,
         weight_decay=0.0,
         logging_steps=1 if args.log_json else 10,
-        save_strategy="steps" if args.save_every else "no",
-        save_steps=args.save_every or None,
+        save_strategy="steps",  # every --save-every steps and the last: --resume latest continues any run
+        save_steps=args.save_every or args.steps,
         seed=args.seed,
         report_to=args.report_to,
         use_cpu=not torch.cuda.is_available(),
@@ -137,7 +146,8 @@ def main(argv=None) -> int:
             data_collator=default_data_collator,
             upipe_config=config,
         )
-    resume = True if args.resume == "latest" else args.resume
+    # 'latest': the newest checkpoint, or none (a first launch of a job that always passes --resume latest)
+    resume = latest_checkpoint(output_dir, example) if args.resume == "latest" else args.resume
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(os.path.join(output_dir, "final"))
     if trainer.is_world_process_zero():  # a LoRA run's base beside it, named by the adapter

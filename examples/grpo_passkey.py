@@ -22,7 +22,9 @@ Training shows a progress bar with the step's mean reward and the mean of the la
 is saved to `<output-dir>/final` (plain PEFT files naming the base model saved in `<output-dir>/base`, loadable
 without hf_upipe) and the reward curve to `<output-dir>/reward.png` (with matplotlib). The run's folder is
 `runs/grpo_passkey-lora` unless `--output-dir` says otherwise; an earlier run there is refused without
-`--overwrite`.
+`--overwrite` or `--resume`. A checkpoint (`checkpoint-N`) is saved every `--save-every` steps and at the last step;
+`--resume latest` continues from the newest (the warm-up runs again, then the checkpoint's weights replace it), the
+reward curve and summary covering every step; a run already at `--steps` is left as it is.
 """
 
 from __future__ import annotations
@@ -34,11 +36,21 @@ import random
 import sys
 import time
 
-import torch
-from tqdm.auto import tqdm
-from transformers import PrinterCallback, ProgressCallback, TrainerCallback
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _flags import (  # noqa: E402
+    check_flags,
+    finished,
+    grpo_flags,
+    latest_checkpoint,
+    preflight,
+)
+
+if (
+    __name__ == "__main__"
+):  # a bad flag, an earlier run or nothing to resume: one line, before torch is imported
+    preflight(sys.argv[1:], "grpo_passkey")
+
+import torch  # noqa: E402
 from _common import (  # noqa: E402
     DIGITS,
     HAYSTACK,
@@ -50,6 +62,8 @@ from _common import (  # noqa: E402
     run_dir,
     save_base,
 )
+from tqdm.auto import tqdm  # noqa: E402
+from transformers import PrinterCallback, ProgressCallback, TrainerCallback  # noqa: E402
 
 CHANCE = 0.1  # one digit of ten
 
@@ -193,32 +207,12 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--steps", type=int, default=300, help="GRPO optimizer steps (default 300)")
-    ap.add_argument("--prompt-len", type=int, default=64, help="bytes per prompt (default 64)")
-    ap.add_argument(
-        "--prompts-per-step", type=int, default=8, help="new prompts per step (default 8)"
-    )
-    ap.add_argument(
-        "--num-generations", type=int, default=8, help="answers sampled per prompt (default 8)"
-    )
-    ap.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
-    ap.add_argument(
-        "--format-steps",
-        type=int,
-        default=40,
-        help="SFT warm-up steps on the answer's format (random digits) before GRPO (default 40; 0: none)",
-    )
-    ap.add_argument("--format-batch", type=int, default=32, help="rows per warm-up step")
-    ap.add_argument("--lora-rank", type=int, default=32)
-    ap.add_argument("--sp-size", type=int, default=None, help="default: every process")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--output-dir", default=None, help="default: runs/grpo_passkey-lora")
-    ap.add_argument("--overwrite", action="store_true", help="replace an earlier run there")
-    ap.add_argument("--log-json", default=None, help="write the per-step rewards here (rank 0)")
+    grpo_flags(ap)
     args = ap.parse_args(argv)
-    args.full, args.model, args.resume = False, None, None  # what the shared helpers read
-    if args.prompt_len < 8:
-        raise ValueError(f"--prompt-len {args.prompt_len}: at least 8 bytes (passkey and question)")
+    args.full, args.model = False, None  # what the shared helpers read
+    check_flags(
+        args, "grpo_passkey"
+    )  # impossible values (also checked before the imports, as __main__)
     return args
 
 
@@ -230,7 +224,14 @@ def main(argv=None) -> int:
     from hf_upipe.trl import UPipeGRPOTrainer as GRPOTrainer
 
     config = UPipeConfig.from_flags(**({"sp_size": args.sp_size} if args.sp_size else {}))
-    output_dir = run_dir(args, "grpo_passkey")  # an earlier run: refused without --overwrite
+    output_dir = run_dir(
+        args, "grpo_passkey"
+    )  # an earlier run: refused without --overwrite / --resume
+    done = finished(args, output_dir, "grpo_passkey")
+    if done is not None:  # resumed at --steps already: nothing trained, nothing written
+        if os.environ.get("RANK", "0") == "0":
+            print(done)
+        return 0
     tokenizer = ByteTokenizer()
     model = build_model(
         None, tokenizer.vocab_size, lora=True, lora_rank=args.lora_rank, seed=args.seed
@@ -252,7 +253,8 @@ def main(argv=None) -> int:
         weight_decay=0.0,
         beta=0.0,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps",  # every --save-every steps and the last: --resume latest continues any run
+        save_steps=args.save_every or args.steps,
         report_to="none",
         seed=args.seed,
         use_cpu=not torch.cuda.is_available(),
@@ -281,14 +283,20 @@ def main(argv=None) -> int:
     ):  # RewardBar replaces the Trainer's bar and lines
         trainer.remove_callback(printer)
     t1 = time.perf_counter()
-    trainer.train()
+    latest = args.resume == "latest"  # the newest checkpoint, or none (a first launch)
+    trainer.train(
+        resume_from_checkpoint=latest_checkpoint(output_dir, "grpo_passkey")
+        if latest
+        else args.resume
+    )
     grpo_s = time.perf_counter() - t1
     final = os.path.join(output_dir, "final")
     trainer.save_model(final)
     if trainer.is_world_process_zero():
         base = save_base(args, tokenizer.vocab_size, output_dir)
         point_adapter_to_base(final, base)
-        report(args, bar.rewards, trainer.upipe.state, output_dir, format_loss, warm_up_s, grpo_s)
+        rewards = {h["step"]: h["reward"] for h in trainer.state.log_history if "reward" in h}
+        report(args, rewards, trainer.upipe.state, output_dir, format_loss, warm_up_s, grpo_s)
     trainer.accelerator.wait_for_everyone()  # rank 0 may still be writing: tear the group down together
     trainer.accelerator.end_training()
     return 0

@@ -26,34 +26,37 @@ Main entry points:
 Under `accelerate launch` / `torchrun`, a setting error that nothing catches is one line from the first rank and
 exit status 2 on every rank (`hf_upipe.exits`; `UPIPE_TRACEBACK=1` keeps the tracebacks).
 
-Importing this package imports torch and the pure-torch layers only; everything that needs transformers,
-accelerate or the planner is imported on first use of its name.
+Importing this package imports neither torch nor transformers (`hf-upipe --help` answers at once): it registers
+"upipe" with transformers (when its modeling code loads), installs the console handler and, under a launcher, the
+exception hook. Every name is imported on its first use; the two global hooks (`hf_upipe.adapters.hooks`) are
+imported by `hf_upipe.distributed` before any sequence-parallel state is installed.
 """
 
 import os
 from importlib import import_module
+from importlib.util import find_spec
 
-# the global hooks: refuse unprepared models on shards under SP; a random stream per SP rank
-from hf_upipe.adapters import hooks as _guard  # noqa: F401
 from hf_upipe.attention.registration import register_with_transformers
-from hf_upipe.config import UPipeConfig
 from hf_upipe.console_log import install_console_handler
-from hf_upipe.data import ShardedDataLoader, sampler_kwargs, shard_batch
-from hf_upipe.distributed import (
-    SequenceParallelState,
-    get_sequence_parallel_state,
-    init_sequence_parallel,
-    reset_sequence_parallel,
-    without_sequence_parallel,
-)
 from hf_upipe.exits import report_setting_errors
-from hf_upipe.ops.head_layout import HeadLayout, valid_heads_per_chunk, valid_sp_sizes
-from hf_upipe.ops.upipe_attention import upipe_attention
 
 __version__ = "0.1.0"
 
 # name -> module that defines it, imported on first use (transformers, accelerate or the planner behind them)
 _LAZY = {
+    "HeadLayout": "hf_upipe.ops.head_layout",
+    "SequenceParallelState": "hf_upipe.distributed",
+    "ShardedDataLoader": "hf_upipe.data",
+    "UPipeConfig": "hf_upipe.config",
+    "get_sequence_parallel_state": "hf_upipe.distributed",
+    "init_sequence_parallel": "hf_upipe.distributed",
+    "reset_sequence_parallel": "hf_upipe.distributed",
+    "sampler_kwargs": "hf_upipe.data",
+    "shard_batch": "hf_upipe.data",
+    "upipe_attention": "hf_upipe.ops.upipe_attention",
+    "valid_heads_per_chunk": "hf_upipe.ops.head_layout",
+    "valid_sp_sizes": "hf_upipe.ops.head_layout",
+    "without_sequence_parallel": "hf_upipe.distributed",
     "MemoryTracker": "hf_upipe.planning.tracker",
     "UPipePlugin": "hf_upipe.training.plugin",
     "UPipeRuntime": "hf_upipe.training.runtime",
@@ -64,22 +67,7 @@ _LAZY = {
     "unprepare_model": "hf_upipe.prepare",
 }
 
-__all__ = [
-    "HeadLayout",
-    "SequenceParallelState",
-    "ShardedDataLoader",
-    "UPipeConfig",
-    "get_sequence_parallel_state",
-    "init_sequence_parallel",
-    "reset_sequence_parallel",
-    "sampler_kwargs",
-    "shard_batch",
-    "upipe_attention",
-    "valid_heads_per_chunk",
-    "valid_sp_sizes",
-    "without_sequence_parallel",
-    *sorted(_LAZY),
-]
+__all__ = sorted(_LAZY)
 
 register_with_transformers()
 install_console_handler()  # hf_upipe's INFO lines on the console, rank 0, unless logging is configured
@@ -89,5 +77,15 @@ if "TORCHELASTIC_RUN_ID" in os.environ:  # started by accelerate launch / torchr
 
 def __getattr__(name):
     if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value  # once imported, an attribute like any other
+        return value
+    if not name.startswith("_") and find_spec(f"hf_upipe.{name}") is not None:
+        return import_module(
+            f"hf_upipe.{name}"
+        )  # a submodule not imported yet: `hf_upipe.ops`, ...
     raise AttributeError(f"module 'hf_upipe' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -15,15 +15,14 @@ import logging
 import os
 import sys
 
-import torch.distributed as dist
-
 LOGGER_NAME = "hf_upipe"
 
 
 def _is_first_rank() -> bool:
     """Rank 0 of a real run; False inside the planner's simulated ranks (a "fake" process group), whose setup
     lines (SP groups, fused blocks of the simulated model) are not the user's run."""
-    if dist.is_available() and dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # not imported: no process group can exist
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0 and dist.get_backend() != "fake"
     return os.environ.get("RANK", "0") == "0"
 

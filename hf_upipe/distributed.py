@@ -14,7 +14,8 @@ Entry points:
   on whole sequences in an SP process.
 - `on_state_change(listener)`: be told of every state change. While a state of sp_size > 1 is installed,
   `hf_upipe.adapters.hooks` (a listener) refuses a transformers model called without `prepare_model` whose
-  attention is not "upipe" or that has token mixers (each rank would mix its shard alone).
+  attention is not "upipe" or that has token mixers (each rank would mix its shard alone); installing a state
+  imports that module first, so the hooks listen whatever was imported before.
 - `validation_group()` (with `validation_timeout`, `validation_failed`, `simulated`: `hf_upipe.agreement`, re-exported
   here): a gloo group over all ranks whose collectives give up after `validation_timeout()` seconds
   (`UPIPE_VALIDATION_TIMEOUT`, default 60): the checks that every rank enters (settings agreement, the runtime's
@@ -46,6 +47,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import importlib
 import logging
 from dataclasses import dataclass
 
@@ -384,6 +386,10 @@ def _release_groups() -> None:
 
 def _install(state: SequenceParallelState | None) -> SequenceParallelState | None:
     global _STATE
+    if state is not None:
+        # the global hooks (layer 4) listen before the first state is installed: `import hf_upipe` no longer imports
+        # them (nor torch), so they are imported here, by name, the one reference this module makes upward
+        importlib.import_module("hf_upipe.adapters.hooks")
     _STATE = state
     for listener in _LISTENERS:
         listener(state)

@@ -4,7 +4,9 @@ Entry points:
 - `add_arguments(parser)`: the flags.
 - `run(args)`: plans and prints the table (or JSON); exit 0 if it fits, 1 if not (no launch line then: the longest
   length that fits and what would fit the length asked, `advice`), 2 on bad input (the whole message on stderr;
-  argparse reports bad flag values the same way).
+  argparse reports bad flag values the same way). While it plans, a line on stderr for each length tried and
+  each candidate judged, with the elapsed time (`hf_upipe.planning.progress`; off under `--json` unless
+  `--progress`, and off with `--no-progress`).
 - `advice(model, request, result)`: what a plan that does not fit says instead of a launch line, as lines for
   `Plan.advice`, from more plans of the same request (`request`: the `hf_upipe.planning.planner.PlanRequest`
   `result` was planned for; `result`: its `Plan`, which did not fit).
@@ -19,6 +21,7 @@ fine-tune of rank 16 instead of a full one, and expandable segments for the allo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -35,6 +38,7 @@ from hf_upipe.planning.planner import (
     plan,
     resolve_model,
 )
+from hf_upipe.planning.progress import reporting
 from hf_upipe.planning.tracker import GiB
 from hf_upipe.planning.train_step import StepSettings
 from hf_upipe.units import argument_type, format_tokens, parse_size, parse_tokens
@@ -196,6 +200,13 @@ def _add_search_and_output(parser: argparse.ArgumentParser) -> None:
         help="comma-separated module names that get adapters (default: every projection)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a line on stderr for each length tried and each candidate judged, with the elapsed time "
+        "(default: on, off with --json)",
+    )
 
 
 def _fixed_settings(args, config, sp_size):
@@ -279,11 +290,13 @@ def run(args: argparse.Namespace) -> int:
             lora=None if not args.lora_rank else (args.lora_rank, args.lora_targets.split(",")),
             model_offload=args.model_offload,
         )
-        result = plan(args.model, request)
-        # no launch line on a no-fit: the longest that fits and what fits the length asked (not for --json:
-        # auto settings' child stays quick)
-        if not result.fits and not args.json:
-            result.advice = advice(args.model, request, result)
+        shown = not args.json if args.progress is None else args.progress
+        with reporting(sys.stderr) if shown else contextlib.nullcontext():
+            result = plan(args.model, request)
+            # no launch line on a no-fit: the longest that fits and what fits the length asked (not for --json:
+            # auto settings' child stays quick)
+            if not result.fits and not args.json:
+                result.advice = advice(args.model, request, result)
     except ValueError as err:
         print(f"hf-upipe plan: error: {err}", file=sys.stderr)
         return 2

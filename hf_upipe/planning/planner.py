@@ -89,7 +89,8 @@ from hf_upipe.models.architectures import ARCHITECTURES, model_geometry
 from hf_upipe.models.presets import resolve
 from hf_upipe.ops.head_layout import valid_heads_per_chunk, valid_sp_sizes
 from hf_upipe.planning import zero3_offload as _zero3
-from hf_upipe.planning.plan_result import Margin, Plan, host_bytes
+from hf_upipe.planning.plan_result import Margin, Plan, describe, host_bytes
+from hf_upipe.planning.progress import say
 from hf_upipe.planning.reserved import (
     ROUND_LARGE,
     Allowance,
@@ -100,7 +101,7 @@ from hf_upipe.planning.reserved import (
 )
 from hf_upipe.planning.step_time import GPU, H100_SXM, step_time
 from hf_upipe.planning.train_step import CATEGORIES, StepCase, StepSettings, device_twin
-from hf_upipe.units import parse_size, parse_tokens
+from hf_upipe.units import format_tokens, parse_size, parse_tokens
 
 __all__ = [
     "DEFAULT_HEADROOM",
@@ -240,6 +241,7 @@ def plan(model, request: PlanRequest | None = None, /, **options) -> Plan:
     pairs = _with_model_offload(
         _pairs(config, r.settings, sp // r.ring_size, r.impl, r.ring_size), model_offload
     )
+    say(f"planning {name} on {r.nodes} x {r.gpus} GPUs: {len(pairs)} candidate settings")
     host = None if r.host_memory is None else parse_size(r.host_memory)
     need = Requirement(name, estimate, margin=r.margin, mode=mode, gpus=r.gpus, host=host)
     predict = functools.partial(  # the predicted step time of settings at a length
@@ -809,7 +811,14 @@ def longest_fit(
     if need.host is not None and (per_step or fixed):
         steps = min(steps, max(0, need.host - fixed) // per_step if per_step else steps)
         steps = 0 if fixed > need.host else steps
-    return search_max(lambda length: need(rung, length), limit, step, steps)
+
+    def required(length: int) -> int:
+        say(
+            f"longest length: trying {format_tokens(length)} tokens (the most memory-saving settings)"
+        )
+        return need(rung, length)
+
+    return search_max(required, limit, step, steps)
 
 
 def fastest_fit(
@@ -824,11 +833,15 @@ def fastest_fit(
     bytes or None when not simulated, host ok, seconds) of each judged; a candidate whose host memory does not fit
     is not simulated.
     """
+    say(f"predicting the step time of {len(pairs)} candidates at {format_tokens(seq_len)} tokens")
     times = [seconds(cand, seq_len) for cand, _ in pairs]
     tried, chosen, fits_of = [], _fallback(need, pairs, seq_len), {}
     disk = [cand.offload == "disk" for cand, _ in pairs]
-    for k in sorted(range(len(pairs)), key=lambda k: (disk[k], times[k], k)):
+    for i, k in enumerate(sorted(range(len(pairs)), key=lambda k: (disk[k], times[k], k))):
         (cand, rung), t = pairs[k], times[k]
+        say(
+            f"candidate {i + 1} of {len(pairs)} at {format_tokens(seq_len)} tokens: {describe(cand)}"
+        )
         if not need.host_ok(cand, seq_len):
             fits_of[cand] = False
             tried.append((cand, None, False, t))  # its offloaded bytes do not fit the host

@@ -167,3 +167,33 @@ def test_refused_on_every_rank_then_exact_once_prepared(model_type):
     for refused, error in run_distributed(_worker, 2, model_type):
         assert refused[0] is not None and refused[2] is not None and refused[1] is None, refused
         assert error < 1e-4, error
+
+
+FRESH = """
+import sys
+import hf_upipe
+assert "torch" not in sys.modules and "hf_upipe.adapters.hooks" not in sys.modules, "import hf_upipe is light"
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+from hf_upipe.distributed import SequenceParallelState, set_sequence_parallel_state
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2)
+model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+set_sequence_parallel_state(SequenceParallelState(None, 2, 0, None, 1, 0))
+try:
+    model(input_ids=torch.randint(3, 50, (1, 8)))
+except NotImplementedError as err:
+    print("refused:", str(err)[:60])
+"""
+
+
+def test_the_guard_is_on_in_a_process_that_only_imported_hf_upipe():
+    """`import hf_upipe` imports neither torch nor the hooks: installing an SP state imports them, so a model called
+    on shards without hf_upipe is refused in a fresh process whose user imported nothing else of it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.startswith("refused:"), (
+        out.stdout + out.stderr[-2000:]
+    )
