@@ -26,6 +26,9 @@ Main entry points:
 Under `accelerate launch` / `torchrun`, a setting error that nothing catches is one line from the first rank and
 exit status 2 on every rank (`hf_upipe.exits`; `UPIPE_TRACEBACK=1` keeps the tracebacks).
 
+Old module paths (`hf_upipe.trainer`, `hf_upipe.integrations.peft`, ...) import their new modules with a
+DeprecationWarning until the release named in `hf_upipe._moved`, which holds their table.
+
 Importing this package imports torch and the pure-torch layers only; everything that needs transformers,
 accelerate or the planner is imported on first use of its name.
 """
@@ -34,6 +37,7 @@ import os
 from importlib import import_module
 
 # the global hooks: refuse unprepared models on shards under SP; a random stream per SP rank
+from hf_upipe._moved import install as _serve_old_paths
 from hf_upipe.adapters import hooks as _guard  # noqa: F401
 from hf_upipe.attention.registration import register_with_transformers
 from hf_upipe.config import UPipeConfig
@@ -82,6 +86,8 @@ __all__ = [
 ]
 
 register_with_transformers()
+# the old module paths (hf_upipe.trainer, hf_upipe.integrations.peft, ...) until their removal
+_serve_old_paths()
 install_console_handler()  # hf_upipe's INFO lines on the console, rank 0, unless logging is configured
 if "TORCHELASTIC_RUN_ID" in os.environ:  # started by accelerate launch / torchrun
     report_setting_errors()  # an uncaught setting error: one line from the first rank, exit status 2
