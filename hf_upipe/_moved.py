@@ -33,6 +33,8 @@ MOVED = {
     "hf_upipe.planning.no_fit": "hf_upipe.planning.plan_command",
     "hf_upipe.planning.alloc_trace": "hf_upipe.planning.reserved",
     "hf_upipe.planning.caching_allocator": "hf_upipe.planning.reserved",
+    "hf_upipe.trl.dpo_config": "hf_upipe.trl.dpo",
+    "hf_upipe.trl.grpo_config": "hf_upipe.trl.grpo",
 }
 
 # dissolved package -> (where its code went, {name it re-exports: module that defines it})
