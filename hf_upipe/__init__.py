@@ -27,7 +27,9 @@ Under `accelerate launch` / `torchrun`, a setting error that nothing catches is 
 exit status 2 on every rank (`hf_upipe.exits`; `UPIPE_TRACEBACK=1` keeps the tracebacks).
 
 Importing this package imports neither torch nor transformers (`hf-upipe --help` answers at once): it registers
-"upipe" with transformers (when its modeling code loads), installs the console handler and, under a launcher, the
+"upipe" with transformers (when its modeling code loads), installs the console handler, the import hook that serves
+the old module paths (`hf_upipe.trainer`, `hf_upipe.integrations.peft`, ...: their new modules, with a
+DeprecationWarning until the release named in `hf_upipe._moved`, which holds their table) and, under a launcher, the
 exception hook. Every name is imported on its first use; the two global hooks (`hf_upipe.adapters.hooks`) are
 imported by `hf_upipe.distributed` before any sequence-parallel state is installed.
 """
@@ -36,6 +38,7 @@ import os
 from importlib import import_module
 from importlib.util import find_spec
 
+from hf_upipe._moved import install as _serve_old_paths
 from hf_upipe.attention.registration import register_with_transformers
 from hf_upipe.console_log import install_console_handler
 from hf_upipe.exits import report_setting_errors
@@ -70,6 +73,8 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 register_with_transformers()
+# the old module paths (hf_upipe.trainer, hf_upipe.integrations.peft, ...) until their removal
+_serve_old_paths()
 install_console_handler()  # hf_upipe's INFO lines on the console, rank 0, unless logging is configured
 if "TORCHELASTIC_RUN_ID" in os.environ:  # started by accelerate launch / torchrun
     report_setting_errors()  # an uncaught setting error: one line from the first rank, exit status 2

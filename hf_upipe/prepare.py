@@ -180,11 +180,13 @@ def _language_implementation(config, implementation):
 @dataclass(frozen=True)
 class Adapter:
     """One adapter of `prepare_model`: `install(model, base, upipe_config)` (base: the model, PEFT unwrapped) and
-    its exact inverse `remove(model, base)`, a no-op where nothing is installed."""
+    its exact inverse `remove(model, base)`, a no-op where nothing is installed. `gated`: under SP, the support gate
+    runs just before this adapter is installed (and a refusal removes the adapters installed so far)."""
 
     name: str
     install: Callable
     remove: Callable
+    gated: bool = False
 
 
 def _install_mixers(model, base, upipe_config):
@@ -223,13 +225,13 @@ def _install_fused(model, base, upipe_config):
 
 
 # installed in this order, removed in the reverse one (`unprepare_model`), so the revert is exact by construction;
-# under SP the support gate runs before the adapter at _GATE_AT (it needs the global RoPE and the mixers in place)
+# under SP the support gate runs before the `gated` adapter (it needs the global RoPE and the mixers in place)
 ADAPTERS = (
     Adapter(
         "global RoPE", lambda m, b, c: install_global_rope(m), lambda m, b: remove_global_rope(b)
     ),
     Adapter("mixers", _install_mixers, lambda m, b: remove_mixers(b)),
-    Adapter("tiled MLP", _install_tiled_mlp, lambda m, b: remove_tiled_mlp(m)),
+    Adapter("tiled MLP", _install_tiled_mlp, lambda m, b: remove_tiled_mlp(m), gated=True),
     Adapter(
         "call checks", lambda m, b, c: install_call_checks(b), lambda m, b: remove_call_checks(b)
     ),
@@ -237,7 +239,6 @@ ADAPTERS = (
     Adapter("attention implementation", _use_upipe, _restore_implementation),
     Adapter("fused attention", _install_fused, lambda m, b: remove_fused_attention(m)),
 )
-_GATE_AT = 2
 
 
 def prepare_model(model: nn.Module, upipe_config=None, *, agreed: bool = False) -> nn.Module:
@@ -273,7 +274,7 @@ def prepare_model(model: nn.Module, upipe_config=None, *, agreed: bool = False) 
     base = base_model(model)  # PEFT unwrapped once, here
     done = {}
     for i, adapter in enumerate(ADAPTERS):
-        if i == _GATE_AT and state is not None and state.sp_size > 1:
+        if adapter.gated and state is not None and state.sp_size > 1:
             reason = model_refusal(model, allow_unverified=state.allow_unverified)
             error = refusal_error(reason) if reason is not None else None
             if error is None and not agreed:

@@ -1,7 +1,9 @@
 """UPipeSFTTrainer refuses the SFTConfig settings it does not handle, at construction, with the reason and the fix;
 and the trl.SFTTrainer methods its composition runs through keep the parameters it was written against."""
 
+import ast
 import inspect
+import sys
 
 import pytest
 
@@ -147,3 +149,75 @@ def test_deepspeed_is_refused_for_the_trl_trainers(tmp_path):
     dpo.deepspeed = {"zero_optimization": {"stage": 3}}
     (err,) = dpo_config_errors(dpo)
     assert "deepspeed=..." in str(err) and "UPipeTrainer" in str(err)
+
+
+def _after_setup(cls, **state):
+    """A trainer of class `cls` that skipped construction, holding only what `_refuse_after_setup` reads."""
+    import types
+
+    trainer = object.__new__(cls)
+    defaults = dict(
+        _is_vision_dataset=False,
+        _is_vlm=False,
+        aux_loss_enabled=False,
+        router_aux_loss_coef=0.001,
+        padding_free=False,
+        is_fsdp_enabled=False,
+        is_deepspeed_enabled=False,
+        accelerator=types.SimpleNamespace(parallelism_config=None),
+        model=types.SimpleNamespace(peft_config={}),
+        upipe=types.SimpleNamespace(state=types.SimpleNamespace(ring_size=1)),
+    )
+    for name, value in {**defaults, **state}.items():
+        setattr(trainer, name, value)
+    return trainer
+
+
+def test_the_trainers_share_one_base_and_keep_their_refusals():
+    """`hf_upipe.trl.base`: the three trainers are siblings on one base (none imports another); the refusals after
+    TRL's setup that they share keep each trainer's words."""
+    import types
+
+    from hf_upipe.trl import UPipeDPOTrainer, UPipeGRPOTrainer
+    from hf_upipe.trl.base import UPipeTRLTrainer
+
+    trainers = (UPipeSFTTrainer, UPipeDPOTrainer, UPipeGRPOTrainer)
+    assert all(UPipeTRLTrainer in t.__mro__ for t in trainers)
+    modules = [sys.modules[t.__module__] for t in trainers]
+    for module in modules:
+        with open(module.__file__) as f:
+            tree = ast.parse(f.read())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not imported & {m.__name__ for m in modules}, module.__name__
+    for cls in trainers:
+        _after_setup(cls)._refuse_after_setup()  # nothing refused
+    aux = {
+        UPipeSFTTrainer: "hf_upipe's loss has no auxiliary term; set SFTConfig(router_aux_loss_coef=0.0).",
+        UPipeDPOTrainer: "UPipeDPOTrainer's loss has no auxiliary term; set DPOConfig(router_aux_loss_coef=0.0).",
+        UPipeGRPOTrainer: "UPipeGRPOTrainer does not shard it; set GRPOConfig(router_aux_loss_coef=0.0).",
+    }
+    sp = types.SimpleNamespace(parallelism_config=types.SimpleNamespace(sp_enabled=True))
+    prompt = types.SimpleNamespace(
+        peft_config={"default": types.SimpleNamespace(is_prompt_learning=True)}
+    )
+    for cls, words in aux.items():
+        with pytest.raises(NotImplementedError) as err:
+            _after_setup(cls, aux_loss_enabled=True)._refuse_after_setup()
+        assert str(err.value) == (
+            "The model returns router logits and the MoE auxiliary loss is weighted by 0.001: "
+            + words
+        )
+        with pytest.raises(NotImplementedError, match="sequence a second time"):
+            _after_setup(cls, accelerator=sp)._refuse_after_setup()
+    for cls in (UPipeSFTTrainer, UPipeDPOTrainer):
+        with pytest.raises(NotImplementedError) as err:
+            _after_setup(cls, _is_vision_dataset=True)._refuse_after_setup()
+        assert str(err.value) == (
+            f"{cls.__name__} trains causal language models on text; vision datasets are not supported under "
+            "hf_upipe's sequence parallelism."
+        )
+    for cls in (UPipeDPOTrainer, UPipeGRPOTrainer):
+        with pytest.raises(NotImplementedError, match="Prompt-learning PEFT"):
+            _after_setup(cls, model=prompt)._refuse_after_setup()
+    # UPipeSFTTrainer does not refuse prompt-learning PEFT after the setup (as before the base)
+    _after_setup(UPipeSFTTrainer, model=prompt)._refuse_after_setup()

@@ -51,8 +51,8 @@ def mixer_peak(
     dtype: torch.dtype = torch.bfloat16,
 ) -> int:
     """Peak bytes of one mixer forward + backward on `rank` of `sp_size` (module docstring)."""
-    import hf_upipe
     from hf_upipe.adapters.mixers import install_mixers
+    from hf_upipe.distributed import init_sequence_parallel, reset_sequence_parallel
 
     if mode not in ("parallel", "sequential", "alone"):
         raise ValueError(f"mode={mode!r}: use 'parallel', 'sequential' or 'alone'.")
@@ -62,7 +62,7 @@ def mixer_peak(
         raise ValueError(f"seq_len={seq_len} is not a multiple of sp_size={sp_size}.")
     s = seq_len // sp_size
     with simulated_world(sp_size, rank):
-        hf_upipe.init_sequence_parallel(sp_size)
+        init_sequence_parallel(sp_size)
         try:
             with fake_tensors(dtype):
                 mixer = mixer_module(config)
@@ -78,4 +78,4 @@ def mixer_peak(
                     del out
                 return tracker.peak_bytes
         finally:
-            hf_upipe.reset_sequence_parallel()
+            reset_sequence_parallel()

@@ -130,7 +130,7 @@ class Plan:
     model_host_bytes: int = (
         0  # host memory per GPU of the model's state (model_offload='cpu'), simulated
     )
-    # what fits instead, when it does not fit (hf_upipe.planning.no_fit: `hf-upipe plan` fills it)
+    # what fits instead, when it does not fit (hf_upipe.planning.plan_command: `hf-upipe plan` fills it)
     advice: list = dataclasses.field(default_factory=list)
 
     @property

@@ -1,5 +1,8 @@
 """hf_upipe's TRL trainers: TRL's trainers with hf_upipe's sequence parallelism (`pip install hf_upipe[trl]`).
 
+The three trainers are siblings on one base (`hf_upipe.trl.base.UPipeTRLTrainer`: the constructor prelude and the
+shared refusals); each trainer's module holds its own config checks, and none imports another trainer.
+
 Entry points:
 - `UPipeSFTTrainer` (`hf_upipe.trl.sft`): `trl.SFTTrainer` on the runtime `UPipeTrainer` uses;
 - `sft_config_errors`: what an `SFTConfig` asks that SP cannot honour, checked at construction;

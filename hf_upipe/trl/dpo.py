@@ -3,11 +3,13 @@
 Entry points:
 - `UPipeDPOTrainer(model, ref_model=None, args=DPOConfig(...), ..., upipe_config=UPipeConfig(...))`: one changed
   import (`from hf_upipe.trl import UPipeDPOTrainer as DPOTrainer`); the `DPOConfig` is kept;
-- `dpo_config_errors(args, ...)` (`hf_upipe.trl.dpo_config`): what a `DPOConfig` asks that the SP path does not
-  handle, checked at construction;
+- `dpo_config_errors(args, *, compute_metrics=None)`: what a `DPOConfig` asks that the SP path does not handle,
+  one NotImplementedError per setting naming the reason and the fix; it reads only the arguments, so every rank
+  finds the same errors and the trainer raises the first at construction, before any collective;
 - `shard_preference_batch(batch, state, pad_token_id)`: one rank's shard of a collated preference batch.
 
-Composition: `class UPipeDPOTrainer(UPipeTrainer, DPOTrainer)` (through a shim that passes `ref_model` by keyword):
+Composition: `class UPipeDPOTrainer(UPipeTRLTrainer, DPOTrainer)` (`hf_upipe.trl.base`; through a shim that passes
+`ref_model` by keyword):
 TRL builds the data (prompt extraction, tokenization, its preference collator: rows [chosen..., rejected...] with a
 `completion_mask`), the PEFT model, the reference model and its fused LM head (`trl.trainer.utils.
 add_fused_lm_head`: per-token log-probabilities, entropy, mean logit and top-1 flag, tiled over tokens and
@@ -45,12 +47,9 @@ docs/trl-dpo.md names the mechanism each would need.
 from __future__ import annotations
 
 import logging
-import warnings
-from contextlib import contextmanager
 
 import torch
 from trl import DPOConfig, DPOTrainer
-from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from hf_upipe.config import UPipeConfig
@@ -58,10 +57,8 @@ from hf_upipe.data import shard_batch
 from hf_upipe.distributed import SequenceParallelState
 from hf_upipe.ops.reduce import sum_over_group
 from hf_upipe.prepare import prepare_model
-from hf_upipe.training.trainer import UPipeTrainer
-from hf_upipe.trl.dpo_config import dpo_config_errors
-from hf_upipe.trl.dpo_losses import DPOLossSettings, PairLogps, dpo_loss
-from hf_upipe.trl.sft import accelerator_parallelism_error
+from hf_upipe.trl.base import UPipeTRLTrainer, checkpointing_off
+from hf_upipe.trl.dpo_losses import DPO_LOSS_TYPES, DPOLossSettings, PairLogps, dpo_loss
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +87,96 @@ _NOT_MODEL_INPUTS = (
     "upipe_target_tokens",
     "upipe_ref_logps",
 )
+
+
+def _no(setting: str, why: str) -> NotImplementedError:
+    return NotImplementedError(f"DPOConfig({setting}): {why}")
+
+
+def dpo_config_errors(args: DPOConfig, *, compute_metrics=None) -> list[Exception]:
+    """The DPOConfig settings UPipeDPOTrainer does not handle, each with the reason and the fix (empty when none).
+
+    Depends only on the arguments, so every rank finds the same errors without communicating."""
+    errors: list[Exception] = []
+    loss_types = (
+        list(args.loss_type) if isinstance(args.loss_type, (list, tuple)) else [args.loss_type]
+    )
+    unknown = [t for t in loss_types if t not in DPO_LOSS_TYPES]
+    if unknown:
+        errors.append(
+            _no(
+                f"loss_type={args.loss_type!r}",
+                f"{unknown} is not one of the loss types UPipeDPOTrainer computes under sequence parallelism "
+                f"(TRL 1.16's: {list(DPO_LOSS_TYPES)}).",
+            )
+        )
+    checks = _loss_checks(args) + _setup_checks(args, compute_metrics)
+    errors += [_no(setting, why) for bad, setting, why in checks if bad]
+    return errors
+
+
+def _loss_checks(args: DPOConfig) -> list[tuple[bool, str, str]]:
+    """(refused?, the setting, why and the fix) for what changes the loss or the reference log-probs."""
+    return [
+        (
+            args.ld_alpha is not None,
+            f"ld_alpha={args.ld_alpha}",
+            "LD-DPO splits each completion at the shorter one's length (a position in the whole completion, "
+            "which a shard does not see: it would need the shared/tail token masks cut from the whole batch "
+            "beside the labels); set ld_alpha=None.",
+        ),
+        (
+            args.use_weighting,
+            "use_weighting=True",
+            "WPO weights need the fused head's log-sum of squared probabilities per token, summed over the SP "
+            "group beside the log-probabilities (not implemented); set use_weighting=False.",
+        ),
+    ]
+
+
+def _setup_checks(args: DPOConfig, compute_metrics) -> list[tuple[bool, str, str]]:
+    """(refused?, the setting, why and the fix) for the data layout, kernels, offload, evaluation."""
+    return [
+        (
+            args.use_liger_kernel,
+            "use_liger_kernel=True",
+            "Liger's kernels replace the modules hf_upipe's fused attention and tiled MLP adapt; set it to False.",
+        ),
+        (
+            args.activation_offloading,
+            "activation_offloading=True",
+            "TRL's offload would run beside hf_upipe's own; set it to False and use "
+            "UPipeConfig(offload='cpu') (with gradient_checkpointing=True).",
+        ),
+        (
+            bool(args.deepspeed),
+            "deepspeed=...",
+            "DeepSpeed is verified with UPipeTrainer and UPipePlugin, not yet with the TRL trainers (the "
+            "reference model's ZeRO-3 placement); use FSDP2 or DDP (accelerate config), or UPipeTrainer.",
+        ),
+        (
+            args.sync_ref_model,
+            "sync_ref_model=True",
+            "is not verified under sequence parallelism; set sync_ref_model=False.",
+        ),
+        (
+            bool((args.gradient_checkpointing_kwargs or {}).get("selective")),
+            "gradient_checkpointing_kwargs={'selective': True}",
+            "TRL's selective checkpointing is not verified with hf_upipe's fused attention; drop 'selective'.",
+        ),
+        (
+            args.eval_strategy != "no" or compute_metrics is not None,
+            f"eval_strategy={str(getattr(args.eval_strategy, 'value', args.eval_strategy))!r}"
+            + (", compute_metrics" if compute_metrics is not None else ""),
+            "evaluation is not implemented for DPO under sequence parallelism; set eval_strategy='no' and "
+            "drop compute_metrics.",
+        ),
+        (
+            bool(args.label_smoothing_factor),
+            f"label_smoothing_factor={args.label_smoothing_factor}",
+            "is a causal-LM setting the DPO loss does not use; set it to 0.",
+        ),
+    ]
 
 
 def shard_preference_batch(
@@ -135,26 +222,7 @@ class _DPOKeywordInit(DPOTrainer):
         DPOTrainer.__init__(self, model, ref_model=ref_model, args=args, **kwargs)
 
 
-@contextmanager
-def checkpointing_off(model, kwargs: dict | None):
-    """TRL's `disable_gradient_checkpointing` by transformers 5's names (TRL 1.16 calls the deprecated
-    `is_gradient_checkpointing` / `gradient_checkpointing_*`, which warn on every reference pass); TRL's own on a
-    transformers without them."""
-    enabled = getattr(model, "is_activation_checkpointing", None)
-    if enabled is None:
-        with disable_gradient_checkpointing(model, kwargs):
-            yield
-        return
-    if enabled:
-        model.activation_checkpointing_disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            model.activation_checkpointing_enable(kwargs)
-
-
-class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
+class UPipeDPOTrainer(UPipeTRLTrainer, _DPOKeywordInit):
     """`trl.DPOTrainer` (its loss types and f-divergences) with UPipe sequence parallelism: every chosen and
     rejected sequence sharded, the sequence log-probabilities summed over the SP group before the loss (module
     docstring).
@@ -171,6 +239,8 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
     """
 
     loss_is_scaled_for_ga = False  # the loss is the micro-batch's mean over pairs, as TRL's
+    args_class = DPOConfig
+    args_named = "a DPOConfig"
 
     def __init__(
         self,
@@ -181,25 +251,9 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
         upipe_config: UPipeConfig | None = None,
         **kwargs,
     ):
-        if args is not None:
-            if not isinstance(args, DPOConfig):
-                raise TypeError(f"UPipeDPOTrainer takes a DPOConfig, got {type(args).__name__}.")
-            errors = dpo_config_errors(args, compute_metrics=kwargs.get("compute_metrics"))
-            if errors:  # the same on every rank: raised before TRL or hf_upipe run any collective
-                raise errors[0]
-        with warnings.catch_warnings():
-            # inside TRL's setup: peft 0.21 (get_peft_model for `peft_config`) reads transformers' deprecated
-            # `is_gradient_checkpointing`; neither hf_upipe nor the user can avoid that read
-            warnings.filterwarnings(
-                "ignore",
-                message="`is_gradient_checkpointing` is deprecated",
-                category=FutureWarning,
-            )
-            super().__init__(model, args, ref_model=ref_model, upipe_config=upipe_config, **kwargs)
-        self._refuse_after_setup()
-        if (
-            self.ref_model is not None
-        ):  # the reference runs under the same SP: same attention, same sharding
+        super().__init__(model, args, ref_model=ref_model, upipe_config=upipe_config, **kwargs)
+        # the reference runs under the same SP: same attention, same sharding
+        if self.ref_model is not None:
             prepare_model(self.accelerator.unwrap_model(self.ref_model), self.upipe.config)
         if self._pending_precompute is not None:  # TRL's precompute, deferred until SP is set up
             self.train_dataset = self._sharded_ref_logps(
@@ -211,35 +265,20 @@ class UPipeDPOTrainer(UPipeTrainer, _DPOKeywordInit):
             self.upipe.state.sp_size,
         )
 
+    def _config_errors(self, args: DPOConfig, kwargs: dict) -> list[Exception]:
+        return dpo_config_errors(args, compute_metrics=kwargs.get("compute_metrics"))
+
     def _refuse_after_setup(self) -> None:
         """What only TRL's setup reveals; the same on every rank (same model, data and settings)."""
-        if self._is_vision_dataset:
-            raise NotImplementedError(
-                "UPipeDPOTrainer trains causal language models on text; vision datasets are not supported "
-                "under hf_upipe's sequence parallelism."
-            )
-        if self.aux_loss_enabled:
-            raise NotImplementedError(
-                f"The model returns router logits and the MoE auxiliary loss is weighted by "
-                f"{self.router_aux_loss_coef}: UPipeDPOTrainer's loss has no auxiliary term; set "
-                "DPOConfig(router_aux_loss_coef=0.0)."
-            )
-        why = accelerator_parallelism_error(
-            self.accelerator.parallelism_config
-        )  # also from an accelerate config
-        if why is not None:
-            raise NotImplementedError(why)
+        self._refuse_vision_dataset()
+        self._refuse_aux_loss("UPipeDPOTrainer's loss has no auxiliary term")
+        self._refuse_accelerate_parallelism()
         if getattr(self, "padding_free", False):  # TRL 1.16 turns it off itself (it warns and pads)
             raise NotImplementedError(
                 "DPOConfig(padding_free=True): this TRL packs each batch into one row, which UPipeDPOTrainer does "
                 "not shard (the shards would need the document boundaries); set padding_free=False."
             )
-        peft_config = getattr(self.model, "peft_config", None) or {}
-        if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
-            raise NotImplementedError(
-                "Prompt-learning PEFT (prefix/prompt tuning) prepends virtual tokens to every call, so each "
-                "sequence shard would get its own: use an adapter method such as LoRA."
-            )
+        self._refuse_prompt_learning()
 
     # ---- data --------------------------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):

@@ -4,7 +4,8 @@ Entry points:
 - `PairLogps`: one micro-batch's B pairs: the policy's and the reference's sequence log-probabilities (sums over
   each completion, already added over the SP group) and the completion token counts of each sequence;
 - `DPOLossSettings.from_trainer(trainer)`: the loss types, their weights and the coefficients they read;
-- `dpo_loss(settings, pair)`: the weighted sum of the loss types' means over the B pairs, a scalar.
+- `dpo_loss(settings, pair)`: the weighted sum of the loss types' means over the B pairs, a scalar;
+- `LOSSES`: loss type -> its loss per pair, the one table of the loss types; `DPO_LOSS_TYPES = tuple(LOSSES)`.
 
 Every loss type TRL 1.16 offers depends on a sequence only through its summed log-probabilities and its number of
 completion tokens ('sft': the chosen sequences' summed log-probabilities over their target tokens), so it is exact
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["DPO_LOSS_TYPES", "DPOLossSettings", "PairLogps", "dpo_loss"]
+__all__ = ["DPO_LOSS_TYPES", "LOSSES", "DPOLossSettings", "PairLogps", "dpo_loss"]
 
 
 @dataclass(frozen=True)
@@ -97,60 +98,67 @@ def _discopop(s: DPOLossSettings, z: torch.Tensor) -> torch.Tensor:
     return -F.logsigmoid(z) * (1 - mix) + torch.exp(-z) * mix
 
 
-def _per_pair(s: DPOLossSettings, p: PairLogps, loss_type: str) -> torch.Tensor:
-    """One loss type's loss per pair [B] (TRL's formulas, from per-sequence quantities)."""
+@dataclass(frozen=True)
+class _Terms:
+    """What the loss types read of B pairs besides the settings: the log-ratios of the chosen and rejected
+    completions `cr`, `rr` [B], the f-divergence margin `z` = beta (f'(cr) - f'(rr)) [B], beta `b`, and the
+    length-normalised margin `normed` [B]."""
+
+    cr: torch.Tensor
+    rr: torch.Tensor
+    z: torch.Tensor
+    b: float
+    normed: torch.Tensor
+
+
+def _terms(s: DPOLossSettings, p: PairLogps) -> _Terms:
     cr, rr = p.chosen - p.ref_chosen, p.rejected - p.ref_rejected  # log-ratios [B]
     cs, rs = _scores(s, cr), _scores(s, rr)
-    z, b = s.beta * (cs - rs), s.beta
     normed = cs / p.chosen_tokens.clamp(min=1.0) - rs / p.rejected_tokens.clamp(min=1.0)
-    losses = {
-        "sigmoid": lambda: -F.logsigmoid(z),
-        "hinge": lambda: torch.relu(1 - z),
-        "ipo": lambda: (normed - 1 / (2 * b)) ** 2,
-        "exo_pair": lambda: _exo(s, z),
-        "nca_pair": lambda: (
-            -F.logsigmoid(b * cr) - 0.5 * F.logsigmoid(-b * cr) - 0.5 * F.logsigmoid(-b * rr)
-        ),
-        "robust": lambda: (
-            (-(1 - s.label_smoothing) * F.logsigmoid(z) + s.label_smoothing * F.logsigmoid(-z))
-            / (1 - 2 * s.label_smoothing)
-        ),
-        "bco_pair": lambda: -F.logsigmoid(b * cr) - F.logsigmoid(-b * rr),
-        "sppo_hard": lambda: (cr - 0.5 / b) ** 2 + (rr + 0.5 / b) ** 2,
-        "aot": lambda: _smoothed(
-            s,
-            torch.sort(p.chosen - p.rejected, dim=0)[0]
-            - torch.sort(p.ref_chosen - p.ref_rejected, dim=0)[0],
-        ),
-        "aot_unpaired": lambda: _smoothed(s, torch.sort(cr, dim=0)[0] - torch.sort(rr, dim=0)[0]),
-        "apo_zero": lambda: 1 - torch.sigmoid(b * cr) + torch.sigmoid(b * rr),
-        "apo_down": lambda: torch.sigmoid(b * cr) + 1 - torch.sigmoid(b * (cr - rr)),
-        "discopop": lambda: _discopop(s, z),
-        "sft": lambda: (-p.chosen.sum() / p.chosen_targets.sum()).expand(p.chosen.shape[0]),
-        "sigmoid_norm": lambda: -F.logsigmoid(b * normed),
-    }
-    if loss_type not in losses:
-        raise ValueError(f"Unknown loss type: {loss_type}; TRL 1.16's are {sorted(losses)}.")
-    return losses[loss_type]()
+    return _Terms(cr=cr, rr=rr, z=s.beta * (cs - rs), b=s.beta, normed=normed)
 
 
-DPO_LOSS_TYPES = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-    "sigmoid_norm",
-)
+# loss type -> its loss per pair [B] from (settings, pairs, terms): TRL 1.16's formulas on per-sequence quantities.
+# The one list of the loss types: DPO_LOSS_TYPES and the DPOConfig check read it.
+LOSSES = {
+    "sigmoid": lambda s, p, t: -F.logsigmoid(t.z),
+    "hinge": lambda s, p, t: torch.relu(1 - t.z),
+    "ipo": lambda s, p, t: (t.normed - 1 / (2 * t.b)) ** 2,
+    "exo_pair": lambda s, p, t: _exo(s, t.z),
+    "nca_pair": lambda s, p, t: (
+        -F.logsigmoid(t.b * t.cr)
+        - 0.5 * F.logsigmoid(-t.b * t.cr)
+        - 0.5 * F.logsigmoid(-t.b * t.rr)
+    ),
+    "robust": lambda s, p, t: (
+        (-(1 - s.label_smoothing) * F.logsigmoid(t.z) + s.label_smoothing * F.logsigmoid(-t.z))
+        / (1 - 2 * s.label_smoothing)
+    ),
+    "bco_pair": lambda s, p, t: -F.logsigmoid(t.b * t.cr) - F.logsigmoid(-t.b * t.rr),
+    "sppo_hard": lambda s, p, t: (t.cr - 0.5 / t.b) ** 2 + (t.rr + 0.5 / t.b) ** 2,
+    "aot": lambda s, p, t: _smoothed(
+        s,
+        torch.sort(p.chosen - p.rejected, dim=0)[0]
+        - torch.sort(p.ref_chosen - p.ref_rejected, dim=0)[0],
+    ),
+    "aot_unpaired": lambda s, p, t: _smoothed(
+        s, torch.sort(t.cr, dim=0)[0] - torch.sort(t.rr, dim=0)[0]
+    ),
+    "apo_zero": lambda s, p, t: 1 - torch.sigmoid(t.b * t.cr) + torch.sigmoid(t.b * t.rr),
+    "apo_down": lambda s, p, t: torch.sigmoid(t.b * t.cr) + 1 - torch.sigmoid(t.b * (t.cr - t.rr)),
+    "discopop": lambda s, p, t: _discopop(s, t.z),
+    "sft": lambda s, p, t: (-p.chosen.sum() / p.chosen_targets.sum()).expand(p.chosen.shape[0]),
+    "sigmoid_norm": lambda s, p, t: -F.logsigmoid(t.b * t.normed),
+}
+DPO_LOSS_TYPES = tuple(LOSSES)
+
+
+def _per_pair(s: DPOLossSettings, p: PairLogps, loss_type: str) -> torch.Tensor:
+    """One loss type's loss per pair [B] (`LOSSES`)."""
+    terms = _terms(s, p)
+    if loss_type not in LOSSES:
+        raise ValueError(f"Unknown loss type: {loss_type}; TRL 1.16's are {sorted(LOSSES)}.")
+    return LOSSES[loss_type](s, p, terms)
 
 
 def dpo_loss(s: DPOLossSettings, p: PairLogps) -> torch.Tensor:

@@ -3,15 +3,17 @@
 Entry points:
 - `UPipeGRPOTrainer(model, reward_funcs, args=GRPOConfig(...), ..., upipe_config=UPipeConfig(...))`: one changed
   import (`from hf_upipe.trl import UPipeGRPOTrainer as GRPOTrainer`); the `GRPOConfig` is kept;
-- `grpo_config_errors(args, ...)` (`hf_upipe.trl.grpo_config`): what the SP path does not handle, checked at
-  construction.
+- `grpo_config_errors(args, *, tools=None, environment_factory=None, processing_class=None)`: what the SP path
+  does not handle, one NotImplementedError per setting naming the reason and the fix; it reads only the
+  arguments, so every rank finds the same errors and the trainer raises the first at construction, before any
+  collective.
 
-Composition: `class UPipeGRPOTrainer(UPipeTrainer, GRPOTrainer)` (through a shim that passes `reward_funcs` by
-keyword). TRL does everything GRPO: the repeated-prompt sampler, tokenization, rewards and advantages, the buffer
-of generation batches (`steps_per_generation`, `num_iterations`), the loss of every loss type, its clipping, KL
-and entropy terms and metrics. `UPipeTrainer` does the SP setup (one `UPipeRuntime.setup`), re-points the loaders
-to the SP groups (the ranks of a group get the same prompts), the step context and checkpoints. Three methods
-change what TRL's code runs on:
+Composition: `class UPipeGRPOTrainer(UPipeTRLTrainer, GRPOTrainer)` (`hf_upipe.trl.base`; through a shim that
+passes `reward_funcs` by keyword). TRL does everything GRPO: the repeated-prompt sampler, tokenization, rewards and
+advantages, the buffer of generation batches (`steps_per_generation`, `num_iterations`), the loss of every loss
+type, its clipping, KL and entropy terms and metrics. `UPipeTrainer` does the SP setup (one `UPipeRuntime.setup`),
+re-points the loaders to the SP groups (the ranks of a group get the same prompts), the step context and
+checkpoints. Three methods change what TRL's code runs on:
 1. generation (`_generate_single_turn`): every rank of an SP group calls `hf_upipe.generate` on the group's
    left-padded prompts (each rank prefills its shard of every prompt; the draws are taken on SP rank 0 and
    broadcast), so the group holds the same completions; then SP rank 0's random state is copied to the group, so
@@ -43,7 +45,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -55,12 +56,9 @@ from hf_upipe.data import shard_batch
 from hf_upipe.generation import generate
 from hf_upipe.prepare import prepare_model
 from hf_upipe.training.parallelism import find_parallelism, with_parallelism_sp
-from hf_upipe.training.trainer import UPipeTrainer
-from hf_upipe.trl.dpo import checkpointing_off
-from hf_upipe.trl.grpo_config import grpo_config_errors
+from hf_upipe.trl.base import UPipeTRLTrainer, checkpointing_off
 from hf_upipe.trl.grpo_replicas import replica_view
 from hf_upipe.trl.grpo_shards import completion_rows, gather_sequence
-from hf_upipe.trl.sft import accelerator_parallelism_error
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +89,117 @@ GRPO_TRAINER_INTERNALS = {
     "log": ("self", "logs", "start_time"),
     "_save_checkpoint": ("self", "model", "trial"),
 }
+
+
+def _no(setting: str, why: str) -> NotImplementedError:
+    return NotImplementedError(f"GRPOConfig({setting}): {why}")
+
+
+def grpo_config_errors(
+    args: GRPOConfig, *, tools=None, environment_factory=None, processing_class=None
+) -> list[Exception]:
+    """The settings UPipeGRPOTrainer does not handle, each with the reason and the fix (empty when none).
+
+    Depends only on the arguments, so every rank finds the same errors without communicating."""
+    checks = _generation_checks(args) + _setup_checks(args)
+    errors = [_no(setting, why) for bad, setting, why in checks if bad]
+    if tools or environment_factory:
+        errors.append(
+            NotImplementedError(
+                "UPipeGRPOTrainer(tools=... / environment_factory=...): multi-turn tool calling is not verified "
+                "under sequence parallelism (the tool mask and the tool responses inserted between generations); "
+                "train without tools, or with trl.GRPOTrainer."
+            )
+        )
+    from transformers import ProcessorMixin
+
+    if isinstance(processing_class, ProcessorMixin):
+        errors.append(
+            NotImplementedError(
+                "UPipeGRPOTrainer trains causal language models on text: a processor (vision-language model) is "
+                "not supported under hf_upipe's sequence parallelism; pass a tokenizer."
+            )
+        )
+    return errors
+
+
+def _generation_checks(args: GRPOConfig) -> list[tuple[bool, str, str]]:
+    """(refused?, the setting, why and the fix) for the generation backends and sampling options."""
+    return [
+        (
+            args.use_vllm,
+            f"use_vllm=True, vllm_mode={args.vllm_mode!r}",
+            "vLLM (server or colocate) is not verified with hf_upipe: its weight sync and importance-sampling "
+            "correction would run beside the SP groups, and no vLLM runs here to test it. Set use_vllm=False: "
+            "each SP group generates with hf_upipe.generate (sharded prefill, sampling on SP rank 0).",
+        ),
+        (
+            args.use_transformers_continuous_batching,
+            "use_transformers_continuous_batching=True",
+            "continuous batching runs the whole model on one device, outside the SP groups; set it to False "
+            "(hf_upipe.generate batches the prompts under SP).",
+        ),
+        (
+            args.min_p is not None,
+            f"min_p={args.min_p}",
+            "hf_upipe.generate samples with temperature, top_k and top_p only; set min_p=None.",
+        ),
+        (
+            args.repetition_penalty != 1.0,
+            f"repetition_penalty={args.repetition_penalty}",
+            "hf_upipe.generate has no repetition penalty; set repetition_penalty=1.0.",
+        ),
+        (
+            bool(args.generation_kwargs),
+            f"generation_kwargs={args.generation_kwargs!r}",
+            "hf_upipe.generate takes GRPOConfig's temperature, top_k, top_p and max_completion_length only; "
+            "set generation_kwargs=None.",
+        ),
+    ]
+
+
+def _setup_checks(args: GRPOConfig) -> list[tuple[bool, str, str]]:
+    """(refused?, the setting, why and the fix) for kernels, offload, sharding, evaluation."""
+    return [
+        (
+            args.use_liger_kernel,
+            "use_liger_kernel=True",
+            "Liger's kernels replace the modules hf_upipe's fused attention and tiled MLP adapt; set it to False.",
+        ),
+        (
+            bool(args.deepspeed),
+            "deepspeed=...",
+            "DeepSpeed is not verified with UPipeGRPOTrainer (generation and the reference model under ZeRO-3); "
+            "use DDP (accelerate launch without a DeepSpeed or FSDP config).",
+        ),
+        (
+            bool(args.fsdp),
+            f"fsdp={args.fsdp!r}",
+            "FSDP is not verified with UPipeGRPOTrainer (generation gathers no sharded weights, and the data-"
+            "parallel groups stop generating at different steps); use DDP.",
+        ),
+        (
+            args.sync_ref_model,
+            "sync_ref_model=True",
+            "is not verified under sequence parallelism; set sync_ref_model=False.",
+        ),
+        (
+            bool((args.gradient_checkpointing_kwargs or {}).get("selective")),
+            "gradient_checkpointing_kwargs={'selective': True}",
+            "TRL's selective checkpointing is not verified with hf_upipe's fused attention; drop 'selective'.",
+        ),
+        (
+            args.eval_strategy != "no",
+            f"eval_strategy={str(getattr(args.eval_strategy, 'value', args.eval_strategy))!r}",
+            "GRPO evaluation (generation and rewards on the eval set) is not implemented under sequence "
+            "parallelism; set eval_strategy='no'.",
+        ),
+        (
+            bool(args.label_smoothing_factor),
+            f"label_smoothing_factor={args.label_smoothing_factor}",
+            "is a causal-LM setting the GRPO loss does not use; set it to 0.",
+        ),
+    ]
 
 
 class _GRPOKeywordInit(GRPOTrainer):
@@ -130,7 +239,7 @@ def _replica_args(args: GRPOConfig, upipe_config: UPipeConfig | None) -> GRPOCon
     return args
 
 
-class UPipeGRPOTrainer(UPipeTrainer, _GRPOKeywordInit):
+class UPipeGRPOTrainer(UPipeTRLTrainer, _GRPOKeywordInit):
     """`trl.GRPOTrainer` (its loss types, clipping, KL and entropy terms) with UPipe sequence parallelism: every
     prompt + completion sharded, the per-token log-probabilities gathered over the SP group before TRL's loss
     (module docstring).
@@ -147,6 +256,8 @@ class UPipeGRPOTrainer(UPipeTrainer, _GRPOKeywordInit):
     """
 
     loss_is_scaled_for_ga = True  # TRL's GRPO loss is scaled for gradient accumulation itself
+    args_class = GRPOConfig
+    args_named = "a GRPOConfig"
 
     def __init__(
         self,
@@ -157,30 +268,9 @@ class UPipeGRPOTrainer(UPipeTrainer, _GRPOKeywordInit):
         upipe_config: UPipeConfig | None = None,
         **kwargs,
     ):
-        if args is not None:
-            if not isinstance(args, GRPOConfig):
-                raise TypeError(f"UPipeGRPOTrainer takes a GRPOConfig, got {type(args).__name__}.")
-            errors = grpo_config_errors(
-                args,
-                tools=kwargs.get("tools"),
-                environment_factory=kwargs.get("environment_factory"),
-                processing_class=kwargs.get("processing_class"),
-            )
-            if errors:  # the same on every rank: raised before TRL or hf_upipe run any collective
-                raise errors[0]
-            args = _replica_args(args, upipe_config)
-        with warnings.catch_warnings():
-            # inside TRL's setup: peft 0.21 (get_peft_model for `peft_config`) reads transformers' deprecated
-            # `is_gradient_checkpointing`; neither hf_upipe nor the user can avoid that read
-            warnings.filterwarnings(
-                "ignore",
-                message="`is_gradient_checkpointing` is deprecated",
-                category=FutureWarning,
-            )
-            super().__init__(
-                model, args, reward_funcs=reward_funcs, upipe_config=upipe_config, **kwargs
-            )
-        self._refuse_after_setup()
+        super().__init__(
+            model, args, reward_funcs=reward_funcs, upipe_config=upipe_config, **kwargs
+        )
         if self.ref_model is not None:  # the reference runs under the same SP
             prepare_model(self.accelerator.unwrap_model(self.ref_model), self.upipe.config)
         if self.rollout_func is not None:
@@ -197,6 +287,17 @@ class UPipeGRPOTrainer(UPipeTrainer, _GRPOKeywordInit):
             self.upipe.state.sp_size,
         )
 
+    def _config_errors(self, args: GRPOConfig, kwargs: dict) -> list[Exception]:
+        return grpo_config_errors(
+            args,
+            tools=kwargs.get("tools"),
+            environment_factory=kwargs.get("environment_factory"),
+            processing_class=kwargs.get("processing_class"),
+        )
+
+    def _launch_args(self, args: GRPOConfig, upipe_config: UPipeConfig | None) -> GRPOConfig:
+        return _replica_args(args, upipe_config)
+
     def _refuse_after_setup(self) -> None:
         """What only the setup reveals; the same on every rank (same model, data and settings)."""
         if self._is_vlm:  # a processor TRL loaded from the model's name
@@ -204,32 +305,20 @@ class UPipeGRPOTrainer(UPipeTrainer, _GRPOKeywordInit):
                 "UPipeGRPOTrainer trains causal language models on text: a processor (vision-language model) "
                 "is not supported under hf_upipe's sequence parallelism; pass a tokenizer."
             )
-        if self.aux_loss_enabled:
-            raise NotImplementedError(
-                f"The model returns router logits and the MoE auxiliary loss is weighted by "
-                f"{self.router_aux_loss_coef}: UPipeGRPOTrainer does not shard it; set "
-                "GRPOConfig(router_aux_loss_coef=0.0)."
-            )
+        self._refuse_aux_loss("UPipeGRPOTrainer does not shard it")
         if self.is_fsdp_enabled or self.is_deepspeed_enabled:  # also from an accelerate config
             raise NotImplementedError(
                 "UPipeGRPOTrainer is verified with DDP only: FSDP and DeepSpeed (from the accelerate config) "
                 "would shard the weights hf_upipe.generate reads whole, and their data-parallel groups stop "
                 "generating at different steps; launch without an FSDP or DeepSpeed config."
             )
-        why = accelerator_parallelism_error(self.accelerator.parallelism_config)
-        if why is not None:
-            raise NotImplementedError(why)
+        self._refuse_accelerate_parallelism()
         if self.upipe.state.ring_size > 1:
             raise NotImplementedError(
                 f"UPipeGRPOTrainer gathers contiguous sequence shards; a ring (ring_size="
                 f"{self.upipe.state.ring_size}) orders each rank's tokens otherwise: use ring_size=1."
             )
-        peft_config = getattr(self.model, "peft_config", None) or {}
-        if any(getattr(c, "is_prompt_learning", False) for c in peft_config.values()):
-            raise NotImplementedError(
-                "Prompt-learning PEFT (prefix/prompt tuning) prepends virtual tokens to every call, so each "
-                "sequence shard would get its own: use an adapter method such as LoRA."
-            )
+        self._refuse_prompt_learning()
 
     @property
     def _sp(self) -> bool:

@@ -4,8 +4,9 @@ A TRL user changes one import (`from hf_upipe.trl import UPipeSFTTrainer as SFTT
 `SFTConfig`; the sequence-parallel settings come as `upipe_config=UPipeConfig(...)` (default: every process of a
 node shares a sequence; `UPIPE_*` environment variables apply).
 
-Composition: `class UPipeSFTTrainer(UPipeTrainer, SFTTrainer)`. The method resolution order is UPipeSFTTrainer ->
-UPipeTrainer -> SFTTrainer -> transformers.Trainer, so:
+Composition: `class UPipeSFTTrainer(UPipeTRLTrainer, SFTTrainer)` (`hf_upipe.trl.base`: the constructor prelude of the
+three TRL trainers). The method resolution order is UPipeSFTTrainer -> UPipeTRLTrainer -> UPipeTrainer ->
+SFTTrainer -> transformers.Trainer, so:
 - TRL builds everything that is data: model loading from a name, `peft_config`, the pad/eos tokens, tokenization,
   prompt-completion `completion_mask` -> `labels` (`completion_only_loss`), packing (`bfd`: documents of one row
   told apart by restarting `position_ids`, which `hf_upipe.shard_batch` turns into `upipe_cu_seqlens`), the
@@ -36,7 +37,6 @@ sequence parallelism, context parallelism and disagreeing degrees are refused be
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -44,14 +44,14 @@ from trl import SFTConfig, SFTTrainer
 
 from hf_upipe.config import UPipeConfig
 from hf_upipe.ops.tiled_loss import TokenStats
-from hf_upipe.training.trainer import UPipeTrainer
+from hf_upipe.trl.base import UPipeTRLTrainer, accelerator_parallelism_error
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "SFT_TRAINER_INTERNALS",
     "UPipeSFTTrainer",
-    "accelerator_parallelism_error",
+    "accelerator_parallelism_error",  # hf_upipe.trl.base's, importable here as before
     "sft_config_errors",
 ]
 
@@ -64,18 +64,6 @@ SFT_TRAINER_INTERNALS = {
     "_save_checkpoint": ("self", "model", "trial"),
     "evaluate": ("self", "eval_dataset", "ignore_keys", "metric_key_prefix"),
 }
-
-
-def accelerator_parallelism_error(pc) -> str | None:
-    """Why the accelerator's `ParallelismConfig` `pc` still asks for accelerate's own sequence/context parallelism
-    after UPipeTrainer handed it a copy without (None when it does not)."""
-    if pc is not None and (getattr(pc, "sp_enabled", False) or getattr(pc, "cp_enabled", False)):
-        return (
-            "accelerate's sequence/context parallelism is configured on the accelerator, which would shard the "
-            "sequence a second time: hf_upipe does the sequence parallelism; drop the parallelism config's "
-            "sp_size/cp_size (or give the degree as UPipeConfig(sp_size=...))."
-        )
-    return None
 
 
 def sft_config_errors(args: SFTConfig, compute_loss_func=None) -> list[Exception]:
@@ -139,7 +127,7 @@ def sft_config_errors(args: SFTConfig, compute_loss_func=None) -> list[Exception
     return errors
 
 
-class UPipeSFTTrainer(UPipeTrainer, SFTTrainer):
+class UPipeSFTTrainer(UPipeTRLTrainer, SFTTrainer):
     """`trl.SFTTrainer` with UPipe sequence parallelism, an exact token-weighted loss and the tiled loss.
 
     Args:
@@ -151,6 +139,9 @@ class UPipeSFTTrainer(UPipeTrainer, SFTTrainer):
             TRL's setup, vision datasets and an MoE router auxiliary loss); the errors of `UPipeTrainer`.
     """
 
+    args_class = SFTConfig
+    args_named = "an SFTConfig"
+
     def __init__(
         self,
         model,
@@ -159,46 +150,21 @@ class UPipeSFTTrainer(UPipeTrainer, SFTTrainer):
         upipe_config: UPipeConfig | None = None,
         **kwargs,
     ):
-        if args is not None:
-            if not isinstance(args, SFTConfig):
-                raise TypeError(f"UPipeSFTTrainer takes an SFTConfig, got {type(args).__name__}.")
-            errors = sft_config_errors(args, kwargs.get("compute_loss_func"))
-            if errors:  # the same on every rank: raised before TRL or hf_upipe run any collective
-                raise errors[0]
-        with warnings.catch_warnings():
-            # inside TRL's setup: peft 0.21 (get_peft_model for `peft_config`) reads transformers' deprecated
-            # `is_gradient_checkpointing`; neither hf_upipe nor the user can avoid that read
-            warnings.filterwarnings(
-                "ignore",
-                message="`is_gradient_checkpointing` is deprecated",
-                category=FutureWarning,
-            )
-            super().__init__(model, args, *pargs, upipe_config=upipe_config, **kwargs)
-        self._refuse_after_setup()
+        super().__init__(model, args, *pargs, upipe_config=upipe_config, **kwargs)
         logger.info(
             "UPipeSFTTrainer: TRL's fused LM head (chunked log-probabilities) is replaced by hf_upipe's %s "
             "loss (token mean over the optimizer step); mean_token_accuracy and entropy come from its tiles.",
             "tiled" if self.upipe.config.tiled_loss else "untiled",
         )
 
+    def _config_errors(self, args: SFTConfig, kwargs: dict) -> list[Exception]:
+        return sft_config_errors(args, kwargs.get("compute_loss_func"))
+
     def _refuse_after_setup(self) -> None:
         """What only TRL's setup reveals; the same on every rank (same model, data and settings)."""
-        if self._is_vision_dataset:
-            raise NotImplementedError(
-                "UPipeSFTTrainer trains causal language models on text; vision datasets are "
-                "not supported under hf_upipe's sequence parallelism."
-            )
-        if self.aux_loss_enabled:
-            raise NotImplementedError(
-                f"The model returns router logits and the MoE auxiliary loss is weighted by "
-                f"{self.router_aux_loss_coef}: hf_upipe's loss has no auxiliary term; set "
-                "SFTConfig(router_aux_loss_coef=0.0)."
-            )
-        why = accelerator_parallelism_error(
-            self.accelerator.parallelism_config
-        )  # also set through an accelerate config file
-        if why is not None:
-            raise NotImplementedError(why)
+        self._refuse_vision_dataset()
+        self._refuse_aux_loss("hf_upipe's loss has no auxiliary term")
+        self._refuse_accelerate_parallelism()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """UPipeTrainer's (shards, label tokens of the step); also TRL's `num_tokens`, counted on the full batches

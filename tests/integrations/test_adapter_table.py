@@ -1,6 +1,8 @@
 """`prepare_model` installs the adapters of `hf_upipe.prepare.ADAPTERS` in order and `unprepare_model` removes them
 in the reverse order, so the revert is exact by construction: no instance forward is left, outputs are equal."""
 
+import dataclasses
+
 import torch
 
 import hf_upipe.prepare as prep
@@ -17,7 +19,7 @@ def _recording(adapter, log):
         log.append(("-", adapter.name))
         adapter.remove(model, base)
 
-    return prep.Adapter(adapter.name, install, remove)
+    return dataclasses.replace(adapter, install=install, remove=remove)
 
 
 def test_unprepare_removes_the_adapters_in_the_reverse_order_of_prepare(monkeypatch):

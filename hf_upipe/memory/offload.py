@@ -1,5 +1,0 @@
-"""Deprecated path: the code lives in `hf_upipe.training.offload`."""
-
-from hf_upipe._moved import alias
-
-alias(__name__, "hf_upipe.training.offload")
