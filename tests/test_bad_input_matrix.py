@@ -382,6 +382,7 @@ def _wrong_order(rank, world):
 
 def _matrix_rank(rank, world):
     from hf_upipe.data import ShardedDataLoader
+    from hf_upipe.training.parallelism import resolve_launch
     from hf_upipe.training.runtime import UPipeRuntime
     from tests.integrations._models import build_pair, tiny_config
 
@@ -395,9 +396,8 @@ def _matrix_rank(rank, world):
             heads_per_chunk=1 if rank == 0 else None
         ),
         "runtime setup (plugin, Trainer): sp_size does not divide": lambda: UPipeRuntime.setup(
-            UPipeConfig(sp_size=3),
+            resolve_launch(UPipeConfig(sp_size=3), None, world),
             model,
-            world_size=world,
             device="cpu",
             checkpointing=False,
             checkpointing_fix="",

@@ -10,9 +10,10 @@ Entry points:
 - `ladder(config, sp_size, impl=None)`: the memory ladder, cheapest first; `candidates(...)`: it with the fused
   block's faster variants, each with the rung it adds memory to; `default_impl(config)`: "fused" where
   `prepare_model` would install the fused block, "upipe" otherwise.
-- `Estimator(config, *, world, sp_size, dtype, exact, lora=None)`: called with (settings, seq_len), the tensor peak
-  by category; `Estimator.reserved(settings, seq_len, mode)`, the caching allocator's predicted reserve;
-  `Estimator.host(settings, seq_len)`, the host memory of the model's state under model_offload='cpu' (0 else).
+- `Estimator(case, *, world, exact)`: for the `StepCase` `case` (the model and its depth, the SP degree, the dtype,
+  the fine-tune), called with (settings, seq_len), the tensor peak by category; `Estimator.reserved(settings,
+  seq_len, mode)`, the caching allocator's predicted reserve; `Estimator.host(settings, seq_len)`, the host
+  memory of the model's state under model_offload='cpu' (0 else).
 - `Requirement(name, estimate, *, margin, mode, gpus, host)`: called with (settings, length), the bytes a GPU must
   have (the margin or the allowance applied); `Requirement.host_ok(settings, length)`: whether the offloaded
   checkpoints fit a node's host memory.
@@ -231,7 +232,10 @@ def plan(model, request: PlanRequest | None = None, /, **options) -> Plan:
     sp, world, unit = _check_layout(config, r)
     _check_length(seq_len, r.max_context, unit=unit, sp=sp, ring_size=r.ring_size)
     gpu_bytes, limit, mode = _check_memory(r.gpu_memory, r.headroom, r.allocator)
-    estimate = Estimator(config, world=world, sp_size=sp, dtype=r.dtype, exact=r.exact, lora=r.lora)
+    depth = model_geometry(config)["layers"]
+    # the step each candidate is simulated as; each simulation sets its own length and depth
+    case = StepCase(config, seq_len or 0, sp, depth, dtype=r.dtype, lora=r.lora)
+    estimate = Estimator(case, world=world, exact=r.exact)
     model_offload = r.model_offload
     if r.settings is not None and model_offload is None:  # fixed settings: their own model_offload
         model_offload = r.settings.model_offload
@@ -583,21 +587,28 @@ def _config_key(config) -> str:
 
 class Estimator:
     """Per-category peaks of (settings, seq_len), extrapolated to the model's depth. Simulations are cached per
-    process (the same model, world, settings and length give the same bytes), so later plans reuse them."""
+    process (the same model, world, settings and length give the same bytes), so later plans reuse them.
 
-    def __init__(
-        self, config, *, world: int, sp_size: int, dtype: torch.dtype, exact: bool, lora=None
-    ):
-        self.config, self.world, self.sp_size, self.dtype, self.exact = (
-            config,
-            world,
-            sp_size,
-            dtype,
-            exact,
+    Args:
+        case: the step the peaks are of (`StepCase`): the model, the SP degree, the dtype, the fine-tune and the
+            kernel; `case.layers` is the depth the peaks are extrapolated to, and each simulation runs its own
+            sequence length and depth in place of `case.seq_len` and `case.layers`.
+        world: the ranks of the simulated step; exact: simulate every layer instead of extrapolating from 3 and 4.
+    """
+
+    def __init__(self, case: StepCase, *, world: int, exact: bool):
+        lora = None if case.lora is None else (int(case.lora[0]), tuple(case.lora[1]))
+        self.case = dataclasses.replace(case, lora=lora)
+        self.config, self.sp_size, self.dtype, self.lora = (
+            case.model_config,
+            case.sp_size,
+            case.dtype,
+            lora,
         )
-        self.lora = None if lora is None else (int(lora[0]), tuple(lora[1]))
-        self.layers = model_geometry(config)["layers"]
-        self._key = (_config_key(config), world, sp_size, str(dtype), self.lora)
+        self.world, self.exact, self.layers = world, exact, case.layers
+        self._key = (_config_key(self.config), world, self.sp_size, str(self.dtype), lora)
+        if case.kernel != "auto":
+            self._key += (case.kernel,)
 
     def _sim(self, settings, seq_len, layers) -> dict:
         return self._step(settings, seq_len, layers)["by_category"]
@@ -612,9 +623,7 @@ class Estimator:
             _SIMULATIONS.move_to_end(key)
         else:
             try:
-                case = StepCase(
-                    self.config, seq_len, self.sp_size, layers, dtype=self.dtype, lora=self.lora
-                )
+                case = dataclasses.replace(self.case, seq_len=seq_len, layers=layers)
                 _SIMULATIONS[key] = step_reserved(case, settings, world_size=self.world)
             except (DataDependentOutputException, DynamicOutputShapeException) as err:
                 name = model_geometry(self.config)["model_type"]

@@ -8,17 +8,15 @@ Entry points:
   None when there is neither.
 - `with_parallelism_sp(config, sizes)`: the UPipe settings with sp_size taken from the parallelism config when
   neither `UPipeConfig.sp_size` nor `UPIPE_SP_SIZE` gives it (a copy; errors then name the parallelism config).
-- `parallelism_errors(config, sizes, world, deepspeed=...)`: what hf_upipe refuses, each error naming the numbers
-  and the fix: DeepSpeed together with an SP degree (accelerate would stack DeepSpeed's Ulysses SP, its only
-  `sp_backend`, on hf_upipe's), an SP degree with any `sp_backend` other than 'deepspeed' (accelerate 1.15 knows
-  no other; a backend of its own would shard the sequence a second time), `cp_size > 1` (context parallelism:
-  another SP system), `tp_size > 1`, an sp_size that disagrees with `UPipeConfig.sp_size`, and sp x dp sizes that
-  do not make the world size.
 - `resolve_launch(config, sizes, world, deepspeed=...)`: the `Launch`, the sizes of one launch resolved once at
-  its first entry point (`UPipeTrainer`, `UPipePlugin.prepare` or `UPipeRuntime.setup`) and carried through: the
-  SP, ring and DP sizes, where each came from, and what hf_upipe refuses in them (`parallelism_errors` and the
-  SP degree's own error). `Launch.agreed` says whether the ranks have agreed on it (`runtime.agree_on_launch`, the
-  one agreement collective of a launch).
+  its first entry point (`UPipeTrainer`, `UPipePlugin.prepare`) and carried through `UPipeRuntime.setup`: the SP,
+  ring and DP sizes, where each came from, the SP degree's own error, and in `Launch.errors` what hf_upipe
+  refuses, each error naming the numbers and the fix: DeepSpeed together with an SP degree (accelerate would
+  stack DeepSpeed's Ulysses SP, its only `sp_backend`, on hf_upipe's), an SP degree with any `sp_backend` other
+  than 'deepspeed' (accelerate 1.15 knows no other; a backend of its own would shard the sequence a second time),
+  `cp_size > 1` (context parallelism: another SP system), `tp_size > 1`, an sp_size that disagrees with
+  `UPipeConfig.sp_size`, and sp x dp sizes that do not make the world size. `Launch.agreed` says whether the ranks
+  have agreed on it (`runtime.agree_on_launch`, the one agreement collective of a launch).
 - `accelerate_view(sizes, sp, world, fsdp)`: the `ParallelismConfig` accelerate and transformers get instead of the
   user's: no SP (hf_upipe runs it), the SP ranks folded into the data-parallel sizes (the gradients are averaged
   over all ranks), so neither sets up DeepSpeed SP, counts batches per SP size or computes a DeepSpeed SP loss.
@@ -40,7 +38,6 @@ __all__ = [
     "ParallelismSizes",
     "accelerate_view",
     "find_parallelism",
-    "parallelism_errors",
     "resolve_launch",
     "uses_deepspeed",
     "with_parallelism_sp",
@@ -234,7 +231,7 @@ class Launch:
             field, an `UPIPE_*` variable, accelerate's `ParallelismConfig`, hf_upipe's default). The auto plan
             chooses memory settings, never a size: `with_plan` keeps the sizes agreed on.
         parallelism: the sizes of accelerate's `ParallelismConfig`, or None; `deepspeed`: whether DeepSpeed runs.
-        errors: what hf_upipe refuses in `parallelism` (`parallelism_errors`); `sp_error`: the SP degree's own.
+        errors: what hf_upipe refuses in `parallelism` (module docstring); `sp_error`: the SP degree's own.
         agreed: whether every rank agreed on this launch (`hf_upipe.training.runtime.agree_on_launch`) with the
             model it trains, so that the setup runs no other agreement.
     """
@@ -304,15 +301,6 @@ def resolve_launch(
         errors=tuple(errors),
         sp_error=sp_error,
     )
-
-
-def parallelism_errors(
-    config: UPipeConfig, sizes: ParallelismSizes | None, world: int, *, deepspeed: bool = False
-) -> list[Exception]:
-    """What hf_upipe refuses in `sizes` (module docstring), each error naming the numbers and the fix."""
-    if sizes is None:
-        return []
-    return list(resolve_launch(config, sizes, world, deepspeed=deepspeed).errors)
 
 
 def accelerate_view(sizes: ParallelismSizes | None, sp: int, world: int, *, fsdp: bool = False):

@@ -48,7 +48,7 @@ from hf_upipe.training.model_offload import (
     check_cpu_collectives,
     check_model_offload,
 )
-from hf_upipe.training.parallelism import find_parallelism
+from hf_upipe.training.parallelism import find_parallelism, resolve_launch
 from hf_upipe.training.runtime import UPipeRuntime, activation_checkpointing
 
 __all__ = ["UPipePlugin"]
@@ -132,10 +132,10 @@ class UPipePlugin(UPipeConfig):
         check_cpu_collectives(self)
         checkpointing = activation_checkpointing(model)
         parallelism = find_parallelism(getattr(accelerator, "parallelism_config", None))
+        launch = resolve_launch(self, parallelism, accelerator.num_processes, deepspeed=deepspeed)
         upipe = UPipeRuntime.setup(
-            self,
+            launch,
             model,
-            world_size=accelerator.num_processes,
             device=accelerator.device,
             checkpointing=checkpointing,
             checkpointing_fix=checkpointing_fix
@@ -144,8 +144,6 @@ class UPipePlugin(UPipeConfig):
             "UPipePlugin.prepare",
             output_dir=output_dir,
             pad_token_id=pad_token_id,
-            parallelism=parallelism,
-            deepspeed=deepspeed,
         )
         apply_model_offload(
             fsdp_plugin, upipe.config

@@ -1,8 +1,8 @@
 """`UPipeRuntime`: the sequence-parallel setup and loss of one run, shared by `UPipeTrainer` and `UPipePlugin`.
 
 Entry points:
-- `UPipeRuntime.setup(config, model, *, world_size, device, checkpointing, checkpointing_fix, output_dir=None,
-  launch=None)`: check the settings against the launch and the model, apply auto settings, build the SP groups and
+- `UPipeRuntime.setup(launch, model, *, device, checkpointing, checkpointing_fix, output_dir=None,
+  pad_token_id=0)`: check the settings against the launch and the model, apply auto settings, build the SP groups and
   install the fused block / tiled MLP; returns the runtime. The settings object is never changed: `runtime.config`
   is the configuration in force (a copy, with the planner's choices under `auto=True`), `runtime.state` the
   `SequenceParallelState`, `runtime.plan` the planner's answer (auto) or None, `runtime.launch` the
@@ -22,8 +22,8 @@ The sections below: the setup checks (`check_setup`, `agree_on_errors`, ...) and
 (`eval_sums`, `evaluate`, `EvalSums`).
 
 The flow of `setup` (every rank, the same arguments):
-1. the launch (`hf_upipe.training.parallelism.resolve_launch`: the SP, ring and DP sizes, resolved once), unless
-   the caller resolved it;
+1. the launch, resolved once by the caller (`hf_upipe.training.parallelism.resolve_launch`: the settings, the SP,
+   ring and DP sizes);
 2. `hf_upipe.training.runtime.check_setup`, unless the caller's launch is agreed on already: the checks that need
    only the settings, the launch and the model, and what `init_sequence_parallel` and `prepare_model` compare,
    shared in the launch's one agreement (one all_gather_object over all ranks); every rank raises the same error
@@ -107,7 +107,7 @@ from hf_upipe.training.auto_settings import apply_auto_settings
 from hf_upipe.training.loaders import eval_rounds, share_batches_within_sp
 from hf_upipe.training.loss import shard_loss_sum
 from hf_upipe.training.offload import offload_checkpoints
-from hf_upipe.training.parallelism import Launch, ParallelismSizes, resolve_launch
+from hf_upipe.training.parallelism import Launch
 from hf_upipe.training.peers import guarded, start_watch
 
 __all__ = [
@@ -558,42 +558,34 @@ class UPipeRuntime:
     @classmethod
     def setup(
         cls,
-        config: UPipeConfig,
+        launch: Launch,
         model,
         *,
-        world_size: int,
         device,
         checkpointing: bool,
         checkpointing_fix: str,
         output_dir: str | None = None,
         pad_token_id: int = 0,
-        parallelism: ParallelismSizes | None = None,
-        deepspeed: bool = False,
-        launch: Launch | None = None,
     ) -> UPipeRuntime:
         """Check, plan (auto), build the SP groups and prepare `model` (module docstring).
 
         Args:
-            config: the settings (not modified).
+            launch: the launch the caller resolved once (`hf_upipe.training.parallelism.resolve_launch`): the
+                settings (not modified), the processes, accelerate's parallelism sizes, whether the DeepSpeed
+                engine runs; when the ranks agreed on it with this model (UPipeTrainer's), the setup runs no
+                agreement.
             model: the transformers or PEFT model, before accelerate/DDP/FSDP wrap it.
-            world_size: processes of the launch; device: this rank's device.
+            device: this rank's device.
             checkpointing: whether activation checkpointing is on; `checkpointing_fix`: how the caller's user turns
                 it on (named in errors).
             output_dir: a folder checkpoints will be written to (checked writable), or None.
             pad_token_id: the pad id `shard` pads the sequence with.
-            parallelism: the sizes of accelerate's `ParallelismConfig` in this run, if any
-                (`hf_upipe.training.parallelism`): its sp_size is the SP degree when `config` gives none, and
-                what hf_upipe cannot honour in it is refused; `deepspeed`: whether the DeepSpeed engine runs.
-            launch: the launch the caller resolved (`hf_upipe.training.parallelism.resolve_launch`) from the same
-                `config`, `parallelism`, `world_size` and `deepspeed`; when the ranks agreed on it with this model
-                (UPipeTrainer's), the setup runs no agreement. Default: resolved here.
 
         Raises:
             ValueError / NotImplementedError on every rank before any collective but the one that shares them.
         """
-        arrange_allocator(config.allocator)  # before prepare_model puts anything on the GPU
-        if launch is None:
-            launch = resolve_launch(config, parallelism, world_size, deepspeed=deepspeed)
+        world_size, deepspeed = launch.world, launch.deepspeed
+        arrange_allocator(launch.config.allocator)  # before prepare_model puts anything on the GPU
         if not launch.agreed:  # the launch's one agreement collective
             launch = check_setup(
                 launch,

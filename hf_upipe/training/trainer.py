@@ -408,6 +408,7 @@ class UPipeTrainer(Trainer):
         parallelism = find_parallelism(getattr(args, "parallelism_config", None))
         deepspeed = uses_deepspeed(args)
         launch = resolve_launch(config, parallelism, world, deepspeed=deepspeed)  # the sizes, once
+        args = self._launch_args(args, launch)
         # before transformers creates the output folder (main rank only) and accelerate its groups or DeepSpeed SP;
         # the model too when it is the one trained as it is (`_checked_early`): then this is the launch's one
         # agreement
@@ -431,23 +432,24 @@ class UPipeTrainer(Trainer):
             )
         pad = getattr(self.processing_class, "pad_token_id", None)
         self.upipe = UPipeRuntime.setup(
-            config,
+            # agreed on with `model`: another one (model_init's) is checked and agreed on in the setup
+            launch if self.model is model else replace(launch, agreed=False),
             self.model,
-            world_size=world,
             device=self.args.device,
             checkpointing=_checkpointing(self.args),
             checkpointing_fix=_CHECKPOINTING_FIX,
             pad_token_id=0 if pad is None else pad,
-            parallelism=parallelism,
-            deepspeed=deepspeed,
-            # agreed on with `model`: another one (model_init's) is checked and agreed on in the setup
-            launch=launch if self.model is model else replace(launch, agreed=False),
         )
         start_watch(world, self.args.output_dir)  # the peer watch (hf_upipe.training.peers)
         if self.is_fsdp_enabled:  # before train() prepares (shards) the model
             apply_model_offload(self.accelerator.state.fsdp_plugin, self.upipe.config)
         self._metrics_checks(world)
         self._stats = {"tokens": 0, "since": None}
+
+    def _launch_args(self, args, launch: Launch):
+        """`args` as transformers' (or TRL's) setup should see them under `launch`, resolved once before it; a
+        subclass may return a copy (the GRPO trainer recounts its generation batch over `launch.dp`)."""
+        return args
 
     def _metrics_checks(self, world: int) -> None:
         """Refuse the metric options the multi-process evaluation does not offer (`check_metrics_options`); in one

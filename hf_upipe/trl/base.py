@@ -74,7 +74,6 @@ class UPipeTRLTrainer(UPipeTrainer):
             errors = self._config_errors(args, kwargs)
             if errors:  # the same on every rank: raised before TRL or hf_upipe run any collective
                 raise errors[0]
-            args = self._launch_args(args, upipe_config)
         with warnings.catch_warnings():
             # inside TRL's setup: peft 0.21 (get_peft_model for `peft_config`) reads transformers' deprecated
             # `is_gradient_checkpointing`; neither hf_upipe nor the user can avoid that read
@@ -94,10 +93,6 @@ class UPipeTRLTrainer(UPipeTrainer):
     def _config_errors(self, args, kwargs: dict) -> list[Exception]:
         """The trainer's refused settings of `args` and the constructor's `kwargs` (each trainer's own checks)."""
         raise NotImplementedError
-
-    def _launch_args(self, args, upipe_config: UPipeConfig | None):
-        """`args` as TRL's setup should see them under this launch (GRPO recounts its generation batch)."""
-        return args
 
     def _refuse_after_setup(self) -> None:
         """What only TRL's setup reveals; the same on every rank (same model, data and settings)."""

@@ -55,7 +55,7 @@ from hf_upipe.config import UPipeConfig
 from hf_upipe.data import shard_batch
 from hf_upipe.generation import generate
 from hf_upipe.prepare import prepare_model
-from hf_upipe.training.parallelism import find_parallelism, with_parallelism_sp
+from hf_upipe.training.parallelism import Launch
 from hf_upipe.trl.base import UPipeTRLTrainer, checkpointing_off
 from hf_upipe.trl.grpo_replicas import replica_view
 from hf_upipe.trl.grpo_shards import completion_rows, gather_sequence
@@ -210,29 +210,20 @@ class _GRPOKeywordInit(GRPOTrainer):
         GRPOTrainer.__init__(self, model, reward_funcs=reward_funcs, args=args, **kwargs)
 
 
-def _replica_args(args: GRPOConfig, upipe_config: UPipeConfig | None) -> GRPOConfig:
-    """A copy of `args` whose `generation_batch_size` counts the data-parallel replicas, not every process
-    (`steps_per_generation` kept). An SP degree that does not divide the launch is left to `UPipeTrainer`'s
-    checks, which name it."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    config = upipe_config if upipe_config is not None else UPipeConfig()
-    try:
-        sp = with_parallelism_sp(config, find_parallelism(args.parallelism_config)).resolve_sp_size(
-            world
-        )
-    except ValueError:
-        return args
-    if sp <= 1 or world % sp:
+def _replica_args(args: GRPOConfig, launch: Launch) -> GRPOConfig:
+    """A copy of `args` whose `generation_batch_size` counts the data-parallel replicas of `launch` (`launch.dp`),
+    not every process (`steps_per_generation` kept). An SP degree that does not resolve or divide the launch is left
+    to `UPipeTrainer`'s checks, which name it."""
+    world, sp, dp = launch.world, launch.sp, launch.dp
+    if sp is None or sp <= 1 or world % sp:
         return args
     args = copy.copy(args)
-    args.generation_batch_size = (
-        args.per_device_train_batch_size * (world // sp) * args.steps_per_generation
-    )
+    args.generation_batch_size = args.per_device_train_batch_size * dp * args.steps_per_generation
     if args.generation_batch_size % args.num_generations:
         raise ValueError(
-            f"GRPOConfig: the generation batch over the {world // sp} data-parallel replicas (SP {sp} x "
-            f"{world // sp} on {world} processes) is per_device_train_batch_size "
-            f"{args.per_device_train_batch_size} x {world // sp} x steps_per_generation "
+            f"GRPOConfig: the generation batch over the {dp} data-parallel replicas (SP {sp} x "
+            f"{dp} on {world} processes) is per_device_train_batch_size "
+            f"{args.per_device_train_batch_size} x {dp} x steps_per_generation "
             f"{args.steps_per_generation} = {args.generation_batch_size} completions, not a multiple of "
             f"num_generations {args.num_generations}: raise per_device_train_batch_size or steps_per_generation."
         )
@@ -295,8 +286,8 @@ class UPipeGRPOTrainer(UPipeTRLTrainer, _GRPOKeywordInit):
             processing_class=kwargs.get("processing_class"),
         )
 
-    def _launch_args(self, args: GRPOConfig, upipe_config: UPipeConfig | None) -> GRPOConfig:
-        return _replica_args(args, upipe_config)
+    def _launch_args(self, args: GRPOConfig | None, launch: Launch) -> GRPOConfig | None:
+        return args if args is None else _replica_args(args, launch)
 
     def _refuse_after_setup(self) -> None:
         """What only the setup reveals; the same on every rank (same model, data and settings)."""

@@ -11,7 +11,7 @@ from hf_upipe.training.parallelism import (
     ParallelismSizes,
     accelerate_view,
     find_parallelism,
-    parallelism_errors,
+    resolve_launch,
     uses_deepspeed,
     with_parallelism_sp,
 )
@@ -40,7 +40,7 @@ def _sizes(**sizes) -> ParallelismSizes:
 
 def test_no_parallelism_config_changes_nothing():
     assert find_parallelism(None) is None
-    assert parallelism_errors(UPipeConfig(), None, 4) == []
+    assert resolve_launch(UPipeConfig(), None, 4).errors == ()
     assert with_parallelism_sp(config := UPipeConfig(), None) is config
     assert accelerate_view(None, 2, 4) is None
 
@@ -52,16 +52,16 @@ def test_sp_size_of_the_parallelism_config_is_the_degree():
     config = with_parallelism_sp(UPipeConfig(), sizes)
     assert config.resolve_sp_size(4) == 2 and config.sp_size == 2
     assert config.describe("sp_size") == "ParallelismConfig(sp_size=2)"
-    assert parallelism_errors(UPipeConfig(), sizes, 4) == []
+    assert resolve_launch(UPipeConfig(), sizes, 4).errors == ()
     assert (
-        parallelism_errors(UPipeConfig(sp_size=2), sizes, 4) == []
+        resolve_launch(UPipeConfig(sp_size=2), sizes, 4).errors == ()
     )  # the same degree twice is fine
     # an explicit UPipe sp_size is kept; with a parallelism config of sp 1 the dp sizes must leave room for it
     assert (
         with_parallelism_sp(UPipeConfig(sp_size=2), _sizes(dp_shard=2)).describe("sp_size")
         == "UPipeConfig(sp_size=2)"
     )
-    assert parallelism_errors(UPipeConfig(sp_size=2), _sizes(dp_shard=2), 4) == []
+    assert resolve_launch(UPipeConfig(sp_size=2), _sizes(dp_shard=2), 4).errors == ()
 
 
 def test_accelerate_config_keys_through_accelerate_launch(tmp_path, monkeypatch):
@@ -86,7 +86,7 @@ def test_accelerate_config_keys_through_accelerate_launch(tmp_path, monkeypatch)
     sizes = find_parallelism(None, environ=env)
     assert (sizes.sp, sizes.dp_replicate, sizes.dp_shard) == (2, 2, 1)
     assert sizes.describe("sp") == "parallelism_config_sp_size: 2 (PARALLELISM_CONFIG_SP_SIZE=2)"
-    assert parallelism_errors(UPipeConfig(), sizes, 4) == []
+    assert resolve_launch(UPipeConfig(), sizes, 4).errors == ()
     # accelerate's own ParallelismConfig() under that launch (what Accelerator() builds) is named the same way
     for key in (
         "ACCELERATE_USE_PARALLELISM_CONFIG",
@@ -104,35 +104,36 @@ def test_accelerate_config_keys_through_accelerate_launch(tmp_path, monkeypatch)
 def test_deepspeed_sp_is_refused():
     assert uses_deepspeed(environ={"ACCELERATE_USE_DEEPSPEED": "true"})
     assert not uses_deepspeed(environ={})
-    errors = parallelism_errors(UPipeConfig(), _sizes(sp=2), 2, deepspeed=True)
+    errors = resolve_launch(UPipeConfig(), _sizes(sp=2), 2, deepspeed=True).errors
     assert len(errors) == 1
     message = str(errors[0])
     assert "ParallelismConfig(sp_size=2) with DeepSpeed" in message and "over 2 ranks" in message
     assert "sp_backend='deepspeed'" in message and "FSDP2 or DDP" in message
     assert (
-        parallelism_errors(UPipeConfig(sp_size=1), _sizes(dp_replicate=2), 2, deepspeed=True) == []
+        resolve_launch(UPipeConfig(sp_size=1), _sizes(dp_replicate=2), 2, deepspeed=True).errors
+        == ()
     )  # no SP
 
 
 def test_context_and_tensor_parallelism_are_refused():
-    (cp,) = parallelism_errors(UPipeConfig(), _sizes(cp=2, dp_shard=2), 4)
+    (cp,) = resolve_launch(UPipeConfig(), _sizes(cp=2, dp_shard=2), 4).errors
     assert "ParallelismConfig(cp_size=2) asks for context parallelism" in str(cp)
     assert "ParallelismConfig(cp_size=1, sp_size=2)" in str(cp)
-    (tp,) = parallelism_errors(UPipeConfig(), _sizes(tp=2, dp_shard=2), 4)
+    (tp,) = resolve_launch(UPipeConfig(), _sizes(tp=2, dp_shard=2), 4).errors
     assert "ParallelismConfig(tp_size=2)" in str(tp) and "ParallelismConfig(tp_size=1)" in str(tp)
 
 
 def test_disagreeing_degrees_are_refused(monkeypatch):
-    (err,) = parallelism_errors(UPipeConfig(sp_size=4), _sizes(sp=2, dp_replicate=2), 4)
+    (err,) = resolve_launch(UPipeConfig(sp_size=4), _sizes(sp=2, dp_replicate=2), 4).errors
     assert str(err).startswith("UPipeConfig(sp_size=4) and ParallelismConfig(sp_size=2) disagree")
     assert "(4 vs 2)" in str(err)
     monkeypatch.setenv("UPIPE_SP_SIZE", "4")
-    (err,) = parallelism_errors(UPipeConfig(), _sizes(sp=2), 4)
+    (err,) = resolve_launch(UPipeConfig(), _sizes(sp=2), 4).errors
     assert str(err).startswith("UPIPE_SP_SIZE=4 and ParallelismConfig(sp_size=2) disagree")
 
 
 def test_sizes_that_do_not_make_the_world_are_refused():
-    (err,) = parallelism_errors(UPipeConfig(), _sizes(sp=2, dp_replicate=2), 8)
+    (err,) = resolve_launch(UPipeConfig(), _sizes(sp=2, dp_replicate=2), 8).errors
     message = str(err)
     assert (
         "sp_size 2 (ParallelismConfig(sp_size=2)) x dp_replicate_size 2 x dp_shard_size 1"
@@ -143,11 +144,11 @@ def test_sizes_that_do_not_make_the_world_are_refused():
         and "ParallelismConfig(dp_replicate_size=4)" in message
     )
     # an FSDP-style config without sp_size, against hf_upipe's default degree (all 4 processes)
-    (err,) = parallelism_errors(UPipeConfig(), _sizes(dp_shard=4), 4)
+    (err,) = resolve_launch(UPipeConfig(), _sizes(dp_shard=4), 4).errors
     assert "sp_size 4 (hf_upipe's default: one node)" in str(err)
     assert "x dp_shard_size 4" in str(err) and "= 16 processes, but this launch has 4" in str(err)
     assert "ParallelismConfig(dp_shard_size=1)" in str(err)
-    (err,) = parallelism_errors(UPipeConfig(sp_size=2), _sizes(dp_shard=4), 4)
+    (err,) = resolve_launch(UPipeConfig(sp_size=2), _sizes(dp_shard=4), 4).errors
     assert "sp_size 2 (UPipeConfig(sp_size=2))" in str(
         err
     ) and "ParallelismConfig(dp_shard_size=2)" in str(err)
@@ -159,7 +160,7 @@ def test_sizes_that_do_not_make_the_world_are_refused():
             "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
         },
     )
-    (err,) = parallelism_errors(UPipeConfig(), env, 2)
+    (err,) = resolve_launch(UPipeConfig(), env, 2).errors
     assert "parallelism_config_dp_shard_size: 2 (PARALLELISM_CONFIG_DP_SHARD_SIZE=2)" in str(err)
     assert "parallelism_config_dp_shard_size: 1" in str(err)
     with pytest.raises(ValueError, match="PARALLELISM_CONFIG_SP_SIZE='two'"):
@@ -240,7 +241,7 @@ def test_an_sp_backend_other_than_deepspeed_is_refused():
         },
     )
     assert env.sp_backend == "accelerate"
-    (err,) = parallelism_errors(UPipeConfig(), env, 2)
+    (err,) = resolve_launch(UPipeConfig(), env, 2).errors
     message = str(err)
     assert message.startswith(
         "parallelism_config_sp_backend: accelerate (PARALLELISM_CONFIG_SP_BACKEND=accelerate) with "
@@ -251,8 +252,10 @@ def test_an_sp_backend_other_than_deepspeed_is_refused():
     class FutureConfig:  # what a later accelerate's ParallelismConfig(sp_backend="accelerate") looks like
         sp_size, sp_backend = 2, "accelerate"
 
-    (err,) = parallelism_errors(UPipeConfig(), find_parallelism(FutureConfig()), 2)
+    (err,) = resolve_launch(UPipeConfig(), find_parallelism(FutureConfig()), 2).errors
     assert "ParallelismConfig(sp_backend='accelerate') with ParallelismConfig(sp_size=2)" in str(
         err
     )
-    assert parallelism_errors(UPipeConfig(), _sizes(sp=2), 2) == []  # accelerate's default backend
+    assert (
+        resolve_launch(UPipeConfig(), _sizes(sp=2), 2).errors == ()
+    )  # accelerate's default backend

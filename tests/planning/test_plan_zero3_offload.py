@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from hf_upipe.cli import main
+from hf_upipe.models.architectures import model_geometry
 from hf_upipe.models.presets import resolve
 from hf_upipe.planning import zero3_offload as z3
 from hf_upipe.planning.planner import Estimator, plan
@@ -29,7 +30,7 @@ from hf_upipe.planning.step_time import (
     step_time,
     zero3_copy_bytes,
 )
-from hf_upipe.planning.train_step import StepSettings
+from hf_upipe.planning.train_step import StepCase, StepSettings
 from tests.planning.test_planner import _tiny_model
 
 MiB = 2**20
@@ -94,11 +95,18 @@ def test_accounting_against_an_independent_count():
     )  # 2 + 2 in the backward, 2 + 4 + 2 after it, per 1e9
 
 
+def _estimator(cfg, world: int, lora=None) -> Estimator:
+    """The planner's estimator of `cfg` at its depth, SP over the whole `world`, bf16."""
+    depth = model_geometry(cfg)["layers"]
+    case = StepCase(cfg, KW["seq_len"], world, depth, dtype=torch.bfloat16, lora=lora)
+    return Estimator(case, world=world, exact=False)
+
+
 @pytest.mark.slow
 def test_the_planner_adds_exactly_zero3s_buffers():
     _require_deepspeed()
     cfg, world = _tiny_model(), 2
-    est = Estimator(cfg, world=world, sp_size=world, dtype=torch.bfloat16, exact=False)
+    est = _estimator(cfg, world)
     peer = dataclasses.replace(PEER, model_offload="cpu")
     n = KW["seq_len"]
     simulated, planned = est._simulated(peer, n), est(peer, n)
@@ -128,7 +136,7 @@ def test_lora_keeps_the_frozen_base_on_the_gpu():
     _require_deepspeed()
     cfg, world, n = _tiny_model(), 2, KW["seq_len"]
     lora = (4, ("q_proj", "down_proj"))
-    est = Estimator(cfg, world=world, sp_size=world, dtype=torch.bfloat16, exact=False, lora=lora)
+    est = _estimator(cfg, world, lora=lora)
     peer = dataclasses.replace(PEER, model_offload="cpu")
     assert est(peer, n) == est(PEER, n)
     assert est(peer, n)["gradients"] - est._simulated(PEER, n)["gradients"] == 2 * 500_000_000

@@ -86,6 +86,7 @@ def main(mode: str, fault_rank: int, out: str) -> None:
         return _save_fault(fault_rank, out, exit_at_once=mode == "enospc_exit")
     import hf_upipe
     from hf_upipe.training.checkpoint import write_manifest
+    from hf_upipe.training.parallelism import resolve_launch
     from hf_upipe.training.runtime import UPipeRuntime
     from tests.integrations._models import tiny_config
 
@@ -104,9 +105,8 @@ def main(mode: str, fault_rank: int, out: str) -> None:
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
     config = hf_upipe.UPipeConfig(sp_size=2, gpu_memory="1GiB")
     upipe = UPipeRuntime.setup(
-        config,
+        resolve_launch(config, None, world),
         model,
-        world_size=world,
         device="cpu",
         checkpointing=False,
         checkpointing_fix="",

@@ -1,11 +1,12 @@
 """Worker body for tests/training/test_launch_once.py: how often one launch resolves its sizes and agrees.
 
 `launch_counts(rank, world, out_dir)` sets up one `UPipeTrainer` (construction + one training step, with
-accelerate's `ParallelismConfig(sp_size=2)`; again with `model_init`), one `UPipePlugin.prepare` and one
-`UPipeRuntime.setup`, and returns per entry point how many times each ran: the agreement collectives
-(`all_gather_object` calls, the collective every agreement of the ranks runs), the resolutions of accelerate's
-`ParallelismConfig` (`find_parallelism`, `with_parallelism_sp`) and of the SP degree
-(`UPipeConfig.resolve_sp_size`), and the calls of `base_model` (PEFT unwrapped).
+accelerate's `ParallelismConfig(sp_size=2)`; again with `model_init`), one `UPipePlugin.prepare`, one
+`UPipeSFTTrainer` (construction + one step, with `ParallelismConfig(sp_size=2)`) and one `UPipeGRPOTrainer`
+(construction, with `UPipeConfig(sp_size=2)`), and one `UPipeRuntime.setup`, and returns per entry point how many
+times each ran: the agreement collectives (`all_gather_object` calls, the collective every agreement of the ranks
+runs), the resolutions of accelerate's `ParallelismConfig` (`find_parallelism`, `with_parallelism_sp`) and of the
+SP degree (`UPipeConfig.resolve_sp_size`), and the calls of `base_model` (PEFT unwrapped).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections import Counter
 
 import torch
 
-_COUNTED = ("find_parallelism", "with_parallelism_sp", "parallelism_errors")
+_COUNTED = ("find_parallelism", "with_parallelism_sp")
 
 
 def _count(counts: Counter) -> None:
@@ -93,15 +94,83 @@ def _plugin() -> None:
     assert upipe.state.sp_size == 2
 
 
+def _sft(out_dir: str) -> None:
+    """`UPipeSFTTrainer` (construction + one training step) with `SFTConfig(parallelism_config=...)`: the TRL
+    trainers enter through `UPipeTrainer`, which resolves the launch."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from trl import SFTConfig
+
+    from hf_upipe import UPipeConfig
+    from hf_upipe.trl import UPipeSFTTrainer
+    from tests.training._runs import RUN_ARGS
+    from tests.training._trl_runs import _model, dataset, tokenizer
+
+    args = SFTConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=2,
+        max_steps=1,
+        **RUN_ARGS,
+        save_strategy="no",
+        max_length=40,
+        bf16=False,
+        dataset_num_proc=None,
+        parallelism_config=ParallelismConfig(sp_size=2),
+    )
+    trainer = UPipeSFTTrainer(
+        model=_model(seed=11),
+        args=args,
+        train_dataset=dataset(8, seed=1),
+        processing_class=tokenizer(),
+        upipe_config=UPipeConfig(heads_per_chunk=1, loss_chunk_tokens=7),
+    )
+    trainer.train()
+    launch = trainer.upipe.launch
+    assert trainer.upipe.state.sp_size == 2 == launch.sp and launch.agreed, launch
+
+
+def _grpo(out_dir: str) -> None:
+    """`UPipeGRPOTrainer` (construction: its generation batch counted over the launch's `dp`, read from the one
+    launch) with `UPipeConfig(sp_size=2)` (TRL's `GRPOConfig` refuses a `ParallelismConfig` with an SP degree)."""
+    from trl import GRPOConfig
+
+    from hf_upipe import UPipeConfig
+    from hf_upipe.trl import UPipeGRPOTrainer
+    from tests.training._grpo_runs import length, prompts
+    from tests.training._runs import RUN_ARGS
+    from tests.training._trl_runs import _model, tokenizer
+
+    args = GRPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=4,
+        max_steps=1,
+        **RUN_ARGS,
+        save_strategy="no",
+        bf16=False,
+        num_generations=4,
+        max_completion_length=6,
+    )
+    trainer = UPipeGRPOTrainer(
+        _model(seed=11),
+        reward_funcs=[length],
+        args=args,
+        train_dataset=prompts(8, seed=1),
+        processing_class=tokenizer(),
+        upipe_config=UPipeConfig(sp_size=2, heads_per_chunk=1),
+    )
+    launch = trainer.upipe.launch
+    assert trainer.upipe.state.sp_size == 2 == launch.sp and launch.dp == 1, launch
+    assert trainer.args.generation_batch_size == 4 * launch.dp * args.steps_per_generation
+
+
 def _runtime() -> None:
     from hf_upipe import UPipeConfig
+    from hf_upipe.training.parallelism import resolve_launch
     from hf_upipe.training.runtime import UPipeRuntime
     from tests.training._runs import _model
 
     upipe = UPipeRuntime.setup(
-        UPipeConfig(sp_size=2),
+        resolve_launch(UPipeConfig(sp_size=2), None, 2),
         _model(False, 1),
-        world_size=2,
         device="cpu",
         checkpointing=False,
         checkpointing_fix="-",
@@ -115,6 +184,7 @@ def _refused(rank: int, case: str) -> str:
     UPIPE_* environment and the settings `init_sequence_parallel` is asked for, or the model `prepare_model`
     prepares. Returns the error."""
     from hf_upipe import UPipeConfig
+    from hf_upipe.training.parallelism import resolve_launch
     from hf_upipe.training.runtime import UPipeRuntime
     from tests.training._runs import _model
 
@@ -130,9 +200,10 @@ def _refused(rank: int, case: str) -> str:
     os.environ.update(env)
     try:
         UPipeRuntime.setup(
-            UPipeConfig(sp_size=None if case == "init" else 2, heads_per_chunk=1),
+            resolve_launch(
+                UPipeConfig(sp_size=None if case == "init" else 2, heads_per_chunk=1), None, 2
+            ),
             model,
-            world_size=2,
             device="cpu",
             checkpointing=False,
             checkpointing_fix="-",
@@ -150,7 +221,8 @@ def launch_counts(rank: int, world: int, out_dir: str) -> dict:
     os.environ["LOCAL_WORLD_SIZE"] = "1"  # sp_size 2 only from what each entry point is given
     import hf_upipe
     import hf_upipe.training.plugin
-    import hf_upipe.training.trainer  # noqa: F401  (imported before the counters wrap their names)
+    import hf_upipe.training.trainer
+    import hf_upipe.trl  # noqa: F401  (imported before the counters wrap their names)
 
     torch.manual_seed(0)
     seen = {}
@@ -158,6 +230,8 @@ def launch_counts(rank: int, world: int, out_dir: str) -> dict:
         ("trainer", lambda: _trainer(out_dir)),
         ("model_init", lambda: _trainer(out_dir, model_init=True)),
         ("plugin", _plugin),
+        ("sft", lambda: _sft(out_dir)),
+        ("grpo", lambda: _grpo(out_dir)),
         ("runtime", _runtime),
     ):
         hf_upipe.reset_sequence_parallel()

@@ -114,6 +114,7 @@ def _oom_in_a_step(
     from transformers import AutoModelForCausalLM
 
     import hf_upipe
+    from hf_upipe.training.parallelism import resolve_launch
     from hf_upipe.training.runtime import UPipeRuntime
     from tests.integrations._models import tiny_config
 
@@ -122,7 +123,11 @@ def _oom_in_a_step(
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
     config = hf_upipe.UPipeConfig(sp_size=1, tiled_mlp=False, gpu_memory=gpu_memory)
     upipe = UPipeRuntime.setup(
-        config, model, world_size=1, device="cpu", checkpointing=False, checkpointing_fix=""
+        resolve_launch(config, None, 1),
+        model,
+        device="cpu",
+        checkpointing=False,
+        checkpointing_fix="",
     )
 
     def fail(*args):

@@ -325,6 +325,25 @@ def test_upipe_grpo_trainer_refuses_before_any_setup(tmp_path):
         )
 
 
+def test_the_generation_batch_counts_the_launchs_replicas(tmp_path):
+    """The generation batch is counted over the launch's data-parallel replicas (`Launch.dp`), read from the one
+    launch `UPipeTrainer` resolved; a launch without SP, or whose SP degree does not resolve, leaves `args` as
+    they are."""
+    from hf_upipe.config import UPipeConfig
+    from hf_upipe.training.parallelism import resolve_launch
+    from hf_upipe.trl.grpo import _replica_args
+
+    args = _config(tmp_path)  # 4 rows a process, 4 completions per prompt
+    args.steps_per_generation = 1
+    launch = resolve_launch(UPipeConfig(sp_size=2), None, 4)
+    assert _replica_args(args, launch).generation_batch_size == 4 * launch.dp == 8
+    assert _replica_args(args, resolve_launch(UPipeConfig(sp_size=1), None, 4)) is args
+    assert _replica_args(args, resolve_launch(UPipeConfig(sp_size=3), None, 4)) is args
+    args.num_generations = 16  # as TRL checked it over all 4 processes: 4 x 4 x 1
+    with pytest.raises(ValueError, match="over the 2 data-parallel replicas"):
+        _replica_args(args, launch)
+
+
 def test_completion_rows_score_what_trl_scores():
     """TRL's [B, P + C] layout (left-padded prompts, right-padded completions) rearranged into right-padded rows:
     the model scores every completion token as in TRL's layout (rotary embeddings see relative positions only),
