@@ -370,9 +370,11 @@ def guarded(runtime, model=None, inner=None):
             watch.post(
                 "OutOfMemoryError: out of memory in a training step (its error says what fits)"
             )
-        from hf_upipe.training.oom import explain_oom
+        from hf_upipe.training.oom import explain_oom, hold_s
 
-        raise explain_oom(err, runtime, model, getattr(runtime, "seq_len", None)) from None
+        with hold_for(hold_s()):  # a launcher's SIGTERM waits for the advice (bounded)
+            explained = explain_oom(err, runtime, model, getattr(runtime, "seq_len", None))
+        raise explained from None
     except Exception as err:
         if watch is None or not _lost_peer(err):
             raise
