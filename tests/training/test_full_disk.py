@@ -14,6 +14,10 @@ UPipeTrainer, sp_size 2, a checkpoint after every step). Each case checks:
 - `checkpoint-1`, copied out of the tmpfs, verifies against its manifest and resumes to the same losses and the
   same final weights as the uninterrupted run.
 
+`test_each_writer_on_a_real_full_tmpfs_is_recognised_by_its_cause`: one process (`tests.training._full_writes`)
+fills a 2 MiB tmpfs with torch.save, safetensors and a Python write, and `out_of_space` calls each a full disk;
+torch.save failing with space left (a missing folder) is not. About 5 s.
+
 Cost: 1 uninterrupted launch + 2 launches per case (the fault, the resume), about 25 s each on 2 cores: about
 3 minutes for the three cases. Skipped, with the reason, where tmpfs cannot be mounted in a private namespace
 (not root, no `unshare`).
@@ -31,8 +35,6 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = 4096
-
-pytestmark = pytest.mark.slow
 
 
 def _env() -> dict:
@@ -155,6 +157,7 @@ def _run_in_tmpfs(size: int, tmp_path) -> tuple[int, str, float, str, int]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["optimizer.pt", "model.safetensors", "rng_state_0.pth"])
 def test_a_real_full_disk_in_a_save_is_explained_named_and_resumes_exactly(
     uninterrupted, tmp_path, target
@@ -223,3 +226,34 @@ def test_a_real_full_disk_in_a_save_is_explained_named_and_resumes_exactly(
     }
     print(f"{target}: tmpfs {size} bytes, launch {seconds:.1f} s (uninterrupted {wall:.1f} s)")
     print(f"{error}\n{lines[0]}")
+
+
+def test_each_writer_on_a_real_full_tmpfs_is_recognised_by_its_cause(tmp_path):
+    why = _can_mount()
+    if why:
+        pytest.skip(why)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = f"mount -t tmpfs -o size=2m tmpfs {disk} && {sys.executable} -m tests.training._full_writes {disk}"
+    proc = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {
+        "torch.save": [
+            "RuntimeError",
+            True,
+        ],  # inline_container's "unexpected pos": no errno, no space left
+        "safetensors": ["SafetensorError", True],  # "(os error 28)"
+        "python write": ["OSError", True],  # ENOSPC
+        "torch.save, no folder": [
+            "RuntimeError",
+            False,
+        ],  # space left: a write error, not a full disk
+    }, seen
