@@ -197,13 +197,14 @@ class _Failure:
         at = (
             "" if self.free_at_failure is None else f", {self.free_at_failure} bytes at the failure"
         )
-        fix = "Free space"
+        fix = "Free space (a lower save_total_limit removes old checkpoints) or point output_dir to a larger disk."
         if self.full and self.needed and free_now is not None and self.needed > free_now:
-            fix = f"Free at least {self.needed - free_now} more bytes"
+            fix = f"Free at least {self.needed - free_now} more bytes" + fix[len("Free space") :]
+        elif not self.full:
+            fix = "Fix the cause above (permissions, a failing disk) or point output_dir elsewhere."
         return (
             f"{self.summary()} ({what}; {cause}). The checkpoint needs {needed}; free on that disk: {free} once "
-            f"the half-written save was removed{at}. Nothing half-written was kept, {kept}. {fix} (a lower "
-            "save_total_limit removes old checkpoints) or point output_dir to a larger disk."
+            f"the half-written save was removed{at}. Nothing half-written was kept, {kept}. {fix}"
         )
 
     def summary(self) -> str:
@@ -247,9 +248,8 @@ def explained_save_errors(run_dir: str, *, should_save: bool = True):
         except Exception as err:
             if isinstance(err, CheckpointSaveError):
                 raise
-            posted = (
-                peers.posted_by_another()
-            )  # another rank failed first: name it, not this rank's echo
+            # another rank failed first (this error may be its echo: a file it removed): name that rank
+            posted = peers.posted_by_another()
             if posted is not None:
                 raise posted from err
             found = peers.named_peer(err)  # a barrier of the save failed: another rank stopped
