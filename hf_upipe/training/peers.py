@@ -31,8 +31,9 @@ rank 0 failed: <its error's first line>; resume from <checkpoint>`. The watch th
 in the launcher's error file and ends the process (status 1) when a rank posted an error, or when, inside a step,
 the neighbour's heartbeat has not moved for `UPIPE_PEER_TIMEOUT` seconds while no collective failed here (a hung
 peer, NCCL). A rank that finished and exited normally is not waited for: it marks itself done. Under torchrun's
-agent, which stops the other ranks with SIGTERM as soon as one dies, a SIGTERM inside a step is held for up to
-`_HOLD_S` seconds so that the line still comes out (`_hold_launcher_stop`).
+agent, which stops the other ranks with SIGTERM as soon as one dies, a SIGTERM inside a step or a checkpoint save
+is held for up to `_HOLD_S` seconds so that the line still comes out (`_hold_launcher_stop`), and for up to the
+`hold_for` bound while a rank explains its own failure.
 """
 
 from __future__ import annotations
