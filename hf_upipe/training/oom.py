@@ -131,9 +131,8 @@ def _advice(model, config, seq_len: int, sp_size: int, world: int) -> list[str]:
         }
     )
     wait = _wait_s()
-    deadline = (
-        time.monotonic() + wait + _GRACE_S
-    )  # the advisor answers by its deadline, started at once
+    # the advisor answers by its deadline, started at once
+    deadline = time.monotonic() + wait + _GRACE_S
     answers = {}
     while time.monotonic() < deadline and advisor.poll() is None:
         answers, done = _read(result)
@@ -147,6 +146,8 @@ def _advice(model, config, seq_len: int, sp_size: int, world: int) -> list[str]:
         f"not answered after {wait:.0f} s; process {advisor.pid}, which outlives this rank, prints the advice "
         "on this console when it has it"
     )
+    if advisor.poll() not in (None, 0):  # the advisor itself failed: nothing more will come
+        pending = f"the planner did not answer (its advisor ended with status {advisor.returncode})"
     return oom_advisor.sentences(answers, seq_len, sp_size, pending=pending)
 
 
