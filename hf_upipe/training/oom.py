@@ -174,4 +174,6 @@ def explain_oom(err: BaseException, runtime, model, seq_len: int | None) -> torc
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     new = torch.OutOfMemoryError("; ".join([head, *said]) + f". torch: {first}")
     new.upipe_explained = True
+    # under a launcher: one line, status 1 at once (hf_upipe.exits)
+    new.upipe_fault = "torch.OutOfMemoryError"
     return new
