@@ -15,7 +15,10 @@ Entry points:
   the plugin, the runtime, `init_sequence_parallel`, `from_pretrained`, ...) and leaves any other error to Python.
   `import hf_upipe` installs it in processes started by a launcher (`TORCHELASTIC_RUN_ID` set); `UPIPE_TRACEBACK=1`
   keeps Python's tracebacks. An error marked `upipe_line` (`hf_upipe.training.peers.PeerStopped`: each rank's
-  own line naming a rank that stopped) is printed as its line alone, and the rank exits with status 1.
+  own line naming a rank that stopped) is printed as its line alone, and the rank exits with status 1; so is an
+  explained fault of the rank's own marked `upipe_fault` (`hf_upipe.training.save_errors.CheckpointSaveError`,
+  the out-of-memory error of `hf_upipe.training.oom`), as `error (rank N): <type>: <message>`, at once (a rank
+  that tears its interpreter down after the launcher's SIGTERM can meet its SIGKILL first).
 
 What the console then shows: the one line, then the launcher's own summary. torchrun's elastic agent reports any
 rank that exits with a status other than 0 as failed, in a `ChildFailedError` block naming each rank's exit code
@@ -184,6 +187,16 @@ def _hook(previous):
             record_line(line)
             sys.stdout.flush()
             os._exit(1)  # (no group teardown: a peer is gone)
+        fault = getattr(err, "upipe_fault", False)
+        # an explained fault of this rank (a failed save, an out-of-memory error): its line, then exit at once:
+        # the launcher stops the other ranks, and would stop this one mid-teardown
+        if fault:
+            label = fault if isinstance(fault, str) else type(err).__name__
+            line = f"error (rank {os.environ.get('RANK', '0')}): {label}: {err}"
+            print(line, file=sys.__stderr__ or sys.stderr, flush=True)
+            record_line(line)
+            sys.stdout.flush()
+            os._exit(1)
         if not is_setting_error(err):
             return previous(kind, err, tb)
         # the process's own stderr: torch.distributed's excepthook hands the hooks it wraps a buffer

@@ -7,7 +7,8 @@ Modules, bottom to top:
   state; ``offload``: the checkpointed layer inputs offloaded to host or disk; ``checkpoint``: checkpoint
   manifests; ``checkpoint_layout``: the layout recorded in a checkpoint, checked on resume;
   ``auto_settings``: ``UPipeConfig(auto=True)``, the planner's choice applied; ``oom``: an
-  out-of-memory error explained with the planner's answer; ``save_errors``: a failed checkpoint write explained;
+  out-of-memory error explained with the planner's answer; ``oom_advisor``: that answer computed by a process
+  that outlives the rank (a launcher's stop); ``save_errors``: a failed checkpoint write explained;
   ``peers``: the heartbeat that names a rank that stopped, and the step's guard.
 - ``runtime``: ``UPipeRuntime``, setup checks, loss and exact evaluation of one run.
 - ``trainer``: ``UPipeTrainer``; ``plugin``: ``UPipePlugin``, both on the runtime (``hf_upipe.trl`` builds on

@@ -5,27 +5,36 @@ Entry point:
   the sequence length and the settings in force, what `hf-upipe plan` predicts for them, the longest length that
   fits with them (searched in steps of `search_step(seq_len)` tokens) and the settings that would fit this length;
   torch's own message follows. The planner runs in child processes (the runtime never imports it,
-  `hf_upipe.training.auto_settings`), three at once, bounded by
-  `UPIPE_OOM_PLAN_TIMEOUT` seconds (default 120); whatever it could not answer in time, or at all (no GPU memory
-  known: set `gpu_memory`), the message says so in a shorter line. Building the message never raises.
+  `hf_upipe.training.auto_settings`), three at once, bounded by `UPIPE_OOM_PLAN_TIMEOUT` seconds (default 120),
+  started by an advisor process in a session of its own (`hf_upipe.training.oom_advisor`), which a launcher's
+  stop of the rank does not reach; whatever it could not answer in time, or at all (no GPU memory known: set
+  `gpu_memory`), the message says so in a shorter line. Building the message never raises.
+- `hold_s()`: how long the rank waits for the advice, and holds a launcher's SIGTERM meanwhile
+  (`hf_upipe.training.peers.hold_for`): `UPIPE_OOM_PLAN_TIMEOUT`, at most `_LAUNCHER_WAIT_S` (20 s) under a
+  launcher (torchrun's agent kills a rank 30 s after its SIGTERM), plus `_GRACE_S` and `_SAY_S`. What the planner
+  has answered by then goes into the message, which says what it has not; the advisor then prints the whole
+  advice on the same console once it has it: `hf_upipe (rank N): out-of-memory advice for its error above: ...`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
 
+from hf_upipe.training import oom_advisor
 from hf_upipe.training.auto_settings import planner_model_args
 
-__all__ = ["explain_oom", "plan_flags", "search_step"]
+__all__ = ["explain_oom", "hold_s", "plan_flags", "search_step"]
 
 _GIB = 2**30
+_LAUNCHER_WAIT_S = 20.0  # the longest wait for the advice under a launcher
+_GRACE_S = 3.0  # the advisor's start and its answer's write, beyond the planner's deadline
+_SAY_S = 4.0  # the rank's message built and printed, once the wait is over
 
 
 def _timeout() -> float:
@@ -87,63 +96,69 @@ def _base_command(model, config, world: int, folder: str) -> list[str]:
     return command + planner_model_args(model, config, folder)
 
 
-def _ask_planner(commands: dict[str, list[str]]) -> dict[str, dict | None]:
-    """Run the planner commands at once; each one's JSON, or None (failed or past the deadline)."""
-    env = {**os.environ, "UPIPE_AUTO": "0"}
-    procs = {
-        k: subprocess.Popen(
-            c, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
-        )
-        for k, c in commands.items()
-    }
-    deadline, out = time.monotonic() + _timeout(), {}
-    for key, proc in procs.items():
-        try:
-            stdout, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0.01))
-            out[key] = json.loads(stdout) if stdout.strip().startswith("{") else None
-        except (subprocess.TimeoutExpired, ValueError):
-            proc.kill()
-            proc.communicate()
-            out[key] = None
-    return out
+def _wait_s() -> float:
+    """How long the rank waits for the advice: `UPIPE_OOM_PLAN_TIMEOUT`, and under a launcher at most
+    `_LAUNCHER_WAIT_S` (its agent kills a stopped rank 30 s after its SIGTERM)."""
+    limit = _timeout()
+    return min(limit, _LAUNCHER_WAIT_S) if os.environ.get("TORCHELASTIC_RUN_ID") else limit
+
+
+def hold_s() -> float:
+    """How long a launcher's SIGTERM is held while the rank explains its out-of-memory error: the wait, and
+    `_SAY_S` to build and print the message."""
+    return _wait_s() + _GRACE_S + _SAY_S
 
 
 def _advice(model, config, seq_len: int, sp_size: int, world: int) -> list[str]:
     """The planner's sentences for the settings in force at `seq_len` (module docstring)."""
     fixed = plan_flags(config, sp_size)
-    with tempfile.TemporaryDirectory(prefix="upipe-oom-") as folder:
-        base = _base_command(model, config, world, folder)
-        answers = _ask_planner(
-            {
+    folder = tempfile.mkdtemp(prefix="upipe-oom-")
+    base = _base_command(model, config, world, folder)
+    result = os.path.join(folder, "result.json")
+    advisor = oom_advisor.start(
+        {
+            "commands": {
                 "now": base + ["--seq-len", str(seq_len)] + fixed,
                 "max": base + ["--max", "--step", str(search_step(seq_len))] + fixed,
                 "fit": base + ["--seq-len", str(seq_len), "--sp-size", str(sp_size)],
-            }
-        )
-    now, longest, fit = answers["now"], answers["max"], answers["fit"]
-    said = []
-    if now is None:
-        said.append("the planner did not answer for these settings")
+            },
+            "seq_len": seq_len,
+            "sp_size": sp_size,
+            "rank": int(os.environ.get("RANK", "0")),
+            "folder": folder,
+            "result": result,
+            "deadline_s": _timeout(),
+        }
+    )
+    wait = _wait_s()
+    # the advisor answers by its deadline, started at once
+    deadline = time.monotonic() + wait + _GRACE_S
+    answers = {}
+    while time.monotonic() < deadline and advisor.poll() is None:
+        answers, done = _read(result)
+        if done:
+            break
+        time.sleep(0.1)
     else:
-        said.append(
-            f"`hf-upipe plan` predicts {now['required'] / _GIB:.2f} GiB per GPU for them, of "
-            f"{now['gpu_memory'] / _GIB:.2f} GiB ({'fits' if now['fits'] else 'does not fit'})"
-        )
-    if longest is not None and longest.get("max_seq_len"):
-        said.append(f"the longest that fits with these settings: {longest['max_seq_len']} tokens")
-    elif longest is not None:
-        said.append("no length fits with these settings")
-    if fit is not None and fit.get("fits"):
-        s = fit["settings"]
-        chosen = ", ".join(
-            f"{k}={s[k]!r}" for k in ("impl", "heads_per_chunk", "tiled_mlp", "offload")
-        )
-        said.append(
-            f"settings that fit {seq_len} tokens: {chosen} (`hf-upipe plan --seq-len {seq_len}`)"
-        )
-    elif fit is not None:
-        said.append(f"no settings fit {seq_len} tokens on {sp_size} GPU(s) per sequence: add GPUs")
-    return said
+        answers, _ = _read(result)
+    oom_advisor.taken(result, answers)
+    pending = (
+        f"not answered after {wait:.0f} s; process {advisor.pid}, which outlives this rank, prints the advice "
+        "on this console when it has it"
+    )
+    if advisor.poll() not in (None, 0):  # the advisor itself failed: nothing more will come
+        pending = f"the planner did not answer (its advisor ended with status {advisor.returncode})"
+    return oom_advisor.sentences(answers, seq_len, sp_size, pending=pending)
+
+
+def _read(result: str) -> tuple[dict, bool]:
+    """The advisor's answers so far and whether they are all in."""
+    try:
+        with open(result) as f:
+            data = json.load(f)
+        return data["answers"], data["done"]
+    except (OSError, ValueError, KeyError):
+        return {}, False
 
 
 def explain_oom(err: BaseException, runtime, model, seq_len: int | None) -> torch.OutOfMemoryError:
@@ -159,4 +174,6 @@ def explain_oom(err: BaseException, runtime, model, seq_len: int | None) -> torc
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     new = torch.OutOfMemoryError("; ".join([head, *said]) + f". torch: {first}")
     new.upipe_explained = True
+    # under a launcher: one line, status 1 at once (hf_upipe.exits)
+    new.upipe_fault = "torch.OutOfMemoryError"
     return new

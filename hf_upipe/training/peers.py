@@ -16,6 +16,11 @@ Entry points:
   `PeerStopped`, whose message is the one line naming that peer (looked up for about three beats; the
   collective's own error when nothing is found).
 - `post_failure(what)`: tell the other ranks this one failed outside a step (a checkpoint save).
+- `saving()`: a context manager around a checkpoint save: a launcher's SIGTERM is held there as inside a step, so a
+  rank waiting in the save's barrier for a rank whose save failed prints the line naming it.
+- `posted_by_another()`: the `PeerStopped` naming a failure another rank posted, or None.
+- `hold_for(seconds)`: a context manager around a rank's explanation of its own failure (the out-of-memory
+  advice): a launcher's SIGTERM is held up to `seconds` from entry, so the explanation is printed.
 - `named_peer(err)`: outside a step (a checkpoint save's barriers), the `PeerStopped` naming the rank whose loss
   made the collective fail with `err`, or `err` itself (not a lost peer, no watch, nothing found in time).
 - `last_checkpoint(folder)`: the newest complete checkpoint under a run's folder.
@@ -26,8 +31,9 @@ rank 0 failed: <its error's first line>; resume from <checkpoint>`. The watch th
 in the launcher's error file and ends the process (status 1) when a rank posted an error, or when, inside a step,
 the neighbour's heartbeat has not moved for `UPIPE_PEER_TIMEOUT` seconds while no collective failed here (a hung
 peer, NCCL). A rank that finished and exited normally is not waited for: it marks itself done. Under torchrun's
-agent, which stops the other ranks with SIGTERM as soon as one dies, a SIGTERM inside a step is held for up to
-`_HOLD_S` seconds so that the line still comes out (`_hold_launcher_stop`).
+agent, which stops the other ranks with SIGTERM as soon as one dies, a SIGTERM inside a step or a checkpoint save
+is held for up to `_HOLD_S` seconds so that the line still comes out (`_hold_launcher_stop`), and for up to the
+`hold_for` bound while a rank explains its own failure.
 """
 
 from __future__ import annotations
@@ -52,6 +58,9 @@ from hf_upipe.exits import record_line
 __all__ = [
     "PeerStopped",
     "guarded",
+    "hold_for",
+    "posted_by_another",
+    "saving",
     "last_checkpoint",
     "named_peer",
     "peer_timeout",
@@ -114,11 +123,36 @@ class _Watch:
         self.resume_dir: str | None = None
         self.inside = 0  # guarded regions this rank is in
         self.diagnosing = False  # the main thread names the peer (`diagnose`)
+        self.hold_until: float | None = (
+            None  # a SIGTERM is held until then (`hold_for`), at least _HOLD_S
+        )
         self.seen: dict[int, tuple[int, float]] = {}  # peer -> (its count, when it last moved)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hf_upipe-peers", daemon=True)
         atexit.register(self.close)
         self._thread.start()
+
+    def check_often(self, seconds: float) -> None:
+        """During a held SIGTERM: look for a failure another rank posted every tenth of a second (its line
+        comes out at once rather than at the next beat)."""
+        deadline = time.monotonic() + seconds
+        with contextlib.suppress(Exception):
+            while time.monotonic() < deadline and not self._stop.is_set():
+                if not self.diagnosing and self.store.check([f"{_PREFIX}/failed"]):
+                    failed = json.loads(self.store.get(f"{_PREFIX}/failed"))
+                    if failed["rank"] != self.rank:
+                        self._end(failed)
+                time.sleep(0.1)
+
+    def posted_by_another(self) -> PeerStopped | None:
+        """The line naming another rank's posted failure, or None."""
+        with contextlib.suppress(Exception):
+            if self.store.check([f"{_PREFIX}/failed"]):
+                failed = json.loads(self.store.get(f"{_PREFIX}/failed"))
+                if failed["rank"] != self.rank:
+                    self.done()
+                    return PeerStopped(self._line(failed))
+        return None
 
     def post(self, what: str) -> None:
         """Tell the other ranks this one failed (`what`: the error's type and first line)."""
@@ -248,9 +282,14 @@ def _hold_launcher_stop(watch) -> None:
     def stop(signum, frame):
         if not watch.inside:
             os._exit(128 + signum)
-        timer = threading.Timer(_HOLD_S, lambda: os._exit(128 + signum))
+        if watch.hold_until is not None:  # explaining an out-of-memory error: held until it is out
+            limit = max(watch.hold_until - time.monotonic(), _HOLD_S)
+        else:
+            limit = _HOLD_S
+        timer = threading.Timer(limit, lambda: os._exit(128 + signum))
         timer.daemon = True
         timer.start()
+        threading.Thread(target=watch.check_often, args=(limit,), daemon=True).start()
 
     with contextlib.suppress(ValueError):  # (not the main thread)
         signal.signal(signal.SIGTERM, stop)
@@ -262,6 +301,41 @@ def post_failure(what: str) -> None:
     watch = _WATCH.get("watch")
     if watch is not None:
         watch.post(what)
+
+
+@contextlib.contextmanager
+def saving():
+    """Around a checkpoint save: a launcher's SIGTERM is held there as inside a step, so that a rank waiting in
+    the save's barrier for a rank whose save failed prints the line naming it rather than ending silently."""
+    watch = _WATCH.get("watch")
+    if watch is not None:
+        watch.inside += 1
+    try:
+        yield
+    finally:
+        if watch is not None:
+            watch.inside -= 1
+
+
+@contextlib.contextmanager
+def hold_for(seconds: float):
+    """Inside it (a rank explaining its own failure), a launcher's SIGTERM is held up to `seconds` from entry
+    (at least `_HOLD_S`), so that the explanation is printed before the rank ends."""
+    watch = _WATCH.get("watch")
+    if watch is None:
+        yield
+        return
+    watch.hold_until, watch.inside = time.monotonic() + seconds, watch.inside + 1
+    try:
+        yield
+    finally:
+        watch.hold_until, watch.inside = None, watch.inside - 1
+
+
+def posted_by_another() -> PeerStopped | None:
+    """The `PeerStopped` line naming a failure another rank posted, or None (none posted, no watch)."""
+    watch = _WATCH.get("watch")
+    return None if watch is None else watch.posted_by_another()
 
 
 def named_peer(err: BaseException) -> BaseException:
@@ -297,9 +371,11 @@ def guarded(runtime, model=None, inner=None):
             watch.post(
                 "OutOfMemoryError: out of memory in a training step (its error says what fits)"
             )
-        from hf_upipe.training.oom import explain_oom
+        from hf_upipe.training.oom import explain_oom, hold_s
 
-        raise explain_oom(err, runtime, model, getattr(runtime, "seq_len", None)) from None
+        with hold_for(hold_s()):  # a launcher's SIGTERM waits for the advice (bounded)
+            explained = explain_oom(err, runtime, model, getattr(runtime, "seq_len", None))
+        raise explained from None
     except Exception as err:
         if watch is None or not _lost_peer(err):
             raise

@@ -5,7 +5,9 @@ A tiny random Llama trains with `UPipeRuntime` (SP over all ranks) on random row
 `OUT/checkpoint-1` exists (a manifest, as hf_upipe writes it). At step 2, rank FAULT_RANK:
 - MODE "a2a": kills itself (SIGKILL) as its first attention layer starts, the others entering its all-to-all;
 - MODE "rs": kills itself after its backward, the others in a reduce-scatter of their gradients (FSDP's);
-- MODE "oom": raises `torch.OutOfMemoryError` in its forward.
+- MODE "oom": raises `torch.OutOfMemoryError` in its forward;
+- MODE "oom_fits": the same, in steps of 2,048 tokens planned for a 4 GiB GPU, where the planner finds a longer
+  length and settings that fit.
 It writes `OUT/fault_at` (time.time()) first. Every rank prints `step N` after each step.
 MODE "enospc" (`_save_fault`): a `UPipeTrainer` (SP over all ranks) saves `OUT/checkpoint-1` itself, and rank
 FAULT_RANK's write of the weights of `checkpoint-2` fails with ENOSPC (after writing `OUT/fault_at`); the error
@@ -25,7 +27,7 @@ import torch.distributed as dist
 def _fault(mode: str, out: str):
     with open(os.path.join(out, "fault_at"), "w") as f:
         f.write(repr(time.time()))
-    if mode == "oom":
+    if mode.startswith("oom"):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -103,7 +105,9 @@ def main(mode: str, fault_rank: int, out: str) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
-    config = hf_upipe.UPipeConfig(sp_size=2, gpu_memory="1GiB")
+    fits = mode == "oom_fits"
+    tokens = 2048 if fits else 64
+    config = hf_upipe.UPipeConfig(sp_size=2, gpu_memory="4GiB" if fits else "1GiB")
     upipe = UPipeRuntime.setup(
         resolve_launch(config, None, world),
         model,
@@ -114,9 +118,9 @@ def main(mode: str, fault_rank: int, out: str) -> None:
     )
     faulty = rank == fault_rank
     for step in range(1, 6):
-        if step == 2 and faulty and mode in ("a2a", "oom"):
+        if step == 2 and faulty and mode in ("a2a", "oom", "oom_fits"):
             model.model.layers[0].self_attn.register_forward_pre_hook(lambda *a: _fault(mode, out))
-        ids = torch.randint(1, 96, (1, 64), generator=torch.Generator().manual_seed(step))
+        ids = torch.randint(1, 96, (1, tokens), generator=torch.Generator().manual_seed(step))
         shard = upipe.shard({"input_ids": ids, "labels": ids})
         n = upipe.count([shard])
         with upipe.step(model):

@@ -352,7 +352,7 @@ def error_runs(rank: int, world: int, out_dir: str) -> dict:
     class FailingSave(UPipeTrainer):
         def _save_optimizer_and_scheduler(self, output_dir):
             if self.state.global_step == 2:
-                raise RuntimeError("disk full (simulated)")
+                raise RuntimeError("an error inside the save (imitated)")
             super()._save_optimizer_and_scheduler(output_dir)
 
     attempt(

@@ -1,5 +1,7 @@
-"""A checkpoint save that fails to write (a full disk) is explained and leaves the previous checkpoint intact
-(`hf_upipe.training.save_errors`).
+"""A checkpoint save that fails to write is explained and leaves the previous checkpoint intact
+(`hf_upipe.training.save_errors`). These faults are imitated (their names say so): the writers raise the errors
+a full disk makes them raise, on a disk with space left. The real full disk, a tmpfs under torchrun:
+tests/training/test_full_disk.py.
 
 One process: a tiny UPipeTrainer trains a step and saves `checkpoint-1`, counting the files the save writes (every
 open for writing, safetensors' writer, the manifest's file). Then, for each N, the save of step 2 fails at its Nth
@@ -73,9 +75,9 @@ class _Writes:
                 named = not (pickled or safetensors or str(path).startswith("<"))
                 self.failed = str(path) if named else os.path.join(root, ".staging-")
                 if pickled:
+                    # torch 2.13's words on a full tmpfs (no errno: here, with space left, a write error)
                     raise RuntimeError(
-                        "[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0: "
-                        "PytorchStreamWriter failed writing file data/0: file write failed"
+                        "[enforce fail at inline_container.cc:672] . unexpected pos 640 vs 534"
                     )
                 if safetensors:
                     raise SafetensorError(
@@ -114,7 +116,7 @@ class _Writes:
 
 
 @pytest.mark.slow
-def test_a_failed_write_at_each_file_is_explained_and_keeps_the_last_checkpoint(tmp_path):
+def test_an_imitated_failed_write_at_each_file_is_explained_and_keeps_the_last_checkpoint(tmp_path):
     from hf_upipe.training.checkpoint import verify_checkpoint
     from hf_upipe.training.save_errors import CheckpointSaveError
 
@@ -159,7 +161,9 @@ def test_a_failed_write_at_each_file_is_explained_and_keeps_the_last_checkpoint(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["enospc", "enospc_exit"])
-def test_a_full_disk_on_rank_0_of_two_is_explained_there_and_named_by_rank_1(tmp_path, mode):
+def test_an_imitated_full_disk_on_rank_0_of_two_is_explained_there_and_named_by_rank_1(
+    tmp_path, mode
+):
     from hf_upipe.training.checkpoint import verify_checkpoint
     from tests.training.test_faults import PEER_TIMEOUT, _launch
 
