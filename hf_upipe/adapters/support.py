@@ -236,7 +236,20 @@ def _built_mechanism(config) -> str | None:
             quiet.setLevel(level)
     except Exception:  # noqa: BLE001  (not a causal LM transformers builds from this config: nothing to name)
         return None
-    return model_refusal(model, allow_unverified=True)
+    return model_refusal(model, allow_unverified=True) or _head_mechanism(model)
+
+
+def _head_mechanism(model: nn.Module) -> str | None:
+    """An lm_head that is not a plain nn.Linear (Ergo's fp32-output head, Dory's): the tiled loss cannot read its
+    weight, so the architecture matrix could not compare the type under SP; None for a plain head."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None or type(head) is nn.Linear:
+        return None
+    return (
+        f"its lm_head is a {type(head).__name__}, not a plain nn.Linear, whose weight hf_upipe's tiled loss cannot "
+        "read, so the architecture matrix could not compare it under sequence parallelism (with tiled_loss=False "
+        "it is unmeasured: check it with `hf-upipe selftest` before opting in)"
+    )
 
 
 def _hybrid_on_interface(base: nn.Module) -> bool:

@@ -235,6 +235,9 @@ VERIFIED_REGISTERED = (
     "exaone",
     "sarvam_mla",
     "sarvam_moe",
+    # types that transformers 5.23 and 5.24 do not have, verified on 5.25 (the architecture matrix's checks, opted in)
+    "minicpm5_moe",
+    "param2moe",
     # on 5.24 through transformers' attention interface; 5.23's attention bypasses it (`model_refusal` refuses them)
     "codegen",
     "gptj",

@@ -189,8 +189,11 @@ def _same(a: dict, b: dict, exact: bool, where) -> None:
             assert a["weights"][name] == w, (where, name)
         else:
             got, want = torch.tensor(a["weights"][name]), torch.tensor(w)
-            # AdamW moves each weight by up to lr = 2e-3 a step; the tiles' reordering shifts it by float32 ulps
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"{where} {name}")
+            # AdamW moves each weight by up to lr = 2e-3 a step; the tiles' reordering shifts it by float32 ulps,
+            # except in the k_proj biases, whose near-zero gradients AdamW divides by their own size
+            # (docs/trainer.md): there 1e-3 of the tensor's largest entry, the rule of tests/training/test_trainer.py
+            atol = 1e-3 * float(want.abs().max()) if name.endswith("k_proj.bias") else 1e-6
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=atol, msg=f"{where} {name}")
 
 
 @pytest.mark.slow

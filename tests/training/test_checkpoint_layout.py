@@ -170,7 +170,9 @@ def test_resume_at_another_layout_continues_exactly(runs, resumed, uninterrupted
     for name, value in first[uninterrupted]["params"].items():
         got = first[resumed]["params"][name]
         worst = max(worst, float(np.abs(got - value).max()))
-        np.testing.assert_allclose(got, value, rtol=1e-4, atol=1e-6, err_msg=name)
+        # the k_proj biases: 1e-3 of the tensor's largest entry, the rule of tests/training/test_trainer.py
+        atol = 1e-3 * float(np.abs(value).max()) if name.endswith("k_proj.bias") else 1e-6
+        np.testing.assert_allclose(got, value, rtol=1e-4, atol=atol, err_msg=name)
     losses = max(_relative(r[resumed], r[uninterrupted], s) for r in runs for s in (3, 4))
     print(f"{resumed}: losses {losses:.1e} relative, weights {worst:.1e} absolute")
 
