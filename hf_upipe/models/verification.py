@@ -5,7 +5,7 @@ Entry points:
   architecture, a mixer class, transformers' RoPE helper): verified by fingerprint when the installed source's
   fingerprint is one of the releases verified (`known`), else by behaviour: `check()` compares the adapter with
   the module's own forward and backward on a tiny model on CPU and returns None (equal) or what differed.
-- `Verdict`: ok, how ("fingerprint", "behaviour", "failed" or "unavailable") and the detail.
+- `Verdict`: ok, how ("fingerprint", "behaviour" or "failed") and the detail.
 - `verdicts()`: every verdict reached in this process, for `hf-upipe env` and `prepare_model`'s agreement.
 - `fingerprint(*objects)`: SHA-256 (16 hex digits) of the objects' source; `underlying(obj)`: the function a
   decorator or a callable wrapper object runs.
