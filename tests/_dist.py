@@ -31,6 +31,11 @@ _PRELOAD = [
     "peft",
     "accelerate",
     "hf_upipe",
+    # `import hf_upipe` imports its names on first use: what every rank uses, preloaded here
+    "hf_upipe.distributed",
+    "hf_upipe.adapters.hooks",
+    "hf_upipe.data",
+    "hf_upipe.prepare",
     "hf_upipe.attention.registered",
     "tests.integrations._models",
     # what the Trainer, TRL and DeepSpeed runs import in every rank (about 2-3 s per rank on 2 cores, paid once here)
